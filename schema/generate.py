@@ -263,7 +263,7 @@ def emit_c_check(schema: Schema) -> str:
     for e in schema.enums.values():
         if e.name.startswith("Schema") or e.bit_flags:
             continue
-        for k, v in e.values:
+        for k, _ in e.values:
             out.append(f"static_assert(static_cast<uint32_t>({ns}::{e.name}_{k}) == "
                        f"BLINK_{_snake_upper(e.name)}_{k}, \"{e.name}::{k} differs\");")
     out += ["", "#endif  /* BLINK_RING_LAYOUT_CHECK_H_ */", ""]

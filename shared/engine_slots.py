@@ -1,0 +1,92 @@
+"""Engine-side slot transitions, for engines written in Python (CPU and host-driven GPU).
+
+The persistent CUDA scheduler performs the same transitions with the same ordering in
+``gpu_engine/csrc``; schema/OWNERSHIP.md is the contract for both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shared import ring_layout as L
+from shared.ring import Ring
+from shared.slots import split_word, state_word
+
+S = L.SlotState
+
+
+class SlotEngine:
+    """Claim, publish and complete slots; one engine per ring."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.t = ring.transport
+        self._snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE)
+
+    def scan_pending(self) -> list[tuple[int, int]]:
+        """(slot, seq) of every PREFILL_PENDING slot, oldest submission first (FCFS)."""
+        snap = self.ring.read_slots(self._snapshot)
+        idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
+        if idx.size == 0:
+            return []
+        order = np.lexsort((snap["request_id"][idx], snap["submit_ns"][idx]))
+        return [(int(i), int(snap["seq"][i])) for i in idx[order]]
+
+    def claim(self, idx: int, seq: int) -> np.void | None:
+        """PREFILL_PENDING(seq) -> PREFILL_PROCESSING(seq) by CAS; returns the slot's metadata."""
+        off = self.ring.slot_offset(idx)
+        if self.t.cas64(off, state_word(S.PREFILL_PENDING, seq),
+                        state_word(S.PREFILL_PROCESSING, seq)) != state_word(S.PREFILL_PENDING, seq):
+            return None
+        self.t.store64(self.ring.slot_field(idx, "admit_ns"), time.time_ns())
+        meta = np.frombuffer(self.t.read(off, L.SLOT_DTYPE.itemsize), L.SLOT_DTYPE)[0]
+        return meta
+
+    def prompt(self, idx: int, length: int) -> np.ndarray:
+        out = np.empty(length, np.int32)
+        self.t.read_into(self.ring.prompt_offset(idx), out)
+        return out
+
+    def cancelled(self, idx: int) -> bool:
+        return self.t.load32(self.ring.slot_field(idx, "cancel")) != 0
+
+    def cancel_flags(self) -> np.ndarray:
+        """Cancel flags of every slot, one bulk read."""
+        return self.ring.read_slots(self._snapshot)["cancel"]
+
+    def publish(self, idx: int, start: int, tokens: np.ndarray, logprobs: np.ndarray | None = None,
+                top: np.ndarray | None = None) -> None:
+        """Append tokens at position ``start``; then bump ``generated`` (release)."""
+        t, ring = self.t, self.ring
+        t.write(ring.output_offset(idx, start), np.ascontiguousarray(tokens, np.int32))
+        if logprobs is not None:
+            t.write(ring.logprob_offset(idx, start), np.ascontiguousarray(logprobs, np.float32))
+        if top is not None:
+            t.write(ring.top_logprob_offset(idx, start), np.ascontiguousarray(top))
+        now = time.time_ns()
+        if start == 0:
+            t.store64(ring.slot_field(idx, "first_token_ns"), now)
+        t.store64(ring.slot_field(idx, "last_token_ns"), now)
+        t.fence()
+        t.store32(ring.slot_field(idx, "generated"), start + len(tokens))
+
+    def set_state(self, idx: int, state: int) -> None:
+        """Engine-owned moves among PREFILL_PROCESSING, DECODE_PROCESSING and DECODE_PAUSED."""
+        self.t.store32(self.ring.slot_field(idx, "state"), state)
+
+    def complete(self, idx: int, reason: int, error: int = L.ErrorCode.OK) -> None:
+        """-> DECODE_COMPLETED: reason and error first, the state word last."""
+        t, ring = self.t, self.ring
+        t.store32(ring.slot_field(idx, "finish_reason"), reason)
+        t.store32(ring.slot_field(idx, "error_code"), error)
+        t.fence()
+        t.store32(ring.slot_field(idx, "state"), S.DECODE_COMPLETED)
+
+    def state_of(self, idx: int) -> tuple[int, int]:
+        return split_word(self.t.load64(self.ring.slot_offset(idx)))
+
+    def beat(self) -> None:
+        self.ring.header_store64("heartbeat_ns", time.time_ns())
+        self.t.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["heartbeat"], 1)

@@ -1,0 +1,136 @@
+"""Links between the frontend services: msgspec messages over Unix domain sockets.
+
+A frame is a 4-byte little-endian length followed by a msgpack array of messages. Every
+message sent during one turn of the event loop goes out in one frame (one write), and a
+reader gets a whole frame at once: the services batch per poll cycle without thinking
+about it. Each link has its own tagged union of message types (``shared/messages.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 256 * 1024 * 1024
+
+
+class LinkClosed(ConnectionError):
+    """The peer went away."""
+
+
+class Channel:
+    """One end of a link: ``send`` queues, the queue is flushed once per loop turn."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder_type: Any) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = msgspec.msgpack.Decoder(list[decoder_type])
+        self._encoder = msgspec.msgpack.Encoder()
+        self._outbox: list[Any] = []
+        self._flush_scheduled = False
+        self.closed = False
+        self.info: dict[str, Any] = {}  # what the owner learns about the peer (e.g. its gateway id)
+
+    def send(self, msg: Any) -> None:
+        if self.closed:
+            return
+        self._outbox.append(msg)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.closed or not self._outbox:
+            return
+        body = self._encoder.encode(self._outbox)
+        self._outbox = []
+        try:
+            self._writer.write(_LEN.pack(len(body)) + body)
+        except (ConnectionError, RuntimeError):
+            self.close()
+
+    async def drain(self) -> None:
+        self._flush()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self._writer.drain()
+
+    async def recv(self) -> list[Any]:
+        """The next frame's messages; raises ``LinkClosed`` at end of stream."""
+        try:
+            head = await self._reader.readexactly(_LEN.size)
+            (size,) = _LEN.unpack(head)
+            if size > MAX_FRAME:
+                raise LinkClosed(f"frame of {size} bytes exceeds {MAX_FRAME}")
+            body = await self._reader.readexactly(size)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.close()
+            raise LinkClosed(str(exc)) from None
+        return self._decoder.decode(body)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._writer.close()
+
+
+Handler = Callable[[Channel], Awaitable[None]]
+
+
+def socket_path(run_dir: Path, service: str) -> Path:
+    return Path(run_dir) / f"{service}.sock"
+
+
+async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Handler) -> asyncio.Server:
+    """Listen on ``run_dir/service.sock``; ``on_channel`` runs once per connected peer."""
+    path = socket_path(run_dir, service)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        chan = Channel(reader, writer, inbound_type)
+        try:
+            await on_channel(chan)
+        finally:
+            chan.close()
+
+    server = await asyncio.start_unix_server(accept, path=str(path))
+    os.chmod(path, 0o600)
+    return server
+
+
+async def connect(run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05,
+                  max_retry_s: float = 1.0) -> Channel:
+    """Connect to a service, waiting (with backoff) until its socket accepts."""
+    path = socket_path(run_dir, service)
+    delay = retry_s
+    while True:
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            return Channel(reader, writer, inbound_type)
+        except (FileNotFoundError, ConnectionRefusedError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_retry_s)
+
+
+def ready_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / f"{name}.ready"
+
+
+def mark_ready(run_dir: Path, name: str) -> None:
+    """Tell a supervisor this service serves now (it polls for the file)."""
+    path = ready_path(run_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+
+
+def clear_ready(run_dir: Path, name: str) -> None:
+    ready_path(run_dir, name).unlink(missing_ok=True)

@@ -1,0 +1,135 @@
+"""Messages between the frontend services: one tagged union per link.
+
+Links (each a Unix socket in the run directory, see ``shared/ipc.py``):
+
+  gateway -> tokenizer   ``ToTokenizer``        tokenizer -> gateway ``FromTokenizer``
+  gateway -> tracker     ``ToTracker``          tracker -> gateway   ``FromTracker``
+  gateway, tracker -> reader ``ToReader``       reader -> gateway    ``FromReader``
+
+Request ids are chosen by the gateway (its id in the high bits) and are the ring's
+``request_id`` too. The tracker tells the reader who owns a slot when it publishes it
+(``Track``); the reader routes the slot's tokens to that gateway.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t"):
+    pass
+
+
+# ---------------------------------------------------------------- gateway <-> tokenizer
+class Encode(_Msg, tag="enc"):
+    req_id: int
+    text: str
+    add_special: bool = True
+
+
+class Encoded(_Msg, tag="ids"):
+    req_id: int
+    ids: list[int]
+
+
+class EncodeFailed(_Msg, tag="encfail"):
+    req_id: int
+    message: str
+
+
+ToTokenizer = Encode
+FromTokenizer = Encoded | EncodeFailed
+
+
+# ---------------------------------------------------------------- gateway <-> tracker
+class Sampling(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The per-request fields the slot tracker writes into a ring slot."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_ids: list[int] = []
+
+
+class Submit(_Msg, tag="sub"):
+    req_id: int
+    gateway_id: int
+    prompt: list[int]
+    sampling: Sampling
+
+
+class Cancel(_Msg, tag="cancel"):
+    req_id: int
+
+
+class Admitted(_Msg, tag="adm"):
+    req_id: int
+    slot: int
+
+
+class Rejected(_Msg, tag="rej"):
+    """The request never reached the ring; ``status`` is the HTTP status to answer."""
+
+    req_id: int
+    status: int
+    message: str
+    retry_after_s: float = 0.0
+
+
+ToTracker = Submit | Cancel
+FromTracker = Admitted | Rejected
+
+
+# ---------------------------------------------------------------- -> reader -> gateway
+class GatewayHello(_Msg, tag="hello"):
+    """First message of a gateway on the reader link: where its requests' tokens go."""
+
+    gateway_id: int
+
+
+class Track(_Msg, tag="track"):
+    """Sent by the tracker right after it publishes ``slot`` with ``seq``."""
+
+    req_id: int
+    gateway_id: int
+    slot: int
+    seq: int
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+ToReader = GatewayHello | Track
+
+
+class Tokens(_Msg, tag="tok"):
+    req_id: int
+    ids: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
+
+
+class Finished(_Msg, tag="fin"):
+    """The slot completed and every token was sent; ``reason``/``error`` are ring enums."""
+
+    req_id: int
+    reason: int
+    error: int
+    generated: int
+    prompt_len: int
+
+
+class Failed(_Msg, tag="fail"):
+    """The request cannot finish (engine down, ring replaced); ``status`` for the client."""
+
+    req_id: int
+    status: int
+    message: str
+
+
+FromReader = Tokens | Finished | Failed

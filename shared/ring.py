@@ -1,0 +1,299 @@
+"""The ring: one segment holding the header, the slots and the token arenas.
+
+``Ring`` gives typed, zero-copy numpy views where the transport maps the memory locally,
+and offsets for everything (the GPU and RDMA peers use offsets, not Python objects). The
+layout comes from ``shared/ring_layout.py``, generated from ``schema/ring.fbs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+from shared import ring_layout as L
+from shared.transport import MemoryTransport, RingError, ShmTransport, Transport
+
+MAGIC = int.from_bytes(b"BLINKRNG", "little")
+ALIGN = 4096
+MAX_STOP_IDS = 8
+
+HEADER_OFF = L.FIELD_OFFSETS["RingHeader"]
+SLOT_OFF = L.FIELD_OFFSETS["Slot"]
+STATS_OFF = HEADER_OFF["stats"]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RingGeometry:
+    """How many slots and how many tokens each slot may hold."""
+
+    num_slots: int = 256
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 4096
+    top_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for field in ("num_slots", "max_prompt_tokens", "max_output_tokens"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ring geometry: {field} must be >= 1, got {getattr(self, field)}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"ring geometry: top_logprobs must be in 0..20, got {self.top_logprobs}")
+
+    @property
+    def slots_offset(self) -> int:
+        return _align(L.RINGHEADER_DTYPE.itemsize)
+
+    @property
+    def prompt_arena_offset(self) -> int:
+        return _align(self.slots_offset + self.num_slots * L.SLOT_DTYPE.itemsize)
+
+    @property
+    def output_arena_offset(self) -> int:
+        return _align(self.prompt_arena_offset + self.num_slots * self.max_prompt_tokens * 4)
+
+    @property
+    def logprob_arena_offset(self) -> int:
+        return _align(self.output_arena_offset + self.num_slots * self.max_output_tokens * 4)
+
+    @property
+    def top_logprob_arena_offset(self) -> int:
+        return _align(self.logprob_arena_offset + self.num_slots * self.max_output_tokens * 4)
+
+    @property
+    def total_bytes(self) -> int:
+        per_slot = self.max_output_tokens * max(self.top_logprobs, 1) * L.TOPLOGPROB_DTYPE.itemsize
+        return _align(self.top_logprob_arena_offset + self.num_slots * per_slot)
+
+
+class Ring:
+    """Typed access to a ring segment through a transport."""
+
+    def __init__(self, transport: Transport, geometry: RingGeometry, name: str = "") -> None:
+        self.transport = transport
+        self.geometry = geometry
+        self.name = name
+        view = transport.local_view()
+        self._local = view is not None
+        if view is not None:
+            self._map_views(view)
+
+    def _map_views(self, view: memoryview) -> None:
+        g = self.geometry
+        n, p, o, k = g.num_slots, g.max_prompt_tokens, g.max_output_tokens, max(g.top_logprobs, 1)
+        self.header = np.frombuffer(view, L.RINGHEADER_DTYPE, 1, 0)
+        self.slots = np.frombuffer(view, L.SLOT_DTYPE, n, g.slots_offset)
+        self.prompt_tokens = np.frombuffer(view, np.int32, n * p, g.prompt_arena_offset).reshape(n, p)
+        self.output_tokens = np.frombuffer(view, np.int32, n * o, g.output_arena_offset).reshape(n, o)
+        self.logprobs = np.frombuffer(view, np.float32, n * o, g.logprob_arena_offset).reshape(n, o)
+        self.top_logprobs = np.frombuffer(
+            view, L.TOPLOGPROB_DTYPE, n * o * k, g.top_logprob_arena_offset
+        ).reshape(n, o, k)
+
+    # ------------------------------------------------------------------ offsets
+    def slot_offset(self, idx: int) -> int:
+        return self.geometry.slots_offset + idx * L.SLOT_DTYPE.itemsize
+
+    def slot_field(self, idx: int, field: str) -> int:
+        return self.slot_offset(idx) + SLOT_OFF[field]
+
+    def prompt_offset(self, idx: int) -> int:
+        return self.geometry.prompt_arena_offset + idx * self.geometry.max_prompt_tokens * 4
+
+    def output_offset(self, idx: int, pos: int = 0) -> int:
+        return self.geometry.output_arena_offset + (idx * self.geometry.max_output_tokens + pos) * 4
+
+    def logprob_offset(self, idx: int, pos: int = 0) -> int:
+        return self.geometry.logprob_arena_offset + (idx * self.geometry.max_output_tokens + pos) * 4
+
+    def top_logprob_offset(self, idx: int, pos: int = 0) -> int:
+        k = max(self.geometry.top_logprobs, 1)
+        return self.geometry.top_logprob_arena_offset + (idx * self.geometry.max_output_tokens + pos) * k * 8
+
+    # ------------------------------------------------------------------ bulk reads
+    def read_slots(self, out: np.ndarray | None = None) -> np.ndarray:
+        """One bulk read of every slot's metadata (a copy: safe to inspect at leisure)."""
+        if out is None:
+            out = np.empty(self.geometry.num_slots, L.SLOT_DTYPE)
+        self.transport.read_into(self.geometry.slots_offset, out)
+        return out
+
+    def read_header(self) -> np.void:
+        out = np.empty(1, L.RINGHEADER_DTYPE)
+        self.transport.read_into(0, out)
+        return out[0]
+
+    def read_output(self, idx: int, start: int, stop: int) -> np.ndarray:
+        out = np.empty(stop - start, np.int32)
+        self.transport.read_into(self.output_offset(idx, start), out)
+        return out
+
+    def read_logprobs(self, idx: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        lps = np.empty(stop - start, np.float32)
+        self.transport.read_into(self.logprob_offset(idx, start), lps)
+        tops = np.empty((stop - start, max(self.geometry.top_logprobs, 1)), L.TOPLOGPROB_DTYPE)
+        self.transport.read_into(self.top_logprob_offset(idx, start), tops)
+        return lps, tops
+
+    # ------------------------------------------------------------------ header words
+    def header_load32(self, field: str) -> int:
+        return self.transport.load32(HEADER_OFF[field])
+
+    def header_load64(self, field: str) -> int:
+        return self.transport.load64(HEADER_OFF[field])
+
+    def header_store32(self, field: str, value: int) -> None:
+        self.transport.store32(HEADER_OFF[field], value)
+
+    def header_store64(self, field: str, value: int) -> None:
+        self.transport.store64(HEADER_OFF[field], value)
+
+    def stats_store(self, field: str, value: int) -> None:
+        off = STATS_OFF + L.FIELD_OFFSETS["EngineStats"][field]
+        fields = L.ENGINESTATS_DTYPE.fields
+        assert fields is not None
+        size = fields[field][0].itemsize
+        (self.transport.store64 if size == 8 else self.transport.store32)(off, value)
+
+    def engine_alive(self, timeout_s: float) -> bool:
+        """True when the engine says READY and beat within ``timeout_s``."""
+        state = self.header_load32("engine_state")
+        beat_ns = self.header_load64("heartbeat_ns")
+        return state == L.EngineState.READY and (time.time_ns() - beat_ns) < timeout_s * 1e9
+
+    def close(self) -> None:
+        for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs"):
+            self.__dict__.pop(attr, None)
+        self.transport.close()
+
+
+# ---------------------------------------------------------------------- create / attach
+
+def _header_bytes(geometry: RingGeometry) -> bytes:
+    h = np.zeros(1, L.RINGHEADER_DTYPE)
+    g = geometry
+    h["magic"] = MAGIC
+    h["schema_major"], h["schema_minor"] = L.SCHEMA_MAJOR, L.SCHEMA_MINOR
+    h["header_bytes"], h["slot_bytes"] = L.RINGHEADER_DTYPE.itemsize, L.SLOT_DTYPE.itemsize
+    h["top_logprob_bytes"] = L.TOPLOGPROB_DTYPE.itemsize
+    h["num_slots"], h["max_prompt_tokens"] = g.num_slots, g.max_prompt_tokens
+    h["max_output_tokens"], h["top_logprobs"] = g.max_output_tokens, g.top_logprobs
+    h["slots_offset"], h["prompt_arena_offset"] = g.slots_offset, g.prompt_arena_offset
+    h["output_arena_offset"], h["logprob_arena_offset"] = g.output_arena_offset, g.logprob_arena_offset
+    h["top_logprob_arena_offset"], h["total_bytes"] = g.top_logprob_arena_offset, g.total_bytes
+    h["engine_state"] = L.EngineState.STARTING
+    h["engine_pid"] = os.getpid()
+    h["created_ns"] = time.time_ns()
+    h["creator_uid"] = os.geteuid()
+    return h.tobytes()
+
+
+def init_ring(transport: Transport, geometry: RingGeometry, name: str = "") -> Ring:
+    """Write a fresh header into zeroed memory and return the ring (engine side)."""
+    if transport.size < geometry.total_bytes:
+        raise RingError(f"ring {name}: segment of {transport.size} bytes < {geometry.total_bytes} needed")
+    transport.write(0, _header_bytes(geometry))
+    transport.fence()
+    return Ring(transport, geometry, name)
+
+
+def validate_header(h: np.void, size: int, name: str) -> RingGeometry:
+    """Check magic, version and geometry; return the geometry the header describes."""
+    if int(h["magic"]) != MAGIC:
+        raise RingError(
+            f"ring {name}: bad magic 0x{int(h['magic']):016x} (expected 0x{MAGIC:016x}): "
+            "not a Blink ring, or corrupted"
+        )
+    major, minor = int(h["schema_major"]), int(h["schema_minor"])
+    if major != L.SCHEMA_MAJOR:
+        raise RingError(
+            f"ring {name}: schema version {major}.{minor} is incompatible with this program's "
+            f"{L.SCHEMA_MAJOR}.{L.SCHEMA_MINOR} (major versions differ); upgrade the older side"
+        )
+    if int(h["slot_bytes"]) != L.SLOT_DTYPE.itemsize or int(h["header_bytes"]) != L.RINGHEADER_DTYPE.itemsize:
+        raise RingError(
+            f"ring {name}: corrupt header: slot_bytes={int(h['slot_bytes'])} header_bytes="
+            f"{int(h['header_bytes'])}, expected {L.SLOT_DTYPE.itemsize} and {L.RINGHEADER_DTYPE.itemsize}"
+        )
+    try:
+        g = RingGeometry(int(h["num_slots"]), int(h["max_prompt_tokens"]),
+                         int(h["max_output_tokens"]), int(h["top_logprobs"]))
+    except ValueError as exc:
+        raise RingError(f"ring {name}: corrupt header: {exc}") from None
+    if g.total_bytes != int(h["total_bytes"]) or g.slots_offset != int(h["slots_offset"]):
+        raise RingError(f"ring {name}: corrupt header: offsets do not match geometry")
+    if size < g.total_bytes:
+        raise RingError(f"ring {name}: segment is {size} bytes but its header says {g.total_bytes}")
+    return g
+
+
+def attach_ring(transport: Transport, name: str = "") -> Ring:
+    """Validate the header behind a transport and return the ring (service side)."""
+    if transport.size < L.RINGHEADER_DTYPE.itemsize:
+        raise RingError(f"ring {name}: segment is {transport.size} bytes, smaller than a header")
+    h = np.frombuffer(transport.read(0, L.RINGHEADER_DTYPE.itemsize), L.RINGHEADER_DTYPE)[0]
+    return Ring(transport, validate_header(h, transport.size, name), name)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def create_shm_ring(name: str, geometry: RingGeometry, *, replace_stale: bool = True) -> Ring:
+    """Create the engine's segment; a segment left by a dead engine is replaced."""
+    try:
+        transport = ShmTransport.create(name, geometry.total_bytes)
+    except FileExistsError:
+        if not replace_stale:
+            raise RingError(f"ring {name}: segment already exists") from None
+        remove_stale_segment(name)
+        transport = ShmTransport.create(name, geometry.total_bytes)
+    return init_ring(transport, geometry, name)
+
+
+def remove_stale_segment(name: str) -> None:
+    """Unlink an existing segment unless a live engine owns it."""
+    try:
+        old = ShmTransport.attach(name)
+    except RingError as exc:
+        if "owned by uid" in str(exc):
+            raise
+        ShmTransport.unlink_name(name)
+        return
+    try:
+        pid = old.load32(HEADER_OFF["engine_pid"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
+        magic = old.load64(HEADER_OFF["magic"]) if old.size >= 8 else 0
+        state = old.load32(HEADER_OFF["engine_state"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
+        live = magic == MAGIC and state != L.EngineState.STOPPED and _pid_alive(pid) and pid != os.getpid()
+    finally:
+        old.close()
+    if live:
+        raise RingError(f"ring {name}: already served by live engine pid {pid}")
+    ShmTransport.unlink_name(name)
+
+
+def attach_shm_ring(name: str) -> Ring:
+    transport = ShmTransport.attach(name)
+    try:
+        return attach_ring(transport, name)
+    except BaseException:
+        transport.close()
+        raise
+
+
+def local_ring(geometry: RingGeometry) -> Ring:
+    """A ring in private memory (tests and in-process tools)."""
+    return init_ring(MemoryTransport(bytearray(geometry.total_bytes)), geometry, "local")

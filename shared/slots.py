@@ -1,0 +1,124 @@
+"""Frontend-side slot transitions: the only code on the frontend that writes slots.
+
+Each method performs one transition of schema/OWNERSHIP.md and nothing else: payload first,
+the state word last with release order, a compare-and-swap wherever another writer could
+race. The engine side is in ``shared/engine_slots.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from shared import ring_layout as L
+from shared.ring import MAX_STOP_IDS, Ring
+
+S = L.SlotState
+_SAMPLING_OFF = L.FIELD_OFFSETS["Slot"]["sampling"]
+
+
+def state_word(state: int, seq: int) -> int:
+    """The 64-bit word at offset 0 of a slot: state in the low half, seq in the high half."""
+    return (int(seq) & 0xFFFFFFFF) << 32 | int(state)
+
+
+def split_word(word: int) -> tuple[int, int]:
+    return word & 0xFFFFFFFF, word >> 32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """What the frontend writes into a slot for one request."""
+
+    request_id: int
+    prompt: np.ndarray  # int32 token ids
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+    num_top_logprobs: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def sampling_record(self) -> np.ndarray:
+        rec = np.zeros(1, L.SAMPLINGPARAMS_DTYPE)
+        rec["temperature"], rec["top_p"], rec["top_k"], rec["min_p"] = (
+            self.temperature, self.top_p, self.top_k, self.min_p)
+        flags = 0
+        if self.seed is not None:
+            flags |= L.SamplingFlags.HAS_SEED
+            rec["seed"] = self.seed & 0xFFFFFFFFFFFFFFFF
+        flags |= L.SamplingFlags.IGNORE_EOS if self.ignore_eos else 0
+        flags |= L.SamplingFlags.WANT_LOGPROBS if self.logprobs else 0
+        rec["flags"] = int(flags)
+        rec["num_top_logprobs"] = self.num_top_logprobs
+        rec["num_stop_ids"] = len(self.stop_ids)
+        rec["stop_ids"][0, : len(self.stop_ids)] = self.stop_ids
+        return rec
+
+
+class SlotWriter:
+    """Frontend transitions: EMPTY->RESERVED->PREFILL_PENDING, cancel, COMPLETED->EMPTY."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.t = ring.transport
+        g = ring.geometry
+        self.max_prompt, self.max_output, self.max_top = g.max_prompt_tokens, g.max_output_tokens, g.top_logprobs
+
+    def try_reserve(self, idx: int, seq: int) -> int | None:
+        """EMPTY(seq) -> RESERVED(seq+1) by CAS; the new seq, or None if someone else won."""
+        new_seq = (seq + 1) & 0xFFFFFFFF
+        seen = self.t.cas64(self.ring.slot_offset(idx), state_word(S.EMPTY, seq), state_word(S.RESERVED, new_seq))
+        return new_seq if seen == state_word(S.EMPTY, seq) else None
+
+    def check(self, req: SlotRequest) -> None:
+        """Refuse what this ring can never carry (the gateway turns these into 400s)."""
+        if not 0 < len(req.prompt) <= self.max_prompt:
+            raise ValueError(f"prompt has {len(req.prompt)} tokens; this ring carries 1..{self.max_prompt}")
+        if not 0 < req.max_new_tokens <= self.max_output:
+            raise ValueError(f"max_new_tokens is {req.max_new_tokens}; this ring carries 1..{self.max_output}")
+        if req.num_top_logprobs > self.max_top:
+            raise ValueError(f"top_logprobs is {req.num_top_logprobs}; this ring carries at most {self.max_top}")
+        if len(req.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(req.stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
+
+    def publish(self, idx: int, seq: int, req: SlotRequest) -> None:
+        """RESERVED(seq) -> PREFILL_PENDING(seq): prompt and metadata first, state word last."""
+        self.check(req)
+        ring, t = self.ring, self.t
+        t.write(ring.prompt_offset(idx), np.ascontiguousarray(req.prompt, dtype=np.int32))
+        meta = np.zeros(1, L.SLOT_DTYPE)
+        meta["state"], meta["seq"] = S.RESERVED, seq
+        meta["request_id"], meta["prompt_len"] = req.request_id, len(req.prompt)
+        meta["max_new_tokens"] = req.max_new_tokens
+        meta["submit_ns"] = time.time_ns()
+        meta["sampling"] = req.sampling_record()
+        t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
+        t.fence()
+        t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)
+        ring.transport.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["doorbell"], 1)
+
+    def abandon(self, idx: int, seq: int) -> bool:
+        """RESERVED(seq) -> EMPTY(seq), when a reservation cannot be filled."""
+        return self.t.cas64(self.ring.slot_offset(idx), state_word(S.RESERVED, seq),
+                            state_word(S.EMPTY, seq)) == state_word(S.RESERVED, seq)
+
+    def cancel(self, idx: int, seq: int) -> bool:
+        """Ask the engine to stop the request in slot ``idx`` if it is still ``seq``'s."""
+        word = self.t.load64(self.ring.slot_offset(idx))
+        state, cur = split_word(word)
+        if cur != seq or state in (S.EMPTY, S.RESERVED, S.DECODE_COMPLETED):
+            return False
+        self.t.store32(self.ring.slot_field(idx, "cancel"), 1)
+        return True
+
+    def release(self, idx: int, seq: int) -> bool:
+        """DECODE_COMPLETED(seq) -> EMPTY(seq), once the frontend has read the tail."""
+        return self.t.cas64(self.ring.slot_offset(idx), state_word(S.DECODE_COMPLETED, seq),
+                            state_word(S.EMPTY, seq)) == state_word(S.DECODE_COMPLETED, seq)

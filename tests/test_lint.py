@@ -1,0 +1,40 @@
+"""Style gates that run with the test suite: ruff, mypy and clang-format."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPP_DIRS = ("gpu_engine/csrc", "tests/cpp")
+
+
+def _tool(name: str) -> str:
+    exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if exe is None:
+        pytest.fail(f"{name} not installed: pip install -e '.[dev]'")
+    return exe
+
+
+def test_ruff() -> None:
+    out = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy() -> None:
+    out = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_clang_format() -> None:
+    files = [str(p) for d in CPP_DIRS for p in sorted((ROOT / d).glob("**/*"))
+             if p.suffix in (".cu", ".cuh", ".cpp", ".h") and "generated" not in p.parts]
+    if not files:
+        pytest.skip("no C++ sources")
+    out = subprocess.run([_tool("clang-format"), "--dry-run", "--Werror", *files], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
