@@ -1,0 +1,170 @@
+"""The engine's side of the ring for Python-driven backends (CPU, and host-driven GPU).
+
+One step is three calls: ``admit`` (claim pending slots, apply cancellations), ``schedule +
+run`` (policy picks a plan, the runner executes it), ``postprocess`` (publish tokens, complete
+and free). ``serve`` loops over steps, beats the heartbeat and stops on the shutdown flag.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
+from gpu_engine.runner import Runner, StepOutput
+from gpu_engine.sampling import SamplingSpec
+from shared import ring_layout as L
+from shared.engine_slots import SlotEngine
+from shared.log import get_logger
+from shared.ring import Ring
+
+S = L.SlotState
+log = get_logger("engine")
+
+
+def sampling_spec(sp: np.void) -> SamplingSpec:
+    flags = int(sp["flags"])
+    return SamplingSpec(
+        temperature=float(sp["temperature"]),
+        top_p=float(sp["top_p"]),
+        top_k=int(sp["top_k"]),
+        min_p=float(sp["min_p"]),
+        seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if flags & L.SamplingFlags.HAS_SEED else None,
+        num_top_logprobs=int(sp["num_top_logprobs"]),
+    )
+
+
+class RingEngine:
+    """Drives a runner from the ring under the shared policy."""
+
+    def __init__(self, ring: Ring, runner: Runner, policy: Policy, eos_ids: tuple[int, ...],
+                 max_context: int) -> None:
+        self.ring = ring
+        self.slots = SlotEngine(ring)
+        self.runner = runner
+        self.policy = policy
+        self.eos_ids = frozenset(eos_ids)
+        self.max_context = max_context
+        self.by_slot: dict[int, Request] = {}
+        self.arrivals = 0
+        self.steps = self.prompt_tokens = self.output_tokens = 0
+        self.draining = False
+
+    # ------------------------------------------------------------------ admit
+    def admit(self) -> None:
+        if not self.draining:
+            for idx, seq in self.slots.scan_pending():
+                meta = self.slots.claim(idx, seq)
+                if meta is not None:
+                    self._accept(idx, seq, meta)
+        if self.by_slot:
+            flags = self.slots.cancel_flags()
+            for idx in [i for i in self.by_slot if flags[i]]:
+                self._end(self.by_slot[idx], Finish.CANCELLED)
+
+    def _accept(self, idx: int, seq: int, meta: np.void) -> None:
+        plen, max_new = int(meta["prompt_len"]), int(meta["max_new_tokens"])
+        if plen + max_new > self.max_context or not self.policy.can_ever_fit(plen, max_new):
+            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.NO_CAPACITY)
+            return
+        sp = meta["sampling"]
+        stop = frozenset(int(x) for x in sp["stop_ids"][: int(sp["num_stop_ids"])])
+        req = Request(slot=idx, seq=seq, request_id=int(meta["request_id"]),
+                      prompt=self.slots.prompt(idx, plen).tolist(), max_new_tokens=max_new,
+                      arrival=self.arrivals, stop_ids=stop,
+                      ignore_eos=bool(int(sp["flags"]) & L.SamplingFlags.IGNORE_EOS),
+                      want_logprobs=bool(int(sp["flags"]) & L.SamplingFlags.WANT_LOGPROBS),
+                      sampling=sampling_spec(sp))
+        self.arrivals += 1
+        self.by_slot[idx] = req
+        self.policy.add(req)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        self.admit()
+        plan = self.policy.schedule()
+        if plan is None:
+            return False
+        for req in plan.preempted:
+            self.slots.set_state(req.slot, S.DECODE_PAUSED)
+        if not plan.work:
+            return True
+        out = self.runner.run(plan)
+        self.postprocess(plan, out)
+        return True
+
+    def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
+        starts = [len(w.req.output) for w in plan.work]
+        results = self.policy.commit(plan, out.tokens, self.eos_ids)
+        self.steps += 1
+        self.prompt_tokens += plan.num_tokens if plan.kind == "prefill" else 0
+        for b, ((req, tok, reason), start) in enumerate(zip(results, starts, strict=True)):
+            if len(req.output) > start:
+                self._publish(req, b, start, tok, out)
+            if plan.kind == "prefill" and reason == Finish.NONE:
+                self.slots.set_state(req.slot, S.DECODE_PROCESSING)
+            if reason != Finish.NONE:
+                self._complete(req, reason)
+
+    def _publish(self, req: Request, b: int, start: int, tok: int, out: StepOutput) -> None:
+        k = max(self.ring.geometry.top_logprobs, 1)
+        top = None
+        if req.want_logprobs:
+            top = np.zeros((1, k), L.TOPLOGPROB_DTYPE)
+            n = min(k, out.top_ids.shape[1])
+            top["token"][0, :n], top["logprob"][0, :n] = out.top_ids[b, :n], out.top_logprobs[b, :n]
+        self.slots.publish(req.slot, start, np.array([tok], np.int32), out.logprobs[b : b + 1], top)
+        self.output_tokens += 1
+
+    def _complete(self, req: Request, reason: Finish) -> None:
+        self.slots.complete(req.slot, int(reason))
+        self.by_slot.pop(req.slot, None)
+
+    def _end(self, req: Request, reason: Finish) -> None:
+        self.policy.finish(req, reason)
+        self._complete(req, reason)
+
+    # ------------------------------------------------------------------ loop
+    def publish_stats(self) -> None:
+        p = self.policy
+        self.ring.stats_store("running", len(p.running))
+        self.ring.stats_store("waiting", len(p.waiting) + len(p.paused))
+        self.ring.stats_store("kv_blocks_total", p.alloc.num_total)
+        self.ring.stats_store("kv_blocks_free", p.alloc.num_free)
+        self.ring.stats_store("steps", self.steps)
+        self.ring.stats_store("prompt_tokens", self.prompt_tokens)
+        self.ring.stats_store("output_tokens", self.output_tokens)
+        self.ring.stats_store("preemptions", p.preemptions)
+
+    def cancel_all(self) -> None:
+        for req in list(self.by_slot.values()):
+            self._end(req, Finish.CANCELLED)
+
+    def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0) -> None:
+        """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
+        self.ring.header_store32("engine_state", L.EngineState.READY)
+        last_beat, idle, drain_deadline = 0.0, 0, float("inf")
+        while True:
+            now = time.monotonic()
+            if now - last_beat >= beat_every_s:
+                self.slots.beat()
+                self.publish_stats()
+                last_beat = now
+                if not self.draining and self.ring.header_load32("shutdown"):
+                    self.draining, drain_deadline = True, now + drain_timeout_s
+                    self.ring.header_store32("engine_state", L.EngineState.DRAINING)
+            if self.draining and (not self.by_slot or now > drain_deadline):
+                break
+            if self.step():
+                idle = 0
+            else:
+                idle = min(idle + 1, 40)
+                time.sleep(0 if idle < 8 else 25e-6 * idle)
+        self.cancel_all()
+        self.publish_stats()
+        self.ring.header_store32("engine_state", L.EngineState.STOPPED)
+
+    def idle(self) -> bool:
+        return not self.by_slot and all(r.phase == Phase.FINISHED for r in self.policy.all_requests())

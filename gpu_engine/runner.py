@@ -1,0 +1,64 @@
+"""Runs one step plan of the policy through the PyTorch model: the CPU backend's model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.attention import SeqStep, build_metadata
+from gpu_engine.policy import StepPlan
+from gpu_engine.sampling import SamplingSpec, sample
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    tokens: list[int]
+    logprobs: np.ndarray        # [B] float32, chosen token
+    top_ids: np.ndarray         # [B, K] int32
+    top_logprobs: np.ndarray    # [B, K] float32
+
+
+class Runner(Protocol):
+    """What the engine needs from a backend: run a plan, return one sampled token per sequence."""
+
+    def run(self, plan: StepPlan) -> StepOutput: ...
+
+
+def request_seed(spec: SamplingSpec, request_id: int) -> int:
+    """Requests without a seed draw from their request id (unique while in flight)."""
+    return int(spec.seed) if spec.seed is not None else (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+
+
+class TorchRunner:
+    """Packs a plan into one forward pass (prefills packed without padding, or a decode batch)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, top_k_max: int = 20) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.device = next(model.parameters()).device
+        self.top_k_max = top_k_max
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        steps = [SeqStep(w.num_cached, w.num_new, w.req.blocks) for w in plan.work]
+        ids: list[int] = []
+        for w in plan.work:
+            ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
+        meta = build_metadata(steps, self.kv.block_size, self.device)
+        logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
+        specs = [w.req.sampling if isinstance(w.req.sampling, SamplingSpec) else SamplingSpec()
+                 for w in plan.work]
+        positions = torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64)
+        seeds = torch.tensor([request_seed(s, w.req.request_id) for s, w in zip(specs, plan.work, strict=True)],
+                             dtype=torch.int64)
+        res = sample(logits.float(), specs, positions, seeds)
+        return StepOutput(
+            tokens=[int(t) for t in res.tokens.tolist()],
+            logprobs=res.logprobs.float().cpu().numpy(),
+            top_ids=res.top_ids.to(torch.int32).cpu().numpy(),
+            top_logprobs=res.top_logprobs.float().cpu().numpy(),
+        )

@@ -1,0 +1,140 @@
+"""``python -m gpu_engine.serve`` / ``blink engine``: load a model, create the ring, serve it.
+
+The engine process owns the ring segment: it creates it (replacing one left by a dead engine),
+serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+from gpu_engine.engine import RingEngine
+from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.config import ModelConfig
+from gpu_engine.models.errors import ModelLoadError
+from gpu_engine.models.loader import default_model_path, load_model
+from gpu_engine.policy import Policy
+from gpu_engine.runner import Runner, TorchRunner
+from shared import ring_layout as L
+from shared.config import EngineConfig
+from shared.env import env
+from shared.log import get_logger, setup_logging
+from shared.ring import RingGeometry, create_shm_ring
+
+log = get_logger("engine")
+CPU_KV_BYTES = 1 << 30  # KV budget on the CPU backend when --kv-blocks is not given
+
+
+def parse_args(argv: list[str] | None) -> EngineConfig:
+    ap = argparse.ArgumentParser(prog="blink engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--ring", default=env().ring_name, help="shared-memory segment name")
+    ap.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--random-weights", action="store_true", help="same architecture, seeded random weights")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "host", "persistent"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--num-slots", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=4096)
+    ap.add_argument("--max-output-tokens", type=int, default=2048)
+    ap.add_argument("--top-logprobs", type=int, default=20)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=0, help="0: sized from a memory budget")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    geometry = RingGeometry(a.num_slots, a.max_prompt_tokens, a.max_output_tokens, a.top_logprobs)
+    try:
+        return EngineConfig(ring_name=a.ring, model=a.model, random_weights=a.random_weights, backend=a.backend,
+                            dtype=a.dtype, geometry=geometry, block_size=a.block_size, kv_blocks=a.kv_blocks,
+                            max_batch=a.max_batch, seed=a.seed)
+    except ValueError as exc:
+        ap.error(str(exc))
+        raise  # unreachable
+
+
+def kv_blocks_for(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    if cfg.kv_blocks:
+        return cfg.kv_blocks
+    per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
+    return max(CPU_KV_BYTES // (per_token * cfg.block_size), 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Backend:
+    """Everything a RingEngine needs besides the ring, built before the ring exists."""
+
+    runner: Runner
+    policy: Policy
+    eos_ids: tuple[int, ...]
+    max_context: int
+    vocab_size: int
+
+
+def build_cpu_backend(cfg: EngineConfig) -> Backend:
+    """Load the model and build KV cache, policy and runner on the CPU."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    path = Path(cfg.model) if cfg.model else default_model_path()
+    torch.manual_seed(cfg.seed)
+    model, mcfg = load_model(path, dtype=dtype, device="cpu", random_weights=cfg.random_weights, seed=cfg.seed)
+    kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, dtype), cfg.block_size, dtype=dtype, device="cpu")
+    max_context = min(mcfg.max_position_embeddings,
+                      cfg.geometry.max_prompt_tokens + cfg.geometry.max_output_tokens)
+    policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=max(2048, max_context))
+    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks,
+             block_size=cfg.block_size, max_context=max_context)
+    return Backend(TorchRunner(model, kv), policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
+
+
+def build_backend(cfg: EngineConfig) -> Backend:
+    if cfg.backend == "cpu":
+        return build_cpu_backend(cfg)
+    from gpu_engine.gpu.serve_gpu import build_gpu_backend  # noqa: PLC0415 - needs CUDA
+
+    return build_gpu_backend(cfg)  # type: ignore[no-any-return]
+
+
+def serve(cfg: EngineConfig, backend: Backend) -> None:
+    """Create the ring, serve it until shutdown, unlink it."""
+    ring = create_shm_ring(cfg.ring_name, cfg.geometry)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        ring.header_store32("shutdown", 1)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        ring.header_store32("vocab_size", backend.vocab_size)
+        ring.header_store32("max_context", backend.max_context)
+        engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context)
+        log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots)
+        engine.serve()
+    except BaseException:
+        ring.header_store32("engine_state", L.EngineState.FAILED)
+        raise
+    finally:
+        ring.transport.unlink()  # type: ignore[attr-defined]
+        ring.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("engine")
+    cfg = parse_args(argv)
+    try:
+        backend = build_backend(cfg)
+    except ModelLoadError as exc:
+        log.error("model load failed", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    serve(cfg, backend)
+    log.info("engine stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
