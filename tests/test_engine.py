@@ -1,0 +1,176 @@
+"""The CPU engine through a ring: continuous batching, preemption, seeds, cancellation, limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_engine.engine import RingEngine
+from gpu_engine.serve import build_cpu_backend
+from shared import ring_layout as L
+from shared.config import EngineConfig
+from shared.ring import Ring, RingGeometry, local_ring
+from shared.slots import SlotRequest, SlotWriter
+
+transformers = pytest.importorskip("transformers")
+S, F = L.SlotState, L.FinishReason
+GEO = RingGeometry(16, 64, 64, 4)
+PROMPTS = [list(np.random.default_rng(k).integers(3, 200, size=3 + 5 * k)) for k in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+class Harness:
+    """A RingEngine over a private ring, stepped by hand, with a frontend-side writer."""
+
+    def __init__(self, model: Path, kv_blocks: int, max_batch: int = 16, block_size: int = 4) -> None:
+        cfg = EngineConfig(ring_name="local", model=str(model), geometry=GEO, kv_blocks=kv_blocks,
+                           block_size=block_size, max_batch=max_batch)
+        self.backend = build_cpu_backend(cfg)
+        self.ring: Ring = local_ring(GEO)
+        b = self.backend
+        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context)
+        self.writer = SlotWriter(self.ring)
+        self.seqs: dict[int, int] = {}
+        self.free_at_start = b.policy.alloc.num_free
+
+    def submit(self, idx: int, prompt: list[int], max_new: int, **kw: Any) -> None:
+        seq = self.writer.try_reserve(idx, int(self.ring.slots[idx]["seq"]))
+        assert seq is not None
+        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), max_new, **kw))
+        self.seqs[idx] = seq
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.engine.step() and not self.engine.by_slot:
+                return
+        raise AssertionError("engine did not finish")
+
+    def result(self, idx: int) -> tuple[list[int], int]:
+        s = self.ring.slots[idx]
+        assert s["state"] == S.DECODE_COMPLETED
+        out = self.ring.output_tokens[idx, : int(s["generated"])].tolist()
+        assert self.writer.release(idx, self.seqs[idx])
+        return out, int(s["finish_reason"])
+
+    def check_blocks_returned(self) -> None:
+        assert self.backend.policy.alloc.num_free == self.free_at_start
+
+
+def run_alone(h: Harness, prompt: list[int], max_new: int, **kw: Any) -> list[int]:
+    h.submit(0, prompt, max_new, **kw)
+    h.run()
+    return h.result(0)[0]
+
+
+def run_together(h: Harness, prompts: list[list[int]], max_new: int, **kw: Any) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        h.submit(i, p, max_new, **kw)
+    h.run()
+    return [h.result(i)[0] for i in range(len(prompts))]
+
+
+def test_batch_invariance_greedy(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    alone = [run_alone(h, p, 20, ignore_eos=True) for p in PROMPTS]
+    assert run_together(h, PROMPTS, 20, ignore_eos=True) == alone
+    assert all(len(a) == 20 for a in alone)
+    h.check_blocks_returned()
+
+
+def test_preemption_and_resume_give_identical_tokens(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=40)  # 160 token slots for 8 requests needing up to 58 each
+    alone = [run_alone(h, p, 20, ignore_eos=True) for p in PROMPTS]
+    together = run_together(h, PROMPTS, 20, ignore_eos=True)
+    assert h.backend.policy.preemptions > 0
+    assert together == alone
+    h.check_blocks_returned()
+
+
+def test_same_seed_same_tokens_alone_and_in_batch(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = run_alone(h, PROMPTS[3], 16, **kw)
+    assert run_alone(h, PROMPTS[3], 16, **kw) == alone
+    together = run_together(h, [PROMPTS[3]] + PROMPTS[:5], 16, **kw)
+    assert together[0] == alone
+    other_seed = run_alone(h, PROMPTS[3], 16, **{**kw, "seed": 99})
+    assert other_seed != alone
+    h.check_blocks_returned()
+
+
+def test_cancellation_frees_blocks(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    h.submit(0, PROMPTS[2], 60, ignore_eos=True)
+    h.submit(1, PROMPTS[1], 10, ignore_eos=True)
+    for _ in range(4):
+        h.engine.step()
+    assert h.writer.cancel(0, h.seqs[0])
+    h.run()
+    out0, why0 = h.result(0)
+    out1, why1 = h.result(1)
+    assert why0 == F.CANCELLED and 0 < len(out0) < 60
+    assert why1 == F.LENGTH and len(out1) == 10
+    h.check_blocks_returned()
+
+
+def test_cancel_before_claim(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    h.submit(0, PROMPTS[0], 10)
+    h.writer.cancel(0, h.seqs[0])
+    h.run()
+    assert h.result(0) == ([], F.CANCELLED)
+    h.check_blocks_returned()
+
+
+def test_request_larger_than_cache_is_refused(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=8)  # 32 tokens of cache
+    h.submit(0, PROMPTS[4], 30)
+    h.run()
+    assert h.result(0) == ([], F.ERROR)
+    assert int(h.ring.slots[0]["error_code"]) == L.ErrorCode.NO_CAPACITY
+
+
+def test_stop_id_and_max_tokens(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    free = run_alone(h, PROMPTS[5], 12, ignore_eos=True)
+    stop = free[5]
+    first = free.index(stop)
+    h.submit(0, PROMPTS[5], 12, ignore_eos=True, stop_ids=(stop,))
+    h.run()
+    out, why = h.result(0)
+    assert why == F.STOP_ID and out == free[:first]  # the stop token itself is not emitted
+    h.check_blocks_returned()
+
+
+def test_logprobs_published(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=256)
+    h.submit(0, PROMPTS[1], 6, ignore_eos=True, logprobs=True, num_top_logprobs=3)
+    h.run()
+    out, _ = h.result(0)
+    lps = h.ring.logprobs[0, :6]
+    tops = h.ring.top_logprobs[0, :6, :3]
+    assert (lps <= 0).all() and (lps > -50).all()
+    assert tops["token"][:, 0].tolist() == out  # greedy: the chosen token is the most likely one
+    np.testing.assert_allclose(tops["logprob"][:, 0], lps, rtol=1e-5)
+    assert (np.diff(tops["logprob"], axis=1) <= 0).all()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed() -> Iterator[None]:
+    torch.manual_seed(0)
+    yield
