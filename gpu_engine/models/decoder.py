@@ -1,0 +1,68 @@
+"""The one decoder-only transformer shared by every supported family.
+
+Per-family differences are config flags, not subclasses: ``config.qk_norm`` (Qwen3) adds per-head
+RMSNorm on queries and keys, ``config.is_moe_layer`` (Qwen3-MoE) swaps the dense MLP for experts,
+``config.rotary_dim`` (Phi) limits RoPE to leading channels. Fused weight layouts (QKV, gate/up)
+are the loaders' business: the modules always hold the fused form.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from gpu_engine.models.attention import Attention, AttentionMetadata
+from gpu_engine.models.config import ModelConfig
+from gpu_engine.models.layers import GatedMLP, RMSNorm
+from gpu_engine.models.moe import MoEMLP
+from gpu_engine.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from gpu_engine.kv_cache import KVCache
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MoEMLP(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                              config.num_experts_per_tok, config.norm_topk_prob)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class CausalLM(nn.Module):
+    """``model(input_ids [T], meta, kv_cache)`` -> float32 logits [B, vocab] of each sequence's last token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rope = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos, sin = self.rope.cos_sin(meta.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_cache)
+        last = meta.cu_seqlens_q[1:].long() - 1
+        return self.lm_head(self.norm(x[last])).to(torch.float32)

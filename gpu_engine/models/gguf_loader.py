@@ -1,0 +1,135 @@
+"""Read a GGUF file (llama.cpp format): hyperparameters into a ``ModelConfig``, tensors dequantized.
+
+Supported architectures: ``llama``, ``qwen3``, ``qwen3moe``, ``phi3``. llama.cpp's converter
+permutes the rows of Q and K for ``llama`` so that its interleaved-pair RoPE works; that permutation
+is undone (``gguf_weights.unpermute_rope_rows``) because our RoPE pairs channel i with i + d/2, as
+the HF checkpoints do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from gpu_engine.models.config import ModelConfig
+from gpu_engine.models.errors import ModelLoadError
+from gpu_engine.models.gguf_weights import map_gguf_weights
+
+FAMILY_BY_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+
+class GGUFSource:
+    """An opened GGUF file: ``config`` plus ``named_weights`` yielding our parameter names."""
+
+    def __init__(self, path: Path) -> None:
+        self.location = path
+        try:
+            self._reader = GGUFReader(path)
+        except Exception as exc:  # the reader raises assorted errors on bad input
+            raise ModelLoadError(f"{path}: not a valid GGUF file: {exc}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.arch = str(self._field("general.architecture"))
+        if self.arch not in FAMILY_BY_ARCH:
+            supported = ", ".join(FAMILY_BY_ARCH)
+            raise ModelLoadError(f"{path}: unsupported architecture {self.arch!r} (supported: {supported})")
+        self.config = self._build_config()
+
+    def _field(self, key: str, default: Any = ...) -> Any:
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelLoadError(f"{self.location}: missing metadata key {key}")
+            return default
+        return field.contents()
+
+    def _build_config(self) -> ModelConfig:
+        a = self.arch
+        hidden = int(self._field(f"{a}.embedding_length"))
+        heads = int(self._field(f"{a}.attention.head_count"))
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        vocab = self._field(f"{a}.vocab_size", None)
+        if vocab is None:
+            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        eos = [self._field(k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        fields: dict[str, Any] = {
+            "family": FAMILY_BY_ARCH[a],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._field(f"{a}.feed_forward_length", 0)),
+            "num_layers": int(self._field(f"{a}.block_count")),
+            "num_heads": heads,
+            "num_kv_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 4096)),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id", None),
+            "eos_token_ids": tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            "partial_rotary_factor": int(self._field(f"{a}.rope.dimension_count", head_dim)) / head_dim,
+        }
+        if a == "phi3":
+            fields["sliding_window"] = self._field(f"{a}.attention.sliding_window", None)
+        if a == "qwen3moe":
+            fields.update(
+                num_experts=int(self._field(f"{a}.expert_count")),
+                num_experts_per_tok=int(self._field(f"{a}.expert_used_count")),
+                moe_intermediate_size=int(self._field(f"{a}.expert_feed_forward_length")),
+                norm_topk_prob=bool(self._field(f"{a}.expert_weights_norm", True)),
+            )
+        try:
+            return ModelConfig(**fields)
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.location}: invalid hyperparameters: {exc}") from None
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        if "rope_freqs.weight" in self._tensors:  # per-frequency divisors (Llama-3.1 style scaling)
+            factors = self.tensor("rope_freqs.weight")
+            return {"rope_type": "factors", "factors": tuple(factors.tolist())}
+        if "rope_factors_long.weight" in self._tensors:  # Phi-3 longrope
+            a = self.arch
+            original = int(self._field(f"{a}.rope.scaling.original_context_length"))
+            return {
+                "rope_type": "longrope",
+                "short_factor": tuple(self.tensor("rope_factors_short.weight").tolist()),
+                "long_factor": tuple(self.tensor("rope_factors_long.weight").tolist()),
+                "attention_factor": float(self._field(f"{a}.rope.scaling.attn_factor", 1.0)),
+                "original_max_position_embeddings": original,
+            }
+        return None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, dequantized to float32, in PyTorch's [rows, cols] order."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.location}: missing tensor {name}")
+        return _dequantize(t, self.location)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def named_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+        return map_gguf_weights(config, self.tensor, self.has, permuted_qk=self.arch == "llama")
+
+
+def _dequantize(t: ReaderTensor, path: Path) -> torch.Tensor:
+    qtype = t.tensor_type
+    if qtype not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quantization type {qtype.name}")
+    shape = tuple(int(d) for d in reversed(t.shape))
+    try:
+        values = dequantize(t.data, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({qtype.name}): {exc}") from None
+    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
+    return torch.from_numpy(array)

@@ -1,0 +1,78 @@
+"""GGUF tensor names -> this package's parameter names, per family (fused the way our modules hold them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from gpu_engine.models.config import ModelConfig
+from gpu_engine.models.errors import ModelLoadError
+
+Getter = Callable[[str], torch.Tensor]
+Mapped = Iterator[tuple[str, torch.Tensor, str]]
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> half-split) on a [rows, cols] weight."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: torch.Tensor, n_heads: int, name: str) -> torch.Tensor:
+    if w.shape[0] % (2 * n_heads):
+        raise ModelLoadError(f"shape mismatch for {name}: {w.shape[0]} rows don't split into {n_heads} heads")
+    return unpermute_rope_rows(w, n_heads)
+
+
+def _cat(parts: list[torch.Tensor], names: list[str], dim: int = 0) -> tuple[torch.Tensor, str]:
+    joined = "+".join(names)
+    try:
+        return torch.cat(parts, dim=dim), joined
+    except RuntimeError as exc:
+        raise ModelLoadError(f"shape mismatch joining {joined}: {exc}") from None
+
+
+def map_gguf_weights(config: ModelConfig, get: Getter, has: Callable[[str], bool], *,
+                     permuted_qk: bool) -> Mapped:
+    """Yield ``(our_name, tensor, gguf_names)`` for every parameter of ``CausalLM(config)``."""
+    yield "embed.weight", get("token_embd.weight"), "token_embd.weight"
+    yield "norm.weight", get("output_norm.weight"), "output_norm.weight"
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", get("output.weight"), "output.weight"
+    for i in range(config.num_layers):
+        yield from _layer(config, i, get, permuted_qk)
+
+
+def _attention(config: ModelConfig, blk: str, get: Getter, permuted_qk: bool) -> tuple[torch.Tensor, str]:
+    if config.family == "phi3":
+        return get(f"{blk}attn_qkv.weight"), f"{blk}attn_qkv.weight"
+    names = [f"{blk}attn_{p}.weight" for p in "qkv"]
+    q, k, v = (get(n) for n in names)
+    if permuted_qk:
+        q = _unpermute(q, config.num_heads, names[0])
+        k = _unpermute(k, config.num_kv_heads, names[1])
+    return _cat([q, k, v], names)
+
+
+def _layer(config: ModelConfig, i: int, get: Getter, permuted_qk: bool) -> Mapped:
+    blk, ours = f"blk.{i}.", f"layers.{i}."
+    for src, dst in (("attn_norm", "attn_norm"), ("ffn_norm", "mlp_norm"), ("attn_output", "attn.o")):
+        yield f"{ours}{dst}.weight", get(f"{blk}{src}.weight"), f"{blk}{src}.weight"
+    yield f"{ours}attn.qkv.weight", *_attention(config, blk, get, permuted_qk)
+    if config.qk_norm:
+        for p in ("q", "k"):
+            name = f"{blk}attn_{p}_norm.weight"
+            yield f"{ours}attn.{p}_norm.weight", get(name), name
+    if config.is_moe_layer(i):
+        yield f"{ours}mlp.router.weight", get(f"{blk}ffn_gate_inp.weight"), f"{blk}ffn_gate_inp.weight"
+        names = [f"{blk}ffn_gate_exps.weight", f"{blk}ffn_up_exps.weight"]
+        yield f"{ours}mlp.gate_up", *_cat([get(n) for n in names], names, dim=1)
+        yield f"{ours}mlp.down", get(f"{blk}ffn_down_exps.weight"), f"{blk}ffn_down_exps.weight"
+        return
+    if config.family == "phi3":  # ffn_up holds [gate; up] fused
+        yield f"{ours}mlp.gate_up.weight", get(f"{blk}ffn_up.weight"), f"{blk}ffn_up.weight"
+    else:
+        names = [f"{blk}ffn_gate.weight", f"{blk}ffn_up.weight"]
+        yield f"{ours}mlp.gate_up.weight", *_cat([get(n) for n in names], names)
+    yield f"{ours}mlp.down.weight", get(f"{blk}ffn_down.weight"), f"{blk}ffn_down.weight"

@@ -1,0 +1,143 @@
+"""Token sampling: greedy, or temperature + top-k/top-p/min-p filtering + counter-based Gumbel-max draw.
+
+Random draws come from a stateless hash of (seed, step, vocab index), so a request's tokens depend
+only on its own seed and logits, never on what else shares the batch, and a GPU kernel can
+reproduce the same noise without any RNG state. The exact recipe (all arithmetic on uint32,
+wrapping mod 2**32; ``M = 0xFFFFFFFF``)::
+
+    fmix32(x):  x ^= x >> 16;  x *= 0x85EBCA6B;  x ^= x >> 13;  x *= 0xC2B2AE35;  x ^= x >> 16
+    s_lo = seed & M;  s_hi = (seed >> 32) & M        # seed as int64 (two's complement)
+    key  = fmix32(s_lo ^ fmix32(s_hi ^ 0x243F6A88))
+    kn   = fmix32(key ^ fmix32((step & M) ^ 0x85A308D3))
+    h_i  = fmix32(kn ^ (i * 0x9E3779B1))             # i = vocab index
+    u_i  = ((h_i >> 9) + 0.5) * 2**-23                # float32, exact, strictly inside (0, 1)
+    token = argmax over allowed i of  logits_i / temperature - log(-log(u_i))
+
+``u`` keeps 23 hash bits (not 24) so that ``(h >> 9) + 0.5`` fits float32's 24-bit significand
+exactly. Here it is computed with int64 torch ops masked to 32 bits; products are split into
+16-bit halves so nothing overflows int64. Ties in the argmax go to the lowest index.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_seed_source = random.SystemRandom()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    num_top_logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, log-softmax of the raw logits at the chosen token
+    top_ids: torch.Tensor  # [B, K] int64, K = max num_top_logprobs in the batch
+    top_logprobs: torch.Tensor  # [B, K] float32
+
+
+def draw_seed() -> int:
+    """A fresh seed for a request that did not give one (draw once per request, then reuse)."""
+    return _seed_source.getrandbits(63)
+
+
+def resolve_seed(spec: SamplingSpec) -> int:
+    """The request's own seed, or a freshly drawn one."""
+    return spec.seed if spec.seed is not None else draw_seed()
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), exact in int64 (no overflow)."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & MASK32
+
+
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, V] uniforms in (0, 1) from the counter hash described in the module docstring."""
+    s_lo, s_hi = seeds & MASK32, (seeds >> 32) & MASK32
+    key = fmix32(s_lo ^ fmix32(s_hi ^ 0x243F6A88))
+    kn = fmix32(key ^ fmix32((steps & MASK32) ^ 0x85A308D3))
+    idx = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    h = fmix32(kn[:, None] ^ _mul32(idx, 0x9E3779B1)[None, :])
+    return ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside top-k, then outside the top-p nucleus, then below min-p.
+
+    ``logits`` [B, V] are already temperature-scaled; ``top_k`` [B] (<= 0: off), ``top_p`` [B]
+    (>= 1: off), ``min_p`` [B] (<= 0: off). The most likely token always survives.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = torch.softmax(sorted_logits, dim=-1) * keep
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep &= (top_p[:, None] >= 1.0) | (mass_before < top_p[:, None])
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    keep_orig = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return logits.masked_fill(~keep_orig, float("-inf"))
+
+
+def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
+           seeds: torch.Tensor) -> SampleResult:
+    """Pick one token per row of float32 ``logits`` [B, V].
+
+    ``steps`` [B] int64 is the index of the token being sampled in each sequence and ``seeds`` [B]
+    int64 each request's seed (see ``resolve_seed``). Rows with temperature 0 are greedy.
+    """
+    if logits.shape[0] != len(specs):
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(specs)} sampling specs")
+    logits = logits.to(torch.float32)
+    dev = logits.device
+    temps = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
+    tokens = torch.argmax(logits, dim=-1)
+    random_rows = temps > 0
+    if bool(random_rows.any()):
+        rows = random_rows.nonzero().squeeze(1)
+        sub = [specs[i] for i in rows.tolist()]
+        scaled = logits[rows] / temps[rows, None]
+        scaled = filter_logits(
+            scaled,
+            torch.tensor([s.top_k for s in sub], dtype=torch.int64, device=dev),
+            torch.tensor([s.top_p for s in sub], dtype=torch.float32, device=dev),
+            torch.tensor([s.min_p for s in sub], dtype=torch.float32, device=dev),
+        )
+        u = uniform_noise(seeds.to(dev)[rows], steps.to(dev)[rows], logits.shape[-1])
+        tokens[rows] = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1)
+    return _with_logprobs(logits, tokens, max((s.num_top_logprobs for s in specs), default=0))
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleResult:
+    logp = torch.log_softmax(logits, dim=-1)
+    top_logprobs, top_ids = torch.topk(logp, k, dim=-1)
+    return SampleResult(
+        tokens=tokens,
+        logprobs=logp.gather(-1, tokens[:, None]).squeeze(1),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

@@ -1,0 +1,117 @@
+"""Sampling: greedy, filters, seeded counter-based draws, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_engine.sampling import SamplingSpec, filter_logits, fmix32, resolve_seed, sample, uniform_noise
+
+V = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _run(logits: torch.Tensor, specs: list[SamplingSpec], step: int = 0) -> torch.Tensor:
+    seeds = torch.tensor([s.seed if s.seed is not None else 0 for s in specs], dtype=torch.int64)
+    steps = torch.full((len(specs),), step, dtype=torch.int64)
+    return sample(logits, specs, steps, seeds).tokens
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(6)
+    tokens = _run(logits, [SamplingSpec()] * 6)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = _logits(6)
+    specs = [SamplingSpec(temperature=1.5, top_k=1, seed=i) for i in range(6)]
+    assert torch.equal(_run(logits, specs), logits.argmax(-1))
+
+
+def test_seeded_rows_ignore_their_batch() -> None:
+    logits = _logits(5, seed=1)
+    spec = SamplingSpec(temperature=1.0, top_p=0.9, seed=1234)
+    alone = [_run(logits[2:3], [spec], step).item() for step in range(20)]
+    mates = [SamplingSpec(temperature=0.7, seed=9), SamplingSpec(), spec,
+             SamplingSpec(temperature=2.0, top_k=5, seed=-3), SamplingSpec()]
+    batched = [_run(logits, mates, step)[2].item() for step in range(20)]
+    assert alone == batched
+    assert len(set(alone)) > 1  # the step counter really changes the draw
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    spec = SamplingSpec(temperature=1.0, seed=42)
+    counts = torch.zeros(3)
+    for step in range(3000):
+        counts[sample(logits, [spec], torch.tensor([step]), torch.tensor([42])).tokens[0]] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_filters_on_hand_made_distribution() -> None:
+    probs = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])
+    logits = probs.log()
+
+    def kept(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> list[int]:
+        out = filter_logits(logits, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+        return torch.isfinite(out[0]).nonzero().squeeze(1).tolist()
+
+    assert kept() == [0, 1, 2, 3, 4]
+    assert kept(top_k=2) == [1, 3]
+    assert kept(top_p=0.4) == [1]
+    assert kept(top_p=0.5) == [1, 3]  # 0.4 alone is short of 0.5
+    assert kept(top_p=0.84) == [1, 3, 4]
+    assert kept(top_p=0.0) == [1]
+    assert kept(min_p=0.3) == [1, 3, 4]  # threshold 0.12
+    assert kept(min_p=0.9) == [1]
+    assert kept(top_k=3, top_p=0.6) == [1, 3]  # top-k renormalises: 0.4/0.85 < 0.6
+    assert kept(top_k=3, min_p=0.5) == [1, 3]
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = _logits(4, seed=2)
+    specs = [SamplingSpec(num_top_logprobs=3), SamplingSpec(temperature=0.5, seed=1),
+             SamplingSpec(temperature=2.0, top_k=4, seed=2, num_top_logprobs=1), SamplingSpec()]
+    result = sample(logits, specs, torch.zeros(4, dtype=torch.int64), torch.tensor([0, 1, 2, 0]))
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(result.logprobs, ref.gather(-1, result.tokens[:, None]).squeeze(1))
+    assert result.top_ids.shape == (4, 3) and result.logprobs.dtype == torch.float32
+    assert torch.equal(result.top_ids, ref.topk(3).indices)
+    assert torch.allclose(result.top_logprobs, ref.topk(3).values)
+
+
+def test_hash_is_exact_uint32_arithmetic() -> None:
+    # MurmurHash3 fmix32 reference values, computed with Python's unbounded ints.
+    def ref(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 0xDEADBEEF, 0xFFFFFFFF, 123456789]
+    assert fmix32(torch.tensor(xs)).tolist() == [ref(x) for x in xs]
+    u = uniform_noise(torch.tensor([7, -7, 2**62]), torch.tensor([0, 0, 5]), 1000)
+    assert u.dtype == torch.float32 and float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.02
+    assert not torch.equal(u[0], u[1])
+
+
+def test_unseeded_requests_get_a_seed() -> None:
+    assert resolve_seed(SamplingSpec(seed=5)) == 5
+    drawn = {resolve_seed(SamplingSpec()) for _ in range(4)}
+    assert len(drawn) == 4 and all(0 <= s < 2**63 for s in drawn)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_masked_vocab_never_chosen(temperature: float) -> None:
+    logits = _logits(3)
+    logits[:, :-1] = -math.inf
+    specs = [SamplingSpec(temperature=temperature, seed=i) for i in range(3)]
+    assert _run(logits, specs).tolist() == [V - 1] * 3
