@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 import torch
 
@@ -26,7 +29,7 @@ from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.env import env
 from shared.log import get_logger, setup_logging
-from shared.ring import RingGeometry, create_shm_ring
+from shared.ring import Ring, RingGeometry, create_shm_ring
 
 log = get_logger("engine")
 CPU_KV_BYTES = 1 << 30  # KV budget on the CPU backend when --kv-blocks is not given
@@ -65,15 +68,20 @@ def kv_blocks_for(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype)
     return max(CPU_KV_BYTES // (per_token * cfg.block_size), 1)
 
 
+class Servable(Protocol):
+    def serve(self) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Backend:
     """Everything a RingEngine needs besides the ring, built before the ring exists."""
 
-    runner: Runner
+    runner: Runner | None
     policy: Policy
     eos_ids: tuple[int, ...]
     max_context: int
     vocab_size: int
+    make_engine: Callable[[Ring], Servable] | None = None  # persistent mode: its own engine
 
 
 def build_cpu_backend(cfg: EngineConfig) -> Backend:
@@ -111,7 +119,12 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
     try:
         ring.header_store32("vocab_size", backend.vocab_size)
         ring.header_store32("max_context", backend.max_context)
-        engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context)
+        engine: Servable
+        if backend.make_engine is not None:
+            engine = backend.make_engine(ring)
+        else:
+            assert backend.runner is not None
+            engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context)
         log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots)
         engine.serve()
     except BaseException:
@@ -125,6 +138,9 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
 def main(argv: list[str] | None = None) -> int:
     setup_logging("engine")
     cfg = parse_args(argv)
+    if cfg.backend != "cpu":
+        # Load every CUDA module up front: lazy loading stalls while the persistent kernel runs.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         backend = build_backend(cfg)
     except ModelLoadError as exc:

@@ -1,0 +1,181 @@
+// Claiming new prompts (all 256 threads), cancellations, heartbeat and shutdown.
+
+// Read one claimed slot's request into device state; false when the engine can never run it.
+__device__ bool read_request(SchedState *s, uint32_t i) {
+  const volatile blink_slot *sl = slot(s, i);
+  ReqInfo *r = &s->req[i];
+  r->seq = sl->seq;
+  r->request_id = sl->request_id;
+  r->prompt_len = sl->prompt_len;
+  r->max_new = sl->max_new_tokens;
+  r->flags = sl->sampling.flags;
+  r->temp = sl->sampling.temperature;
+  r->top_p = sl->sampling.top_p;
+  r->top_k = sl->sampling.top_k;
+  r->min_p = sl->sampling.min_p;
+  r->num_top = sl->sampling.num_top_logprobs;
+  r->num_stop = sl->sampling.num_stop_ids > 8 ? 8 : sl->sampling.num_stop_ids;
+  for (int k = 0; k < 8; ++k) r->stop_ids[k] = sl->sampling.stop_ids[k];
+  uint64_t seed = (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
+  r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
+  r->out_len = 0;
+  r->num_blocks = 0;
+  const blink_sched_config &c = s->cfg;
+  uint32_t total = r->prompt_len + r->max_new;
+  bool ok = r->prompt_len >= 1 && r->prompt_len <= c.max_prompt && r->max_new >= 1 && r->max_new <= c.max_output &&
+            total <= c.max_context && blocks_for(s, total) <= c.num_blocks &&
+            blocks_for(s, total) <= c.max_blocks_per_seq && total - 1 <= c.max_tokens;
+  st_rel64(const_cast<uint64_t *>(&sl->admit_ns), now_ns() + c.clock_offset_ns);
+  return ok;
+}
+
+__device__ void copy_prompt(SchedState *s, uint32_t i) {
+  const volatile int32_t *src =
+      reinterpret_cast<const int32_t *>(s->cfg.ring + s->cfg.prompt_off) + static_cast<size_t>(i) * s->cfg.max_prompt;
+  int32_t *dst = req_tokens(s, i);
+  uint32_t n = s->req[i].prompt_len;
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) dst[j] = src[j];
+}
+
+// Parallel scan of every slot, run only when the doorbell moved; claims pending prompts and
+// queues them oldest-submitted first.
+__device__ void claim_new(SchedState *s) {
+  __shared__ uint32_t n_claimed, go, ok[kMaxClaims], claimed[kMaxClaims];
+  __shared__ uint64_t key[kMaxClaims], bell, t0;
+  if (threadIdx.x == 0) {
+    bell = ld_acq64(&header(s)->doorbell);
+    go = !s->draining && bell != s->last_doorbell;
+    n_claimed = 0;
+    t0 = now_ns();
+  }
+  __syncthreads();
+  if (!go) return;
+  for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
+    blink_slot *sl = slot(s, i);
+    uint64_t w = ld_acq64(sl);
+    if (static_cast<uint32_t>(w) != BLINK_SLOT_STATE_PREFILL_PENDING) continue;
+    uint32_t k = atomicAdd(&n_claimed, 1u);
+    if (k >= kMaxClaims) continue;  // the rest next time (the doorbell is not marked seen)
+    uint64_t want = word(BLINK_SLOT_STATE_PREFILL_PROCESSING, static_cast<uint32_t>(w >> 32));
+    bool won = true;
+    if (s->cfg.claim_with_cas) {
+      won = atomicCAS_system(reinterpret_cast<unsigned long long *>(sl), w, want) == w;
+    } else {
+      st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);  // only the engine writes PENDING slots
+    }
+    claimed[k] = won ? i : 0xFFFFFFFFu;
+    key[k] = won ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : ~0ull;
+  }
+  __syncthreads();
+  uint32_t n = n_claimed < kMaxClaims ? n_claimed : kMaxClaims;
+  if (threadIdx.x == 0) {
+    s->stats->scans++;
+    sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, now_ns() - t0);
+    if (n_claimed <= kMaxClaims) s->last_doorbell = bell;
+    for (uint32_t a = 1; a < n; ++a) {  // insertion sort by submission time
+      uint32_t ci = claimed[a];
+      uint64_t ck = key[a];
+      uint32_t b = a;
+      for (; b > 0 && (key[b - 1] > ck || (key[b - 1] == ck && claimed[b - 1] > ci)); --b) {
+        claimed[b] = claimed[b - 1];
+        key[b] = key[b - 1];
+      }
+      claimed[b] = ci;
+      key[b] = ck;
+    }
+  }
+  __syncthreads();
+  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x) ok[k] = claimed[k] != 0xFFFFFFFFu && read_request(s, claimed[k]);
+  __syncthreads();
+  for (uint32_t k = 0; k < n; ++k)
+    if (ok[k]) copy_prompt(s, claimed[k]);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (uint32_t k = 0; k < n; ++k) {
+      uint32_t i = claimed[k];
+      if (i == 0xFFFFFFFFu) continue;
+      s->stats->claims++;
+      if (!ok[k]) {
+        s->stats->refused++;
+        complete_slot(s, i, kError, BLINK_ERROR_CODE_NO_CAPACITY);
+        continue;
+      }
+      ReqInfo *r = &s->req[i];
+      r->arrival = s->arrivals++;
+      r->phase = kWaiting;
+      s->waiting[(s->wait_head + s->wait_count++) % s->cfg.num_slots] = i;
+    }
+  }
+  __syncthreads();
+}
+
+// Cancel flags of every active request, read in parallel; thread 0 finishes them.
+__device__ void apply_cancellations(SchedState *s) {
+  __shared__ uint32_t n, list[BLINK_SCHED_THREADS];
+  if (threadIdx.x == 0) n = 0;
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
+    if (s->req[i].phase == kFree) continue;
+    if (ld_acq32(&slot(s, i)->cancel) == 0) continue;
+    uint32_t k = atomicAdd(&n, 1u);
+    if (k < BLINK_SCHED_THREADS) list[k] = i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t m = n < BLINK_SCHED_THREADS ? n : BLINK_SCHED_THREADS;
+    for (uint32_t k = 0; k < m; ++k) {
+      finish_req(s, list[k], kCancelled, BLINK_ERROR_CODE_OK);
+      s->stats->cancels++;
+    }
+  }
+  __syncthreads();
+}
+
+__device__ void publish_stats(SchedState *s) {
+  blink_ring_header *h = header(s);
+  h->stats.running = s->running_count;
+  h->stats.waiting = s->wait_count + s->paused_count;
+  h->stats.kv_blocks_total = s->cfg.num_blocks;
+  h->stats.kv_blocks_free = s->free_count;
+  h->stats.steps = s->stats->steps;
+  h->stats.prompt_tokens = s->stats->prompt_tokens;
+  h->stats.output_tokens = s->stats->output_tokens;
+  h->stats.preemptions = s->stats->preemptions;
+  h->stats.window_relaunches = s->stats->windows;
+  s->stats->running = s->running_count;
+  s->stats->waiting = s->wait_count;
+  s->stats->paused = s->paused_count;
+  s->stats->kv_free = s->free_count;
+  const uint32_t *src = reinterpret_cast<const uint32_t *>(s->stats);
+  volatile uint32_t *dst = reinterpret_cast<volatile uint32_t *>(s->host_stats);
+  for (uint32_t k = 0; k < offsetof(blink_sched_stats, launch_ns) / 4; ++k) dst[k] = src[k];
+}
+
+// Heartbeat, stats and the shutdown flag (thread 0). Draining stops claims; once nothing is
+// left (or the drain time is over) the remaining requests are cancelled and the loop exits.
+__device__ void maintenance(SchedState *s) {
+  if (threadIdx.x != 0) return;
+  uint64_t t = now_ns();
+  blink_ring_header *h = header(s);
+  if (t - s->last_beat >= s->cfg.heartbeat_ns) {
+    s->last_beat = t;
+    publish_stats(s);
+    st_rel64(&h->heartbeat_ns, t + s->cfg.clock_offset_ns);
+    volatile uint64_t *beat = &h->heartbeat;  // single writer: no PCIe atomic needed
+    *beat = *beat + 1;
+  }
+  if (!s->draining && ld_acq32(&h->shutdown)) {
+    s->draining = 1;
+    s->drain_deadline = t + s->cfg.drain_ns;
+    st_rel32(&h->engine_state, BLINK_ENGINE_STATE_DRAINING);
+  }
+  bool empty = !s->running_count && !s->wait_count && !s->paused_count;
+  if (s->draining && (empty || t > s->drain_deadline)) {
+    while (s->running_count) finish_req(s, s->running[0], kCancelled, BLINK_ERROR_CODE_OK);
+    while (s->paused_count) finish_req(s, s->paused[0], kCancelled, BLINK_ERROR_CODE_OK);
+    while (s->wait_count) finish_req(s, s->waiting[s->wait_head], kCancelled, BLINK_ERROR_CODE_OK);
+    publish_stats(s);
+    st_rel32(&h->engine_state, BLINK_ENGINE_STATE_STOPPED);
+    s->stopped = 1;
+  }
+}

@@ -1,0 +1,172 @@
+// The shared policy on the device (thread 0 only). Mirrors gpu_engine/policy.py function by
+// function; docs/POLICY.md maps one to the other.
+
+__device__ uint32_t blocks_for(SchedState *s, uint32_t ntok) { return (ntok + s->cfg.block_size - 1) / s->cfg.block_size; }
+
+__device__ uint32_t ctx_len(const ReqInfo *r) { return r->prompt_len + r->out_len; }
+
+// All-or-nothing: grow request i's block table to n blocks.
+__device__ bool grow_blocks(SchedState *s, uint32_t i, uint32_t n) {
+  ReqInfo *r = &s->req[i];
+  if (n <= r->num_blocks) return true;
+  uint32_t need = n - r->num_blocks;
+  if (need > s->free_count || n > s->cfg.max_blocks_per_seq) return false;
+  int32_t *tab = req_blocks(s, i);
+  for (uint32_t k = 0; k < need; ++k) tab[r->num_blocks + k] = static_cast<int32_t>(s->free_blocks[--s->free_count]);
+  r->num_blocks = n;
+  return true;
+}
+
+__device__ void free_blocks(SchedState *s, uint32_t i) {
+  ReqInfo *r = &s->req[i];
+  int32_t *tab = req_blocks(s, i);
+  for (uint32_t k = 0; k < r->num_blocks; ++k) s->free_blocks[s->free_count++] = static_cast<uint32_t>(tab[k]);
+  r->num_blocks = 0;
+}
+
+__device__ void remove_from(uint32_t *arr, uint32_t *count, uint32_t i) {
+  for (uint32_t k = 0; k < *count; ++k) {
+    if (arr[k] != i) continue;
+    for (uint32_t m = k + 1; m < *count; ++m) arr[m - 1] = arr[m];
+    --*count;
+    return;
+  }
+}
+
+__device__ void remove_waiting(SchedState *s, uint32_t i) {
+  uint32_t n = s->cfg.num_slots, kept = 0;
+  for (uint32_t k = 0; k < s->wait_count; ++k) {
+    uint32_t v = s->waiting[(s->wait_head + k) % n];
+    if (v != i) s->waiting[(s->wait_head + kept++) % n] = v;
+  }
+  s->wait_count = kept;
+}
+
+// Ring side of a completion: reason and error first, then the state word (release).
+__device__ void complete_slot(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
+  blink_slot *sl = slot(s, i);
+  sl->finish_reason = reason;
+  sl->error_code = error;
+  __threadfence_system();
+  st_rel32(&sl->state, BLINK_SLOT_STATE_DECODE_COMPLETED);
+  s->stats->completions++;
+}
+
+// Policy.finish: remove from wherever it is, free its blocks, complete the slot.
+__device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
+  ReqInfo *r = &s->req[i];
+  if (r->phase == kRunning) remove_from(s->running, &s->running_count, i);
+  if (r->phase == kPaused) remove_from(s->paused, &s->paused_count, i);
+  if (r->phase == kWaiting) remove_waiting(s, i);
+  free_blocks(s, i);
+  r->phase = kFree;
+  complete_slot(s, i, reason, error);
+}
+
+// Policy._preempt: free the youngest running request's blocks; it resumes in arrival order.
+__device__ void preempt(SchedState *s, uint32_t i) {
+  ReqInfo *r = &s->req[i];
+  remove_from(s->running, &s->running_count, i);
+  free_blocks(s, i);
+  r->phase = kPaused;
+  uint32_t k = s->paused_count;
+  while (k > 0 && s->req[s->paused[k - 1]].arrival > r->arrival) {
+    s->paused[k] = s->paused[k - 1];
+    --k;
+  }
+  s->paused[k] = i;
+  s->paused_count++;
+  s->stats->preemptions++;
+  st_rel32(&slot(s, i)->state, BLINK_SLOT_STATE_DECODE_PAUSED);
+}
+
+__device__ void plan_row(SchedState *s, uint32_t row, uint32_t i, uint32_t cached, uint32_t fresh) {
+  s->plan_slot[row] = i;
+  s->plan_cached[row] = cached;
+  s->plan_new[row] = fresh;
+}
+
+// Policy._admit: inline prefill when (i) prefills are pending, (ii) the batch has room,
+// (iii) blocks and the token budget allow (window headroom is checked by the caller).
+__device__ bool plan_prefill(SchedState *s) {
+  uint32_t n = 0, tokens = 0, budget = s->cfg.max_prefill_tokens;
+  while ((s->paused_count || s->wait_count) && s->running_count + n < s->cfg.max_batch) {
+    bool from_paused = s->paused_count > 0;
+    uint32_t i = from_paused ? s->paused[0] : s->waiting[s->wait_head];
+    ReqInfo *r = &s->req[i];
+    uint32_t need = ctx_len(r);
+    if (n && need > budget) break;
+    if (tokens + need > s->cfg.max_tokens) break;
+    if (!grow_blocks(s, i, blocks_for(s, need + 1))) break;
+    if (from_paused) {
+      remove_from(s->paused, &s->paused_count, i);
+    } else {
+      s->wait_head = (s->wait_head + 1) % s->cfg.num_slots;
+      s->wait_count--;
+    }
+    r->phase = kWaiting;  // in flight in this prefill; joins `running` after it
+    plan_row(s, n++, i, 0, need);
+    tokens += need;
+    budget = need > budget ? 0 : budget - need;
+  }
+  s->plan_n = n;
+  s->plan_tokens = tokens;
+  return n > 0;
+}
+
+__device__ uint32_t youngest_running(SchedState *s) {
+  uint32_t best = s->running[0];
+  for (uint32_t k = 1; k < s->running_count; ++k)
+    if (s->req[s->running[k]].arrival > s->req[best].arrival) best = s->running[k];
+  return best;
+}
+
+// Policy._decode: every running request gets a slot for one more token, preempting the
+// youngest when blocks run out. `running` is kept in arrival order.
+__device__ bool plan_decode(SchedState *s) {
+  for (uint32_t k = 0; k < s->running_count; ++k) {
+    uint32_t i = s->running[k];
+    ReqInfo *r = &s->req[i];
+    while (!grow_blocks(s, i, blocks_for(s, ctx_len(r)))) {
+      uint32_t victim = youngest_running(s);
+      preempt(s, victim);
+      if (victim == i) break;
+    }
+    if (r->phase != kRunning) break;  // it was the youngest: nothing after it
+  }
+  for (uint32_t k = 0; k < s->running_count; ++k) {
+    uint32_t i = s->running[k];
+    plan_row(s, k, i, ctx_len(&s->req[i]) - 1, 1);
+  }
+  s->plan_n = s->running_count;
+  s->plan_tokens = s->running_count;
+  return s->plan_n > 0;
+}
+
+// A request joins the decode batch, which is kept in arrival order.
+__device__ void join_running(SchedState *s, uint32_t i) {
+  uint32_t k = s->running_count;
+  while (k > 0 && s->req[s->running[k - 1]].arrival > s->req[i].arrival) {
+    s->running[k] = s->running[k - 1];
+    --k;
+  }
+  s->running[k] = i;
+  s->running_count++;
+  s->req[i].phase = kRunning;
+}
+
+__device__ bool finish_reason_stop(const ReqInfo *r, int32_t tok) {
+  for (uint32_t k = 0; k < r->num_stop; ++k)
+    if (r->stop_ids[k] == tok) return true;
+  return false;
+}
+
+// finish_reason() of the policy: stop ids, then EOS (unless ignored), then length.
+__device__ uint32_t finish_reason(SchedState *s, const ReqInfo *r, int32_t tok) {
+  if (finish_reason_stop(r, tok)) return kStopId;
+  if (!(r->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS))
+    for (uint32_t k = 0; k < s->cfg.num_eos; ++k)
+      if (s->cfg.eos_ids[k] == tok) return kEos;
+  if (r->out_len + 1 >= r->max_new) return kLength;
+  return kNone;
+}

@@ -1,0 +1,182 @@
+// One step: plan (thread 0), stage the static buffers (all threads), launch the graph from the
+// device (thread 0), wait for its completion counter and publish the results (all threads).
+
+enum Action : uint32_t { kActionIdle = 0, kActionRun = 1, kActionRelaunch = 2, kActionExit = 3 };
+
+__device__ uint32_t pick_graph(SchedState *s, bool decode, uint32_t n, uint32_t tokens) {
+  const blink_sched_config &c = s->cfg;
+  if (decode) return static_cast<uint32_t>(c.decode_table[n < c.max_batch ? n : c.max_batch]);
+  uint32_t col = (tokens + c.token_grain - 1) / c.token_grain;
+  if (col >= c.prefill_cols) col = c.prefill_cols - 1;
+  return static_cast<uint32_t>(c.prefill_table[(n < c.max_batch ? n : c.max_batch) * c.prefill_cols + col]);
+}
+
+// Thread 0: tail-relaunch when the window is nearly used, else plan the next step.
+__device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
+  if (s->stopped) return kActionExit;
+  if (*launches + 2 > BLINK_WINDOW_LIMIT - 1) {  // room for a prefill and the resumed decode
+    s->stats->windows++;
+    s->stats->tail_start_ns = now_ns();
+    cudaError_t err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+    if (err != cudaSuccess) {
+      s->stats->error = static_cast<uint32_t>(err);
+      s->stopped = 1;
+      st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
+      return kActionExit;
+    }
+    return kActionRelaunch;
+  }
+  bool decode = false;
+  if (plan_prefill(s)) {
+    s->plan_kind = kPrefill;
+  } else if (plan_decode(s)) {
+    s->plan_kind = kDecode;
+    decode = true;
+  } else {
+    return kActionIdle;
+  }
+  s->plan_graph = pick_graph(s, decode, s->plan_n, s->plan_tokens);
+  return kActionRun;
+}
+
+// All threads: write the step into the graphs' static buffers, padding the rest exactly as
+// GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults).
+__device__ void stage(SchedState *s, uint32_t *cu) {
+  const blink_sched_config &c = s->cfg;
+  uint32_t g = s->plan_graph, n = s->plan_n, T = s->plan_tokens;
+  uint32_t Bg = static_cast<uint32_t>(c.graph_batch[g]), Tg = static_cast<uint32_t>(c.graph_tokens[g]);
+  if (threadIdx.x == 0) {
+    cu[0] = 0;
+    for (uint32_t r = 0; r < n; ++r) cu[r + 1] = cu[r] + s->plan_new[r];
+  }
+  __syncthreads();
+  for (uint32_t j = threadIdx.x; j < Tg; j += blockDim.x) {
+    if (j >= T) {
+      c.input_ids[j] = 0;
+      c.positions[j] = 0;
+      c.slot_mapping[j] = -1;
+      continue;
+    }
+    uint32_t lo = 0, hi = n;  // row r with cu[r] <= j < cu[r+1]
+    while (hi - lo > 1) {
+      uint32_t mid = (lo + hi) / 2;
+      if (cu[mid] <= j) lo = mid; else hi = mid;
+    }
+    uint32_t i = s->plan_slot[lo], pos = s->plan_cached[lo] + (j - cu[lo]);
+    int32_t block = req_blocks(s, i)[pos / c.block_size];
+    c.input_ids[j] = req_tokens(s, i)[pos];
+    c.positions[j] = pos;
+    c.slot_mapping[j] = static_cast<int64_t>(block) * c.block_size + pos % c.block_size;
+  }
+  for (uint32_t r = threadIdx.x; r <= Bg; r += blockDim.x) c.cu_seqlens[r] = r <= n ? cu[r] : T;
+  for (uint32_t r = threadIdx.x; r < Bg; r += blockDim.x) {
+    bool real = r < n;
+    const ReqInfo *q = real ? &s->req[s->plan_slot[r]] : nullptr;
+    c.context_lens[r] = real ? s->plan_cached[r] + s->plan_new[r] : 0;
+    c.temperature[r] = real ? q->temp : 0.f;
+    c.top_k[r] = real ? q->top_k : 0;
+    c.top_p[r] = real ? q->top_p : 1.f;
+    c.min_p[r] = real ? q->min_p : 0.f;
+    c.seeds[r] = real ? static_cast<int64_t>(q->seed) : 0;
+    c.sample_index[r] = real ? q->out_len : 0;
+  }
+  for (uint32_t e = threadIdx.x; e < Bg * c.max_graph_blocks; e += blockDim.x) {
+    uint32_t r = e / c.max_graph_blocks, k = e % c.max_graph_blocks;
+    int32_t v = -1;
+    if (r < n && k < s->req[s->plan_slot[r]].num_blocks) v = req_blocks(s, s->plan_slot[r])[k];
+    c.block_tables[e] = v;
+  }
+  __threadfence();
+}
+
+// Thread 0: fire-and-forget launch of the step's graph, rotating executable copies. A graph
+// relaunched right after completion can be refused for a few microseconds with the same
+// error code as the window limit, so retries are bounded.
+__device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
+  const blink_sched_config &c = s->cfg;
+  uint32_t g = s->plan_graph;
+  *expect = ld_volatile64(&c.counters[g]) + 1;
+  cudaError_t err = cudaErrorInvalidValue;
+  for (uint32_t attempt = 0; attempt < 256; ++attempt) {
+    uint32_t copy = s->copy_rr[g]++ % c.copies;
+    uint64_t t0 = now_ns();
+    err = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(c.exec_handles[g * c.copies + copy]),
+                          cudaStreamGraphFireAndForget);
+    uint64_t t1 = now_ns();
+    if (err == cudaSuccess) {
+      sample_into(s->stats->launch_ns, &s->stats->n_launch_samples, t1 - t0);
+      *t_launch = t1;
+      s->stats->launches++;
+      return true;
+    }
+    s->stats->launch_retries++;
+    __nanosleep(500);
+  }
+  s->stats->launch_failures++;
+  s->stats->error = static_cast<uint32_t>(err);
+  return false;
+}
+
+// One row's results: the finish check, then tokens (and logprobs) to the ring, `generated` last.
+__device__ uint32_t publish_row(SchedState *s, uint32_t r) {
+  const blink_sched_config &c = s->cfg;
+  uint32_t i = s->plan_slot[r];
+  ReqInfo *q = &s->req[i];
+  int32_t tok = static_cast<int32_t>(c.next_tokens[r]);
+  uint32_t reason = finish_reason(s, q, tok);
+  if (reason != kNone && reason != kLength) return reason;
+  uint32_t pos = q->out_len;
+  size_t at = static_cast<size_t>(i) * c.max_output + pos;
+  req_tokens(s, i)[q->prompt_len + pos] = tok;
+  reinterpret_cast<int32_t *>(c.ring + c.output_off)[at] = tok;
+  reinterpret_cast<float *>(c.ring + c.logprob_off)[at] = c.token_logprobs[r];
+  if (q->flags & BLINK_SAMPLING_FLAGS_WANT_LOGPROBS) {
+    uint32_t kk = c.ring_top_k ? c.ring_top_k : 1;
+    uint32_t m = q->num_top < kk ? q->num_top : kk;
+    m = m < c.num_top_out ? m : c.num_top_out;
+    blink_top_logprob *dst = reinterpret_cast<blink_top_logprob *>(c.ring + c.top_logprob_off) + at * kk;
+    for (uint32_t k = 0; k < m; ++k) {
+      dst[k].token = static_cast<int32_t>(c.top_ids[r * c.num_top_out + k]);
+      dst[k].logprob = c.top_logprobs[r * c.num_top_out + k];
+    }
+  }
+  blink_slot *sl = slot(s, i);
+  uint64_t t = now_ns() + c.clock_offset_ns;
+  if (pos == 0) sl->first_token_ns = t;
+  sl->last_token_ns = t;
+  __threadfence_system();
+  st_rel32(&sl->generated, pos + 1);
+  q->out_len = pos + 1;
+  return reason;
+}
+
+// All threads: wait for the graph, publish every row, then thread 0 updates the policy state.
+__device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_launch) {
+  __shared__ uint32_t reason[BLINK_SCHED_THREADS];
+  if (threadIdx.x == 0) {
+    const int64_t *ctr = &s->cfg.counters[s->plan_graph];
+    while (ld_volatile64(ctr) < expect) {
+    }
+    __threadfence();
+    sample_into(s->stats->step_ns, &s->stats->n_step_samples, now_ns() - t_launch);
+  }
+  __syncthreads();
+  if (threadIdx.x < s->plan_n) reason[threadIdx.x] = publish_row(s, threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  bool prefill = s->plan_kind == kPrefill;
+  for (uint32_t r = 0; r < s->plan_n; ++r) {
+    uint32_t i = s->plan_slot[r];
+    if (reason[r] == kNone || reason[r] == kLength) s->stats->output_tokens++;
+    if (prefill) {
+      s->stats->prompt_tokens += s->plan_new[r];
+      if (reason[r] == kNone) {
+        join_running(s, i);
+        st_rel32(&slot(s, i)->state, BLINK_SLOT_STATE_DECODE_PROCESSING);
+      }
+    }
+    if (reason[r] != kNone) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
+  }
+  s->stats->steps++;
+  if (prefill) s->stats->prefills++; else s->stats->decodes++;
+}

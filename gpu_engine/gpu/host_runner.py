@@ -1,0 +1,58 @@
+"""Host-driven GPU mode: the same graphs and policy, the loop on the host, one sync per step.
+
+This is the baseline of the paper's Fig. 3 and the fallback where device launch is unavailable:
+host bookkeeping (policy, metadata), staging copies, ``replay`` of the captured graph, then a
+stream synchronization and a copy of the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_engine.gpu.graph_cache import GraphCache
+from gpu_engine.gpu.runner import GpuModelRunner
+from gpu_engine.models.attention import SeqStep, build_metadata
+from gpu_engine.policy import StepPlan
+from gpu_engine.runner import StepOutput, request_seed
+from gpu_engine.sampling import SamplingSpec
+
+
+class HostGraphRunner:
+    """Runner protocol over a GraphCache: stage, replay, synchronize, read back."""
+
+    def __init__(self, runner: GpuModelRunner, cache: GraphCache) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.block_size = runner.kv.block_size
+
+    def _sampling(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        specs = [w.req.sampling if isinstance(w.req.sampling, SamplingSpec) else SamplingSpec() for w in plan.work]
+        return {
+            "temperature": torch.tensor([s.temperature for s in specs], dtype=torch.float32),
+            "top_k": torch.tensor([s.top_k for s in specs], dtype=torch.int32),
+            "top_p": torch.tensor([s.top_p for s in specs], dtype=torch.float32),
+            "min_p": torch.tensor([s.min_p for s in specs], dtype=torch.float32),
+            "seeds": torch.tensor([request_seed(s, w.req.request_id) for s, w in zip(specs, plan.work, strict=True)],
+                                  dtype=torch.int64),
+            "sample_index": torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64),
+        }
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        steps = [SeqStep(w.num_cached, w.num_new, w.req.blocks) for w in plan.work]
+        ids: list[int] = []
+        for w in plan.work:
+            ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
+        meta = build_metadata(steps, self.block_size, "cpu")
+        self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
+        b, t = len(plan.work), len(ids)
+        self.cache.replay((plan.kind == "decode", b, t))
+        torch.cuda.current_stream().synchronize()
+        buf = self.runner.buffers
+        return StepOutput(
+            tokens=buf.next_tokens[:b].cpu().tolist(),
+            logprobs=buf.token_logprobs[:b].float().cpu().numpy(),
+            top_ids=buf.top_ids[:b].to(torch.int32).cpu().numpy(),
+            top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
+        )

@@ -1,0 +1,225 @@
+"""Host side of the persistent scheduler: build the CUDA library, describe the graphs and the
+ring to it, start it once, then only supervise.
+
+After ``start`` the host makes no CUDA call until shutdown: it reads the scheduler's counters
+from host-mapped memory and sleeps.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SCHEMA_CPP = CSRC.parent.parent / "schema" / "cpp"
+SOURCES = ("scheduler.cu", "sched.h", "sched_policy.cuh", "sched_claim.cuh", "sched_step.cuh", "sched_host.cuh")
+MAX_EOS = 8
+SAMPLES = 4096
+
+u32, u64, i32, i64, f32 = C.c_uint32, C.c_uint64, C.c_int32, C.c_int64, C.c_float
+P = C.c_void_p
+
+
+class SchedConfig(C.Structure):
+    """Mirror of blink_sched_config (gpu_engine/csrc/sched.h); size checked against the library."""
+
+    _fields_ = [
+        ("ring", P), ("num_slots", u32), ("max_prompt", u32), ("max_output", u32), ("ring_top_k", u32),
+        ("slots_off", u64), ("prompt_off", u64), ("output_off", u64), ("logprob_off", u64),
+        ("top_logprob_off", u64),
+        ("max_batch", u32), ("block_size", u32), ("num_blocks", u32), ("max_blocks_per_seq", u32),
+        ("max_context", u32), ("max_prefill_tokens", u32), ("num_eos", u32), ("claim_with_cas", u32),
+        ("eos_ids", i32 * MAX_EOS),
+        ("num_graphs", u32), ("copies", u32), ("token_grain", u32), ("prefill_cols", u32),
+        ("exec_handles", P), ("graph_batch", P), ("graph_tokens", P), ("decode_table", P),
+        ("prefill_table", P), ("counters", P),
+        ("input_ids", P), ("positions", P), ("slot_mapping", P), ("cu_seqlens", P), ("context_lens", P),
+        ("block_tables", P), ("temperature", P), ("top_p", P), ("min_p", P), ("top_k", P), ("seeds", P),
+        ("sample_index", P), ("next_tokens", P), ("token_logprobs", P), ("top_ids", P), ("top_logprobs", P),
+        ("num_top_out", u32), ("max_tokens", u32), ("max_graph_blocks", u32), ("pad0", u32),
+        ("heartbeat_ns", u64), ("drain_ns", u64), ("clock_offset_ns", i64),
+    ]
+
+
+class SchedStats(C.Structure):
+    """Mirror of blink_sched_stats."""
+
+    _fields_ = [
+        *[(n, u64) for n in ("steps", "prefills", "decodes", "prompt_tokens", "output_tokens", "preemptions",
+                              "launches", "launch_retries", "launch_failures", "windows", "claims",
+                              "completions", "cancels", "refused", "scans", "idle_loops")],
+        *[(n, u32) for n in ("running", "waiting", "paused", "kv_free", "exited", "error", "n_launch_samples",
+                              "n_scan_samples", "n_tail_samples", "n_step_samples", "pad1", "pad2")],
+        ("tail_start_ns", u64),
+        ("launch_ns", u32 * SAMPLES), ("scan_ns", u32 * SAMPLES), ("tail_ns", u32 * SAMPLES),
+        ("step_ns", u32 * SAMPLES),
+    ]
+
+    def samples(self, name: str) -> np.ndarray:
+        n = min(int(getattr(self, f"n_{name}_samples")), SAMPLES)
+        return np.frombuffer(getattr(self, f"{name}_ns"), dtype=np.uint32)[:n].astype(np.float64)
+
+    def counters(self) -> dict[str, int]:
+        return {n: int(getattr(self, n)) for n, _ in self._fields_[:28] if not n.startswith("pad")}
+
+
+class SchedulerError(RuntimeError):
+    pass
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update((SCHEMA_CPP / "blink_ring.h").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_library(arch: str = "sm_90a") -> Path:
+    """Compile libblink_sched.so (cached by source digest) with relocatable device code."""
+    out_dir = Path(os.environ.get("BLINK_CUDA_BUILD_DIR", CSRC / "build"))
+    lib = out_dir / f"libblink_sched-{_digest()}-{arch}.so"
+    if lib.exists():
+        return lib
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    compute = arch.replace("sm_", "compute_")
+    cmd = [nvcc, "-O2", "-std=c++17", f"-gencode=arch={compute},code={arch}", "-rdc=true", "-shared",
+           "-Xcompiler", "-fPIC", "-cudart", "shared", f"-I{SCHEMA_CPP}", str(CSRC / "scheduler.cu"),
+           "-o", str(lib), "-lcudadevrt"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SchedulerError(f"nvcc failed:\n{res.stderr[-4000:]}")
+    return lib
+
+
+class Library:
+    """ctypes binding of the scheduler's extern "C" API."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = C.CDLL(str(path))
+        lib = self.lib
+        lib.blink_last_error.restype = C.c_char_p
+        lib.blink_register_host.argtypes = [P, C.c_size_t, C.POINTER(P)]
+        lib.blink_unregister_host.argtypes = [P]
+        lib.blink_clock_offset.argtypes = [C.POINTER(i64)]
+        lib.blink_sched_create.argtypes = [C.POINTER(SchedConfig), C.POINTER(P), C.POINTER(C.POINTER(SchedStats))]
+        for fn in ("blink_sched_start", "blink_sched_query", "blink_sched_wait", "blink_sched_destroy"):
+            getattr(lib, fn).argtypes = [P]
+        if lib.blink_sched_config_size() != C.sizeof(SchedConfig):
+            raise SchedulerError(f"SchedConfig mirror is {C.sizeof(SchedConfig)} bytes, "
+                                 f"library says {lib.blink_sched_config_size()}")
+        if lib.blink_sched_stats_size() != C.sizeof(SchedStats):
+            raise SchedulerError("SchedStats mirror does not match the library")
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise SchedulerError(f"{what} failed ({rc}): {self.lib.blink_last_error().decode()}")
+
+    def register_host(self, addr: int, size: int) -> int:
+        dev = P()
+        self.check(self.lib.blink_register_host(P(addr), size, C.byref(dev)), "cudaHostRegister of the ring")
+        return int(dev.value or 0)
+
+    def clock_offset(self) -> int:
+        off = i64()
+        self.check(self.lib.blink_clock_offset(C.byref(off)), "clock offset")
+        return int(off.value)
+
+
+def _dev_array(values: np.ndarray | list[int], dtype: np.dtype) -> object:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(values, dtype=dtype))).cuda()
+
+
+class PersistentScheduler:
+    """Owns the scheduler's device state; started once, then supervised through host memory."""
+
+    def __init__(self, ring_addr: int, ring_size: int, geometry: object, view: dict, kv_cache: object,
+                 limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int,
+                 claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0) -> None:
+        self.lib = Library(build_library())
+        self.ring_addr = ring_addr
+        self.ring_dev = self.lib.register_host(ring_addr, ring_size)
+        self._keep: list[object] = []
+        cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context)
+        cfg.claim_with_cas = int(claim_with_cas)
+        cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
+        cfg.drain_ns = int(drain_s * 1e9)
+        cfg.clock_offset_ns = self.lib.clock_offset()
+        self.config = cfg
+        self.handle = P()
+        self.stats_ptr = C.POINTER(SchedStats)()
+        self.lib.check(self.lib.lib.blink_sched_create(C.byref(cfg), C.byref(self.handle), C.byref(self.stats_ptr)),
+                       "scheduler create")
+
+    def _arr(self, values: np.ndarray | list[int], dtype: np.dtype) -> int:
+        t = _dev_array(values, dtype)
+        self._keep.append(t)
+        return int(t.data_ptr())  # type: ignore[attr-defined]
+
+    def _config(self, g: object, view: dict, kv: object, limits: object, eos_ids: tuple[int, ...],
+                max_batch: int, max_context: int) -> SchedConfig:
+        c = SchedConfig()
+        c.ring = self.ring_dev
+        c.num_slots, c.max_prompt, c.max_output = g.num_slots, g.max_prompt_tokens, g.max_output_tokens  # type: ignore[attr-defined]
+        c.ring_top_k = g.top_logprobs  # type: ignore[attr-defined]
+        c.slots_off, c.prompt_off, c.output_off = g.slots_offset, g.prompt_arena_offset, g.output_arena_offset  # type: ignore[attr-defined]
+        c.logprob_off, c.top_logprob_off = g.logprob_arena_offset, g.top_logprob_arena_offset  # type: ignore[attr-defined]
+        c.max_batch, c.block_size, c.num_blocks = max_batch, kv.block_size, kv.num_blocks  # type: ignore[attr-defined]
+        c.max_blocks_per_seq = c.max_graph_blocks = limits.max_blocks_per_seq  # type: ignore[attr-defined]
+        c.max_context, c.max_tokens = max_context, limits.max_tokens  # type: ignore[attr-defined]
+        c.max_prefill_tokens = limits.max_tokens  # type: ignore[attr-defined]
+        eos = list(eos_ids)[:MAX_EOS]
+        c.num_eos = len(eos)
+        for k, e in enumerate(eos):
+            c.eos_ids[k] = e
+        shapes = view["shapes"]
+        copies = min(len(h) for h in view["exec_handles"])
+        c.num_graphs, c.copies, c.token_grain = len(shapes), copies, view["token_grain"]
+        c.prefill_cols = view["prefill_table"].shape[1]
+        c.exec_handles = self._arr([h[k] for h in view["exec_handles"] for k in range(copies)], np.uint64)
+        c.graph_batch = self._arr([s[1] for s in shapes], np.int32)
+        c.graph_tokens = self._arr([s[2] for s in shapes], np.int32)
+        c.decode_table = self._arr(view["decode_table"], np.int32)
+        c.prefill_table = self._arr(view["prefill_table"].reshape(-1), np.int32)
+        c.counters = view["counters_ptr"]
+        b = view["buffers"]
+        for name, ours in (("input_ids", "input_ids"), ("positions", "positions"), ("slot_mapping", "slot_mapping"),
+                           ("cu_seqlens_q", "cu_seqlens"), ("context_lens", "context_lens"),
+                           ("block_tables", "block_tables"), ("temperature", "temperature"), ("top_p", "top_p"),
+                           ("min_p", "min_p"), ("top_k", "top_k"), ("seeds", "seeds"),
+                           ("sample_index", "sample_index"), ("next_tokens", "next_tokens"),
+                           ("token_logprobs", "token_logprobs"), ("top_ids", "top_ids"),
+                           ("top_logprobs", "top_logprobs")):
+            setattr(c, ours, b[name])
+        c.num_top_out = max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
+        return c
+
+    @property
+    def stats(self) -> SchedStats:
+        return self.stats_ptr.contents
+
+    def start(self) -> None:
+        self.lib.check(self.lib.lib.blink_sched_start(self.handle), "scheduler start")
+
+    def exited(self) -> bool:
+        return bool(self.stats.exited)
+
+    def wait(self) -> None:
+        self.lib.check(self.lib.lib.blink_sched_wait(self.handle), "scheduler wait")
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.lib.blink_sched_destroy(self.handle)
+            self.handle = P()
+        if self.ring_dev:
+            self.lib.lib.blink_unregister_host(P(self.ring_addr))
+            self.ring_dev = 0

@@ -1,0 +1,113 @@
+"""GPU backends of ``blink engine``: host-driven (``--backend host``) and persistent
+(``--backend persistent``). Both load the model in bf16, size the paged KV cache from free
+memory, capture the graph cache, and serve the same ring with the same policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_engine.engine import RingEngine
+from gpu_engine.gpu.graph_cache import GraphCache
+from gpu_engine.gpu.host_runner import HostGraphRunner
+from gpu_engine.gpu.persistent import PersistentScheduler
+from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.loader import default_model_path, load_model
+from gpu_engine.policy import Policy
+from shared import ring_layout as L
+from shared.config import EngineConfig
+from shared.log import get_logger
+from shared.ring import Ring
+
+log = get_logger("engine")
+KV_FRACTION = 0.5  # of the memory free after loading the weights
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]
+    return sorted({b for b in sizes if b < max_batch} | {max_batch})
+
+
+def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
+    tokens = [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if t < max_tokens] + [max_tokens]
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
+    # A prefill of b prompts averages at least 16 tokens each; larger batches use larger buckets.
+    return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
+
+
+@dataclasses.dataclass(slots=True)
+class GpuParts:
+    runner: GpuModelRunner
+    cache: GraphCache
+    kv: KVCache
+    limits: RunnerLimits
+    eos_ids: tuple[int, ...]
+    max_context: int
+    vocab_size: int
+
+
+def build_parts(cfg: EngineConfig) -> GpuParts:
+    """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    path = Path(cfg.model) if cfg.model else default_model_path()
+    model, mcfg = load_model(path, dtype=dtype, device="cuda", random_weights=cfg.random_weights, seed=cfg.seed)
+    g = cfg.geometry
+    max_tokens = min(g.max_prompt_tokens + g.max_output_tokens, mcfg.max_position_embeddings, 8192)
+    max_context = max_tokens
+    per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
+    blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * KV_FRACTION // per_block)
+    kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
+    limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
+                          max_blocks_per_seq=-(-max_context // cfg.block_size),
+                          num_top_logprobs=max(1, g.top_logprobs))
+    runner = GpuModelRunner(model, kv, limits)
+    cache = GraphCache(runner, decode_buckets(cfg.max_batch), prefill_buckets(cfg.max_batch, max_tokens),
+                       device_launch=cfg.backend == "persistent")
+    t0 = time.perf_counter()
+    graphs = cache.capture(progress=True)
+    log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
+             kv_blocks=blocks, model=str(path), family=mcfg.family)
+    return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
+
+
+class PersistentEngine:
+    """The engine host process of the persistent mode: launch once, then only sleep and watch."""
+
+    def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig) -> None:
+        self.ring, self.parts, self.cfg = ring, parts, cfg
+
+    def serve(self) -> None:
+        p, ring = self.parts, self.ring
+        size = ring.transport.size
+        sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
+                                    p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
+                                    p.max_context)
+        ring.header_store64("heartbeat_ns", time.time_ns())
+        ring.header_store32("engine_state", L.EngineState.READY)
+        sched.start()
+        cpu0 = time.process_time()
+        while not sched.exited():  # no CUDA call in steady state
+            time.sleep(0.02)
+        sched.wait()
+        st = sched.stats
+        log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
+        sched.close()
+
+
+def build_gpu_backend(cfg: EngineConfig):  # noqa: ANN201 - returns serve.Backend
+    from gpu_engine.serve import Backend  # noqa: PLC0415 - avoid an import cycle
+
+    parts = build_parts(cfg)
+    policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=parts.limits.max_tokens)
+    if cfg.backend == "persistent":
+        return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
+                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg))
+    runner = HostGraphRunner(parts.runner, parts.cache)
+    return Backend(runner, policy, parts.eos_ids, parts.max_context, parts.vocab_size)
+
+
+__all__ = ["build_gpu_backend", "RingEngine"]

@@ -1,0 +1,142 @@
+"""Drive an engine process through its ring: random requests, cancellations, outputs by id.
+
+Used by the GPU tests and the scheduler benchmarks; plays the slot tracker and token reader
+with the real slot transitions of shared/slots.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shared import ring_layout as L
+from shared.ring import Ring, attach_shm_ring
+from shared.slots import SlotRequest, SlotWriter, split_word
+
+S = L.SlotState
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    rid: int
+    prompt: np.ndarray
+    max_new: int
+    cancel_after: int | None = None  # cancel once this many tokens were seen
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]
+    reason: int
+    submit_s: float = 0.0
+    first_s: float = 0.0
+    done_s: float = 0.0
+
+
+def start_engine(ring: str, model: Path | None, backend: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-m", "gpu_engine.serve", "--ring", ring, "--backend", backend, *extra]
+    if model is not None:
+        args += ["--model", str(model)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(name: str, proc: subprocess.Popen, timeout: float = 600) -> Ring:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode} before it was ready")
+        try:
+            ring = attach_shm_ring(name)
+        except Exception:  # noqa: BLE001 - not created yet
+            time.sleep(0.2)
+            continue
+        if ring.header_load32("engine_state") == L.EngineState.READY:
+            return ring
+        ring.close()
+        time.sleep(0.2)
+    raise TimeoutError("engine not ready")
+
+
+def stop_engine(ring: Ring, proc: subprocess.Popen, timeout: float = 60) -> int:
+    ring.header_store32("shutdown", 1)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+class Driver:
+    """Keeps up to ``window`` jobs in flight; returns every job's tokens and finish reason."""
+
+    def __init__(self, ring: Ring, window: int) -> None:
+        self.ring, self.w, self.t = ring, SlotWriter(ring), ring.transport
+        self.window = window
+        self.inflight: dict[int, tuple[Job, int, int, float]] = {}  # slot -> (job, seq, seen, submit time)
+        self.results: dict[int, Result] = {}
+        self.firsts: dict[int, float] = {}
+
+    def _submit(self, job: Job, snap: np.ndarray) -> bool:
+        for idx in np.flatnonzero(snap["state"] == S.EMPTY):
+            if int(idx) in self.inflight:
+                continue
+            seq = self.w.try_reserve(int(idx), int(snap["seq"][idx]))
+            if seq is None:
+                continue
+            req = SlotRequest(job.rid, job.prompt, job.max_new, temperature=job.temperature, seed=job.seed,
+                              ignore_eos=True)
+            self.w.publish(int(idx), seq, req)
+            self.inflight[int(idx)] = (job, seq, 0, time.perf_counter())
+            return True
+        return False
+
+    def _collect(self) -> None:
+        for idx, (job, seq, _seen, t0) in list(self.inflight.items()):
+            state, _ = split_word(self.t.load64(self.ring.slot_offset(idx)))
+            gen = self.t.load32(self.ring.slot_field(idx, "generated"))
+            if gen and job.rid not in self.firsts:
+                self.firsts[job.rid] = time.perf_counter()
+            if job.cancel_after is not None and gen >= job.cancel_after:
+                self.w.cancel(idx, seq)
+            if state != S.DECODE_COMPLETED:
+                continue
+            gen = self.t.load32(self.ring.slot_field(idx, "generated"))
+            reason = self.t.load32(self.ring.slot_field(idx, "finish_reason"))
+            toks = self.ring.read_output(idx, 0, gen).tolist()
+            self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter())
+            assert self.w.release(idx, seq)
+            del self.inflight[idx]
+
+    def run(self, jobs: list[Job], timeout: float = 600) -> dict[int, Result]:
+        todo = list(reversed(jobs))
+        end = time.time() + timeout
+        while todo or self.inflight:
+            if time.time() > end:
+                raise TimeoutError(f"{len(todo)} jobs not submitted, {len(self.inflight)} in flight")
+            snap = self.ring.read_slots()
+            while todo and len(self.inflight) < self.window and self._submit(todo[-1], snap):
+                todo.pop()
+            self._collect()
+        return self.results
+
+
+def random_jobs(n: int, vocab: int, seed: int, max_prompt: int, max_new: int, cancel_frac: float) -> list[Job]:
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for rid in range(1, n + 1):
+        plen = int(rng.integers(1, max_prompt + 1))
+        new = int(rng.integers(1, max_new + 1))
+        cancel = int(rng.integers(0, new)) if rng.random() < cancel_frac else None
+        jobs.append(Job(rid, rng.integers(3, vocab, size=plen).astype(np.int32), new, cancel))
+    return jobs

@@ -1,0 +1,91 @@
+"""The persistent scheduler on the GPU, against the host-driven mode and the CPU engine.
+
+Small fp32 Llama with random weights; requests go through the ring exactly as the slot tracker
+writes them. Marked gpu: skipped without CUDA, run by scripts/gpu_run.sh on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared import ring_layout as L
+from shared.transport import SHM_DIR
+from tests.gpu.ring_workload import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+F = L.FinishReason
+VOCAB = 512
+ENGINE_ARGS = ("--dtype", "float32", "--num-slots", "256", "--max-prompt-tokens", "256", "--max-output-tokens",
+               "4352", "--max-batch", "64", "--kv-blocks", "6000", "--block-size", "16", "--top-logprobs", "2")
+OUT = Path(os.environ.get("BLINK_GPU_OUT", "/tmp/blink-gpu-out"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(11)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama_gpu")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str) -> tuple[dict[int, Result], dict]:
+    name = f"blink-gpu-{backend}-{uuid.uuid4().hex[:6]}"
+    OUT.mkdir(parents=True, exist_ok=True)
+    proc = start_engine(name, model, backend, *ENGINE_ARGS, log=OUT / f"engine-{tag}-{backend}.log")
+    ring = wait_ready(name, proc)
+    try:
+        results = Driver(ring, window).run(jobs, timeout=480)
+        header = ring.read_header()
+        stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
+                                                       "window_relaunches", "preemptions", "output_tokens")}
+        rc = stop_engine(ring, proc)
+        stats["exit_code"] = rc
+        stats["segment_left"] = (SHM_DIR / name).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ring.close()
+    return results, stats
+
+
+def test_host_driven_matches_cpu_engine(tiny: Path) -> None:
+    jobs = random_jobs(48, VOCAB, seed=1, max_prompt=200, max_new=40, cancel_frac=0.0)
+    cpu, _ = serve_jobs(tiny, "cpu", jobs, window=16, tag="equal")
+    host, stats = serve_jobs(tiny, "host", jobs, window=16, tag="equal")
+    diff = [j.rid for j in jobs if cpu[j.rid].tokens != host[j.rid].tokens]
+    assert not diff, f"{len(diff)} of {len(jobs)} requests differ between the CPU engine and the host-driven mode"
+    assert all(len(host[j.rid].tokens) == j.max_new for j in jobs)
+    assert stats["exit_code"] == 0 and not stats["segment_left"]
+
+
+def test_persistent_5000_requests_with_cancellations(tiny: Path) -> None:
+    jobs = random_jobs(5000, VOCAB, seed=2, max_prompt=160, max_new=96, cancel_frac=0.1)
+    jobs.append(Job(10_000, jobs[0].prompt[:8], 4096))  # crosses many launch windows
+    reference = [Job(j.rid, j.prompt, j.max_new) for j in jobs]  # host-driven, nothing cancelled
+    host, _ = serve_jobs(tiny, "host", reference, window=16, tag="5k")
+    pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag="5k")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "persistent_5k.json").write_text(json.dumps(stats))
+    assert set(pers) == {j.rid for j in jobs}
+    cancelled = [j for j in jobs if pers[j.rid].reason == F.CANCELLED]
+    assert all(j.cancel_after is not None for j in cancelled)
+    for j in jobs:
+        got, ref = pers[j.rid], host[j.rid].tokens
+        if got.reason == F.CANCELLED:
+            assert got.tokens == ref[: len(got.tokens)], f"request {j.rid}: cancelled output not a prefix"
+        else:
+            assert got.reason == F.LENGTH and got.tokens == ref, f"request {j.rid} differs from host-driven"
+    assert len(pers[10_000].tokens) == 4096
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["window_relaunches"] > 100
+    assert stats["exit_code"] == 0 and not stats["segment_left"]
