@@ -16,7 +16,7 @@ import torch
 
 from shared import ring_layout as L
 from shared.transport import SHM_DIR
-from tests.gpu.ring_workload import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
+from tests.persistent.ring_workload import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
