@@ -1,0 +1,143 @@
+"""Chat templates: find a model's template and render messages with it in a jinja2 sandbox."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dpu_tokenizer.base import TokenizerError
+from dpu_tokenizer.sources import default_model_path, find_gguf, read_gguf_vocab, read_json_if_present
+
+# Used when a model ships no template: ChatML, the most widespread convention.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template does not compile, rejects the messages, or the messages are malformed."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    """Compile once per template text, in the same kind of environment Hugging Face uses."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from exc
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"message {i} is not an object")
+        if not isinstance(message.get("role"), str):
+            raise ChatTemplateError(f"message {i} has no string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ChatTemplateError(f"message {i} has content of type {type(content).__name__}")
+        out.append(dict(message))
+    return out
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """Render ``messages`` to the prompt text; ``None`` as template means the fallback template."""
+    compiled = compile_template(template if template is not None else FALLBACK_TEMPLATE)
+    context = {
+        "messages": _check_messages(messages),
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        **extra,
+    }
+    try:
+        return compiled.render(**context)
+    except ChatTemplateError:
+        raise
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+def _template_from_config(config: Mapping[str, Any]) -> str | None:
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        chosen = named.get("default", next(iter(named.values()), None))
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def _template_from_folder(folder: Path) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        found = _template_from_config(read_json_if_present(folder / name))
+        if found is not None:
+            return found
+    gguf = find_gguf(folder)
+    return read_gguf_vocab(str(gguf)).chat_template if gguf is not None else None
+
+
+def load_chat_template(model_path: str | os.PathLike[str] | None = None) -> str | None:
+    """The model's own chat template (tokenizer_config.json, chat_template.jinja or GGUF), or None."""
+    path = Path(model_path) if model_path is not None else default_model_path()
+    if path.is_dir():
+        return _template_from_folder(path)
+    if path.suffix == ".gguf":
+        try:
+            return read_gguf_vocab(str(path)).chat_template
+        except TokenizerError:
+            return None
+    if path.suffix == ".json":
+        return _template_from_config(read_json_if_present(path))
+    return _template_from_folder(path.parent) if path.is_file() else None

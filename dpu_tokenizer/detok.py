@@ -1,0 +1,111 @@
+"""Streaming detokenization: emit only final text, never half a UTF-8 char or part of a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpu_tokenizer.base import Tokenizer
+
+
+def utf8_complete_prefix(data: bytes) -> int:
+    """Length of ``data`` without a trailing, still completable, UTF-8 sequence."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        byte = data[n - back]
+        if byte < 0x80:
+            return n
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            if byte > 0xF4 or need <= back:
+                return n  # invalid lead, or the sequence is already whole
+            return n - back
+    return n  # only continuation bytes: nothing can complete them
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces whose concatenation equals a full decode.
+
+    ``push`` returns text that can no longer change: a trailing incomplete UTF-8 sequence, and any
+    tail that could still grow into one of ``stop_strings``, are held back. When a stop string is
+    completed the text before it is returned, ``stopped`` becomes True and ``stop_string`` names it;
+    later pushes return "". ``finish`` releases what is held (incomplete bytes become U+FFFD).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        table_of = getattr(tokenizer, "token_bytes_table", None)
+        if table_of is not None:
+            self._table: Sequence[bytes] = table_of(skip_special_tokens=skip_special_tokens)
+        else:
+            self._table = _table_from(tokenizer, skip_special_tokens)
+        self._stops = [s.encode("utf-8") for s in dict.fromkeys(stop_strings) if s]
+        self._stop_bytes = frozenset(b for s in self._stops for b in s)
+        self._max_stop = max(map(len, self._stops), default=0)
+        self._held = b""
+        self._strip_space = bool(getattr(tokenizer, "strip_leading_space", False))
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        table = self._table
+        if len(token_ids) == 1:
+            data = self._held + table[token_ids[0]]
+        else:
+            data = self._held + b"".join([table[t] for t in token_ids])
+        if self._strip_space and data:
+            self._strip_space = False
+            if data[:1] == b" ":
+                data = data[1:]
+        if self._stops:
+            return self._push_with_stops(data, len(self._held))
+        if data and data[-1] < 0x80:
+            self._held = b""
+            return data.decode("utf-8", "replace")
+        cut = utf8_complete_prefix(data)
+        self._held = data[cut:]
+        return data[:cut].decode("utf-8", "replace")
+
+    def _push_with_stops(self, data: bytes, old: int) -> str:
+        start = max(0, old - self._max_stop + 1)
+        hit, which = -1, b""
+        for stop in self._stops:
+            pos = data.find(stop, start)
+            if pos >= 0 and (hit < 0 or pos < hit):
+                hit, which = pos, stop
+        if hit >= 0:
+            self.stopped = True
+            self.stop_string = which.decode("utf-8")
+            self._held = b""
+            return data[:hit].decode("utf-8", "replace")
+        keep = min(len(data) - self._stop_prefix_len(data), utf8_complete_prefix(data))
+        self._held = data[keep:]
+        return data[:keep].decode("utf-8", "replace")
+
+    def _stop_prefix_len(self, data: bytes) -> int:
+        """Length of the longest tail of ``data`` that is a proper prefix of some stop string."""
+        if not data or data[-1] not in self._stop_bytes:
+            return 0
+        best = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(data)), best, -1):
+                if data.endswith(stop[:size]):
+                    best = size
+                    break
+        return best
+
+    def finish(self) -> str:
+        """Everything still held: no more tokens can complete a char or a stop string."""
+        if self.stopped:
+            return ""
+        data, self._held = self._held, b""
+        return data.decode("utf-8", "replace")
+
+
+def _table_from(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[bytes]:
+    return [
+        b"" if skip_special_tokens and tokenizer.is_special(i) else tokenizer.token_bytes(i)
+        for i in range(tokenizer.vocab_size)
+    ]
