@@ -1,0 +1,162 @@
+"""Decode/prefill step time of a Llama-3-8B-shaped random bf16 model through captured graphs, vs floors.
+
+Measures the device-copy bandwidth and the bf16 matmul rate in the same run, then times graph
+replays. Floors: decode = (weight bytes read + KV bytes read) / bandwidth (the embedding table is
+not read, only B rows of it); prefill = FLOPs (linear layers + causal attention) / matmul rate.
+Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "max_position_embeddings": 8192}
+BLOCK = 16
+DECODE_BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (512, 2048)
+PREFILL_TOKENS = (512, 2048, 8192)
+
+
+def _time_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(device-copy GB/s counting bytes read + written, bf16 matmul TFLOP/s at 8192^3)."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), 20)
+    gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _time_ms(lambda: a @ b, 20)
+    return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def build(max_ctx: int):
+    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.loader import build_empty
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    model = build_empty(cfg, torch.bfloat16, "cuda")
+    torch.cuda.empty_cache()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    per_seq = max_ctx // BLOCK + 1
+    kv = KVCache(cfg, max(DECODE_BATCHES) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
+    limits = RunnerLimits(max(DECODE_BATCHES), max(PREFILL_TOKENS), max(PREFILL_TOKENS) // BLOCK)
+    return cfg, model, GpuModelRunner(model, kv, limits), per_seq
+
+
+def stage_step(runner, batch: int, ctx: int, new: int, per_seq: int) -> None:
+    """B sequences of `ctx` tokens after this step, each adding `new` tokens, disjoint blocks."""
+    from gpu_engine.models.attention import build_metadata
+
+    seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
+    meta = build_metadata(seqs, BLOCK, device="cuda")
+    ids = torch.randint(0, runner.config.vocab_size, (batch * new,), device="cuda")
+    runner.stage(ids, meta)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every parameter except the embedding table (unless tied)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head.weight is not model.embed.weight:
+        total -= model.embed.weight.numel() * model.embed.weight.element_size()
+    return total
+
+
+def prefill_flops(cfg, model, tokens: int) -> float:
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * 2 * 2 * tokens * (tokens + 1) / 2
+    return 2.0 * tokens * layer_params + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
+def capture(runner):
+    """Capture with device-launch executables; if instantiating those fails, say so and use host replay."""
+    from gpu_engine.gpu.graph_cache import GraphCache
+
+    buckets = [(1, t) for t in PREFILL_TOKENS]
+    try:
+        graphs = GraphCache(runner, list(DECODE_BATCHES), buckets)
+        return graphs, graphs.capture(progress=True)
+    except Exception as exc:  # noqa: BLE001  (reported, then the host-replay path still gets measured)
+        print(f"DEVICE-LAUNCH CAPTURE FAILED: {exc!r}; recapturing for host replay only", flush=True)
+        graphs.close()
+        graphs = GraphCache(runner, list(DECODE_BATCHES), buckets, device_launch=False)
+        return graphs, graphs.capture(progress=True)
+
+
+def run(out: Path, iters: int) -> dict:
+    gbps, tflops = measure_ceilings()
+    print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    cfg, model, runner, per_seq = build(max(CONTEXTS))
+    t0 = time.perf_counter()
+    graphs, captured = capture(runner)
+    print(f"captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
+          f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
+    wbytes = weight_bytes(model)
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    rows = []
+    for ctx in CONTEXTS:
+        for b in DECODE_BATCHES:
+            stage_step(runner, b, ctx, 1, per_seq)
+            ms = _time_ms(lambda b=b: graphs.replay((True, b, b)), iters)
+            sample_ms = _time_ms(lambda b=b: runner._sample(b), iters)
+            floor = (wbytes + b * ctx * kv_per_token) / (gbps * 1e9) * 1e3
+            rows.append({"model": "llama3-8b-shape", "phase": "decode", "batch": b, "context": ctx,
+                         "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms})
+    for t in PREFILL_TOKENS:
+        stage_step(runner, 1, t, t, per_seq)
+        ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
+        floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
+        rows.append({"model": "llama3-8b-shape", "phase": "prefill", "batch": 1, "context": t,
+                     "tokens": t, "ms": ms, "floor_ms": floor})
+    result = {"device": torch.cuda.get_device_name(), "hbm_gbps_measured": gbps,
+              "matmul_tflops_measured": tflops, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    graphs.close()
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{'phase':8} {'batch':>5} {'ctx':>5} {'tokens':>6} {'ms':>9} {'floor':>9} {'x floor':>7}")
+    for r in result["rows"]:
+        print(f"{r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
+              f"{r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:7.2f}"
+              + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/decode_roofline.json"))
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("roofline needs a CUDA device")
+    print_table(run(args.out, args.iters))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The one owner of CUDA graphs: capture, shape lookup, device-launch executables and host replay.
+
+Every graph runs `GpuModelRunner.forward` on the runner's single set of static buffers, sized for
+the largest shape, then a tiny kernel that bumps the graph's completion counter
+(`counters[graph_index]`, int64, release ordered). Graphs share one memory pool and the static
+buffers, so at most one may run at a time. Each graph is captured with `keep_graph=True`; its
+`cudaGraph_t` is instantiated `copies` times for device launch (`cudaGraphInstantiateFlagDeviceLaunch`
++ `cudaGraphUpload`) so a device scheduler can rotate copies; host replay uses torch's own executable.
+
+Lookup is O(1): `decode_table[b]` is the index of the smallest decode graph with batch >= b;
+`prefill_table[b, ceil(t / TOKEN_GRAIN)]` the cheapest prefill graph with batch >= b and tokens >= t.
+Shapes past the largest fall back to the largest graph (whose padding rules then do not hold, so
+callers must split such steps; `lookup` reports it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from gpu_engine.gpu.runner import GpuModelRunner
+
+TOKEN_GRAIN = 16
+
+
+class GraphShape(NamedTuple):
+    decode: bool
+    batch: int
+    tokens: int
+
+
+@dataclass
+class CapturedGraph:
+    shape: GraphShape
+    index: int
+    graph: torch.cuda.CUDAGraph
+    exec_handles: list[int] = field(default_factory=list)
+    capture_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@triton.jit
+def _bump_counter_kernel(counter_ptr):
+    tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+def _cudart():
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def _checked(result, what: str):
+    err, *rest = result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def instantiate_for_device_launch(raw_graph: int, stream: int) -> int:
+    """Instantiate a `cudaGraph_t` (as int) with the device-launch flag and upload it; returns the exec."""
+    rt = _cudart()
+    flag = rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagDeviceLaunch
+    graph = rt.cudaGraph_t(init_value=raw_graph)
+    exec_ = _checked(rt.cudaGraphInstantiateWithFlags(graph, int(getattr(flag, "value", flag))),
+                     "cudaGraphInstantiateWithFlags(DeviceLaunch)")
+    _checked((rt.cudaGraphUpload(exec_, rt.cudaStream_t(init_value=stream))[0], None), "cudaGraphUpload")
+    handle = int(exec_)
+    if handle == 0:
+        raise RuntimeError("device-launch instantiation returned a null executable")
+    return handle
+
+
+class GraphCache:
+    """Decode graphs over batch sizes and prefill graphs over (batch, tokens) buckets for one runner."""
+
+    def __init__(self, runner: GpuModelRunner, decode_batches: list[int],
+                 prefill_buckets: list[tuple[int, int]], copies: int = 4, device_launch: bool = True) -> None:
+        lim = runner.limits
+        for b in decode_batches:
+            if not 0 < b <= lim.max_batch:
+                raise ValueError(f"decode batch {b} outside 1..{lim.max_batch}")
+        for b, t in prefill_buckets:
+            if not (0 < b <= lim.max_batch and b <= t <= lim.max_tokens):
+                raise ValueError(f"prefill bucket ({b}, {t}) outside the runner limits {lim}")
+        self.runner, self.copies, self.device_launch = runner, copies, device_launch
+        shapes = [GraphShape(True, b, b) for b in sorted(set(decode_batches))]
+        shapes += [GraphShape(False, b, t) for b, t in sorted(set(prefill_buckets))]
+        self.shapes = shapes
+        self.graphs: list[CapturedGraph | None] = [None] * len(shapes)
+        self.counters = torch.zeros(len(shapes), dtype=torch.int64, device=runner.device)
+        self.decode_table = self._decode_table(lim.max_batch)
+        self.prefill_table = self._prefill_table(lim.max_batch, lim.max_tokens)
+        self._pool = None
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def _decode_table(self, max_batch: int) -> np.ndarray:
+        table = np.full(max_batch + 1, -1, dtype=np.int32)
+        dec = [(s.batch, i) for i, s in enumerate(self.shapes) if s.decode]
+        for b in range(max_batch, -1, -1):
+            fits = [i for size, i in dec if size >= b]
+            table[b] = fits[0] if fits else (dec[-1][1] if dec else -1)
+        return table
+
+    def _prefill_table(self, max_batch: int, max_tokens: int) -> np.ndarray:
+        n_t = triton.cdiv(max_tokens, TOKEN_GRAIN) + 1
+        table = np.full((max_batch + 1, n_t), -1, dtype=np.int32)
+        pre = [(s.tokens, s.batch, i) for i, s in enumerate(self.shapes) if not s.decode]
+        if not pre:
+            return table
+        largest = max(pre)[2]
+        for b in range(max_batch + 1):
+            for g in range(n_t):
+                fits = sorted((t, bb, i) for t, bb, i in pre if bb >= b and t >= g * TOKEN_GRAIN)
+                table[b, g] = fits[0][2] if fits else largest
+        return table
+
+    def lookup(self, decode: bool, batch: int, tokens: int) -> tuple[int, bool]:
+        """(graph index, fits) for a step; fits is False when the largest-shape fallback is too small."""
+        if decode:
+            idx = int(self.decode_table[min(batch, len(self.decode_table) - 1)])
+        else:
+            b = min(batch, self.prefill_table.shape[0] - 1)
+            g = min(triton.cdiv(tokens, TOKEN_GRAIN), self.prefill_table.shape[1] - 1)
+            idx = int(self.prefill_table[b, g])
+        if idx < 0:
+            raise LookupError(f"no {'decode' if decode else 'prefill'} graph captured")
+        s = self.shapes[idx]
+        return idx, s.batch >= batch and s.tokens >= tokens
+
+    # ---- capture ------------------------------------------------------------------------------
+    def capture(self, progress: bool = True) -> list[CapturedGraph]:
+        """Warm up and capture every shape, largest first (they share one pool); returns the graphs."""
+        from tqdm import tqdm
+
+        if not self.runner.device.type == "cuda":
+            raise RuntimeError("graph capture needs a CUDA runner")
+        self._pool = torch.cuda.graph_pool_handle()
+        order = sorted(range(len(self.shapes)), key=lambda i: -self.shapes[i].tokens)
+        bar = tqdm(order, desc="capturing graphs", disable=not progress, unit="graph")
+        for i in bar:
+            self.graphs[i] = self._capture_one(i)
+            g = self.graphs[i]
+            bar.set_postfix_str(f"{_label(g.shape)} {g.capture_s * 1e3:.0f} ms {g.memory_bytes / 2**20:.1f} MiB")
+        torch.cuda.synchronize()
+        return [g for g in self.graphs if g is not None]
+
+    def _capture_one(self, index: int) -> CapturedGraph:
+        shape = self.shapes[index]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels, picks cuBLAS algorithms
+            self.runner.forward(shape.batch, shape.tokens, shape.decode)
+            _bump_counter_kernel[(1,)](torch.zeros(1, dtype=torch.int64, device=self.runner.device))
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.runner.forward(shape.batch, shape.tokens, shape.decode)
+            _bump_counter_kernel[(1,)](self.counters[index:])
+        if hasattr(graph, "instantiate"):
+            graph.instantiate()
+        cg = CapturedGraph(shape, index, graph)
+        if self.device_launch:
+            raw = int(graph.raw_cuda_graph())
+            cur = torch.cuda.current_stream().cuda_stream
+            cg.exec_handles = [instantiate_for_device_launch(raw, cur) for _ in range(self.copies)]
+        torch.cuda.synchronize()
+        cg.capture_s = time.perf_counter() - t0
+        cg.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        return cg
+
+    # ---- use ----------------------------------------------------------------------------------
+    def replay(self, shape: GraphShape | tuple[bool, int, int]) -> GraphShape:
+        """Host-driven mode: replay the graph for (decode, batch, tokens) on the current stream.
+
+        Buffers past the real step must hold padding (`GpuModelRunner.stage` writes it). Returns the
+        captured shape that ran.
+        """
+        decode, batch, tokens = shape
+        idx, fits = self.lookup(decode, batch, tokens)
+        if not fits:
+            raise ValueError(f"step {tuple(shape)} is larger than every captured graph")
+        g = self.graphs[idx]
+        if g is None:
+            raise RuntimeError("graphs not captured yet (call capture())")
+        g.graph.replay()
+        return g.shape
+
+    def exec_handles(self, index: int) -> list[int]:
+        """The device-launch `cudaGraphExec_t` copies (as ints) of graph `index`."""
+        g = self.graphs[index]
+        if g is None or not g.exec_handles:
+            raise RuntimeError(f"graph {index} has no device-launch executables")
+        return list(g.exec_handles)
+
+    def scheduler_view(self) -> dict:
+        """Everything a device scheduler needs: shapes, lookup tables, exec handles and buffer addresses."""
+        return {
+            "shapes": [tuple(s) for s in self.shapes],
+            "exec_handles": [list(g.exec_handles) if g else [] for g in self.graphs],
+            "decode_table": self.decode_table,
+            "prefill_table": self.prefill_table,
+            "token_grain": TOKEN_GRAIN,
+            "counters_ptr": self.counters.data_ptr(),
+            "buffers": self.runner.buffers.pointers(),
+        }
+
+    def close(self) -> None:
+        """Destroy the device-launch executables and drop the graphs."""
+        rt = _cudart() if any(g and g.exec_handles for g in self.graphs) else None
+        for g in self.graphs:
+            if g is not None and rt is not None:
+                for h in g.exec_handles:
+                    rt.cudaGraphExecDestroy(rt.cudaGraphExec_t(init_value=h))
+                g.exec_handles.clear()
+        self.graphs = [None] * len(self.shapes)
+
+
+def _label(s: GraphShape) -> str:
+    return f"decode b={s.batch}" if s.decode else f"prefill b={s.batch} t={s.tokens}"

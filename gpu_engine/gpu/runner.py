@@ -1,0 +1,229 @@
+"""The GPU forward pass for every supported family, reading and writing only static buffers.
+
+A step is described entirely by the static buffers (`StepBuffers`): the first `tokens` rows of
+the token-indexed ones and the first `batch` rows of the sequence-indexed ones. Rows past those
+must hold padding (`pad_step` writes it): slot -1 (no cache write), context length 0, and for
+sequences past the real batch an empty query range. `forward(batch, tokens, decode)` launches
+only device work with shapes fixed by its arguments, so it can be captured in a CUDA graph and
+replayed for any step that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from gpu_engine.kernels.activation import silu_and_mul
+from gpu_engine.kernels.attention import decode_attention, prefill_attention
+from gpu_engine.kernels.kv_cache import write_kv
+from gpu_engine.kernels.moe import fused_moe
+from gpu_engine.kernels.rmsnorm import rms_norm
+from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
+from gpu_engine.kernels.sampling import sample
+from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.config import ModelConfig
+from gpu_engine.models.decoder import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerLimits:
+    """Sizes of the static buffers: the largest step any graph will run."""
+
+    max_batch: int
+    max_tokens: int
+    max_blocks_per_seq: int
+    num_top_logprobs: int = 5
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch, self.max_tokens, self.max_blocks_per_seq) <= 0 or self.num_top_logprobs < 0:
+            raise ValueError(f"invalid runner limits {self}")
+        if self.max_tokens < self.max_batch:
+            raise ValueError("max_tokens must be >= max_batch (a decode step has one token per sequence)")
+
+
+@dataclass(slots=True)
+class StepBuffers:
+    """Static inputs (written before a step) and outputs (read after it); one set for every graph."""
+
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64, -1 = padding
+    cu_seqlens_q: torch.Tensor  # [max_batch + 1] int32
+    context_lens: torch.Tensor  # [max_batch] int32, after this step
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32, -1 padded
+    temperature: torch.Tensor  # [max_batch] f32, 0 = greedy
+    top_k: torch.Tensor  # [max_batch] int32, 0 = off
+    top_p: torch.Tensor  # [max_batch] f32, 1 = off
+    min_p: torch.Tensor  # [max_batch] f32, 0 = off
+    seeds: torch.Tensor  # [max_batch] int64
+    sample_index: torch.Tensor  # [max_batch] int64, index of the token being sampled (RNG counter)
+    logits: torch.Tensor  # [max_batch, vocab] f32
+    next_tokens: torch.Tensor  # [max_batch] int64
+    token_logprobs: torch.Tensor  # [max_batch] f32
+    top_ids: torch.Tensor  # [max_batch, num_top] int64
+    top_logprobs: torch.Tensor  # [max_batch, num_top] f32
+
+    @classmethod
+    def allocate(cls, limits: RunnerLimits, vocab: int, device) -> StepBuffers:
+        B, T, K = limits.max_batch, limits.max_tokens, max(1, limits.num_top_logprobs)
+
+        def z(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=z(T, dtype=torch.int64), positions=z(T, dtype=torch.int64),
+            slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
+            cu_seqlens_q=z(B + 1, dtype=torch.int32), context_lens=z(B, dtype=torch.int32),
+            block_tables=torch.full((B, limits.max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+            temperature=z(B, dtype=torch.float32), top_k=z(B, dtype=torch.int32),
+            top_p=torch.ones(B, dtype=torch.float32, device=device), min_p=z(B, dtype=torch.float32),
+            seeds=z(B, dtype=torch.int64), sample_index=z(B, dtype=torch.int64),
+            logits=z(B, vocab, dtype=torch.float32), next_tokens=z(B, dtype=torch.int64),
+            token_logprobs=z(B, dtype=torch.float32), top_ids=z(B, K, dtype=torch.int64),
+            top_logprobs=z(B, K, dtype=torch.float32),
+        )
+
+    def pointers(self) -> dict[str, int]:
+        """Device addresses of every buffer, for a C++ scheduler."""
+        return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # dense [2I, H] or experts [E, 2I, H]
+    down: torch.Tensor  # dense [H, I] or experts [E, H, I]
+    router: torch.Tensor | None  # [E, H] for MoE layers
+
+
+def layer_weights(model: CausalLM) -> list[LayerWeights]:
+    """Views of the model's parameters, per layer (no copies)."""
+    out = []
+    for layer in model.layers:
+        moe = hasattr(layer.mlp, "router")
+        out.append(LayerWeights(
+            attn_norm=layer.attn_norm.weight, qkv=layer.attn.qkv.weight,
+            q_norm=layer.attn.q_norm.weight if layer.attn.q_norm is not None else None,
+            k_norm=layer.attn.k_norm.weight if layer.attn.k_norm is not None else None,
+            o=layer.attn.o.weight, mlp_norm=layer.mlp_norm.weight,
+            gate_up=layer.mlp.gate_up if moe else layer.mlp.gate_up.weight,
+            down=layer.mlp.down if moe else layer.mlp.down.weight,
+            router=layer.mlp.router.weight if moe else None,
+        ))
+    return out
+
+
+class GpuModelRunner:
+    """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
+                 max_positions: int | None = None) -> None:
+        cfg: ModelConfig = model.config
+        self.config, self.limits, self.kv = cfg, limits, kv_cache
+        self.device = model.embed.weight.device
+        self.dtype = model.embed.weight.dtype
+        if kv_cache.dtype != self.dtype or kv_cache.k[0].device != self.device:
+            raise ValueError(f"KV cache is {kv_cache.dtype} on {kv_cache.k[0].device}, "
+                             f"model is {self.dtype} on {self.device}")
+        self.embed, self.final_norm, self.lm_head = model.embed.weight, model.norm.weight, model.lm_head.weight
+        self.layers = layer_weights(model)
+        n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
+        cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
+        self.rope_cache = cache_from_cos_sin(cos, sin)
+        self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    # One step: the whole device-side work, capturable.
+    def forward(self, batch: int, tokens: int, decode: bool) -> None:
+        """Run the model on the first `tokens` tokens / `batch` sequences and sample one token per sequence."""
+        if decode and batch != tokens:
+            raise ValueError("a decode step has exactly one token per sequence")
+        if batch > self.limits.max_batch or tokens > self.limits.max_tokens:
+            raise ValueError(f"step ({batch}, {tokens}) exceeds limits {self.limits}")
+        buf = self.buffers
+        residual = F.embedding(buf.input_ids[:tokens], self.embed)
+        x = rms_norm(residual, self.layers[0].attn_norm, self.config.rms_norm_eps)
+        for i, w in enumerate(self.layers):
+            h = self._attention(i, w, x, batch, tokens, decode)
+            x = rms_norm(h, w.mlp_norm, self.config.rms_norm_eps, residual=residual)
+            h = self._mlp(w, x)
+            if i + 1 < len(self.layers):
+                x = rms_norm(h, self.layers[i + 1].attn_norm, self.config.rms_norm_eps, residual=residual)
+        self._head(h, residual, batch, tokens, decode)
+        self._sample(batch)
+
+    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: int, tokens: int,
+                   decode: bool) -> torch.Tensor:
+        cfg, buf = self.config, self.buffers
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
+        q = qkv[:, : hq * d].view(tokens, hq, d)
+        k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+        if w.q_norm is not None and w.k_norm is not None:
+            rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
+            rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
+        apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
+        kc, vc = self.kv.k[i], self.kv.v[i]
+        write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
+        tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
+        if decode:
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale)
+        else:
+            out = prefill_attention(q, kc, vc, tables, ctx, buf.cu_seqlens_q[: batch + 1], self.scale,
+                                    block_m=64 if tokens >= 64 else 16)
+        return F.linear(out.view(tokens, hq * d), w.o)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if w.router is not None:
+            cfg = self.config
+            return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return F.linear(silu_and_mul(F.linear(x, w.gate_up)), w.down)
+
+    def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
+        """Final residual add + norm on each sequence's last token only, then the LM head."""
+        if not decode:
+            last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
+            h, residual = h[last], residual[last]
+        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
+        self.buffers.logits[:batch].copy_(F.linear(x, self.lm_head))
+
+    def _sample(self, batch: int) -> None:
+        b = self.buffers
+        sample(b.logits[:batch], b.temperature[:batch], b.top_k[:batch], b.top_p[:batch], b.min_p[:batch],
+               b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
+               b.top_ids[:batch], b.top_logprobs[:batch])
+
+    # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
+    def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy one step (`AttentionMetadata` + token ids) into the static buffers, padding the rest.
+
+        `sampling` may hold per-sequence `temperature`, `top_k`, `top_p`, `min_p`, `seeds`,
+        `sample_index` tensors; absent ones reset to greedy / off / 0.
+        """
+        buf, T, B = self.buffers, input_ids.shape[0], meta.context_lens.shape[0]
+        width = meta.block_tables.shape[1]
+        if T > self.limits.max_tokens or B > self.limits.max_batch or width > self.limits.max_blocks_per_seq:
+            raise ValueError(f"step of {B} sequences / {T} tokens / {width} blocks exceeds {self.limits}")
+        for name, src, pad in (("input_ids", input_ids, 0), ("positions", meta.positions, 0),
+                               ("slot_mapping", meta.slot_mapping, -1), ("context_lens", meta.context_lens, 0)):
+            dst = getattr(buf, name)
+            dst[len(src):].fill_(pad)
+            dst[: len(src)].copy_(src)
+        buf.cu_seqlens_q[B + 1:].fill_(T)
+        buf.cu_seqlens_q[: B + 1].copy_(meta.cu_seqlens_q)
+        buf.block_tables.fill_(-1)
+        buf.block_tables[:B, :width].copy_(meta.block_tables)
+        defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0}
+        for name, pad in defaults.items():
+            dst = getattr(buf, name)
+            dst.fill_(pad)
+            if sampling and name in sampling:
+                dst[:B].copy_(sampling[name])

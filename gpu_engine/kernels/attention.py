@@ -1,0 +1,281 @@
+"""Paged attention: decode (one query per sequence, split over the context) and packed varlen prefill.
+
+Both read K/V from the paged cache [num_blocks, block_size, Hkv, D] through block tables
+[B, max_blocks] (int32, -1 padded); `context_lens[B]` counts the tokens in the cache after this
+step (the new tokens included, already written). GQA: query head h reads KV head h // (Hq // Hkv).
+Softmax runs in the exp2 domain in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
+
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Gather [BLOCK_N, BLOCK_D] rows of one KV head for logical token indices `n`."""
+    blk = tl.load(bt_ptr + n // BS, mask=valid, other=0).to(tl.int64)
+    row = (blk * BS + n % BS) * (HKV * D) + kvh * D
+    return tl.load(c_ptr + row[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
+    sq_b, sq_h, sbt_b, scale_log2, NSPLIT,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = s * PART
+    end = tl.minimum(start + PART, ctx)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        m = m_new
+    part = (b * (HKV * G) + heads) * NSPLIT + s
+    tl.store(po_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g[:, None] < G)
+    tl.store(pm_ptr + part, m, mask=g < G)
+    tl.store(pl_ptr + part, lsum, mask=g < G)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT,
+    H: tl.constexpr, D: tl.constexpr, PART: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    n_active = tl.cdiv(ctx, PART)
+    base = (b * H + h) * NSPLIT
+    sidx = tl.arange(0, BLOCK_S)
+    ms = tl.load(pm_ptr + base + sidx, mask=sidx < n_active, other=NEG_BIG)
+    m_max = tl.max(ms, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s in range(0, n_active):
+        w = tl.exp2(tl.load(pm_ptr + base + s) - m_max)
+        total += w * tl.load(pl_ptr + base + s)
+        acc += w * tl.load(po_ptr + (base + s) * BLOCK_D + d)
+    out = acc / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _gather_kv(k_cache, v_cache, block_table, n_tokens):
+    bs = k_cache.shape[1]
+    idx = torch.arange(n_tokens, device=k_cache.device)
+    blocks = block_table[idx // bs].long()
+    return k_cache[blocks, idx % bs], v_cache[blocks, idx % bs]
+
+
+def _attend_ref(q, k, v, scale, q_pos):
+    """q [M, H, D], k/v [N, Hkv, D]; query i sees keys 0..q_pos[i]. fp32 result [M, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    causal = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]
+    s = s.masked_fill(causal[None], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    """Plain PyTorch: q [B, H, D] -> [B, H, D]."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n)
+        pos = torch.tensor([n - 1], device=q.device)
+        out[b] = _attend_ref(q[b : b + 1], k, v, scale, pos)[0].to(q.dtype)
+    return out
+
+
+def prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale):
+    """Plain PyTorch: packed q [T, H, D] -> [T, H, D], causal, cached prefix included."""
+    out = torch.zeros_like(q)
+    for b in range(block_tables.shape[0]):
+        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n = int(context_lens[b])
+        if hi == lo:
+            continue
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n)
+        pos = torch.arange(n - (hi - lo), n, device=q.device)
+        out[lo:hi] = _attend_ref(q[lo:hi], k, v, scale, pos).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _zero_tail(out_ptr, cu_ptr, NB, T, mt, h, so_t, so_h, d, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    rows = tl.load(cu_ptr + NB) + mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows[:, None] < T) & (d[None, :] < D)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * so_t + h * so_h + d[None, :], zeros, mask=mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
+    sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, NB, T,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    if b == NB:  # rows past the last sequence (padding) get zeros, never stale memory
+        _zero_tail(out_ptr, cu_ptr, NB, T, mt, h, so_t, so_h, d, D, BLOCK_M, BLOCK_D)
+        return
+    q_lo = tl.load(cu_ptr + b)
+    qlen = tl.load(cu_ptr + b + 1) - q_lo
+    if mt * BLOCK_M >= qlen:
+        return
+    ctx = tl.load(ctx_ptr + b)
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    qpos = ctx - qlen + i
+    rows = (q_lo + i).to(tl.int64)
+    rmask = (i[:, None] < qlen) & (d[None, :] < D)
+    q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask, other=0.0)
+    kvh = h // G
+    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < hi
+        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        sc = tl.where((n[None, :] <= qpos[:, None]) & valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / tl.maximum(lsum, 1e-30)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * so_t + h * so_h + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+def _check_paged(q, k_cache, v_cache, block_tables, context_lens, n_seqs: int):
+    check("q", q, dtype=FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected 3 dims, got {tuple(q.shape)}")
+    D = q.shape[2]
+    check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, D), device=q.device)
+    check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=q.device)
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+    hkv = k_cache.shape[2]
+    if q.shape[1] % hkv:
+        raise ValueError(f"q heads {q.shape[1]} not a multiple of KV heads {hkv}")
+    check("block_tables", block_tables, dtype=torch.int32, shape=(n_seqs, None), device=q.device)
+    check("context_lens", context_lens, dtype=torch.int32, shape=(n_seqs,), device=q.device)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, scale: float,
+    out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 64,
+) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged."""
+    B = q.shape[0] if q.dim() == 3 else -1
+    _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
+    H, D = q.shape[1], q.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, dtype=q.dtype, shape=(B, H, D), device=q.device)
+    if partition_size % block_n:
+        raise ValueError("partition_size must be a multiple of block_n")
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
+    bd = next_pow2(D)
+    po = torch.empty((B, H, nsplit, bd), dtype=torch.float32, device=q.device)
+    pm = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
+    pl = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
+    _decode_split_kernel[(B, hkv, nsplit)](
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * LOG2E, nsplit,
+        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
+        PART=partition_size, BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=4,
+    )
+    _decode_reduce_kernel[(B, H)](
+        po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
+        H=H, D=D, PART=partition_size, BLOCK_S=next_pow2(nsplit), BLOCK_D=bd, num_warps=4,
+    )
+    return out
+
+
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
+    out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int = 64, block_n: int = 64,
+) -> torch.Tensor:
+    """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
+
+    `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
+    sync is needed and the launch can be captured in a graph.
+    """
+    B = block_tables.shape[0]
+    _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
+    T, H, D = q.shape
+    check("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(B + 1,), device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, dtype=q.dtype, shape=(T, H, D), device=q.device)
+    if T == 0 or B == 0:
+        return out
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
+        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=_prec(q.dtype), num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

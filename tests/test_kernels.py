@@ -1,0 +1,255 @@
+"""Kernels vs their plain-PyTorch references: tiny shapes on CPU (Triton interpreter), real sizes on GPU."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpu_engine.kernels import activation, attention, kv_cache, moe, rmsnorm, rope  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _close(a, b, tol):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
+def test_rmsnorm_residual(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, 48, generator=g).to(DEV, dtype) for _ in range(2))
+    w = torch.randn(48, generator=g).to(DEV, dtype)
+    want, want_r = rmsnorm.rms_norm_ref(x, w, 1e-6, r)
+    res = r.clone()
+    _close(rmsnorm.rms_norm(x, w, 1e-6, residual=res), want, tol)
+    _close(res, want_r, tol)
+
+
+def test_rmsnorm_per_head_in_place():
+    qkv = torch.randn(3, 6 * 16, device=DEV)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)
+    w = torch.randn(16, device=DEV)
+    want = rmsnorm.rms_norm_ref(q.clone(), w, 1e-6)[0]
+    rmsnorm.rms_norm(q, w, 1e-6, out=q)
+    _close(qkv[:, : 4 * 16].view(3, 4, 16), want, 1e-5)
+
+
+@pytest.mark.parametrize("rot,scaling", [(16, None), (8, None), (16, {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16})])
+def test_rope(rot, scaling):
+    qkv = torch.randn(5, 8 * 16, device=DEV)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    cache = rope.build_rope_cache(rot, 64, 10000.0, scaling, device=DEV)
+    pos = torch.tensor([0, 3, 7, 1, 63], device=DEV)
+    want_q, want_k = rope.rope_ref(q, pos, cache), rope.rope_ref(k, pos, cache)
+    rope.apply_rope(q, k, pos, cache)
+    _close(q, want_q, 1e-5)
+    _close(k, want_k, 1e-5)
+
+
+def test_rope_matches_model_module():
+    from gpu_engine.models.rope import apply_rotary, base_inv_freq
+
+    x = torch.randn(4, 2, 16, device=DEV)
+    pos = torch.tensor([0, 5, 9, 2], device=DEV)
+    inv = base_inv_freq(12, 500000.0).to(DEV)
+    freqs = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cache = rope.cache_from_cos_sin(emb.cos(), emb.sin())
+    want = apply_rotary(x, emb.cos(), emb.sin())
+    got = x.clone()
+    rope.apply_rope(got, torch.zeros(4, 1, 16, device=DEV), torch.arange(4, device=DEV), cache)
+    _close(got, want, 1e-5)
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 2 * 200, device=DEV)
+    _close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x), 1e-5)
+
+
+def test_write_kv_skips_padding():
+    kc, vc = torch.zeros(4, 4, 2, 8, device=DEV), torch.zeros(4, 4, 2, 8, device=DEV)
+    kv = torch.randn(3, 2, 2, 8, device=DEV)
+    k, v = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([5, -1, 14], device=DEV)
+    want_k, want_v = kc.clone(), vc.clone()
+    kv_cache.write_kv_ref(k, v, want_k, want_v, slots)
+    kv_cache.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert kc.abs().sum() > 0
+
+
+def _paged(lens, hkv=2, d=16, bs=4, nblocks=40, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g).to(DEV, dtype)
+    width = max(1, max(-(-n // bs) for n in lens) + 1)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = torch.tensor(perm[used: used + nb], dtype=torch.int32)
+        used += nb
+    return kc, vc, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+def test_decode_attention(dtype, tol):
+    kc, vc, bt, ctx = _paged([1, 37, 0, 70], dtype=dtype)
+    q = torch.randn(4, 8, 16, device=DEV).to(dtype)
+    want = attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25)
+    got = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16)
+    _close(got, want, tol)
+
+
+def test_prefill_attention_varlen_with_prefix():
+    lens_q = [5, 0, 19, 1]
+    ctx_lens = [5, 3, 27, 9]
+    kc, vc, bt, ctx = _paged(ctx_lens)
+    cu = torch.tensor([0, 5, 5, 24, 25], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(lens_q), 8, 16, device=DEV)
+    want = attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 0.3)
+    got = attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, block_m=16, block_n=16)
+    _close(got, want, 1e-4)
+
+
+def test_moe_route_matches_reference():
+    logits = torch.randn(6, 10, device=DEV)
+    for normalize in (False, True):
+        w, ids = moe.moe_route(logits, 3, normalize)
+        rw, rids = moe.route_ref(logits, 3, normalize)
+        assert torch.equal(ids, rids)
+        _close(w, rw, 1e-6)
+
+
+def test_moe_align_groups_pairs_by_expert():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEV)
+    sorted_pairs, block_expert = moe.moe_align(ids, 4, 4)
+    flat = ids.reshape(-1).tolist()
+    for blk, e in enumerate(block_expert.tolist()):
+        pairs = [p for p in sorted_pairs[blk * 4: blk * 4 + 4].tolist() if p < 6]
+        assert all(flat[p] == e for p in pairs)
+    assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_fused_moe(normalize):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 32, generator=g).to(DEV)
+    router = torch.randn(6, 32, generator=g).to(DEV)
+    gate_up = (torch.randn(6, 2 * 24, 32, generator=g) * 0.2).to(DEV)
+    down = (torch.randn(6, 32, 24, generator=g) * 0.2).to(DEV)
+    got = moe.fused_moe(x, router, gate_up, down, 2, normalize, block_m=16)
+    _close(got, moe.fused_moe_ref(x, router, gate_up, down, 2, normalize), 1e-4)
+
+
+def test_launchers_reject_bad_inputs():
+    x = torch.randn(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm.rms_norm(x, torch.ones(7, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        activation.silu_and_mul(x.to(torch.int32))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kv_cache.write_kv(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 4, 1, 8),
+                          torch.zeros(2, 4, 1, 8), torch.zeros(2, dtype=torch.int32))
+    kc, vc, bt, ctx = _paged([3])
+    with pytest.raises(ValueError, match="block_tables"):
+        attention.decode_attention(torch.randn(1, 4, 16, device=DEV), kc, vc, bt.long(), ctx, 1.0)
+
+
+# ---- real sizes on the GPU ------------------------------------------------------------------------
+@gpu
+@needs_cuda
+def test_gpu_rmsnorm_rope_silu_real_sizes():
+    x, r = torch.randn(64, 4096, device=DEV, dtype=torch.bfloat16), torch.randn(64, 4096, device=DEV,
+                                                                               dtype=torch.bfloat16)
+    w = torch.randn(4096, device=DEV, dtype=torch.bfloat16)
+    want, want_r = rmsnorm.rms_norm_ref(x, w, 1e-5, r)
+    res, out = r.clone(), torch.full_like(x, float("nan"))
+    rmsnorm.rms_norm(x, w, 1e-5, residual=res, out=out)
+    _close(out, want, 3e-2)
+    _close(res, want_r, 1e-2)
+    qkv = torch.randn(64, 48 * 128, device=DEV, dtype=torch.bfloat16)
+    q, k = qkv[:, : 32 * 128].view(64, 32, 128), qkv[:, 32 * 128: 40 * 128].view(64, 8, 128)
+    cache = rope.build_rope_cache(128, 8192, 500000.0, device=DEV)
+    pos = torch.randint(0, 8192, (64,), device=DEV)
+    wq, wk = rope.rope_ref(q, pos, cache), rope.rope_ref(k, pos, cache)
+    rope.apply_rope(q, k, pos, cache)
+    _close(q, wq, 2e-2)
+    _close(k, wk, 2e-2)
+    a = torch.randn(64, 2 * 14336, device=DEV, dtype=torch.bfloat16)
+    _close(activation.silu_and_mul(a), activation.silu_and_mul_ref(a), 2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("lens", [[1, 700, 2900, 0, 33], [4000] * 3])
+def test_gpu_decode_attention_real_sizes(lens):
+    kc, vc, bt, ctx = _paged(lens, hkv=8, d=128, bs=16, nblocks=1200, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out)
+    _close(out, attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5), 2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_attention_real_sizes():
+    ctx_lens = [700, 50, 1000]  # query lengths 700, 1, 300
+    kc, vc, bt, ctx = _paged(ctx_lens, hkv=8, d=128, bs=16, nblocks=200, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device=DEV)
+    q = torch.randn(1010, 32, 128, device=DEV, dtype=torch.bfloat16)  # 9 padding rows at the end
+    out = torch.full_like(q, float("nan"))
+    attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out)
+    _close(out[:1001], attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 128 ** -0.5)[:1001], 2e-2)
+    assert torch.equal(out[1001:], torch.zeros_like(out[1001:]))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 96])
+def test_gpu_fused_moe_real_sizes(tokens):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(tokens, 2048, device=DEV, generator=g).bfloat16()
+    router = (torch.randn(128, 2048, device=DEV, generator=g) * 0.02).bfloat16()
+    gate_up = (torch.randn(128, 1536, 2048, device=DEV, generator=g) * 0.02).bfloat16()
+    down = (torch.randn(128, 2048, 768, device=DEV, generator=g) * 0.02).bfloat16()
+    got = moe.fused_moe(x, router, gate_up, down, 8, True)
+    want = moe.fused_moe_ref(x, router, gate_up, down, 8, True)
+    assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampling_matches_reference():
+    from gpu_engine import sampling as ref
+    from gpu_engine.kernels.sampling import sample
+
+    B, V = 8, 128256
+    logits = torch.randn(B, V, device=DEV) * 4
+    specs = [ref.SamplingSpec(0.0), ref.SamplingSpec(1.0), ref.SamplingSpec(0.7, top_k=40),
+             ref.SamplingSpec(1.0, top_p=0.9), ref.SamplingSpec(0.8, min_p=0.05),
+             ref.SamplingSpec(1.1, top_k=100, top_p=0.95, min_p=0.01), ref.SamplingSpec(2.0),
+             ref.SamplingSpec(0.5, top_p=0.5)]
+    specs = [ref.SamplingSpec(s.temperature, s.top_p, s.top_k, s.min_p, None, 5) for s in specs]
+    seeds = torch.tensor([3, -7, 2**40 + 1, 11, 12, 13, 14, 15], device=DEV)
+    steps = torch.arange(B, device=DEV) * 1000
+    want = ref.sample(logits, specs, steps, seeds)
+
+    def col(attr, dtype):
+        return torch.tensor([getattr(s, attr) for s in specs], dtype=dtype, device=DEV)
+
+    toks, lp = torch.full((B,), -1, device=DEV), torch.full((B,), float("nan"), device=DEV)
+    ids, tlp = torch.full((B, 5), -1, device=DEV), torch.full((B, 5), float("nan"), device=DEV)
+    sample(logits, col("temperature", torch.float32), col("top_k", torch.int32), col("top_p", torch.float32),
+           col("min_p", torch.float32), seeds, steps, toks, lp, ids, tlp)
+    assert torch.equal(toks, want.tokens)
+    _close(lp, want.logprobs, 1e-5)
+    assert torch.equal(ids, want.top_ids)
