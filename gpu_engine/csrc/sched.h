@@ -8,9 +8,9 @@
 #include <stdint.h>
 
 #define BLINK_SCHED_THREADS 256
-#define BLINK_WINDOW_LIMIT 120   // device graph launches per parent execution (CUDA limit)
+#define BLINK_WINDOW_LIMIT 120  // device graph launches per parent execution (CUDA limit)
 #define BLINK_MAX_EOS 8
-#define BLINK_SAMPLES 4096       // instrumentation samples kept per metric
+#define BLINK_SAMPLES 4096  // instrumentation samples kept per metric
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,9 +45,9 @@ typedef struct blink_sched_config {
   float *top_logprobs;
   uint32_t num_top_out, max_tokens, max_graph_blocks, pad0;
   // ---- options
-  uint64_t heartbeat_ns;         // beat period
-  uint64_t drain_ns;             // after shutdown, cancel what is still running after this long
-  int64_t clock_offset_ns;       // CLOCK_REALTIME - globaltimer, so ring timestamps share the host clock
+  uint64_t heartbeat_ns;    // beat period
+  uint64_t drain_ns;        // after shutdown, cancel what is still running after this long
+  int64_t clock_offset_ns;  // CLOCK_REALTIME - globaltimer, so ring timestamps share the host clock
 } blink_sched_config;
 
 // Counters and instrumentation the host may read after the scheduler stopped (or by peeking).
@@ -58,7 +58,7 @@ typedef struct blink_sched_stats {
   uint32_t running, waiting, paused, kv_free;
   uint32_t exited, error, n_launch_samples, n_scan_samples;
   uint32_t n_tail_samples, n_step_samples, pad[2];
-  uint64_t tail_start_ns;        // globaltimer when the last tail launch was issued
+  uint64_t tail_start_ns;             // globaltimer when the last tail launch was issued
   uint32_t launch_ns[BLINK_SAMPLES];  // device cudaGraphLaunch call durations
   uint32_t scan_ns[BLINK_SAMPLES];    // full ring scans
   uint32_t tail_ns[BLINK_SAMPLES];    // tail launch issued -> next execution running

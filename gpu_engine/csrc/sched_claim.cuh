@@ -16,7 +16,8 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->num_top = sl->sampling.num_top_logprobs;
   r->num_stop = sl->sampling.num_stop_ids > 8 ? 8 : sl->sampling.num_stop_ids;
   for (int k = 0; k < 8; ++k) r->stop_ids[k] = sl->sampling.stop_ids[k];
-  uint64_t seed = (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
+  uint64_t seed =
+      (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
   r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
   r->out_len = 0;
   r->num_blocks = 0;
@@ -50,12 +51,23 @@ __device__ void claim_new(SchedState *s) {
   }
   __syncthreads();
   if (!go) return;
-  for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
+  // Relaxed loads, all issued before any is used, so the PCIe round trips overlap; an acquire
+  // fence orders them before the payload reads of a pending slot.
+  uint64_t words[kMaxPerThread];
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxPerThread; ++k) {
+    uint32_t i = threadIdx.x + k * blockDim.x;
+    words[k] = i < s->cfg.num_slots ? ld_relaxed64(slot(s, i)) : 0;
+  }
+  __threadfence_system();
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxPerThread; ++k) {
+    uint32_t i = threadIdx.x + k * blockDim.x;
+    uint64_t w = words[k];
+    if (i >= s->cfg.num_slots || static_cast<uint32_t>(w) != BLINK_SLOT_STATE_PREFILL_PENDING) continue;
     blink_slot *sl = slot(s, i);
-    uint64_t w = ld_acq64(sl);
-    if (static_cast<uint32_t>(w) != BLINK_SLOT_STATE_PREFILL_PENDING) continue;
-    uint32_t k = atomicAdd(&n_claimed, 1u);
-    if (k >= kMaxClaims) continue;  // the rest next time (the doorbell is not marked seen)
+    uint32_t c = atomicAdd(&n_claimed, 1u);
+    if (c >= kMaxClaims) continue;  // the rest next time (the doorbell is not marked seen)
     uint64_t want = word(BLINK_SLOT_STATE_PREFILL_PROCESSING, static_cast<uint32_t>(w >> 32));
     bool won = true;
     if (s->cfg.claim_with_cas) {
@@ -63,8 +75,8 @@ __device__ void claim_new(SchedState *s) {
     } else {
       st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);  // only the engine writes PENDING slots
     }
-    claimed[k] = won ? i : 0xFFFFFFFFu;
-    key[k] = won ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : ~0ull;
+    claimed[c] = won ? i : 0xFFFFFFFFu;
+    key[c] = won ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : ~0ull;
   }
   __syncthreads();
   uint32_t n = n_claimed < kMaxClaims ? n_claimed : kMaxClaims;
@@ -85,7 +97,8 @@ __device__ void claim_new(SchedState *s) {
     }
   }
   __syncthreads();
-  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x) ok[k] = claimed[k] != 0xFFFFFFFFu && read_request(s, claimed[k]);
+  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x)
+    ok[k] = claimed[k] != 0xFFFFFFFFu && read_request(s, claimed[k]);
   __syncthreads();
   for (uint32_t k = 0; k < n; ++k)
     if (ok[k]) copy_prompt(s, claimed[k]);
@@ -116,7 +129,7 @@ __device__ void apply_cancellations(SchedState *s) {
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
     if (s->req[i].phase == kFree) continue;
-    if (ld_acq32(&slot(s, i)->cancel) == 0) continue;
+    if (ld_relaxed32(&slot(s, i)->cancel) == 0) continue;
     uint32_t k = atomicAdd(&n, 1u);
     if (k < BLINK_SCHED_THREADS) list[k] = i;
   }

@@ -14,15 +14,15 @@ int fail(cudaError_t err, const char *what, const char *file, int line) {
   return static_cast<int>(err);
 }
 
-#define BLINK_CHECK(call)                                                \
-  do {                                                                   \
-    cudaError_t err_ = (call);                                           \
+#define BLINK_CHECK(call)                                                  \
+  do {                                                                     \
+    cudaError_t err_ = (call);                                             \
     if (err_ != cudaSuccess) return fail(err_, #call, __FILE__, __LINE__); \
   } while (0)
 
 struct Handle {
-  SchedState *dev = nullptr;       // device copy of the state header
-  void *arena = nullptr;           // every device array of the state
+  SchedState *dev = nullptr;  // device copy of the state header
+  void *arena = nullptr;      // every device array of the state
   blink_sched_stats *host_stats = nullptr;
   cudaStream_t stream = nullptr;
   cudaGraph_t graph = nullptr;
@@ -138,15 +138,18 @@ int blink_clock_offset(int64_t *offset) {
   BLINK_CHECK(cudaMemcpy(&g, d, sizeof(g), cudaMemcpyDeviceToHost));
   BLINK_CHECK(cudaFree(d));
   int64_t mid = (static_cast<int64_t>(a.tv_sec) * 1000000000 + a.tv_nsec + static_cast<int64_t>(b.tv_sec) * 1000000000 +
-                 b.tv_nsec) / 2;
+                 b.tv_nsec) /
+                2;
   *offset = mid - static_cast<int64_t>(g);
   return 0;
 }
 
 int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
-  if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0) {
-    snprintf(g_error, sizeof(g_error), "invalid scheduler config: max_batch %u (<= %d), copies %u, graphs %u",
-             cfg->max_batch, BLINK_SCHED_THREADS, cfg->copies, cfg->num_graphs);
+  if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0 ||
+      cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread) {
+    snprintf(g_error, sizeof(g_error),
+             "invalid scheduler config: max_batch %u (<= %d), copies %u, graphs %u, slots %u (<= %u)", cfg->max_batch,
+             BLINK_SCHED_THREADS, cfg->copies, cfg->num_graphs, cfg->num_slots, BLINK_SCHED_THREADS * kMaxPerThread);
     return -1;
   }
   Handle *h = new Handle();

@@ -1,7 +1,9 @@
 // The shared policy on the device (thread 0 only). Mirrors gpu_engine/policy.py function by
 // function; docs/POLICY.md maps one to the other.
 
-__device__ uint32_t blocks_for(SchedState *s, uint32_t ntok) { return (ntok + s->cfg.block_size - 1) / s->cfg.block_size; }
+__device__ uint32_t blocks_for(SchedState *s, uint32_t ntok) {
+  return (ntok + s->cfg.block_size - 1) / s->cfg.block_size;
+}
 
 __device__ uint32_t ctx_len(const ReqInfo *r) { return r->prompt_len + r->out_len; }
 

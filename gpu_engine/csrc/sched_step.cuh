@@ -60,7 +60,10 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
     uint32_t lo = 0, hi = n;  // row r with cu[r] <= j < cu[r+1]
     while (hi - lo > 1) {
       uint32_t mid = (lo + hi) / 2;
-      if (cu[mid] <= j) lo = mid; else hi = mid;
+      if (cu[mid] <= j)
+        lo = mid;
+      else
+        hi = mid;
     }
     uint32_t i = s->plan_slot[lo], pos = s->plan_cached[lo] + (j - cu[lo]);
     int32_t block = req_blocks(s, i)[pos / c.block_size];
@@ -178,5 +181,8 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     if (reason[r] != kNone) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
   s->stats->steps++;
-  if (prefill) s->stats->prefills++; else s->stats->decodes++;
+  if (prefill)
+    s->stats->prefills++;
+  else
+    s->stats->decodes++;
 }

@@ -20,6 +20,7 @@ enum Phase : uint32_t { kFree = 0, kWaiting = 1, kRunning = 2, kPaused = 3 };
 enum Finish : uint32_t { kNone = 0, kEos = 1, kLength = 2, kStopId = 3, kCancelled = 4, kError = 5 };
 enum PlanKind : uint32_t { kIdle = 0, kPrefill = 1, kDecode = 2 };
 constexpr uint32_t kMaxClaims = 256;
+constexpr uint32_t kMaxPerThread = 32;  // slots per scanning thread: num_slots <= 8192
 
 struct ReqInfo {
   uint64_t request_id, seed;
@@ -32,16 +33,16 @@ struct ReqInfo {
 
 struct SchedState {
   blink_sched_config cfg;
-  blink_sched_stats *stats;       // device memory: counters and samples
-  blink_sched_stats *host_stats;  // host-mapped copy, refreshed at each heartbeat and at exit
-  ReqInfo *req;              // [num_slots]
-  int32_t *tokens;           // [num_slots * max_context]: prompt then outputs
-  int32_t *blocks;           // [num_slots * max_blocks_per_seq]
-  uint32_t *waiting;         // FIFO ring [num_slots]
-  uint32_t *paused;          // sorted by arrival [num_slots]
-  uint32_t *running;         // [max_batch]
-  uint32_t *free_blocks;     // stack [num_blocks]
-  uint32_t *copy_rr;         // [num_graphs] next executable copy
+  blink_sched_stats *stats;                      // device memory: counters and samples
+  blink_sched_stats *host_stats;                 // host-mapped copy, refreshed at each heartbeat and at exit
+  ReqInfo *req;                                  // [num_slots]
+  int32_t *tokens;                               // [num_slots * max_context]: prompt then outputs
+  int32_t *blocks;                               // [num_slots * max_blocks_per_seq]
+  uint32_t *waiting;                             // FIFO ring [num_slots]
+  uint32_t *paused;                              // sorted by arrival [num_slots]
+  uint32_t *running;                             // [max_batch]
+  uint32_t *free_blocks;                         // stack [num_blocks]
+  uint32_t *copy_rr;                             // [num_graphs] next executable copy
   uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
   uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;
@@ -62,6 +63,16 @@ __device__ __forceinline__ uint32_t ld_acq32(const void *p) {
 __device__ __forceinline__ uint64_t ld_acq64(const void *p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed64(const void *p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_relaxed32(const void *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ void st_rel32(void *p, uint32_t v) {
@@ -93,8 +104,8 @@ __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t
   *n = k + 1;
 }
 
-#include "sched_policy.cuh"
 #include "sched_claim.cuh"
+#include "sched_policy.cuh"
 #include "sched_step.cuh"
 
 }  // namespace
@@ -126,7 +137,7 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     if (action == kActionExit) break;
     if (action == kActionIdle) {
       if (threadIdx.x == 0) s->stats->idle_loops++;
-      __nanosleep(1000);
+      __nanosleep(200);
       continue;
     }
     stage(s, cu);

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from shared import ring_layout as L
+from shared.ring import Ring
 from shared.transport import SHM_DIR
 from tests.persistent.ring_workload import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
 
@@ -38,6 +41,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def settled_header(ring: Ring, timeout: float = 3.0) -> np.void:
+    """The header once the engine's stats caught up (they are published with the heartbeat)."""
+    end = time.time() + timeout
+    while True:
+        h = ring.read_header()
+        st = h["stats"]
+        if (st["kv_blocks_free"] == st["kv_blocks_total"] and st["running"] == 0) or time.time() > end:
+            return h
+        time.sleep(0.05)
+
+
 def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str) -> tuple[dict[int, Result], dict]:
     name = f"blink-gpu-{backend}-{uuid.uuid4().hex[:6]}"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -45,7 +59,7 @@ def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str
     ring = wait_ready(name, proc)
     try:
         results = Driver(ring, window).run(jobs, timeout=480)
-        header = ring.read_header()
+        header = settled_header(ring)
         stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
                                                        "window_relaunches", "preemptions", "output_tokens")}
         rc = stop_engine(ring, proc)
