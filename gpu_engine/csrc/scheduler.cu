@@ -104,6 +104,7 @@ __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t
   *n = k + 1;
 }
 
+// Order matters: the policy, then claiming (uses it), then the step (uses both).
 #include "sched_claim.cuh"
 #include "sched_policy.cuh"
 #include "sched_step.cuh"
