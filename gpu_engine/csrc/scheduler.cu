@@ -105,9 +105,12 @@ __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t
 }
 
 // Order matters: the policy, then claiming (uses it), then the step (uses both).
-#include "sched_claim.cuh"
+// Order matters: the policy, then claiming (uses it), then the step (uses both).
+// clang-format off
 #include "sched_policy.cuh"
+#include "sched_claim.cuh"
 #include "sched_step.cuh"
+// clang-format on
 
 }  // namespace
 
