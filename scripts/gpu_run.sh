@@ -33,7 +33,7 @@ step() {  # step NAME TIMEOUT CMD...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/nvidia_smi.log" 2>&1
 step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'"
-step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -x -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu
+step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu
 step persistent "${T_PERSISTENT:-300}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent
 step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json"
 step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2

@@ -99,6 +99,8 @@ async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Hand
         chan = Channel(reader, writer, inbound_type)
         try:
             await on_channel(chan)
+        except asyncio.CancelledError:
+            pass  # the service is stopping; asyncio would log a cancelled connection task as an error
         finally:
             chan.close()
 
