@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.models import LLAMA3_8B, write_config
+from bench.models import LLAMA3_8B, SMALL_LLAMA, write_config
 from tests.persistent.ring_workload import Driver, Job, start_engine, stop_engine, wait_ready
 
 CONFIGS = {"short-prompt/short-out": (128, 32), "short-prompt/long-out": (128, 512),
@@ -48,7 +48,7 @@ def makespans(model: Path, backend: str, reps: int, log_dir: Path) -> tuple[dict
                 jobs = [Job(1000 * r + k + 1, rng.integers(10, 120_000, plen).astype(np.int32), olen)
                         for k in range(BATCH)]
                 t0 = time.perf_counter()
-                Driver(ring, BATCH).run(jobs)
+                Driver(ring, BATCH).run(jobs, timeout=120)
                 runs.append(time.perf_counter() - t0)
             out[label] = float(np.median(runs))
             print(f"{backend:10s} {label:24s} {out[label]:.3f} s", flush=True)
@@ -63,12 +63,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/fig3.json")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="a 2-layer model (smoke test, CPU backend allowed)")
+    ap.add_argument("--backends", default="persistent,host")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = write_config(Path(tempfile.mkdtemp()) / "llama3-8b", LLAMA3_8B)
-    pers, pers_cpu = makespans(model, "persistent", args.reps, out.parent)
-    host, host_cpu = makespans(model, "host", args.reps, out.parent)
+    model = write_config(Path(tempfile.mkdtemp()) / "model", SMALL_LLAMA if args.small else LLAMA3_8B)
+    first, second = args.backends.split(",")
+    pers, pers_cpu = makespans(model, first, args.reps, out.parent)
+    print(f"{first} done", flush=True)
+    host, host_cpu = makespans(model, second, args.reps, out.parent)
     rows = [{"config": k, "persistent_s": pers[k], "host_s": host[k], "host_over_persistent": host[k] / pers[k]}
             for k in CONFIGS]
     result = {"model": "Llama-3-8B shape, random bf16", "batch": BATCH, "rows": rows,

@@ -90,7 +90,8 @@ def main() -> None:
     host_call, host_full = host_launch_us(parts)
     ring = create_shm_ring(cfg.ring_name, geo)
     sched = PersistentScheduler(ring.transport.base, ring.transport.size, geo, parts.cache.scheduler_view(),  # type: ignore[attr-defined]
-                                parts.kv, parts.limits, parts.eos_ids, cfg.max_batch, parts.max_context)
+                                parts.kv, parts.limits, parts.eos_ids, cfg.max_batch, parts.max_context,
+                                parts.vocab_size)
     ring.header_store32("engine_state", L.EngineState.READY)
     sched.start()
     try:

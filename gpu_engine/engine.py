@@ -39,13 +39,14 @@ class RingEngine:
     """Drives a runner from the ring under the shared policy."""
 
     def __init__(self, ring: Ring, runner: Runner, policy: Policy, eos_ids: tuple[int, ...],
-                 max_context: int) -> None:
+                 max_context: int, vocab_size: int) -> None:
         self.ring = ring
         self.slots = SlotEngine(ring)
         self.runner = runner
         self.policy = policy
         self.eos_ids = frozenset(eos_ids)
         self.max_context = max_context
+        self.vocab_size = vocab_size
         self.by_slot: dict[int, Request] = {}
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
@@ -68,10 +69,14 @@ class RingEngine:
         if plen + max_new > self.max_context or not self.policy.can_ever_fit(plen, max_new):
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.NO_CAPACITY)
             return
+        prompt = self.slots.prompt(idx, plen)
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            return
         sp = meta["sampling"]
         stop = frozenset(int(x) for x in sp["stop_ids"][: int(sp["num_stop_ids"])])
         req = Request(slot=idx, seq=seq, request_id=int(meta["request_id"]),
-                      prompt=self.slots.prompt(idx, plen).tolist(), max_new_tokens=max_new,
+                      prompt=prompt.tolist(), max_new_tokens=max_new,
                       arrival=self.arrivals, stop_ids=stop,
                       ignore_eos=bool(int(sp["flags"]) & L.SamplingFlags.IGNORE_EOS),
                       want_logprobs=bool(int(sp["flags"]) & L.SamplingFlags.WANT_LOGPROBS),

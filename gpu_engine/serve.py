@@ -124,7 +124,8 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
             engine = backend.make_engine(ring)
         else:
             assert backend.runner is not None
-            engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context)
+            engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,
+                                backend.vocab_size)
         log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots)
         engine.serve()
     except BaseException:

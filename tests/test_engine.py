@@ -43,7 +43,7 @@ class Harness:
         self.backend = build_cpu_backend(cfg)
         self.ring: Ring = local_ring(GEO)
         b = self.backend
-        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context)
+        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context, b.vocab_size)
         self.writer = SlotWriter(self.ring)
         self.seqs: dict[int, int] = {}
         self.free_at_start = b.policy.alloc.num_free
@@ -174,3 +174,14 @@ def test_logprobs_published(tiny_llama: Path) -> None:
 def _fresh_seed() -> Iterator[None]:
     torch.manual_seed(0)
     yield
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=64)
+    h.submit(0, [5, 6, 211], 4)  # vocab is 211: id 211 does not exist
+    h.submit(1, [5, 6, 7], 4, ignore_eos=True)
+    h.run()
+    assert h.result(0) == ([], F.ERROR)
+    assert int(h.ring.slots[0]["error_code"]) == L.ErrorCode.BAD_PARAMS
+    assert len(h.result(1)[0]) == 4  # the engine keeps serving
+    h.check_blocks_returned()

@@ -43,7 +43,7 @@ typedef struct blink_sched_config {
   float *token_logprobs;
   int64_t *top_ids;
   float *top_logprobs;
-  uint32_t num_top_out, max_tokens, max_graph_blocks, pad0;
+  uint32_t num_top_out, max_tokens, max_graph_blocks, vocab_size;
   // ---- options
   uint64_t heartbeat_ns;    // beat period
   uint64_t drain_ns;        // after shutdown, cancel what is still running after this long
@@ -57,7 +57,7 @@ typedef struct blink_sched_stats {
   uint64_t refused, scans, idle_loops;
   uint32_t running, waiting, paused, kv_free;
   uint32_t exited, error, n_launch_samples, n_scan_samples;
-  uint32_t n_tail_samples, n_step_samples, pad[2];
+  uint32_t n_tail_samples, n_step_samples, exit_reason, last_cancel_slot;
   uint64_t tail_start_ns;             // globaltimer when the last tail launch was issued
   uint32_t launch_ns[BLINK_SAMPLES];  // device cudaGraphLaunch call durations
   uint32_t scan_ns[BLINK_SAMPLES];    // full ring scans

@@ -30,18 +30,23 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   return ok;
 }
 
-__device__ void copy_prompt(SchedState *s, uint32_t i) {
+// Copy a claimed prompt into device memory once; flags ids outside the vocabulary.
+__device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
   const volatile int32_t *src =
       reinterpret_cast<const int32_t *>(s->cfg.ring + s->cfg.prompt_off) + static_cast<size_t>(i) * s->cfg.max_prompt;
   int32_t *dst = req_tokens(s, i);
   uint32_t n = s->req[i].prompt_len;
-  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) dst[j] = src[j];
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    int32_t t = src[j];
+    dst[j] = t;
+    if (t < 0 || static_cast<uint32_t>(t) >= s->cfg.vocab_size) *bad = 1;
+  }
 }
 
 // Parallel scan of every slot, run only when the doorbell moved; claims pending prompts and
 // queues them oldest-submitted first.
 __device__ void claim_new(SchedState *s) {
-  __shared__ uint32_t n_claimed, go, ok[kMaxClaims], claimed[kMaxClaims];
+  __shared__ uint32_t n_claimed, go, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
   __shared__ uint64_t key[kMaxClaims], bell, t0;
   if (threadIdx.x == 0) {
     bell = ld_acq64(&header(s)->doorbell);
@@ -97,11 +102,13 @@ __device__ void claim_new(SchedState *s) {
     }
   }
   __syncthreads();
-  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x)
+  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x) {
     ok[k] = claimed[k] != 0xFFFFFFFFu && read_request(s, claimed[k]);
+    bad[k] = 0;
+  }
   __syncthreads();
   for (uint32_t k = 0; k < n; ++k)
-    if (ok[k]) copy_prompt(s, claimed[k]);
+    if (ok[k]) copy_prompt(s, claimed[k], &bad[k]);
   __syncthreads();
   if (threadIdx.x == 0) {
     for (uint32_t k = 0; k < n; ++k) {
@@ -111,6 +118,11 @@ __device__ void claim_new(SchedState *s) {
       if (!ok[k]) {
         s->stats->refused++;
         complete_slot(s, i, kError, BLINK_ERROR_CODE_NO_CAPACITY);
+        continue;
+      }
+      if (bad[k]) {
+        s->stats->refused++;
+        complete_slot(s, i, kError, BLINK_ERROR_CODE_BAD_PARAMS);
         continue;
       }
       ReqInfo *r = &s->req[i];
@@ -139,6 +151,7 @@ __device__ void apply_cancellations(SchedState *s) {
     for (uint32_t k = 0; k < m; ++k) {
       finish_req(s, list[k], kCancelled, BLINK_ERROR_CODE_OK);
       s->stats->cancels++;
+      s->stats->last_cancel_slot = list[k];
     }
   }
   __syncthreads();
@@ -179,6 +192,7 @@ __device__ void maintenance(SchedState *s) {
   }
   if (!s->draining && ld_acq32(&h->shutdown)) {
     s->draining = 1;
+    s->stats->exit_reason = 1;  // shutdown flag
     s->drain_deadline = t + s->cfg.drain_ns;
     st_rel32(&h->engine_state, BLINK_ENGINE_STATE_DRAINING);
   }

@@ -20,6 +20,7 @@ __device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
     cudaError_t err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
     if (err != cudaSuccess) {
       s->stats->error = static_cast<uint32_t>(err);
+      s->stats->exit_reason = 3;  // tail launch failed
       s->stopped = 1;
       st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
       return kActionExit;
@@ -116,6 +117,7 @@ __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
     __nanosleep(500);
   }
   s->stats->launch_failures++;
+  s->stats->exit_reason = 2;  // graph launch failed
   s->stats->error = static_cast<uint32_t>(err);
   return false;
 }

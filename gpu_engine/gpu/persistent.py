@@ -42,7 +42,7 @@ class SchedConfig(C.Structure):
         ("input_ids", P), ("positions", P), ("slot_mapping", P), ("cu_seqlens", P), ("context_lens", P),
         ("block_tables", P), ("temperature", P), ("top_p", P), ("min_p", P), ("top_k", P), ("seeds", P),
         ("sample_index", P), ("next_tokens", P), ("token_logprobs", P), ("top_ids", P), ("top_logprobs", P),
-        ("num_top_out", u32), ("max_tokens", u32), ("max_graph_blocks", u32), ("pad0", u32),
+        ("num_top_out", u32), ("max_tokens", u32), ("max_graph_blocks", u32), ("vocab_size", u32),
         ("heartbeat_ns", u64), ("drain_ns", u64), ("clock_offset_ns", i64),
     ]
 
@@ -55,7 +55,8 @@ class SchedStats(C.Structure):
                               "launches", "launch_retries", "launch_failures", "windows", "claims",
                               "completions", "cancels", "refused", "scans", "idle_loops")],
         *[(n, u32) for n in ("running", "waiting", "paused", "kv_free", "exited", "error", "n_launch_samples",
-                              "n_scan_samples", "n_tail_samples", "n_step_samples", "pad1", "pad2")],
+                              "n_scan_samples", "n_tail_samples", "n_step_samples", "exit_reason",
+                              "last_cancel_slot")],
         ("tail_start_ns", u64),
         ("launch_ns", u32 * SAMPLES), ("scan_ns", u32 * SAMPLES), ("tail_ns", u32 * SAMPLES),
         ("step_ns", u32 * SAMPLES),
@@ -143,13 +144,13 @@ class PersistentScheduler:
     """Owns the scheduler's device state; started once, then supervised through host memory."""
 
     def __init__(self, ring_addr: int, ring_size: int, geometry: object, view: dict, kv_cache: object,
-                 limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int,
+                 limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
                  claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0) -> None:
         self.lib = Library(build_library())
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
         self._keep: list[object] = []
-        cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context)
+        cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context, vocab_size)
         cfg.claim_with_cas = int(claim_with_cas)
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
@@ -166,7 +167,7 @@ class PersistentScheduler:
         return int(t.data_ptr())  # type: ignore[attr-defined]
 
     def _config(self, g: object, view: dict, kv: object, limits: object, eos_ids: tuple[int, ...],
-                max_batch: int, max_context: int) -> SchedConfig:
+                max_batch: int, max_context: int, vocab_size: int) -> SchedConfig:
         c = SchedConfig()
         c.ring = self.ring_dev
         c.num_slots, c.max_prompt, c.max_output = g.num_slots, g.max_prompt_tokens, g.max_output_tokens  # type: ignore[attr-defined]
@@ -201,6 +202,7 @@ class PersistentScheduler:
                            ("top_logprobs", "top_logprobs")):
             setattr(c, ours, b[name])
         c.num_top_out = max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
+        c.vocab_size = vocab_size
         return c
 
     @property

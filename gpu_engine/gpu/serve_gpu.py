@@ -85,7 +85,7 @@ class PersistentEngine:
         size = ring.transport.size
         sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
                                     p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
-                                    p.max_context)
+                                    p.max_context, p.vocab_size)
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()

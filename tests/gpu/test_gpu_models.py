@@ -80,15 +80,18 @@ def _rel(a, b):
 
 
 def _check_bf16(runner, hf, hf32, seqs, tokens, decode, tag):
-    """Our bf16 logits against transformers in fp32 on the same (bf16) weights; transformers' own
-    bf16 logits are measured against the same reference and printed for comparison."""
+    """Our bf16 logits against transformers in fp32 on the same (bf16) weights.
+
+    Transformers' own bf16 logits are measured against the same reference: at full layer sizes
+    bf16 rounding alone moves random-weight logits by 1.3-1.8%, so the bound is 1e-2 or 1.25x
+    what transformers itself reaches in bf16, whichever is larger."""
     with torch.no_grad():
         for b, ids in enumerate(seqs):
             ref = hf32(ids[None].cuda()).logits[0, -1].float()
             theirs = _rel(hf(ids[None].cuda()).logits[0, -1], ref)
             ours = _rel(runner.buffers.logits[b], ref)
             print(f"{tag} seq {b}: ours-bf16 vs fp32 {ours:.4f}, transformers-bf16 vs fp32 {theirs:.4f}")
-            assert ours <= 1e-2, (tag, b, ours, theirs)
+            assert ours <= max(1e-2, 1.25 * theirs), (tag, b, ours, theirs)
 
 
 @pytest.mark.parametrize("size", ["small", "full"])

@@ -118,12 +118,22 @@ class Driver:
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 
+    def describe(self) -> str:
+        """Ring state for error messages: engine state, shutdown flag, slot states in flight."""
+        h = self.ring.read_header()
+        snap = self.ring.read_slots()
+        states = {int(i): (int(snap["state"][i]), int(snap["generated"][i]), int(snap["cancel"][i]))
+                  for i in list(self.inflight)[:8]}
+        return (f"engine_state={int(h['engine_state'])} shutdown={int(h['shutdown'])} "
+                f"doorbell={int(h['doorbell'])} slots(state, generated, cancel)={states}")
+
     def run(self, jobs: list[Job], timeout: float = 600) -> dict[int, Result]:
         todo = list(reversed(jobs))
         end = time.time() + timeout
         while todo or self.inflight:
             if time.time() > end:
-                raise TimeoutError(f"{len(todo)} jobs not submitted, {len(self.inflight)} in flight")
+                raise TimeoutError(f"{len(todo)} jobs not submitted, {len(self.inflight)} in flight; "
+                                   f"{self.describe()}")
             snap = self.ring.read_slots()
             while todo and len(self.inflight) < self.window and self._submit(todo[-1], snap):
                 todo.pop()
