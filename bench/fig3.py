@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.models import LLAMA3_8B, SMALL_LLAMA, write_config
+from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
 from tests.persistent.ring_workload import Driver, Job, start_engine, stop_engine, wait_ready
 
 CONFIGS = {"short-prompt/short-out": (128, 32), "short-prompt/long-out": (128, 512),
@@ -34,7 +34,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def makespans(model: Path, backend: str, reps: int, log_dir: Path) -> tuple[dict[str, float], float]:
+def makespans(model: Path, backend: str, reps: int, log_dir: Path, vocab: int) -> tuple[dict[str, float], float]:
     name = f"blink-fig3-{uuid.uuid4().hex[:6]}"
     proc = start_engine(name, model, backend, *ENGINE_ARGS, log=log_dir / f"fig3-{backend}.log")
     ring = wait_ready(name, proc)
@@ -45,11 +45,13 @@ def makespans(model: Path, backend: str, reps: int, log_dir: Path) -> tuple[dict
         for label, (plen, olen) in CONFIGS.items():
             runs = []
             for r in range(reps):
-                jobs = [Job(1000 * r + k + 1, rng.integers(10, 120_000, plen).astype(np.int32), olen)
+                jobs = [Job(1000 * r + k + 1, rng.integers(10, vocab, plen).astype(np.int32), olen)
                         for k in range(BATCH)]
                 t0 = time.perf_counter()
-                Driver(ring, BATCH).run(jobs, timeout=120)
+                results = Driver(ring, BATCH).run(jobs, timeout=90)
                 runs.append(time.perf_counter() - t0)
+                lengths = {len(res.tokens) for res in results.values()}
+                assert lengths == {olen}, f"{backend} {label}: output lengths {lengths}, expected {olen}"
             out[label] = float(np.median(runs))
             print(f"{backend:10s} {label:24s} {out[label]:.3f} s", flush=True)
         cpu_per_min = (cpu_seconds(proc.pid) - cpu0) / (time.time() - wall0) * 60
@@ -63,19 +65,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/fig3.json")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--small", action="store_true", help="a 2-layer model (smoke test, CPU backend allowed)")
+    ap.add_argument("--model", default="8b", choices=["small", "medium", "8b"],
+                    help="Llama-3 shape: 8b, medium (16 layers, hidden 2048) or small (2 layers, CPU smoke test)")
     ap.add_argument("--backends", default="persistent,host")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = write_config(Path(tempfile.mkdtemp()) / "model", SMALL_LLAMA if args.small else LLAMA3_8B)
+    config = {"small": SMALL_LLAMA, "medium": MEDIUM_LLAMA, "8b": LLAMA3_8B}[args.model]
+    model = write_config(Path(tempfile.mkdtemp()) / "model", config)
     first, second = args.backends.split(",")
-    pers, pers_cpu = makespans(model, first, args.reps, out.parent)
+    pers, pers_cpu = makespans(model, first, args.reps, out.parent, config["vocab_size"])
     print(f"{first} done", flush=True)
-    host, host_cpu = makespans(model, second, args.reps, out.parent)
+    host, host_cpu = makespans(model, second, args.reps, out.parent, config["vocab_size"])
     rows = [{"config": k, "persistent_s": pers[k], "host_s": host[k], "host_over_persistent": host[k] / pers[k]}
             for k in CONFIGS]
-    result = {"model": "Llama-3-8B shape, random bf16", "batch": BATCH, "rows": rows,
+    result = {"model": f"Llama-3 shape ({args.model}), random bf16", "batch": BATCH, "rows": rows,
               "engine_host_cpu_s_per_min": {"persistent": pers_cpu, "host": host_cpu}}
     out.write_text(json.dumps(result, indent=1))
     print(f"{'config':24s} {'persistent s':>12s} {'host s':>8s} {'host/pers':>9s}")

@@ -16,6 +16,9 @@ LLAMA3_8B = {
     "torch_dtype": "bfloat16",
 }
 
+MEDIUM_LLAMA = {**LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "num_attention_heads": 16, "num_key_value_heads": 8}
+
 SMALL_LLAMA = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "bos_token_id": 1,
                "eos_token_id": 2}
