@@ -1,0 +1,197 @@
+"""The ``blink`` command: one subcommand per process, plus ``serve`` that runs them all.
+
+Each plane is imported inside its subcommand only, so ``blink engine`` never loads the
+frontend and ``blink gateway`` never loads the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from shared.env import env
+
+ENGINE_MODULE = "gpu_engine.serve"
+
+
+def run_until_signalled(main: Coroutine[Any, Any, None]) -> int:
+    """Run a service's main coroutine; SIGTERM or SIGINT cancels it and the process exits 0."""
+
+    async def runner() -> None:
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(runner())
+    return 0
+
+
+def model_name(model: str | None) -> str:
+    """What /v1/models calls the model: the file or folder name without a .gguf suffix."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    name = Path(model.rstrip("/")).name
+    return name.removesuffix(".gguf").removesuffix(".Q4_1")
+
+
+def add_common(ap: argparse.ArgumentParser) -> None:
+    e = env()
+    ap.add_argument("--run-dir", type=Path, default=e.run_dir, help="folder of the services' Unix sockets")
+    ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring")
+    ap.add_argument("--log-level", default=None, help="debug, info, warning, error")
+
+
+def add_frontend(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--served-model-name", default=None, help="name in the API (default: from --model)")
+    ap.add_argument("--api-key", default=env().api_key, help="require 'Authorization: Bearer KEY' on /v1")
+    ap.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get at shutdown")
+
+
+# ---------------------------------------------------------------------- subcommands
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from dpu_gateway.server import run_gateway
+    from dpu_gateway.state import GatewayConfig
+    from dpu_tokenizer.service import resolve_model
+
+    model = resolve_model(args.model)
+    cfg = GatewayConfig(run_dir=args.run_dir, ring_name=args.ring, model=model,
+                        served_model_name=args.served_model_name or model_name(args.model),
+                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s)
+    asyncio.run(run_gateway(cfg, args.host, args.port, args.name))
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from dpu_tokenizer.service import TokenizerServiceConfig, resolve_model, run_tokenizer
+
+    cfg = TokenizerServiceConfig(args.run_dir, resolve_model(args.model))
+    return run_until_signalled(run_tokenizer(cfg))
+
+
+def cmd_tracker(args: argparse.Namespace) -> int:
+    from dpu_gateway.tracker import TrackerConfig, run_tracker
+
+    cfg = TrackerConfig(args.run_dir, args.ring, max_waiting=args.max_waiting, retry_after_s=args.retry_after,
+                        heartbeat_timeout_s=env().heartbeat_timeout_s)
+    return run_until_signalled(run_tracker(cfg))
+
+
+def cmd_reader(args: argparse.Namespace) -> int:
+    from dpu_gateway.reader import ReaderConfig, run_reader
+
+    cfg = ReaderConfig(args.run_dir, args.ring, heartbeat_timeout_s=env().heartbeat_timeout_s)
+    return run_until_signalled(run_reader(cfg))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from blink.supervisor import ServeConfig, Supervisor
+
+    return Supervisor(ServeConfig.from_args(args)).run()
+
+
+# Pass-through commands get their arguments untouched (argparse cannot forward "--flags").
+def cmd_engine(argv: list[str]) -> int:
+    """Run the engine in this terminal: ``python -m gpu_engine.serve`` with the given flags."""
+    os.execv(sys.executable, [sys.executable, "-m", ENGINE_MODULE, *argv])
+    return 1  # not reached
+
+
+def cmd_gen_schema(argv: list[str]) -> int:
+    from schema.generate import main as generate
+
+    return generate(argv)
+
+
+BENCH_TOOLS = {"serve": "bench.serve_bench", "interfere": "bench.interfere"}
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``blink bench serve ARGS`` (load generator), ``blink bench interfere ARGS`` (CPU co-tenants)."""
+    if argv and argv[0] in BENCH_TOOLS:
+        import importlib
+
+        return int(importlib.import_module(BENCH_TOOLS[argv[0]]).main(argv[1:]) or 0)
+    try:
+        from bench.main import main as bench  # type: ignore[import-not-found]
+    except ImportError:
+        print("blink bench: the benchmark harness is not installed in this build", file=sys.stderr)
+        return 2
+    return int(bench(argv) or 0)
+
+
+PASS_THROUGH = {"engine": cmd_engine, "gen-schema": cmd_gen_schema, "bench": cmd_bench}
+
+
+# ---------------------------------------------------------------------- parser
+def add_engine_flags(ap: argparse.ArgumentParser) -> None:
+    """The engine's flags that ``serve`` passes through (omitted ones keep the engine's defaults)."""
+    ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--backend", choices=("cpu", "host", "persistent"), default=None)
+    for flag in ("--num-slots", "--max-prompt-tokens", "--max-output-tokens", "--max-batch", "--kv-blocks",
+                 "--block-size"):
+        ap.add_argument(flag, type=int, default=None)
+    ap.add_argument("--engine-module", default=ENGINE_MODULE, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving over a shared ring")
+    sub = ap.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)")
+    add_common(serve)
+    add_frontend(serve)
+    add_engine_flags(serve)
+    serve.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
+    serve.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
+    serve.add_argument("--startup-timeout", type=float, default=600.0)
+    serve.set_defaults(func=cmd_serve)
+    gw = sub.add_parser("gateway", help="one HTTP gateway process")
+    add_common(gw)
+    add_frontend(gw)
+    gw.add_argument("--name", default="gateway", help="name of its ready marker in the run dir")
+    gw.set_defaults(func=cmd_gateway)
+    tok = sub.add_parser("tokenizer", help="the tokenizer service")
+    add_common(tok)
+    tok.add_argument("--model", default=None)
+    tok.set_defaults(func=cmd_tokenizer)
+    tr = sub.add_parser("tracker", help="the slot tracker service")
+    add_common(tr)
+    tr.add_argument("--max-waiting", type=int, default=256)
+    tr.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on a 429")
+    tr.set_defaults(func=cmd_tracker)
+    rd = sub.add_parser("reader", help="the token reader service")
+    add_common(rd)
+    rd.set_defaults(func=cmd_reader)
+    sub.add_parser("engine", help="the engine alone: python -m gpu_engine.serve ARGS", add_help=False)
+    sub.add_parser("gen-schema", help="regenerate the ring layout from schema/ring.fbs [--check]", add_help=False)
+    sub.add_parser("bench", help="benchmarks: serve (load generator), interfere (CPU co-tenants)", add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASS_THROUGH:
+        return PASS_THROUGH[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
+    from shared.log import setup_logging
+
+    setup_logging(args.command if args.command != "gateway" else args.name, level=getattr(args, "log_level", None))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""``blink serve``: start the engine and the frontend services, watch them, stop them cleanly.
+
+Start order: engine (``python -m gpu_engine.serve``, never imported here), then tokenizer,
+reader, tracker and the gateways; ``serve`` reports ready once the ring says READY and every
+service has written its ready marker. A service that dies is restarted (with a limit per
+minute). SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is
+asked to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
+segment, sockets and markers are removed, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared import ipc
+from shared import ring_layout as L
+from shared.log import get_logger
+from shared.ring import attach_shm_ring
+from shared.transport import RingError, ShmTransport
+
+log = get_logger("supervisor")
+RESTARTS_PER_MINUTE = 5
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeConfig:
+    run_dir: Path
+    ring: str
+    host: str
+    port: int
+    gateways: int
+    engine_args: tuple[str, ...]      # flags passed through to the engine
+    frontend_args: tuple[str, ...]    # flags shared by gateway and tokenizer
+    gateway_args: tuple[str, ...]
+    tracker_args: tuple[str, ...]
+    engine_module: str = "gpu_engine.serve"
+    drain_timeout_s: float = 30.0
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.gateways < 1:
+            raise ValueError(f"--gateways must be >= 1, got {self.gateways}")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> ServeConfig:
+        engine = ["--ring", a.ring]
+        if a.model:
+            engine += ["--model", a.model]
+        if a.random_weights:
+            engine.append("--random-weights")
+        if a.backend:
+            engine += ["--backend", a.backend]
+        for name in ("num_slots", "max_prompt_tokens", "max_output_tokens", "max_batch", "kv_blocks", "block_size"):
+            if getattr(a, name) is not None:
+                engine += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+        front = ["--model", a.model] if a.model else []
+        gateway = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
+                   "--drain-timeout", str(a.drain_timeout)]
+        if a.served_model_name:
+            gateway += ["--served-model-name", a.served_model_name]
+        if a.api_key:
+            gateway += ["--api-key", a.api_key]
+        return cls(a.run_dir, a.ring, a.host, a.port, a.gateways, tuple(engine), tuple(front), tuple(gateway),
+                   ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout, a.startup_timeout)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the supervisor dies, and leave the terminal's group."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    os.setpgid(0, 0)
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+
+    def spawn(self) -> None:
+        self.proc = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.starts.append(time.monotonic())
+        log.info("started", child=self.name, pid=self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def too_many_restarts(self) -> bool:
+        now = time.monotonic()
+        return sum(1 for t in self.starts if now - t < 60) > RESTARTS_PER_MINUTE
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.stopping = False
+        py = [sys.executable, "-m", "blink.cli"]
+        common = ["--run-dir", str(cfg.run_dir), "--ring", cfg.ring]
+        self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args])
+        self.services = [
+            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args]),
+            Child("reader", [*py, "reader", *common]),
+            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args]),
+        ]
+        self.gateways = [
+            Child(f"gateway-{i}", [*py, "gateway", *common, *cfg.frontend_args, *cfg.gateway_args,
+                                   "--name", f"gateway-{i}"])
+            for i in range(cfg.gateways)
+        ]
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.engine, *self.services, *self.gateways]
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if not self.stopping:
+            log.info("stopping", signal=signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        for child in self.children:
+            ipc.clear_ready(self.cfg.run_dir, child.name)
+        code = 0
+        try:
+            for child in self.children:
+                child.spawn()
+            if not self._wait_ready():
+                code = 1
+            else:
+                log.info("ready", url=f"http://{self.cfg.host}:{self.cfg.port}/v1")
+                code = self._watch()
+        finally:
+            self._stop_all()
+        return code
+
+    # ------------------------------------------------------------ readiness
+    def _engine_ready(self) -> bool:
+        try:
+            ring = attach_shm_ring(self.cfg.ring)
+        except (RingError, ValueError):
+            return False
+        try:
+            pid = ring.header_load32("engine_pid")
+            state = ring.header_load32("engine_state")
+            return self.engine.proc is not None and pid == self.engine.proc.pid and state == L.EngineState.READY
+        finally:
+            ring.close()
+
+    def _service_ready(self, child: Child) -> bool:
+        path = ipc.ready_path(self.cfg.run_dir, child.name)
+        try:
+            pid = int(path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return False
+        return child.proc is not None and pid == child.proc.pid
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while not self.stopping and time.monotonic() < deadline:
+            dead = [c.name for c in self.children if not c.alive()]
+            if dead:
+                log.error("failed_to_start", children=dead)
+                return False
+            waiting = [] if self._engine_ready() else ["engine"]
+            waiting += [c.name for c in self.services + self.gateways if not self._service_ready(c)]
+            if not waiting:
+                return True
+            time.sleep(0.1)
+        if not self.stopping:
+            log.error("startup_timeout", seconds=self.cfg.startup_timeout_s)
+        return self.stopping
+
+    # ------------------------------------------------------------ watching
+    def _watch(self) -> int:
+        while not self.stopping:
+            for child in self.children:
+                if child.alive():
+                    continue
+                assert child.proc is not None
+                log.warning("child_exited", child=child.name, code=child.proc.returncode)
+                if child.too_many_restarts():
+                    log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
+                    return 1
+                child.spawn()
+            time.sleep(0.2)
+        return 0
+
+    # ------------------------------------------------------------ stopping
+    def _stop_all(self) -> None:
+        self.stopping = True
+        self._stop(self.gateways, signal.SIGTERM, self.cfg.drain_timeout_s + 10)
+        self._stop(self.services, signal.SIGTERM, 10)
+        self._ask_engine_to_stop()
+        self._stop([self.engine], signal.SIGTERM, 30)
+        self._clean_files()
+        log.info("stopped")
+
+    def _stop(self, children: list[Child], sig: int, timeout_s: float) -> None:
+        for child in children:
+            child.signal(sig)
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            while child.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if child.alive():
+                log.warning("killing", child=child.name)
+                child.signal(signal.SIGKILL)
+            if child.proc is not None:
+                child.proc.wait()
+
+    def _ask_engine_to_stop(self) -> None:
+        try:
+            ring = attach_shm_ring(self.cfg.ring)
+        except (RingError, ValueError):
+            return
+        try:
+            ring.header_store32("shutdown", 1)
+        finally:
+            ring.close()
+
+    def _clean_files(self) -> None:
+        if self.engine.proc is not None:
+            try:
+                ring = attach_shm_ring(self.cfg.ring)
+                ours = ring.header_load32("engine_pid") == self.engine.proc.pid
+                ring.close()
+            except (RingError, ValueError):
+                ours = False
+            if ours:
+                ShmTransport.unlink_name(self.cfg.ring)
+        for child in self.children:
+            ipc.clear_ready(self.cfg.run_dir, child.name)
+        for name in ("tokenizer", "tracker", "reader"):
+            ipc.socket_path(self.cfg.run_dir, name).unlink(missing_ok=True)

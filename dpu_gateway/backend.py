@@ -1,0 +1,170 @@
+"""A gateway process's links to the tokenizer, the slot tracker and the token reader.
+
+Each link is kept up by its own task: connect (waiting for the service), run, and when the
+peer goes away fail what depended on it, then reconnect. A request's events (tokens,
+finish, failure) arrive on its ``RequestStream`` queue; the stream is registered before the
+request is submitted, so no token can arrive before there is somewhere to put it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dpu_gateway.errors import APIError
+from shared import ipc
+from shared import messages as m
+from shared.log import get_logger
+
+log = get_logger("gateway")
+Event = m.Tokens | m.Finished | m.Failed
+
+
+@dataclasses.dataclass(slots=True, eq=False)  # identity: streams live in sets
+class RequestStream:
+    req_id: int
+    events: asyncio.Queue[Event] = dataclasses.field(default_factory=asyncio.Queue)
+    admitted: asyncio.Future[int] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: bool = False
+
+
+class Backend:
+    def __init__(self, run_dir: Path, gateway_id: int | None = None) -> None:
+        self.run_dir = run_dir
+        self.gateway_id = (os.getpid() if gateway_id is None else gateway_id) & 0xFFFFFF
+        self._ids = itertools.count(1)
+        self.links: dict[str, ipc.Channel | None] = {"tokenizer": None, "tracker": None, "reader": None}
+        self._linked = {name: asyncio.Event() for name in self.links}
+        self.encodes: dict[int, asyncio.Future[list[int]]] = {}
+        self.streams: dict[int, RequestStream] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def next_id(self) -> int:
+        return self.gateway_id << 40 | next(self._ids) & (2**40 - 1)
+
+    # ------------------------------------------------------------ links
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._keep("tokenizer", m.FromTokenizer, self._on_tokenizer, self._tokenizer_down)),
+            asyncio.create_task(self._keep("tracker", m.FromTracker, self._on_tracker, self._tracker_down)),
+            asyncio.create_task(self._keep("reader", m.FromReader, self._on_reader, self._reader_down)),
+        ]
+
+    async def wait_linked(self) -> None:
+        await asyncio.gather(*(e.wait() for e in self._linked.values()))
+
+    def linked(self) -> bool:
+        return all(e.is_set() for e in self._linked.values())
+
+    async def _keep(self, name: str, inbound: Any, on_msg: Callable[[Any], None],
+                    on_down: Callable[[], None]) -> None:
+        while True:
+            chan = await ipc.connect(self.run_dir, name, inbound)
+            if name == "reader":
+                chan.send(m.GatewayHello(self.gateway_id))
+            self.links[name] = chan
+            self._linked[name].set()
+            try:
+                while True:
+                    for msg in await chan.recv():
+                        on_msg(msg)
+            except ipc.LinkClosed:
+                log.warning("link_lost", service=name)
+            finally:
+                self.links[name] = None
+                self._linked[name].clear()
+                on_down()
+
+    def _send(self, name: str, msg: Any) -> None:
+        chan = self.links[name]
+        if chan is None:
+            raise APIError(503, f"the {name} service is not available", code="service_unavailable")
+        chan.send(msg)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for chan in self.links.values():
+            if chan is not None:
+                chan.close()
+
+    # ------------------------------------------------------------ tokenizer
+    async def encode(self, text: str, add_special: bool) -> list[int]:
+        req_id = self.next_id()
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self.encodes[req_id] = fut
+        try:
+            self._send("tokenizer", m.Encode(req_id, text, add_special))
+            return await fut
+        finally:
+            self.encodes.pop(req_id, None)
+
+    def _on_tokenizer(self, msg: m.Encoded | m.EncodeFailed) -> None:
+        fut = self.encodes.get(msg.req_id)
+        if fut is None or fut.done():
+            return
+        if isinstance(msg, m.Encoded):
+            fut.set_result(msg.ids)
+        else:
+            fut.set_exception(APIError(400, msg.message, code="tokenizer_error"))
+
+    def _tokenizer_down(self) -> None:
+        for fut in self.encodes.values():
+            if not fut.done():
+                fut.set_exception(APIError(503, "the tokenizer service went away", code="service_unavailable"))
+
+    # ------------------------------------------------------------ tracker and reader
+    async def submit(self, prompt: list[int], sampling: m.Sampling) -> RequestStream:
+        """Hand a request to the tracker; returns once it sits in a ring slot."""
+        stream = RequestStream(self.next_id())
+        self.streams[stream.req_id] = stream
+        try:
+            if self.links["reader"] is None:
+                raise APIError(503, "the token reader service is not available", code="service_unavailable")
+            self._send("tracker", m.Submit(stream.req_id, self.gateway_id, prompt, sampling))
+            await stream.admitted
+        except BaseException:
+            self.forget(stream, cancel=True)
+            raise
+        return stream
+
+    def forget(self, stream: RequestStream, *, cancel: bool) -> None:
+        """The request is over for this gateway; ``cancel`` asks the engine to stop it too."""
+        self.streams.pop(stream.req_id, None)
+        if cancel and not stream.done and self.links["tracker"] is not None:
+            self.links["tracker"].send(m.Cancel(stream.req_id))
+        stream.done = True
+
+    def _on_tracker(self, msg: m.Admitted | m.Rejected) -> None:
+        stream = self.streams.get(msg.req_id)
+        if stream is None or stream.admitted.done():
+            return
+        if isinstance(msg, m.Admitted):
+            stream.admitted.set_result(msg.slot)
+            return
+        stream.done = True
+        retry = msg.retry_after_s if msg.status in (429, 503) else None
+        stream.admitted.set_exception(APIError(msg.status, msg.message, retry_after_s=retry))
+
+    def _tracker_down(self) -> None:
+        for stream in self.streams.values():
+            if not stream.admitted.done():
+                stream.admitted.set_exception(APIError(503, "the slot tracker went away", retry_after_s=1))
+
+    def _on_reader(self, msg: Event) -> None:
+        stream = self.streams.get(msg.req_id)
+        if stream is not None:
+            if not isinstance(msg, m.Tokens):
+                stream.done = True
+            stream.events.put_nowait(msg)
+
+    def _reader_down(self) -> None:
+        for stream in self.streams.values():
+            stream.events.put_nowait(m.Failed(stream.req_id, 503, "the token reader went away"))

@@ -1,0 +1,121 @@
+"""One request's output: token events in, text deltas out.
+
+``Generation.deltas()`` reads the request's events from the token reader, detokenizes
+incrementally (the detokenizer never splits a character and never lets a stop string out),
+collects logprobs, observes latency metrics, and ends with ``finish_reason`` and the token
+count set. Engine errors and lost streams raise ``APIError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+
+from dpu_gateway.backend import Backend, RequestStream
+from dpu_gateway.errors import APIError
+from dpu_gateway.params import Plan
+from dpu_gateway.textio import TextCodec
+from shared import messages as m
+from shared import ring_layout as L
+from shared.metrics import FrontendMetrics
+
+F, E = L.FinishReason, L.ErrorCode
+_REASONS = {F.EOS: "stop", F.STOP_ID: "stop", F.LENGTH: "length", F.CANCELLED: "abort"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass(slots=True)
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+def engine_error(msg: m.Finished) -> APIError:
+    if msg.error == E.PROMPT_TOO_LONG:
+        return APIError(400, "the engine cannot hold this prompt plus the requested output tokens",
+                        code="context_length_exceeded")
+    if msg.error == E.BAD_PARAMS:
+        return APIError(400, "the engine refused the sampling parameters", code="invalid_value")
+    name = E(msg.error).name if msg.error in E._value2member_map_ else str(msg.error)
+    return APIError(500, f"the engine failed this request ({name})", code="engine_error")
+
+
+class Generation:
+    def __init__(self, codec: TextCodec, plan: Plan, backend: Backend, stream: RequestStream,
+                 metrics: FrontendMetrics, arrival: float, prompt_tokens: int) -> None:
+        self.codec, self.plan, self.backend, self.stream = codec, plan, backend, stream
+        self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
+        self.detok = codec.detokenizer(plan.stop)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_at: float | None = None
+        self.last_at = arrival
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        try:
+            while self.finish_reason is None:
+                msg = await self.stream.events.get()
+                if isinstance(msg, m.Tokens):
+                    delta = self._tokens(msg)
+                elif isinstance(msg, m.Finished):
+                    delta = self._finished(msg)
+                else:
+                    raise APIError(msg.status, msg.message, code="engine_unavailable")
+                if delta.text or delta.logprobs:
+                    yield delta
+        finally:
+            self.backend.forget(self.stream, cancel=True)  # a no-op once the engine finished it
+
+    def _tokens(self, msg: m.Tokens) -> Delta:
+        self._observe(len(msg.ids))
+        self.completion_tokens += len(msg.ids)
+        text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
+        if self.detok.stopped:
+            self.finish_reason = "stop"
+            self._account()
+        return Delta(text, self._logprobs(msg) if self.plan.logprobs else None)
+
+    def _finished(self, msg: m.Finished) -> Delta:
+        if msg.reason == F.ERROR:
+            raise engine_error(msg)
+        self.completion_tokens = max(self.completion_tokens, msg.generated)
+        self.finish_reason = _REASONS.get(F(msg.reason), "stop")
+        self._account()
+        return Delta(self.detok.finish())
+
+    def _logprobs(self, msg: m.Tokens) -> list[TokenLogprob]:
+        lps = msg.logprobs or [0.0] * len(msg.ids)
+        tops = msg.top or [[] for _ in msg.ids]
+        return [TokenLogprob(t, lp, list(top)) for t, lp, top in zip(msg.ids, lps, tops, strict=False)]
+
+    def _observe(self, n: int) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            gap = (now - self.last_at) / max(n, 1)
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last_at = now
+
+    def _account(self) -> None:
+        mt = self.metrics
+        mt.e2e.observe(time.monotonic() - self.arrival)
+        if self.first_at is not None and self.completion_tokens > 1:
+            mt.tpot.observe((self.last_at - self.first_at) / (self.completion_tokens - 1))
+        mt.prompt_tokens.inc(self.prompt_tokens)
+        mt.generation_tokens.inc(self.completion_tokens)
+        mt.finished(self.finish_reason or "stop")
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

@@ -1,0 +1,100 @@
+"""The JSON objects of the OpenAI API: responses, stream chunks, logprobs, models.
+
+Plain dicts in the key order OpenAI uses; ``msgspec.json`` encodes them compactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from dpu_gateway.generation import TokenLogprob
+from dpu_gateway.textio import TextCodec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Envelope:
+    """What every object of one response shares."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> Envelope:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+
+def chat_logprobs(codec: TextCodec, entries: list[TokenLogprob]) -> dict:
+    def one(token: int, logprob: float) -> dict:
+        raw = codec.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [
+        {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+    ]}
+
+
+def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: int) -> dict:
+    tokens = [codec.token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{codec.token_text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(env: Envelope, text: str, finish: str | None, logprobs: dict | None, usage: dict) -> dict:
+    return {
+        "id": env.id, "object": "chat.completion", "created": env.created, "model": env.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                     "finish_reason": finish}],
+        "usage": usage,
+    }
+
+
+def chat_chunk(env: Envelope, delta: dict, finish: str | None = None, logprobs: dict | None = None,
+               with_usage: bool = False) -> dict:
+    chunk = {
+        "id": env.id, "object": "chat.completion.chunk", "created": env.created, "model": env.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_response(env: Envelope, text: str, finish: str | None, logprobs: dict | None,
+                        usage: dict) -> dict:
+    return {
+        "id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "usage": usage,
+    }
+
+
+def completion_chunk(env: Envelope, text: str, finish: str | None = None, logprobs: dict | None = None,
+                     with_usage: bool = False) -> dict:
+    chunk = {
+        "id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(env: Envelope, obj: str, usage: dict) -> dict:
+    return {"id": env.id, "object": obj, "created": env.created, "model": env.model, "choices": [],
+            "usage": usage}
+
+
+def model_list(model: str, created: int, max_context: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "blink",
+                                        "root": model, "max_model_len": max_context}]}

@@ -1,0 +1,206 @@
+"""The token reader service: moves generated tokens from the ring to the owning gateway.
+
+Each cycle is one bulk read of slot metadata. Slots that have produced nothing yet are looked
+at first (their first token is the TTFT), then the rest; new tokens (and logprobs) go to the
+gateway that owns the request, batched into one frame per gateway. Once a slot is
+DECODE_COMPLETED and its tail is read, the reader sends ``Finished`` and releases the slot.
+Polling is adaptive: tight while tokens flow, backing off to ``max_poll_s`` when idle. A stale
+heartbeat or a replaced ring ends every stream with ``Failed`` (no client hangs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dpu_gateway.ringwatch import RingWatch
+from shared import ipc
+from shared import messages as m
+from shared import ring_layout as L
+from shared.log import get_logger
+from shared.ring import Ring
+from shared.slots import SlotWriter
+
+log = get_logger("reader")
+S = L.SlotState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReaderConfig:
+    run_dir: Path
+    ring_name: str
+    heartbeat_timeout_s: float = 2.0
+    min_poll_s: float = 50e-6
+    max_poll_s: float = 0.002
+    health_every_s: float = 0.1
+    unowned_grace_s: float = 5.0
+
+
+@dataclasses.dataclass(slots=True)
+class Route:
+    track: m.Track
+    sent: int = 0
+    orphan: bool = False  # its client was told it failed: read and release quietly
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def top_pairs(tops: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    return [[(int(e["token"]), float(e["logprob"])) for e in row[:k]] for row in tops]
+
+
+class TokenReader:
+    def __init__(self, cfg: ReaderConfig) -> None:
+        self.cfg = cfg
+        self.watch = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
+        self.ring: Ring | None = None
+        self.writer: SlotWriter | None = None
+        self.snapshot: np.ndarray | None = None
+        self.generation = 0
+        self.routes: dict[int, Route] = {}
+        self.gateways: dict[int, ipc.Channel] = {}
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ links
+    async def on_channel(self, chan: ipc.Channel) -> None:
+        try:
+            while True:
+                msgs = await chan.recv()
+                if any(isinstance(msg, m.Track) for msg in msgs):
+                    self.check_health()  # so a new route belongs to the ring as it is now
+                for msg in msgs:
+                    if isinstance(msg, m.GatewayHello):
+                        chan.info["gateway_id"] = msg.gateway_id
+                        self.gateways[msg.gateway_id] = chan
+                    else:
+                        self.routes[msg.slot] = Route(msg)
+                        self._wake.set()
+        except ipc.LinkClosed:
+            gid = chan.info.get("gateway_id")
+            if gid is not None and self.gateways.get(gid) is chan:
+                del self.gateways[gid]
+
+    # ------------------------------------------------------------ one cycle
+    def cycle(self) -> bool:
+        """Read the ring once and forward what changed; True if any token moved."""
+        if self.ring is None or not self.routes:
+            return False
+        snap = self.ring.read_slots(self.snapshot)
+        moved = False
+        fresh = [r for r in self.routes.values() if r.sent == 0]
+        for route in fresh + [r for r in self.routes.values() if r.sent > 0]:
+            moved |= self._serve(route, snap[route.track.slot])
+        return moved
+
+    def _serve(self, route: Route, meta: np.void) -> bool:
+        tr = route.track
+        if int(meta["seq"]) != tr.seq:
+            self._fail(route, 500, "slot was reused before its request finished")
+            del self.routes[tr.slot]
+            return False
+        chan = self.gateways.get(tr.gateway_id)
+        if chan is None and not route.orphan:
+            if time.monotonic() - route.since < self.cfg.unowned_grace_s:
+                return False  # its gateway has not said hello yet
+            self._orphan(route)
+        state = int(meta["state"])
+        done = state == S.DECODE_COMPLETED
+        assert self.ring is not None
+        gen = self.ring.transport.load32(self.ring.slot_field(tr.slot, "generated")) if done else int(
+            meta["generated"])
+        moved = gen > route.sent
+        if moved:
+            self._forward(route, chan, gen)
+        if done:
+            self._finish(route, chan, meta, gen)
+        return moved
+
+    def _forward(self, route: Route, chan: ipc.Channel | None, gen: int) -> None:
+        assert self.ring is not None
+        tr = route.track
+        start, route.sent = route.sent, gen
+        if route.orphan or chan is None:
+            return
+        ids = self.ring.read_output(tr.slot, start, gen).tolist()
+        if tr.logprobs or tr.top_logprobs:
+            lps, tops = self.ring.read_logprobs(tr.slot, start, gen)
+            top = top_pairs(tops, tr.top_logprobs) if tr.top_logprobs else None
+            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top))
+        else:
+            chan.send(m.Tokens(tr.req_id, ids))
+
+    def _finish(self, route: Route, chan: ipc.Channel | None, meta: np.void, gen: int) -> None:
+        assert self.writer is not None
+        tr = route.track
+        if chan is not None and not route.orphan:
+            chan.send(m.Finished(tr.req_id, int(meta["finish_reason"]), int(meta["error_code"]), gen,
+                                 int(meta["prompt_len"])))
+        self.writer.release(tr.slot, tr.seq)
+        del self.routes[tr.slot]
+
+    def _fail(self, route: Route, status: int, message: str) -> None:
+        chan = self.gateways.get(route.track.gateway_id)
+        if chan is not None and not route.orphan:
+            chan.send(m.Failed(route.track.req_id, status, message))
+        self._orphan(route)
+
+    def _orphan(self, route: Route) -> None:
+        route.orphan = True
+        if self.writer is not None:
+            self.writer.cancel(route.track.slot, route.track.seq)
+
+    # ------------------------------------------------------------ health
+    def check_health(self) -> None:
+        ring = self.watch.current()
+        if self.watch.generation != self.generation or ring is None:
+            for route in self.routes.values():
+                self._fail(route, 503, "the engine restarted; the request was lost")
+            self.routes.clear()
+            self.generation = self.watch.generation
+            self.ring = ring
+            self.writer = SlotWriter(ring) if ring is not None else None
+            self.snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE) if ring is not None else None
+            return
+        if not ring.engine_alive(self.cfg.heartbeat_timeout_s):
+            for route in self.routes.values():
+                if not route.orphan:
+                    self._fail(route, 503, "the engine stopped responding")
+
+    async def poll_loop(self) -> None:
+        delay = self.cfg.min_poll_s
+        next_health = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_health:
+                self.check_health()
+                next_health = now + self.cfg.health_every_s
+            if not self.routes:
+                await self._idle()
+                delay = self.cfg.min_poll_s
+                continue
+            delay = self.cfg.min_poll_s if self.cycle() else min(delay * 2, self.cfg.max_poll_s)
+            await asyncio.sleep(delay)
+
+    async def _idle(self) -> None:
+        """Nothing to read: sleep until the tracker sends a ``Track`` (or the next health check)."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.cfg.health_every_s)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+
+async def run_reader(cfg: ReaderConfig) -> None:
+    reader = TokenReader(cfg)
+    server = await ipc.serve(cfg.run_dir, "reader", m.ToReader, reader.on_channel)
+    ipc.mark_ready(cfg.run_dir, "reader")
+    log.info("reader_ready", ring=cfg.ring_name)
+    try:
+        await reader.poll_loop()
+    finally:
+        ipc.clear_ready(cfg.run_dir, "reader")
+        server.close()
+        reader.watch.close()

@@ -1,0 +1,55 @@
+"""The gateway's configuration and its typed application state (``web.AppKey``s)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from aiohttp import web
+
+from dpu_gateway.backend import Backend, RequestStream
+from dpu_gateway.errors import APIError
+from dpu_gateway.params import Limits
+from dpu_gateway.ringwatch import RingWatch
+from dpu_gateway.textio import TextCodec
+from shared.metrics import FrontendMetrics
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    run_dir: Path
+    ring_name: str
+    model: str                       # path of the served model's files (for the tokenizer)
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 2.0
+    gateway_id: int | None = None    # default: the process id
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+CONFIG = web.AppKey("config", GatewayConfig)
+CODEC = web.AppKey("codec", TextCodec)
+BACKEND = web.AppKey("backend", Backend)
+RING = web.AppKey("ring", RingWatch)
+METRICS = web.AppKey("metrics", FrontendMetrics)
+LIVE = web.AppKey("live", set[RequestStream])
+
+
+def engine_limits(app: web.Application) -> Limits:
+    """The ring's limits, or 503 when the engine is not serving."""
+    watch = app[RING]
+    ring = watch.current()
+    if ring is None or not ring.engine_alive(watch.timeout_s):
+        raise APIError(503, "the engine is not running", code="engine_unavailable", retry_after_s=1)
+    if not app[BACKEND].linked():
+        raise APIError(503, "frontend services are starting", code="service_unavailable", retry_after_s=1)
+    g = ring.geometry
+    ctx = ring.header_load32("max_context") or g.max_prompt_tokens + g.max_output_tokens
+    return Limits(ctx, min(g.max_prompt_tokens, ctx), g.max_output_tokens)

@@ -1,0 +1,43 @@
+"""The gateway's use of the tokenizer library: chat template, detokenizer, token text.
+
+Every call into ``dpu_tokenizer`` from the gateway goes through ``TextCodec``.
+"""
+
+from __future__ import annotations
+
+from dpu_gateway.protocol import ChatMessage, TextPart
+from dpu_tokenizer import load_tokenizer
+from dpu_tokenizer.chat import load_chat_template, render_chat
+from dpu_tokenizer.detok import IncrementalDetokenizer
+
+
+def message_text(msg: ChatMessage) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    return "".join(p.text for p in msg.content if isinstance(p, TextPart))
+
+
+class TextCodec:
+    def __init__(self, model: str) -> None:
+        self.tokenizer = load_tokenizer(model)
+        self.template = load_chat_template(model)
+        self.bos = self._special_text(self.tokenizer.bos_token_id)
+        eos = self.tokenizer.eos_token_ids
+        self.eos = self._special_text(eos[0] if eos else None)
+
+    def _special_text(self, token: int | None) -> str:
+        return "" if token is None else self.token_text(token)
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        plain = [{"role": m.role, "content": message_text(m)} for m in messages]
+        return render_chat(self.template, plain, add_generation_prompt=True, bos_token=self.bos,
+                           eos_token=self.eos)
+
+    def detokenizer(self, stop: list[str]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, stop)
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self.tokenizer.token_bytes(int(token)))
+
+    def token_text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", "replace")

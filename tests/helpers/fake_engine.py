@@ -1,0 +1,143 @@
+"""A fake engine process for frontend tests, built on ``shared.engine_slots.SlotEngine``.
+
+It takes the flags of ``python -m gpu_engine.serve`` (ignoring those it has no use for) and
+serves the ring the same way: READY plus a heartbeat every 100 ms, shutdown flag or SIGTERM
+to drain and exit, the segment unlinked at exit. Its "model" echoes the prompt (without the
+first token) one token per step, then stops with EOS; with ``ignore_eos`` it keeps echoing
+until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import time
+
+import numpy as np
+
+from shared import ring_layout as L
+from shared.engine_slots import SlotEngine
+from shared.ring import Ring, RingGeometry, create_shm_ring
+from shared.transport import ShmTransport
+
+S, F, E = L.SlotState, L.FinishReason, L.ErrorCode
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    idx: int
+    meta: np.void
+    prompt: np.ndarray
+    made: int = 0
+
+    def next_token(self) -> int | None:
+        """The token for this step, or None for EOS."""
+        body = self.prompt[1:] if len(self.prompt) > 1 else self.prompt
+        sp = self.meta["sampling"]
+        shift = int(sp["seed"]) % len(body) if int(sp["flags"]) & L.SamplingFlags.HAS_SEED else 0
+        if self.made >= len(body) and not int(sp["flags"]) & L.SamplingFlags.IGNORE_EOS:
+            return None
+        return int(body[(self.made + shift) % len(body)])
+
+
+class FakeEngine:
+    def __init__(self, ring: Ring, max_context: int, step_s: float) -> None:
+        self.ring, self.engine = ring, SlotEngine(ring)
+        self.max_context, self.step_s = max_context, step_s
+        self.jobs: dict[int, Job] = {}
+        self.stop = False
+
+    def admit(self) -> None:
+        for idx, seq in self.engine.scan_pending():
+            meta = self.engine.claim(idx, seq)
+            if meta is None:
+                continue
+            if int(meta["prompt_len"]) + int(meta["max_new_tokens"]) > self.max_context:
+                self.engine.complete(idx, F.ERROR, E.PROMPT_TOO_LONG)
+                continue
+            self.engine.set_state(idx, S.DECODE_PROCESSING)
+            self.jobs[idx] = Job(idx, meta, self.engine.prompt(idx, int(meta["prompt_len"])))
+
+    def step(self) -> None:
+        cancel = self.engine.cancel_flags()
+        for idx, job in list(self.jobs.items()):
+            if cancel[idx]:
+                self._done(idx, F.CANCELLED)
+                continue
+            tok = job.next_token()
+            if tok is None:
+                self._done(idx, F.EOS)
+                continue
+            self._publish(job, tok)
+            sp = job.meta["sampling"]
+            if tok in sp["stop_ids"][: int(sp["num_stop_ids"])]:
+                self._done(idx, F.STOP_ID)
+            elif job.made >= int(job.meta["max_new_tokens"]):
+                self._done(idx, F.LENGTH)
+
+    def _publish(self, job: Job, tok: int) -> None:
+        want = int(job.meta["sampling"]["flags"]) & L.SamplingFlags.WANT_LOGPROBS
+        lps = top = None
+        if want:
+            lps = np.array([-0.5], np.float32)
+            top = np.zeros((1, max(self.ring.geometry.top_logprobs, 1)), L.TOPLOGPROB_DTYPE)
+            top["token"][0] = [tok + i for i in range(top.shape[1])]
+            top["logprob"][0] = [-0.5 - i for i in range(top.shape[1])]
+        self.engine.publish(job.idx, job.made, np.array([tok], np.int32), lps, top)
+        job.made += 1
+
+    def _done(self, idx: int, reason: int) -> None:
+        self.engine.complete(idx, reason)
+        del self.jobs[idx]
+
+    def stats(self) -> None:
+        self.ring.stats_store("running", len(self.jobs))
+        self.ring.stats_store("kv_blocks_total", 1000)
+        self.ring.stats_store("kv_blocks_free", 1000 - 10 * len(self.jobs))
+
+    def serve(self) -> None:
+        next_beat = 0.0
+        while not (self.stop or self.ring.header_load32("shutdown")):
+            now = time.monotonic()
+            if now >= next_beat:
+                self.engine.beat()
+                self.stats()
+                next_beat = now + 0.1
+            self.admit()
+            self.step()
+            time.sleep(self.step_s)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="fake engine for frontend tests")
+    ap.add_argument("--ring", required=True)
+    ap.add_argument("--num-slots", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-output-tokens", type=int, default=1024)
+    ap.add_argument("--max-context", type=int, default=1536)
+    ap.add_argument("--step-ms", type=float, default=2.0)
+    ap.add_argument("--vocab-size", type=int, default=49152)
+    args, _ = ap.parse_known_args(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    geo = RingGeometry(args.num_slots, args.max_prompt_tokens, args.max_output_tokens, top_logprobs=5)
+    ring = create_shm_ring(args.ring, geo)
+    fake = FakeEngine(ring, args.max_context, args.step_ms / 1000)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(fake, "stop", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(fake, "stop", True))
+    ring.header_store32("vocab_size", args.vocab_size)
+    ring.header_store32("max_context", args.max_context)
+    ring.header_store32("engine_state", L.EngineState.READY)
+    try:
+        fake.serve()
+    finally:
+        ring.header_store32("engine_state", L.EngineState.STOPPED)
+        ShmTransport.unlink_name(args.ring)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The interference tool: workers on the requested cores, all gone soon after exit, even after a SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.interfere import Interference, parse_cores
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_parse_cores() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert parse_cores("all") == allowed
+    assert parse_cores("all but 1") == allowed[1:] == parse_cores("all-but-1")
+    assert parse_cores(f"{allowed[0]}-{allowed[-1]}") == list(range(allowed[0], allowed[-1] + 1))
+    with pytest.raises(ValueError):
+        parse_cores("100000")
+    with pytest.raises(ValueError):
+        parse_cores(f"all-but-{len(allowed)}")
+
+
+def test_workers_pinned_and_stopped() -> None:
+    cores = sorted(os.sched_getaffinity(0))[-2:]
+    with Interference(cores=cores, kinds=("compress", "thrash"), thrash_mb=64) as co:
+        assert len(co.pids) == 2 * len(cores)
+        assert sorted(os.sched_getaffinity(pid).pop() for pid in co.pids) == sorted(cores * 2)
+        assert all(len(os.sched_getaffinity(pid)) == 1 for pid in co.pids)
+        assert {os.getpgid(pid) for pid in co.pids} == {co.pgid}
+        time.sleep(1.5)
+        pids = co.pids
+        exited = time.monotonic()
+    assert not wait_gone(pids, 2.0 - (time.monotonic() - exited))
+    report = co.report
+    assert report is not None and report["reported"] == len(pids)
+    assert report["compress_mb_per_s"] > 0.1 and report["thrash_accesses_per_s"] > 1e5
+
+
+def test_duration_bounds_the_workers() -> None:
+    co = Interference(cores=sorted(os.sched_getaffinity(0))[:1], kinds=("compress",), duration_s=0.5).start()
+    co.wait(5.0)
+    assert all(p.poll() is not None for p in co.procs)
+    assert co.stop()["reported"] == 1
+
+
+PARENT = """
+import sys, time
+from bench.interfere import Interference
+co = Interference(cores=[int(sys.argv[1])], kinds=("compress", "thrash"), thrash_mb=64).start()
+print(" ".join(map(str, co.pids)), flush=True)
+time.sleep(60)
+"""
+
+
+def test_children_die_with_a_killed_parent() -> None:
+    core = sorted(os.sched_getaffinity(0))[0]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(core)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    time.sleep(0.5)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert not wait_gone(pids, 2.0)
+
+
+def test_cli_stops_on_sigterm(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.interfere", "--cores", "all", "--kinds", "compress",
+                             "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=5)
+    assert out.exists() and '"reported"' in out.read_text()

@@ -1,0 +1,75 @@
+"""``blink serve``: several gateways on one port, restart of a crashed service, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+from helpers.stack import MODEL, Stack, processes_of, segment_exists, sse_events, start_stack, stop_stack
+
+from shared import ipc
+
+
+def ask(url: str) -> str | None:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return out.choices[0].finish_reason
+
+
+def ready_pid(run_dir: Path, name: str) -> int | None:
+    try:
+        return int(ipc.ready_path(run_dir, name).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def restart_tracker(stack: Stack) -> None:
+    tracker = ready_pid(stack.run_dir, "tracker")
+    assert tracker is not None
+    os.kill(tracker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while ready_pid(stack.run_dir, "tracker") in (None, tracker):
+        assert time.monotonic() < deadline, "tracker was not restarted"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while True:  # the gateways re-link to the new tracker
+        try:
+            assert ask(stack.url) in ("stop", "length")
+            break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+async def stop_during_a_stream(stack: Stack) -> tuple[int, list]:
+    """SIGTERM while a long stream runs: the stream must still end with [DONE] (drain, then stop)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(stack.url + "/v1/chat/completions", json=body)
+        await resp.content.readuntil(b"\n\n")
+        stopping = asyncio.create_task(asyncio.to_thread(stop_stack, stack))
+        events = sse_events(await asyncio.wait_for(resp.read(), 30))
+    return await stopping, events
+
+
+async def test_serve_restarts_and_stops_cleanly(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--gateways", "2", "--drain-timeout", "0.5")
+    try:
+        assert {ready_pid(stack.run_dir, f"gateway-{i}") is not None for i in range(2)} == {True}
+        for _ in range(6):  # connections spread over both gateways by SO_REUSEPORT
+            assert await asyncio.to_thread(ask, stack.url) in ("stop", "length")
+        await asyncio.to_thread(restart_tracker, stack)
+        code, events = await stop_during_a_stream(stack)
+        assert events[-1] == "[DONE]"
+    finally:
+        code = stop_stack(stack)
+    assert code == 0, stack.log()
+    assert processes_of(stack) == []
+    assert not segment_exists(stack)
+    assert not any(stack.run_dir.glob("*.sock")) and not any(stack.run_dir.glob("*.ready"))
