@@ -215,6 +215,13 @@ class PersistentScheduler:
     def exited(self) -> bool:
         return bool(self.stats.exited)
 
+    def query(self) -> int:
+        """0 while the scheduler runs, 1 once it finished, a CUDA error code if it failed."""
+        return int(self.lib.lib.blink_sched_query(self.handle))
+
+    def last_error(self) -> str:
+        return str(self.lib.lib.blink_last_error().decode())
+
     def wait(self) -> None:
         self.lib.check(self.lib.lib.blink_sched_wait(self.handle), "scheduler wait")
 

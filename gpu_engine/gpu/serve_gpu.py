@@ -25,6 +25,7 @@ from shared.ring import Ring
 
 log = get_logger("engine")
 KV_FRACTION = 0.5  # of the memory free after loading the weights
+STALL_S = 5.0       # device heartbeat silence before the host looks at the scheduler's stream
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -90,12 +91,27 @@ class PersistentEngine:
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()
-        while not sched.exited():  # no CUDA call in steady state
-            time.sleep(0.02)
-        sched.wait()
+        self.watch(sched)
         st = sched.stats
         log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
         sched.close()
+
+    def watch(self, sched: PersistentScheduler) -> None:
+        """Sleep until the scheduler exits. Steady state reads host memory only; a CUDA call is
+        made only once the device heartbeat has stalled, to learn whether the kernel died."""
+        stall_ns = int(STALL_S * 1e9)
+        while not sched.exited():
+            time.sleep(0.02)
+            if time.time_ns() - self.ring.header_load64("heartbeat_ns") < stall_ns:
+                continue
+            state = sched.query()  # 0: still running (a long step), else finished or failed
+            if state != 0:
+                self.ring.header_store32("engine_state", L.EngineState.FAILED)
+                log.error("persistent scheduler stopped without exiting", query=state, detail=sched.last_error())
+                raise SystemExit(3)
+            log.warning("device heartbeat stalled", seconds=STALL_S, counters=sched.stats.counters())
+            time.sleep(STALL_S)
+        sched.wait()
 
 
 def build_gpu_backend(cfg: EngineConfig):  # noqa: ANN201 - returns serve.Backend
