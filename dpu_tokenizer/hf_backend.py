@@ -102,7 +102,7 @@ def build_bytelevel_bpe(
 ) -> tokenizers.Tokenizer:
     """A Hugging Face byte-level BPE tokenizer from a vocabulary listing (as GGUF files carry it)."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs: list[tuple[str, str]] = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     hf = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     hf.pre_tokenizer = pre_tokenizer
     hf.decoder = decoders.ByteLevel()

@@ -158,7 +158,7 @@ def load_tokenizer_json(path: Path) -> ByteTableTokenizer:
         table[tid] = text.encode("utf-8")
     prefix, suffix = post_processor_ids(data.get("post_processor")) or ([], [])
     normalizer = data.get("normalizer")
-    tok = TiktokenTokenizer(
+    result = TiktokenTokenizer(
         name=path.parent.name or "tokenizer",
         pattern=pre_tokenizer_pattern(data.get("pre_tokenizer")) or GPT2_PATTERN,
         ranks=plan.ranks,
@@ -174,5 +174,5 @@ def load_tokenizer_json(path: Path) -> ByteTableTokenizer:
         exact_fallback=lambda: _hf(path, bos, eos, True, "exact fallback"),
         nfc=normalizer is not None,
     )
-    tok.backend_reason = "tokenizer.json byte-level BPE: merges verified for rank BPE"  # type: ignore[attr-defined]
-    return tok
+    result.backend_reason = "tokenizer.json byte-level BPE: merges verified for rank BPE"  # type: ignore[attr-defined]
+    return result

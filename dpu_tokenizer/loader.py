@@ -127,23 +127,20 @@ def _from_gguf(path: Path) -> ByteTableTokenizer:
     table_b = [
         raw if raw is not None else tok.encode("utf-8") for raw, tok in zip(table, vocab.tokens, strict=True)
     ]
-    meta = {
-        "bos_token_id": vocab.bos_token_id,
-        "eos_token_ids": vocab.eos_token_ids,
-        "prefix_ids": [vocab.bos_token_id] if vocab.add_bos and vocab.bos_token_id is not None else [],
-        "suffix_ids": list(vocab.eos_token_ids[:1]) if vocab.add_eos else [],
-    }
+    bos: int | None = vocab.bos_token_id
+    eos: tuple[int, ...] = tuple(vocab.eos_token_ids)
+    prefix: list[int] = [bos] if vocab.add_bos and bos is not None else []
+    suffix: list[int] = list(eos[:1]) if vocab.add_eos else []
 
     def exact() -> ByteTableTokenizer:
         pre = gguf_pre_tokenizer(pattern, digits=pattern == DIGITS_GPT2_PATTERN)
         hf = build_bytelevel_bpe(vocab.tokens, vocab.merges, added, special_ids, pre, ignore_merges=ignore)
-        wrap = (meta["prefix_ids"], meta["suffix_ids"])
         return HFTokenizer(
             hf,
-            bos_token_id=meta["bos_token_id"],
-            eos_token_ids=meta["eos_token_ids"],
+            bos_token_id=bos,
+            eos_token_ids=eos,
             byte_level=True,
-            wrap_ids=wrap,
+            wrap_ids=(prefix, suffix),
         )
 
     plan = plan_ranks(vocab.tokens, vocab.merges, set(added.values()), ignore_merges=ignore)
@@ -159,6 +156,9 @@ def _from_gguf(path: Path) -> ByteTableTokenizer:
         rank_to_id=plan.rank_to_id,
         missing_bytes=plan.missing_bytes,
         exact_fallback=exact,
-        **meta,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        prefix_ids=prefix,
+        suffix_ids=suffix,
     )
     return _mark(tok, f"GGUF byte-level BPE (pre {vocab.pre!r}): merges verified for rank BPE")
