@@ -42,7 +42,13 @@ def _hf_model(family: str, size: str, dtype, std: float):
         except TypeError:
             model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
                                                                   torch_dtype=dtype)
+    # `.to(dtype)` would also round the rotary inverse frequencies (fp32 buffers) to bf16 and make
+    # the fp32 reference rotate by slightly wrong angles, an error that grows with the position.
+    rotary = {name: buf.detach().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
     model = model.to(device="cuda", dtype=dtype).eval()
+    for name, buf in rotary.items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        setattr(owner, name.rsplit(".", 1)[1], buf.to(device="cuda", dtype=torch.float32))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, std)
