@@ -7,6 +7,7 @@ and free). ``serve`` loops over steps, beats the heartbeat and stops on the shut
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from shared.ring import Ring
 
 S = L.SlotState
 log = get_logger("engine")
+STALL_S = 60.0  # a loop silent for this long is hung: the heartbeat thread stops beating
 
 
 def sampling_spec(sp: np.void) -> SamplingSpec:
@@ -51,6 +53,8 @@ class RingEngine:
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
         self.draining = False
+        self._loop_seen = 0.0
+        self._stopped = threading.Event()
 
     # ------------------------------------------------------------------ admit
     def admit(self) -> None:
@@ -147,14 +151,34 @@ class RingEngine:
         for req in list(self.by_slot.values()):
             self._end(req, Finish.CANCELLED)
 
+    def _beat_forever(self, every_s: float) -> None:
+        """Heartbeat from a thread, so a long step (a big prefill on a loaded CPU) does not look like
+        a dead engine; it stops beating when the loop itself has not moved for STALL_S."""
+        while not self._stopped.wait(every_s):
+            if time.monotonic() - self._loop_seen < STALL_S:
+                self.slots.beat()
+
     def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0) -> None:
         """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
         self.ring.header_store32("engine_state", L.EngineState.READY)
+        self.slots.beat()
+        self._loop_seen, self._stopped = time.monotonic(), threading.Event()
+        beater = threading.Thread(target=self._beat_forever, args=(beat_every_s,), name="heartbeat", daemon=True)
+        beater.start()
+        try:
+            self._loop(beat_every_s, drain_timeout_s)
+        finally:
+            self._stopped.set()
+            beater.join()
+        self.cancel_all()
+        self.publish_stats()
+        self.ring.header_store32("engine_state", L.EngineState.STOPPED)
+
+    def _loop(self, beat_every_s: float, drain_timeout_s: float) -> None:
         last_beat, idle, drain_deadline = 0.0, 0, float("inf")
         while True:
-            now = time.monotonic()
+            now = self._loop_seen = time.monotonic()
             if now - last_beat >= beat_every_s:
-                self.slots.beat()
                 self.publish_stats()
                 last_beat = now
                 if not self.draining and self.ring.header_load32("shutdown"):
@@ -167,9 +191,6 @@ class RingEngine:
             else:
                 idle = min(idle + 1, 40)
                 time.sleep(0 if idle < 8 else 25e-6 * idle)
-        self.cancel_all()
-        self.publish_stats()
-        self.ring.header_store32("engine_state", L.EngineState.STOPPED)
 
     def idle(self) -> bool:
         return not self.by_slot and all(r.phase == Phase.FINISHED for r in self.policy.all_requests())
