@@ -89,6 +89,7 @@ class TokenReader:
         if self.ring is None or not self.routes:
             return False
         snap = self.ring.read_slots(self.snapshot)
+        self.ring.transport.fence()  # acquire: the tokens behind every `generated` seen are visible
         moved = False
         fresh = [r for r in self.routes.values() if r.sent == 0]
         for route in fresh + [r for r in self.routes.values() if r.sent > 0]:
@@ -136,8 +137,13 @@ class TokenReader:
         assert self.writer is not None
         tr = route.track
         if chan is not None and not route.orphan:
-            chan.send(m.Finished(tr.req_id, int(meta["finish_reason"]), int(meta["error_code"]), gen,
-                                 int(meta["prompt_len"])))
+            # The snapshot is a plain copy: read the words the state word guards again, after it.
+            ring = self.ring
+            assert ring is not None
+            t = ring.transport
+            reason = t.load32(ring.slot_field(tr.slot, "finish_reason"))
+            error = t.load32(ring.slot_field(tr.slot, "error_code"))
+            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"])))
         self.writer.release(tr.slot, tr.seq)
         del self.routes[tr.slot]
 
