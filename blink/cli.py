@@ -143,7 +143,7 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--backend", choices=("cpu", "host", "persistent"), default=None)
     for flag in ("--num-slots", "--max-prompt-tokens", "--max-output-tokens", "--max-batch", "--kv-blocks",
-                 "--block-size"):
+                 "--block-size", "--threads"):
         ap.add_argument(flag, type=int, default=None)
     ap.add_argument("--engine-module", default=ENGINE_MODULE, help=argparse.SUPPRESS)
 

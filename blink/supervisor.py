@@ -60,7 +60,8 @@ class ServeConfig:
             engine.append("--random-weights")
         if a.backend:
             engine += ["--backend", a.backend]
-        for name in ("num_slots", "max_prompt_tokens", "max_output_tokens", "max_batch", "kv_blocks", "block_size"):
+        for name in ("num_slots", "max_prompt_tokens", "max_output_tokens", "max_batch", "kv_blocks", "block_size",
+                     "threads"):
             if getattr(a, name) is not None:
                 engine += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
         front = ["--model", a.model] if a.model else []

@@ -50,12 +50,13 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
     ap.add_argument("--kv-blocks", type=int, default=0, help="0: sized from a memory budget")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="CPU backend threads (0: all cores but one)")
     a = ap.parse_args(argv)
     geometry = RingGeometry(a.num_slots, a.max_prompt_tokens, a.max_output_tokens, a.top_logprobs)
     try:
         return EngineConfig(ring_name=a.ring, model=a.model, random_weights=a.random_weights, backend=a.backend,
                             dtype=a.dtype, geometry=geometry, block_size=a.block_size, kv_blocks=a.kv_blocks,
-                            max_batch=a.max_batch, seed=a.seed)
+                            max_batch=a.max_batch, seed=a.seed, threads=a.threads)
     except ValueError as exc:
         ap.error(str(exc))
         raise  # unreachable
@@ -89,12 +90,13 @@ def build_cpu_backend(cfg: EngineConfig) -> Backend:
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     path = Path(cfg.model) if cfg.model else default_model_path()
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.cpu_threads)
     model, mcfg = load_model(path, dtype=dtype, device="cpu", random_weights=cfg.random_weights, seed=cfg.seed)
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, dtype), cfg.block_size, dtype=dtype, device="cpu")
     max_context = min(mcfg.max_position_embeddings,
                       cfg.geometry.max_prompt_tokens + cfg.geometry.max_output_tokens)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=max(2048, max_context))
-    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks,
+    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
              block_size=cfg.block_size, max_context=max_context)
     return Backend(TorchRunner(model, kv), policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
 
