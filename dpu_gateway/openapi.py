@@ -1,6 +1,30 @@
-"""A hand-written OpenAPI 3.1 description of the gateway's endpoints (served at /openapi.json)."""
+"""A hand-written OpenAPI 3.1 description of the gateway's endpoints (served at /openapi.json).
+
+It names the one served model and, while an engine runs, that engine's limits (output tokens,
+prompt length, token ids), so that a schema-valid request is one the server can serve.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+
+from dpu_gateway.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, Limits
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DocLimits:
+    """The engine's limits as JSON-schema keywords (empty while no engine runs)."""
+
+    max_output: dict
+    max_prompt: dict
+    max_token_id: dict
+
+    @classmethod
+    def of(cls, limits: Limits | None, vocab_size: int) -> DocLimits:
+        if limits is None:
+            return cls({}, {}, {"maximum": vocab_size - 1} if vocab_size else {})
+        return cls({"maximum": limits.max_output_tokens}, {"maxItems": limits.max_prompt_tokens},
+                   {"maximum": vocab_size - 1} if vocab_size else {})
 
 
 def _ref(name: str) -> dict:
@@ -14,53 +38,72 @@ def _error_responses(*codes: int) -> dict:
             for c in codes}
 
 
-_SAMPLING = {
-    "model": {"type": "string"},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-    "n": {"type": "integer", "enum": [1]},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-                       {"type": "null"}]},
-    "seed": {"type": ["integer", "null"]},
-    "user": {"type": ["string", "null"]},
-    "top_k": {"type": ["integer", "null"], "minimum": -1},
-    "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-    "ignore_eos": {"type": "boolean"},
-}
+def _sampling(model: str, limits: DocLimits) -> dict:
+    stop_text = {"type": "string", "maxLength": MAX_STOP_CHARS}
+    return {
+        "model": {"type": "string", "enum": [model]},
+        "max_tokens": {"type": ["integer", "null"], "minimum": 1, **limits.max_output},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "n": {"type": "integer", "enum": [1]},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+        "stop": {"oneOf": [stop_text, {"type": "array", "items": stop_text, "maxItems": MAX_STOP_STRINGS},
+                           {"type": "null"}]},
+        "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
+        "user": {"type": ["string", "null"]},
+        "top_k": {"type": ["integer", "null"], "minimum": -1},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "ignore_eos": {"type": "boolean"},
+    }
 
-_SCHEMAS = {
-    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
-    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}},
-    "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-        **_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
-                                                          "maximum": 20}}},
-    "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-        **_SAMPLING, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1,
-                                                                "items": {"type": "integer", "minimum": 0}}]},
-        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}},
-    "Usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
-                                               "completion_tokens": {"type": "integer"},
-                                               "total_tokens": {"type": "integer"}}},
-    "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices"],
-                   "properties": {"id": {"type": "string"}, "object": {"type": "string"},
-                                  "created": {"type": "integer"}, "model": {"type": "string"},
-                                  "choices": {"type": "array", "items": {"type": "object"}},
-                                  "usage": _ref("Usage")}},
-    "ModelList": {"type": "object", "properties": {"object": {"const": "list"}, "data": {
-        "type": "array", "items": {"type": "object", "properties": {"id": {"type": "string"}}}}}},
-}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_PARTS = {"type": "array", "items": {"oneOf": [
+    {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"},
+                                                                     "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "image_url"], "properties": {"type": {"const": "image_url"},
+                                                                          "image_url": {"type": "object"}}}]}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "null"}, _PARTS]},
+    "name": {"type": ["string", "null"]}}}
+_USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                           "completion_tokens": {"type": "integer"},
+                                           "total_tokens": {"type": "integer"}}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+               "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                              "created": {"type": "integer"}, "model": {"type": "string"},
+                              "choices": {"type": "array", "items": {"type": "object"}}, "usage": _ref("Usage")}}
+_MODEL_LIST = {"type": "object", "properties": {"object": {"const": "list"}, "data": {
+    "type": "array", "items": {"type": "object", "properties": {"id": {"type": "string"}}}}}}
+
+
+def _schemas(model: str, limits: DocLimits) -> dict:
+    sampling = _sampling(model, limits)
+    token_id = {"type": "integer", "minimum": 0, **limits.max_token_id}
+    prompt = {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": token_id,
+                                              **limits.max_prompt}]}
+    return {
+        "Error": _ERROR, "ChatMessage": _MESSAGE, "Usage": _USAGE, "Completion": _COMPLETION,
+        "ModelList": _MODEL_LIST,
+        "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+            **sampling, "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, **limits.max_output},
+            "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20}}},
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+            **sampling, "prompt": prompt, "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}},
+    }
+
+
+# OpenAPI 3.1 reads the schema of an event stream as that of each event.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (or an error object), and last `[DONE]`"},
+    "event": {"type": "string"}}}
 
 
 def _generate(summary: str, schema: str) -> dict:
@@ -69,11 +112,12 @@ def _generate(summary: str, schema: str) -> dict:
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(schema)}}},
         "responses": {"200": {"description": "The completion (JSON), or SSE chunks when stream=true",
                               "content": {"application/json": {"schema": _ref("Completion")},
-                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                                          "text/event-stream": {"schema": _SSE_EVENT}}},
                       **_error_responses(400, 401, 404, 413, 429, 503)}}}
 
 
-def openapi_document(model: str) -> dict:
+def openapi_document(model: str, limits: DocLimits | None = None) -> dict:
+    """The document; with ``limits``, the running engine's bounds are stated too."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "Blink OpenAI-compatible API", "version": "1", "description": f"Serving `{model}`."},
@@ -89,6 +133,6 @@ def openapi_document(model: str) -> dict:
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "Text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
-        "components": {"schemas": _SCHEMAS,
+        "components": {"schemas": _schemas(model, limits or DocLimits.of(None, 0)),
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }

@@ -1,7 +1,7 @@
 """From a validated OpenAI request to what the ring needs: sampling fields and token limits.
 
 Checks that msgspec types cannot express live here and raise 400 ``APIError`` naming the
-parameter: n != 1, too many stop strings, a prompt beyond the model's context.
+parameter: n != 1, too many or too long stop strings, a prompt beyond the model's context.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dpu_gateway.protocol import ChatCompletionRequest, CompletionRequest, _Comm
 from shared import messages as m
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this much text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ def check_common(req: _Common) -> list[str]:
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop",
                        code="invalid_value")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"each stop string may be at most {MAX_STOP_CHARS} characters long", param="stop",
+                       code="invalid_value")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
@@ -68,12 +72,17 @@ def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, param
     return requested
 
 
+def top_k(requested: int | None) -> int:
+    """0 (off) for None, -1 and any k no vocabulary reaches (the ring holds an int32)."""
+    return requested if requested is not None and 0 < requested < 2**31 else 0
+
+
 def sampling(req: _Common, budget: int, logprobs: bool, top: int) -> m.Sampling:
     return m.Sampling(
         max_new_tokens=budget,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
+        top_k=top_k(req.top_k), min_p=req.min_p or 0.0,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFFFFFFFFFF,
         ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top,
     )
@@ -83,6 +92,8 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits) -> Pl
     stop = check_common(req)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    if req.max_completion_tokens is not None and req.max_tokens is not None:
+        max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")  # the shadowed one is checked too
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = max_new_tokens(asked, prompt_len, limits, param)
@@ -99,8 +110,10 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits) -> 
                        code="unsupported_value")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
-    budget = max_new_tokens(req.max_tokens if req.max_tokens is not None else 16, prompt_len, limits,
-                            "max_tokens")
+    if req.max_tokens is None:  # OpenAI's default of 16, within what the server allows
+        budget = min(16, max_new_tokens(None, prompt_len, limits, "max_tokens"))
+    else:
+        budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
     want = req.logprobs is not None
     top = req.logprobs or 0
     return Plan(sampling(req, budget, want, top), stop, want, top)

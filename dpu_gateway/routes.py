@@ -11,7 +11,7 @@ from aiohttp import web
 from dpu_gateway import openai_format as fmt
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
-from dpu_gateway.openapi import openapi_document
+from dpu_gateway.openapi import DocLimits, openapi_document
 from dpu_gateway.params import Plan, completion_prompt, plan_chat, plan_completion
 from dpu_gateway.protocol import ChatDecoder, CompletionDecoder
 from dpu_gateway.respond import CHAT, COMPLETION, Shape, answer_stream, answer_whole
@@ -120,8 +120,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.Response(body=msgspec.json.encode(openapi_document(request.app[CONFIG].served_model_name)),
-                        content_type="application/json")
+    app = request.app
+    try:
+        limits = engine_limits(app)
+    except APIError:
+        limits = None  # no engine now: the document without its bounds
+    ring = app[RING].current()
+    vocab = ring.header_load32("vocab_size") if ring is not None else 0
+    doc = openapi_document(app[CONFIG].served_model_name, DocLimits.of(limits, vocab))
+    return web.Response(body=msgspec.json.encode(doc), content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

@@ -121,7 +121,7 @@ class SlotTracker:
         idx, seq = got
         try:
             cache.writer.publish(idx, seq, slot_request(sub))
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # one bad request must not cost the gateway its link
             cache.writer.abandon(idx, seq)
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))
             return True
