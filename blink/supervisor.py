@@ -3,8 +3,9 @@
 Start order: engine (``python -m gpu_engine.serve``, never imported here), then tokenizer,
 reader, tracker and the gateways; ``serve`` reports ready once the ring says READY and every
 service has written its ready marker. A service that dies is restarted (with a limit per
-minute). SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is
-asked to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
+minute); a dead engine's ring is first marked FAILED and removed, so streams on it end at
+once. SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is asked
+to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
 segment, sockets and markers are removed, so nothing is left behind.
 """
 
@@ -198,12 +199,30 @@ class Supervisor:
                     continue
                 assert child.proc is not None
                 log.warning("child_exited", child=child.name, code=child.proc.returncode)
+                if child is self.engine:
+                    self._retire_dead_ring(child.proc.pid)
                 if child.too_many_restarts():
                     log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
                     return 1
                 child.spawn()
             time.sleep(0.2)
         return 0
+
+    def _retire_dead_ring(self, dead_pid: int) -> None:
+        """The engine died: mark its ring FAILED and remove the segment, so every service sees it gone
+        at once (not a heartbeat timeout later) and the restarted engine starts on a fresh segment."""
+        try:
+            ring = attach_shm_ring(self.cfg.ring)
+        except (RingError, ValueError):
+            return
+        try:
+            if ring.header_load32("engine_pid") != dead_pid:
+                return  # not the dead engine's ring (nothing else creates it while none runs)
+            ring.header_store32("engine_state", L.EngineState.FAILED)
+        finally:
+            ring.close()
+        ShmTransport.unlink_name(self.cfg.ring)
+        log.warning("dead_engine_ring_removed", ring=self.cfg.ring, pid=dead_pid)
 
     # ------------------------------------------------------------ stopping
     def _stop_all(self) -> None:

@@ -1,0 +1,159 @@
+"""A ``blink serve`` run as a child process, observed from outside: readiness, gauges, resident memory.
+
+Used by the soak tool (``bench/soak.py``) and the reliability tests. Everything is read the way an
+operator would read it: HTTP (``/health``, ``/metrics``) and ``/proc`` (the supervisor's children).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+SERVICE_ROLES = ("tokenizer", "reader", "tracker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    """(status, body); status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, b""
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {name: value}; labels are dropped (one model per server)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        out[name_part.split("{", 1)[0]] = float(value)
+    return out
+
+
+def role_of(cmdline: list[str]) -> str:
+    """engine, tokenizer, reader, tracker, gateway-N or the argv[2] of anything else."""
+    if "-m" in cmdline and cmdline[cmdline.index("-m") + 1] != "blink.cli":
+        return "engine"
+    if "--name" in cmdline:
+        return cmdline[cmdline.index("--name") + 1]
+    return next((r for r in SERVICE_ROLES if r in cmdline), " ".join(cmdline[1:3]))
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclasses.dataclass
+class ServeProc:
+    """One ``blink serve``; ``start`` returns once it logged ``ready``."""
+
+    args: tuple[str, ...]
+    run_root: Path
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    engine_module: str = "gpu_engine.serve"
+    port: int = dataclasses.field(default_factory=free_port)
+    ring: str = dataclasses.field(default_factory=lambda: f"blink-soak-{uuid.uuid4().hex[:10]}")
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run_root / "run"
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_root / "serve.log"
+
+    def start(self, timeout_s: float = 300.0) -> ServeProc:
+        self.run_root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(self.port), "--ring", self.ring,
+               "--run-dir", str(self.run_dir), "--engine-module", self.engine_module, *self.args]
+        env = {**os.environ, "BLINK_LOG_JSON": "1", **self.env}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"blink serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if b'"event": "ready"' in self.log_path.read_bytes():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"blink serve not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        status, body = http_get(self.url + "/metrics")
+        return parse_metrics(body.decode()) if status == 200 else {}
+
+    def children(self) -> dict[str, int]:
+        """{role: pid} of the supervisor's children now."""
+        assert self.proc is not None
+        out = {}
+        for pid in children_of(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            out[role_of([a for a in argv if a])] = pid
+        return out
+
+    def rss(self) -> dict[str, int]:
+        """{role: VmRSS in KiB} of the supervisor and each child."""
+        assert self.proc is not None
+        pids = {"supervisor": self.proc.pid, **self.children()}
+        return {role: kib for role, pid in pids.items() if (kib := rss_kib(pid)) is not None}

@@ -1,0 +1,397 @@
+"""Soak: steady load at a fraction of saturation, with clients that hang up at random moments.
+
+    python -m bench.soak --duration-s 1200 --out bench/results/soak_cpu_20min.json
+
+Starts its own ``blink serve`` (the real CPU engine, small limits), then:
+
+1. runs every prompt of a fixed set alone (greedy, ``ignore_eos``, fixed ``max_tokens``, ``logprobs=0``):
+   the reference text and token strings of each;
+2. measures saturation: closed loops at growing concurrency until throughput stops growing;
+3. offers Poisson arrivals at ``--load`` x saturation for ``--duration-s``; a ``--disconnect`` share of
+   the clients hangs up after a random delay (before admission, during prefill or mid-stream); half of
+   the requests stream;
+4. checks: every request that was not hung up completed and its text and token strings equal its
+   reference (nothing lost, duplicated or reordered); slot and KV-block gauges are back to their start;
+   the resident memory of every process (supervisor and children) stayed flat after warm-up; no
+   process was restarted.
+
+The summary (JSON) holds the figures and ``violations``; the exit status is 1 when there are any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.serve_proc import MODEL, ServeProc
+
+GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
+SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
+              "256", "--drain-timeout", "2")
+# The engine beats between steps; on a small shared CPU one step of a full batch can take seconds.
+SERVE_ENV = {"BLINK_HEARTBEAT_TIMEOUT_S": "10"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SoakConfig:
+    duration_s: float = 120.0
+    load: float = 0.8
+    disconnect: float = 0.1
+    max_tokens: int = 16
+    prompts: int = 8
+    level_s: float = 6.0
+    warmup_s: float = 30.0
+    sample_s: float = 5.0
+    rss_tolerance_mib: float = 48.0
+    rss_tolerance_frac: float = 0.10
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    text: str
+    tokens: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Outcome:
+    kind: str  # completed, disconnected, failed
+    prompt: int
+    stream: bool
+    planned_hang_up: bool = False
+    latency_s: float = 0.0
+    answer: Answer | None = None
+    error: str = ""
+
+
+class RequestFailed(Exception):
+    pass
+
+
+def progress(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_prompts(n: int, seed: int) -> list[list[int]]:
+    """Token-id prompts of 8..24 ordinary tokens (ids clear of the special ones at the start)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(300, 20000, int(rng.integers(8, 25))).tolist() for _ in range(n)]
+
+
+def request_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "logprobs": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def read_whole(resp: aiohttp.ClientResponse) -> Answer:
+    data = await resp.json()
+    if resp.status != 200:
+        raise RequestFailed(f"HTTP {resp.status}: {json.dumps(data)[:300]}")
+    choice = data["choices"][0]
+    return Answer(choice["text"], tuple(choice["logprobs"]["tokens"]))
+
+
+async def read_stream(resp: aiohttp.ClientResponse) -> Answer:
+    if resp.status != 200:
+        raise RequestFailed(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+    text: list[str] = []
+    tokens: list[str] = []
+    done = False
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[len(b"data: "):]
+        if payload == b"[DONE]":
+            done = True
+            break
+        event = json.loads(payload)
+        if "error" in event:
+            raise RequestFailed(f"error event: {json.dumps(event)[:300]}")
+        for choice in event["choices"]:
+            text.append(choice["text"])
+            tokens.extend((choice.get("logprobs") or {}).get("tokens") or [])
+    if not done:
+        raise RequestFailed("stream ended without [DONE]")
+    return Answer("".join(text), tuple(tokens))
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
+    resp = await session.post(url + "/v1/completions", json=body)
+    try:
+        return await (read_stream(resp) if body["stream"] else read_whole(resp))
+    finally:
+        resp.close()  # also on cancellation: the client hangs up
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], idx: int,
+                      cfg: SoakConfig, stream: bool, hang_up_after: float | None) -> Outcome:
+    out = Outcome("completed", idx, stream, hang_up_after is not None)
+    t0 = time.monotonic()
+    try:
+        call = fetch(session, url, request_body(prompts[idx], cfg.max_tokens, stream))
+        out.answer = await (call if hang_up_after is None else asyncio.wait_for(call, hang_up_after))
+    except TimeoutError:
+        out.kind = "disconnected"
+    except (RequestFailed, aiohttp.ClientError, json.JSONDecodeError, KeyError) as exc:
+        out.kind, out.error = "failed", f"{type(exc).__name__}: {exc}"
+    out.latency_s = time.monotonic() - t0
+    return out
+
+
+async def references(session: aiohttp.ClientSession, url: str, prompts: list[list[int]],
+                     cfg: SoakConfig) -> list[Answer]:
+    """Each prompt alone, one at a time: what every later run of it must return."""
+    refs = []
+    for idx in range(len(prompts)):
+        out = await one_request(session, url, prompts, idx, cfg, False, None)
+        if out.answer is None:
+            raise RuntimeError(f"reference request {idx} failed: {out.error}")
+        refs.append(out.answer)
+    return refs
+
+
+def mismatch(out: Outcome, refs: list[Answer], max_tokens: int) -> str | None:
+    ref, got = refs[out.prompt], out.answer
+    assert got is not None
+    if len(got.tokens) != max_tokens:
+        return f"prompt {out.prompt}: {len(got.tokens)} tokens, expected {max_tokens}"
+    if got != ref:
+        return f"prompt {out.prompt} (stream={out.stream}): {got.tokens!r} != reference {ref.tokens!r}"
+    return None
+
+
+async def closed_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
+                      concurrency: int) -> tuple[float, list[Outcome]]:
+    """``concurrency`` clients back to back for ``level_s`` (each sends at least one request):
+    (completed requests / time until the last one finished, outcomes)."""
+    rng = random.Random(cfg.seed + concurrency)
+    t0 = time.monotonic()
+    outcomes: list[Outcome] = []
+
+    async def client() -> None:
+        while True:
+            outcomes.append(await one_request(session, url, prompts, rng.randrange(len(prompts)), cfg, False, None))
+            if time.monotonic() - t0 >= cfg.level_s:
+                return
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    done = sum(o.kind == "completed" for o in outcomes)
+    return done / (time.monotonic() - t0), outcomes
+
+
+async def saturation(session: aiohttp.ClientSession, url: str, prompts: list[list[int]],
+                     cfg: SoakConfig) -> tuple[list[dict[str, float]], list[Outcome]]:
+    """Throughput at concurrency 1, 2, 4, ... until two levels in a row fail to beat the best by 5 %."""
+    table: list[dict[str, float]] = []
+    outcomes: list[Outcome] = []
+    best, flat = 0.0, 0
+    for level in (1, 2, 4, 8, 16, 32, 64):
+        rps, outs = await closed_loop(session, url, prompts, cfg, level)
+        outcomes += outs
+        lat = [o.latency_s for o in outs if o.kind == "completed"]
+        table.append({"concurrency": level, "requests_per_s": round(rps, 3),
+                      "p50_latency_s": round(float(np.median(lat)), 3) if lat else None})
+        errors = sorted({o.error for o in outs if o.kind == "failed"})
+        progress(f"saturation: {table[-1]}" + (f"; errors: {errors[:3]}" if errors else ""))
+        flat = flat + 1 if rps < best * 1.05 else 0
+        best = max(best, rps)
+        if flat == 2:
+            break
+    return table, outcomes
+
+
+class Sampler:
+    """Resident memory, gauges and child pids every ``sample_s`` seconds."""
+
+    def __init__(self, serve: ServeProc, t0: float) -> None:
+        self.serve, self.t0 = serve, t0
+        self.samples: list[dict[str, Any]] = []
+
+    def sample(self) -> dict[str, Any]:
+        m = self.serve.metrics()
+        s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(),
+             "pids": self.serve.children(), **{g.split(":")[1]: m.get(g) for g in GAUGES}}
+        self.samples.append(s)
+        return s
+
+    async def run(self, every_s: float) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(every_s)
+
+
+async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
+                    rate: float, hang_up_window_s: float) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` for ``duration_s``; returns every request's outcome."""
+    rng = random.Random(cfg.seed)
+    tasks: list[asyncio.Task[Outcome]] = []
+    t_next = time.monotonic()
+    end = t_next + cfg.duration_s
+    while t_next < end:
+        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+        hang_up = rng.uniform(0.0, hang_up_window_s) if rng.random() < cfg.disconnect else None
+        stream = rng.random() < 0.5
+        tasks.append(asyncio.create_task(
+            one_request(session, url, prompts, rng.randrange(len(prompts)), cfg, stream, hang_up)))
+        t_next += rng.expovariate(rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def gauges_settle(serve: ServeProc, start: dict[str, float | None], timeout_s: float) -> dict[str, Any]:
+    """Wait until the slot, running and KV gauges are back at their start values."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await asyncio.to_thread(serve.metrics)
+        now = {g.split(":")[1]: m.get(g) for g in GAUGES}
+        if now == start or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.5)
+
+
+def rss_report(samples: list[dict[str, Any]], warmup_s: float, cfg: SoakConfig) -> tuple[dict, list[str]]:
+    """Per process: RSS after warm-up, at the end, peak, growth; violations when it grew."""
+    base = next((s for s in samples if s["t"] >= warmup_s), samples[0])
+    last = samples[-1]
+    report, bad = {}, []
+    for role, kib in base["rss_kib"].items():
+        end = last["rss_kib"].get(role)
+        peak = max(s["rss_kib"].get(role, 0) for s in samples if s["t"] >= base["t"])
+        growth = None if end is None else (end - kib) / 1024
+        report[role] = {"after_warmup_mib": round(kib / 1024, 1), "end_mib": None if end is None else
+                        round(end / 1024, 1), "peak_mib": round(peak / 1024, 1),
+                        "growth_mib": None if growth is None else round(growth, 1)}
+        allowed = max(cfg.rss_tolerance_mib, cfg.rss_tolerance_frac * kib / 1024)
+        if growth is None or growth > allowed:
+            bad.append(f"{role}: resident memory grew {growth} MiB after warm-up (allowed {allowed:.0f})")
+    return report, bad
+
+
+def latency_summary(outs: list[Outcome]) -> dict[str, float]:
+    lat = np.array([o.latency_s for o in outs if o.kind == "completed"])
+    if not lat.size:
+        return {}
+    return {k: round(float(np.percentile(lat, q)), 3) for k, q in (("p50", 50), ("p95", 95), ("p99", 99))}
+
+
+def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dict[str, int], list[str]]:
+    counts = {"sent": len(outs), "completed": 0, "disconnected": 0, "failed": 0, "mismatched": 0,
+              "planned_hang_ups": sum(o.planned_hang_up for o in outs)}
+    bad: list[str] = []
+    for out in outs:
+        counts[out.kind] += 1
+        if out.kind == "failed":
+            bad.append(f"request failed: {out.error}")
+        elif out.kind == "completed":
+            why = mismatch(out, refs, cfg.max_tokens)
+            if why:
+                counts["mismatched"] += 1
+                bad.append(why)
+    return counts, bad
+
+
+async def soak_phase(serve: ServeProc, session: aiohttp.ClientSession, prompts: list[list[int]],
+                     cfg: SoakConfig, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
+    start_gauges = {g.split(":")[1]: v for g, v in serve.metrics().items() if g in GAUGES}
+    sampler = Sampler(serve, time.monotonic())
+    sampling = asyncio.create_task(sampler.run(cfg.sample_s))
+    try:
+        outs = await open_loop(session, serve.url, prompts, cfg, rate, window_s)
+        end_gauges = await gauges_settle(serve, start_gauges, 30.0)
+    finally:
+        sampling.cancel()
+    await asyncio.to_thread(sampler.sample)
+    return outs, sampler, {"start": start_gauges, "end": end_gauges}
+
+
+async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
+    prompts = make_prompts(cfg.prompts, cfg.seed)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        refs = await references(session, serve.url, prompts, cfg)
+        progress(f"{len(refs)} references")
+        table, probe = await saturation(session, serve.url, prompts, cfg)
+        peak = max(table, key=lambda row: row["requests_per_s"])
+        if not peak["requests_per_s"]:
+            raise RuntimeError(f"no request finished while measuring saturation: {table}")
+        rate = cfg.load * peak["requests_per_s"]
+        window = 1.5 * (peak["p50_latency_s"] or 1.0)
+        progress(f"soaking at {rate:.2f} requests/s for {cfg.duration_s:.0f} s")
+        outs, sampler, gauges = await soak_phase(serve, session, prompts, cfg, rate, window)
+    counts, bad = judge(outs, refs, cfg)
+    _, probe_bad = judge(probe, refs, cfg)
+    rss, rss_bad = rss_report(sampler.samples, cfg.warmup_s, cfg)
+    seen_pids = {s["pids"].get(r) for s in sampler.samples for r in sampler.samples[0]["pids"]}
+    bad = probe_bad + bad + rss_bad
+    if gauges["end"] != gauges["start"]:
+        bad.append(f"gauges did not return to their start: {gauges}")
+    if len(seen_pids) != len(sampler.samples[0]["pids"]):
+        bad.append(f"a process was restarted during the soak: {[s['pids'] for s in sampler.samples]}")
+    return {"saturation": table, "target_rate_rps": round(rate, 3), "hang_up_window_s": round(window, 3),
+            "requests": counts, "probe_requests": len(probe), "output_tokens": counts["completed"] * cfg.max_tokens,
+            "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss, "samples": sampler.samples,
+            "violations": bad[:50], "violation_count": len(bad)}
+
+
+def run_soak(cfg: SoakConfig, run_root: Path) -> dict[str, Any]:
+    """Start a server, soak it, stop it; the summary with ``passed``."""
+    serve = ServeProc(SERVE_ARGS, run_root, env=SERVE_ENV).start()
+    t0 = time.time()
+    try:
+        result = asyncio.run(soak(serve, cfg))
+    finally:
+        code = serve.stop()
+    result["clean_exit"] = code == 0
+    if code != 0:
+        result["violations"].append(f"blink serve exited with {code}")
+    result["passed"] = not result["violations"]
+    meta = {"started_unix": int(t0), "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version(), "serve_args": list(SERVE_ARGS),
+            "serve_env": SERVE_ENV, "config": dataclasses.asdict(cfg), "engine": "cpu (gpu_engine.serve)"}
+    return {**meta, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--duration-s", type=float, default=120.0, help="length of the loaded phase")
+    ap.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of saturation")
+    ap.add_argument("--disconnect", type=float, default=0.1, help="share of clients that hang up")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--level-s", type=float, default=6.0, help="seconds per concurrency level (saturation)")
+    ap.add_argument("--warmup-s", type=float, default=None, help="RSS baseline time (default: 1/4, <= 60 s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
+    cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
+                     level_s=a.level_s, warmup_s=warmup, seed=a.seed)
+    with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
+        summary = run_soak(cfg, Path(tmp))
+    text = json.dumps(summary, indent=1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss",
+                                     "violations", "passed")}
+    print(json.dumps(brief, indent=1))
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
