@@ -349,9 +349,9 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
             "violations": bad[:50], "violation_count": len(bad)}
 
 
-def run_soak(cfg: SoakConfig, run_root: Path) -> dict[str, Any]:
-    """Start a server, soak it, stop it; the summary with ``passed``."""
-    serve = ServeProc(SERVE_ARGS, run_root, env=SERVE_ENV).start()
+def run_soak(cfg: SoakConfig, run_root: Path, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Start a server (``extra_args`` added to its flags), soak it, stop it; the summary with ``passed``."""
+    serve = ServeProc((*SERVE_ARGS, *extra_args), run_root, env=SERVE_ENV).start()
     t0 = time.time()
     try:
         result = asyncio.run(soak(serve, cfg))
@@ -362,8 +362,9 @@ def run_soak(cfg: SoakConfig, run_root: Path) -> dict[str, Any]:
         result["violations"].append(f"blink serve exited with {code}")
     result["passed"] = not result["violations"]
     meta = {"started_unix": int(t0), "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(), "serve_args": list(SERVE_ARGS),
-            "serve_env": SERVE_ENV, "config": dataclasses.asdict(cfg), "engine": "cpu (gpu_engine.serve)"}
+            "machine": platform.machine(), "python": platform.python_version(),
+            "serve_args": [*SERVE_ARGS, *extra_args], "serve_env": SERVE_ENV, "config": dataclasses.asdict(cfg),
+            "engine": "gpu_engine.serve"}
     return {**meta, **result}
 
 
@@ -377,12 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=None, help="RSS baseline time (default: 1/4, <= 60 s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--backend", default=None, help="engine backend (cpu, host, persistent); default: the engine's")
     a = ap.parse_args(argv)
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
     cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
                      level_s=a.level_s, warmup_s=warmup, seed=a.seed)
     with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
-        summary = run_soak(cfg, Path(tmp))
+        summary = run_soak(cfg, Path(tmp), ("--backend", a.backend) if a.backend else ())
     text = json.dumps(summary, indent=1)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
