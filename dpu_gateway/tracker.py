@@ -140,6 +140,18 @@ class SlotTracker:
         live = self.live.get(req_id)
         if live is not None and self.cache is not None:
             self.cache.writer.cancel(live.slot, live.seq)
+        elif live is None:
+            self._cancel_by_ring(req_id)
+
+    def _cancel_by_ring(self, req_id: int) -> None:
+        """A request this process does not know (an earlier tracker process admitted it): find its
+        slot by request id in the ring; ``cancel`` leaves slots that finished or were reused alone."""
+        cache = self._slots()
+        if cache is None:
+            return
+        snap = cache.refresh()
+        for idx in np.flatnonzero(snap["request_id"] == np.uint64(req_id)):
+            cache.writer.cancel(int(idx), int(snap["seq"][idx]))
 
     def drop_channel(self, chan: ipc.Channel) -> None:
         """A gateway went away: forget its queued requests and cancel its slots."""

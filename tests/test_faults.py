@@ -21,10 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
 from shared import ipc
+from shared import ring_layout as L
+from shared.ring import attach_shm_ring
 from shared.transport import SHM_DIR
 
 REAL_ENGINE = "gpu_engine.serve"
@@ -231,3 +234,35 @@ async def test_kill_mid_stream(fault_stack: Stack, part: str) -> None:
     RESULTS[part] = {"stream_end_s": round(end["ended_s"], 3), "stream": "error event" if end["error"] else
                      ("[DONE]" if end["done"] else end["how"]), "health_503_seen": 503 in health,
                      "restarted_s": round(restart_s, 2), "first_success_s": round(success_s, 2)}
+
+
+async def test_hang_up_after_tracker_restart_cancels_the_slot(fault_stack: Stack) -> None:
+    """A restarted tracker never saw the requests its predecessor admitted; a client that hangs up
+    on one must still free its slot at once, not after the engine generated every token."""
+    stack = fault_stack
+    await all_gateways_linked(stack)
+    body = {**STREAM, "max_tokens": 128}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(stack.url + "/v1/completions", json=body)
+        await resp.content.readuntil(b"\n\n")
+        old = ready_pid(stack, "tracker")
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        await wait_restart(stack, "tracker", old, time.monotonic(), 60)
+        await all_gateways_linked(stack)
+        chunks = [await resp.content.readuntil(b"\n\n")]  # still streaming after the restart
+        resp.close()  # the client hangs up
+    assert b"[DONE]" not in chunks[-1]
+    await settle(stack)
+    last = last_request_of_ring(stack)  # an EMPTY slot keeps its last request's outcome until reused
+    assert last["finish_reason"] == L.FinishReason.CANCELLED and last["generated"] < 128, last
+
+
+def last_request_of_ring(stack: Stack) -> dict:
+    ring = attach_shm_ring(stack.ring)
+    try:
+        slots = ring.read_slots()
+    finally:
+        ring.close()
+    last = slots[int(np.argmax(slots["submit_ns"]))]
+    return {"finish_reason": int(last["finish_reason"]), "generated": int(last["generated"])}
