@@ -15,6 +15,7 @@ import json
 import multiprocessing
 from typing import Any
 
+import hypothesis
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -77,13 +78,13 @@ def fuzz_operation(operation: Any, mode: GenerationMode, examples: int, base_url
                    report: FuzzReport, seed: int) -> None:
     label = f"{mode.value} {operation.method.upper()} {operation.path}"
 
+    @hypothesis.seed(seed)  # reproducible runs
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), derandomize=False)
+              suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         _run_one(case, base_url, session, report, label)
 
-    run._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # reproducible runs
     run()
 
 
