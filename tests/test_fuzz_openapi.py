@@ -73,5 +73,6 @@ def test_fuzz_openapi(fuzz_stack: Stack) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fuzz_openapi_long(fuzz_stack: Stack) -> None:
     run_fuzz(fuzz_stack, per_mode=5000, seed=2, minimum=20000)

@@ -32,5 +32,6 @@ def test_soak_two_minutes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_soak_twenty_minutes(tmp_path: Path) -> None:
     check(run_soak(SoakConfig(duration_s=1200, level_s=8, warmup_s=60), tmp_path))

@@ -9,7 +9,6 @@ run reports all of them without Hypothesis stopping to shrink the first.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
@@ -110,11 +109,14 @@ def fuzz(base_url: str, examples: dict[str, int], seed: int = 0, workers: int = 
         jobs += [(base_url, op.path, op.method, mode, examples[op.path], seed)
                  for mode in modes if examples.get(op.path)]
     report = FuzzReport()
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        for part in pool.map(_fuzz_pair, *zip(*jobs, strict=True)):
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        for part in pool.starmap(_fuzz_pair, jobs):
             report.requests += part.requests
             report.statuses.update(part.statuses)
             report.per_operation.update(part.per_operation)
             report.failures += part.failures
+    finally:
+        pool.terminate()  # also when the test is interrupted or times out: no worker outlives it
+        pool.join()
     return report
