@@ -14,7 +14,7 @@ import numpy as np
 
 from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
 from gpu_engine.runner import Runner, StepOutput
-from gpu_engine.sampling import SamplingSpec
+from gpu_engine.sampling import SamplingSpec, request_seed
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
@@ -25,14 +25,15 @@ log = get_logger("engine")
 STALL_S = 60.0  # a loop silent for this long is hung: the heartbeat thread stops beating
 
 
-def sampling_spec(sp: np.void) -> SamplingSpec:
+def sampling_spec(sp: np.void, request_id: int) -> SamplingSpec:
+    """The slot's sampling parameters, with the seed resolved once (derived from the id if none)."""
     flags = int(sp["flags"])
     return SamplingSpec(
         temperature=float(sp["temperature"]),
         top_p=float(sp["top_p"]),
         top_k=int(sp["top_k"]),
         min_p=float(sp["min_p"]),
-        seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if flags & L.SamplingFlags.HAS_SEED else None,
+        seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if flags & L.SamplingFlags.HAS_SEED else request_seed(request_id),
         num_top_logprobs=int(sp["num_top_logprobs"]),
     )
 
@@ -84,7 +85,7 @@ class RingEngine:
                       arrival=self.arrivals, stop_ids=stop,
                       ignore_eos=bool(int(sp["flags"]) & L.SamplingFlags.IGNORE_EOS),
                       want_logprobs=bool(int(sp["flags"]) & L.SamplingFlags.WANT_LOGPROBS),
-                      sampling=sampling_spec(sp))
+                      sampling=sampling_spec(sp, int(meta["request_id"])))
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)

@@ -10,7 +10,7 @@ import torch
 
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import SeqStep, build_metadata
-from gpu_engine.policy import StepPlan
+from gpu_engine.policy import Request, StepPlan
 from gpu_engine.sampling import SamplingSpec, sample
 
 
@@ -28,9 +28,11 @@ class Runner(Protocol):
     def run(self, plan: StepPlan) -> StepOutput: ...
 
 
-def request_seed(spec: SamplingSpec, request_id: int) -> int:
-    """Requests without a seed draw from their request id (unique while in flight)."""
-    return int(spec.seed) if spec.seed is not None else (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+def spec_of(req: Request) -> SamplingSpec:
+    """The request's sampling parameters; the engine resolved its seed at admission."""
+    spec = req.sampling
+    assert isinstance(spec, SamplingSpec) and spec.seed is not None, "sampling not resolved at admission"
+    return spec
 
 
 class TorchRunner:
@@ -50,11 +52,9 @@ class TorchRunner:
             ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
         meta = build_metadata(steps, self.kv.block_size, self.device)
         logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
-        specs = [w.req.sampling if isinstance(w.req.sampling, SamplingSpec) else SamplingSpec()
-                 for w in plan.work]
+        specs = [spec_of(w.req) for w in plan.work]
         positions = torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64)
-        seeds = torch.tensor([request_seed(s, w.req.request_id) for s, w in zip(specs, plan.work, strict=True)],
-                             dtype=torch.int64)
+        seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
         res = sample(logits.float(), specs, positions, seeds)
         return StepOutput(
             tokens=[int(t) for t in res.tokens.tolist()],

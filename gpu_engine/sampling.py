@@ -52,6 +52,11 @@ def draw_seed() -> int:
     return _seed_source.getrandbits(63)
 
 
+def request_seed(request_id: int) -> int:
+    """The seed of a request that gave none: derived from its id, as the CUDA scheduler does at claim."""
+    return (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+
+
 def resolve_seed(spec: SamplingSpec) -> int:
     """The request's own seed, or a freshly drawn one."""
     return spec.seed if spec.seed is not None else draw_seed()

@@ -24,9 +24,17 @@ class SlotEngine:
         self.ring = ring
         self.t = ring.transport
         self._snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE)
+        self._bell = -1  # doorbell value at the last scan
 
     def scan_pending(self) -> list[tuple[int, int]]:
-        """(slot, seq) of every PREFILL_PENDING slot, oldest submission first (FCFS)."""
+        """(slot, seq) of every PREFILL_PENDING slot, oldest submission first (FCFS).
+
+        The slots are read only when the doorbell moved since the last scan (the doorbell is read
+        first, so a publication racing with the scan is seen by the next one)."""
+        bell = self.t.load64(L.FIELD_OFFSETS["RingHeader"]["doorbell"])
+        if bell == self._bell:
+            return []
+        self._bell = bell
         snap = self.ring.read_slots(self._snapshot)
         idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
         if idx.size == 0:

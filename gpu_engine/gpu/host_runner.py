@@ -14,8 +14,7 @@ from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.models.attention import SeqStep, build_metadata
 from gpu_engine.policy import StepPlan
-from gpu_engine.runner import StepOutput, request_seed
-from gpu_engine.sampling import SamplingSpec
+from gpu_engine.runner import StepOutput, spec_of
 
 
 class HostGraphRunner:
@@ -27,14 +26,13 @@ class HostGraphRunner:
         self.block_size = runner.kv.block_size
 
     def _sampling(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        specs = [w.req.sampling if isinstance(w.req.sampling, SamplingSpec) else SamplingSpec() for w in plan.work]
+        specs = [spec_of(w.req) for w in plan.work]
         return {
             "temperature": torch.tensor([s.temperature for s in specs], dtype=torch.float32),
             "top_k": torch.tensor([s.top_k for s in specs], dtype=torch.int32),
             "top_p": torch.tensor([s.top_p for s in specs], dtype=torch.float32),
             "min_p": torch.tensor([s.min_p for s in specs], dtype=torch.float32),
-            "seeds": torch.tensor([request_seed(s, w.req.request_id) for s, w in zip(specs, plan.work, strict=True)],
-                                  dtype=torch.int64),
+            "seeds": torch.tensor([s.seed for s in specs], dtype=torch.int64),
             "sample_index": torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64),
         }
 
