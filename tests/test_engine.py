@@ -143,6 +143,7 @@ def test_request_larger_than_cache_is_refused(tiny_llama: Path) -> None:
     h.run()
     assert h.result(0) == ([], F.ERROR)
     assert int(h.ring.slots[0]["error_code"]) == L.ErrorCode.NO_CAPACITY
+    h.check_blocks_returned()
 
 
 def test_stop_id_and_max_tokens(tiny_llama: Path) -> None:
@@ -168,6 +169,7 @@ def test_logprobs_published(tiny_llama: Path) -> None:
     assert tops["token"][:, 0].tolist() == out  # greedy: the chosen token is the most likely one
     np.testing.assert_allclose(tops["logprob"][:, 0], lps, rtol=1e-5)
     assert (np.diff(tops["logprob"], axis=1) <= 0).all()
+    h.check_blocks_returned()
 
 
 @pytest.fixture(autouse=True)
