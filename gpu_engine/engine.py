@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
+from gpu_engine.policy import Finish, Policy, Request, StepPlan
 from gpu_engine.runner import Runner, StepOutput
 from gpu_engine.sampling import SamplingSpec, request_seed
 from shared import ring_layout as L
@@ -192,6 +192,3 @@ class RingEngine:
             else:
                 idle = min(idle + 1, 40)
                 time.sleep(0 if idle < 8 else 25e-6 * idle)
-
-    def idle(self) -> bool:
-        return not self.by_slot and all(r.phase == Phase.FINISHED for r in self.policy.all_requests())

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from gpu_engine.engine import RingEngine
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler
@@ -125,5 +124,3 @@ def build_gpu_backend(cfg: EngineConfig):  # noqa: ANN201 - returns serve.Backen
     runner = HostGraphRunner(parts.runner, parts.cache)
     return Backend(runner, policy, parts.eos_ids, parts.max_context, parts.vocab_size)
 
-
-__all__ = ["build_gpu_backend", "RingEngine"]

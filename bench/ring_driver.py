@@ -1,6 +1,6 @@
 """Drive an engine process through its ring: random requests, cancellations, outputs by id.
 
-Used by the GPU tests and the scheduler benchmarks; plays the slot tracker and token reader
+Used by the benchmarks and the persistent-scheduler tests; plays the slot tracker and token reader
 with the real slot transitions of shared/slots.py.
 """
 
@@ -20,7 +20,7 @@ from shared.ring import Ring, attach_shm_ring
 from shared.slots import SlotRequest, SlotWriter, split_word
 
 S = L.SlotState
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
