@@ -31,6 +31,8 @@ class Job:
     cancel_after: int | None = None  # cancel once this many tokens were seen
     temperature: float = 0.0
     seed: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclasses.dataclass
@@ -94,8 +96,8 @@ class Driver:
             seq = self.w.try_reserve(int(idx), int(snap["seq"][idx]))
             if seq is None:
                 continue
-            req = SlotRequest(job.rid, job.prompt, job.max_new, temperature=job.temperature, seed=job.seed,
-                              ignore_eos=True)
+            req = SlotRequest(job.rid, job.prompt, job.max_new, temperature=job.temperature, top_p=job.top_p,
+                              top_k=job.top_k, seed=job.seed, ignore_eos=True)
             self.w.publish(int(idx), seq, req)
             self.inflight[int(idx)] = (job, seq, 0, time.perf_counter())
             return True

@@ -3,6 +3,8 @@
 Measures the device-copy bandwidth and the bf16 matmul rate in the same run, then times graph
 replays. Floors: decode = (weight bytes read + KV bytes read) / bandwidth (the embedding table is
 not read, only B rows of it); prefill = FLOPs (linear layers + causal attention) / matmul rate.
+Decode rows are greedy, so `ms` is the sort-free (unfiltered) decode graph, the one such steps run;
+`ms_filtered` is the same step through the filtering variant (top-k / top-p / min-p sort).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--quick]
 """
 
@@ -121,11 +123,13 @@ def run(out: Path, iters: int) -> dict:
     for ctx in CONTEXTS:
         for b in DECODE_BATCHES:
             stage_step(runner, b, ctx, 1, per_seq)
-            ms = _time_ms(lambda b=b: graphs.replay((True, b, b)), iters)
+            ms = _time_ms(lambda b=b: graphs.replay((True, b, b), filtered=False), iters)
+            ms_filtered = _time_ms(lambda b=b: graphs.replay((True, b, b), filtered=True), iters)
             sample_ms = _time_ms(lambda b=b: runner._sample(b), iters)
             floor = (wbytes + b * ctx * kv_per_token) / (gbps * 1e9) * 1e3
             rows.append({"model": "llama3-8b-shape", "phase": "decode", "batch": b, "context": ctx,
-                         "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms})
+                         "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms,
+                         "ms_filtered": ms_filtered})
     for t in PREFILL_TOKENS:
         stage_step(runner, 1, t, t, per_seq)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
@@ -145,6 +149,7 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
               f"{r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:7.2f}"
+              + (f"  (filtered {r['ms_filtered']:.3f} ms)" if "ms_filtered" in r else "")
               + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else ""))
 
 

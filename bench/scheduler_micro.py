@@ -32,7 +32,7 @@ S = L.SlotState
 
 def host_launch_us(parts: GpuParts, reps: int = 300) -> tuple[float, float]:
     """Host cudaGraphLaunch call time (replay, no sync) and launch + sync, decode batch 1."""
-    idx, _ = parts.cache.lookup(True, 1, 1)
+    idx, _ = parts.cache.lookup(True, 1, 1, filtered=False)
     g = parts.cache.graphs[idx]
     assert g is not None
     call, full = [], []

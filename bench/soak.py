@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -58,6 +59,7 @@ class SoakConfig:
     rss_tolerance_mib: float = 48.0
     rss_tolerance_frac: float = 0.10
     seed: int = 0
+    served_name: str = MODEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +93,8 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(300, 20000, int(rng.integers(8, 25))).tolist() for _ in range(n)]
 
 
-def request_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+def request_body(prompt: list[int], max_tokens: int, stream: bool, model: str = MODEL) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "logprobs": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -145,7 +147,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompts: list[li
     out = Outcome("completed", idx, stream, hang_up_after is not None)
     t0 = time.monotonic()
     try:
-        call = fetch(session, url, request_body(prompts[idx], cfg.max_tokens, stream))
+        call = fetch(session, url, request_body(prompts[idx], cfg.max_tokens, stream, cfg.served_name))
         out.answer = await (call if hang_up_after is None else asyncio.wait_for(call, hang_up_after))
     except TimeoutError:
         out.kind = "disconnected"
@@ -346,7 +348,13 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
     return {"saturation": table, "target_rate_rps": round(rate, 3), "hang_up_window_s": round(window, 3),
             "requests": counts, "probe_requests": len(probe), "output_tokens": counts["completed"] * cfg.max_tokens,
             "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss, "samples": sampler.samples,
-            "violations": bad[:50], "violation_count": len(bad)}
+            "failures_by_error": failure_kinds(outs), "violations": bad[:50], "violation_count": len(bad)}
+
+
+def failure_kinds(outs: list[Outcome], top: int = 10) -> dict[str, int]:
+    """The most frequent errors of failed requests (first 120 characters), with their counts."""
+    kinds = collections.Counter(o.error[:120] for o in outs if o.kind == "failed")
+    return dict(kinds.most_common(top))
 
 
 def run_soak(cfg: SoakConfig, run_root: Path, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -379,12 +387,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--backend", default=None, help="engine backend (cpu, host, persistent); default: the engine's")
+    ap.add_argument("--dtype", default=None, help="engine dtype (float32 keeps GPU greedy outputs batch-stable)")
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--random-weights", action="store_true", help="the model's architecture with seeded random weights")
     a = ap.parse_args(argv)
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
     cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
-                     level_s=a.level_s, warmup_s=warmup, seed=a.seed)
+                     level_s=a.level_s, warmup_s=warmup, seed=a.seed,
+                     served_name=Path(a.model).name if a.model else MODEL)
     with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
-        summary = run_soak(cfg, Path(tmp), ("--backend", a.backend) if a.backend else ())
+        extra = (("--backend", a.backend) if a.backend else ()) + (("--dtype", a.dtype) if a.dtype else ())
+        if a.model:
+            extra += ("--model", a.model, "--served-model-name", cfg.served_name)
+        if a.random_weights:
+            extra += ("--random-weights",)
+        summary = run_soak(cfg, Path(tmp), extra)
     text = json.dumps(summary, indent=1)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,13 @@
 """Tokenizer benchmark: our encoder against Hugging Face `tokenizers`, plus streaming detokenization.
 
-    python -m bench.tokenizer_bench [--out bench/results/tokenizer.json] [--model PATH]
+    python -m bench.tokenizer_bench [--out bench/results/tokenizer.json] [--model DIR ...] [--budget S]
 
+Tokenizers: the embedded SmolLM2 GGUF (HF reference rebuilt from its vocabulary), the Llama-3
+`tokenizer.json` from the test assets when present (`python -m dpu_tokenizer.fetch_assets`), and
+every `--model` folder holding a `tokenizer.json` (the HF reference is that file).
 Rows: inputs of 10, 100, 1000 and 2048 tokens; "single" is one request per call, "batched" is
-32 requests per call. Rates are requests per second (tokens/s for detokenization).
+32 requests per call. Rates are requests per second (tokens/s for detokenization), one process,
+best of three rounds of `--budget` / 3 seconds each.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from dpu_tokenizer import load_tokenizer
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.detok import IncrementalDetokenizer
+from dpu_tokenizer.fetch_assets import default_assets_dir
 from dpu_tokenizer.sources import default_model_path, read_gguf_vocab
 
 SIZES = (10, 100, 1000, 2048)
@@ -62,7 +67,10 @@ def _text_of(tok: ByteTableTokenizer, n_tokens: int, salt: int) -> str:
     return tok.decode(ids)
 
 
-def _rate(fn: Callable[[], Any], budget_s: float = 0.6) -> float:
+BUDGET_S = 0.6
+
+
+def _rate(fn: Callable[[], Any], budget_s: float) -> float:
     """Calls per second, best of three timed rounds."""
     fn()
     calls, start = 0, time.perf_counter()
@@ -79,7 +87,9 @@ def _rate(fn: Callable[[], Any], budget_s: float = 0.6) -> float:
     return best
 
 
-def _encode_rows(name: str, ours: ByteTableTokenizer, hf: tokenizers.Tokenizer) -> list[dict[str, Any]]:
+def _encode_rows(
+    name: str, ours: ByteTableTokenizer, hf: tokenizers.Tokenizer, budget: float
+) -> list[dict[str, Any]]:
     rows = []
     for size in SIZES:
         texts = [_text_of(ours, size, salt) for salt in range(BATCH)]
@@ -89,13 +99,13 @@ def _encode_rows(name: str, ours: ByteTableTokenizer, hf: tokenizers.Tokenizer) 
                 "tokenizer": name,
                 "input_tokens": size,
                 "mode": "single",
-                "ours_per_s": _rate(lambda s=single: ours.encode(s)),
-                "hf_per_s": _rate(lambda s=single: hf.encode(s, add_special_tokens=False).ids),
+                "ours_per_s": _rate(lambda s=single: ours.encode(s), budget),
+                "hf_per_s": _rate(lambda s=single: hf.encode(s, add_special_tokens=False).ids, budget),
             }
         )
-        batched_ours = _rate(lambda t=texts: ours.encode_batch(t)) * BATCH
+        batched_ours = _rate(lambda t=texts: ours.encode_batch(t), budget) * BATCH
         batched_hf = (
-            _rate(lambda t=texts: [e.ids for e in hf.encode_batch(t, add_special_tokens=False)]) * BATCH
+            _rate(lambda t=texts: [e.ids for e in hf.encode_batch(t, add_special_tokens=False)], budget) * BATCH
         )
         rows.append(
             {
@@ -109,7 +119,7 @@ def _encode_rows(name: str, ours: ByteTableTokenizer, hf: tokenizers.Tokenizer) 
     return rows
 
 
-def _detok_rates(tok: ByteTableTokenizer) -> dict[str, float]:
+def _detok_rates(tok: ByteTableTokenizer, budget: float) -> dict[str, float]:
     ids = tok.encode(TEXT * 400)
 
     def stream(stops: tuple[str, ...]) -> None:
@@ -119,9 +129,25 @@ def _detok_rates(tok: ByteTableTokenizer) -> dict[str, float]:
         det.finish()
 
     return {
-        "plain_tokens_per_s": _rate(lambda: stream(()), 1.5) * len(ids),
-        "with_stops_tokens_per_s": _rate(lambda: stream(("\n\nUser:", "</answer>")), 1.5) * len(ids),
+        "plain_tokens_per_s": _rate(lambda: stream(()), 2.5 * budget) * len(ids),
+        "with_stops_tokens_per_s": _rate(lambda: stream(("\n\nUser:", "</answer>")), 2.5 * budget) * len(ids),
     }
+
+
+def _models(extra: list[str]) -> list[tuple[str, ByteTableTokenizer, tokenizers.Tokenizer]]:
+    out = [("smollm2-gguf", load_tokenizer(), _reference_for_default())]
+    folders = [Path(m) for m in extra]
+    llama3 = default_assets_dir() / "llama3"
+    if (llama3 / "tokenizer.json").is_file() and llama3 not in folders:
+        folders.insert(0, llama3)
+    for folder in folders:
+        name = ("llama3" if folder == llama3 else folder.name) + "-json"
+        out.append((name, load_tokenizer(folder), tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))))
+    return out
+
+
+def _encoder_of(tok: ByteTableTokenizer) -> str:
+    return tok.backend_name + ("+fastbpe" if getattr(tok, "native", False) else "")
 
 
 def _print_table(rows: list[dict[str, Any]], detok: dict[str, float]) -> None:
@@ -139,12 +165,20 @@ def _print_table(rows: list[dict[str, Any]], detok: dict[str, float]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/tokenizer.json")
+    parser.add_argument("--model", action="append", default=[], help="a folder with a tokenizer.json")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds per measured rate")
     args = parser.parse_args(argv)
-    ours = load_tokenizer()
-    rows = _encode_rows("smollm2-gguf", ours, _reference_for_default())
-    detok = _detok_rates(ours)
+    models = _models(args.model)
+    rows = [row for name, ours, hf in models for row in _encode_rows(name, ours, hf, args.budget)]
+    detok = _detok_rates(models[0][1], args.budget)
     _print_table(rows, detok)
-    result = {"cpu": _cpu(), "backend": ours.backend_name, "rows": rows, "detokenize": detok}
+    result = {
+        "cpu": _cpu(),
+        "backend": {name: _encoder_of(ours) for name, ours, _ in models},
+        "budget_s": args.budget,
+        "rows": rows,
+        "detokenize": detok,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

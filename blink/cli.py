@@ -142,6 +142,8 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     """The engine's flags that ``serve`` passes through (omitted ones keep the engine's defaults)."""
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--backend", choices=("cpu", "host", "persistent"), default=None)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                    help="weights and KV cache (default auto: float32 on the CPU, bfloat16 on a GPU)")
     for flag in ("--num-slots", "--max-prompt-tokens", "--max-output-tokens", "--max-batch", "--kv-blocks",
                  "--block-size", "--threads"):
         ap.add_argument(flag, type=int, default=None)

@@ -61,6 +61,8 @@ class ServeConfig:
             engine.append("--random-weights")
         if a.backend:
             engine += ["--backend", a.backend]
+        if getattr(a, "dtype", None):
+            engine += ["--dtype", a.dtype]
         for name in ("num_slots", "max_prompt_tokens", "max_output_tokens", "max_batch", "kv_blocks", "block_size",
                      "threads"):
             if getattr(a, name) is not None:

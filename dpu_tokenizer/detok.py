@@ -40,8 +40,13 @@ class IncrementalDetokenizer:
         else:
             self._table = _table_from(tokenizer, skip_special_tokens)
         self._stops = [s.encode("utf-8") for s in dict.fromkeys(stop_strings) if s]
-        self._stop_bytes = frozenset(b for s in self._stops for b in s)
         self._max_stop = max(map(len, self._stops), default=0)
+        # last byte -> the proper prefixes of stop strings ending with it, longest first
+        prefixes: dict[int, set[bytes]] = {}
+        for stop in self._stops:
+            for size in range(1, len(stop)):
+                prefixes.setdefault(stop[size - 1], set()).add(stop[:size])
+        self._prefixes_by_last = {b: sorted(p, key=len, reverse=True) for b, p in prefixes.items()}
         self._held = b""
         self._strip_space = bool(getattr(tokenizer, "strip_leading_space", False))
         self.stopped = False
@@ -69,7 +74,9 @@ class IncrementalDetokenizer:
         return data[:cut].decode("utf-8", "replace")
 
     def _push_with_stops(self, data: bytes, old: int) -> str:
-        start = max(0, old - self._max_stop + 1)
+        start = old - self._max_stop + 1
+        if start < 0:
+            start = 0
         hit, which = -1, b""
         for stop in self._stops:
             pos = data.find(stop, start)
@@ -80,21 +87,19 @@ class IncrementalDetokenizer:
             self.stop_string = which.decode("utf-8")
             self._held = b""
             return data[:hit].decode("utf-8", "replace")
-        keep = min(len(data) - self._stop_prefix_len(data), utf8_complete_prefix(data))
+        if not data:
+            return ""
+        last = data[-1]
+        keep = len(data) if last < 0x80 else utf8_complete_prefix(data)
+        for prefix in self._prefixes_by_last.get(last, ()):
+            if data.endswith(prefix):
+                keep = min(keep, len(data) - len(prefix))
+                break
+        if keep == len(data):
+            self._held = b""
+            return data.decode("utf-8", "replace")
         self._held = data[keep:]
         return data[:keep].decode("utf-8", "replace")
-
-    def _stop_prefix_len(self, data: bytes) -> int:
-        """Length of the longest tail of ``data`` that is a proper prefix of some stop string."""
-        if not data or data[-1] not in self._stop_bytes:
-            return 0
-        best = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(data)), best, -1):
-                if data.endswith(stop[:size]):
-                    best = size
-                    break
-        return best
 
     def finish(self) -> str:
         """Everything still held: no more tokens can complete a char or a stop string."""

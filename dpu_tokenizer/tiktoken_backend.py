@@ -1,4 +1,5 @@
-"""The fast path: tiktoken's Rust BPE with the model's pre-tokenizer pattern and added tokens."""
+"""The fast path: our C byte-level BPE (``fastbpe``) where it implements the model's pre-tokenizer
+pattern, tiktoken's Rust BPE with the pattern and added tokens otherwise (and as its fallback)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ import tiktoken
 
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.bytelevel import missing_bytes_guard
+from dpu_tokenizer.fastbpe import build_encoder
+
+
+def _no_native(text: str) -> None:
+    return None
 
 
 def _has_prefix_clash(words: Iterable[str]) -> bool:
@@ -19,7 +25,11 @@ def _has_prefix_clash(words: Iterable[str]) -> bool:
 
 
 class TiktokenTokenizer(ByteTableTokenizer):
-    """Byte-level BPE through ``tiktoken.Encoding``.
+    """Byte-level BPE through the C encoder, else ``tiktoken.Encoding``.
+
+    The C encoder answers None for the texts it cannot vouch for (chars unassigned in Python's
+    Unicode tables, bytes missing from the vocabulary, lone surrogates); those take the tiktoken
+    path, which routes them on to the exact fallback where needed.
 
     ``added`` maps every added-token text that must be matched inside input text to its id
     (special or not); ``rank_to_id`` translates ranks when they differ from vocabulary ids.
@@ -56,6 +66,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
         )
         ranks = dict(ranks)
         enc_added = dict(added)
+        vocab_rank_to_id = list(rank_to_id) if rank_to_id is not None else None
         if rank_to_id is not None:
             rank_to_id = list(rank_to_id)
             for text, tid in added.items():
@@ -76,6 +87,24 @@ class TiktokenTokenizer(ByteTableTokenizer):
         self._added = enc_added
         self._core = self._enc._core_bpe  # the Rust encoder; skips per-call argument checks
         self._first_chars = frozenset(t[0] for t in added if t)
+        self._native = build_encoder(
+            pattern,
+            ranks,
+            dict(added),
+            rank_to_id=vocab_rank_to_id,
+            missing_bytes=missing_bytes,
+            vocab_size=len(table),
+        )
+        self._native_encode: Callable[[str], list[int] | None] = _no_native
+        self._native_batch: Callable[[list[str]], list[list[int] | None]] | None = None
+        if self._native is not None:
+            self._native_encode = self._native_nfc if nfc else self._native.encode
+            self._native_batch = None if nfc else self._native.encode_batch
+
+    @property
+    def native(self) -> bool:
+        """Whether the C encoder (``fastbpe``) encodes this vocabulary's texts."""
+        return self._native is not None
 
     @cached_property
     def _fallback(self) -> ByteTableTokenizer:
@@ -102,7 +131,29 @@ class TiktokenTokenizer(ByteTableTokenizer):
             piece = unicodedata.normalize("NFC", piece)
         return self._enc.encode_ordinary(piece)
 
+    def _native_nfc(self, text: str) -> list[int] | None:
+        if self._native is None or not unicodedata.is_normalized("NFC", text):
+            return None
+        ids: list[int] | None = self._native.encode(text)
+        return ids
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        ids = self._native_encode(text)
+        if ids is None:
+            ids = self._encode_tiktoken(text)
+        return self._wrap(ids) if add_special_tokens else ids
+
     def _encode_plain(self, text: str) -> list[int]:
+        ids = self._native_encode(text)
+        return ids if ids is not None else self._encode_tiktoken(text)
+
+    def _encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._native_batch is None:
+            return [self._encode_plain(t) for t in texts]
+        out = self._native_batch(texts)
+        return [ids if ids is not None else self._encode_tiktoken(t) for ids, t in zip(out, texts, strict=True)]
+
+    def _encode_tiktoken(self, text: str) -> list[int]:
         if self._guard is not None and self._guard.search(text) is not None:
             return self._fallback.encode(text)
         return self._encode_piece(text)

@@ -16,6 +16,9 @@ When a decode step needs a block and none is free, the youngest running request 
 (its blocks freed, state DECODE_PAUSED) until the allocation succeeds; paused requests resume
 in arrival order before any new prompt is admitted. Resumption recomputes the KV of
 prompt + generated tokens in a prefill.
+
+A decode step in which no row uses top-k, top-p or min-p runs the sort-free variant of the decode
+graph (``step_filters``); its tokens are the same as the filtering variant's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import collections
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from gpu_engine.kv_cache import BlockAllocator, NoFreeBlocks
 
@@ -95,6 +99,34 @@ class StepPlan:
         return sum(w.num_new for w in self.work)
 
 
+class SamplingParams(Protocol):
+    """The fields of a request's sampling parameters that pick the graph variant (``SamplingSpec`` has them)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+
+def needs_filter(sampling: SamplingParams | None) -> bool:
+    """Whether a row's draw goes through the top-k / top-p / min-p filter (the sort over the vocabulary).
+
+    A row filters iff it samples (temperature > 0) and any of the three is on; "off" is exactly what
+    ``gpu_engine.sampling.filter_logits`` treats as off (top_k <= 0, top_p >= 1, min_p <= 0), so a
+    value that is none of these (NaN included) counts as on: the filtered path is always exact.
+    None (no parameters) is greedy.
+    """
+    if sampling is None or not sampling.temperature > 0:
+        return False
+    return not (sampling.top_k <= 0 and sampling.top_p >= 1.0 and sampling.min_p <= 0.0)
+
+
+def step_filters(plan: StepPlan) -> bool:
+    """Which graph variant a step runs: True for the filtering one (every prefill, and a decode with
+    a row that ``needs_filter``), False for the sort-free decode graph (same tokens for such rows)."""
+    return plan.kind != "decode" or any(needs_filter(w.req.sampling) for w in plan.work)  # type: ignore[arg-type]
+
+
 def finish_reason(req: Request, token: int, eos_ids: Iterable[int]) -> Finish:
     """Why ``req`` stops after sampling ``token`` (NONE to go on). EOS / stop ids are not emitted."""
     if token in req.stop_ids:
@@ -110,8 +142,12 @@ class Policy:
     """FCFS continuous batching over one block allocator."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int,
-                 max_prefill_tokens: int, window_headroom: Callable[[], bool] | None = None) -> None:
+                 max_prefill_tokens: int, window_headroom: Callable[[], bool] | None = None,
+                 prefill_fits: Callable[[int, int], bool] | None = None) -> None:
         self.alloc = allocator
+        # (sequences, tokens) -> whether one prefill step of that shape can run (a captured graph
+        # holds it); None: any shape (the CPU engine)
+        self.prefill_fits = prefill_fits or (lambda n, t: True)
         self.block_size = block_size
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -149,11 +185,14 @@ class Policy:
     def _admit(self) -> StepPlan | None:
         work: list[SeqWork] = []
         budget = self.max_prefill_tokens
+        tokens = 0
         while (self.paused or self.waiting) and len(self.running) + len(work) < self.max_batch:
             queue = self.paused if self.paused else self.waiting
             req = queue[0]
             need = req.context_len            # recompute everything not cached
             if work and need > budget:        # the first one may exceed the budget alone
+                break
+            if work and not self.prefill_fits(len(work) + 1, tokens + need):
                 break
             if not self.window_headroom():
                 break
@@ -165,6 +204,7 @@ class Policy:
             req.num_cached = 0
             work.append(SeqWork(req, 0, need))
             budget -= need
+            tokens += need
         return StepPlan("prefill", work) if work else None
 
     def _decode(self) -> StepPlan:

@@ -4,13 +4,17 @@
 #
 #   bash scripts/gpu_run.sh OUTDIR [STEP ...]
 #
-# Steps (default: all, in this order): build kernels persistent micro fig3 roofline serving
+# Steps (default: all, in this order): build kernels persistent micro fig3 roofline
+# serving_persistent serving_host
+# Also, by name only: large (an 8B-shaped model served by the persistent scheduler, a check),
+# soakstart (starts the GPU soak detached, so it can outlive this call while
+# the machine stays up) and soakwait (waits for it and copies its results into OUTDIR).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
 set -u
 OUT="${1:?usage: scripts/gpu_run.sh OUTDIR [STEP ...]}"
 shift
-STEPS="${*:-build kernels persistent micro fig3 roofline serving}"
+STEPS="${*:-build kernels persistent micro fig3 roofline serving_persistent serving_host}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,13 +36,37 @@ step() {  # step NAME TIMEOUT CMD...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/nvidia_smi.log" 2>&1
+SOAK="${BLINK_SOAK_DIR:-/tmp/blink-soak}"
+ASSETS="${BLINK_TOKENIZER_ASSETS:-$PWD/.whl/tokenizer-assets}"
+soak_start() {  # the persistent scheduler under a soak: Llama-3 vocabulary, fp32, real tokenizer
+  mkdir -p "$SOAK/model" && cp "$ASSETS/llama3/tokenizer.json" "$ASSETS/llama3/tokenizer.model" "$SOAK/model/" &&
+    "$PY" -c "import sys; from pathlib import Path; from bench.models import TINY_LLAMA3, write_config; write_config(Path(sys.argv[1]), TINY_LLAMA3)" "$SOAK/model" || return 1
+  setsid nohup "$PY" -m bench.soak --backend persistent --dtype float32 --model "$SOAK/model" --random-weights \
+    --duration-s "${SOAK_S:-600}" --out "$SOAK/soak_gpu.json" >"$SOAK/soak.log" 2>&1 </dev/null &
+  echo $! >"$SOAK/pid"
+  sleep 30; tail -n 5 "$SOAK/soak.log"
+}
+soak_wait() {
+  local pid
+  pid=$(cat "$SOAK/pid") || return 1
+  while kill -0 "$pid" 2>/dev/null; do sleep 5; done
+  cp "$SOAK/soak_gpu.json" "$OUT/" ; cp "$SOAK/soak.log" "$OUT/soak_gpu.log"
+  tail -n 40 "$OUT/soak_gpu.log"
+}
 step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'"
+case " $STEPS " in *" soakstart "*) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;; esac
 step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu
+step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json"
 step persistent "${T_PERSISTENT:-300}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent
 step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json"
 step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2
 step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json"
-step serving "${T_SERVING:-540}" "$PY" -m bench.serving_study --out "$OUT/serving.json"
+# One mode per call (each takes up to 9.5 minutes); results merge into bench/results/serving.json,
+# which travels with the tree, so the second mode's call completes the file.
+for mode in persistent host; do
+  step "serving_$mode" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes $mode --tokenizer-assets '$ASSETS' --time-budget-s 560; cp bench/results/serving* '$OUT/'"
+done
+case " $STEPS " in *" soakwait "*) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;; esac
 # Few files come back from a lent machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 exit 0

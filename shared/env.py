@@ -27,6 +27,8 @@ class Env:
     ring_name: str = "blink-ring"      # BLINK_RING_NAME
     api_key: str | None = None         # BLINK_API_KEY (same as --api-key)
     heartbeat_timeout_s: float = 2.0   # BLINK_HEARTBEAT_TIMEOUT_S: engine considered down after this
+    sched_yield_all: bool = False      # BLINK_SCHED_YIELD_ALL: the persistent scheduler leaves its SM every step
+    sched_plain_claim: bool = False    # BLINK_SCHED_PLAIN_CLAIM: claim slots by a store, not a PCIe CAS
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> Env:
@@ -39,6 +41,8 @@ class Env:
                 ring_name=e.get("BLINK_RING_NAME", "blink-ring"),
                 api_key=e.get("BLINK_API_KEY") or None,
                 heartbeat_timeout_s=float(e.get("BLINK_HEARTBEAT_TIMEOUT_S", "2.0")),
+                sched_yield_all=_bool(e.get("BLINK_SCHED_YIELD_ALL"), False),
+                sched_plain_claim=_bool(e.get("BLINK_SCHED_PLAIN_CLAIM"), False),
             )
         except ValueError as exc:
             raise SystemExit(f"bad environment variable: {exc}") from None

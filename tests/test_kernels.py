@@ -164,6 +164,58 @@ def test_launchers_reject_bad_inputs():
         attention.decode_attention(torch.randn(1, 4, 16, device=DEV), kc, vc, bt.long(), ctx, 1.0)
 
 
+def _sample_kernel(logits, specs, seeds, steps, filtered):
+    """Run the sampling kernel on `specs` (SamplingSpec rows); returns its four outputs."""
+    from gpu_engine.kernels.sampling import sample
+
+    B, dev = logits.shape[0], logits.device
+
+    def col(attr, dtype):
+        return torch.tensor([getattr(s, attr) for s in specs], dtype=dtype, device=dev)
+
+    out = (torch.full((B,), -1, device=dev), torch.full((B,), float("nan"), device=dev),
+           torch.full((B, 3), -1, device=dev), torch.full((B, 3), float("nan"), device=dev))
+    sample(logits, col("temperature", torch.float32), col("top_k", torch.int32), col("top_p", torch.float32),
+           col("min_p", torch.float32), seeds, steps, *out, filtered=filtered)
+    return out
+
+
+def test_sampling_unfiltered_variant_is_identical_without_filters():
+    from gpu_engine.policy import needs_filter
+    from gpu_engine.sampling import SamplingSpec
+
+    V = 1500  # two kernel blocks
+    specs = [SamplingSpec(0.0, seed=1), SamplingSpec(0.0, top_p=0.5, top_k=5, min_p=0.1, seed=2),  # greedy
+             SamplingSpec(1.0, seed=3), SamplingSpec(0.7, seed=-7), SamplingSpec(1.5, seed=2**40 + 1),
+             SamplingSpec(2.0, top_p=1.5, top_k=-1, min_p=-0.1, seed=11)]  # filters explicitly off
+    assert not any(needs_filter(s) for s in specs)
+    g = torch.Generator().manual_seed(0)
+    random_rows = torch.tensor([s.temperature > 0 for s in specs])
+    seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64, device=DEV)
+    moved = False
+    for step in range(3):
+        logits = (torch.randn(len(specs), V, generator=g) * 2).to(DEV)
+        steps = torch.arange(len(specs), device=DEV) * 100 + step
+        want = _sample_kernel(logits, specs, seeds, steps, filtered=True)
+        got = _sample_kernel(logits, specs, seeds, steps, filtered=False)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        argmax = logits.argmax(-1).cpu()
+        assert torch.equal(got[0].cpu()[~random_rows], argmax[~random_rows])
+        moved |= bool((got[0].cpu()[random_rows] != argmax[random_rows]).any())
+    assert moved  # the temperature rows really drew, not argmax
+
+
+def test_sampling_filtered_variant_applies_filters():
+    from gpu_engine.sampling import SamplingSpec
+
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 2).to(DEV)
+    specs = [SamplingSpec(3.0, top_k=1, seed=i) for i in range(4)]  # top-1: argmax whatever the noise
+    zeros = torch.zeros(4, dtype=torch.int64, device=DEV)
+    tokens = _sample_kernel(logits, specs, torch.arange(4, device=DEV), zeros, filtered=True)[0]
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 # ---- real sizes on the GPU ------------------------------------------------------------------------
 @gpu
 @needs_cuda
@@ -253,3 +305,10 @@ def test_gpu_sampling_matches_reference():
     assert torch.equal(toks, want.tokens)
     _close(lp, want.logprobs, 1e-5)
     assert torch.equal(ids, want.top_ids)
+    # the sort-free variant on the rows that filter nothing: the same outputs, bit for bit
+    plain = torch.tensor([0, 1, 6], device=DEV)
+    sub = [specs[i] for i in plain.tolist()]
+    got = _sample_kernel(logits[plain], sub, seeds[plain], steps[plain], filtered=False)
+    full = _sample_kernel(logits[plain], sub, seeds[plain], steps[plain], filtered=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True))
+    assert torch.equal(got[0], want.tokens[plain])

@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,17 +55,39 @@ def test_runner_matches_reference_model(family):
         runner.forward(4, tokens, decode)
         torch.testing.assert_close(runner.buffers.logits[: len(seqs)], want, rtol=1e-4, atol=1e-4)
         assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
+        if decode:  # the sort-free variant (greedy rows): the same step again, the same tokens
+            runner.buffers.next_tokens.fill_(-1)
+            runner.forward(4, tokens, decode, filtered=False)
+            assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
 
 
 def test_graph_cache_lookup_table():
     _, _, runner = _setup("llama")
     gc = GraphCache(runner, decode_batches=[1, 2, 4], prefill_buckets=[(1, 16), (4, 32)])
-    assert [gc.shapes[gc.lookup(True, b, b)[0]].batch for b in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    assert gc.lookup(True, 4, 4)[1]
+    assert [tuple(s) for s in gc.shapes] == [(True, 1, 1, False), (True, 2, 2, False), (True, 4, 4, False),
+                                             (True, 1, 1, True), (True, 2, 2, True), (True, 4, 4, True),
+                                             (False, 1, 16, True), (False, 4, 32, True)]
+    for filtered in (False, True):
+        picked = [gc.shapes[gc.lookup(True, b, b, filtered)[0]] for b in (1, 2, 3, 4)]
+        assert [s.batch for s in picked] == [1, 2, 4, 4]
+        assert all(s.decode and s.filtered == filtered for s in picked)
+        assert gc.lookup(True, 4, 4, filtered)[1]
+        assert not gc.lookup(True, 5, 5, filtered)[1]  # past the largest: its own variant's largest
+        assert gc.shapes[gc.lookup(True, 5, 5, filtered)[0]] == (True, 4, 4, filtered)
+    assert gc.lookup(True, 3, 3) == gc.lookup(True, 3, 3, True)  # filtering by default
+    # (2, max_batch + 1), row 0 unfiltered, row 1 filtering; a flat row-major read for the scheduler
+    table = gc.scheduler_view()["decode_table"]
+    assert table.dtype == np.int32 and table.shape == (2, 5) and table.flags.c_contiguous
+    assert table.reshape(-1).tolist() == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5]
     idx, fits = gc.lookup(False, 1, 12)
-    assert gc.shapes[idx] == (False, 1, 16) and fits
+    assert gc.shapes[idx] == (False, 1, 16, True) and fits
+    assert gc.lookup(False, 1, 12, filtered=False) == (idx, fits)  # a prefill graph always filters
     idx, fits = gc.lookup(False, 2, 12)
-    assert gc.shapes[idx] == (False, 4, 32) and fits
+    assert gc.shapes[idx] == (False, 4, 32, True) and fits
     assert gc.lookup(False, 1, 17)[0] == gc.lookup(False, 4, 32)[0]
+    with pytest.raises(ValueError, match="disagrees"):
+        gc.replay(gc.shapes[0], filtered=True)
+    with pytest.raises(RuntimeError, match="not captured"):
+        gc.replay(gc.shapes[0], filtered=False)
     with pytest.raises(ValueError):
         GraphCache(runner, decode_batches=[8], prefill_buckets=[])

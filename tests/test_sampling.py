@@ -115,3 +115,62 @@ def test_masked_vocab_never_chosen(temperature: float) -> None:
     logits[:, :-1] = -math.inf
     specs = [SamplingSpec(temperature=temperature, seed=i) for i in range(3)]
     assert _run(logits, specs).tolist() == [V - 1] * 3
+
+
+@pytest.mark.parametrize("spec,filters", [
+    (SamplingSpec(), False),
+    (SamplingSpec(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2), False),  # greedy ignores the filters
+    (SamplingSpec(temperature=0.8), False),
+    (SamplingSpec(temperature=0.8, top_k=-1, top_p=1.5, min_p=-0.1), False),  # all three off
+    (SamplingSpec(temperature=0.8, top_k=40), True),
+    (SamplingSpec(temperature=0.8, top_p=0.9), True),
+    (SamplingSpec(temperature=0.8, min_p=0.05), True),
+    (SamplingSpec(temperature=0.8, top_p=math.nan), True),  # not off, so filtered (the exact path)
+])
+def test_needs_filter_is_exactly_when_filter_logits_acts(spec: SamplingSpec, filters: bool) -> None:
+    from gpu_engine.policy import needs_filter
+
+    assert needs_filter(spec) is filters
+    if spec.temperature > 0 and not filters:  # then filter_logits leaves the scaled logits alone
+        logits = _logits(4, seed=3) / spec.temperature
+        out = filter_logits(logits, torch.full((4,), spec.top_k), torch.full((4,), spec.top_p),
+                            torch.full((4,), spec.min_p))
+        assert torch.equal(out, logits)
+
+
+def test_step_filters_picks_the_graph_variant() -> None:
+    from gpu_engine.policy import Request, SeqWork, StepPlan, needs_filter, step_filters
+
+    def plan(kind: str, *specs: SamplingSpec | None) -> StepPlan:
+        reqs = [Request(slot=i, seq=0, request_id=i, prompt=[1], max_new_tokens=4, arrival=i, sampling=s)
+                for i, s in enumerate(specs)]
+        return StepPlan(kind, [SeqWork(r, 0, 1) for r in reqs])
+
+    plain, sorting = SamplingSpec(temperature=1.0, seed=1), SamplingSpec(temperature=1.0, top_p=0.9, seed=2)
+    assert not needs_filter(None)
+    assert not step_filters(plan("decode", SamplingSpec(), plain, None))
+    assert step_filters(plan("decode", SamplingSpec(), plain, sorting))
+    assert step_filters(plan("prefill", SamplingSpec(), plain))  # prefill graphs always filter
+
+
+def test_prefill_never_holds_more_than_a_captured_graph() -> None:
+    """With a graph grid whose prefill graphs hold at most 4 prompts, 10 short pending prompts are
+    admitted 4 at a time (never more), and all of them in the end."""
+    from gpu_engine.kv_cache import BlockAllocator
+    from gpu_engine.policy import Policy, Request
+
+    def fits(n: int, tokens: int) -> bool:
+        return n <= 4 and tokens <= 96
+
+    policy = Policy(BlockAllocator(1000), 16, max_batch=32, max_prefill_tokens=96, prefill_fits=fits)
+    for i in range(10):
+        policy.add(Request(slot=i, seq=0, request_id=i, prompt=[5] * 12, max_new_tokens=4, arrival=i))
+    sizes = []
+    while len(sizes) < 3:
+        plan = policy.schedule()
+        assert plan is not None and plan.kind == "prefill"
+        sizes.append(len(plan.work))
+        assert fits(len(plan.work), sum(w.num_new for w in plan.work))
+        for w in plan.work:
+            policy.running.append(w.req)
+    assert sizes == [4, 4, 2]

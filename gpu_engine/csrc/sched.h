@@ -30,9 +30,10 @@ typedef struct blink_sched_config {
   const uint64_t *exec_handles;  // [num_graphs * copies] cudaGraphExec_t
   const int32_t *graph_batch;    // [num_graphs]
   const int32_t *graph_tokens;   // [num_graphs]
-  const int32_t *decode_table;   // [max_batch + 1]
+  const int32_t *decode_table;   // [2][max_batch + 1]: without, with the filtering sort
   const int32_t *prefill_table;  // [(max_batch + 1) * prefill_cols]
   int64_t *counters;             // [num_graphs] completion counters bumped by each graph
+  const uint32_t *graph_yield;   // [num_graphs] 1: the scheduler leaves its SM while this graph runs
   // ---- static step buffers shared by every graph (device)
   int64_t *input_ids, *positions, *slot_mapping;
   int32_t *cu_seqlens, *context_lens, *block_tables;
@@ -54,10 +55,12 @@ typedef struct blink_sched_config {
 typedef struct blink_sched_stats {
   uint64_t steps, prefills, decodes, prompt_tokens, output_tokens, preemptions;
   uint64_t launches, launch_retries, launch_failures, windows, claims, completions, cancels;
-  uint64_t refused, scans, idle_loops;
+  uint64_t refused, scans, idle_loops, yield_steps;
   uint32_t running, waiting, paused, kv_free;
   uint32_t exited, error, n_launch_samples, n_scan_samples;
   uint32_t n_tail_samples, n_step_samples, exit_reason, last_cancel_slot;
+  uint32_t current_graph, pad0;       // host copy only: 1 + index of the graph in flight, 0 when none
+  uint64_t current_since_ns;          // host copy only: globaltimer when that graph was launched
   uint64_t tail_start_ns;             // globaltimer when the last tail launch was issued
   uint32_t launch_ns[BLINK_SAMPLES];  // device cudaGraphLaunch call durations
   uint32_t scan_ns[BLINK_SAMPLES];    // full ring scans

@@ -45,9 +45,22 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
 
 // Parallel scan of every slot, run only when the doorbell moved; claims pending prompts and
 // queues them oldest-submitted first.
+// Thread 0: the scheduler's own state was overwritten (by a kernel writing out of bounds): stop
+// at once, through the copy of the ring address, rather than dereference what is left.
+__device__ bool state_corrupted(SchedState *s) {
+  if (s->cfg.ring == s->ring_check) return false;
+  s->stats->exit_reason = 5;  // scheduler state overwritten
+  s->stopped = 1;
+  st_rel32(&reinterpret_cast<blink_ring_header *>(s->ring_check)->engine_state, BLINK_ENGINE_STATE_FAILED);
+  return true;
+}
+
 __device__ void claim_new(SchedState *s) {
   __shared__ uint32_t n_claimed, go, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
   __shared__ uint64_t key[kMaxClaims], bell, t0;
+  if (threadIdx.x == 0 && state_corrupted(s)) go = 0;
+  __syncthreads();
+  if (s->stopped) return;
   if (threadIdx.x == 0) {
     bell = ld_acq64(&header(s)->doorbell);
     go = !s->draining && bell != s->last_doorbell;
@@ -137,6 +150,7 @@ __device__ void claim_new(SchedState *s) {
 // Cancel flags of every active request, read in parallel; thread 0 finishes them.
 __device__ void apply_cancellations(SchedState *s) {
   __shared__ uint32_t n, list[BLINK_SCHED_THREADS];
+  if (s->stopped) return;
   if (threadIdx.x == 0) n = 0;
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
@@ -180,7 +194,7 @@ __device__ void publish_stats(SchedState *s) {
 // Heartbeat, stats and the shutdown flag (thread 0). Draining stops claims; once nothing is
 // left (or the drain time is over) the remaining requests are cancelled and the loop exits.
 __device__ void maintenance(SchedState *s) {
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0 || state_corrupted(s)) return;
   uint64_t t = now_ns();
   blink_ring_header *h = header(s);
   if (t - s->last_beat >= s->cfg.heartbeat_ns) {

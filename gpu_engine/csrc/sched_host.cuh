@@ -20,8 +20,13 @@ int fail(cudaError_t err, const char *what, const char *file, int line) {
     if (err_ != cudaSuccess) return fail(err_, #call, __FILE__, __LINE__); \
   } while (0)
 
+constexpr size_t kGuardBytes = 64 * 1024;
+constexpr int kGuardByte = 0xA5;
+
 struct Handle {
+  void *dev_block = nullptr;  // guard band, state, guard band
   SchedState *dev = nullptr;  // device copy of the state header
+  SchedState initial;         // as created: the configuration part must never change
   void *arena = nullptr;      // every device array of the state
   blink_sched_stats *host_stats = nullptr;
   cudaStream_t stream = nullptr;
@@ -31,48 +36,64 @@ struct Handle {
 
 __global__ void read_globaltimer(uint64_t *out) { *out = now_ns(); }
 
+// Stand-in for the scheduler's footprint on its SM while a model graph runs (same block size,
+// same shared memory): it says it is resident, then spins until the host releases it.
+__global__ void __launch_bounds__(BLINK_SCHED_THREADS) probe_spin(uint32_t *flags) {
+  extern __shared__ uint32_t pad[];
+  pad[threadIdx.x] = threadIdx.x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st_rel32(&flags[0], pad[0] + 1);
+    while (!ld_acq32(&flags[1])) __nanosleep(1000);
+  }
+  __syncthreads();
+}
+
+// Launches one graph from the device and returns; the parent graph completes with its child.
+__global__ void launch_child(uint64_t exec, int *err) {
+  if (threadIdx.x == 0)
+    *err = static_cast<int>(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), cudaStreamGraphFireAndForget));
+}
+
+struct Probe {
+  uint32_t *flags = nullptr;  // host-mapped: [0] resident, [1] release
+  cudaStream_t stream = nullptr;
+};
+
+// Every device array of the state, carved from one arena in a fixed order, each 256-byte aligned.
+// The same function sizes the arena (base 0) and then assigns the pointers, so the two cannot
+// disagree (an arena smaller than its arrays let the last ones overwrite the next allocation).
 template <typename T>
-T *carve(char **cursor, size_t count) {
-  size_t bytes = (count * sizeof(T) + 255) / 256 * 256;
-  T *p = reinterpret_cast<T *>(*cursor);
-  *cursor += bytes;
+T *carve(uintptr_t base, size_t *cursor, size_t count) {
+  T *p = reinterpret_cast<T *>(base + *cursor);
+  *cursor += (count * sizeof(T) + 255) / 256 * 256;
   return p;
 }
 
-size_t arena_bytes(const blink_sched_config &c) {
-  size_t n = 0;
-  auto add = [&n](size_t b) { n += (b + 255) / 256 * 256; };
-  add(sizeof(blink_sched_stats));
-  add(sizeof(ReqInfo) * c.num_slots);
-  add(sizeof(int32_t) * c.num_slots * c.max_context);
-  add(sizeof(int32_t) * c.num_slots * c.max_blocks_per_seq);
-  add(sizeof(uint32_t) * c.num_slots * 2);
-  add(sizeof(uint32_t) * c.max_batch);
-  add(sizeof(uint32_t) * c.num_blocks);
-  add(sizeof(uint32_t) * c.num_graphs);
-  add(sizeof(uint32_t) * c.max_batch * 3);
-  return n;
+size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) {
+  size_t cur = 0;
+  st->stats = carve<blink_sched_stats>(base, &cur, 1);
+  st->req = carve<ReqInfo>(base, &cur, c.num_slots);
+  st->tokens = carve<int32_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_context);
+  st->blocks = carve<int32_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_blocks_per_seq);
+  st->waiting = carve<uint32_t>(base, &cur, c.num_slots);
+  st->paused = carve<uint32_t>(base, &cur, c.num_slots);
+  st->running = carve<uint32_t>(base, &cur, c.max_batch);
+  st->free_blocks = carve<uint32_t>(base, &cur, c.num_blocks);
+  st->copy_rr = carve<uint32_t>(base, &cur, c.num_graphs);
+  st->plan_slot = carve<uint32_t>(base, &cur, c.max_batch);
+  st->plan_cached = carve<uint32_t>(base, &cur, c.max_batch);
+  st->plan_new = carve<uint32_t>(base, &cur, c.max_batch);
+  return cur;
 }
 
 int init_state(const blink_sched_config &c, Handle *h, SchedState *st) {
-  size_t bytes = arena_bytes(c);
-  BLINK_CHECK(cudaMalloc(&h->arena, bytes));
-  BLINK_CHECK(cudaMemset(h->arena, 0, bytes));
-  char *cur = static_cast<char *>(h->arena);
   memset(st, 0, sizeof(*st));
   st->cfg = c;
-  st->stats = carve<blink_sched_stats>(&cur, 1);
-  st->req = carve<ReqInfo>(&cur, c.num_slots);
-  st->tokens = carve<int32_t>(&cur, static_cast<size_t>(c.num_slots) * c.max_context);
-  st->blocks = carve<int32_t>(&cur, static_cast<size_t>(c.num_slots) * c.max_blocks_per_seq);
-  st->waiting = carve<uint32_t>(&cur, c.num_slots);
-  st->paused = carve<uint32_t>(&cur, c.num_slots);
-  st->running = carve<uint32_t>(&cur, c.max_batch);
-  st->free_blocks = carve<uint32_t>(&cur, c.num_blocks);
-  st->copy_rr = carve<uint32_t>(&cur, c.num_graphs);
-  st->plan_slot = carve<uint32_t>(&cur, c.max_batch);
-  st->plan_cached = carve<uint32_t>(&cur, c.max_batch);
-  st->plan_new = carve<uint32_t>(&cur, c.max_batch);
+  size_t bytes = carve_arena(c, st, 0);
+  BLINK_CHECK(cudaMalloc(&h->arena, bytes));
+  BLINK_CHECK(cudaMemset(h->arena, 0, bytes));
+  carve_arena(c, st, reinterpret_cast<uintptr_t>(h->arena));
   std::vector<uint32_t> stack(c.num_blocks);  // popped from the end: low ids first, as in Python
   for (uint32_t k = 0; k < c.num_blocks; ++k) stack[k] = c.num_blocks - 1 - k;
   BLINK_CHECK(cudaMemcpy(st->free_blocks, stack.data(), sizeof(uint32_t) * c.num_blocks, cudaMemcpyHostToDevice));
@@ -80,8 +101,14 @@ int init_state(const blink_sched_config &c, Handle *h, SchedState *st) {
   BLINK_CHECK(cudaHostAlloc(&h->host_stats, sizeof(blink_sched_stats), cudaHostAllocMapped));
   memset(h->host_stats, 0, sizeof(blink_sched_stats));
   BLINK_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&st->host_stats), h->host_stats, 0));
-  BLINK_CHECK(cudaMalloc(&h->dev, sizeof(SchedState)));
+  st->ring_check = c.ring;
+  // The state sits between two guard bands of a known pattern, so that a kernel writing out of
+  // bounds is caught (blink_sched_guard_report) instead of silently steering the scheduler.
+  BLINK_CHECK(cudaMalloc(&h->dev_block, sizeof(SchedState) + 2 * kGuardBytes));
+  BLINK_CHECK(cudaMemset(h->dev_block, kGuardByte, sizeof(SchedState) + 2 * kGuardBytes));
+  h->dev = reinterpret_cast<SchedState *>(static_cast<char *>(h->dev_block) + kGuardBytes);
   BLINK_CHECK(cudaMemcpy(h->dev, st, sizeof(SchedState), cudaMemcpyHostToDevice));
+  h->initial = *st;
   return 0;
 }
 
@@ -184,13 +211,126 @@ int blink_sched_wait(void *handle) {
   return 0;
 }
 
+// Occupy one SM as the scheduler would (a block of BLINK_SCHED_THREADS threads with the
+// scheduler's shared memory) and wait until it runs; blink_probe_release ends it. Used to check
+// that every model graph can finish while the scheduler holds its SM (a kernel whose CTAs wait on
+// each other and that sizes its grid to every SM would hang).
+int blink_probe_hold(void **probe) {
+  Probe *p = new Probe();
+  cudaFuncAttributes attr;
+  BLINK_CHECK(cudaFuncGetAttributes(&attr, blink_scheduler));
+  size_t smem = attr.sharedSizeBytes > BLINK_SCHED_THREADS * 4 ? attr.sharedSizeBytes : BLINK_SCHED_THREADS * 4;
+  BLINK_CHECK(cudaHostAlloc(&p->flags, 2 * sizeof(uint32_t), cudaHostAllocMapped));
+  p->flags[0] = p->flags[1] = 0;
+  uint32_t *dev = nullptr;
+  BLINK_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&dev), p->flags, 0));
+  BLINK_CHECK(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
+  probe_spin<<<1, BLINK_SCHED_THREADS, smem, p->stream>>>(dev);
+  BLINK_CHECK(cudaGetLastError());
+  timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  while (!reinterpret_cast<volatile uint32_t *>(p->flags)[0]) {
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (t.tv_sec - t0.tv_sec > 10) {
+      snprintf(g_error, sizeof(g_error), "probe block did not start within 10 s");
+      p->flags[1] = 1;
+      cudaStreamSynchronize(p->stream);
+      return -1;
+    }
+  }
+  *probe = p;
+  return 0;
+}
+
+int blink_probe_release(void *probe) {
+  Probe *p = static_cast<Probe *>(probe);
+  reinterpret_cast<volatile uint32_t *>(p->flags)[1] = 1;
+  BLINK_CHECK(cudaStreamSynchronize(p->stream));
+  BLINK_CHECK(cudaStreamDestroy(p->stream));
+  BLINK_CHECK(cudaFreeHost(p->flags));
+  delete p;
+  return 0;
+}
+
+// Diagnostics: launch a device-launch executable once from the host (device == 0) or from a
+// one-thread kernel inside a device-launched parent graph (device == 1), and wait for it.
+int blink_launch_once(uint64_t exec, int device, int *launch_err) {
+  cudaStream_t stream;
+  BLINK_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  *launch_err = 0;
+  if (!device) {
+    BLINK_CHECK(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream));
+  } else {
+    int *err = nullptr;
+    BLINK_CHECK(cudaHostAlloc(&err, sizeof(int), cudaHostAllocMapped));
+    *err = -1;
+    int *dev_err = nullptr;
+    BLINK_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&dev_err), err, 0));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    BLINK_CHECK(cudaGraphCreate(&g, 0));
+    void *args[] = {&exec, &dev_err};
+    cudaKernelNodeParams p = {};
+    p.func = reinterpret_cast<void *>(launch_child);
+    p.gridDim = dim3(1);
+    p.blockDim = dim3(32);
+    p.kernelParams = args;
+    cudaGraphNode_t node;
+    BLINK_CHECK(cudaGraphAddKernelNode(&node, g, nullptr, 0, &p));
+    BLINK_CHECK(cudaGraphInstantiate(&ge, g, cudaGraphInstantiateFlagDeviceLaunch));
+    BLINK_CHECK(cudaGraphUpload(ge, stream));
+    BLINK_CHECK(cudaGraphLaunch(ge, stream));
+    BLINK_CHECK(cudaStreamSynchronize(stream));
+    *launch_err = *err;
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaFreeHost(err);
+  }
+  BLINK_CHECK(cudaStreamSynchronize(stream));
+  BLINK_CHECK(cudaStreamDestroy(stream));
+  return 0;
+}
+
+// After the scheduler stopped: describe every byte range of the guard bands and of the state's
+// configuration that no longer holds what was written at creation. Returns the number of ranges.
+int blink_sched_guard_report(void *handle, char *out, size_t out_size) {
+  Handle *h = static_cast<Handle *>(handle);
+  size_t total = sizeof(SchedState) + 2 * kGuardBytes;
+  std::vector<uint8_t> now(total), was(total, static_cast<uint8_t>(kGuardByte));
+  BLINK_CHECK(cudaMemcpy(now.data(), h->dev_block, total, cudaMemcpyDeviceToHost));
+  memcpy(was.data() + kGuardBytes, &h->initial, sizeof(blink_sched_config));
+  size_t cfg_end = kGuardBytes + sizeof(blink_sched_config), state_end = kGuardBytes + sizeof(SchedState);
+  int ranges = 0;
+  size_t used = 0;
+  out[0] = 0;
+  for (size_t k = 0; k < total;) {
+    bool checked = k < cfg_end || k >= state_end;
+    if (!checked || now[k] == was[k]) {
+      ++k;
+      continue;
+    }
+    size_t e = k;
+    while (e < total && (e < cfg_end || e >= state_end) && now[e] != was[e]) ++e;
+    ++ranges;
+    if (used + 160 < out_size) {
+      used += snprintf(out + used, out_size - used, "[%+ld, %zu bytes]", static_cast<long>(k) - static_cast<long>(kGuardBytes),
+                       e - k);
+      for (size_t b = k; b < e && b < k + 16 && used + 4 < out_size; ++b)
+        used += snprintf(out + used, out_size - used, " %02x", now[b]);
+      used += snprintf(out + used, out_size - used, "; ");
+    }
+    k = e;
+  }
+  return ranges;
+}
+
 int blink_sched_destroy(void *handle) {
   Handle *h = static_cast<Handle *>(handle);
   if (h->exec) cudaGraphExecDestroy(h->exec);
   if (h->graph) cudaGraphDestroy(h->graph);
   if (h->stream) cudaStreamDestroy(h->stream);
   if (h->arena) cudaFree(h->arena);
-  if (h->dev) cudaFree(h->dev);
+  if (h->dev_block) cudaFree(h->dev_block);
   if (h->host_stats) cudaFreeHost(h->host_stats);
   delete h;
   return 0;

@@ -88,8 +88,18 @@ __device__ void plan_row(SchedState *s, uint32_t row, uint32_t i, uint32_t cache
   s->plan_new[row] = fresh;
 }
 
+// Policy.prefill_fits: a captured prefill graph holds n sequences and this many tokens.
+__device__ bool prefill_fits(SchedState *s, uint32_t n, uint32_t tokens) {
+  const blink_sched_config &c = s->cfg;
+  uint32_t col = (tokens + c.token_grain - 1) / c.token_grain;
+  if (n > c.max_batch || col >= c.prefill_cols) return false;
+  int32_t g = c.prefill_table[n * c.prefill_cols + col];
+  return g >= 0 && static_cast<uint32_t>(c.graph_batch[g]) >= n && static_cast<uint32_t>(c.graph_tokens[g]) >= tokens;
+}
+
 // Policy._admit: inline prefill when (i) prefills are pending, (ii) the batch has room,
-// (iii) blocks and the token budget allow (window headroom is checked by the caller).
+// (iii) blocks, the token budget and the captured graphs allow (window headroom is checked by
+// the caller).
 __device__ bool plan_prefill(SchedState *s) {
   uint32_t n = 0, tokens = 0, budget = s->cfg.max_prefill_tokens;
   while ((s->paused_count || s->wait_count) && s->running_count + n < s->cfg.max_batch) {
@@ -99,6 +109,7 @@ __device__ bool plan_prefill(SchedState *s) {
     uint32_t need = ctx_len(r);
     if (n && need > budget) break;
     if (tokens + need > s->cfg.max_tokens) break;
+    if (n && !prefill_fits(s, n + 1, tokens + need)) break;
     if (!grow_blocks(s, i, blocks_for(s, need + 1))) break;
     if (from_paused) {
       remove_from(s->paused, &s->paused_count, i);

@@ -3,12 +3,36 @@
 
 enum Action : uint32_t { kActionIdle = 0, kActionRun = 1, kActionRelaunch = 2, kActionExit = 3 };
 
+// Policy.needs_filter: a row samples with top-k, top-p or min-p (temperature > 0).
+__device__ bool row_filters(const ReqInfo *q) {
+  return q->temp > 0.f && (q->top_k > 0 || q->top_p < 1.f || q->min_p > 0.f);
+}
+
+// Decode graphs come in two variants: row 0 of decode_table samples without the filtering sort
+// (every row greedy or plain temperature), row 1 with it. Prefill graphs always filter.
 __device__ uint32_t pick_graph(SchedState *s, bool decode, uint32_t n, uint32_t tokens) {
   const blink_sched_config &c = s->cfg;
-  if (decode) return static_cast<uint32_t>(c.decode_table[n < c.max_batch ? n : c.max_batch]);
+  if (decode) {
+    uint32_t filtered = 0;
+    for (uint32_t r = 0; r < n && !filtered; ++r) filtered = row_filters(&s->req[s->plan_slot[r]]);
+    return static_cast<uint32_t>(c.decode_table[filtered * (c.max_batch + 1) + (n < c.max_batch ? n : c.max_batch)]);
+  }
   uint32_t col = (tokens + c.token_grain - 1) / c.token_grain;
   if (col >= c.prefill_cols) col = c.prefill_cols - 1;
   return static_cast<uint32_t>(c.prefill_table[(n < c.max_batch ? n : c.max_batch) * c.prefill_cols + col]);
+}
+
+// Thread 0: queue the next execution of this scheduler graph. It starts once this execution and
+// every graph it launched are complete; false (and the engine marked failed) if refused.
+__device__ bool relaunch_self(SchedState *s) {
+  s->stats->tail_start_ns = now_ns();
+  cudaError_t err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+  if (err == cudaSuccess) return true;
+  s->stats->error = static_cast<uint32_t>(err);
+  s->stats->exit_reason = 3;  // tail launch failed
+  s->stopped = 1;
+  st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
+  return false;
 }
 
 // Thread 0: tail-relaunch when the window is nearly used, else plan the next step.
@@ -16,16 +40,7 @@ __device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
   if (s->stopped) return kActionExit;
   if (*launches + 2 > BLINK_WINDOW_LIMIT - 1) {  // room for a prefill and the resumed decode
     s->stats->windows++;
-    s->stats->tail_start_ns = now_ns();
-    cudaError_t err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
-    if (err != cudaSuccess) {
-      s->stats->error = static_cast<uint32_t>(err);
-      s->stats->exit_reason = 3;  // tail launch failed
-      s->stopped = 1;
-      st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
-      return kActionExit;
-    }
-    return kActionRelaunch;
+    return relaunch_self(s) ? kActionRelaunch : kActionExit;
   }
   bool decode = false;
   if (plan_prefill(s)) {
@@ -108,6 +123,9 @@ __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
                           cudaStreamGraphFireAndForget);
     uint64_t t1 = now_ns();
     if (err == cudaSuccess) {
+      volatile blink_sched_stats *hs = s->host_stats;  // what a host watchdog reads if this step hangs
+      hs->current_since_ns = t1;
+      hs->current_graph = g + 1;
       sample_into(s->stats->launch_ns, &s->stats->n_launch_samples, t1 - t0);
       *t_launch = t1;
       s->stats->launches++;
@@ -163,9 +181,11 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     while (ld_volatile64(ctr) < expect) {
     }
     __threadfence();
+    reinterpret_cast<volatile blink_sched_stats *>(s->host_stats)->current_graph = 0;
     sample_into(s->stats->step_ns, &s->stats->n_step_samples, now_ns() - t_launch);
   }
   __syncthreads();
+  if (s->stopped) return;  // the state was found overwritten: publish nothing
   if (threadIdx.x < s->plan_n) reason[threadIdx.x] = publish_row(s, threadIdx.x);
   __syncthreads();
   if (threadIdx.x != 0) return;

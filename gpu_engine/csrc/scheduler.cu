@@ -47,6 +47,10 @@ struct SchedState {
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
   uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;
   uint64_t last_doorbell, drain_deadline, last_beat;
+  uint8_t *ring_check;  // a second copy of cfg.ring: the state's integrity check
+  uint32_t pending;     // a step launched by the previous execution, which then yielded its SM
+  int64_t pending_expect;
+  uint64_t pending_launch_ns;
 };
 
 // ------------------------------------------------------------------ memory access to the ring
@@ -130,6 +134,12 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     on_start(s);
   }
   __syncthreads();
+  if (s->pending) {  // the graph launched before the yield is complete: a tail launch waits for it
+    wait_and_postprocess(s, s->pending_expect, s->pending_launch_ns);
+    __syncthreads();
+    if (threadIdx.x == 0) s->pending = 0;
+    __syncthreads();
+  }
   while (true) {
     maintenance(s);
     __syncthreads();
@@ -156,6 +166,18 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     }
     __syncthreads();
     if (action == kActionExit) break;
+    if (s->cfg.graph_yield[s->plan_graph]) {  // leave the SM to the graph; resume after it
+      if (threadIdx.x == 0) {
+        s->pending = 1;
+        s->pending_expect = expect;
+        s->pending_launch_ns = t_launch;
+        s->stats->yield_steps++;
+        action = relaunch_self(s) ? kActionRelaunch : kActionExit;
+      }
+      __syncthreads();
+      if (action == kActionRelaunch) return;
+      break;
+    }
     claim_new(s);  // overlapped with the running graph
     wait_and_postprocess(s, expect, t_launch);
     __syncthreads();

@@ -7,10 +7,17 @@ buffers, so at most one may run at a time. Each graph is captured with `keep_gra
 `cudaGraph_t` is instantiated `copies` times for device launch (`cudaGraphInstantiateFlagDeviceLaunch`
 + `cudaGraphUpload`) so a device scheduler can rotate copies; host replay uses torch's own executable.
 
-Lookup is O(1): `decode_table[b]` is the index of the smallest decode graph with batch >= b;
-`prefill_table[b, ceil(t / TOKEN_GRAIN)]` the cheapest prefill graph with batch >= b and tokens >= t.
-Shapes past the largest fall back to the largest graph (whose padding rules then do not hold, so
-callers must split such steps; `lookup` reports it).
+Each decode batch size is captured twice (`GraphShape.filtered`): the filtering variant samples
+through the top-k / top-p / min-p filter (a sort of every row over the vocabulary), the unfiltered
+one skips it and gives the same tokens when no row of the step uses those filters
+(`gpu_engine.policy.needs_filter`). Prefill graphs exist only in the filtering variant.
+
+Lookup is O(1): `decode_table[f, b]` (int32, shape (2, max_batch + 1); row 0 unfiltered, row 1
+filtering, so a flat row-major read is `f * (max_batch + 1) + b`) is the index of the smallest
+decode graph with batch >= b and filtered == bool(f); `prefill_table[b, ceil(t / TOKEN_GRAIN)]` the
+cheapest prefill graph with batch >= b and tokens >= t. Shapes past the largest fall back to the
+largest graph of their kind (whose padding rules then do not hold, so callers must split such
+steps; `lookup` reports it).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class GraphShape(NamedTuple):
     decode: bool
     batch: int
     tokens: int
+    filtered: bool  # samples through the top-k / top-p / min-p filter (always True for prefill)
 
 
 @dataclass
@@ -90,8 +98,8 @@ class GraphCache:
             if not (0 < b <= lim.max_batch and b <= t <= lim.max_tokens):
                 raise ValueError(f"prefill bucket ({b}, {t}) outside the runner limits {lim}")
         self.runner, self.copies, self.device_launch = runner, copies, device_launch
-        shapes = [GraphShape(True, b, b) for b in sorted(set(decode_batches))]
-        shapes += [GraphShape(False, b, t) for b, t in sorted(set(prefill_buckets))]
+        shapes = [GraphShape(True, b, b, f) for f in (False, True) for b in sorted(set(decode_batches))]
+        shapes += [GraphShape(False, b, t, True) for b, t in sorted(set(prefill_buckets))]
         self.shapes = shapes
         self.graphs: list[CapturedGraph | None] = [None] * len(shapes)
         self.counters = torch.zeros(len(shapes), dtype=torch.int64, device=runner.device)
@@ -101,11 +109,12 @@ class GraphCache:
 
     # ---- lookup -------------------------------------------------------------------------------
     def _decode_table(self, max_batch: int) -> np.ndarray:
-        table = np.full(max_batch + 1, -1, dtype=np.int32)
-        dec = [(s.batch, i) for i, s in enumerate(self.shapes) if s.decode]
-        for b in range(max_batch, -1, -1):
-            fits = [i for size, i in dec if size >= b]
-            table[b] = fits[0] if fits else (dec[-1][1] if dec else -1)
+        table = np.full((2, max_batch + 1), -1, dtype=np.int32)
+        for f in (0, 1):
+            dec = sorted((s.batch, i) for i, s in enumerate(self.shapes) if s.decode and s.filtered == bool(f))
+            for b in range(max_batch + 1):
+                fits = [i for size, i in dec if size >= b]
+                table[f, b] = fits[0] if fits else (dec[-1][1] if dec else -1)
         return table
 
     def _prefill_table(self, max_batch: int, max_tokens: int) -> np.ndarray:
@@ -121,10 +130,13 @@ class GraphCache:
                 table[b, g] = fits[0][2] if fits else largest
         return table
 
-    def lookup(self, decode: bool, batch: int, tokens: int) -> tuple[int, bool]:
-        """(graph index, fits) for a step; fits is False when the largest-shape fallback is too small."""
+    def lookup(self, decode: bool, batch: int, tokens: int, filtered: bool = True) -> tuple[int, bool]:
+        """(graph index, fits) for a step; fits is False when the largest-shape fallback is too small.
+
+        `filtered` picks the decode variant; a prefill graph always filters, so it is ignored there.
+        """
         if decode:
-            idx = int(self.decode_table[min(batch, len(self.decode_table) - 1)])
+            idx = int(self.decode_table[int(bool(filtered)), min(batch, self.decode_table.shape[1] - 1)])
         else:
             b = min(batch, self.prefill_table.shape[0] - 1)
             g = min(triton.cdiv(tokens, TOKEN_GRAIN), self.prefill_table.shape[1] - 1)
@@ -156,7 +168,7 @@ class GraphCache:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, picks cuBLAS algorithms
-            self.runner.forward(shape.batch, shape.tokens, shape.decode)
+            self.runner.forward(shape.batch, shape.tokens, shape.decode, shape.filtered)
             _bump_counter_kernel[(1,)](torch.zeros(1, dtype=torch.int64, device=self.runner.device))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -164,7 +176,7 @@ class GraphCache:
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph, pool=self._pool):
-            self.runner.forward(shape.batch, shape.tokens, shape.decode)
+            self.runner.forward(shape.batch, shape.tokens, shape.decode, shape.filtered)
             _bump_counter_kernel[(1,)](self.counters[index:])
         if hasattr(graph, "instantiate"):
             graph.instantiate()
@@ -179,16 +191,19 @@ class GraphCache:
         return cg
 
     # ---- use ----------------------------------------------------------------------------------
-    def replay(self, shape: GraphShape | tuple[bool, int, int]) -> GraphShape:
+    def replay(self, shape: GraphShape | tuple[bool, int, int], filtered: bool = True) -> GraphShape:
         """Host-driven mode: replay the graph for (decode, batch, tokens) on the current stream.
 
-        Buffers past the real step must hold padding (`GpuModelRunner.stage` writes it). Returns the
-        captured shape that ran.
+        `filtered` picks the decode variant (`gpu_engine.policy.step_filters`); prefill graphs always
+        filter. A 4-field `GraphShape` must agree with `filtered` for decode. Buffers past the real
+        step must hold padding (`GpuModelRunner.stage` writes it). Returns the captured shape that ran.
         """
-        decode, batch, tokens = shape
-        idx, fits = self.lookup(decode, batch, tokens)
+        decode, batch, tokens = shape[:3]
+        if decode and len(shape) > 3 and bool(shape[3]) != bool(filtered):
+            raise ValueError(f"shape {tuple(shape)} disagrees with filtered={filtered}")
+        idx, fits = self.lookup(decode, batch, tokens, filtered)
         if not fits:
-            raise ValueError(f"step {tuple(shape)} is larger than every captured graph")
+            raise ValueError(f"step {tuple(shape[:3])} is larger than every captured graph")
         g = self.graphs[idx]
         if g is None:
             raise RuntimeError("graphs not captured yet (call capture())")
@@ -207,7 +222,7 @@ class GraphCache:
         return {
             "shapes": [tuple(s) for s in self.shapes],
             "exec_handles": [list(g.exec_handles) if g else [] for g in self.graphs],
-            "decode_table": self.decode_table,
+            "decode_table": self.decode_table,  # (2, max_batch + 1) int32: row 0 unfiltered, row 1 filtering
             "prefill_table": self.prefill_table,
             "token_grain": TOKEN_GRAIN,
             "counters_ptr": self.counters.data_ptr(),
@@ -226,4 +241,6 @@ class GraphCache:
 
 
 def _label(s: GraphShape) -> str:
-    return f"decode b={s.batch}" if s.decode else f"prefill b={s.batch} t={s.tokens}"
+    if s.decode:
+        return f"decode b={s.batch} {'filtered' if s.filtered else 'unfiltered'}"
+    return f"prefill b={s.batch} t={s.tokens}"

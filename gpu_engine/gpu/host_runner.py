@@ -2,7 +2,8 @@
 
 This is the baseline of the paper's Fig. 3 and the fallback where device launch is unavailable:
 host bookkeeping (policy, metadata), staging copies, ``replay`` of the captured graph, then a
-stream synchronization and a copy of the sampled tokens back.
+stream synchronization and a copy of the sampled tokens back. A decode step with no row that uses
+top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.models.attention import SeqStep, build_metadata
-from gpu_engine.policy import StepPlan
+from gpu_engine.policy import StepPlan, step_filters
 from gpu_engine.runner import StepOutput, spec_of
 
 
@@ -45,7 +46,7 @@ class HostGraphRunner:
         meta = build_metadata(steps, self.block_size, "cpu")
         self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
         b, t = len(plan.work), len(ids)
-        self.cache.replay((plan.kind == "decode", b, t))
+        self.cache.replay((plan.kind == "decode", b, t), filtered=step_filters(plan))
         torch.cuda.current_stream().synchronize()
         buf = self.runner.buffers
         return StepOutput(

@@ -7,11 +7,14 @@ from host-mapped memory and sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as C
 import hashlib
 import os
 import shutil
 import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +41,7 @@ class SchedConfig(C.Structure):
         ("eos_ids", i32 * MAX_EOS),
         ("num_graphs", u32), ("copies", u32), ("token_grain", u32), ("prefill_cols", u32),
         ("exec_handles", P), ("graph_batch", P), ("graph_tokens", P), ("decode_table", P),
-        ("prefill_table", P), ("counters", P),
+        ("prefill_table", P), ("counters", P), ("graph_yield", P),
         ("input_ids", P), ("positions", P), ("slot_mapping", P), ("cu_seqlens", P), ("context_lens", P),
         ("block_tables", P), ("temperature", P), ("top_p", P), ("min_p", P), ("top_k", P), ("seeds", P),
         ("sample_index", P), ("next_tokens", P), ("token_logprobs", P), ("top_ids", P), ("top_logprobs", P),
@@ -53,11 +56,11 @@ class SchedStats(C.Structure):
     _fields_ = [
         *[(n, u64) for n in ("steps", "prefills", "decodes", "prompt_tokens", "output_tokens", "preemptions",
                               "launches", "launch_retries", "launch_failures", "windows", "claims",
-                              "completions", "cancels", "refused", "scans", "idle_loops")],
+                              "completions", "cancels", "refused", "scans", "idle_loops", "yield_steps")],
         *[(n, u32) for n in ("running", "waiting", "paused", "kv_free", "exited", "error", "n_launch_samples",
                               "n_scan_samples", "n_tail_samples", "n_step_samples", "exit_reason",
-                              "last_cancel_slot")],
-        ("tail_start_ns", u64),
+                              "last_cancel_slot", "current_graph", "pad0")],
+        ("current_since_ns", u64), ("tail_start_ns", u64),
         ("launch_ns", u32 * SAMPLES), ("scan_ns", u32 * SAMPLES), ("tail_ns", u32 * SAMPLES),
         ("step_ns", u32 * SAMPLES),
     ]
@@ -67,7 +70,8 @@ class SchedStats(C.Structure):
         return np.frombuffer(getattr(self, f"{name}_ns"), dtype=np.uint32)[:n].astype(np.float64)
 
     def counters(self) -> dict[str, int]:
-        return {n: int(getattr(self, n)) for n, _ in self._fields_[:28] if not n.startswith("pad")}
+        names = [n for n, _ in self._fields_]
+        return {n: int(getattr(self, n)) for n in names[: names.index("current_graph")]}
 
 
 class SchedulerError(RuntimeError):
@@ -111,8 +115,11 @@ class Library:
         lib.blink_unregister_host.argtypes = [P]
         lib.blink_clock_offset.argtypes = [C.POINTER(i64)]
         lib.blink_sched_create.argtypes = [C.POINTER(SchedConfig), C.POINTER(P), C.POINTER(C.POINTER(SchedStats))]
-        for fn in ("blink_sched_start", "blink_sched_query", "blink_sched_wait", "blink_sched_destroy"):
+        for fn in ("blink_sched_start", "blink_sched_query", "blink_sched_wait", "blink_sched_destroy",
+                   "blink_probe_release"):
             getattr(lib, fn).argtypes = [P]
+        lib.blink_probe_hold.argtypes = [C.POINTER(P)]
+        lib.blink_sched_guard_report.argtypes = [P, C.c_char_p, C.c_size_t]
         if lib.blink_sched_config_size() != C.sizeof(SchedConfig):
             raise SchedulerError(f"SchedConfig mirror is {C.sizeof(SchedConfig)} bytes, "
                                  f"library says {lib.blink_sched_config_size()}")
@@ -128,6 +135,16 @@ class Library:
         self.check(self.lib.blink_register_host(P(addr), size, C.byref(dev)), "cudaHostRegister of the ring")
         return int(dev.value or 0)
 
+    @contextlib.contextmanager
+    def scheduler_footprint(self) -> Iterator[None]:
+        """Hold one SM the way the scheduler does (its block size and shared memory) meanwhile."""
+        probe = P()
+        self.check(self.lib.blink_probe_hold(C.byref(probe)), "probe block")
+        try:
+            yield
+        finally:
+            self.check(self.lib.blink_probe_release(probe), "probe release")
+
     def clock_offset(self) -> int:
         off = i64()
         self.check(self.lib.blink_clock_offset(C.byref(off)), "clock offset")
@@ -140,17 +157,45 @@ def _dev_array(values: np.ndarray | list[int], dtype: np.dtype) -> object:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(values, dtype=dtype))).cuda()
 
 
+def coresidency_failures(lib: Library, graphs: list[tuple[int, Callable[[], None]]],
+                         timeout_s: float = 5.0) -> list[int]:
+    """Run each graph while a block shaped like the scheduler holds one SM; the keys of those that
+    did not finish within ``timeout_s`` (beside the scheduler they would never finish).
+
+    Each ``run`` launches its graph on the current stream. A graph that hangs finishes once the
+    probe block is released, so the check itself never hangs.
+    """
+    import torch
+
+    stuck = []
+    for key, run in graphs:
+        done = torch.cuda.Event()
+        with lib.scheduler_footprint():
+            run()
+            done.record()
+            end = time.monotonic() + timeout_s
+            while not done.query() and time.monotonic() < end:
+                time.sleep(0.0005)
+            finished = done.query()
+        done.synchronize()
+        if not finished:
+            stuck.append(key)
+    return stuck
+
+
 class PersistentScheduler:
     """Owns the scheduler's device state; started once, then supervised through host memory."""
 
     def __init__(self, ring_addr: int, ring_size: int, geometry: object, view: dict, kv_cache: object,
                  limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
-                 claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0) -> None:
+                 claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0,
+                 yield_graphs: frozenset[int] = frozenset()) -> None:
         self.lib = Library(build_library())
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
         self._keep: list[object] = []
         cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context, vocab_size)
+        cfg.graph_yield = self._arr([int(i in yield_graphs) for i in range(cfg.num_graphs)], np.uint32)
         cfg.claim_with_cas = int(claim_with_cas)
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
@@ -189,7 +234,11 @@ class PersistentScheduler:
         c.exec_handles = self._arr([h[k] for h in view["exec_handles"] for k in range(copies)], np.uint64)
         c.graph_batch = self._arr([s[1] for s in shapes], np.int32)
         c.graph_tokens = self._arr([s[2] for s in shapes], np.int32)
-        c.decode_table = self._arr(view["decode_table"], np.int32)
+        decode_table = np.asarray(view["decode_table"], dtype=np.int32)
+        if decode_table.shape != (2, max_batch + 1):
+            raise SchedulerError(f"decode table is {decode_table.shape}, expected (2, {max_batch + 1}): "
+                                 "one row per sampling variant (without, with filtering)")
+        c.decode_table = self._arr(decode_table.reshape(-1), np.int32)
         c.prefill_table = self._arr(view["prefill_table"].reshape(-1), np.int32)
         c.counters = view["counters_ptr"]
         b = view["buffers"]
@@ -204,6 +253,23 @@ class PersistentScheduler:
         c.num_top_out = max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
         c.vocab_size = vocab_size
         return c
+
+    def guard_report(self) -> str:
+        """After a stop: byte ranges (offsets from the state's start) of the guard bands and of the
+        configuration that were overwritten, with their first bytes; empty when intact."""
+        buf = C.create_string_buffer(4096)
+        n = self.lib.lib.blink_sched_guard_report(self.handle, buf, len(buf))
+        if n < 0:
+            return f"unreadable: {self.last_error()}"
+        return buf.value.decode() if n else ""
+
+    def stuck_graph(self) -> tuple[int, float] | None:
+        """(graph index, seconds since its launch) of the graph in flight, or None between steps."""
+        st = self.stats
+        g, since = int(st.current_graph), int(st.current_since_ns)
+        if g == 0:
+            return None
+        return g - 1, (time.time_ns() - (since + int(self.config.clock_offset_ns))) / 1e9
 
     @property
     def stats(self) -> SchedStats:

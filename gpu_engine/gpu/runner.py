@@ -3,9 +3,10 @@
 A step is described entirely by the static buffers (`StepBuffers`): the first `tokens` rows of
 the token-indexed ones and the first `batch` rows of the sequence-indexed ones. Rows past those
 must hold padding (`pad_step` writes it): slot -1 (no cache write), context length 0, and for
-sequences past the real batch an empty query range. `forward(batch, tokens, decode)` launches
-only device work with shapes fixed by its arguments, so it can be captured in a CUDA graph and
-replayed for any step that fits.
+sequences past the real batch an empty query range. `forward(batch, tokens, decode, filtered)`
+launches only device work with shapes fixed by its arguments, so it can be captured in a CUDA graph
+and replayed for any step that fits. `filtered=False` samples without the top-k / top-p / min-p
+filter (no vocabulary sort): exact only for steps where no row uses them.
 """
 
 from __future__ import annotations
@@ -141,8 +142,12 @@ class GpuModelRunner:
         self.scale = cfg.head_dim ** -0.5
 
     # One step: the whole device-side work, capturable.
-    def forward(self, batch: int, tokens: int, decode: bool) -> None:
-        """Run the model on the first `tokens` tokens / `batch` sequences and sample one token per sequence."""
+    def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True) -> None:
+        """Run the model on the first `tokens` tokens / `batch` sequences and sample one token per sequence.
+
+        `filtered=False` skips the sampling filter; use it only when no row needs it
+        (`gpu_engine.policy.needs_filter`), the tokens are then the same.
+        """
         if decode and batch != tokens:
             raise ValueError("a decode step has exactly one token per sequence")
         if batch > self.limits.max_batch or tokens > self.limits.max_tokens:
@@ -157,7 +162,7 @@ class GpuModelRunner:
             if i + 1 < len(self.layers):
                 x = rms_norm(h, self.layers[i + 1].attn_norm, self.config.rms_norm_eps, residual=residual)
         self._head(h, residual, batch, tokens, decode)
-        self._sample(batch)
+        self._sample(batch, filtered)
 
     def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: int, tokens: int,
                    decode: bool) -> torch.Tensor:
@@ -195,11 +200,11 @@ class GpuModelRunner:
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
         self.buffers.logits[:batch].copy_(F.linear(x, self.lm_head))
 
-    def _sample(self, batch: int) -> None:
+    def _sample(self, batch: int, filtered: bool = True) -> None:
         b = self.buffers
         sample(b.logits[:batch], b.temperature[:batch], b.top_k[:batch], b.top_p[:batch], b.min_p[:batch],
                b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
-               b.top_ids[:batch], b.top_logprobs[:batch])
+               b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered)
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:

@@ -12,11 +12,13 @@ import torch
 
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.host_runner import HostGraphRunner
-from gpu_engine.gpu.persistent import PersistentScheduler
+from gpu_engine.gpu.persistent import Library, PersistentScheduler, build_library, coresidency_failures
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
+from shared import env
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.log import get_logger
@@ -25,6 +27,8 @@ from shared.ring import Ring
 log = get_logger("engine")
 KV_FRACTION = 0.5  # of the memory free after loading the weights
 STALL_S = 5.0       # device heartbeat silence before the host looks at the scheduler's stream
+SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
+PROBE_TIMEOUT_S = 5.0
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -37,6 +41,13 @@ def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     # A prefill of b prompts averages at least 16 tokens each; larger batches use larger buckets.
     return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
+
+
+def shape_label(shape: tuple) -> str:
+    """A graph shape for logs: decode/prefill, batch, tokens and the sampling variant."""
+    decode, batch, tokens = shape[0], shape[1], shape[2]
+    label = f"decode b={batch}" if decode else f"prefill b={batch} t={tokens}"
+    return label + (" unfiltered" if len(shape) > 3 and not shape[3] else "")
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,6 +76,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs))
     runner = GpuModelRunner(model, kv, limits)
+    # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
+    sms = reserve_sms(SCHEDULER_SMS)
+    log.info("cuBLAS SM target", **sms)
     cache = GraphCache(runner, decode_buckets(cfg.max_batch), prefill_buckets(cfg.max_batch, max_tokens),
                        device_launch=cfg.backend == "persistent")
     t0 = time.perf_counter()
@@ -83,9 +97,11 @@ class PersistentEngine:
     def serve(self) -> None:
         p, ring = self.parts, self.ring
         size = ring.transport.size
+        yielding = self.yielding_graphs()
         sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
                                     p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
-                                    p.max_context, p.vocab_size)
+                                    p.max_context, p.vocab_size, yield_graphs=yielding,
+                                    claim_with_cas=not env.env().sched_plain_claim)
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
@@ -93,7 +109,26 @@ class PersistentEngine:
         self.watch(sched)
         st = sched.stats
         log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
+        overwritten = sched.guard_report()
+        if overwritten:
+            log.error("scheduler state overwritten by another kernel", ranges=overwritten)
         sched.close()
+
+    def yielding_graphs(self) -> frozenset[int]:
+        """Graphs during which the scheduler must leave its SM: those that cannot finish beside its
+        block (checked here, once), or every graph with BLINK_SCHED_YIELD_ALL=1."""
+        cache = self.parts.cache
+        if env.env().sched_yield_all:
+            return frozenset(i for i, g in enumerate(cache.graphs) if g is not None)
+        graphs = [(i, g.graph.replay) for i, g in enumerate(cache.graphs) if g is not None]
+        t0 = time.perf_counter()
+        stuck = coresidency_failures(Library(build_library()), graphs, PROBE_TIMEOUT_S)
+        log.info("graphs checked beside the scheduler block", graphs=len(graphs), stuck=len(stuck),
+                 seconds=round(time.perf_counter() - t0, 2))
+        if stuck:
+            log.warning("these graphs run with the scheduler off its SM (a tail launch per step)",
+                        graphs=[shape_label(cache.shapes[i]) for i in stuck])
+        return frozenset(stuck)
 
     def watch(self, sched: PersistentScheduler) -> None:
         """Sleep until the scheduler exits. Steady state reads host memory only; a CUDA call is
@@ -108,7 +143,10 @@ class PersistentEngine:
                 self.ring.header_store32("engine_state", L.EngineState.FAILED)
                 log.error("persistent scheduler stopped without exiting", query=state, detail=sched.last_error())
                 raise SystemExit(3)
-            log.warning("device heartbeat stalled", seconds=STALL_S, counters=sched.stats.counters())
+            flight = sched.stuck_graph()
+            where = {} if flight is None else {"graph": shape_label(self.parts.cache.shapes[flight[0]]),
+                                               "graph_running_s": round(flight[1], 3)}
+            log.warning("device heartbeat stalled", seconds=STALL_S, **where, counters=sched.stats.counters())
             time.sleep(STALL_S)
         sched.wait()
 
@@ -117,7 +155,8 @@ def build_gpu_backend(cfg: EngineConfig):  # noqa: ANN201 - returns serve.Backen
     from gpu_engine.serve import Backend  # noqa: PLC0415 - avoid an import cycle
 
     parts = build_parts(cfg)
-    policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=parts.limits.max_tokens)
+    policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=parts.limits.max_tokens,
+                    prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1])
     if cfg.backend == "persistent":
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
                        make_engine=lambda ring: PersistentEngine(ring, parts, cfg))

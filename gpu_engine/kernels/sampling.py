@@ -1,9 +1,11 @@
 """Sampling on the device with no host round trip, mirroring `gpu_engine.sampling` exactly.
 
-Filtering (temperature, top-k, top-p, min-p) reuses the reference's torch function (sort-based,
-sync-free); the kernel regenerates the reference's counter hash noise per vocab entry (no [B, V]
-noise tensor) and takes the Gumbel-max argmax, lowest index on ties. Rows with temperature <= 0
-take the argmax of the raw logits. Log-probs are of the raw logits.
+Filtering (top-k, top-p, min-p) reuses the reference's torch function (sort-based, sync-free) on
+the temperature-scaled logits. `filtered=False` skips it: the sort-free variant, bit-identical
+whenever no row sets top-k, top-p or min-p (the filter is then the identity), which is what a
+decode graph without such a row runs. The kernel regenerates the reference's counter hash noise
+per vocab entry (no [B, V] noise tensor) and takes the Gumbel-max argmax, lowest index on ties.
+Rows with temperature <= 0 take the argmax of the raw logits. Log-probs are of the raw logits.
 """
 
 from __future__ import annotations
@@ -65,11 +67,13 @@ def _gumbel_argmax_kernel(raw_ptr, filt_ptr, temp_ptr, seed_ptr, step_ptr, out_p
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, out_logprobs,
-           out_top_ids, out_top_logprobs) -> None:
+           out_top_ids, out_top_logprobs, filtered: bool = True) -> None:
     """One token per row of fp32 `logits` [B, V]; every output is written in place, no sync.
 
     temperature/top_p/min_p [B] f32, top_k [B] int32, seeds/steps [B] int64 (the reference's `seeds`
     and `steps`); outputs tokens [B] int64, logprobs [B] f32, top ids/logprobs [B, K].
+    `filtered=False` ignores top_k/top_p/min_p (no sort): only for rows where they are all off
+    (`gpu_engine.policy.needs_filter`), for which it gives the same outputs bit for bit.
     """
     check("logits", logits, dtype=torch.float32, shape=(None, None))
     B, V = logits.shape
@@ -84,9 +88,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     if B == 0:
         return
     temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    filtered = filter_logits(logits / temps[:, None], top_k.long(), top_p, min_p)
-    _gumbel_argmax_kernel[(B,)](logits, filtered, temperature, seeds, steps, out_tokens, V,
-                                logits.stride(0), filtered.stride(0), BLOCK=1024, num_warps=4,
+    scaled = logits / temps[:, None]
+    if filtered:
+        scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
+    _gumbel_argmax_kernel[(B,)](logits, scaled, temperature, seeds, steps, out_tokens, V,
+                                logits.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
                                 LIBDEVICE=logits.is_cuda)
     logp = torch.log_softmax(logits, dim=-1)
     out_logprobs.copy_(logp.gather(-1, out_tokens[:, None]).squeeze(1))

@@ -142,13 +142,15 @@ def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     runner.buffers.next_tokens.fill_(-1)
     graphs.replay((False, 1, 20))
     got.append(int(runner.buffers.next_tokens[0]))
-    before = int(graphs.counters[graphs.lookup(True, 1, 1)[0]])
-    for step in range(63):
+    plain, sorting = graphs.lookup(True, 1, 1, filtered=False)[0], graphs.lookup(True, 1, 1, filtered=True)[0]
+    assert plain != sorting
+    before = [int(graphs.counters[plain]), int(graphs.counters[sorting])]
+    for step in range(63):  # greedy: alternate the sort-free and the filtering decode graph
         runner.stage(torch.tensor([got[-1]], device="cuda"), _meta([(20 + step, 1, table)]))
         runner.buffers.next_tokens.fill_(-1)
-        graphs.replay((True, 1, 1))
+        assert graphs.replay((True, 1, 1), filtered=step % 2 == 1) == (True, 1, 1, step % 2 == 1)
         got.append(int(runner.buffers.next_tokens[0]))
-    assert int(graphs.counters[graphs.lookup(True, 1, 1)[0]]) == before + 63
+    assert [int(graphs.counters[plain]), int(graphs.counters[sorting])] == [before[0] + 32, before[1] + 31]
     assert len(want) >= 8 and got[: len(want)] == want  # HF stops early only at an EOS it generated
     graphs.close()
 
@@ -167,10 +169,24 @@ def test_graph_replay_is_bitwise_equal_to_eager():
     eager = runner.buffers.logits[:2].clone()
     runner.buffers.logits.fill_(float("nan"))
     runner.stage(ids, meta)
-    assert graphs.replay((False, 2, 110)) == (False, 2, 128)
+    assert graphs.replay((False, 2, 110)) == (False, 2, 128, True)
     torch.cuda.synchronize()
     assert torch.equal(runner.buffers.logits[:2], eager)
+    # a decode step through both decode variants, sampling rows without filters: the same outputs
+    buf = runner.buffers
+    sampling = {"temperature": torch.tensor([0.8, 0.0]), "seeds": torch.tensor([5, 6]),
+                "sample_index": torch.tensor([1, 1])}
+    runner.stage(ids[[49, 109]], _meta([(50, 1, [0, 1, 2, 3]), (60, 1, [4, 5, 6, 7])]), sampling)
+    outs = []
+    for filtered in (False, True):
+        buf.next_tokens.fill_(-1)
+        assert graphs.replay((True, 2, 2), filtered=filtered) == (True, 4, 4, filtered)
+        torch.cuda.synchronize()
+        outs.append([t[:2].clone() for t in (buf.next_tokens, buf.token_logprobs, buf.top_ids, buf.top_logprobs)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) and bool((outs[0][0] >= 0).all())
+    assert len(graphs.graphs) == 2 * 2 + 2
     assert all(len(g.exec_handles) == 4 and all(h for h in g.exec_handles) for g in graphs.graphs)
     view = graphs.scheduler_view()
+    assert view["decode_table"].shape == (2, runner.limits.max_batch + 1)
     assert view["buffers"]["logits"] == runner.buffers.logits.data_ptr() and view["counters_ptr"]
     graphs.close()

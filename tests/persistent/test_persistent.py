@@ -6,6 +6,7 @@ writes them. Marked gpu: skipped without CUDA, run by scripts/gpu_run.sh on the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -52,10 +53,22 @@ def settled_header(ring: Ring, timeout: float = 3.0) -> np.void:
         time.sleep(0.05)
 
 
-def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str) -> tuple[dict[int, Result], dict]:
+def sampling_jobs(n: int, seed: int) -> list[Job]:
+    """Greedy, plain-temperature and top-k/top-p requests, seeded, some cancelled."""
+    base = random_jobs(n, VOCAB, seed=seed, max_prompt=120, max_new=64, cancel_frac=0.1)
+    out = []
+    for k, j in enumerate(base):
+        kind = k % 3
+        out.append(dataclasses.replace(j, temperature=0.0 if kind == 0 else 0.8, seed=1000 + k,
+                                       top_p=0.9 if kind == 2 else 1.0, top_k=40 if kind == 2 else 0))
+    return out
+
+
+def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str,
+               engine_args: tuple[str, ...] = ENGINE_ARGS) -> tuple[dict[int, Result], dict]:
     name = f"blink-gpu-{backend}-{uuid.uuid4().hex[:6]}"
     OUT.mkdir(parents=True, exist_ok=True)
-    proc = start_engine(name, model, backend, *ENGINE_ARGS, log=OUT / f"engine-{tag}-{backend}.log")
+    proc = start_engine(name, model, backend, *engine_args, log=OUT / f"engine-{tag}-{backend}.log")
     ring = wait_ready(name, proc)
     try:
         results = Driver(ring, window).run(jobs, timeout=480)
@@ -103,3 +116,47 @@ def test_persistent_5000_requests_with_cancellations(tiny: Path) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["window_relaunches"] > 100
     assert stats["exit_code"] == 0 and not stats["segment_left"]
+
+
+def check_against(jobs: list[Job], got: dict[int, Result], ref: dict[int, Result], what: str) -> None:
+    for j in jobs:
+        g, r = got[j.rid], ref[j.rid].tokens
+        if g.reason == F.CANCELLED:
+            assert j.cancel_after is not None and g.tokens == r[: len(g.tokens)], f"{what}: request {j.rid}"
+        else:
+            assert g.reason == F.LENGTH and g.tokens == r, f"{what}: request {j.rid} differs from host-driven"
+
+
+def test_persistent_sampling_variants_and_yield_mode(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded sampling (greedy, temperature, top-k/top-p) gives the host-driven mode's tokens, both
+    with the scheduler polling beside each graph and with it leaving its SM every step."""
+    jobs = sampling_jobs(600, seed=5)
+    reference = [dataclasses.replace(j, cancel_after=None) for j in jobs]
+    host, _ = serve_jobs(tiny, "host", reference, window=16, tag="sampling")
+    pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag="sampling")
+    check_against(jobs, pers, host, "persistent")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
+    monkeypatch.setenv("BLINK_SCHED_YIELD_ALL", "1")
+    yld, ystats = serve_jobs(tiny, "persistent", jobs, window=16, tag="yield")
+    check_against(jobs, yld, host, "persistent, yielding")
+    assert ystats["kv_blocks_free"] == ystats["kv_blocks_total"] and ystats["exit_code"] == 0
+    assert not ystats["segment_left"]
+
+
+# A small prefill budget (64 + 32 tokens) leaves prefill graphs of at most 4 prompts at 96 tokens:
+# more short prompts than that are pending at once, and every mode must split them.
+NARROW_ARGS = ("--dtype", "float32", "--num-slots", "64", "--max-prompt-tokens", "64", "--max-output-tokens", "32",
+               "--max-batch", "32", "--kv-blocks", "2000", "--block-size", "16", "--top-logprobs", "1")
+
+
+def test_many_short_prompts_match_the_cpu_engine(tiny: Path) -> None:
+    """Prefill steps never hold more prompts than the captured graph they run (rows past a graph's
+    batch would come back with another step's tokens)."""
+    rng = np.random.default_rng(9)
+    jobs = [Job(k + 1, rng.integers(3, VOCAB, int(rng.integers(8, 25))).astype(np.int32), 16) for k in range(256)]
+    cpu, _ = serve_jobs(tiny, "cpu", jobs, window=64, tag="narrow", engine_args=NARROW_ARGS)
+    for backend in ("host", "persistent"):
+        got, stats = serve_jobs(tiny, backend, jobs, window=64, tag="narrow", engine_args=NARROW_ARGS)
+        diff = [j.rid for j in jobs if got[j.rid].tokens != cpu[j.rid].tokens]
+        assert not diff, f"{backend}: {len(diff)} of {len(jobs)} requests differ from the CPU engine"
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0

@@ -1,0 +1,73 @@
+"""Streaming detokenization with stop strings, push by push, against a brute-force oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_tokenizer_corpus import make_corpus
+
+from dpu_tokenizer import Tokenizer, load_tokenizer
+from dpu_tokenizer.detok import IncrementalDetokenizer, utf8_complete_prefix
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer()
+
+
+def _oracle(full: bytes, stops: list[bytes]) -> tuple[int, bytes | None]:
+    """(bytes that may be emitted, the stop string found) after the stream ``full``.
+
+    The first stop to appear ends the stream at its start (the leftmost one when several appear
+    in the same push); otherwise what is held back is the longer of an incomplete UTF-8 tail and
+    the longest tail that is a proper prefix of a stop string.
+    """
+    found = [(full.find(s), i) for i, s in enumerate(stops) if s in full]
+    if found:
+        pos, i = min(found)
+        return pos, stops[i]
+    tail = max((k for s in stops for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+    return min(len(full) - tail, utf8_complete_prefix(full)), None
+
+
+def _texts(rnd: random.Random) -> list[str]:
+    base = make_corpus(300, seed=17) + ["aaaaab aab ab", "é!é!! 😀😀 done", "User: x\n\nUser:", "abcabcabd"]
+    return [rnd.choice(base) + " " + rnd.choice(base) for _ in range(400)]
+
+
+def _stops_for(text: str, rnd: random.Random) -> list[str]:
+    stops = [rnd.choice(("aab", "ab", "abd", "é!!", "😀", "\n\nUser:", "</answer>", "zzz"))]
+    if len(text) > 4:
+        start = rnd.randrange(len(text) - 3)
+        stops.append(text[start : start + rnd.randint(1, 6)])  # often present, sometimes overlapping others
+    if rnd.random() < 0.5:
+        stops.append(stops[-1][:-1] + "#")  # shares a prefix, never completes
+    return stops
+
+
+def test_each_push_emits_what_the_oracle_allows(tok: Tokenizer) -> None:
+    rnd = random.Random(12)
+    table = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+    for text in _texts(rnd):
+        ids = tok.encode(text)
+        stops = _stops_for(text, rnd)
+        encoded = [s.encode() for s in dict.fromkeys(stops) if s]
+        det = IncrementalDetokenizer(tok, stop_strings=stops, skip_special_tokens=False)
+        full, out, pos = b"", "", 0
+        while pos < len(ids):
+            step = rnd.randint(1, 4)
+            chunk = ids[pos : pos + step]
+            pos += step
+            full += b"".join(table[i] for i in chunk)
+            out += det.push(chunk)
+            allowed, stop = _oracle(full, encoded)
+            assert out == full[:allowed].decode("utf-8", "replace"), (text, stops)
+            if stop is not None:
+                assert det.stopped and det.stop_string == stop.decode()
+                break
+            assert not det.stopped
+        if det.stopped:
+            assert det.push(ids[:1]) == "" and det.finish() == ""
+        else:
+            assert out + det.finish() == full.decode("utf-8", "replace")
