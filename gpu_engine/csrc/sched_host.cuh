@@ -313,8 +313,8 @@ int blink_sched_guard_report(void *handle, char *out, size_t out_size) {
     while (e < total && (e < cfg_end || e >= state_end) && now[e] != was[e]) ++e;
     ++ranges;
     if (used + 160 < out_size) {
-      used += snprintf(out + used, out_size - used, "[%+ld, %zu bytes]", static_cast<long>(k) - static_cast<long>(kGuardBytes),
-                       e - k);
+      used += snprintf(out + used, out_size - used, "[%+ld, %zu bytes]",
+                       static_cast<long>(k) - static_cast<long>(kGuardBytes), e - k);
       for (size_t b = k; b < e && b < k + 16 && used + 4 < out_size; ++b)
         used += snprintf(out + used, out_size - used, " %02x", now[b]);
       used += snprintf(out + used, out_size - used, "; ");
