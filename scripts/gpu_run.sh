@@ -16,6 +16,7 @@ OUT="${1:?usage: scripts/gpu_run.sh OUTDIR [STEP ...]}"
 shift
 STEPS="${*:-build kernels persistent micro fig3 roofline serving_persistent serving_host}"
 mkdir -p "$OUT"
+ulimit -n 65536 2>/dev/null || true  # soak and serving clients keep thousands of sockets open
 PY="${PYTHON:-python3}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site .whl/*.whl
