@@ -18,19 +18,10 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from helpers.byte_tokenizer import ByteTokenizer
 
 from bench import serve_bench as sb
 from bench.workloads import RequestSpec
-
-
-class ByteTokenizer:
-    """One token per byte: enough for prompts whose content does not matter here."""
-
-    def encode(self, text: str, **_: object) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int], **_: object) -> str:
-        return bytes(ids).decode(errors="replace")
 
 
 class FakeServer:

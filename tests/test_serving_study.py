@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from helpers.byte_tokenizer import ByteTokenizer
 
 from bench import serving_study as ss
 from bench.workloads import WORKLOADS, Limits
@@ -192,14 +193,6 @@ def test_table_ratios() -> None:
 
 
 # ---------------------------------------------------------------------- budget and drain, against a fake server
-class ByteTokenizer:
-    def encode(self, text: str, **_: object) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int], **_: object) -> str:
-        return bytes(ids).decode(errors="replace")
-
-
 class FakeServer:
     """Streams ``max_tokens`` chunks 2 ms apart; ``hang`` sends headers and then nothing."""
 
