@@ -63,9 +63,10 @@ step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/schedule
 step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2
 step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json"
 # One mode per call (each takes up to 9.5 minutes); results merge into bench/results/serving.json,
-# which travels with the tree, so the second mode's call completes the file.
+# which travels with the tree, so the second mode's call completes the file. SERVING_ARGS adds
+# flags (e.g. "--rates 8,14,20 --duration-s 20").
 for mode in persistent host; do
-  step "serving_$mode" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes $mode --tokenizer-assets '$ASSETS' --time-budget-s 560; cp bench/results/serving* '$OUT/'"
+  step "serving_$mode" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes $mode --tokenizer-assets '$ASSETS' --time-budget-s 560 ${SERVING_ARGS:-}; cp bench/results/serving* '$OUT/'"
 done
 case " $STEPS " in *" soakwait "*) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;; esac
 # Few files come back from a lent machine: every log goes into one archive.
