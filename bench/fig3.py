@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 import uuid
@@ -21,6 +20,7 @@ import numpy as np
 
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
 from bench.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
+from bench.serve_proc import cpu_seconds
 
 CONFIGS = {"short-prompt/short-out": (128, 32), "short-prompt/long-out": (128, 512),
            "long-prompt/short-out": (2048, 32), "long-prompt/long-out": (2048, 512)}
@@ -29,18 +29,13 @@ ENGINE_ARGS = ("--random-weights", "--dtype", "bfloat16", "--num-slots", "64", "
                "--max-output-tokens", "512", "--max-batch", "16", "--top-logprobs", "1")
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def makespans(model: Path, backend: str, reps: int, log_dir: Path, vocab: int) -> tuple[dict[str, float], float]:
     name = f"blink-fig3-{uuid.uuid4().hex[:6]}"
     proc = start_engine(name, model, backend, *ENGINE_ARGS, log=log_dir / f"fig3-{backend}.log")
     ring = wait_ready(name, proc)
     rng = np.random.default_rng(0)
     out: dict[str, float] = {}
-    cpu0, wall0 = cpu_seconds(proc.pid), time.time()
+    cpu0, wall0 = cpu_seconds(proc.pid) or 0.0, time.time()
     try:
         for label, (plen, olen) in CONFIGS.items():
             runs = []
@@ -54,7 +49,7 @@ def makespans(model: Path, backend: str, reps: int, log_dir: Path, vocab: int) -
                 assert lengths == {olen}, f"{backend} {label}: output lengths {lengths}, expected {olen}"
             out[label] = float(np.median(runs))
             print(f"{backend:10s} {label:24s} {out[label]:.3f} s", flush=True)
-        cpu_per_min = (cpu_seconds(proc.pid) - cpu0) / (time.time() - wall0) * 60
+        cpu_per_min = ((cpu_seconds(proc.pid) or cpu0) - cpu0) / (time.time() - wall0) * 60
     finally:
         stop_engine(ring, proc)
         ring.close()

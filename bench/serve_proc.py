@@ -68,6 +68,15 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in text.split()]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads), from ``/proc``; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

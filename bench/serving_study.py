@@ -52,7 +52,7 @@ from bench import serve_bench as sb
 from bench.interfere import KINDS as INTERFERE_KINDS
 from bench.interfere import Interference
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
-from bench.serve_proc import ServeProc
+from bench.serve_proc import ServeProc, cpu_seconds
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
 
 MODES = ("persistent", "host")
@@ -132,15 +132,6 @@ def device_name(backend: str) -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return f"cpu: {cpu}, {os.cpu_count()} cores"
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process (all its threads), from ``/proc``."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_seconds() -> float:

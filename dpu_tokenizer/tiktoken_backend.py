@@ -134,14 +134,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
     def _native_nfc(self, text: str) -> list[int] | None:
         if self._native is None or not unicodedata.is_normalized("NFC", text):
             return None
-        ids: list[int] | None = self._native.encode(text)
-        return ids
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        ids = self._native_encode(text)
-        if ids is None:
-            ids = self._encode_tiktoken(text)
-        return self._wrap(ids) if add_special_tokens else ids
+        return self._native.encode(text)  # type: ignore[no-any-return]
 
     def _encode_plain(self, text: str) -> list[int]:
         ids = self._native_encode(text)

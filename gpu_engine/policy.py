@@ -184,15 +184,14 @@ class Policy:
 
     def _admit(self) -> StepPlan | None:
         work: list[SeqWork] = []
-        budget = self.max_prefill_tokens
         tokens = 0
         while (self.paused or self.waiting) and len(self.running) + len(work) < self.max_batch:
             queue = self.paused if self.paused else self.waiting
             req = queue[0]
             need = req.context_len            # recompute everything not cached
-            if work and need > budget:        # the first one may exceed the budget alone
-                break
-            if work and not self.prefill_fits(len(work) + 1, tokens + need):
+            # the first one may exceed the token budget alone
+            if work and (tokens + need > self.max_prefill_tokens or not self.prefill_fits(len(work) + 1,
+                                                                                          tokens + need)):
                 break
             if not self.window_headroom():
                 break
@@ -203,7 +202,6 @@ class Policy:
             queue.popleft()
             req.num_cached = 0
             work.append(SeqWork(req, 0, need))
-            budget -= need
             tokens += need
         return StepPlan("prefill", work) if work else None
 

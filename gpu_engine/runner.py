@@ -35,6 +35,15 @@ def spec_of(req: Request) -> SamplingSpec:
     return spec
 
 
+def step_inputs(plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
+    """The attention layout of each sequence in the step, and the token ids the step feeds, packed."""
+    steps = [SeqStep(w.num_cached, w.num_new, w.req.blocks) for w in plan.work]
+    ids: list[int] = []
+    for w in plan.work:
+        ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
+    return steps, ids
+
+
 class TorchRunner:
     """Packs a plan into one forward pass (prefills packed without padding, or a decode batch)."""
 
@@ -46,10 +55,7 @@ class TorchRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        steps = [SeqStep(w.num_cached, w.num_new, w.req.blocks) for w in plan.work]
-        ids: list[int] = []
-        for w in plan.work:
-            ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
+        steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.kv.block_size, self.device)
         logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
         specs = [spec_of(w.req) for w in plan.work]

@@ -12,7 +12,7 @@ import torch
 
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, TINY_LLAMA3, write_config
 from gpu_engine.gpu.graph_cache import GraphCache
-from gpu_engine.gpu.persistent import Library, build_library
+from gpu_engine.gpu.persistent import library
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
@@ -30,7 +30,7 @@ def main() -> None:
     reserve_sms(1)
     cache = GraphCache(runner, [4], [(4, 512)], copies=1, device_launch=True)
     cache.capture(progress=False)
-    lib = Library(build_library())
+    lib = library()
     lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
     steps = [SeqStep(0, 100, list(range(8 * k, 8 * k + 8))) for k in range(4)]
     ids = torch.randint(10, cfg["vocab_size"], (400,))

@@ -24,10 +24,10 @@ constexpr size_t kGuardBytes = 64 * 1024;
 constexpr int kGuardByte = 0xA5;
 
 struct Handle {
-  void *dev_block = nullptr;  // guard band, state, guard band
-  SchedState *dev = nullptr;  // device copy of the state header
-  SchedState initial;         // as created: the configuration part must never change
-  void *arena = nullptr;      // every device array of the state
+  void *dev_block = nullptr;   // guard band, state, guard band
+  SchedState *dev = nullptr;   // device copy of the state header
+  blink_sched_config initial;  // as created: the state's configuration must never change
+  void *arena = nullptr;       // every device array of the state
   blink_sched_stats *host_stats = nullptr;
   cudaStream_t stream = nullptr;
   cudaGraph_t graph = nullptr;
@@ -108,7 +108,7 @@ int init_state(const blink_sched_config &c, Handle *h, SchedState *st) {
   BLINK_CHECK(cudaMemset(h->dev_block, kGuardByte, sizeof(SchedState) + 2 * kGuardBytes));
   h->dev = reinterpret_cast<SchedState *>(static_cast<char *>(h->dev_block) + kGuardBytes);
   BLINK_CHECK(cudaMemcpy(h->dev, st, sizeof(SchedState), cudaMemcpyHostToDevice));
-  h->initial = *st;
+  h->initial = st->cfg;
   return 0;
 }
 
@@ -298,7 +298,7 @@ int blink_sched_guard_report(void *handle, char *out, size_t out_size) {
   size_t total = sizeof(SchedState) + 2 * kGuardBytes;
   std::vector<uint8_t> now(total), was(total, static_cast<uint8_t>(kGuardByte));
   BLINK_CHECK(cudaMemcpy(now.data(), h->dev_block, total, cudaMemcpyDeviceToHost));
-  memcpy(was.data() + kGuardBytes, &h->initial, sizeof(blink_sched_config));
+  memcpy(was.data() + kGuardBytes, &h->initial, sizeof(h->initial));
   size_t cfg_end = kGuardBytes + sizeof(blink_sched_config), state_end = kGuardBytes + sizeof(SchedState);
   int ranges = 0;
   size_t used = 0;

@@ -101,13 +101,13 @@ __device__ bool prefill_fits(SchedState *s, uint32_t n, uint32_t tokens) {
 // (iii) blocks, the token budget and the captured graphs allow (window headroom is checked by
 // the caller).
 __device__ bool plan_prefill(SchedState *s) {
-  uint32_t n = 0, tokens = 0, budget = s->cfg.max_prefill_tokens;
+  uint32_t n = 0, tokens = 0;
   while ((s->paused_count || s->wait_count) && s->running_count + n < s->cfg.max_batch) {
     bool from_paused = s->paused_count > 0;
     uint32_t i = from_paused ? s->paused[0] : s->waiting[s->wait_head];
     ReqInfo *r = &s->req[i];
     uint32_t need = ctx_len(r);
-    if (n && need > budget) break;
+    if (n && tokens + need > s->cfg.max_prefill_tokens) break;  // the first one may use it all
     if (tokens + need > s->cfg.max_tokens) break;
     if (n && !prefill_fits(s, n + 1, tokens + need)) break;
     if (!grow_blocks(s, i, blocks_for(s, need + 1))) break;
@@ -120,7 +120,6 @@ __device__ bool plan_prefill(SchedState *s) {
     r->phase = kWaiting;  // in flight in this prefill; joins `running` after it
     plan_row(s, n++, i, 0, need);
     tokens += need;
-    budget = need > budget ? 0 : budget - need;
   }
   s->plan_n = n;
   s->plan_tokens = tokens;

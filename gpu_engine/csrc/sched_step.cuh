@@ -3,9 +3,10 @@
 
 enum Action : uint32_t { kActionIdle = 0, kActionRun = 1, kActionRelaunch = 2, kActionExit = 3 };
 
-// Policy.needs_filter: a row samples with top-k, top-p or min-p (temperature > 0).
+// policy.needs_filter: a row samples (temperature > 0) with top-k, top-p or min-p not off, "off"
+// read exactly as filter_logits reads it (so a NaN counts as on, like on the Python side).
 __device__ bool row_filters(const ReqInfo *q) {
-  return q->temp > 0.f && (q->top_k > 0 || q->top_p < 1.f || q->min_p > 0.f);
+  return q->temp > 0.f && !(q->top_k <= 0 && q->top_p >= 1.f && q->min_p <= 0.f);
 }
 
 // Decode graphs come in two variants: row 0 of decode_table samples without the filtering sort

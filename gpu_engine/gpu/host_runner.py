@@ -13,9 +13,9 @@ import torch
 
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
-from gpu_engine.models.attention import SeqStep, build_metadata
+from gpu_engine.models.attention import build_metadata
 from gpu_engine.policy import StepPlan, step_filters
-from gpu_engine.runner import StepOutput, spec_of
+from gpu_engine.runner import StepOutput, spec_of, step_inputs
 
 
 class HostGraphRunner:
@@ -39,10 +39,7 @@ class HostGraphRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        steps = [SeqStep(w.num_cached, w.num_new, w.req.blocks) for w in plan.work]
-        ids: list[int] = []
-        for w in plan.work:
-            ids += w.req.tokens[w.num_cached : w.num_cached + w.num_new]
+        steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.block_size, "cpu")
         self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
         b, t = len(plan.work), len(ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes as C
+import functools
 import hashlib
 import os
 import shutil
@@ -151,6 +152,12 @@ class Library:
         return int(off.value)
 
 
+@functools.cache
+def library() -> Library:
+    """The scheduler library of this process: built (or found in the cache) and loaded once."""
+    return Library(build_library())
+
+
 def _dev_array(values: np.ndarray | list[int], dtype: np.dtype) -> object:
     import torch
 
@@ -190,7 +197,7 @@ class PersistentScheduler:
                  limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
                  claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0,
                  yield_graphs: frozenset[int] = frozenset()) -> None:
-        self.lib = Library(build_library())
+        self.lib = library()
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
         self._keep: list[object] = []

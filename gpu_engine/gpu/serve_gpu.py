@@ -12,7 +12,7 @@ import torch
 
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.host_runner import HostGraphRunner
-from gpu_engine.gpu.persistent import Library, PersistentScheduler, build_library, coresidency_failures
+from gpu_engine.gpu.persistent import PersistentScheduler, coresidency_failures, library
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
@@ -122,7 +122,7 @@ class PersistentEngine:
             return frozenset(i for i, g in enumerate(cache.graphs) if g is not None)
         graphs = [(i, g.graph.replay) for i, g in enumerate(cache.graphs) if g is not None]
         t0 = time.perf_counter()
-        stuck = coresidency_failures(Library(build_library()), graphs, PROBE_TIMEOUT_S)
+        stuck = coresidency_failures(library(), graphs, PROBE_TIMEOUT_S)
         log.info("graphs checked beside the scheduler block", graphs=len(graphs), stuck=len(stuck),
                  seconds=round(time.perf_counter() - t0, 2))
         if stuck:
