@@ -4,11 +4,11 @@
 #
 #   bash scripts/gpu_run.sh OUTDIR [STEP ...]
 #
-# Steps (default: all, in this order): build kernels persistent micro fig3 roofline
-# serving_persistent serving_host
-# Also, by name only: large (an 8B-shaped model served by the persistent scheduler, a check),
-# soakstart (starts the GPU soak detached, so it can outlive this call while
-# the machine stays up) and soakwait (waits for it and copies its results into OUTDIR).
+# Steps run in the order given (default: build kernels persistent micro fig3 roofline
+# serving_persistent serving_host). Also, by name only: large (an 8B-shaped model served by the
+# persistent scheduler, a check), soakstart (starts the GPU soak detached, so it can outlive this call
+# while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). Tests
+# that only check correctness may share the GPU with the soak; timed steps should not.
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
 set -u
@@ -16,7 +16,8 @@ OUT="${1:?usage: scripts/gpu_run.sh OUTDIR [STEP ...]}"
 shift
 STEPS="${*:-build kernels persistent micro fig3 roofline serving_persistent serving_host}"
 mkdir -p "$OUT"
-ulimit -n 65536 2>/dev/null || true  # soak and serving clients keep thousands of sockets open
+# soak and serving clients keep thousands of sockets open
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 PY="${PYTHON:-python3}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site .whl/*.whl
@@ -28,7 +29,6 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2
   shift 2
-  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -54,21 +54,26 @@ soak_wait() {
   cp "$SOAK/soak_gpu.json" "$OUT/" ; cp "$SOAK/soak.log" "$OUT/soak_gpu.log"
   tail -n 40 "$OUT/soak_gpu.log"
 }
-step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'"
-case " $STEPS " in *" soakstart "*) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;; esac
-step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu
-step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json"
-step persistent "${T_PERSISTENT:-300}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent
-step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json"
-step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2
-step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json"
-# One mode per call (each takes up to 9.5 minutes); results merge into bench/results/serving.json,
-# which travels with the tree, so the second mode's call completes the file. SERVING_ARGS adds
-# flags (e.g. "--rates 8,14,20 --duration-s 20").
-for mode in persistent host; do
-  step "serving_$mode" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes $mode --tokenizer-assets '$ASSETS' --time-budget-s 560 ${SERVING_ARGS:-}; cp bench/results/serving* '$OUT/'"
-done
-case " $STEPS " in *" soakwait "*) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;; esac
+run_step() {
+  case "$1" in
+    build) step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'" ;;
+    soakstart) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;;
+    soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
+    kernels) step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu ;;
+    large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
+    persistent) step persistent "${T_PERSISTENT:-300}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ;;
+    micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
+    fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
+    roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
+    # One mode per call; results merge into bench/results/serving.json, which travels with the tree, so
+    # the second mode's call completes the file. SERVING_ARGS adds flags (later ones win, e.g.
+    # "--rates 8,14,20 --duration-s 20 --time-budget-s 320").
+    serving_persistent | serving_host)
+      step "$1" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes ${1#serving_} --tokenizer-assets '$ASSETS' --time-budget-s 560 ${SERVING_ARGS:-}; cp bench/results/serving* '$OUT/'" ;;
+    *) summary "unknown step: $1" ;;
+  esac
+}
+for name in $STEPS; do run_step "$name"; done
 # Few files come back from a lent machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 exit 0
