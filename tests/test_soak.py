@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from bench.soak import SoakConfig, run_soak
+from bench.soak import BUSY_RETRIES, SoakConfig, one_request, run_soak
 
 
 def check(summary: dict) -> None:
@@ -35,3 +37,44 @@ def test_soak_two_minutes(tmp_path: Path) -> None:
 @pytest.mark.timeout(3600)
 def test_soak_twenty_minutes(tmp_path: Path) -> None:
     check(run_soak(SoakConfig(duration_s=1200, level_s=8, warmup_s=60), tmp_path))
+
+
+async def busy_server(busy_answers: int) -> tuple[web.AppRunner, str, list[int]]:
+    """A completions endpoint that answers 429 (``Retry-After: 0``) ``busy_answers`` times, then 200."""
+    calls: list[int] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        calls.append(1)
+        if len(calls) <= busy_answers:
+            return web.json_response(
+                {"error": {"message": "server busy", "type": "rate_limit_exceeded", "param": None, "code": None}},
+                status=429,
+                headers={"Retry-After": "0"},
+            )
+        return web.json_response({"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}", calls
+
+
+@pytest.mark.parametrize("busy, kind, retries", [(2, "completed", 2), (4, "failed", BUSY_RETRIES)])
+async def test_soak_client_retries_a_full_server(busy: int, kind: str, retries: int) -> None:
+    """A 429 is the server's defined answer when full: the soak's client retries it after Retry-After,
+    as the openai client does, at most BUSY_RETRIES times, and counts the retries."""
+    runner, url, calls = await busy_server(busy)
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = await one_request(session, url, [[5, 6, 7]], 0, SoakConfig(max_tokens=2), False, None)
+    finally:
+        await runner.cleanup()
+    assert (out.kind, out.retries, len(calls)) == (kind, retries, retries + 1)
+    if kind == "completed":
+        assert out.answer is not None and out.answer.tokens == ("a", "b")
+    else:
+        assert "HTTP 429" in out.error
