@@ -38,7 +38,8 @@ step() {  # step NAME TIMEOUT CMD...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/nvidia_smi.log" 2>&1
 SOAK="${BLINK_SOAK_DIR:-/tmp/blink-soak}"
-ASSETS="${BLINK_TOKENIZER_ASSETS:-$PWD/.whl/tokenizer-assets}"
+export BLINK_TOKENIZER_ASSETS="${BLINK_TOKENIZER_ASSETS:-$PWD/.whl/tokenizer-assets}"
+ASSETS="$BLINK_TOKENIZER_ASSETS"
 soak_start() {  # the persistent scheduler under a soak: Llama-3 vocabulary, fp32, real tokenizer
   mkdir -p "$SOAK/model" && cp "$ASSETS/llama3/tokenizer.json" "$ASSETS/llama3/tokenizer.model" "$SOAK/model/" &&
     "$PY" -c "import sys; from pathlib import Path; from bench.models import TINY_LLAMA3, write_config; write_config(Path(sys.argv[1]), TINY_LLAMA3)" "$SOAK/model" || return 1
@@ -61,7 +62,7 @@ run_step() {
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
     kernels) step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu ;;
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
-    persistent) step persistent "${T_PERSISTENT:-300}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ;;
+    persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ;;
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
