@@ -18,6 +18,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from shared.ipc import run_dir_problem
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 SERVICE_ROLES = ("tokenizer", "reader", "tracker")
@@ -105,7 +107,9 @@ class ServeProc:
 
     @property
     def run_dir(self) -> Path:
-        return self.run_root / "run"
+        """``RUN_ROOT/run``, or a short folder in /tmp where that is too long for the services' sockets."""
+        natural = self.run_root / "run"
+        return natural if run_dir_problem(natural) is None else Path("/tmp") / f"blink-run-{self.ring}"
 
     @property
     def log_path(self) -> Path:
@@ -113,8 +117,21 @@ class ServeProc:
 
     def start(self, timeout_s: float = 300.0) -> ServeProc:
         self.run_root.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(self.port), "--ring", self.ring,
-               "--run-dir", str(self.run_dir), "--engine-module", self.engine_module, *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "blink.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--ring",
+            self.ring,
+            "--run-dir",
+            str(self.run_dir),
+            "--engine-module",
+            self.engine_module,
+            *self.args,
+        ]
         env = {**os.environ, "BLINK_LOG_JSON": "1", **self.env}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

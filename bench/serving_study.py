@@ -323,9 +323,27 @@ async def send_bounded(
     return results, wall
 
 
+def tokens_while_sending(results: list[sb.RequestResult], send_s: float) -> float:
+    """Output tokens per second that reached the client while requests were still being sent.
+
+    vLLM's ``out_tok_per_s`` divides the tokens of completed requests by the time until the last one
+    finished, which for short runs mostly measures the drain; this counts every token streamed during the
+    sending window, requests cut later included (a chunk counts as the completed requests' mean tokens per
+    chunk), so it is the generation rate the server kept up at that load."""
+    sent = [r.sent for r in results if r.sent]
+    if not sent or send_s <= 0:
+        return 0.0
+    t0 = min(sent)
+    done = [r for r in results if r.ok and r.chunk_times]
+    per_chunk = (sum(r.output_tokens for r in done) / sum(len(r.chunk_times) for r in done)) if done else 1.0
+    chunks = sum(1 for r in results for t in r.chunk_times if t < t0 + send_s)
+    return per_chunk * chunks / send_s
+
+
 def run_record(rate: float, results: list[sb.RequestResult], wall: float, plan: Plan) -> dict[str, Any]:
     """serve_bench's summary of a run, with requests cut by the drain limit counted as ``unfinished``."""
     run = sb.summarize(rate, results, wall)
+    run["out_tok_per_s_sending"] = tokens_while_sending(results, plan.duration_s)
     unfinished = run["failures"].pop("drain_limit", 0) + run["failures"].pop("not_sent", 0)
     run["failure_samples"].pop("drain_limit", None)
     run["failure_samples"].pop("not_sent", None)

@@ -100,7 +100,12 @@ def cmd_reader(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from blink.supervisor import ServeConfig, Supervisor
+    from shared.ipc import run_dir_problem
 
+    problem = run_dir_problem(args.run_dir)
+    if problem:
+        print(f"blink serve: {problem}", file=sys.stderr)
+        return 2
     return Supervisor(ServeConfig.from_args(args)).run()
 
 

@@ -46,6 +46,13 @@ static PyObject *fetch_add64(PyObject *self, PyObject *args) {
   return PyLong_FromUnsignedLongLong(__atomic_fetch_add((uint64_t *)(uintptr_t)addr, delta, __ATOMIC_ACQ_REL));
 }
 
+static PyObject *fetch_xor64(PyObject *self, PyObject *args) {
+  unsigned long long addr, bits;
+  if (!PyArg_ParseTuple(args, "KK", &addr, &bits)) return NULL;
+  if (!check_aligned((uintptr_t)addr, 8)) return NULL;
+  return PyLong_FromUnsignedLongLong(__atomic_fetch_xor((uint64_t *)(uintptr_t)addr, bits, __ATOMIC_ACQ_REL));
+}
+
 static PyObject *load_acquire32(PyObject *self, PyObject *args) {
   unsigned long long addr;
   if (!PyArg_ParseTuple(args, "K", &addr)) return NULL;
@@ -86,6 +93,7 @@ static PyMethodDef methods[] = {
     {"cas64", cas64, METH_VARARGS, "cas64(addr, expected, desired) -> value seen (== expected on success)"},
     {"cas32", cas32, METH_VARARGS, "cas32(addr, expected, desired) -> value seen (== expected on success)"},
     {"fetch_add64", fetch_add64, METH_VARARGS, "fetch_add64(addr, delta) -> previous value"},
+    {"fetch_xor64", fetch_xor64, METH_VARARGS, "fetch_xor64(addr, bits) -> previous value"},
     {"load_acquire32", load_acquire32, METH_VARARGS, "acquire load of a 32-bit word"},
     {"load_acquire64", load_acquire64, METH_VARARGS, "acquire load of a 64-bit word"},
     {"store_release32", store_release32, METH_VARARGS, "release store of a 32-bit word"},

@@ -11,10 +11,12 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.ring import Ring
+from shared.ring import FLIP_SLOTS, Ring
 from shared.slots import split_word, state_word
 
 S = L.SlotState
+_DOORBELL = L.FIELD_OFFSETS["RingHeader"]["doorbell"]
+_FLIPS = L.FIELD_OFFSETS["RingHeader"]["pending_flips"]
 
 
 class SlotEngine:
@@ -23,30 +25,60 @@ class SlotEngine:
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
         self.t = ring.transport
-        self._snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE)
+        n = ring.geometry.num_slots
+        self._snapshot = np.empty(n, L.SLOT_DTYPE)
         self._bell = -1  # doorbell value at the last scan
+        # The header's pending_flips (schema minor >= 1) name the slots published since the last scan.
+        self._flip_words = -(-n // 64) if int(ring.read_header()["schema_minor"]) >= 1 and n <= FLIP_SLOTS else 0
+        self._flips_seen: np.ndarray | None = None  # at the last scan; None: the next scan reads every slot
 
     def scan_pending(self) -> list[tuple[int, int]]:
         """(slot, seq) of every PREFILL_PENDING slot, oldest submission first (FCFS).
 
         The slots are read only when the doorbell moved since the last scan (the doorbell is read
-        first, so a publication racing with the scan is seen by the next one)."""
-        bell = self.t.load64(L.FIELD_OFFSETS["RingHeader"]["doorbell"])
+        first, so a publication racing with the scan is seen by the next one). On a ring with
+        ``pending_flips`` only the slots whose bit flipped since the last scan are read, as the
+        persistent scheduler does (schema/OWNERSHIP.md); the first scan reads every slot."""
+        bell = self.t.load64(_DOORBELL)
         if bell == self._bell:
             return []
         self._bell = bell
-        snap = self.ring.read_slots(self._snapshot)
-        idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
+        flipped = self._flipped()
+        if flipped is None:
+            snap = self.ring.read_slots(self._snapshot)
+            idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
+            meta = snap[idx]
+        else:
+            words = [split_word(self.t.load64(self.ring.slot_offset(int(i)))) for i in flipped]
+            idx = np.array(
+                [i for i, (state, _) in zip(flipped, words, strict=True) if state == S.PREFILL_PENDING], np.int64
+            )
+            meta = np.empty(idx.size, L.SLOT_DTYPE)  # a pending slot's payload is not written by anyone
+            for k, i in enumerate(idx):
+                self.t.read_into(self.ring.slot_offset(int(i)), meta[k : k + 1])
         if idx.size == 0:
             return []
-        order = np.lexsort((snap["request_id"][idx], snap["submit_ns"][idx]))
-        return [(int(i), int(snap["seq"][i])) for i in idx[order]]
+        order = np.lexsort((meta["request_id"], meta["submit_ns"]))
+        return [(int(idx[k]), int(meta["seq"][k])) for k in order]
+
+    def _flipped(self) -> np.ndarray | None:
+        """Slots whose ``pending_flips`` bit changed since the last call, read before their state words;
+        None when every slot must be read (no flips on this ring, or the first call)."""
+        if not self._flip_words:
+            return None
+        now = np.array([self.t.load64(_FLIPS + 8 * k) for k in range(self._flip_words)], np.uint64)
+        seen, self._flips_seen = self._flips_seen, now
+        if seen is None:
+            return None
+        bits = np.unpackbits((now ^ seen).view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits[: self.ring.geometry.num_slots])
 
     def claim(self, idx: int, seq: int) -> np.void | None:
         """PREFILL_PENDING(seq) -> PREFILL_PROCESSING(seq) by CAS; returns the slot's metadata."""
         off = self.ring.slot_offset(idx)
-        if self.t.cas64(off, state_word(S.PREFILL_PENDING, seq),
-                        state_word(S.PREFILL_PROCESSING, seq)) != state_word(S.PREFILL_PENDING, seq):
+        if self.t.cas64(off, state_word(S.PREFILL_PENDING, seq), state_word(S.PREFILL_PROCESSING, seq)) != state_word(
+            S.PREFILL_PENDING, seq
+        ):
             return None
         self.t.store64(self.ring.slot_field(idx, "admit_ns"), time.time_ns())
         meta = np.frombuffer(self.t.read(off, L.SLOT_DTYPE.itemsize), L.SLOT_DTYPE)[0]
@@ -64,8 +96,14 @@ class SlotEngine:
         """Cancel flags of every slot, one bulk read."""
         return self.ring.read_slots(self._snapshot)["cancel"]
 
-    def publish(self, idx: int, start: int, tokens: np.ndarray, logprobs: np.ndarray | None = None,
-                top: np.ndarray | None = None) -> None:
+    def publish(
+        self,
+        idx: int,
+        start: int,
+        tokens: np.ndarray,
+        logprobs: np.ndarray | None = None,
+        top: np.ndarray | None = None,
+    ) -> None:
         """Append tokens at position ``start``; then bump ``generated`` (release)."""
         t, ring = self.t, self.ring
         t.write(ring.output_offset(idx, start), np.ascontiguousarray(tokens, np.int32))

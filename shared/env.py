@@ -29,6 +29,7 @@ class Env:
     heartbeat_timeout_s: float = 2.0   # BLINK_HEARTBEAT_TIMEOUT_S: engine considered down after this
     sched_yield_all: bool = False      # BLINK_SCHED_YIELD_ALL: the persistent scheduler leaves its SM every step
     sched_plain_claim: bool = False    # BLINK_SCHED_PLAIN_CLAIM: claim slots by a store, not a PCIe CAS
+    sched_full_scan: bool = False      # BLINK_SCHED_FULL_SCAN: read every slot's state word at each doorbell
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> Env:
@@ -43,6 +44,7 @@ class Env:
                 heartbeat_timeout_s=float(e.get("BLINK_HEARTBEAT_TIMEOUT_S", "2.0")),
                 sched_yield_all=_bool(e.get("BLINK_SCHED_YIELD_ALL"), False),
                 sched_plain_claim=_bool(e.get("BLINK_SCHED_PLAIN_CLAIM"), False),
+                sched_full_scan=_bool(e.get("BLINK_SCHED_FULL_SCAN"), False),
             )
         except ValueError as exc:
             raise SystemExit(f"bad environment variable: {exc}") from None

@@ -85,8 +85,23 @@ class Channel:
 Handler = Callable[[Channel], Awaitable[None]]
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
+LONGEST_SERVICE = "tokenizer"  # the longest service name of a run dir
+
+
 def socket_path(run_dir: Path, service: str) -> Path:
     return Path(run_dir) / f"{service}.sock"
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why the services' sockets cannot live in ``run_dir``, or None."""
+    longest = socket_path(run_dir, LONGEST_SERVICE)
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        return (
+            f"run dir {run_dir} is too long for Unix sockets ({longest} is {len(os.fsencode(longest))} bytes, "
+            f"at most {MAX_SOCKET_PATH}); choose a shorter --run-dir or BLINK_RUN_DIR"
+        )
+    return None
 
 
 async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Handler) -> asyncio.Server:
@@ -109,8 +124,9 @@ async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Hand
     return server
 
 
-async def connect(run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05,
-                  max_retry_s: float = 1.0) -> Channel:
+async def connect(
+    run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05, max_retry_s: float = 1.0
+) -> Channel:
     """Connect to a service, waiting (with backoff) until its socket accepts."""
     path = socket_path(run_dir, service)
     delay = retry_s

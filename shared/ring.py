@@ -19,6 +19,7 @@ from shared.transport import MemoryTransport, RingError, ShmTransport, Transport
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
 ALIGN = 4096
 MAX_STOP_IDS = 8
+FLIP_SLOTS = L.RINGHEADER_DTYPE["pending_flips"].shape[0] * 64  # slots covered by the header's flip bits
 
 HEADER_OFF = L.FIELD_OFFSETS["RingHeader"]
 SLOT_OFF = L.FIELD_OFFSETS["Slot"]

@@ -13,10 +13,11 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.ring import MAX_STOP_IDS, Ring
+from shared.ring import FLIP_SLOTS, MAX_STOP_IDS, Ring
 
 S = L.SlotState
 _SAMPLING_OFF = L.FIELD_OFFSETS["Slot"]["sampling"]
+_FLIPS_OFF = L.FIELD_OFFSETS["RingHeader"]["pending_flips"]
 
 
 def state_word(state: int, seq: int) -> int:
@@ -102,7 +103,9 @@ class SlotWriter:
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)
-        ring.transport.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["doorbell"], 1)
+        if idx < FLIP_SLOTS:  # after the state word, before the doorbell (schema/OWNERSHIP.md)
+            t.fetch_xor64(_FLIPS_OFF + 8 * (idx // 64), 1 << (idx % 64))
+        t.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["doorbell"], 1)
 
     def abandon(self, idx: int, seq: int) -> bool:
         """RESERVED(seq) -> EMPTY(seq), when a reservation cannot be filled."""

@@ -61,6 +61,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def fetch_add64(self, offset: int, delta: int) -> int: ...
 
+    def fetch_xor64(self, offset: int, bits: int) -> int:
+        """Atomically flip ``bits`` of an aligned 64-bit word; the previous value."""
+        seen = self.load64(offset)
+        while True:
+            prev = self.cas64(offset, seen, seen ^ bits)
+            if prev == seen:
+                return prev
+            seen = prev
+
     @abc.abstractmethod
     def fence(self) -> None: ...
 
@@ -125,6 +134,10 @@ class MemoryTransport(Transport):
     def fetch_add64(self, offset: int, delta: int) -> int:
         self._check(offset, 8)
         return _atomics.fetch_add64(self.base + offset, delta)
+
+    def fetch_xor64(self, offset: int, bits: int) -> int:
+        self._check(offset, 8)
+        return _atomics.fetch_xor64(self.base + offset, bits)
 
     def fence(self) -> None:
         _atomics.fence()

@@ -36,7 +36,7 @@ def run_engine(name: str) -> None:
     eng = SlotEngine(ring)
     active: dict[int, list[int]] = {}  # slot -> [request_id, generated, max_new]
     while True:
-        for idx, seq in eng.scan_pending():
+        for idx, seq in eng.scan_pending():  # through pending_flips, as the GPU scheduler finds them
             meta = eng.claim(idx, seq)
             if meta is not None:
                 active[idx] = [int(meta["request_id"]), 0, int(meta["max_new_tokens"])]

@@ -24,6 +24,7 @@ typedef struct blink_sched_config {
   // ---- policy
   uint32_t max_batch, block_size, num_blocks, max_blocks_per_seq;
   uint32_t max_context, max_prefill_tokens, num_eos, claim_with_cas;
+  uint32_t scan_flips;  // find new prompts through the header's pending_flips (num_slots <= 4096)
   int32_t eos_ids[BLINK_MAX_EOS];
   // ---- graphs (device arrays)
   uint32_t num_graphs, copies, token_grain, prefill_cols;

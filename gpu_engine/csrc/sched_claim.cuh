@@ -43,8 +43,6 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
   }
 }
 
-// Parallel scan of every slot, run only when the doorbell moved; claims pending prompts and
-// queues them oldest-submitted first.
 // Thread 0: the scheduler's own state was overwritten (by a kernel writing out of bounds): stop
 // at once, through the copy of the ring address, rather than dereference what is left.
 __device__ bool state_corrupted(SchedState *s) {
@@ -55,9 +53,15 @@ __device__ bool state_corrupted(SchedState *s) {
   return true;
 }
 
+// Scan of the ring, run only when the doorbell moved; claims pending prompts and queues them
+// oldest-submitted first. With scan_flips, 64 threads first read the header's pending_flips
+// (512 bytes, a few PCIe reads) and only slots whose bit flipped since the last scan have their
+// state word read; otherwise, and on the first scan or after one that overflowed kMaxClaims,
+// every slot's state word is read. The flips are read before the state words, so a slot whose
+// flip is seen shows PENDING (the frontend flips after storing the state word).
 __device__ void claim_new(SchedState *s) {
-  __shared__ uint32_t n_claimed, go, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
-  __shared__ uint64_t key[kMaxClaims], bell, t0;
+  __shared__ uint32_t n_claimed, go, full, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
+  __shared__ uint64_t key[kMaxClaims], bell, t0, flips[kFlipWords];
   if (threadIdx.x == 0 && state_corrupted(s)) go = 0;
   __syncthreads();
   if (s->stopped) return;
@@ -65,17 +69,28 @@ __device__ void claim_new(SchedState *s) {
     bell = ld_acq64(&header(s)->doorbell);
     go = !s->draining && bell != s->last_doorbell;
     n_claimed = 0;
+    full = !s->cfg.scan_flips || !s->flips_synced;
     t0 = now_ns();
   }
   __syncthreads();
   if (!go) return;
+  if (s->cfg.scan_flips) {
+    if (threadIdx.x < kFlipWords) {
+      uint64_t b = ld_relaxed64(&header(s)->pending_flips[threadIdx.x]);
+      flips[threadIdx.x] = b ^ s->flips_seen[threadIdx.x];
+      s->flips_seen[threadIdx.x] = b;
+    }
+    __threadfence_system();  // the flips before the state words they announce
+    __syncthreads();
+  }
   // Relaxed loads, all issued before any is used, so the PCIe round trips overlap; an acquire
   // fence orders them before the payload reads of a pending slot.
   uint64_t words[kMaxPerThread];
 #pragma unroll
   for (uint32_t k = 0; k < kMaxPerThread; ++k) {
     uint32_t i = threadIdx.x + k * blockDim.x;
-    words[k] = i < s->cfg.num_slots ? ld_relaxed64(slot(s, i)) : 0;
+    bool look = i < s->cfg.num_slots && (full || ((flips[i >> 6] >> (i & 63)) & 1u));
+    words[k] = look ? ld_relaxed64(slot(s, i)) : 0;
   }
   __threadfence_system();
 #pragma unroll
@@ -102,7 +117,8 @@ __device__ void claim_new(SchedState *s) {
     s->stats->scans++;
     sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, now_ns() - t0);
     if (n_claimed <= kMaxClaims) s->last_doorbell = bell;
-    for (uint32_t a = 1; a < n; ++a) {  // insertion sort by submission time
+    s->flips_synced = n_claimed <= kMaxClaims;  // after an overflow the flips of the rest are spent
+    for (uint32_t a = 1; a < n; ++a) {          // insertion sort by submission time
       uint32_t ci = claimed[a];
       uint64_t ck = key[a];
       uint32_t b = a;

@@ -173,10 +173,12 @@ int blink_clock_offset(int64_t *offset) {
 
 int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
   if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0 ||
-      cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread) {
+      cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread || (cfg->scan_flips && cfg->num_slots > kFlipWords * 64)) {
     snprintf(g_error, sizeof(g_error),
-             "invalid scheduler config: max_batch %u (<= %d), copies %u, graphs %u, slots %u (<= %u)", cfg->max_batch,
-             BLINK_SCHED_THREADS, cfg->copies, cfg->num_graphs, cfg->num_slots, BLINK_SCHED_THREADS * kMaxPerThread);
+             "invalid scheduler config: max_batch %u (<= %d), copies %u, graphs %u, slots %u (<= %u; <= %u with "
+             "scan_flips)",
+             cfg->max_batch, BLINK_SCHED_THREADS, cfg->copies, cfg->num_graphs, cfg->num_slots,
+             BLINK_SCHED_THREADS * kMaxPerThread, kFlipWords * 64);
     return -1;
   }
   Handle *h = new Handle();

@@ -21,6 +21,7 @@ enum Finish : uint32_t { kNone = 0, kEos = 1, kLength = 2, kStopId = 3, kCancell
 enum PlanKind : uint32_t { kIdle = 0, kPrefill = 1, kDecode = 2 };
 constexpr uint32_t kMaxClaims = 256;
 constexpr uint32_t kMaxPerThread = 32;  // slots per scanning thread: num_slots <= 8192
+constexpr uint32_t kFlipWords = 64;     // RingHeader.pending_flips: one bit per slot, slots 0..4095
 
 struct ReqInfo {
   uint64_t request_id, seed;
@@ -51,6 +52,8 @@ struct SchedState {
   uint32_t pending;     // a step launched by the previous execution, which then yielded its SM
   int64_t pending_expect;
   uint64_t pending_launch_ns;
+  uint64_t flips_seen[kFlipWords];  // the header's pending_flips as of the last scan
+  uint32_t flips_synced;            // 0: the next scan reads every slot (at start, after an overflow)
 };
 
 // ------------------------------------------------------------------ memory access to the ring

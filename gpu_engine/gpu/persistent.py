@@ -39,6 +39,7 @@ class SchedConfig(C.Structure):
         ("top_logprob_off", u64),
         ("max_batch", u32), ("block_size", u32), ("num_blocks", u32), ("max_blocks_per_seq", u32),
         ("max_context", u32), ("max_prefill_tokens", u32), ("num_eos", u32), ("claim_with_cas", u32),
+        ("scan_flips", u32),
         ("eos_ids", i32 * MAX_EOS),
         ("num_graphs", u32), ("copies", u32), ("token_grain", u32), ("prefill_cols", u32),
         ("exec_handles", P), ("graph_batch", P), ("graph_tokens", P), ("decode_table", P),
@@ -195,7 +196,8 @@ class PersistentScheduler:
 
     def __init__(self, ring_addr: int, ring_size: int, geometry: object, view: dict, kv_cache: object,
                  limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
-                 claim_with_cas: bool = True, heartbeat_ms: float = 5.0, drain_s: float = 5.0,
+                 claim_with_cas: bool = True, scan_flips: bool = True, heartbeat_ms: float = 5.0,
+                 drain_s: float = 5.0,
                  yield_graphs: frozenset[int] = frozenset()) -> None:
         self.lib = library()
         self.ring_addr = ring_addr
@@ -204,6 +206,7 @@ class PersistentScheduler:
         cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context, vocab_size)
         cfg.graph_yield = self._arr([int(i in yield_graphs) for i in range(cfg.num_graphs)], np.uint32)
         cfg.claim_with_cas = int(claim_with_cas)
+        cfg.scan_flips = int(scan_flips)
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
         cfg.clock_offset_ns = self.lib.clock_offset()

@@ -22,7 +22,7 @@ from shared import env
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.log import get_logger
-from shared.ring import Ring
+from shared.ring import FLIP_SLOTS, Ring
 
 log = get_logger("engine")
 KV_FRACTION = 0.5  # of the memory free after loading the weights
@@ -94,6 +94,13 @@ class PersistentEngine:
     def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig) -> None:
         self.ring, self.parts, self.cfg = ring, parts, cfg
 
+    def flips_usable(self) -> bool:
+        """Find new prompts through the header's flip bits: the ring's writer keeps them (minor >= 1), they
+        cover every slot, and BLINK_SCHED_FULL_SCAN does not ask for the full scan."""
+        h = self.ring.read_header()
+        return (int(h["schema_minor"]) >= 1 and self.ring.geometry.num_slots <= FLIP_SLOTS
+                and not env.env().sched_full_scan)
+
     def serve(self) -> None:
         p, ring = self.parts, self.ring
         size = ring.transport.size
@@ -101,7 +108,8 @@ class PersistentEngine:
         sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
                                     p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
                                     p.max_context, p.vocab_size, yield_graphs=yielding,
-                                    claim_with_cas=not env.env().sched_plain_claim)
+                                    claim_with_cas=not env.env().sched_plain_claim,
+                                    scan_flips=self.flips_usable())
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 0u
+#define BLINK_RING_SCHEMA_MINOR 1u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -120,7 +120,8 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint32_t vocab_size; /* offset 136 */
   uint32_t max_context; /* offset 140 */
   blink_engine_stats stats; /* offset 144 */
-  uint64_t reserved[99]; /* offset 232 */
+  uint64_t pending_flips[64]; /* offset 232 */
+  uint64_t reserved[35]; /* offset 744 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {

@@ -55,7 +55,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 0,
+  SchemaMinor_VALUE = 1,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -77,7 +77,7 @@ inline const char * const *EnumNamesSchemaMinor() {
 
 inline const char *EnumNameSchemaMinor(SchemaMinor e) {
   if (::flatbuffers::IsOutRange(e, SchemaMinor_VALUE, SchemaMinor_VALUE)) return "";
-  const size_t index = static_cast<size_t>(e);
+  const size_t index = static_cast<size_t>(e) - static_cast<size_t>(SchemaMinor_VALUE);
   return EnumNamesSchemaMinor()[index];
 }
 
@@ -609,7 +609,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t vocab_size_;
   uint32_t max_context_;
   blink::ring::EngineStats stats_;
-  uint64_t reserved_[99];
+  uint64_t pending_flips_[64];
+  uint64_t reserved_[35];
 
  public:
   RingHeader()
@@ -640,6 +641,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         vocab_size_(0),
         max_context_(0),
         stats_(),
+        pending_flips_(),
         reserved_() {
   }
   RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats)
@@ -670,9 +672,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         vocab_size_(::flatbuffers::EndianScalar(_vocab_size)),
         max_context_(::flatbuffers::EndianScalar(_max_context)),
         stats_(_stats),
+        pending_flips_(),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 99> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, ::flatbuffers::span<const uint64_t, 35> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -700,6 +703,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         vocab_size_(::flatbuffers::EndianScalar(_vocab_size)),
         max_context_(::flatbuffers::EndianScalar(_max_context)),
         stats_(_stats) {
+    ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   uint64_t magic() const {
@@ -783,7 +787,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   const blink::ring::EngineStats &stats() const {
     return stats_;
   }
-  const ::flatbuffers::Array<uint64_t, 99> *reserved() const {
+  const ::flatbuffers::Array<uint64_t, 64> *pending_flips() const {
+    return &::flatbuffers::CastToArray(pending_flips_);
+  }
+  const ::flatbuffers::Array<uint64_t, 35> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

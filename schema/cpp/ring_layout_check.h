@@ -83,6 +83,7 @@ static_assert(offsetof(blink::ring::RingHeader, doorbell_) == offsetof(blink_rin
 static_assert(offsetof(blink::ring::RingHeader, vocab_size_) == offsetof(blink_ring_header, vocab_size), "RingHeader.vocab_size offset differs");
 static_assert(offsetof(blink::ring::RingHeader, max_context_) == offsetof(blink_ring_header, max_context), "RingHeader.max_context offset differs");
 static_assert(offsetof(blink::ring::RingHeader, stats_) == offsetof(blink_ring_header, stats), "RingHeader.stats offset differs");
+static_assert(offsetof(blink::ring::RingHeader, pending_flips_) == offsetof(blink_ring_header, pending_flips), "RingHeader.pending_flips offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved_) == offsetof(blink_ring_header, reserved), "RingHeader.reserved offset differs");
 static_assert(sizeof(blink::ring::TopLogprob) == sizeof(blink_top_logprob), "TopLogprob size differs");
 static_assert(alignof(blink::ring::TopLogprob) == alignof(blink_top_logprob), "TopLogprob alignment differs");

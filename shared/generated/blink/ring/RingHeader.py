@@ -76,31 +76,54 @@ class RingHeader(object):
         return obj
 
     # RingHeader
-    def Reserved(self, j = None):
+    def PendingFlips(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(232 + i * 8)) for i in range(self.ReservedLength())]
-        elif j >= 0 and j < self.ReservedLength():
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(232 + i * 8)) for i in range(self.PendingFlipsLength())]
+        elif j >= 0 and j < self.PendingFlipsLength():
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(232 + j * 8))
         else:
             return None
 
     # RingHeader
+    def PendingFlipsAsNumpy(self):
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 232, self.PendingFlipsLength())
+
+    # RingHeader
+    def PendingFlipsLength(self):
+        return 64
+
+    # RingHeader
+    def PendingFlipsIsNone(self):
+        return False
+
+    # RingHeader
+    def Reserved(self, j = None):
+        if j is None:
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744 + i * 8)) for i in range(self.ReservedLength())]
+        elif j >= 0 and j < self.ReservedLength():
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744 + j * 8))
+        else:
+            return None
+
+    # RingHeader
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 232, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 744, self.ReservedLength())
 
     # RingHeader
     def ReservedLength(self):
-        return 99
+        return 35
 
     # RingHeader
     def ReservedIsNone(self):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_reserved, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_reserved, pendingFlips, reserved):
     builder.Prep(8, 1024)
-    for _idx0 in range(99 , 0, -1):
+    for _idx0 in range(35 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
+    for _idx0 in range(64 , 0, -1):
+        builder.PrependUint64(pendingFlips[_idx0-1])
     builder.Prep(8, 88)
     for _idx0 in range(4 , 0, -1):
         builder.PrependUint64(stats_reserved[_idx0-1])

@@ -1,0 +1,39 @@
+"""The persistent scheduler's library built here with nvcc (no GPU needed): its ctypes mirrors match
+and it refuses configurations it cannot serve before touching the device."""
+
+from __future__ import annotations
+
+import ctypes as C
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpu_engine.gpu import persistent as pers
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()), reason="needs nvcc"
+)
+
+
+@pytest.fixture(scope="module")
+def lib() -> pers.Library:
+    return pers.library()  # checks the SchedConfig and SchedStats mirrors against the library
+
+
+def create(lib: pers.Library, **fields: int) -> str:
+    cfg = pers.SchedConfig(max_batch=16, copies=1, num_graphs=1, num_slots=64)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    handle, stats = pers.P(), C.POINTER(pers.SchedStats)()
+    rc = lib.lib.blink_sched_create(C.byref(cfg), C.byref(handle), C.byref(stats))
+    assert rc == -1, "a refused configuration must fail before any CUDA call"
+    return lib.lib.blink_last_error().decode()
+
+
+def test_flip_scan_covers_at_most_4096_slots(lib: pers.Library) -> None:
+    assert "scan_flips" in create(lib, num_slots=4097, scan_flips=1)
+
+
+def test_more_slots_than_the_scan_threads_hold_are_refused(lib: pers.Library) -> None:
+    assert "slots 8193" in create(lib, num_slots=8193, scan_flips=0)
