@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.ring import FLIP_SLOTS, Ring
+from shared.ring import Ring
 from shared.slots import split_word, state_word
 
 S = L.SlotState
@@ -29,7 +29,7 @@ class SlotEngine:
         self._snapshot = np.empty(n, L.SLOT_DTYPE)
         self._bell = -1  # doorbell value at the last scan
         # The header's pending_flips (schema minor >= 1) name the slots published since the last scan.
-        self._flip_words = -(-n // 64) if int(ring.read_header()["schema_minor"]) >= 1 and n <= FLIP_SLOTS else 0
+        self._flip_words = -(-n // 64) if ring.flips_cover_slots() else 0
         self._flips_seen: np.ndarray | None = None  # at the last scan; None: the next scan reads every slot
 
     def scan_pending(self) -> list[tuple[int, int]]:

@@ -129,6 +129,11 @@ class Ring:
         self.transport.read_into(0, out)
         return out[0]
 
+    def flips_cover_slots(self) -> bool:
+        """Whether the header's ``pending_flips`` name every published slot: the ring's writers keep them
+        (schema minor >= 1) and every slot has a bit."""
+        return int(self.read_header()["schema_minor"]) >= 1 and self.geometry.num_slots <= FLIP_SLOTS
+
     def read_output(self, idx: int, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, np.int32)
         self.transport.read_into(self.output_offset(idx, start), out)

@@ -22,7 +22,7 @@ from shared import env
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.log import get_logger
-from shared.ring import FLIP_SLOTS, Ring
+from shared.ring import Ring
 
 log = get_logger("engine")
 KV_FRACTION = 0.5  # of the memory free after loading the weights
@@ -97,9 +97,7 @@ class PersistentEngine:
     def flips_usable(self) -> bool:
         """Find new prompts through the header's flip bits: the ring's writer keeps them (minor >= 1), they
         cover every slot, and BLINK_SCHED_FULL_SCAN does not ask for the full scan."""
-        h = self.ring.read_header()
-        return (int(h["schema_minor"]) >= 1 and self.ring.geometry.num_slots <= FLIP_SLOTS
-                and not env.env().sched_full_scan)
+        return self.ring.flips_cover_slots() and not env.env().sched_full_scan
 
     def serve(self) -> None:
         p, ring = self.parts, self.ring
