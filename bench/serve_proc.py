@@ -117,21 +117,8 @@ class ServeProc:
 
     def start(self, timeout_s: float = 300.0) -> ServeProc:
         self.run_root.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "blink.cli",
-            "serve",
-            "--port",
-            str(self.port),
-            "--ring",
-            self.ring,
-            "--run-dir",
-            str(self.run_dir),
-            "--engine-module",
-            self.engine_module,
-            *self.args,
-        ]
+        cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(self.port), "--ring", self.ring,
+               "--run-dir", str(self.run_dir), "--engine-module", self.engine_module, *self.args]
         env = {**os.environ, "BLINK_LOG_JSON": "1", **self.env}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

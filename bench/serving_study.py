@@ -80,11 +80,9 @@ def llama3_assets(assets_dir: Path) -> Path:
     for folder in (assets_dir / "llama3", assets_dir):
         if all((folder / name).is_file() for name in TOKENIZER_FILES):
             return folder
-    raise FileNotFoundError(
-        f"no Llama-3 tokenizer files ({', '.join(TOKENIZER_FILES)}) under {assets_dir} or "
-        f"{assets_dir / 'llama3'}; fetch them with: python -m dpu_tokenizer.fetch_assets "
-        f"{assets_dir}"
-    )
+    raise FileNotFoundError(f"no Llama-3 tokenizer files ({', '.join(TOKENIZER_FILES)}) under {assets_dir} or "
+                            f"{assets_dir / 'llama3'}; fetch them with: python -m dpu_tokenizer.fetch_assets "
+                            f"{assets_dir}")
 
 
 def model_config(name: str) -> dict[str, Any]:
@@ -113,28 +111,17 @@ def model_description(name: str) -> str:
     if name == EMBEDDED:
         return "embedded default model (SmolLM2-135M-Instruct, real weights)"
     c = model_config(name)
-    return (
-        f"Llama-3 shape '{name}': hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, heads "
-        f"{c['num_attention_heads']}/{c['num_key_value_heads']}, FFN {c['intermediate_size']}, vocab "
-        f"{c['vocab_size']}; random weights; Llama-3 tokenizer"
-    )
+    return (f"Llama-3 shape '{name}': hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, heads "
+            f"{c['num_attention_heads']}/{c['num_key_value_heads']}, FFN {c['intermediate_size']}, vocab "
+            f"{c['vocab_size']}; random weights; Llama-3 tokenizer")
 
 
 # ---------------------------------------------------------------------- the host
 def device_name(backend: str) -> str:
     if backend != "cpu":
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = (
-                subprocess.run(
-                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                    capture_output=True,
-                    text=True,
-                    timeout=20,
-                    check=True,
-                )
-                .stdout.strip()
-                .splitlines()
-            )
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=20, check=True).stdout.strip().splitlines()
             if out:
                 return out[0].strip() + (f" (x{len(out)} on the host)" if len(out) > 1 else "")
         return "cuda device (nvidia-smi unavailable)"
@@ -175,11 +162,8 @@ class CpuMeter:
             t1 = cpu_seconds(self.pids[role])
             if t1 is not None:
                 per_min[role] = round((t1 - t0) / wall * 60, 3)
-        return {
-            "engine_cpu_s_per_min": per_min.get("engine"),
-            "cpu_s_per_min": per_min,
-            "generator_cpu_s_per_min": round((own_cpu_seconds() - self.own0) / wall * 60, 3),
-        }
+        return {"engine_cpu_s_per_min": per_min.get("engine"), "cpu_s_per_min": per_min,
+                "generator_cpu_s_per_min": round((own_cpu_seconds() - self.own0) / wall * 60, 3)}
 
 
 @contextlib.contextmanager
@@ -203,10 +187,8 @@ def split_cores(free: int) -> tuple[list[int], list[int]]:
     """(cores of the load generator, cores of the co-tenants): the first ``free`` allowed cores and the rest."""
     allowed = sorted(os.sched_getaffinity(0))
     if free < 1 or free >= len(allowed):
-        raise ValueError(
-            f"--free-cores {free} must leave at least one of the {len(allowed)} allowed cores "
-            f"{allowed} to the co-tenants and take at least one"
-        )
+        raise ValueError(f"--free-cores {free} must leave at least one of the {len(allowed)} allowed cores "
+                         f"{allowed} to the co-tenants and take at least one")
     return allowed[:free], allowed[free:]
 
 
@@ -245,9 +227,8 @@ class Plan:
     def fit(self, max_model_len: int | None) -> None:
         """Shrink the context limit to what the server reports, before any request is drawn."""
         if max_model_len and max_model_len < self.limits.max_context and not self.specs:
-            self.limits = Limits(
-                min(self.limits.max_prompt, max_model_len), min(self.limits.max_output, max_model_len), max_model_len
-            )
+            self.limits = Limits(min(self.limits.max_prompt, max_model_len), min(self.limits.max_output,
+                                                                                 max_model_len), max_model_len)
 
     def requests(self, k: int) -> tuple[list[float], list[RequestSpec]]:
         """Arrival offsets and requests of the ``k``-th rate: the same in every mode and condition."""
@@ -259,17 +240,11 @@ class Plan:
         return self.specs[k]
 
 
-async def send_bounded(
-    session: aiohttp.ClientSession,
-    target: sb.Target,
-    specs: list[RequestSpec],
-    offsets: list[float],
-    drain_s: float,
-    label: str,
-) -> tuple[list[sb.RequestResult], float]:
+async def send_bounded(session: aiohttp.ClientSession, target: sb.Target, specs: list[RequestSpec],
+                       offsets: list[float], drain_s: float, label: str) -> tuple[list[sb.RequestResult], float]:
     """Send ``specs`` at ``offsets``; requests still open ``drain_s`` after the last send are cut. Returns every
     request's result (cut ones: error ``drain_limit``) and the run's wall time, first send to last answer."""
-    results = [sb.RequestResult(prompt_len=s.prompt_len) for s in specs[: len(offsets)]]
+    results = [sb.RequestResult(prompt_len=s.prompt_len) for s in specs[:len(offsets)]]
     sem = asyncio.Semaphore(target.max_concurrency) if target.max_concurrency else None
     start = time.perf_counter()
     hard_end = start + (offsets[-1] if offsets else 0.0) + drain_s
@@ -277,9 +252,8 @@ async def send_bounded(
 
     async def one(i: int) -> sb.RequestResult:
         try:
-            return await sb.send_one(
-                session, target.url, sb.make_payload(target.model, specs[i]), target.headers, results[i]
-            )
+            return await sb.send_one(session, target.url, sb.make_payload(target.model, specs[i]), target.headers,
+                                     results[i])
         finally:
             if sem is not None:
                 sem.release()
@@ -289,10 +263,8 @@ async def send_bounded(
             await asyncio.sleep(TICK_S)
             done = sum(t.done() for t in tasks)
             bad = sum(1 for t, r in zip(tasks, results, strict=False) if t.done() and not r.ok)
-            say(
-                f"  {label}: {time.perf_counter() - start:5.0f} s, sent {len(tasks)}/{len(offsets)}, "
-                f"done {done}, failed {bad}"
-            )
+            say(f"  {label}: {time.perf_counter() - start:5.0f} s, sent {len(tasks)}/{len(offsets)}, "
+                f"done {done}, failed {bad}")
 
     tick = asyncio.create_task(ticker())
     try:
@@ -315,7 +287,7 @@ async def send_bounded(
     finally:
         tick.cancel()
     wall = time.perf_counter() - start
-    for res in results[len(tasks) :]:
+    for res in results[len(tasks):]:
         res.error = "not_sent"
     for task, res in zip(tasks, results, strict=False):
         if not res.ok and (task.cancelled() or not res.error):
@@ -376,18 +348,15 @@ class ModeResult:
 async def warm_up(session: aiohttp.ClientSession, target: sb.Target, plan: Plan, timeout_s: float) -> dict[str, Any]:
     """``plan.warmup`` short requests at once; raises when none completes within ``timeout_s`` (an engine that
     does not serve should not be swept for minutes)."""
-    specs = [
-        RequestSpec(s.prompt, s.prompt_len, min(s.output_len, 16))
-        for s in build_requests(plan.workload, plan.warmup, plan.tokenizer, plan.limits, plan.seed + 999)
-    ]
+    specs = [RequestSpec(s.prompt, s.prompt_len, min(s.output_len, 16))
+             for s in build_requests(plan.workload, plan.warmup, plan.tokenizer, plan.limits, plan.seed + 999)]
     t0 = time.perf_counter()
     results, _ = await send_bounded(session, target, specs, [0.0] * len(specs), timeout_s, "warm-up")
     ok = sum(r.ok for r in results)
     errors = sorted({r.error for r in results if not r.ok})
     if specs and not ok:
-        raise RuntimeError(
-            f"no warm-up request completed within {timeout_s:.0f} s ({', '.join(errors)}): the engine is not serving"
-        )
+        raise RuntimeError(f"no warm-up request completed within {timeout_s:.0f} s ({', '.join(errors)}): "
+                           "the engine is not serving")
     return {"requests": len(specs), "completed": ok, "errors": errors, "wall_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -395,18 +364,8 @@ def stuck(run: dict[str, Any]) -> bool:
     return bool(run["sent"]) and not run["completed"]
 
 
-async def sweep(
-    serve: ServeProc | None,
-    url: str,
-    plan: Plan,
-    mode: str,
-    backend: str,
-    budget: Budget,
-    interference: bool,
-    replay_s: list[float] | None,
-    warmup_s: float,
-    out: ModeResult,
-) -> None:
+async def sweep(serve: ServeProc | None, url: str, plan: Plan, mode: str, backend: str, budget: Budget,
+                interference: bool, replay_s: list[float] | None, warmup_s: float, out: ModeResult) -> None:
     """Every rate of the plan under one condition, appending runs and skips to ``out``. ``replay_s``: the wall
     times of the isolated runs, which the interference sweep replays (None when it will not run)."""
     tag = "interference" if interference else "isolated"
@@ -418,10 +377,8 @@ async def sweep(
         if plan.warmup and "warmup" not in out.info:
             say(f"[{mode}] warm-up: {plan.warmup} requests")
             out.info["warmup"] = await warm_up(session, target, plan, warmup_s)
-            say(
-                f"[{mode}] warm-up: {out.info['warmup']['completed']}/{plan.warmup} done in "
-                f"{out.info['warmup']['wall_s']} s"
-            )
+            say(f"[{mode}] warm-up: {out.info['warmup']['completed']}/{plan.warmup} done in "
+                f"{out.info['warmup']['wall_s']} s")
         stop_reason = None
         meter = CpuMeter(serve)
         for k, rate in enumerate(plan.rates):
@@ -431,49 +388,36 @@ async def sweep(
             else:  # this run, then the interference replays of every run so far and of this one
                 need = 2 * budget.run_worst_s + sum(min(budget.run_worst_s, REPLAY_FACTOR * s) for s in replay_s)
             if stop_reason is None and need + RESERVE_S > budget.left():
-                stop_reason = (
-                    f"time budget: {budget.left():.0f} s left, the run may need {need:.0f} s and "
-                    f"stopping {RESERVE_S:.0f} s"
-                )
+                stop_reason = (f"time budget: {budget.left():.0f} s left, the run may need {need:.0f} s and "
+                               f"stopping {RESERVE_S:.0f} s")
             if stop_reason is None and interference and replay_s is not None and k >= len(replay_s):
                 stop_reason = "not run isolated"
             if stop_reason is not None:
-                out.skipped.append({"mode": mode, "interference": interference, "rate": rate_s, "reason": stop_reason})
+                out.skipped.append({"mode": mode, "interference": interference, "rate": rate_s,
+                                    "reason": stop_reason})
                 say(f"[{mode} {tag}] rate {rate_s}: skipped ({stop_reason})")
                 continue
             offsets, specs = plan.requests(k)
-            say(
-                f"[{mode} {tag}] rate {rate_s} req/s: {len(offsets)} requests over {plan.duration_s:g} s "
-                f"(drain limit {plan.drain_s:g} s)"
-            )
+            say(f"[{mode} {tag}] rate {rate_s} req/s: {len(offsets)} requests over {plan.duration_s:g} s "
+                f"(drain limit {plan.drain_s:g} s)")
             await settle(serve, SETTLE_S)
             meter.begin()
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            results, wall = await send_bounded(session, target, specs, offsets, plan.drain_s, f"{mode} {tag} {rate_s}")
-            run = {
-                "mode": mode,
-                "interference": interference,
-                **run_record(rate, results, wall, plan),
-                **meter.end(),
-                "backend": backend,
-                "started": started,
-                "workload": summary(specs),
-            }
+            results, wall = await send_bounded(session, target, specs, offsets, plan.drain_s,
+                                               f"{mode} {tag} {rate_s}")
+            run = {"mode": mode, "interference": interference, **run_record(rate, results, wall, plan),
+                   **meter.end(), "backend": backend, "started": started, "workload": summary(specs)}
             out.runs.append(run)
             if not interference and replay_s is not None:
                 replay_s.append(wall)
             cpu = run["engine_cpu_s_per_min"]
-            say(
-                f"[{mode} {tag}] rate {rate_s}: done {run['completed']}, failed {run['failed']}, unfinished "
+            say(f"[{mode} {tag}] rate {rate_s}: done {run['completed']}, failed {run['failed']}, unfinished "
                 f"{run['unfinished']} in {wall:.1f} s | {run['req_per_s']:.2f} req/s, {run['out_tok_per_s']:.0f} "
                 f"tok/s | TTFT p50/p99 {fmt(run['ttft_p50_ms'])}/{fmt(run['ttft_p99_ms'])} ms | TPOT p50/p99 "
-                f"{fmt(run['tpot_p50_ms'])}/{fmt(run['tpot_p99_ms'])} ms | engine CPU {fmt(cpu)} s/min"
-            )
+                f"{fmt(run['tpot_p50_ms'])}/{fmt(run['tpot_p99_ms'])} ms | engine CPU {fmt(cpu)} s/min")
             if stuck(run):
-                raise RuntimeError(
-                    f"{tag} rate {rate_s}: no request of {run['sent']} completed "
-                    f"({run['failures'] or 'all cut by the drain limit'}): the engine is not serving"
-                )
+                raise RuntimeError(f"{tag} rate {rate_s}: no request of {run['sent']} completed "
+                                   f"({run['failures'] or 'all cut by the drain limit'}): the engine is not serving")
         await settle(serve, SETTLE_S)
 
 
@@ -482,44 +426,25 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
 
 
 def serve_args(args: argparse.Namespace, backend: str, model: Path | None) -> tuple[str, ...]:
-    out = [
-        "--backend",
-        backend,
-        "--max-batch",
-        str(args.max_batch),
-        "--max-prompt-tokens",
-        str(args.max_prompt_tokens),
-        "--max-output-tokens",
-        str(args.max_output_tokens),
-        "--drain-timeout",
-        "5",
-    ]
+    out = ["--backend", backend, "--max-batch", str(args.max_batch), "--max-prompt-tokens",
+           str(args.max_prompt_tokens), "--max-output-tokens", str(args.max_output_tokens), "--drain-timeout", "5"]
     if model is not None:
         out += ["--model", str(model), "--random-weights", "--served-model-name", model.name]
     return (*out, *shlex.split(args.serve_args))
 
 
-def run_mode(
-    mode: str, args: argparse.Namespace, plan: Plan, model: Path | None, budget: Budget, work: Path, out: ModeResult
-) -> None:
+def run_mode(mode: str, args: argparse.Namespace, plan: Plan, model: Path | None, budget: Budget, work: Path,
+             out: ModeResult) -> None:
     """Start the server, sweep isolated then under interference, stop everything (also on errors and
     interrupts); ``out`` collects what was measured as it is measured."""
     backend = args.backend_override or mode
     flags = serve_args(args, backend, model)
     env = {"BLINK_HEARTBEAT_TIMEOUT_S": os.environ.get("BLINK_HEARTBEAT_TIMEOUT_S", "10")} if backend == "cpu" else {}
     gen_cores, co_cores = split_cores(args.free_cores)
-    out.info.update(
-        backend=backend,
-        device=device_name(backend),
-        dtype="float32" if backend == "cpu" else "bfloat16",
-        serve_args=list(flags),
-        max_batch=args.max_batch,
-        host=platform.node(),
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        python=platform.python_version(),
-        generator_cores=gen_cores,
-        interference_cores=co_cores,
-    )
+    out.info.update(backend=backend, device=device_name(backend), dtype="float32" if backend == "cpu" else "bfloat16",
+                    serve_args=list(flags), max_batch=args.max_batch, host=platform.node(),
+                    started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), python=platform.python_version(),
+                    generator_cores=gen_cores, interference_cores=co_cores)
     serve = ServeProc(flags, work / mode, env=env)
     say(f"[{mode}] starting blink serve (backend {backend}): {' '.join(flags)}")
     t0 = time.monotonic()
@@ -537,29 +462,15 @@ def run_mode(
                 with pinned(gen_cores):
                     if co is not None:
                         co.start()
-                    asyncio.run(
-                        sweep(
-                            serve,
-                            serve.url,
-                            plan,
-                            mode,
-                            backend,
-                            budget,
-                            interference,
-                            replay_s,
-                            args.warmup_timeout_s,
-                            out,
-                        )
-                    )
+                    asyncio.run(sweep(serve, serve.url, plan, mode, backend, budget, interference, replay_s,
+                                      args.warmup_timeout_s, out))
             finally:
                 if co is not None:
                     report = co.stop()
                     out.info["interference"] = report
-                    say(
-                        f"[{mode}] interference stopped: {report['reported']}/{report['workers']} workers reported, "
+                    say(f"[{mode}] interference stopped: {report['reported']}/{report['workers']} workers reported, "
                         f"{fmt(report['compress_mb_per_s'])} MB/s compressed, "
-                        f"{fmt(report['thrash_accesses_per_s'], '.3g')} random accesses/s"
-                    )
+                        f"{fmt(report['thrash_accesses_per_s'], '.3g')} random accesses/s")
     except Exception as exc:  # a failed mode is reported, the other modes still run
         out.error = f"{type(exc).__name__}: {exc}"
         say(f"[{mode}] FAILED: {out.error}")
@@ -578,12 +489,8 @@ RUN_ORDER = {m: i for i, m in enumerate(MODES)}
 
 def run_key(run: dict[str, Any]) -> tuple:
     rate = run.get("rate")
-    return (
-        RUN_ORDER.get(run["mode"], 99),
-        run["mode"],
-        bool(run["interference"]),
-        math.inf if rate in ("inf", None) else float(rate),
-    )
+    return (RUN_ORDER.get(run["mode"], 99), run["mode"], bool(run["interference"]),
+            math.inf if rate in ("inf", None) else float(rate))
 
 
 def merge(old: dict[str, Any] | None, new: dict[str, Any], modes_run: list[str]) -> dict[str, Any]:
@@ -597,7 +504,8 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any], modes_run: list[str])
     doc["runs"] = sorted([r for r in old.get("runs", []) if r["mode"] not in replaced] + new["runs"], key=run_key)
     doc["skipped"] = [s for s in old.get("skipped", []) if s["mode"] not in modes_run] + new.get("skipped", [])
     doc["modes"] = {**old.get("modes", {}), **new.get("modes", {})}
-    doc["errors"] = {**{m: e for m, e in old.get("errors", {}).items() if m not in modes_run}, **new.get("errors", {})}
+    doc["errors"] = {**{m: e for m, e in old.get("errors", {}).items() if m not in modes_run},
+                     **new.get("errors", {})}
     return doc
 
 
@@ -616,19 +524,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def format_table(doc: dict[str, Any]) -> str:
     """Tables 6-7 of the paper: per mode and rate, P99 TPOT and completed requests/s isolated vs under CPU
     interference, and their ratios (interference / isolated)."""
-    lines = [
-        f"Serving under CPU interference: {doc.get('model', '?')} on {doc.get('device', '?')}; workload "
-        f"{doc.get('workload', {}).get('name', '?')}; interference on all cores but the generator's.",
-        "",
-        "| mode | rate (req/s) | P99 TPOT isolated (ms) | P99 TPOT interference (ms) | TPOT ratio | "
-        "req/s isolated | req/s interference | req/s ratio | engine host CPU isolated / interference (s/min) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = [f"Serving under CPU interference: {doc.get('model', '?')} on {doc.get('device', '?')}; workload "
+             f"{doc.get('workload', {}).get('name', '?')}; interference on all cores but the generator's.", "",
+             "| mode | rate (req/s) | P99 TPOT isolated (ms) | P99 TPOT interference (ms) | TPOT ratio | "
+             "req/s isolated | req/s interference | req/s ratio | engine host CPU isolated / interference (s/min) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     runs = {(r["mode"], bool(r["interference"]), rate_text(r["rate"])): r for r in doc.get("runs", [])}
-    keys = sorted(
-        {(r["mode"], rate_text(r["rate"])) for r in doc.get("runs", [])},
-        key=lambda k: run_key({"mode": k[0], "interference": False, "rate": k[1]}),
-    )
+    keys = sorted({(r["mode"], rate_text(r["rate"])) for r in doc.get("runs", [])},
+                  key=lambda k: run_key({"mode": k[0], "interference": False, "rate": k[1]}))
     for mode, rate in keys:
         iso, co = runs.get((mode, False, rate)), runs.get((mode, True, rate))
 
@@ -638,28 +541,14 @@ def format_table(doc: dict[str, Any]) -> str:
         t_iso, t_co = get(iso, "tpot_p99_ms"), get(co, "tpot_p99_ms")
         q_iso, q_co = get(iso, "req_per_s"), get(co, "req_per_s")
         c_iso, c_co = get(iso, "engine_cpu_s_per_min"), get(co, "engine_cpu_s_per_min")
-        cells = [
-            mode,
-            rate,
-            fmt(t_iso, ".2f"),
-            fmt(t_co, ".2f"),
-            fmt(ratio(t_co, t_iso), ".2f") + "x",
-            fmt(q_iso, ".2f"),
-            fmt(q_co, ".2f"),
-            fmt(ratio(q_co, q_iso), ".2f") + "x",
-            f"{fmt(c_iso)} / {fmt(c_co)}",
-        ]
+        cells = [mode, rate, fmt(t_iso, ".2f"), fmt(t_co, ".2f"), fmt(ratio(t_co, t_iso), ".2f") + "x",
+                 fmt(q_iso, ".2f"), fmt(q_co, ".2f"), fmt(ratio(q_co, q_iso), ".2f") + "x",
+                 f"{fmt(c_iso)} / {fmt(c_co)}"]
         lines.append("| " + " | ".join(cells) + " |")
     skipped = doc.get("skipped", [])
     if skipped:
-        lines += [
-            "",
-            "Skipped: "
-            + "; ".join(
-                f"{s['mode']} {'interference' if s['interference'] else 'isolated'} rate {s['rate']} ({s['reason']})"
-                for s in skipped
-            ),
-        ]
+        lines += ["", "Skipped: " + "; ".join(f"{s['mode']} {'interference' if s['interference'] else 'isolated'} "
+                                             f"rate {s['rate']} ({s['reason']})" for s in skipped)]
     for mode, err in doc.get("errors", {}).items():
         lines += ["", f"Error in mode {mode}: {err}"]
     return "\n".join(lines) + "\n"
@@ -709,18 +598,11 @@ def parse_conditions(text: str) -> list[bool]:
 def build_parser() -> argparse.ArgumentParser:
     from dpu_tokenizer.fetch_assets import default_assets_dir
 
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.serving_study",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    ap = argparse.ArgumentParser(prog="python -m bench.serving_study", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--modes", type=parse_modes, default=list(MODES), help="comma-separated, among persistent,host")
-    ap.add_argument(
-        "--conditions",
-        type=parse_conditions,
-        default=[False, True],
-        help="isolated, interference, or both (in that order)",
-    )
+    ap.add_argument("--conditions", type=parse_conditions, default=[False, True],
+                    help="isolated, interference, or both (in that order)")
     ap.add_argument("--rates", type=sb.parse_rates, default=[4.0, 10.0, 16.0, 22.0], help="offered req/s")
     ap.add_argument("--duration-s", type=float, default=25.0, help="sending time per rate")
     ap.add_argument("--drain-s", type=float, default=30.0, help="after sending, requests still open are cut then")
@@ -734,24 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-mean", type=float, default=None, help="override the workload's mean prompt length")
     ap.add_argument("--output-mean", type=float, default=None, help="override the workload's mean output length")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--model-config",
-        choices=[*MODEL_CONFIGS, EMBEDDED],
-        default="8b",
-        help="Llama-3 shape with random weights (small and medium for tests), or the embedded model",
-    )
-    ap.add_argument(
-        "--tokenizer-assets",
-        type=Path,
-        default=default_assets_dir(),
-        help="folder with llama3/tokenizer.json and llama3/tokenizer.model",
-    )
-    ap.add_argument(
-        "--backend-override",
-        choices=("cpu", "host", "persistent"),
-        default=None,
-        help="engine backend for every mode (the mode stays the label), e.g. cpu in tests",
-    )
+    ap.add_argument("--model-config", choices=[*MODEL_CONFIGS, EMBEDDED], default="8b",
+                    help="Llama-3 shape with random weights (small and medium for tests), or the embedded model")
+    ap.add_argument("--tokenizer-assets", type=Path, default=default_assets_dir(),
+                    help="folder with llama3/tokenizer.json and llama3/tokenizer.model")
+    ap.add_argument("--backend-override", choices=("cpu", "host", "persistent"), default=None,
+                    help="engine backend for every mode (the mode stays the label), e.g. cpu in tests")
     ap.add_argument("--serve-args", default="", help="more flags for blink serve, e.g. '--num-slots 512'")
     ap.add_argument("--startup-timeout-s", type=float, default=420.0)
     ap.add_argument("--free-cores", type=int, default=2, help="cores kept free of co-tenants for the generator")
@@ -786,15 +656,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--interfere-kinds must be among {','.join(INTERFERE_KINDS)}")
     table = args.table or args.out.with_suffix(".md")
     workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
-    header = {
-        "model": model_description(args.model_config),
-        "workload": {
-            **asdict(workload),
-            "max_prompt": args.max_prompt_tokens,
-            "max_output": args.max_output_tokens,
-            "arrivals": "poisson",
-        },
-    }
+    header = {"model": model_description(args.model_config),
+              "workload": {**asdict(workload), "max_prompt": args.max_prompt_tokens,
+                           "max_output": args.max_output_tokens, "arrivals": "poisson"}}
     old = None
     if args.out.exists() and not args.replace:
         old = json.loads(args.out.read_text())
@@ -809,22 +673,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def study(
-    args: argparse.Namespace, header: dict[str, Any], old: dict[str, Any] | None, table: Path, t_start: float
-) -> int:
+def study(args: argparse.Namespace, header: dict[str, Any], old: dict[str, Any] | None, table: Path,
+          t_start: float) -> int:
     """Every mode in turn, then the merged results; SIGINT and SIGTERM stop it early (what was measured is kept)."""
     budget = Budget(t_start + args.time_budget_s, args.duration_s + args.drain_s + SETTLE_TYPICAL_S)
     workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
-    limits = Limits(
-        header["workload"]["max_prompt"],
-        header["workload"]["max_output"],
-        header["workload"]["max_prompt"] + header["workload"]["max_output"],
-    )
-    work_ctx = (
-        contextlib.nullcontext(str(args.work_dir))
-        if args.work_dir
-        else tempfile.TemporaryDirectory(prefix="blink-serving-")
-    )
+    limits = Limits(header["workload"]["max_prompt"], header["workload"]["max_output"],
+                    header["workload"]["max_prompt"] + header["workload"]["max_output"])
+    work_ctx = (contextlib.nullcontext(str(args.work_dir)) if args.work_dir else
+                tempfile.TemporaryDirectory(prefix="blink-serving-"))
     results: dict[str, ModeResult] = {}
     interrupted = False
     with work_ctx as work_name:
@@ -832,31 +689,17 @@ def study(
         from dpu_tokenizer.loader import load_tokenizer
 
         try:
-            model = (
-                None
-                if args.model_config == EMBEDDED
-                else build_model_folder(args.model_config, args.tokenizer_assets, work)
-            )
+            model = None if args.model_config == EMBEDDED else build_model_folder(args.model_config,
+                                                                                  args.tokenizer_assets, work)
         except FileNotFoundError as exc:
             say(f"error: {exc}")
             return 2
-        say(
-            f"model: {header['model']} ({model or 'embedded'}); workload {args.workload} "
+        say(f"model: {header['model']} ({model or 'embedded'}); workload {args.workload} "
             f"{workload.prompt_mean:g}/{workload.output_mean:g}; rates {args.rates}; modes {args.modes}; "
-            f"budget {args.time_budget_s:.0f} s"
-        )
+            f"budget {args.time_budget_s:.0f} s")
         tokenizer = load_tokenizer(model)
-        plan = Plan(
-            workload,
-            limits,
-            args.rates,
-            args.duration_s,
-            args.drain_s,
-            args.seed,
-            args.warmup,
-            args.max_concurrency,
-            tokenizer,
-        )
+        plan = Plan(workload, limits, args.rates, args.duration_s, args.drain_s, args.seed, args.warmup,
+                    args.max_concurrency, tokenizer)
         try:
             for i, mode in enumerate(args.modes):
                 results[mode] = ModeResult()
@@ -871,25 +714,13 @@ def study(
     device = (gpu or devices or [device_name(args.backend_override or "cpu")])[0]
     if old is not None and old.get("device") not in (None, device):
         say(f"note: {args.out} was measured on {old['device']!r}, these runs on {device!r} (see 'modes')")
-    new = {
-        "device": device,
-        **header,
-        "runs": runs,
-        "skipped": [s for m in results.values() for s in m.skipped],
-        "modes": {mode: m.info for mode, m in results.items()},
-        "errors": {mode: m.error for mode, m in results.items() if m.error},
-        "settings": {
-            "rates": ["inf" if math.isinf(r) else r for r in args.rates],
-            "duration_s": args.duration_s,
-            "drain_s": args.drain_s,
-            "warmup": args.warmup,
-            "max_batch": args.max_batch,
-            "free_cores": args.free_cores,
-            "interfere_kinds": args.interfere_kinds.split(","),
-            "seed": args.seed,
-            "backends": backends,
-        },
-    }
+    new = {"device": device, **header, "runs": runs, "skipped": [s for m in results.values() for s in m.skipped],
+           "modes": {mode: m.info for mode, m in results.items()},
+           "errors": {mode: m.error for mode, m in results.items() if m.error},
+           "settings": {"rates": ["inf" if math.isinf(r) else r for r in args.rates], "duration_s": args.duration_s,
+                        "drain_s": args.drain_s, "warmup": args.warmup, "max_batch": args.max_batch,
+                        "free_cores": args.free_cores, "interfere_kinds": args.interfere_kinds.split(","),
+                        "seed": args.seed, "backends": backends}}
     for m in results.values():
         m.info["settings"] = new["settings"]
     doc = merge(old, new, list(results))

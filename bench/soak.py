@@ -41,18 +41,8 @@ import numpy as np
 from bench.serve_proc import MODEL, ServeProc
 
 GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
-SERVE_ARGS = (
-    "--max-output-tokens",
-    "32",
-    "--max-prompt-tokens",
-    "64",
-    "--num-slots",
-    "64",
-    "--max-waiting",
-    "256",
-    "--drain-timeout",
-    "2",
-)
+SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
+              "256", "--drain-timeout", "2")
 # The engine beats between steps; on a small shared CPU one step of a full batch can take seconds.
 SERVE_ENV = {"BLINK_HEARTBEAT_TIMEOUT_S": "10"}
 
@@ -118,15 +108,8 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def request_body(prompt: list[int], max_tokens: int, stream: bool, model: str = MODEL) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "logprobs": 0,
-        "stream": stream,
-    }
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "logprobs": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -150,7 +133,7 @@ async def read_stream(resp: aiohttp.ClientResponse) -> Answer:
         line = raw.strip()
         if not line.startswith(b"data: "):
             continue
-        payload = line[len(b"data: ") :]
+        payload = line[len(b"data: "):]
         if payload == b"[DONE]":
             done = True
             break
@@ -182,15 +165,8 @@ async def fetch(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
         resp.close()  # also on cancellation: the client hangs up
 
 
-async def one_request(
-    session: aiohttp.ClientSession,
-    url: str,
-    prompts: list[list[int]],
-    idx: int,
-    cfg: SoakConfig,
-    stream: bool,
-    hang_up_after: float | None,
-) -> Outcome:
+async def one_request(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], idx: int,
+                      cfg: SoakConfig, stream: bool, hang_up_after: float | None) -> Outcome:
     out = Outcome("completed", idx, stream, hang_up_after is not None)
     t0 = time.monotonic()
     body = request_body(prompts[idx], cfg.max_tokens, stream, cfg.served_name)
@@ -215,9 +191,8 @@ async def one_request(
     return out
 
 
-async def references(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig
-) -> list[Answer]:
+async def references(session: aiohttp.ClientSession, url: str, prompts: list[list[int]],
+                     cfg: SoakConfig) -> list[Answer]:
     """Each prompt alone, one at a time: what every later run of it must return."""
     refs = []
     for idx in range(len(prompts)):
@@ -238,9 +213,8 @@ def mismatch(out: Outcome, refs: list[Answer], max_tokens: int) -> str | None:
     return None
 
 
-async def closed_loop(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig, concurrency: int
-) -> tuple[float, list[Outcome]]:
+async def closed_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
+                      concurrency: int) -> tuple[float, list[Outcome]]:
     """``concurrency`` clients back to back for ``level_s`` (each sends at least one request):
     (completed requests / time until the last one finished, outcomes)."""
     rng = random.Random(cfg.seed + concurrency)
@@ -258,9 +232,8 @@ async def closed_loop(
     return done / (time.monotonic() - t0), outcomes
 
 
-async def saturation(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig
-) -> tuple[list[dict[str, float]], list[Outcome]]:
+async def saturation(session: aiohttp.ClientSession, url: str, prompts: list[list[int]],
+                     cfg: SoakConfig) -> tuple[list[dict[str, float]], list[Outcome]]:
     """Throughput at concurrency 1, 2, 4, ... until two levels in a row fail to beat the best by 5 %."""
     table: list[dict[str, float]] = []
     outcomes: list[Outcome] = []
@@ -269,13 +242,8 @@ async def saturation(
         rps, outs = await closed_loop(session, url, prompts, cfg, level)
         outcomes += outs
         lat = [o.latency_s for o in outs if o.kind == "completed"]
-        table.append(
-            {
-                "concurrency": level,
-                "requests_per_s": round(rps, 3),
-                "p50_latency_s": round(float(np.median(lat)), 3) if lat else None,
-            }
-        )
+        table.append({"concurrency": level, "requests_per_s": round(rps, 3),
+                      "p50_latency_s": round(float(np.median(lat)), 3) if lat else None})
         errors = sorted({o.error for o in outs if o.kind == "failed"})
         progress(f"saturation: {table[-1]}" + (f"; errors: {errors[:3]}" if errors else ""))
         flat = flat + 1 if rps < best * 1.05 else 0
@@ -294,12 +262,8 @@ class Sampler:
 
     def sample(self) -> dict[str, Any]:
         m = self.serve.metrics()
-        s = {
-            "t": round(time.monotonic() - self.t0, 1),
-            "rss_kib": self.serve.rss(),
-            "pids": self.serve.children(),
-            **{g.split(":")[1]: m.get(g) for g in GAUGES},
-        }
+        s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(),
+             "pids": self.serve.children(), **{g.split(":")[1]: m.get(g) for g in GAUGES}}
         self.samples.append(s)
         return s
 
@@ -309,14 +273,8 @@ class Sampler:
             await asyncio.sleep(every_s)
 
 
-async def open_loop(
-    session: aiohttp.ClientSession,
-    url: str,
-    prompts: list[list[int]],
-    cfg: SoakConfig,
-    rate: float,
-    hang_up_window_s: float,
-) -> list[Outcome]:
+async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
+                    rate: float, hang_up_window_s: float) -> list[Outcome]:
     """Poisson arrivals at ``rate`` for ``duration_s``; returns every request's outcome."""
     rng = random.Random(cfg.seed)
     tasks: list[asyncio.Task[Outcome]] = []
@@ -326,9 +284,8 @@ async def open_loop(
         await asyncio.sleep(max(0.0, t_next - time.monotonic()))
         hang_up = rng.uniform(0.0, hang_up_window_s) if rng.random() < cfg.disconnect else None
         stream = rng.random() < 0.5
-        tasks.append(
-            asyncio.create_task(one_request(session, url, prompts, rng.randrange(len(prompts)), cfg, stream, hang_up))
-        )
+        tasks.append(asyncio.create_task(
+            one_request(session, url, prompts, rng.randrange(len(prompts)), cfg, stream, hang_up)))
         t_next += rng.expovariate(rate)
     return list(await asyncio.gather(*tasks))
 
@@ -353,12 +310,9 @@ def rss_report(samples: list[dict[str, Any]], warmup_s: float, cfg: SoakConfig) 
         end = last["rss_kib"].get(role)
         peak = max(s["rss_kib"].get(role, 0) for s in samples if s["t"] >= base["t"])
         growth = None if end is None else (end - kib) / 1024
-        report[role] = {
-            "after_warmup_mib": round(kib / 1024, 1),
-            "end_mib": None if end is None else round(end / 1024, 1),
-            "peak_mib": round(peak / 1024, 1),
-            "growth_mib": None if growth is None else round(growth, 1),
-        }
+        report[role] = {"after_warmup_mib": round(kib / 1024, 1), "end_mib": None if end is None else
+                        round(end / 1024, 1), "peak_mib": round(peak / 1024, 1),
+                        "growth_mib": None if growth is None else round(growth, 1)}
         allowed = max(cfg.rss_tolerance_mib, cfg.rss_tolerance_frac * kib / 1024)
         if growth is None or growth > allowed:
             bad.append(f"{role}: resident memory grew {growth} MiB after warm-up (allowed {allowed:.0f})")
@@ -373,16 +327,9 @@ def latency_summary(outs: list[Outcome]) -> dict[str, float]:
 
 
 def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dict[str, int], list[str]]:
-    counts = {
-        "sent": len(outs),
-        "completed": 0,
-        "disconnected": 0,
-        "failed": 0,
-        "mismatched": 0,
-        "planned_hang_ups": sum(o.planned_hang_up for o in outs),
-        "retried_after_429": sum(o.retries > 0 for o in outs),
-        "retries_429": sum(o.retries for o in outs),
-    }
+    counts = {"sent": len(outs), "completed": 0, "disconnected": 0, "failed": 0, "mismatched": 0,
+              "planned_hang_ups": sum(o.planned_hang_up for o in outs),
+              "retried_after_429": sum(o.retries > 0 for o in outs), "retries_429": sum(o.retries for o in outs)}
     bad: list[str] = []
     for out in outs:
         counts[out.kind] += 1
@@ -396,14 +343,8 @@ def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dic
     return counts, bad
 
 
-async def soak_phase(
-    serve: ServeProc,
-    session: aiohttp.ClientSession,
-    prompts: list[list[int]],
-    cfg: SoakConfig,
-    rate: float,
-    window_s: float,
-) -> tuple[list[Outcome], Sampler, dict]:
+async def soak_phase(serve: ServeProc, session: aiohttp.ClientSession, prompts: list[list[int]],
+                     cfg: SoakConfig, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
     start_gauges = {g.split(":")[1]: v for g, v in serve.metrics().items() if g in GAUGES}
     sampler = Sampler(serve, time.monotonic())
     sampling = asyncio.create_task(sampler.run(cfg.sample_s))
@@ -439,21 +380,10 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
         bad.append(f"gauges did not return to their start: {gauges}")
     if len(seen_pids) != len(sampler.samples[0]["pids"]):
         bad.append(f"a process was restarted during the soak: {[s['pids'] for s in sampler.samples]}")
-    return {
-        "saturation": table,
-        "target_rate_rps": round(rate, 3),
-        "hang_up_window_s": round(window, 3),
-        "requests": counts,
-        "probe_requests": len(probe),
-        "output_tokens": counts["completed"] * cfg.max_tokens,
-        "latency_s": latency_summary(outs),
-        "gauges": gauges,
-        "rss": rss,
-        "samples": sampler.samples,
-        "failures_by_error": failure_kinds(outs),
-        "violations": bad[:50],
-        "violation_count": len(bad),
-    }
+    return {"saturation": table, "target_rate_rps": round(rate, 3), "hang_up_window_s": round(window, 3),
+            "requests": counts, "probe_requests": len(probe), "output_tokens": counts["completed"] * cfg.max_tokens,
+            "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss, "samples": sampler.samples,
+            "failures_by_error": failure_kinds(outs), "violations": bad[:50], "violation_count": len(bad)}
 
 
 def failure_kinds(outs: list[Outcome], top: int = 10) -> dict[str, int]:
@@ -474,17 +404,10 @@ def run_soak(cfg: SoakConfig, run_root: Path, extra_args: tuple[str, ...] = ()) 
     if code != 0:
         result["violations"].append(f"blink serve exited with {code}")
     result["passed"] = not result["violations"]
-    meta = {
-        "started_unix": int(t0),
-        "wall_s": round(time.time() - t0, 1),
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "serve_args": [*SERVE_ARGS, *extra_args],
-        "serve_env": SERVE_ENV,
-        "config": dataclasses.asdict(cfg),
-        "engine": "gpu_engine.serve",
-    }
+    meta = {"started_unix": int(t0), "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "serve_args": [*SERVE_ARGS, *extra_args], "serve_env": SERVE_ENV, "config": dataclasses.asdict(cfg),
+            "engine": "gpu_engine.serve"}
     return {**meta, **result}
 
 
@@ -504,16 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-weights", action="store_true", help="the model's architecture with seeded random weights")
     a = ap.parse_args(argv)
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
-    cfg = SoakConfig(
-        duration_s=a.duration_s,
-        load=a.load,
-        disconnect=a.disconnect,
-        max_tokens=a.max_tokens,
-        level_s=a.level_s,
-        warmup_s=warmup,
-        seed=a.seed,
-        served_name=Path(a.model).name if a.model else MODEL,
-    )
+    cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
+                     level_s=a.level_s, warmup_s=warmup, seed=a.seed,
+                     served_name=Path(a.model).name if a.model else MODEL)
     with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
         extra = (("--backend", a.backend) if a.backend else ()) + (("--dtype", a.dtype) if a.dtype else ())
         if a.model:
@@ -525,10 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
-    brief = {
-        k: summary[k]
-        for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss", "violations", "passed")
-    }
+    brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss",
+                                     "violations", "passed")}
     print(json.dumps(brief, indent=1))
     return 0 if summary["passed"] else 1
 

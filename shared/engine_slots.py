@@ -49,10 +49,8 @@ class SlotEngine:
             idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
             meta = snap[idx]
         else:
-            words = [split_word(self.t.load64(self.ring.slot_offset(int(i)))) for i in flipped]
-            idx = np.array(
-                [i for i, (state, _) in zip(flipped, words, strict=True) if state == S.PREFILL_PENDING], np.int64
-            )
+            states = [split_word(self.t.load64(self.ring.slot_offset(int(i))))[0] for i in flipped]
+            idx = np.array([i for i, st in zip(flipped, states, strict=True) if st == S.PREFILL_PENDING], np.int64)
             meta = np.empty(idx.size, L.SLOT_DTYPE)  # a pending slot's payload is not written by anyone
             for k, i in enumerate(idx):
                 self.t.read_into(self.ring.slot_offset(int(i)), meta[k : k + 1])
@@ -76,9 +74,8 @@ class SlotEngine:
     def claim(self, idx: int, seq: int) -> np.void | None:
         """PREFILL_PENDING(seq) -> PREFILL_PROCESSING(seq) by CAS; returns the slot's metadata."""
         off = self.ring.slot_offset(idx)
-        if self.t.cas64(off, state_word(S.PREFILL_PENDING, seq), state_word(S.PREFILL_PROCESSING, seq)) != state_word(
-            S.PREFILL_PENDING, seq
-        ):
+        if self.t.cas64(off, state_word(S.PREFILL_PENDING, seq),
+                        state_word(S.PREFILL_PROCESSING, seq)) != state_word(S.PREFILL_PENDING, seq):
             return None
         self.t.store64(self.ring.slot_field(idx, "admit_ns"), time.time_ns())
         meta = np.frombuffer(self.t.read(off, L.SLOT_DTYPE.itemsize), L.SLOT_DTYPE)[0]
@@ -96,14 +93,8 @@ class SlotEngine:
         """Cancel flags of every slot, one bulk read."""
         return self.ring.read_slots(self._snapshot)["cancel"]
 
-    def publish(
-        self,
-        idx: int,
-        start: int,
-        tokens: np.ndarray,
-        logprobs: np.ndarray | None = None,
-        top: np.ndarray | None = None,
-    ) -> None:
+    def publish(self, idx: int, start: int, tokens: np.ndarray, logprobs: np.ndarray | None = None,
+                top: np.ndarray | None = None) -> None:
         """Append tokens at position ``start``; then bump ``generated`` (release)."""
         t, ring = self.t, self.ring
         t.write(ring.output_offset(idx, start), np.ascontiguousarray(tokens, np.int32))

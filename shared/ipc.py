@@ -96,11 +96,10 @@ def socket_path(run_dir: Path, service: str) -> Path:
 def run_dir_problem(run_dir: Path) -> str | None:
     """Why the services' sockets cannot live in ``run_dir``, or None."""
     longest = socket_path(run_dir, LONGEST_SERVICE)
-    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
-        return (
-            f"run dir {run_dir} is too long for Unix sockets ({longest} is {len(os.fsencode(longest))} bytes, "
-            f"at most {MAX_SOCKET_PATH}); choose a shorter --run-dir or BLINK_RUN_DIR"
-        )
+    size = len(os.fsencode(longest))
+    if size > MAX_SOCKET_PATH:
+        return (f"run dir {run_dir} is too long for Unix sockets ({longest} is {size} bytes, at most "
+                f"{MAX_SOCKET_PATH}); choose a shorter --run-dir or BLINK_RUN_DIR")
     return None
 
 
@@ -124,9 +123,8 @@ async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Hand
     return server
 
 
-async def connect(
-    run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05, max_retry_s: float = 1.0
-) -> Channel:
+async def connect(run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05,
+                  max_retry_s: float = 1.0) -> Channel:
     """Connect to a service, waiting (with backoff) until its socket accepts."""
     path = socket_path(run_dir, service)
     delay = retry_s

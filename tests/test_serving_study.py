@@ -27,22 +27,8 @@ from bench.workloads import WORKLOADS, Limits
 from dpu_tokenizer.fetch_assets import default_assets_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_KEYS = (
-    "mode",
-    "interference",
-    "rate",
-    "completed",
-    "failed",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "itl_p99_ms",
-    "req_per_s",
-    "out_tok_per_s",
-    "unfinished",
-    "engine_cpu_s_per_min",
-)
+RUN_KEYS = ("mode", "interference", "rate", "completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+            "tpot_p99_ms", "itl_p99_ms", "req_per_s", "out_tok_per_s", "unfinished", "engine_cpu_s_per_min")
 
 
 def have_llama3_assets() -> bool:
@@ -79,53 +65,13 @@ def wait_none(text: str, timeout_s: float = 5.0) -> list[tuple[int, str]]:
 # ---------------------------------------------------------------------- end to end
 def run_study(tmp_path: Path, mode: str, model: str) -> tuple[dict[str, Any], str]:
     work = tmp_path / f"work-{mode}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.serving_study",
-        "--modes",
-        mode,
-        "--backend-override",
-        "cpu",
-        "--model-config",
-        model,
-        "--tokenizer-assets",
-        str(default_assets_dir()),
-        "--rates",
-        "3",
-        "--duration-s",
-        "2",
-        "--drain-s",
-        "20",
-        "--warmup",
-        "2",
-        "--workload",
-        "vllm",
-        "--prompt-mean",
-        "24",
-        "--output-mean",
-        "6",
-        "--max-batch",
-        "8",
-        "--free-cores",
-        "1",
-        "--time-budget-s",
-        "150",
-        "--out",
-        str(tmp_path / "serving.json"),
-        "--plot",
-        str(tmp_path / "serving"),
-        "--work-dir",
-        str(work),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    cmd = [sys.executable, "-m", "bench.serving_study", "--modes", mode, "--backend-override", "cpu",
+           "--model-config", model, "--tokenizer-assets", str(default_assets_dir()), "--rates", "3",
+           "--duration-s", "2", "--drain-s", "20", "--warmup", "2", "--workload", "vllm", "--prompt-mean", "24",
+           "--output-mean", "6", "--max-batch", "8", "--free-cores", "1", "--time-budget-s", "150",
+           "--out", str(tmp_path / "serving.json"), "--plot", str(tmp_path / "serving"), "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         out, _ = proc.communicate(timeout=170)
     finally:
@@ -215,31 +161,16 @@ def run(mode: str, interference: bool, rate: Any, started: str = "t0", **extra: 
 
 
 def test_merge_replaces_only_the_modes_run() -> None:
-    old = {
-        "device": "gpu",
-        "model": "m",
-        "workload": {"name": "paper"},
-        "runs": [run("host", False, 4.0), run("host", True, 4.0), run("persistent", False, 4.0)],
-        "skipped": [{"mode": "persistent", "interference": True, "rate": "4", "reason": "x"}],
-        "modes": {"host": {"a": 1}, "persistent": {"b": 1}},
-        "errors": {"persistent": "boom"},
-    }
-    new = {
-        "device": "gpu",
-        "model": "m",
-        "workload": {"name": "paper"},
-        "runs": [run("persistent", True, 10.0, "t1"), run("persistent", False, 10.0, "t1")],
-        "skipped": [],
-        "modes": {"persistent": {"b": 2}},
-        "errors": {},
-    }
+    old = {"device": "gpu", "model": "m", "workload": {"name": "paper"},
+           "runs": [run("host", False, 4.0), run("host", True, 4.0), run("persistent", False, 4.0)],
+           "skipped": [{"mode": "persistent", "interference": True, "rate": "4", "reason": "x"}],
+           "modes": {"host": {"a": 1}, "persistent": {"b": 1}}, "errors": {"persistent": "boom"}}
+    new = {"device": "gpu", "model": "m", "workload": {"name": "paper"},
+           "runs": [run("persistent", True, 10.0, "t1"), run("persistent", False, 10.0, "t1")], "skipped": [],
+           "modes": {"persistent": {"b": 2}}, "errors": {}}
     doc = ss.merge(old, new, ["persistent"])
     assert [(r["mode"], r["interference"], r["rate"]) for r in doc["runs"]] == [
-        ("persistent", False, 10.0),
-        ("persistent", True, 10.0),
-        ("host", False, 4.0),
-        ("host", True, 4.0),
-    ]
+        ("persistent", False, 10.0), ("persistent", True, 10.0), ("host", False, 4.0), ("host", True, 4.0)]
     assert doc["skipped"] == [] and doc["errors"] == {} and doc["modes"] == {"host": {"a": 1}, "persistent": {"b": 2}}
     failed = {**new, "runs": [], "errors": {"host": "no server"}, "modes": {"host": {"a": 2}}}
     doc = ss.merge(old, failed, ["host"])  # a mode that measured nothing keeps its old runs
@@ -250,20 +181,16 @@ def test_merge_replaces_only_the_modes_run() -> None:
 
 
 def test_table_ratios() -> None:
-    runs = [
-        run("persistent", False, 10.0, tpot_p99_ms=20.0, req_per_s=9.0, engine_cpu_s_per_min=0.0),
-        run("persistent", True, 10.0, tpot_p99_ms=21.0, req_per_s=9.0, engine_cpu_s_per_min=0.1),
-        run("host", False, 10.0, tpot_p99_ms=25.0, req_per_s=8.0, engine_cpu_s_per_min=60.0),
-        run("host", True, 10.0, tpot_p99_ms=50.0, req_per_s=6.0, engine_cpu_s_per_min=58.0),
-        run("host", False, "inf", tpot_p99_ms=30.0, req_per_s=10.0),
-    ]
+    runs = [run("persistent", False, 10.0, tpot_p99_ms=20.0, req_per_s=9.0, engine_cpu_s_per_min=0.0),
+            run("persistent", True, 10.0, tpot_p99_ms=21.0, req_per_s=9.0, engine_cpu_s_per_min=0.1),
+            run("host", False, 10.0, tpot_p99_ms=25.0, req_per_s=8.0, engine_cpu_s_per_min=60.0),
+            run("host", True, 10.0, tpot_p99_ms=50.0, req_per_s=6.0, engine_cpu_s_per_min=58.0),
+            run("host", False, "inf", tpot_p99_ms=30.0, req_per_s=10.0)]
     table = ss.format_table({"model": "m", "device": "d", "workload": {"name": "paper"}, "runs": runs})
     rows = [line for line in table.splitlines() if line.startswith("| persistent") or line.startswith("| host")]
-    assert rows == [
-        "| persistent | 10 | 20.00 | 21.00 | 1.05x | 9.00 | 9.00 | 1.00x | 0.0 / 0.1 |",
-        "| host | 10 | 25.00 | 50.00 | 2.00x | 8.00 | 6.00 | 0.75x | 60.0 / 58.0 |",
-        "| host | inf | 30.00 | - | -x | 10.00 | - | -x | - / - |",
-    ]
+    assert rows == ["| persistent | 10 | 20.00 | 21.00 | 1.05x | 9.00 | 9.00 | 1.00x | 0.0 / 0.1 |",
+                    "| host | 10 | 25.00 | 50.00 | 2.00x | 8.00 | 6.00 | 0.75x | 60.0 / 58.0 |",
+                    "| host | inf | 30.00 | - | -x | 10.00 | - | -x | - / - |"]
 
 
 # ---------------------------------------------------------------------- budget and drain, against a fake server
@@ -333,23 +260,21 @@ async def test_drain_limit_cuts_and_a_stuck_engine_stops_the_mode(fake: FakeServ
     budget = ss.Budget(time.monotonic() + 60.0, 2.0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="not serving"):
-        await ss.sweep(
-            None, fake.url, plan([20.0, 20.0], drain_s=0.5), "persistent", "cpu", budget, False, [], 5.0, out
-        )
+        await ss.sweep(None, fake.url, plan([20.0, 20.0], drain_s=0.5), "persistent", "cpu", budget, False, [],
+                       5.0, out)
     assert time.monotonic() - t0 < 5.0
     (only,) = out.runs
     assert only["completed"] == 0 and only["failed"] == 0 and only["unfinished"] == only["sent"] >= 1
     with pytest.raises(RuntimeError, match="no warm-up request completed"):
-        await ss.sweep(None, fake.url, plan([20.0], warmup=2), "host", "cpu", budget, False, [], 0.5, ss.ModeResult())
+        await ss.sweep(None, fake.url, plan([20.0], warmup=2), "host", "cpu", budget, False, [], 0.5,
+                       ss.ModeResult())
 
 
 def test_tokens_while_sending_counts_cut_requests_and_not_the_drain() -> None:
     def res(sent: float, chunks: list[float], ok: bool, tokens: int = 0) -> sb.RequestResult:
         return sb.RequestResult(ok=ok, sent=sent, chunk_times=chunks, output_tokens=tokens)
 
-    results = [
-        res(100.0, [100.5, 101.0, 103.0], True, 6),  # 2 tokens a chunk; 2 chunks inside 2 s
-        res(101.0, [101.5, 104.0], False),
-    ]  # cut later: 1 chunk inside
+    results = [res(100.0, [100.5, 101.0, 103.0], True, 6),  # 2 tokens a chunk; 2 chunks inside 2 s
+               res(101.0, [101.5, 104.0], False)]  # cut later: 1 chunk inside
     assert ss.tokens_while_sending(results, 2.0) == pytest.approx(2 * 3 / 2.0)
     assert ss.tokens_while_sending([], 2.0) == 0.0

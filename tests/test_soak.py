@@ -46,19 +46,16 @@ async def busy_server(busy_answers: int) -> tuple[web.AppRunner, str, list[int]]
     async def completions(request: web.Request) -> web.Response:
         calls.append(1)
         if len(calls) <= busy_answers:
-            return web.json_response(
-                {"error": {"message": "server busy", "type": "rate_limit_exceeded", "param": None, "code": None}},
-                status=429,
-                headers={"Retry-After": "0"},
-            )
+            return web.json_response({"error": {"message": "server busy", "type": "rate_limit_exceeded",
+                                                "param": None, "code": None}}, status=429,
+                                     headers={"Retry-After": "0"})
         return web.json_response({"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]}}]})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}", calls
 

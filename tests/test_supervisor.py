@@ -50,13 +50,8 @@ def restart_tracker(stack: Stack) -> None:
 
 async def stop_during_a_stream(stack: Stack) -> tuple[int, list]:
     """SIGTERM while a long stream runs: the stream must still end with [DONE] (drain, then stop)."""
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 1000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as session:
         resp = await session.post(stack.url + "/v1/chat/completions", json=body)
         await resp.content.readuntil(b"\n\n")
@@ -84,11 +79,7 @@ async def test_serve_restarts_and_stops_cleanly(tmp_path: Path) -> None:
 
 def test_a_run_dir_too_long_for_unix_sockets_is_refused(tmp_path: Path) -> None:
     long_dir = tmp_path / ("d" * 100)
-    out = subprocess.run(
-        [sys.executable, "-m", "blink.cli", "serve", "--run-dir", str(long_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--run-dir", str(long_dir)],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "too long for Unix sockets" in out.stderr and "--run-dir" in out.stderr

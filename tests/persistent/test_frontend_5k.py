@@ -25,25 +25,9 @@ from dpu_tokenizer.fetch_assets import default_assets_dir
 
 pytestmark = pytest.mark.gpu
 SERVED = "tiny"
-ARGS = (
-    "--dtype",
-    "float32",
-    "--num-slots",
-    "256",
-    "--max-prompt-tokens",
-    "256",
-    "--max-output-tokens",
-    "4352",
-    "--max-batch",
-    "64",
-    "--kv-blocks",
-    "6000",
-    "--block-size",
-    "16",
-    "--served-model-name",
-    SERVED,
-    "--random-weights",
-)
+ARGS = ("--dtype", "float32", "--num-slots", "256", "--max-prompt-tokens", "256", "--max-output-tokens", "4352",
+        "--max-batch", "64", "--kv-blocks", "6000", "--block-size", "16", "--served-model-name", SERVED,
+        "--random-weights")
 
 
 @pytest.fixture(scope="module")
