@@ -7,8 +7,9 @@
 # Steps run in the order given (default: build kernels persistent micro fig3 roofline
 # serving_persistent serving_host). Also, by name only: large (an 8B-shaped model served by the
 # persistent scheduler, a check), soakstart (starts the GPU soak detached, so it can outlive this call
-# while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). Tests
-# that only check correctness may share the GPU with the soak; timed steps should not.
+# while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
+# soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
+# soak's (docs/GPU_NOTES.md). A 10-minute soak takes two calls: soakstart, then soakwait.
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
 set -u
