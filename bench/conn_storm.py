@@ -23,22 +23,15 @@ from typing import Any
 
 import aiohttp
 
-from bench.serve_proc import MODEL, ServeProc
+from bench.serve_proc import ServeProc, rss_kib
+from bench.soak import request_body
 
 SERVE_ARGS = ("--max-output-tokens", "8", "--max-prompt-tokens", "64", "--num-slots", "8", "--max-waiting", "16")
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> str:
-    body = {
-        "model": MODEL,
-        "prompt": [300, 301, 302, 303],
-        "max_tokens": 2,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": stream,
-    }
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url + "/v1/completions", json=request_body([300, 301, 302, 303], 2, stream)) as resp:
             await resp.read()
             return str(resp.status)
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -56,19 +49,14 @@ def run(sizes: list[int], run_root: Path) -> dict[str, Any]:
     serve = ServeProc(SERVE_ARGS, run_root).start()
     rows = []
     try:
-        start_kib = serve.rss()["gateway-0"]
+        gateway = serve.children()["gateway-0"]
+        start_kib = rss_kib(gateway) or 0
         for size in sizes:
             t0 = time.monotonic()
             answers = asyncio.run(storm(serve.url, size))
             time.sleep(1.0)
-            rows.append(
-                {
-                    "size": size,
-                    "seconds": round(time.monotonic() - t0, 1),
-                    "answers": answers,
-                    "gateway_rss_mib": round(serve.rss()["gateway-0"] / 1024, 1),
-                }
-            )
+            rows.append({"size": size, "seconds": round(time.monotonic() - t0, 1), "answers": answers,
+                         "gateway_rss_mib": round((rss_kib(gateway) or 0) / 1024, 1)})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         serve.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from shared.ipc import run_dir_problem
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 SERVICE_ROLES = ("tokenizer", "reader", "tracker")
+GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
 
 
 def free_port() -> int:
@@ -77,6 +79,17 @@ def cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_name() -> str:
+    """The CPU model from ``/proc/cpuinfo``, else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def rss_kib(pid: int) -> int | None:
@@ -153,6 +166,25 @@ class ServeProc:
         status, body = http_get(self.url + "/metrics")
         return parse_metrics(body.decode()) if status == 200 else {}
 
+    def gauges(self) -> dict[str, float | None]:
+        """The slot, running-request and KV gauges by short name (None where /metrics lacks one)."""
+        m = self.metrics()
+        return {g.split(":")[1]: m.get(g) for g in GAUGES}
+
+    def wait_gauges(self, target: dict[str, float | None], timeout_s: float) -> dict[str, float | None]:
+        """Poll the gauges until those named in ``target`` equal it, at most ``timeout_s``; the last reading."""
+        end = time.monotonic() + timeout_s
+        while True:
+            now = self.gauges()
+            if all(now.get(k) == v for k, v in target.items()) or time.monotonic() > end:
+                return now
+            time.sleep(0.2)
+
+    def pids(self) -> dict[str, int]:
+        """{role: pid} of the supervisor and its children now."""
+        assert self.proc is not None
+        return {"supervisor": self.proc.pid, **self.children()}
+
     def children(self) -> dict[str, int]:
         """{role: pid} of the supervisor's children now."""
         assert self.proc is not None
@@ -165,8 +197,7 @@ class ServeProc:
             out[role_of([a for a in argv if a])] = pid
         return out
 
-    def rss(self) -> dict[str, int]:
-        """{role: VmRSS in KiB} of the supervisor and each child."""
-        assert self.proc is not None
-        pids = {"supervisor": self.proc.pid, **self.children()}
+    def rss(self, pids: dict[str, int] | None = None) -> dict[str, int]:
+        """{role: VmRSS in KiB} of ``pids`` (default: the supervisor and its children now)."""
+        pids = self.pids() if pids is None else pids
         return {role: kib for role, pid in pids.items() if (kib := rss_kib(pid)) is not None}

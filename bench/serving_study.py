@@ -52,7 +52,7 @@ from bench import serve_bench as sb
 from bench.interfere import KINDS as INTERFERE_KINDS
 from bench.interfere import Interference
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, TINY_LLAMA3, write_config
-from bench.serve_proc import ServeProc, cpu_seconds
+from bench.serve_proc import ServeProc, cpu_name, cpu_seconds
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
 
 MODES = ("persistent", "host")
@@ -125,13 +125,7 @@ def device_name(backend: str) -> str:
             if out:
                 return out[0].strip() + (f" (x{len(out)} on the host)" if len(out) > 1 else "")
         return "cuda device (nvidia-smi unavailable)"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"cpu: {cpu}, {os.cpu_count()} cores"
+    return f"cpu: {cpu_name()}, {os.cpu_count()} cores"
 
 
 def own_cpu_seconds() -> float:
@@ -151,7 +145,7 @@ class CpuMeter:
     def begin(self) -> None:
         self.pids = {}
         if self.serve is not None and self.serve.proc is not None:
-            self.pids = {"supervisor": self.serve.proc.pid, **self.serve.children()}
+            self.pids = self.serve.pids()
         self.start = {role: t for role, pid in self.pids.items() if (t := cpu_seconds(pid)) is not None}
         self.wall0, self.own0 = time.monotonic(), own_cpu_seconds()
 
@@ -326,14 +320,8 @@ def run_record(rate: float, results: list[sb.RequestResult], wall: float, plan: 
 
 async def settle(serve: ServeProc | None, timeout_s: float) -> None:
     """Wait until the server holds no request (slots, running), at most ``timeout_s``."""
-    if serve is None:
-        return
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        m = await asyncio.to_thread(serve.metrics)
-        if m and not m.get("blink:slots_in_use") and not m.get("blink:num_requests_running"):
-            return
-        await asyncio.sleep(0.5)
+    if serve is not None:
+        await asyncio.to_thread(serve.wait_gauges, {"slots_in_use": 0.0, "num_requests_running": 0.0}, timeout_s)
 
 
 # ---------------------------------------------------------------------- one mode
@@ -533,14 +521,10 @@ def format_table(doc: dict[str, Any]) -> str:
     keys = sorted({(r["mode"], rate_text(r["rate"])) for r in doc.get("runs", [])},
                   key=lambda k: run_key({"mode": k[0], "interference": False, "rate": k[1]}))
     for mode, rate in keys:
-        iso, co = runs.get((mode, False, rate)), runs.get((mode, True, rate))
-
-        def get(run: dict[str, Any] | None, key: str) -> float | None:
-            return None if run is None else run.get(key)
-
-        t_iso, t_co = get(iso, "tpot_p99_ms"), get(co, "tpot_p99_ms")
-        q_iso, q_co = get(iso, "req_per_s"), get(co, "req_per_s")
-        c_iso, c_co = get(iso, "engine_cpu_s_per_min"), get(co, "engine_cpu_s_per_min")
+        iso, co = runs.get((mode, False, rate)) or {}, runs.get((mode, True, rate)) or {}
+        t_iso, t_co = iso.get("tpot_p99_ms"), co.get("tpot_p99_ms")
+        q_iso, q_co = iso.get("req_per_s"), co.get("req_per_s")
+        c_iso, c_co = iso.get("engine_cpu_s_per_min"), co.get("engine_cpu_s_per_min")
         cells = [mode, rate, fmt(t_iso, ".2f"), fmt(t_co, ".2f"), fmt(ratio(t_co, t_iso), ".2f") + "x",
                  fmt(q_iso, ".2f"), fmt(q_co, ".2f"), fmt(ratio(q_co, q_iso), ".2f") + "x",
                  f"{fmt(c_iso)} / {fmt(c_co)}"]
@@ -668,18 +652,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
-        return study(args, header, old, table, t_start)
+        return study(args, workload, header, old, table, t_start)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def study(args: argparse.Namespace, header: dict[str, Any], old: dict[str, Any] | None, table: Path,
-          t_start: float) -> int:
+def study(args: argparse.Namespace, workload: Workload, header: dict[str, Any], old: dict[str, Any] | None,
+          table: Path, t_start: float) -> int:
     """Every mode in turn, then the merged results; SIGINT and SIGTERM stop it early (what was measured is kept)."""
     budget = Budget(t_start + args.time_budget_s, args.duration_s + args.drain_s + SETTLE_TYPICAL_S)
-    workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
-    limits = Limits(header["workload"]["max_prompt"], header["workload"]["max_output"],
-                    header["workload"]["max_prompt"] + header["workload"]["max_output"])
+    limits = Limits(args.max_prompt_tokens, args.max_output_tokens, args.max_prompt_tokens + args.max_output_tokens)
     work_ctx = (contextlib.nullcontext(str(args.work_dir)) if args.work_dir else
                 tempfile.TemporaryDirectory(prefix="blink-serving-"))
     results: dict[str, ModeResult] = {}

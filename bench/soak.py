@@ -38,9 +38,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.serve_bench import parse_event
 from bench.serve_proc import MODEL, ServeProc
 
-GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
 SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
               "256", "--drain-timeout", "2")
 # The engine beats between steps; on a small shared CPU one step of a full batch can take seconds.
@@ -130,14 +130,13 @@ async def read_stream(resp: aiohttp.ClientResponse) -> Answer:
     tokens: list[str] = []
     done = False
     async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data: "):
+        event = parse_event(raw)
+        if event is None:
             continue
-        payload = line[len(b"data: "):]
-        if payload == b"[DONE]":
+        if event == "[DONE]":
             done = True
             break
-        event = json.loads(payload)
+        assert isinstance(event, dict)
         if "error" in event:
             raise RequestFailed(f"error event: {json.dumps(event)[:300]}")
         for choice in event["choices"]:
@@ -261,9 +260,9 @@ class Sampler:
         self.samples: list[dict[str, Any]] = []
 
     def sample(self) -> dict[str, Any]:
-        m = self.serve.metrics()
-        s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(),
-             "pids": self.serve.children(), **{g.split(":")[1]: m.get(g) for g in GAUGES}}
+        pids = self.serve.pids()
+        s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(pids),
+             "pids": {role: pid for role, pid in pids.items() if role != "supervisor"}, **self.serve.gauges()}
         self.samples.append(s)
         return s
 
@@ -290,20 +289,9 @@ async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list
     return list(await asyncio.gather(*tasks))
 
 
-async def gauges_settle(serve: ServeProc, start: dict[str, float | None], timeout_s: float) -> dict[str, Any]:
-    """Wait until the slot, running and KV gauges are back at their start values."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = await asyncio.to_thread(serve.metrics)
-        now = {g.split(":")[1]: m.get(g) for g in GAUGES}
-        if now == start or time.monotonic() > deadline:
-            return now
-        await asyncio.sleep(0.5)
-
-
-def rss_report(samples: list[dict[str, Any]], warmup_s: float, cfg: SoakConfig) -> tuple[dict, list[str]]:
+def rss_report(samples: list[dict[str, Any]], cfg: SoakConfig) -> tuple[dict, list[str]]:
     """Per process: RSS after warm-up, at the end, peak, growth; violations when it grew."""
-    base = next((s for s in samples if s["t"] >= warmup_s), samples[0])
+    base = next((s for s in samples if s["t"] >= cfg.warmup_s), samples[0])
     last = samples[-1]
     report, bad = {}, []
     for role, kib in base["rss_kib"].items():
@@ -345,12 +333,12 @@ def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dic
 
 async def soak_phase(serve: ServeProc, session: aiohttp.ClientSession, prompts: list[list[int]],
                      cfg: SoakConfig, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
-    start_gauges = {g.split(":")[1]: v for g, v in serve.metrics().items() if g in GAUGES}
+    start_gauges = serve.gauges()
     sampler = Sampler(serve, time.monotonic())
     sampling = asyncio.create_task(sampler.run(cfg.sample_s))
     try:
         outs = await open_loop(session, serve.url, prompts, cfg, rate, window_s)
-        end_gauges = await gauges_settle(serve, start_gauges, 30.0)
+        end_gauges = await asyncio.to_thread(serve.wait_gauges, start_gauges, 30.0)  # back at their start
     finally:
         sampling.cancel()
     await asyncio.to_thread(sampler.sample)
@@ -373,7 +361,7 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
         outs, sampler, gauges = await soak_phase(serve, session, prompts, cfg, rate, window)
     counts, bad = judge(outs, refs, cfg)
     _, probe_bad = judge(probe, refs, cfg)
-    rss, rss_bad = rss_report(sampler.samples, cfg.warmup_s, cfg)
+    rss, rss_bad = rss_report(sampler.samples, cfg)
     seen_pids = {s["pids"].get(r) for s in sampler.samples for r in sampler.samples[0]["pids"]}
     bad = probe_bad + bad + rss_bad
     if gauges["end"] != gauges["start"]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from bench.serve_proc import cpu_name
 from dpu_tokenizer import load_tokenizer
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.detok import IncrementalDetokenizer
@@ -36,16 +36,6 @@ TEXT = (
     "Les modèles de langue traitent du texte; Привет, мир! 你好，世界。 こんにちは 😀👍🏽 "
     "def tokenize(text: str) -> list[int]:\n    return encoder.encode(text)  # 12345 67890\n\n"
 )
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _reference_for_default() -> tokenizers.Tokenizer:
@@ -173,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     detok = _detok_rates(models[0][1], args.budget)
     _print_table(rows, detok)
     result = {
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "backend": {name: _encoder_of(ours) for name, ours, _ in models},
         "budget_s": args.budget,
         "rows": rows,

@@ -21,10 +21,10 @@ class DocLimits:
 
     @classmethod
     def of(cls, limits: Limits | None, vocab_size: int) -> DocLimits:
+        token_id = {"maximum": vocab_size - 1} if vocab_size else {}
         if limits is None:
-            return cls({}, {}, {"maximum": vocab_size - 1} if vocab_size else {})
-        return cls({"maximum": limits.max_output_tokens}, {"maxItems": limits.max_prompt_tokens},
-                   {"maximum": vocab_size - 1} if vocab_size else {})
+            return cls({}, {}, token_id)
+        return cls({"maximum": limits.max_output_tokens}, {"maxItems": limits.max_prompt_tokens}, token_id)
 
 
 def _ref(name: str) -> dict:
@@ -116,7 +116,7 @@ def _generate(summary: str, schema: str) -> dict:
                       **_error_responses(400, 401, 404, 413, 429, 503)}}}
 
 
-def openapi_document(model: str, limits: DocLimits | None = None) -> dict:
+def openapi_document(model: str, limits: DocLimits) -> dict:
     """The document; with ``limits``, the running engine's bounds are stated too."""
     return {
         "openapi": "3.1.0",
@@ -133,6 +133,6 @@ def openapi_document(model: str, limits: DocLimits | None = None) -> dict:
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "Text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
-        "components": {"schemas": _schemas(model, limits or DocLimits.of(None, 0)),
+        "components": {"schemas": _schemas(model, limits),
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }

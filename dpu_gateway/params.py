@@ -110,10 +110,9 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits) -> 
                        code="unsupported_value")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+    budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
     if req.max_tokens is None:  # OpenAI's default of 16, within what the server allows
-        budget = min(16, max_new_tokens(None, prompt_len, limits, "max_tokens"))
-    else:
-        budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
+        budget = min(16, budget)
     want = req.logprobs is not None
     top = req.logprobs or 0
     return Plan(sampling(req, budget, want, top), stop, want, top)

@@ -60,11 +60,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run(request, COMPLETION, ids, plan, req.stream, usage, arrival)
 
 
+def vocab_size(app: web.Application) -> int:
+    """The served model's vocabulary size from the ring, 0 while no engine has written it."""
+    ring = app[RING].current()
+    return ring.header_load32("vocab_size") if ring is not None else 0
+
+
 def check_token_ids(app: web.Application, ids: list[int]) -> None:
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    ring = app[RING].current()
-    vocab = ring.header_load32("vocab_size") if ring is not None else 0
+    vocab = vocab_size(app)
     if vocab and not all(0 <= t < vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
 
@@ -125,9 +130,7 @@ async def openapi(request: web.Request) -> web.Response:
         limits = engine_limits(app)
     except APIError:
         limits = None  # no engine now: the document without its bounds
-    ring = app[RING].current()
-    vocab = ring.header_load32("vocab_size") if ring is not None else 0
-    doc = openapi_document(app[CONFIG].served_model_name, DocLimits.of(limits, vocab))
+    doc = openapi_document(app[CONFIG].served_model_name, DocLimits.of(limits, vocab_size(app)))
     return web.Response(body=msgspec.json.encode(doc), content_type="application/json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from dpu_tokenizer.base import Tokenizer
@@ -20,6 +21,17 @@ def utf8_complete_prefix(data: bytes) -> int:
                 return n  # invalid lead, or the sequence is already whole
             return n - back
     return n  # only continuation bytes: nothing can complete them
+
+
+@functools.lru_cache(maxsize=256)
+def prefixes_by_last(stops: tuple[bytes, ...]) -> dict[int, list[bytes]]:
+    """Last byte -> the proper prefixes of ``stops`` ending with it, longest first. Requests mostly share
+    their stop strings (a chat template's), so the table is built once per set, not per request."""
+    prefixes: dict[int, set[bytes]] = {}
+    for stop in stops:
+        for size in range(1, len(stop)):
+            prefixes.setdefault(stop[size - 1], set()).add(stop[:size])
+    return {b: sorted(p, key=len, reverse=True) for b, p in prefixes.items()}
 
 
 class IncrementalDetokenizer:
@@ -41,12 +53,7 @@ class IncrementalDetokenizer:
             self._table = _table_from(tokenizer, skip_special_tokens)
         self._stops = [s.encode("utf-8") for s in dict.fromkeys(stop_strings) if s]
         self._max_stop = max(map(len, self._stops), default=0)
-        # last byte -> the proper prefixes of stop strings ending with it, longest first
-        prefixes: dict[int, set[bytes]] = {}
-        for stop in self._stops:
-            for size in range(1, len(stop)):
-                prefixes.setdefault(stop[size - 1], set()).add(stop[:size])
-        self._prefixes_by_last = {b: sorted(p, key=len, reverse=True) for b, p in prefixes.items()}
+        self._prefixes_by_last = prefixes_by_last(tuple(self._stops))
         self._held = b""
         self._strip_space = bool(getattr(tokenizer, "strip_leading_space", False))
         self.stopped = False

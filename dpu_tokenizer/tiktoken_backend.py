@@ -66,7 +66,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
         )
         ranks = dict(ranks)
         enc_added = dict(added)
-        vocab_rank_to_id = list(rank_to_id) if rank_to_id is not None else None
+        vocab_rank_to_id = rank_to_id  # before the added tokens are appended to the copy below
         if rank_to_id is not None:
             rank_to_id = list(rank_to_id)
             for text, tid in added.items():
@@ -90,7 +90,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
         self._native = build_encoder(
             pattern,
             ranks,
-            dict(added),
+            added,
             rank_to_id=vocab_rank_to_id,
             missing_bytes=missing_bytes,
             vocab_size=len(table),
@@ -132,9 +132,9 @@ class TiktokenTokenizer(ByteTableTokenizer):
         return self._enc.encode_ordinary(piece)
 
     def _native_nfc(self, text: str) -> list[int] | None:
-        if self._native is None or not unicodedata.is_normalized("NFC", text):
+        if not unicodedata.is_normalized("NFC", text):
             return None
-        return self._native.encode(text)  # type: ignore[no-any-return]
+        return self._native.encode(text)  # type: ignore[no-any-return,union-attr]  # only set with _native
 
     def _encode_plain(self, text: str) -> list[int]:
         ids = self._native_encode(text)
@@ -142,7 +142,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
 
     def _encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
         if self._native_batch is None:
-            return [self._encode_plain(t) for t in texts]
+            return super()._encode_plain_batch(texts)
         out = self._native_batch(texts)
         return [ids if ids is not None else self._encode_tiktoken(t) for ids, t in zip(out, texts, strict=True)]
 

@@ -11,12 +11,10 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.ring import Ring
+from shared.ring import HEADER_OFF, Ring
 from shared.slots import split_word, state_word
 
 S = L.SlotState
-_DOORBELL = L.FIELD_OFFSETS["RingHeader"]["doorbell"]
-_FLIPS = L.FIELD_OFFSETS["RingHeader"]["pending_flips"]
 
 
 class SlotEngine:
@@ -39,21 +37,19 @@ class SlotEngine:
         first, so a publication racing with the scan is seen by the next one). On a ring with
         ``pending_flips`` only the slots whose bit flipped since the last scan are read, as the
         persistent scheduler does (schema/OWNERSHIP.md); the first scan reads every slot."""
-        bell = self.t.load64(_DOORBELL)
+        bell = self.ring.header_load64("doorbell")
         if bell == self._bell:
             return []
         self._bell = bell
         flipped = self._flipped()
         if flipped is None:
-            snap = self.ring.read_slots(self._snapshot)
-            idx = np.flatnonzero(snap["state"] == S.PREFILL_PENDING)
-            meta = snap[idx]
+            idx, snap = np.arange(self.ring.geometry.num_slots), self.ring.read_slots(self._snapshot)
         else:
-            states = [split_word(self.t.load64(self.ring.slot_offset(int(i))))[0] for i in flipped]
-            idx = np.array([i for i, st in zip(flipped, states, strict=True) if st == S.PREFILL_PENDING], np.int64)
-            meta = np.empty(idx.size, L.SLOT_DTYPE)  # a pending slot's payload is not written by anyone
-            for k, i in enumerate(idx):
-                self.t.read_into(self.ring.slot_offset(int(i)), meta[k : k + 1])
+            idx, snap = flipped, np.empty(flipped.size, L.SLOT_DTYPE)
+            for k, i in enumerate(flipped):  # each after the flips, so a flipped slot reads PENDING
+                self.t.read_into(self.ring.slot_offset(int(i)), snap[k : k + 1])
+        pending = snap["state"] == S.PREFILL_PENDING
+        idx, meta = idx[pending], snap[pending]
         if idx.size == 0:
             return []
         order = np.lexsort((meta["request_id"], meta["submit_ns"]))
@@ -64,7 +60,8 @@ class SlotEngine:
         None when every slot must be read (no flips on this ring, or the first call)."""
         if not self._flip_words:
             return None
-        now = np.array([self.t.load64(_FLIPS + 8 * k) for k in range(self._flip_words)], np.uint64)
+        now = np.array([self.t.load64(HEADER_OFF["pending_flips"] + 8 * k) for k in range(self._flip_words)],
+                       np.uint64)
         seen, self._flips_seen = self._flips_seen, now
         if seen is None:
             return None

@@ -13,11 +13,10 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.ring import FLIP_SLOTS, MAX_STOP_IDS, Ring
+from shared.ring import FLIP_SLOTS, HEADER_OFF, MAX_STOP_IDS, Ring
 
 S = L.SlotState
 _SAMPLING_OFF = L.FIELD_OFFSETS["Slot"]["sampling"]
-_FLIPS_OFF = L.FIELD_OFFSETS["RingHeader"]["pending_flips"]
 
 
 def state_word(state: int, seq: int) -> int:
@@ -104,8 +103,8 @@ class SlotWriter:
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)
         if idx < FLIP_SLOTS:  # after the state word, before the doorbell (schema/OWNERSHIP.md)
-            t.fetch_xor64(_FLIPS_OFF + 8 * (idx // 64), 1 << (idx % 64))
-        t.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["doorbell"], 1)
+            t.fetch_xor64(HEADER_OFF["pending_flips"] + 8 * (idx // 64), 1 << (idx % 64))
+        t.fetch_add64(HEADER_OFF["doorbell"], 1)
 
     def abandon(self, idx: int, seq: int) -> bool:
         """RESERVED(seq) -> EMPTY(seq), when a reservation cannot be filled."""

@@ -61,14 +61,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def fetch_add64(self, offset: int, delta: int) -> int: ...
 
+    @abc.abstractmethod
     def fetch_xor64(self, offset: int, bits: int) -> int:
         """Atomically flip ``bits`` of an aligned 64-bit word; the previous value."""
-        seen = self.load64(offset)
-        while True:
-            prev = self.cas64(offset, seen, seen ^ bits)
-            if prev == seen:
-                return prev
-            seen = prev
 
     @abc.abstractmethod
     def fence(self) -> None: ...

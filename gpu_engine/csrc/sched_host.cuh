@@ -217,6 +217,8 @@ int blink_sched_wait(void *handle) {
 // scheduler's shared memory) and wait until it runs; blink_probe_release ends it. Used to check
 // that every model graph can finish while the scheduler holds its SM (a kernel whose CTAs wait on
 // each other and that sizes its grid to every SM would hang).
+int blink_probe_release(void *probe);
+
 int blink_probe_hold(void **probe) {
   Probe *p = new Probe();
   cudaFuncAttributes attr;
@@ -234,9 +236,8 @@ int blink_probe_hold(void **probe) {
   while (!reinterpret_cast<volatile uint32_t *>(p->flags)[0]) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     if (t.tv_sec - t0.tv_sec > 10) {
+      blink_probe_release(p);  // lets the block finish once it runs, then frees what it holds
       snprintf(g_error, sizeof(g_error), "probe block did not start within 10 s");
-      p->flags[1] = 1;
-      cudaStreamSynchronize(p->stream);
       return -1;
     }
   }

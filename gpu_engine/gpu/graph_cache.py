@@ -159,7 +159,7 @@ class GraphCache:
         for i in bar:
             self.graphs[i] = self._capture_one(i)
             g = self.graphs[i]
-            bar.set_postfix_str(f"{_label(g.shape)} {g.capture_s * 1e3:.0f} ms {g.memory_bytes / 2**20:.1f} MiB")
+            bar.set_postfix_str(f"{shape_label(g.shape)} {g.capture_s * 1e3:.0f} ms {g.memory_bytes / 2**20:.1f} MiB")
         torch.cuda.synchronize()
         return [g for g in self.graphs if g is not None]
 
@@ -240,7 +240,8 @@ class GraphCache:
         self.graphs = [None] * len(self.shapes)
 
 
-def _label(s: GraphShape) -> str:
+def shape_label(s: GraphShape) -> str:
+    """A graph shape for logs: decode/prefill, batch, tokens and the sampling variant."""
     if s.decode:
         return f"decode b={s.batch} {'filtered' if s.filtered else 'unfiltered'}"
     return f"prefill b={s.batch} t={s.tokens}"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_engine.gpu.graph_cache import GraphCache
+from gpu_engine.gpu.graph_cache import GraphCache, shape_label
 from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, coresidency_failures, library
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
@@ -41,13 +41,6 @@ def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     # A prefill of b prompts averages at least 16 tokens each; larger batches use larger buckets.
     return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
-
-
-def shape_label(shape: tuple) -> str:
-    """A graph shape for logs: decode/prefill, batch, tokens and the sampling variant."""
-    decode, batch, tokens = shape[0], shape[1], shape[2]
-    label = f"decode b={batch}" if decode else f"prefill b={batch} t={tokens}"
-    return label + (" unfiltered" if len(shape) > 3 and not shape[3] else "")
 
 
 @dataclasses.dataclass(slots=True)

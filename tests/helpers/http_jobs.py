@@ -12,16 +12,15 @@ import asyncio
 import dataclasses
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 
+from bench.serve_bench import parse_event
 from bench.serve_proc import ServeProc
-
-GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
+from bench.soak import request_body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,27 +54,14 @@ def http_jobs(
     return jobs
 
 
-def body(job: HttpJob, model: str, stream: bool) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": list(job.prompt),
-        "max_tokens": job.max_tokens,
-        "ignore_eos": True,
-        "temperature": 0,
-        "logprobs": 0,
-        "stream": stream,
-    }
-
-
 async def read_stream(resp: aiohttp.ClientResponse, res: HttpResult, hang_up_after: int | None) -> None:
     text: list[str] = []
     tokens: list[str] = []
     chunks = 0
     async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        event = parse_event(raw)
+        if not isinstance(event, dict):  # blank, comment or [DONE]
             continue
-        event = json.loads(line[len(b"data: ") :])
         if "error" in event:
             res.error = json.dumps(event)[:300]
             break
@@ -92,7 +78,8 @@ async def read_stream(resp: aiohttp.ClientResponse, res: HttpResult, hang_up_aft
 async def one(session: aiohttp.ClientSession, url: str, model: str, job: HttpJob, stream: bool) -> HttpResult:
     res = HttpResult()
     try:
-        resp = await session.post(url + "/v1/completions", json=body(job, model, stream))
+        body = request_body(list(job.prompt), job.max_tokens, stream, model)
+        resp = await session.post(url + "/v1/completions", json=body)
         try:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
@@ -128,13 +115,7 @@ def run_jobs(url: str, model: str, jobs: list[HttpJob], in_flight: int = 64) -> 
 
 def settled_gauges(serve: ServeProc, timeout_s: float = 10.0) -> dict[str, float | None]:
     """The slot, running and KV gauges once they read zero (or after ``timeout_s``)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        m = serve.metrics()
-        now = {g: m.get(g) for g in GAUGES}
-        if all(v == 0 for v in now.values()) or time.monotonic() > end:
-            return now
-        time.sleep(0.2)
+    return serve.wait_gauges(dict.fromkeys(serve.gauges(), 0.0), timeout_s)
 
 
 def engine_events(log: Path, event: str) -> list[dict[str, Any]]:
