@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -61,6 +63,7 @@ class SoakConfig:
     rss_tolerance_frac: float = 0.10
     seed: int = 0
     served_name: str = MODEL
+    clients: int = 1  # load-generating processes (one Python client tops out near 2,000 requests/s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +216,10 @@ def mismatch(out: Outcome, refs: list[Answer], max_tokens: int) -> str | None:
 
 
 async def closed_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
-                      concurrency: int) -> tuple[float, list[Outcome]]:
+                      concurrency: int, seed: int) -> tuple[float, list[Outcome]]:
     """``concurrency`` clients back to back for ``level_s`` (each sends at least one request):
-    (completed requests / time until the last one finished, outcomes)."""
-    rng = random.Random(cfg.seed + concurrency)
+    (seconds until the last one finished, outcomes)."""
+    rng = random.Random(seed)
     t0 = time.monotonic()
     outcomes: list[Outcome] = []
 
@@ -227,18 +230,70 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, prompts: list[li
                 return
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    done = sum(o.kind == "completed" for o in outcomes)
-    return done / (time.monotonic() - t0), outcomes
+    return time.monotonic() - t0, outcomes
 
 
-async def saturation(session: aiohttp.ClientSession, url: str, prompts: list[list[int]],
-                     cfg: SoakConfig) -> tuple[list[dict[str, float]], list[Outcome]]:
+def new_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0))
+
+
+def load_process(job: tuple[str, str, list[list[int]], SoakConfig, float, float, int]) -> tuple[float, list[Outcome]]:
+    """One load-generating process: ``closed`` (a number of clients) or ``open`` (a rate), with its own
+    event loop and connections; (seconds, outcomes)."""
+
+    async def go() -> tuple[float, list[Outcome]]:
+        kind, url, prompts, cfg, amount, window_s, seed = job
+        async with new_session() as session:
+            if kind == "closed":
+                return await closed_loop(session, url, prompts, cfg, int(amount), seed)
+            t0 = time.monotonic()
+            outs = await open_loop(session, url, prompts, cfg, amount, window_s, seed)
+            return time.monotonic() - t0, outs
+
+    elapsed, outs = asyncio.run(go())
+    same: dict[Answer, Answer] = {}
+    for o in outs:  # equal answers become one object, which pickles once
+        if o.answer is not None:
+            o.answer = same.setdefault(o.answer, o.answer)
+    return elapsed, outs
+
+
+class Load:
+    """Runs closed and open loops in this process (``clients`` = 1) or split over ``clients`` processes,
+    so that the load generator is not what saturates."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig) -> None:
+        self.session, self.url, self.prompts, self.cfg = session, url, prompts, cfg
+        spawn = multiprocessing.get_context("spawn")
+        self.pool = concurrent.futures.ProcessPoolExecutor(cfg.clients, mp_context=spawn) if cfg.clients > 1 else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    async def run(self, kind: str, amount: float, window_s: float, seed: int) -> tuple[float, list[Outcome]]:
+        """``amount``: clients (closed) or requests/s (open), shared evenly by the processes."""
+        if self.pool is None:
+            if kind == "closed":
+                return await closed_loop(self.session, self.url, self.prompts, self.cfg, int(amount), seed)
+            return 0.0, await open_loop(self.session, self.url, self.prompts, self.cfg, amount, window_s, seed)
+        n = min(self.cfg.clients, int(amount)) if kind == "closed" else self.cfg.clients
+        shares = [amount // n + (k < amount % n) for k in range(n)] if kind == "closed" else [amount / n] * n
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(loop.run_in_executor(
+            self.pool, load_process, (kind, self.url, self.prompts, self.cfg, share, window_s, seed + 7919 * k))
+            for k, share in enumerate(shares)))
+        return max(t for t, _ in parts), [o for _, outs in parts for o in outs]
+
+
+async def saturation(load: Load) -> tuple[list[dict[str, float]], list[Outcome]]:
     """Throughput at concurrency 1, 2, 4, ... until two levels in a row fail to beat the best by 5 %."""
     table: list[dict[str, float]] = []
     outcomes: list[Outcome] = []
     best, flat = 0.0, 0
     for level in (1, 2, 4, 8, 16, 32, 64):
-        rps, outs = await closed_loop(session, url, prompts, cfg, level)
+        elapsed, outs = await load.run("closed", level, 0.0, load.cfg.seed + level)
+        rps = sum(o.kind == "completed" for o in outs) / elapsed
         outcomes += outs
         lat = [o.latency_s for o in outs if o.kind == "completed"]
         table.append({"concurrency": level, "requests_per_s": round(rps, 3),
@@ -273,9 +328,9 @@ class Sampler:
 
 
 async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
-                    rate: float, hang_up_window_s: float) -> list[Outcome]:
+                    rate: float, hang_up_window_s: float, seed: int) -> list[Outcome]:
     """Poisson arrivals at ``rate`` for ``duration_s``; returns every request's outcome."""
-    rng = random.Random(cfg.seed)
+    rng = random.Random(seed)
     tasks: list[asyncio.Task[Outcome]] = []
     t_next = time.monotonic()
     end = t_next + cfg.duration_s
@@ -331,13 +386,12 @@ def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dic
     return counts, bad
 
 
-async def soak_phase(serve: ServeProc, session: aiohttp.ClientSession, prompts: list[list[int]],
-                     cfg: SoakConfig, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
+async def soak_phase(serve: ServeProc, load: Load, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
     start_gauges = serve.gauges()
     sampler = Sampler(serve, time.monotonic())
-    sampling = asyncio.create_task(sampler.run(cfg.sample_s))
+    sampling = asyncio.create_task(sampler.run(load.cfg.sample_s))
     try:
-        outs = await open_loop(session, serve.url, prompts, cfg, rate, window_s)
+        _, outs = await load.run("open", rate, window_s, load.cfg.seed)
         end_gauges = await asyncio.to_thread(serve.wait_gauges, start_gauges, 30.0)  # back at their start
     finally:
         sampling.cancel()
@@ -347,18 +401,21 @@ async def soak_phase(serve: ServeProc, session: aiohttp.ClientSession, prompts: 
 
 async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
     prompts = make_prompts(cfg.prompts, cfg.seed)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with new_session() as session:
         refs = await references(session, serve.url, prompts, cfg)
         progress(f"{len(refs)} references")
-        table, probe = await saturation(session, serve.url, prompts, cfg)
-        peak = max(table, key=lambda row: row["requests_per_s"])
-        if not peak["requests_per_s"]:
-            raise RuntimeError(f"no request finished while measuring saturation: {table}")
-        rate = cfg.load * peak["requests_per_s"]
-        window = 1.5 * (peak["p50_latency_s"] or 1.0)
-        progress(f"soaking at {rate:.2f} requests/s for {cfg.duration_s:.0f} s")
-        outs, sampler, gauges = await soak_phase(serve, session, prompts, cfg, rate, window)
+        load = Load(session, serve.url, prompts, cfg)
+        try:
+            table, probe = await saturation(load)
+            peak = max(table, key=lambda row: row["requests_per_s"])
+            if not peak["requests_per_s"]:
+                raise RuntimeError(f"no request finished while measuring saturation: {table}")
+            rate = cfg.load * peak["requests_per_s"]
+            window = 1.5 * (peak["p50_latency_s"] or 1.0)
+            progress(f"soaking at {rate:.2f} requests/s for {cfg.duration_s:.0f} s from {cfg.clients} process(es)")
+            outs, sampler, gauges = await soak_phase(serve, load, rate, window)
+        finally:
+            load.close()
     counts, bad = judge(outs, refs, cfg)
     _, probe_bad = judge(probe, refs, cfg)
     rss, rss_bad = rss_report(sampler.samples, cfg)
@@ -408,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--level-s", type=float, default=6.0, help="seconds per concurrency level (saturation)")
     ap.add_argument("--warmup-s", type=float, default=None, help="RSS baseline time (default: 1/4, <= 60 s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clients", type=int, default=1, help="load-generating processes (the load is split evenly)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--backend", default=None, help="engine backend (cpu, host, persistent); default: the engine's")
     ap.add_argument("--dtype", default=None, help="engine dtype (float32 keeps GPU greedy outputs batch-stable)")
@@ -416,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
     cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
-                     level_s=a.level_s, warmup_s=warmup, seed=a.seed,
+                     level_s=a.level_s, warmup_s=warmup, seed=a.seed, clients=a.clients,
                      served_name=Path(a.model).name if a.model else MODEL)
     with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
         extra = (("--backend", a.backend) if a.backend else ()) + (("--dtype", a.dtype) if a.dtype else ())

@@ -30,7 +30,7 @@ def check(summary: dict) -> None:
 
 
 def test_soak_two_minutes(tmp_path: Path) -> None:
-    check(run_soak(SoakConfig(duration_s=80, level_s=3, warmup_s=20), tmp_path))
+    check(run_soak(SoakConfig(duration_s=80, level_s=3, warmup_s=20, clients=2), tmp_path))  # two load processes
 
 
 @pytest.mark.slow

@@ -13,6 +13,9 @@ set by ``scripts/gpu_run.sh``); marked gpu.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ SERVED = "tiny"
 ARGS = ("--dtype", "float32", "--num-slots", "256", "--max-prompt-tokens", "256", "--max-output-tokens", "4352",
         "--max-batch", "64", "--kv-blocks", "6000", "--block-size", "16", "--served-model-name", SERVED,
         "--random-weights")
+OUT = Path(os.environ.get("BLINK_GPU_OUT", "/tmp/blink-gpu-out"))
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +47,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serve_all(model: Path, backend: str, jobs: list[HttpJob], root: Path) -> tuple[dict[int, HttpResult], dict]:
     serve = ServeProc((*ARGS, "--backend", backend, "--model", str(model)), root).start(timeout_s=300)
     try:
+        t0 = time.monotonic()
         results = run_jobs(serve.url, SERVED, jobs, in_flight=64)
+        elapsed = time.monotonic() - t0
         gauges = settled_gauges(serve)
     finally:
         code = serve.stop()
-    return results, {"gauges": gauges, "exit_code": code, "log": serve.log_path}
+    return results, {"gauges": gauges, "exit_code": code, "log": serve.log_path, "elapsed_s": round(elapsed, 2)}
 
 
 def test_5000_requests_through_the_frontend(model: Path, tmp_path: Path) -> None:
@@ -67,5 +73,9 @@ def test_5000_requests_through_the_frontend(model: Path, tmp_path: Path) -> None
     (stats,) = engine_events(info["log"], "scheduler exited")
     (captured,) = engine_events(info["log"], "graphs captured")
     print(f"\nscheduler: {stats}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    summary = {"requests": len(jobs), "hung_up": hung_up, "tokens": sum(len(r.tokens) for r in pers.values()),
+               "persistent_s": info["elapsed_s"], "host_s": host_info["elapsed_s"], "scheduler": stats}
+    (OUT / "persistent_frontend_5k.json").write_text(json.dumps(summary))
     assert stats["windows"] > 100 and stats["kv_free"] == captured["kv_blocks"]
     assert stats["cancels"] >= 1 and stats["launch_failures"] == 0
