@@ -45,7 +45,7 @@ soak_start() {  # the persistent scheduler under a soak: Llama-3 vocabulary, fp3
   mkdir -p "$SOAK/model" && cp "$ASSETS/llama3/tokenizer.json" "$ASSETS/llama3/tokenizer.model" "$SOAK/model/" &&
     "$PY" -c "import sys; from pathlib import Path; from bench.models import TINY_LLAMA3, write_config; write_config(Path(sys.argv[1]), TINY_LLAMA3)" "$SOAK/model" || return 1
   setsid nohup "$PY" -m bench.soak --backend persistent --dtype float32 --model "$SOAK/model" --random-weights \
-    --duration-s "${SOAK_S:-600}" --clients "${SOAK_CLIENTS:-4}" --out "$SOAK/soak_gpu.json" >"$SOAK/soak.log" 2>&1 </dev/null &
+    --duration-s "${SOAK_S:-600}" --clients "${SOAK_CLIENTS:-4}" --level-s "${SOAK_LEVEL_S:-6}" --out "$SOAK/soak_gpu.json" >"$SOAK/soak.log" 2>&1 </dev/null &
   echo $! >"$SOAK/pid"
   sleep "${SOAK_PEEK_S:-30}"; tail -n 5 "$SOAK/soak.log"
 }
