@@ -10,7 +10,8 @@ Starts its own ``blink serve`` (the real CPU engine, small limits), then:
 3. offers Poisson arrivals at ``--load`` x saturation for ``--duration-s``; a ``--disconnect`` share of
    the clients hangs up after a random delay (before admission, during prefill or mid-stream); half of
    the requests stream; a 429 (server full) is retried after its ``Retry-After``, at most 3 times, as the
-   ``openai`` client does, and the retries are counted;
+   ``openai`` client does, and the retries are counted; ``--clients N`` splits the closed and open loops
+   evenly over N processes, so that the load generator is not what saturates;
 4. checks: every request that was not hung up completed and its text and token strings equal its
    reference (nothing lost, duplicated or reordered); slot and KV-block gauges are back to their start;
    the resident memory of every process (supervisor and children) stayed flat after warm-up; no
