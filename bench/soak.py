@@ -64,7 +64,7 @@ class SoakConfig:
     rss_tolerance_frac: float = 0.10
     seed: int = 0
     served_name: str = MODEL
-    clients: int = 1  # load-generating processes (one Python client tops out near 2,000 requests/s)
+    clients: int = 1  # load-generating processes, each with its own event loop and connections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,18 +238,25 @@ def new_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0))
 
 
-def load_process(job: tuple[str, str, list[list[int]], SoakConfig, float, float, int]) -> tuple[float, list[Outcome]]:
-    """One load-generating process: ``closed`` (a number of clients) or ``open`` (a rate), with its own
-    event loop and connections; (seconds, outcomes)."""
+LoadJob = tuple[str, str, list[list[int]], SoakConfig, float, float, int]
+
+
+async def drive(session: aiohttp.ClientSession, job: LoadJob) -> tuple[float, list[Outcome]]:
+    """A ``closed`` loop of ``amount`` clients or an ``open`` loop of ``amount`` requests/s: (seconds, outcomes)."""
+    kind, url, prompts, cfg, amount, window_s, seed = job
+    if kind == "closed":
+        return await closed_loop(session, url, prompts, cfg, int(amount), seed)
+    t0 = time.monotonic()
+    outs = await open_loop(session, url, prompts, cfg, amount, window_s, seed)
+    return time.monotonic() - t0, outs
+
+
+def load_process(job: LoadJob) -> tuple[float, list[Outcome]]:
+    """``drive`` in a load-generating process of its own, with its own event loop and connections."""
 
     async def go() -> tuple[float, list[Outcome]]:
-        kind, url, prompts, cfg, amount, window_s, seed = job
         async with new_session() as session:
-            if kind == "closed":
-                return await closed_loop(session, url, prompts, cfg, int(amount), seed)
-            t0 = time.monotonic()
-            outs = await open_loop(session, url, prompts, cfg, amount, window_s, seed)
-            return time.monotonic() - t0, outs
+            return await drive(session, job)
 
     elapsed, outs = asyncio.run(go())
     same: dict[Answer, Answer] = {}
@@ -275,9 +282,7 @@ class Load:
     async def run(self, kind: str, amount: float, window_s: float, seed: int) -> tuple[float, list[Outcome]]:
         """``amount``: clients (closed) or requests/s (open), shared evenly by the processes."""
         if self.pool is None:
-            if kind == "closed":
-                return await closed_loop(self.session, self.url, self.prompts, self.cfg, int(amount), seed)
-            return 0.0, await open_loop(self.session, self.url, self.prompts, self.cfg, amount, window_s, seed)
+            return await drive(self.session, (kind, self.url, self.prompts, self.cfg, amount, window_s, seed))
         n = min(self.cfg.clients, int(amount)) if kind == "closed" else self.cfg.clients
         shares = [amount // n + (k < amount % n) for k in range(n)] if kind == "closed" else [amount / n] * n
         loop = asyncio.get_running_loop()
