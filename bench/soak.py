@@ -17,6 +17,9 @@ Starts its own ``blink serve`` (the real CPU engine, small limits), then:
    the resident memory of every process (supervisor and children) stayed flat after warm-up; no
    process was restarted.
 
+The summary also gives the CPU time per minute of each server process and of each load process
+(60 means one core fully busy: a saturated gateway, or a load generator that cannot keep up).
+
 The summary (JSON) holds the figures and ``violations``; the exit status is 1 when there are any.
 """
 
@@ -42,7 +45,7 @@ import aiohttp
 import numpy as np
 
 from bench.serve_bench import parse_event
-from bench.serve_proc import MODEL, ServeProc
+from bench.serve_proc import MODEL, ServeProc, cpu_seconds
 
 SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
               "256", "--drain-timeout", "2")
@@ -241,29 +244,32 @@ def new_session() -> aiohttp.ClientSession:
 LoadJob = tuple[str, str, list[list[int]], SoakConfig, float, float, int]
 
 
-async def drive(session: aiohttp.ClientSession, job: LoadJob) -> tuple[float, list[Outcome]]:
-    """A ``closed`` loop of ``amount`` clients or an ``open`` loop of ``amount`` requests/s: (seconds, outcomes)."""
+async def drive(session: aiohttp.ClientSession, job: LoadJob) -> tuple[float, list[Outcome], float]:
+    """A ``closed`` loop of ``amount`` clients or an ``open`` loop of ``amount`` requests/s:
+    (seconds, outcomes, CPU seconds of this process meanwhile)."""
     kind, url, prompts, cfg, amount, window_s, seed = job
+    t0, cpu0 = time.monotonic(), time.process_time()
     if kind == "closed":
-        return await closed_loop(session, url, prompts, cfg, int(amount), seed)
-    t0 = time.monotonic()
-    outs = await open_loop(session, url, prompts, cfg, amount, window_s, seed)
-    return time.monotonic() - t0, outs
+        elapsed, outs = await closed_loop(session, url, prompts, cfg, int(amount), seed)
+    else:
+        outs = await open_loop(session, url, prompts, cfg, amount, window_s, seed)
+        elapsed = time.monotonic() - t0
+    return elapsed, outs, time.process_time() - cpu0
 
 
-def load_process(job: LoadJob) -> tuple[float, list[Outcome]]:
+def load_process(job: LoadJob) -> tuple[float, list[Outcome], float]:
     """``drive`` in a load-generating process of its own, with its own event loop and connections."""
 
-    async def go() -> tuple[float, list[Outcome]]:
+    async def go() -> tuple[float, list[Outcome], float]:
         async with new_session() as session:
             return await drive(session, job)
 
-    elapsed, outs = asyncio.run(go())
+    elapsed, outs, cpu = asyncio.run(go())
     same: dict[Answer, Answer] = {}
     for o in outs:  # equal answers become one object, which pickles once
         if o.answer is not None:
             o.answer = same.setdefault(o.answer, o.answer)
-    return elapsed, outs
+    return elapsed, outs, cpu
 
 
 class Load:
@@ -274,6 +280,7 @@ class Load:
         self.session, self.url, self.prompts, self.cfg = session, url, prompts, cfg
         spawn = multiprocessing.get_context("spawn")
         self.pool = concurrent.futures.ProcessPoolExecutor(cfg.clients, mp_context=spawn) if cfg.clients > 1 else None
+        self.cpu_per_min: list[float] = []  # of each load process, in the last run
 
     def close(self) -> None:
         if self.pool is not None:
@@ -282,19 +289,21 @@ class Load:
     async def run(self, kind: str, amount: float, window_s: float, seed: int) -> tuple[float, list[Outcome]]:
         """``amount``: clients (closed) or requests/s (open), shared evenly by the processes."""
         if self.pool is None:
-            return await drive(self.session, (kind, self.url, self.prompts, self.cfg, amount, window_s, seed))
-        n = min(self.cfg.clients, int(amount)) if kind == "closed" else self.cfg.clients
-        shares = [amount // n + (k < amount % n) for k in range(n)] if kind == "closed" else [amount / n] * n
-        loop = asyncio.get_running_loop()
-        parts = await asyncio.gather(*(loop.run_in_executor(
-            self.pool, load_process, (kind, self.url, self.prompts, self.cfg, share, window_s, seed + 7919 * k))
-            for k, share in enumerate(shares)))
-        return max(t for t, _ in parts), [o for _, outs in parts for o in outs]
+            parts = [await drive(self.session, (kind, self.url, self.prompts, self.cfg, amount, window_s, seed))]
+        else:
+            n = min(self.cfg.clients, int(amount)) if kind == "closed" else self.cfg.clients
+            shares = [amount // n + (k < amount % n) for k in range(n)] if kind == "closed" else [amount / n] * n
+            loop = asyncio.get_running_loop()
+            parts = await asyncio.gather(*(loop.run_in_executor(
+                self.pool, load_process, (kind, self.url, self.prompts, self.cfg, share, window_s, seed + 7919 * k))
+                for k, share in enumerate(shares)))
+        self.cpu_per_min = [round(cpu / max(1e-6, t) * 60, 2) for t, _, cpu in parts]
+        return max(t for t, _, _ in parts), [o for _, outs, _ in parts for o in outs]
 
 
-async def saturation(load: Load) -> tuple[list[dict[str, float]], list[Outcome]]:
+async def saturation(load: Load) -> tuple[list[dict[str, Any]], list[Outcome]]:
     """Throughput at concurrency 1, 2, 4, ... until two levels in a row fail to beat the best by 5 %."""
-    table: list[dict[str, float]] = []
+    table: list[dict[str, Any]] = []
     outcomes: list[Outcome] = []
     best, flat = 0.0, 0
     for level in (1, 2, 4, 8, 16, 32, 64):
@@ -303,7 +312,8 @@ async def saturation(load: Load) -> tuple[list[dict[str, float]], list[Outcome]]
         outcomes += outs
         lat = [o.latency_s for o in outs if o.kind == "completed"]
         table.append({"concurrency": level, "requests_per_s": round(rps, 3),
-                      "p50_latency_s": round(float(np.median(lat)), 3) if lat else None})
+                      "p50_latency_s": round(float(np.median(lat)), 3) if lat else None,
+                      "busiest_load_process_cpu_s_per_min": max(load.cpu_per_min)})  # 60: that process saturated
         errors = sorted({o.error for o in outs if o.kind == "failed"})
         progress(f"saturation: {table[-1]}" + (f"; errors: {errors[:3]}" if errors else ""))
         flat = flat + 1 if rps < best * 1.05 else 0
@@ -314,7 +324,7 @@ async def saturation(load: Load) -> tuple[list[dict[str, float]], list[Outcome]]
 
 
 class Sampler:
-    """Resident memory, gauges and child pids every ``sample_s`` seconds."""
+    """Resident memory, CPU seconds, gauges and child pids every ``sample_s`` seconds."""
 
     def __init__(self, serve: ServeProc, t0: float) -> None:
         self.serve, self.t0 = serve, t0
@@ -323,6 +333,7 @@ class Sampler:
     def sample(self) -> dict[str, Any]:
         pids = self.serve.pids()
         s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(pids),
+             "cpu_s": {role: cpu_seconds(pid) for role, pid in pids.items()},
              "pids": {role: pid for role, pid in pids.items() if role != "supervisor"}, **self.serve.gauges()}
         self.samples.append(s)
         return s
@@ -331,6 +342,14 @@ class Sampler:
         while True:
             await asyncio.to_thread(self.sample)
             await asyncio.sleep(every_s)
+
+    def cpu_per_min(self) -> dict[str, float]:
+        """CPU seconds per minute of each server process from the first sample to the last (a process
+        that was restarted meanwhile is left out)."""
+        first, last = self.samples[0], self.samples[-1]
+        wall = max(1e-6, last["t"] - first["t"])
+        return {role: round((t1 - t0) / wall * 60, 2) for role, t0 in first["cpu_s"].items()
+                if t0 is not None and (t1 := last["cpu_s"].get(role)) is not None and t1 >= t0}
 
 
 async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
@@ -433,7 +452,9 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
         bad.append(f"a process was restarted during the soak: {[s['pids'] for s in sampler.samples]}")
     return {"saturation": table, "target_rate_rps": round(rate, 3), "hang_up_window_s": round(window, 3),
             "requests": counts, "probe_requests": len(probe), "output_tokens": counts["completed"] * cfg.max_tokens,
-            "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss, "samples": sampler.samples,
+            "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss,
+            "cpu_s_per_min": {"server": sampler.cpu_per_min(), "load_processes": load.cpu_per_min},
+            "samples": sampler.samples,
             "failures_by_error": failure_kinds(outs), "violations": bad[:50], "violation_count": len(bad)}
 
 
@@ -494,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
     brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss",
-                                     "violations", "passed")}
+                                     "cpu_s_per_min", "violations", "passed")}
     print(json.dumps(brief, indent=1))
     return 0 if summary["passed"] else 1
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+from helpers.procfs import fd_targets, tcp_sockets
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
 from shared import ipc
@@ -63,25 +64,13 @@ def ready_pid(stack: Stack, name: str) -> int | None:
 
 
 def socket_inodes(pid: int) -> set[int]:
-    out = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            out.add(int(target[8:-1]))
-    return out
+    return {int(t[8:-1]) for t in fd_targets(pid) if t.startswith("socket:[")}
 
 
 def server_socket_inode(server_port: int, client_port: int) -> int | None:
     """The inode of the server's end of the TCP connection from ``client_port``."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == server_port and int(f[2].rsplit(":", 1)[1], 16) == client_port:
-                return int(f[9])
-    return None
+    return next((s.inode for s in tcp_sockets() if s.local_port == server_port and s.remote_port == client_port),
+                None)
 
 
 def victim_pid(stack: Stack, part: str, client_port: int) -> int:

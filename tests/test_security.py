@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from helpers import fixtures
+from helpers.procfs import fd_targets, tcp_sockets
 from helpers.stack import MODEL, Stack, processes_of
 
 from blink.cli import build_parser
@@ -38,14 +39,7 @@ async def post(stack: Stack, path: str, body: dict, headers: dict | None = None,
 
 def listening_addresses(port: int) -> set[str]:
     """Local addresses (hex, as in /proc/net/tcp*) of sockets listening on ``port``."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            addr, _, hexport = f[1].rpartition(":")
-            if int(hexport, 16) == port and f[3] == "0A":  # TCP_LISTEN
-                found.add(addr)
-    return found
+    return {s.local_addr for s in tcp_sockets() if s.local_port == port and s.state == "0A"}  # TCP_LISTEN
 
 
 # ---------------------------------------------------------------------- bind address
@@ -124,15 +118,7 @@ def fifo_has_reader(path: Path) -> bool:
 
 
 def fds_pointing_at(stack: Stack, path: Path) -> list[int]:
-    hits = []
-    for pid in processes_of(stack):
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                if os.readlink(fd) == str(path):
-                    hits.append(pid)
-            except OSError:
-                continue
-    return hits
+    return [pid for pid in processes_of(stack) for target in fd_targets(pid) if target == str(path)]
 
 
 async def test_model_name_is_never_opened(api_stack: Stack, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from helpers.byte_tokenizer import ByteTokenizer
+from helpers.procfs import processes
 
 from bench import serve_bench as sb
 from bench import serving_study as ss
@@ -41,18 +42,7 @@ def have_llama3_assets() -> bool:
 
 def processes_with(text: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose command line holds ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmd and state != "Z":
-            found.append((int(entry.name), cmd))
-    return found
+    return [(p.pid, p.cmdline) for p in processes() if text in p.cmdline and p.state != "Z" and p.pid != os.getpid()]
 
 
 def wait_none(text: str, timeout_s: float = 5.0) -> list[tuple[int, str]]:

@@ -19,24 +19,30 @@ from aiohttp import web
 from bench.soak import BUSY_RETRIES, SoakConfig, one_request, run_soak
 
 
-def check(summary: dict) -> None:
-    brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss")}
+def check(summary: dict, clients: int) -> None:
+    brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss",
+                                     "cpu_s_per_min")}
     print("\nsoak:", json.dumps(brief))
     assert summary["passed"], summary["violations"]
     req = summary["requests"]
     assert req["failed"] == 0 and req["mismatched"] == 0
     assert req["completed"] + req["disconnected"] == req["sent"]
     assert req["disconnected"] >= 1 and req["completed"] >= 50, req
+    # where the CPU went: every server process, and each load process (the engine did the work)
+    cpu = summary["cpu_s_per_min"]
+    assert {"engine", "gateway-0", "tokenizer", "reader", "tracker"} <= set(cpu["server"]), cpu
+    assert cpu["server"]["engine"] > max(cpu["server"]["reader"], cpu["server"]["tracker"]), cpu
+    assert len(cpu["load_processes"]) == clients and all(c > 0 for c in cpu["load_processes"]), cpu
 
 
 def test_soak_two_minutes(tmp_path: Path) -> None:
-    check(run_soak(SoakConfig(duration_s=80, level_s=3, warmup_s=20, clients=2), tmp_path))  # two load processes
+    check(run_soak(SoakConfig(duration_s=80, level_s=3, warmup_s=20, clients=2), tmp_path), 2)  # two load processes
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_soak_twenty_minutes(tmp_path: Path) -> None:
-    check(run_soak(SoakConfig(duration_s=1200, level_s=8, warmup_s=60), tmp_path))
+    check(run_soak(SoakConfig(duration_s=1200, level_s=8, warmup_s=60), tmp_path), 1)
 
 
 async def busy_server(busy_answers: int) -> tuple[web.AppRunner, str, list[int]]:

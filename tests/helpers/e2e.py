@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 
+from helpers.procfs import processes
 from helpers.stack import MODEL, Stack, start_stack
 
 REAL_ENGINE = "gpu_engine.serve"
@@ -57,15 +58,7 @@ def idle_kv_usage(stack: Stack) -> float:
 
 def children_of(pid: int) -> list[int]:
     """Every descendant process of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    parents = {p.pid: p.parent for p in processes()}
     found, frontier = [], [pid]
     while frontier:
         kids = [p for p, parent in parents.items() if parent in frontier]

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from bench.serve_proc import MODEL, ServeProc, http_get
+from helpers.procfs import processes
 from shared.transport import SHM_DIR
 
 __all__ = ["MODEL", "Stack", "processes_of", "segment_exists", "sse_events", "start_stack", "stop_stack"]
@@ -58,17 +59,7 @@ def stop_stack(stack: Stack, timeout_s: float = 60.0) -> int:
 
 def processes_of(stack: Stack) -> list[int]:
     """Pids of processes still running with this stack's ring or run dir on their command line."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if stack.ring in cmdline or str(stack.run_dir) in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [p.pid for p in processes() if stack.ring in p.cmdline or str(stack.run_dir) in p.cmdline]
 
 
 def segment_exists(stack: Stack) -> bool:
