@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
 from bench.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
-from bench.serve_proc import cpu_seconds
+from bench.serve_proc import CpuMeter
 
 CONFIGS = {"short-prompt/short-out": (128, 32), "short-prompt/long-out": (128, 512),
            "long-prompt/short-out": (2048, 32), "long-prompt/long-out": (2048, 512)}
@@ -35,7 +35,8 @@ def makespans(model: Path, backend: str, reps: int, log_dir: Path, vocab: int) -
     ring = wait_ready(name, proc)
     rng = np.random.default_rng(0)
     out: dict[str, float] = {}
-    cpu0, wall0 = cpu_seconds(proc.pid) or 0.0, time.time()
+    meter = CpuMeter(lambda: {"engine": proc.pid})
+    meter.begin()
     try:
         for label, (plen, olen) in CONFIGS.items():
             runs = []
@@ -49,7 +50,7 @@ def makespans(model: Path, backend: str, reps: int, log_dir: Path, vocab: int) -
                 assert lengths == {olen}, f"{backend} {label}: output lengths {lengths}, expected {olen}"
             out[label] = float(np.median(runs))
             print(f"{backend:10s} {label:24s} {out[label]:.3f} s", flush=True)
-        cpu_per_min = ((cpu_seconds(proc.pid) or cpu0) - cpu0) / (time.time() - wall0) * 60
+        cpu_per_min = meter.end()[0].get("engine", 0.0)
     finally:
         stop_engine(ring, proc)
         ring.close()

@@ -6,6 +6,7 @@ operator would read it: HTTP (``/health``, ``/metrics``) and ``/proc`` (the supe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from shared.ipc import run_dir_problem
@@ -79,6 +81,32 @@ def cpu_seconds(pid: int) -> float | None:
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds per minute of wall time of some processes (by role) and of this process, from
+    ``begin`` to ``end``; ``pids`` names the processes when ``begin`` runs."""
+
+    def __init__(self, pids: Callable[[], dict[str, int]]) -> None:
+        self._pids = pids
+        self.pids: dict[str, int] = {}
+        self.start: dict[str, float] = {}
+        self.wall0 = self.own0 = 0.0
+
+    def begin(self) -> None:
+        self.pids = self._pids()
+        self.start = {role: t for role, pid in self.pids.items() if (t := cpu_seconds(pid)) is not None}
+        self.wall0, self.own0 = time.monotonic(), time.process_time()
+
+    def end(self) -> tuple[dict[str, float], float]:
+        """(per role, this process): CPU seconds per minute since ``begin``; a process gone meanwhile is left out."""
+        wall = max(1e-6, time.monotonic() - self.wall0)
+        per_min = {}
+        for role, t0 in self.start.items():
+            t1 = cpu_seconds(self.pids[role])
+            if t1 is not None:
+                per_min[role] = round((t1 - t0) / wall * 60, 3)
+        return per_min, round((time.process_time() - self.own0) / wall * 60, 3)
 
 
 def cpu_name() -> str:
@@ -151,10 +179,14 @@ class ServeProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        if not self.run_dir.is_relative_to(self.run_root):  # the /tmp fallback: gone once emptied by the server
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()
+        return code
 
     def log_tail(self, n: int = 6000) -> str:
         try:

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shlex
 import shutil
 import signal
@@ -52,7 +51,7 @@ from bench import serve_bench as sb
 from bench.interfere import KINDS as INTERFERE_KINDS
 from bench.interfere import Interference
 from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, TINY_LLAMA3, write_config
-from bench.serve_proc import ServeProc, cpu_name, cpu_seconds
+from bench.serve_proc import CpuMeter, ServeProc, cpu_name
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
 
 MODES = ("persistent", "host")
@@ -128,36 +127,14 @@ def device_name(backend: str) -> str:
     return f"cpu: {cpu_name()}, {os.cpu_count()} cores"
 
 
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def server_cpu(serve: ServeProc | None) -> CpuMeter:
+    """The server's processes (by role; none for an external server) and this generator."""
+    return CpuMeter(lambda: serve.pids() if serve is not None and serve.proc is not None else {})
 
 
-class CpuMeter:
-    """CPU seconds per minute of wall time of the server's processes (by role) and of this generator."""
-
-    def __init__(self, serve: ServeProc | None) -> None:
-        self.serve = serve
-        self.pids: dict[str, int] = {}
-        self.start: dict[str, float] = {}
-        self.wall0 = self.own0 = 0.0
-
-    def begin(self) -> None:
-        self.pids = {}
-        if self.serve is not None and self.serve.proc is not None:
-            self.pids = self.serve.pids()
-        self.start = {role: t for role, pid in self.pids.items() if (t := cpu_seconds(pid)) is not None}
-        self.wall0, self.own0 = time.monotonic(), own_cpu_seconds()
-
-    def end(self) -> dict[str, Any]:
-        wall = max(1e-6, time.monotonic() - self.wall0)
-        per_min = {}
-        for role, t0 in self.start.items():
-            t1 = cpu_seconds(self.pids[role])
-            if t1 is not None:
-                per_min[role] = round((t1 - t0) / wall * 60, 3)
-        return {"engine_cpu_s_per_min": per_min.get("engine"), "cpu_s_per_min": per_min,
-                "generator_cpu_s_per_min": round((own_cpu_seconds() - self.own0) / wall * 60, 3)}
+def cpu_report(meter: CpuMeter) -> dict[str, Any]:
+    per_min, own = meter.end()
+    return {"engine_cpu_s_per_min": per_min.get("engine"), "cpu_s_per_min": per_min, "generator_cpu_s_per_min": own}
 
 
 @contextlib.contextmanager
@@ -368,7 +345,7 @@ async def sweep(serve: ServeProc | None, url: str, plan: Plan, mode: str, backen
             say(f"[{mode}] warm-up: {out.info['warmup']['completed']}/{plan.warmup} done in "
                 f"{out.info['warmup']['wall_s']} s")
         stop_reason = None
-        meter = CpuMeter(serve)
+        meter = server_cpu(serve)
         for k, rate in enumerate(plan.rates):
             rate_s = rate_text(rate)
             if interference or replay_s is None:
@@ -394,7 +371,7 @@ async def sweep(serve: ServeProc | None, url: str, plan: Plan, mode: str, backen
             results, wall = await send_bounded(session, target, specs, offsets, plan.drain_s,
                                                f"{mode} {tag} {rate_s}")
             run = {"mode": mode, "interference": interference, **run_record(rate, results, wall, plan),
-                   **meter.end(), "backend": backend, "started": started, "workload": summary(specs)}
+                   **cpu_report(meter), "backend": backend, "started": started, "workload": summary(specs)}
             out.runs.append(run)
             if not interference and replay_s is not None:
                 replay_s.append(wall)

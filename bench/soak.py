@@ -45,7 +45,7 @@ import aiohttp
 import numpy as np
 
 from bench.serve_bench import parse_event
-from bench.serve_proc import MODEL, ServeProc, cpu_seconds
+from bench.serve_proc import MODEL, CpuMeter, ServeProc
 
 SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
               "256", "--drain-timeout", "2")
@@ -324,7 +324,7 @@ async def saturation(load: Load) -> tuple[list[dict[str, Any]], list[Outcome]]:
 
 
 class Sampler:
-    """Resident memory, CPU seconds, gauges and child pids every ``sample_s`` seconds."""
+    """Resident memory, gauges and child pids every ``sample_s`` seconds."""
 
     def __init__(self, serve: ServeProc, t0: float) -> None:
         self.serve, self.t0 = serve, t0
@@ -333,7 +333,6 @@ class Sampler:
     def sample(self) -> dict[str, Any]:
         pids = self.serve.pids()
         s = {"t": round(time.monotonic() - self.t0, 1), "rss_kib": self.serve.rss(pids),
-             "cpu_s": {role: cpu_seconds(pid) for role, pid in pids.items()},
              "pids": {role: pid for role, pid in pids.items() if role != "supervisor"}, **self.serve.gauges()}
         self.samples.append(s)
         return s
@@ -342,14 +341,6 @@ class Sampler:
         while True:
             await asyncio.to_thread(self.sample)
             await asyncio.sleep(every_s)
-
-    def cpu_per_min(self) -> dict[str, float]:
-        """CPU seconds per minute of each server process from the first sample to the last (a process
-        that was restarted meanwhile is left out)."""
-        first, last = self.samples[0], self.samples[-1]
-        wall = max(1e-6, last["t"] - first["t"])
-        return {role: round((t1 - t0) / wall * 60, 2) for role, t0 in first["cpu_s"].items()
-                if t0 is not None and (t1 := last["cpu_s"].get(role)) is not None and t1 >= t0}
 
 
 async def open_loop(session: aiohttp.ClientSession, url: str, prompts: list[list[int]], cfg: SoakConfig,
@@ -411,17 +402,23 @@ def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dic
     return counts, bad
 
 
-async def soak_phase(serve: ServeProc, load: Load, rate: float, window_s: float) -> tuple[list[Outcome], Sampler, dict]:
+async def soak_phase(serve: ServeProc, load: Load, rate: float,
+                     window_s: float) -> tuple[list[Outcome], Sampler, dict, dict[str, float]]:
+    """The loaded phase: (outcomes, samples, gauges at start and end, CPU seconds per minute of each
+    server process under the load)."""
     start_gauges = serve.gauges()
     sampler = Sampler(serve, time.monotonic())
     sampling = asyncio.create_task(sampler.run(load.cfg.sample_s))
+    meter = CpuMeter(serve.pids)
+    meter.begin()
     try:
         _, outs = await load.run("open", rate, window_s, load.cfg.seed)
+        server_cpu, _ = meter.end()
         end_gauges = await asyncio.to_thread(serve.wait_gauges, start_gauges, 30.0)  # back at their start
     finally:
         sampling.cancel()
     await asyncio.to_thread(sampler.sample)
-    return outs, sampler, {"start": start_gauges, "end": end_gauges}
+    return outs, sampler, {"start": start_gauges, "end": end_gauges}, server_cpu
 
 
 async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
@@ -438,7 +435,7 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
             rate = cfg.load * peak["requests_per_s"]
             window = 1.5 * (peak["p50_latency_s"] or 1.0)
             progress(f"soaking at {rate:.2f} requests/s for {cfg.duration_s:.0f} s from {cfg.clients} process(es)")
-            outs, sampler, gauges = await soak_phase(serve, load, rate, window)
+            outs, sampler, gauges, server_cpu = await soak_phase(serve, load, rate, window)
         finally:
             load.close()
     counts, bad = judge(outs, refs, cfg)
@@ -453,7 +450,7 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
     return {"saturation": table, "target_rate_rps": round(rate, 3), "hang_up_window_s": round(window, 3),
             "requests": counts, "probe_requests": len(probe), "output_tokens": counts["completed"] * cfg.max_tokens,
             "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss,
-            "cpu_s_per_min": {"server": sampler.cpu_per_min(), "load_processes": load.cpu_per_min},
+            "cpu_s_per_min": {"server": server_cpu, "load_processes": load.cpu_per_min},
             "samples": sampler.samples,
             "failures_by_error": failure_kinds(outs), "violations": bad[:50], "violation_count": len(bad)}
 

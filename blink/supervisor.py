@@ -271,5 +271,5 @@ class Supervisor:
                 ShmTransport.unlink_name(self.cfg.ring)
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
-        for name in ("tokenizer", "tracker", "reader"):
+        for name in ipc.SOCKET_SERVICES:
             ipc.socket_path(self.cfg.run_dir, name).unlink(missing_ok=True)

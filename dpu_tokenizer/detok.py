@@ -72,18 +72,24 @@ class IncrementalDetokenizer:
             if data[:1] == b" ":
                 data = data[1:]
         if self._stops:
-            return self._push_with_stops(data, len(self._held))
-        if data and data[-1] < 0x80:
-            self._held = b""
-            return data.decode("utf-8", "replace")
-        cut = utf8_complete_prefix(data)
-        self._held = data[cut:]
-        return data[:cut].decode("utf-8", "replace")
+            hit = self._stop_at(data, len(self._held))
+            if hit >= 0:
+                self._held = b""
+                return data[:hit].decode("utf-8", "replace")
+        # hold back an incomplete UTF-8 char, and a tail that may begin a stop string
+        keep = len(data) if not data or data[-1] < 0x80 else utf8_complete_prefix(data)
+        if self._stops and data:
+            for prefix in self._prefixes_by_last.get(data[-1], ()):
+                if data.endswith(prefix):
+                    keep = min(keep, len(data) - len(prefix))
+                    break
+        self._held = data[keep:]
+        return data[:keep].decode("utf-8", "replace")
 
-    def _push_with_stops(self, data: bytes, old: int) -> str:
-        start = old - self._max_stop + 1
-        if start < 0:
-            start = 0
+    def _stop_at(self, data: bytes, old: int) -> int:
+        """Where the first stop string in ``data`` begins (searched from where one could start across
+        the ``old`` held bytes), and the generation stops there; -1 when there is none."""
+        start = max(0, old - self._max_stop + 1)
         hit, which = -1, b""
         for stop in self._stops:
             pos = data.find(stop, start)
@@ -92,21 +98,7 @@ class IncrementalDetokenizer:
         if hit >= 0:
             self.stopped = True
             self.stop_string = which.decode("utf-8")
-            self._held = b""
-            return data[:hit].decode("utf-8", "replace")
-        if not data:
-            return ""
-        last = data[-1]
-        keep = len(data) if last < 0x80 else utf8_complete_prefix(data)
-        for prefix in self._prefixes_by_last.get(last, ()):
-            if data.endswith(prefix):
-                keep = min(keep, len(data) - len(prefix))
-                break
-        if keep == len(data):
-            self._held = b""
-            return data.decode("utf-8", "replace")
-        self._held = data[keep:]
-        return data[:keep].decode("utf-8", "replace")
+        return hit
 
     def finish(self) -> str:
         """Everything still held: no more tokens can complete a char or a stop string."""

@@ -48,8 +48,7 @@ def load_tokenizer(model_path: str | os.PathLike[str] | None = None) -> ByteTabl
         tok = _load_file(path)
     else:
         raise TokenizerError(f"no tokenizer files at {path}")
-    encoder = tok.backend_name + (" + C encoder" if getattr(tok, "native", False) else "")
-    log.info("tokenizer %s: backend %s (%s)", path, encoder, getattr(tok, "backend_reason", ""))
+    log.info("tokenizer %s: backend %s (%s)", path, tok.backend_name, getattr(tok, "backend_reason", ""))
     return tok
 
 

@@ -93,6 +93,13 @@ class TokenizerService:
             server.close()
 
 
+def load_encoder(model: str | None) -> Tokenizer:
+    """The tokenizer with its encoder built now (a C encoder is otherwise built at the first request)."""
+    tokenizer = load_tokenizer(model)
+    log.info("encoder", c_encoder=bool(getattr(tokenizer, "native", False)))
+    return tokenizer
+
+
 async def run_tokenizer(cfg: TokenizerServiceConfig) -> None:
-    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
+    tokenizer = await asyncio.to_thread(load_encoder, cfg.model)
     await TokenizerService(tokenizer).run(cfg)

@@ -7,16 +7,13 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
+from typing import Any
 
 import tiktoken
 
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.bytelevel import missing_bytes_guard
 from dpu_tokenizer.fastbpe import build_encoder
-
-
-def _no_native(text: str) -> None:
-    return None
 
 
 def _has_prefix_clash(words: Iterable[str]) -> bool:
@@ -87,23 +84,18 @@ class TiktokenTokenizer(ByteTableTokenizer):
         self._added = enc_added
         self._core = self._enc._core_bpe  # the Rust encoder; skips per-call argument checks
         self._first_chars = frozenset(t[0] for t in added if t)
-        self._native = build_encoder(
-            pattern,
-            ranks,
-            added,
-            rank_to_id=vocab_rank_to_id,
-            missing_bytes=missing_bytes,
-            vocab_size=len(table),
-        )
-        self._native_encode: Callable[[str], list[int] | None] = _no_native
-        self._native_batch: Callable[[list[str]], list[list[int] | None]] | None = None
-        if self._native is not None:
-            self._native_encode = self._native_nfc if nfc else self._native.encode
-            self._native_batch = None if nfc else self._native.encode_batch
+        # built at the first encode: a process that only decodes (a gateway) never pays for it
+        self._native_args = (pattern, ranks, added, vocab_rank_to_id, missing_bytes, len(table))
+
+    @cached_property
+    def _native(self) -> Any:  # a _fastbpe.Encoder, or None
+        pattern, ranks, added, rank_to_id, missing_bytes, vocab_size = self._native_args
+        return build_encoder(pattern, ranks, added, rank_to_id=rank_to_id, missing_bytes=missing_bytes,
+                             vocab_size=vocab_size)
 
     @property
     def native(self) -> bool:
-        """Whether the C encoder (``fastbpe``) encodes this vocabulary's texts."""
+        """Whether the C encoder (``fastbpe``) encodes this vocabulary's texts (builds it on first use)."""
         return self._native is not None
 
     @cached_property
@@ -131,19 +123,17 @@ class TiktokenTokenizer(ByteTableTokenizer):
             piece = unicodedata.normalize("NFC", piece)
         return self._enc.encode_ordinary(piece)
 
-    def _native_nfc(self, text: str) -> list[int] | None:
-        if not unicodedata.is_normalized("NFC", text):
-            return None
-        return self._native.encode(text)  # type: ignore[no-any-return,union-attr]  # only set with _native
-
     def _encode_plain(self, text: str) -> list[int]:
-        ids = self._native_encode(text)
+        native = self._native
+        # an NFC vocabulary: the C encoder vouches only for texts already in NFC
+        ok = native is not None and not (self._nfc and not unicodedata.is_normalized("NFC", text))
+        ids = native.encode(text) if ok else None  # type: ignore[union-attr]
         return ids if ids is not None else self._encode_tiktoken(text)
 
     def _encode_plain_batch(self, texts: list[str]) -> list[list[int]]:
-        if self._native_batch is None:
+        if self._native is None or self._nfc:
             return super()._encode_plain_batch(texts)
-        out = self._native_batch(texts)
+        out = self._native.encode_batch(texts)
         return [ids if ids is not None else self._encode_tiktoken(t) for ids, t in zip(out, texts, strict=True)]
 
     def _encode_tiktoken(self, text: str) -> list[int]:

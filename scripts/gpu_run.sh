@@ -41,10 +41,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/nvid
 SOAK="${BLINK_SOAK_DIR:-/tmp/blink-soak}"
 export BLINK_TOKENIZER_ASSETS="${BLINK_TOKENIZER_ASSETS:-$PWD/.whl/tokenizer-assets}"
 ASSETS="$BLINK_TOKENIZER_ASSETS"
-soak_start() {  # the persistent scheduler under a soak: Llama-3 vocabulary, fp32, real tokenizer
-  mkdir -p "$SOAK/model" && cp "$ASSETS/llama3/tokenizer.json" "$ASSETS/llama3/tokenizer.model" "$SOAK/model/" &&
-    "$PY" -c "import sys; from pathlib import Path; from bench.models import TINY_LLAMA3, write_config; write_config(Path(sys.argv[1]), TINY_LLAMA3)" "$SOAK/model" || return 1
-  setsid nohup "$PY" -m bench.soak --backend persistent --dtype float32 --model "$SOAK/model" --random-weights \
+soak_start() {  # the persistent scheduler under a soak: the serving study's tiny Llama-3 folder, fp32, real tokenizer
+  local model
+  mkdir -p "$SOAK" && model=$("$PY" -c "import sys; from pathlib import Path; from bench.serving_study import build_model_folder; print(build_model_folder('tiny', Path(sys.argv[1]), Path(sys.argv[2])))" "$ASSETS" "$SOAK") || return 1
+  setsid nohup "$PY" -m bench.soak --backend persistent --dtype float32 --model "$model" --random-weights \
     --duration-s "${SOAK_S:-600}" --clients "${SOAK_CLIENTS:-4}" --level-s "${SOAK_LEVEL_S:-6}" --out "$SOAK/soak_gpu.json" >"$SOAK/soak.log" 2>&1 </dev/null &
   echo $! >"$SOAK/pid"
   sleep "${SOAK_PEEK_S:-30}"; tail -n 5 "$SOAK/soak.log"

@@ -86,7 +86,7 @@ Handler = Callable[[Channel], Awaitable[None]]
 
 
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
-LONGEST_SERVICE = "tokenizer"  # the longest service name of a run dir
+SOCKET_SERVICES = ("tokenizer", "tracker", "reader")  # the services that listen on a socket in the run dir
 
 
 def socket_path(run_dir: Path, service: str) -> Path:
@@ -95,7 +95,7 @@ def socket_path(run_dir: Path, service: str) -> Path:
 
 def run_dir_problem(run_dir: Path) -> str | None:
     """Why the services' sockets cannot live in ``run_dir``, or None."""
-    longest = socket_path(run_dir, LONGEST_SERVICE)
+    longest = socket_path(run_dir, max(SOCKET_SERVICES, key=len))
     size = len(os.fsencode(longest))
     if size > MAX_SOCKET_PATH:
         return (f"run dir {run_dir} is too long for Unix sockets ({longest} is {size} bytes, at most "

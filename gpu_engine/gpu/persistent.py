@@ -269,7 +269,7 @@ class PersistentScheduler:
         configuration that were overwritten, with their first bytes; empty when intact."""
         buf = C.create_string_buffer(4096)
         n = self.lib.lib.blink_sched_guard_report(self.handle, buf, len(buf))
-        if n < 0:
+        if n and not buf.value:  # a CUDA error code (positive, like a range count, but nothing written)
             return f"unreadable: {self.last_error()}"
         return buf.value.decode() if n else ""
 

@@ -31,8 +31,13 @@ def processes() -> Iterator[Proc]:
 
 
 def fd_targets(pid: int) -> Iterator[str]:
-    """Where each open file descriptor of ``pid`` points (``socket:[inode]`` for sockets)."""
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
+    """Where each open file descriptor of ``pid`` points (``socket:[inode]`` for sockets); nothing once
+    the process is gone."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return
+    for fd in fds:
         try:
             yield os.readlink(fd)
         except OSError:
