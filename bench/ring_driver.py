@@ -82,9 +82,11 @@ def stop_engine(ring: Ring, proc: subprocess.Popen, timeout: float = 60) -> int:
 class Driver:
     """Keeps up to ``window`` jobs in flight; returns every job's tokens and finish reason."""
 
-    def __init__(self, ring: Ring, window: int) -> None:
+    def __init__(self, ring: Ring, window: int, minor0_every: int = 0) -> None:
         self.ring, self.w, self.t = ring, SlotWriter(ring), ring.transport
         self.window = window
+        # Every n-th job (by id) is published as a frontend of schema minor 0 does: no pending_flips.
+        self.minor0_every, self.flips = minor0_every, self.w.flips
         self.inflight: dict[int, tuple[Job, int, int, float]] = {}  # slot -> (job, seq, seen, submit time)
         self.results: dict[int, Result] = {}
         self.firsts: dict[int, float] = {}
@@ -98,6 +100,7 @@ class Driver:
                 continue
             req = SlotRequest(job.rid, job.prompt, job.max_new, temperature=job.temperature, top_p=job.top_p,
                               top_k=job.top_k, seed=job.seed, ignore_eos=True)
+            self.w.flips = self.flips and not (self.minor0_every and job.rid % self.minor0_every == 0)
             self.w.publish(int(idx), seq, req)
             self.inflight[int(idx)] = (job, seq, 0, time.perf_counter())
             return True

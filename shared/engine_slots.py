@@ -29,6 +29,7 @@ class SlotEngine:
         # The header's pending_flips (schema minor >= 1) name the slots published since the last scan.
         self._flip_words = -(-n // 64) if ring.flips_cover_slots() else 0
         self._flips_seen: np.ndarray | None = None  # at the last scan; None: the next scan reads every slot
+        self._credit = 0  # flips seen minus doorbell increments seen, since the last scan of every slot
 
     def scan_pending(self) -> list[tuple[int, int]]:
         """(slot, seq) of every PREFILL_PENDING slot, oldest submission first (FCFS).
@@ -36,13 +37,22 @@ class SlotEngine:
         The slots are read only when the doorbell moved since the last scan (the doorbell is read
         first, so a publication racing with the scan is seen by the next one). On a ring with
         ``pending_flips`` only the slots whose bit flipped since the last scan are read, as the
-        persistent scheduler does (schema/OWNERSHIP.md); the first scan reads every slot."""
+        persistent scheduler does (schema/OWNERSHIP.md); the first scan, and one that finds fewer flips
+        than doorbell increments, reads every slot."""
         bell = self.ring.header_load64("doorbell")
         if bell == self._bell:
             return []
-        self._bell = bell
         flipped = self._flipped()
+        if flipped is not None:
+            # Each publication flips (before its doorbell increment, so no later than it is counted)
+            # and rings once. Fewer flips than rings: a writer that does not flip (an older frontend)
+            # published, so every slot is read. Flips counted ahead of their rings can only delay that.
+            self._credit += flipped.size - (bell - self._bell)
+            if self._credit < 0:
+                flipped = None
+        self._bell = bell
         if flipped is None:
+            self._credit = 0
             idx, snap = np.arange(self.ring.geometry.num_slots), self.ring.read_slots(self._snapshot)
         else:
             idx, snap = flipped, np.empty(flipped.size, L.SLOT_DTYPE)

@@ -70,6 +70,10 @@ class SlotWriter:
         self.t = ring.transport
         g = ring.geometry
         self.max_prompt, self.max_output, self.max_top = g.max_prompt_tokens, g.max_output_tokens, g.top_logprobs
+        # Flip the header's pending_flips at each publication: rings of schema minor >= 1 have them. A
+        # writer without flips (an older frontend) is still served: the engine counts flips against
+        # the doorbell and reads every slot when they fall short (schema/OWNERSHIP.md).
+        self.flips = int(ring.read_header()["schema_minor"]) >= 1
 
     def try_reserve(self, idx: int, seq: int) -> int | None:
         """EMPTY(seq) -> RESERVED(seq+1) by CAS; the new seq, or None if someone else won."""
@@ -102,7 +106,7 @@ class SlotWriter:
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)
-        if idx < FLIP_SLOTS:  # after the state word, before the doorbell (schema/OWNERSHIP.md)
+        if self.flips and idx < FLIP_SLOTS:  # after the state word, before the doorbell (schema/OWNERSHIP.md)
             t.fetch_xor64(HEADER_OFF["pending_flips"] + 8 * (idx // 64), 1 << (idx % 64))
         t.fetch_add64(HEADER_OFF["doorbell"], 1)
 

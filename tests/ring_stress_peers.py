@@ -2,8 +2,9 @@
 
 ``python -m tests.ring_stress_peers engine NAME`` plays the engine's side of the state machine
 (claims, "generates" numbered tokens, completes, honours cancellation).
-``python -m tests.ring_stress_peers submit NAME FIRST COUNT`` pushes COUNT requests with ids
-FIRST.. through the full lifecycle, checks every token, and prints a JSON summary.
+``python -m tests.ring_stress_peers submit NAME FIRST COUNT [minor0]`` pushes COUNT requests with ids
+FIRST.. through the full lifecycle, checks every token, and prints a JSON summary; with ``minor0`` it
+publishes as a frontend of schema minor 0 does, without flipping ``pending_flips``.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def run_engine(name: str) -> None:
 
 
 class Submitter:
-    def __init__(self, name: str, first: int, count: int) -> None:
+    def __init__(self, name: str, first: int, count: int, flips: bool) -> None:
         self.ring = attach_shm_ring(name)
         self.w = SlotWriter(self.ring)
+        self.w.flips = flips
         self.t = self.ring.transport
         self.todo = list(range(first, first + count))[::-1]
         self.inflight: dict[int, tuple[int, int, int]] = {}  # slot -> (rid, seq, tokens seen)
@@ -133,4 +135,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "engine":
         run_engine(sys.argv[2])
     else:
-        print(json.dumps(Submitter(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])).run()))
+        print(json.dumps(Submitter(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] != ["minor0"]).run()))

@@ -1,5 +1,6 @@
 """Several submitter processes push 100,000 requests through the slot lifecycle against a
-process playing the engine: nothing lost or duplicated, tokens in order, all slots EMPTY."""
+process playing the engine: nothing lost or duplicated, tokens in order, all slots EMPTY. One
+submitter publishes as a frontend of schema minor 0 (no ``pending_flips``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def test_100k_requests_through_the_ring(ring_name: str) -> None:
     ring = create_shm_ring(ring_name, RingGeometry(256, 8, 8, 1))
     peers = [sys.executable, "-m", "tests.ring_stress_peers"]
     engine = subprocess.Popen([*peers, "engine", ring_name])
-    subs = [subprocess.Popen([*peers, "submit", ring_name, str(1 + k * PER_SUBMITTER), str(PER_SUBMITTER)],
-                             stdout=subprocess.PIPE, text=True) for k in range(SUBMITTERS)]
+    subs = [subprocess.Popen([*peers, "submit", ring_name, str(1 + k * PER_SUBMITTER), str(PER_SUBMITTER),
+                              *(["minor0"] if k == 0 else [])], stdout=subprocess.PIPE, text=True)
+            for k in range(SUBMITTERS)]
     try:
         results = [json.loads(p.communicate(timeout=600)[0]) for p in subs]
         ring.transport.store32(HEADER_OFF["shutdown"], 1)

@@ -58,17 +58,20 @@ __device__ bool state_corrupted(SchedState *s) {
 // (512 bytes, a few PCIe reads) and only slots whose bit flipped since the last scan have their
 // state word read; otherwise, and on the first scan or after one that overflowed kMaxClaims,
 // every slot's state word is read. The flips are read before the state words, so a slot whose
-// flip is seen shows PENDING (the frontend flips after storing the state word).
+// flip is seen shows PENDING (the frontend flips after storing the state word). Each publication
+// flips once and rings once, its flip first: fewer flips than rings since the last full scan
+// means a writer that does not flip (an older frontend) published, and every slot is read.
 __device__ void claim_new(SchedState *s) {
-  __shared__ uint32_t n_claimed, go, full, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
+  __shared__ uint32_t n_claimed, go, full, n_flips, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
   __shared__ uint64_t key[kMaxClaims], bell, t0, flips[kFlipWords];
+  __shared__ int64_t credit;
   if (threadIdx.x == 0 && state_corrupted(s)) go = 0;
   __syncthreads();
   if (s->stopped) return;
   if (threadIdx.x == 0) {
     bell = ld_acq64(&header(s)->doorbell);
     go = !s->draining && bell != s->last_doorbell;
-    n_claimed = 0;
+    n_claimed = n_flips = 0;
     full = !s->cfg.scan_flips || !s->flips_synced;
     t0 = now_ns();
   }
@@ -79,8 +82,14 @@ __device__ void claim_new(SchedState *s) {
       uint64_t b = ld_relaxed64(&header(s)->pending_flips[threadIdx.x]);
       flips[threadIdx.x] = b ^ s->flips_seen[threadIdx.x];
       s->flips_seen[threadIdx.x] = b;
+      atomicAdd(&n_flips, static_cast<uint32_t>(__popcll(flips[threadIdx.x])));
     }
     __threadfence_system();  // the flips before the state words they announce
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      credit = s->flip_credit + static_cast<int64_t>(n_flips) - static_cast<int64_t>(bell - s->last_doorbell);
+      full = full || credit < 0;
+    }
     __syncthreads();
   }
   // Relaxed loads, all issued before any is used, so the PCIe round trips overlap; an acquire
@@ -116,7 +125,10 @@ __device__ void claim_new(SchedState *s) {
   if (threadIdx.x == 0) {
     s->stats->scans++;
     sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, now_ns() - t0);
-    if (n_claimed <= kMaxClaims) s->last_doorbell = bell;
+    if (n_claimed <= kMaxClaims) {
+      s->last_doorbell = bell;
+      s->flip_credit = full ? 0 : credit;
+    }
     s->flips_synced = n_claimed <= kMaxClaims;  // after an overflow the flips of the rest are spent
     for (uint32_t a = 1; a < n; ++a) {          // insertion sort by submission time
       uint32_t ci = claimed[a];

@@ -54,6 +54,7 @@ struct SchedState {
   uint64_t pending_launch_ns;
   uint64_t flips_seen[kFlipWords];  // the header's pending_flips as of the last scan
   uint32_t flips_synced;            // 0: the next scan reads every slot (at start, after an overflow)
+  int64_t flip_credit;              // flips seen minus doorbell increments seen since the last full scan
 };
 
 // ------------------------------------------------------------------ memory access to the ring

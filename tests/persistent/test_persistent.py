@@ -65,13 +65,13 @@ def sampling_jobs(n: int, seed: int) -> list[Job]:
 
 
 def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str,
-               engine_args: tuple[str, ...] = ENGINE_ARGS) -> tuple[dict[int, Result], dict]:
+               engine_args: tuple[str, ...] = ENGINE_ARGS, minor0_every: int = 0) -> tuple[dict[int, Result], dict]:
     name = f"blink-gpu-{backend}-{uuid.uuid4().hex[:6]}"
     OUT.mkdir(parents=True, exist_ok=True)
     proc = start_engine(name, model, backend, *engine_args, log=OUT / f"engine-{tag}-{backend}.log")
     ring = wait_ready(name, proc)
     try:
-        results = Driver(ring, window).run(jobs, timeout=480)
+        results = Driver(ring, window, minor0_every).run(jobs, timeout=480)
         header = settled_header(ring)
         stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
                                                        "window_relaunches", "preemptions", "output_tokens")}
@@ -160,3 +160,13 @@ def test_many_short_prompts_match_the_cpu_engine(tiny: Path) -> None:
         diff = [j.rid for j in jobs if got[j.rid].tokens != cpu[j.rid].tokens]
         assert not diff, f"{backend}: {len(diff)} of {len(jobs)} requests differ from the CPU engine"
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
+
+
+def test_persistent_serves_a_frontend_without_flips(tiny: Path) -> None:
+    """Every third request is published as a frontend of schema minor 0 does (no ``pending_flips``),
+    the rest with flips, on one ring: the scheduler's flip scan misses none of them."""
+    jobs = random_jobs(600, VOCAB, seed=4, max_prompt=64, max_new=24, cancel_frac=0.0)
+    ref, _ = serve_jobs(tiny, "host", jobs, window=32, tag="minor0")
+    got, stats = serve_jobs(tiny, "persistent", jobs, window=32, tag="minor0", minor0_every=3)
+    check_against(jobs, got, ref, "schema minor 0 beside minor 1")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
