@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from gpu_engine.kv_cache import BlockAllocator, NoFreeBlocks
+from shared.ring_layout import FinishReason as Finish
 
 
 class Phase(enum.IntEnum):
@@ -37,17 +38,6 @@ class Phase(enum.IntEnum):
     RUNNING = 1   # in the decode batch
     PAUSED = 2    # preempted, waiting to be resumed
     FINISHED = 3
-
-
-class Finish(enum.IntEnum):
-    """Mirrors FinishReason of the ring schema (same values)."""
-
-    NONE = 0
-    EOS = 1
-    LENGTH = 2
-    STOP_ID = 3
-    CANCELLED = 4
-    ERROR = 5
 
 
 @dataclasses.dataclass(slots=True, eq=False)
