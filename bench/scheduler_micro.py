@@ -1,7 +1,8 @@
 """Persistent-scheduler micro-benchmarks on the GPU: device vs host graph launch, tail relaunch,
-scan of 4096 slots (through the header's flip bits, and reading every state word), admission latency
-(a frontend-side publish until the GPU claims it), both ways; and the engine host process's CPU time
-per minute while it serves (``bench.fig3``'s batches on the same model).
+scan of 4096 slots (through the header's flip bits, reading every state word, and through the flip
+bits claiming by a store), admission latency (a frontend-side publish until the GPU claims it), all
+three ways; and the engine host process's CPU time per minute while it serves (``bench.fig3``'s
+batches on the same model).
 
     python -m bench.scheduler_micro --out bench/results/scheduler_micro.json
 """
@@ -81,13 +82,13 @@ def long_generation(ring: Ring, tokens: int) -> None:
     assert w.release(0, seq)
 
 
-def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool) -> dict[str, float]:
+def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool, cas: bool = True) -> dict[str, float]:
     """One scheduler on a fresh 4,096-slot ring: admissions one at a time, then one long generation."""
     geo = cfg.geometry
-    ring = create_shm_ring(f"{cfg.ring_name}-{int(scan_flips)}", geo)
+    ring = create_shm_ring(f"{cfg.ring_name}-{int(scan_flips)}{int(cas)}", geo)
     sched = PersistentScheduler(ring.transport.base, ring.transport.size, geo, parts.cache.scheduler_view(),  # type: ignore[attr-defined]
                                 parts.kv, parts.limits, parts.eos_ids, cfg.max_batch, parts.max_context,
-                                parts.vocab_size, scan_flips=scan_flips)
+                                parts.vocab_size, claim_with_cas=cas, scan_flips=scan_flips)
     ring.header_store32("engine_state", L.EngineState.READY)
     sched.start()
     try:
@@ -124,19 +125,26 @@ def main() -> None:
                        backend="persistent", dtype="bfloat16", geometry=geo, kv_blocks=2048, max_batch=16)
     parts = build_parts(cfg)
     host_call, host_full = host_launch_us(parts)
-    # The default scan (the header's flip bits, then only the slots that flipped), then, on a fresh ring,
-    # the scan that reads all 4,096 state words (BLINK_SCHED_FULL_SCAN=1).
+    # The default scan (the header's flip bits, then only the slots that flipped), then, each on a fresh
+    # ring, the scan that reads all 4,096 state words (BLINK_SCHED_FULL_SCAN=1) and the default scan
+    # claiming by a store instead of a CAS (BLINK_SCHED_PLAIN_CLAIM=1).
     flips = run_scheduler(parts, cfg, scan_flips=True)
-    try:
-        full = run_scheduler(parts, cfg, scan_flips=False)
-    except Exception as exc:  # noqa: BLE001 - the first run's figures are kept either way
-        full = {"error": f"{type(exc).__name__}: {exc}"}
+    other: dict[str, dict] = {}
+    for name, kw in (("full", {"scan_flips": False}), ("plain", {"scan_flips": True, "cas": False})):
+        try:
+            other[name] = run_scheduler(parts, cfg, **kw)
+        except Exception as exc:  # noqa: BLE001 - the first run's figures are kept either way
+            other[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    full, plain = other["full"], other["plain"]
     # The engine host process (gpu_engine.serve, persistent) serving Fig. 3's batches: its CPU time per minute.
     _, engine_cpu = makespans(Path(cfg.model), "persistent", 3, tmp, int(SMALL_LLAMA["vocab_size"]))
     result = {"device": torch.cuda.get_device_name(), **flips, "host_launch_us_p50": host_call,
               "host_launch_sync_us_p50": host_full, "scan_4096_full_us": full.get("scan_4096_us"),
               "admission_full_scan_us_p50": full.get("admission_us_p50"),
               "admission_full_scan_us_p99": full.get("admission_us_p99"), "full_scan_error": full.get("error"),
+              "scan_4096_plain_claim_us": plain.get("scan_4096_us"),
+              "admission_plain_claim_us_p50": plain.get("admission_us_p50"),
+              "admission_plain_claim_us_p99": plain.get("admission_us_p99"), "plain_claim_error": plain.get("error"),
               "engine_host_cpu_s_per_min": round(engine_cpu, 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

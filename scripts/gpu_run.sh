@@ -10,6 +10,7 @@
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
 # soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
 # soak's (docs/GPU_NOTES.md). A 10-minute soak takes two calls: soakstart, then soakwait.
+# T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
 set -u
@@ -69,7 +70,7 @@ run_step() {
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
     kernels) step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu ;;
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
-    persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ;;
+    persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;

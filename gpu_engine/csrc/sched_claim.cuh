@@ -93,13 +93,16 @@ __device__ void claim_new(SchedState *s) {
     __syncthreads();
   }
   // Relaxed loads, all issued before any is used, so the PCIe round trips overlap; an acquire
-  // fence orders them before the payload reads of a pending slot.
-  uint64_t words[kMaxPerThread];
+  // fence orders them before the payload reads of a pending slot. A slot found through its flip
+  // has its whole payload visible already (the frontend flips after the state word), so its
+  // submission time is loaded beside the state word rather than after the claim.
+  uint64_t words[kMaxPerThread], submit[kMaxPerThread];
 #pragma unroll
   for (uint32_t k = 0; k < kMaxPerThread; ++k) {
     uint32_t i = threadIdx.x + k * blockDim.x;
     bool look = i < s->cfg.num_slots && (full || ((flips[i >> 6] >> (i & 63)) & 1u));
     words[k] = look ? ld_relaxed64(slot(s, i)) : 0;
+    submit[k] = look && !full ? ld_relaxed64(&slot(s, i)->submit_ns) : 0;
   }
   __threadfence_system();
 #pragma unroll
@@ -118,7 +121,7 @@ __device__ void claim_new(SchedState *s) {
       st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);  // only the engine writes PENDING slots
     }
     claimed[c] = won ? i : 0xFFFFFFFFu;
-    key[c] = won ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : ~0ull;
+    key[c] = !won ? ~0ull : full ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : submit[k];
   }
   __syncthreads();
   uint32_t n = n_claimed < kMaxClaims ? n_claimed : kMaxClaims;
