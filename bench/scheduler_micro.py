@@ -110,6 +110,10 @@ def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool, cas: boo
         "step_us_p50_small_model": float(np.median(st.samples("step"))) / 1e3,
         "windows": int(st.windows), "launches": int(st.launches), "launch_retries": int(st.launch_retries),
         "launch_failures": int(st.launch_failures),
+        # Mean of each phase over the scans that claimed through the flips (sched.h, scan_phase_ns).
+        "scan_phases_us": {name: round(int(st.scan_phase_ns[k]) / max(1, int(st.scan_phase_n)) / 1e3, 3)
+                           for k, name in enumerate(("flip_words", "state_word", "claim", "rest"))},
+        "scan_phase_scans": int(st.scan_phase_n),
     }
     sched.close()
     return result
@@ -145,6 +149,7 @@ def main() -> None:
               "scan_4096_plain_claim_us": plain.get("scan_4096_us"),
               "admission_plain_claim_us_p50": plain.get("admission_us_p50"),
               "admission_plain_claim_us_p99": plain.get("admission_us_p99"), "plain_claim_error": plain.get("error"),
+              "scan_phases_plain_claim_us": plain.get("scan_phases_us"),
               "engine_host_cpu_s_per_min": round(engine_cpu, 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -67,6 +67,9 @@ typedef struct blink_sched_stats {
   uint32_t scan_ns[BLINK_SAMPLES];    // full ring scans
   uint32_t tail_ns[BLINK_SAMPLES];    // tail launch issued -> next execution running
   uint32_t step_ns[BLINK_SAMPLES];    // graph launch -> completion seen
+  // Scans that claimed through the flips, phase by phase (sums): flip words read and fenced, the
+  // first claimed slot's state word read and fenced, its claim and submission time, the rest.
+  uint64_t scan_phase_ns[4], scan_phase_n;
 } blink_sched_stats;
 
 #ifdef __cplusplus

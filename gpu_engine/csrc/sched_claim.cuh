@@ -63,7 +63,7 @@ __device__ bool state_corrupted(SchedState *s) {
 // means a writer that does not flip (an older frontend) published, and every slot is read.
 __device__ void claim_new(SchedState *s) {
   __shared__ uint32_t n_claimed, go, full, n_flips, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
-  __shared__ uint64_t key[kMaxClaims], bell, t0, flips[kFlipWords];
+  __shared__ uint64_t key[kMaxClaims], bell, t0, t_flips, t_word, t_claim, flips[kFlipWords];
   __shared__ int64_t credit;
   if (threadIdx.x == 0 && state_corrupted(s)) go = 0;
   __syncthreads();
@@ -89,6 +89,7 @@ __device__ void claim_new(SchedState *s) {
     if (threadIdx.x == 0) {
       credit = s->flip_credit + static_cast<int64_t>(n_flips) - static_cast<int64_t>(bell - s->last_doorbell);
       full = full || credit < 0;
+      t_flips = now_ns();
     }
     __syncthreads();
   }
@@ -111,6 +112,7 @@ __device__ void claim_new(SchedState *s) {
     uint64_t w = words[k];
     if (i >= s->cfg.num_slots || static_cast<uint32_t>(w) != BLINK_SLOT_STATE_PREFILL_PENDING) continue;
     blink_slot *sl = slot(s, i);
+    uint64_t t_seen = now_ns();
     uint32_t c = atomicAdd(&n_claimed, 1u);
     if (c >= kMaxClaims) continue;  // the rest next time (the doorbell is not marked seen)
     uint64_t want = word(BLINK_SLOT_STATE_PREFILL_PROCESSING, static_cast<uint32_t>(w >> 32));
@@ -121,13 +123,28 @@ __device__ void claim_new(SchedState *s) {
       st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);  // only the engine writes PENDING slots
     }
     claimed[c] = won ? i : 0xFFFFFFFFu;
-    key[c] = !won ? ~0ull : full ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : submit[k];
+    uint64_t kv = !won ? ~0ull : full ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : submit[k];
+    key[c] = kv;
+    if (c == 0) {
+      uint64_t arrived;
+      asm volatile("mov.u64 %0, %1;" : "=l"(arrived) : "l"(kv));  // the clock is read once kv is here
+      t_word = t_seen;
+      t_claim = now_ns() + (arrived & 0);
+    }
   }
   __syncthreads();
   uint32_t n = n_claimed < kMaxClaims ? n_claimed : kMaxClaims;
   if (threadIdx.x == 0) {
+    uint64_t t_end = now_ns();
     s->stats->scans++;
-    sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, now_ns() - t0);
+    sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, t_end - t0);
+    if (n > 0 && !full) {
+      s->stats->scan_phase_ns[0] += t_flips - t0;
+      s->stats->scan_phase_ns[1] += t_word - t_flips;
+      s->stats->scan_phase_ns[2] += t_claim - t_word;
+      s->stats->scan_phase_ns[3] += t_end - t_claim;
+      s->stats->scan_phase_n++;
+    }
     if (n_claimed <= kMaxClaims) {
       s->last_doorbell = bell;
       s->flip_credit = full ? 0 : credit;

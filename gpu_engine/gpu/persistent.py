@@ -64,7 +64,7 @@ class SchedStats(C.Structure):
                               "last_cancel_slot", "current_graph", "pad0")],
         ("current_since_ns", u64), ("tail_start_ns", u64),
         ("launch_ns", u32 * SAMPLES), ("scan_ns", u32 * SAMPLES), ("tail_ns", u32 * SAMPLES),
-        ("step_ns", u32 * SAMPLES),
+        ("step_ns", u32 * SAMPLES), ("scan_phase_ns", u64 * 4), ("scan_phase_n", u64),
     ]
 
     def samples(self, name: str) -> np.ndarray:
