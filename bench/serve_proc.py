@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 SERVICE_ROLES = ("tokenizer", "reader", "tracker")
 GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
+GAUGE_NAMES = tuple(g.split(":")[1] for g in GAUGES)  # how gauges() names them
 
 
 def free_port() -> int:
@@ -201,7 +202,7 @@ class ServeProc:
     def gauges(self) -> dict[str, float | None]:
         """The slot, running-request and KV gauges by short name (None where /metrics lacks one)."""
         m = self.metrics()
-        return {g.split(":")[1]: m.get(g) for g in GAUGES}
+        return {name: m.get(g) for name, g in zip(GAUGE_NAMES, GAUGES, strict=True)}
 
     def wait_gauges(self, target: dict[str, float | None], timeout_s: float) -> dict[str, float | None]:
         """Poll the gauges until those named in ``target`` equal it, at most ``timeout_s``; the last reading."""

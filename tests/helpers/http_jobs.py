@@ -19,7 +19,7 @@ import aiohttp
 import numpy as np
 
 from bench.serve_bench import parse_event
-from bench.serve_proc import ServeProc
+from bench.serve_proc import GAUGE_NAMES, ServeProc
 from bench.soak import request_body
 
 
@@ -115,7 +115,7 @@ def run_jobs(url: str, model: str, jobs: list[HttpJob], in_flight: int = 64) -> 
 
 def settled_gauges(serve: ServeProc, timeout_s: float = 10.0) -> dict[str, float | None]:
     """The slot, running and KV gauges once they read zero (or after ``timeout_s``)."""
-    return serve.wait_gauges(dict.fromkeys(serve.gauges(), 0.0), timeout_s)
+    return serve.wait_gauges(dict.fromkeys(GAUGE_NAMES, 0.0), timeout_s)
 
 
 def engine_events(log: Path, event: str) -> list[dict[str, Any]]:
