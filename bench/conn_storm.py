@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.serve_proc import ServeProc, rss_kib
-from bench.soak import request_body
+from harness.serve_proc import ServeProc, rss_kib
+from harness.sse import request_body
 
 SERVE_ARGS = ("--max-output-tokens", "8", "--max-prompt-tokens", "64", "--num-slots", "8", "--max-waiting", "16")
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
-from bench.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
-from bench.serve_proc import CpuMeter
+from harness.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, write_config
+from harness.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
+from harness.serve_proc import CpuMeter
 
 CONFIGS = {"short-prompt/short-out": (128, 32), "short-prompt/long-out": (128, 512),
            "long-prompt/short-out": (2048, 32), "long-prompt/long-out": (2048, 512)}

@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.fig3 import makespans  # noqa: E402
-from bench.models import SMALL_LLAMA, write_config  # noqa: E402
 from gpu_engine.gpu.persistent import PersistentScheduler  # noqa: E402
 from gpu_engine.gpu.serve_gpu import GpuParts, build_parts  # noqa: E402
+from harness.models import SMALL_LLAMA, write_config  # noqa: E402
 from shared import ring_layout as L  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.ring import Ring, RingGeometry, create_shm_ring  # noqa: E402

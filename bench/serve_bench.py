@@ -37,6 +37,7 @@ import aiohttp
 import numpy as np
 
 from bench.workloads import WORKLOADS, Limits, RequestSpec, build_requests, summary
+from harness.sse import parse_event
 
 PERCENTILES = {"p50": 50.0, "p95": 95.0, "p99": 99.0, "p999": 99.9}
 
@@ -75,17 +76,6 @@ class RequestResult:
 
 
 # ---------------------------------------------------------------------- one request
-def parse_event(line: bytes) -> dict | str | None:
-    """One SSE line: its JSON payload, ``"[DONE]"``, or None for blank lines and comments."""
-    line = line.strip()
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    if data == b"[DONE]":
-        return "[DONE]"
-    return json.loads(data)
-
-
 def chunk_text(event: dict) -> str:
     choices = event.get("choices") or []
     if not choices:

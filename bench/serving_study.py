@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,14 +49,12 @@ import numpy as np
 from bench import serve_bench as sb
 from bench.interfere import KINDS as INTERFERE_KINDS
 from bench.interfere import Interference
-from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, TINY_LLAMA3, write_config
-from bench.serve_proc import CpuMeter, ServeProc, cpu_name
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
+from harness.models import MODEL_CONFIGS, build_model_folder, model_config
+from harness.serve_proc import CpuMeter, ServeProc, cpu_name
 
 MODES = ("persistent", "host")
-MODEL_CONFIGS = {"8b": LLAMA3_8B, "medium": MEDIUM_LLAMA, "small": SMALL_LLAMA, "tiny": TINY_LLAMA3}
 EMBEDDED = "embedded"  # the engine's embedded default model and its own tokenizer (CI without tokenizer assets)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 RESERVE_S = 30.0  # stopping the co-tenants and the server, writing the results and plots
 SETTLE_S = 15.0  # longest wait for the server to be idle again between two runs
 SETTLE_TYPICAL_S = 5.0  # what the budget counts for it (the reserve covers the rest)
@@ -71,39 +68,6 @@ def say(text: str) -> None:
 
 def rate_text(rate: float | str | None) -> str:
     return "inf" if rate in ("inf", None) or math.isinf(float(rate)) else f"{float(rate):g}"  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------------- the model folder
-def llama3_assets(assets_dir: Path) -> Path:
-    """The folder holding Llama-3's ``tokenizer.json`` and ``tokenizer.model`` (``DIR/llama3`` or ``DIR``)."""
-    for folder in (assets_dir / "llama3", assets_dir):
-        if all((folder / name).is_file() for name in TOKENIZER_FILES):
-            return folder
-    raise FileNotFoundError(f"no Llama-3 tokenizer files ({', '.join(TOKENIZER_FILES)}) under {assets_dir} or "
-                            f"{assets_dir / 'llama3'}; fetch them with: python -m dpu_tokenizer.fetch_assets "
-                            f"{assets_dir}")
-
-
-def model_config(name: str) -> dict[str, Any]:
-    """The HF config of a Llama-3 shape; the smaller shapes keep Llama-3's vocabulary and special ids, since
-    they are served with its tokenizer."""
-    config = dict(MODEL_CONFIGS[name])
-    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
-        config[key] = LLAMA3_8B[key]
-    return config
-
-
-def build_model_folder(name: str, assets_dir: Path, root: Path) -> Path:
-    """``config.json`` of the shape, the Llama-3 tokenizer files, and ``generation_config.json`` (where the
-    tokenizer loader reads bos and eos ids when it uses ``tokenizer.json``, which it prefers)."""
-    src = llama3_assets(assets_dir)
-    config = model_config(name)
-    folder = write_config(root / f"llama3-{name}-random", config)
-    for file in TOKENIZER_FILES:
-        shutil.copyfile(src / file, folder / file)
-    ids = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    (folder / "generation_config.json").write_text(json.dumps(ids, indent=1) + "\n")
-    return folder
 
 
 def model_description(name: str) -> str:

@@ -44,8 +44,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.serve_bench import parse_event
-from bench.serve_proc import MODEL, CpuMeter, ServeProc
+from harness.serve_proc import MODEL, CpuMeter, ServeProc
+from harness.sse import parse_event, request_body
 
 SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
               "256", "--drain-timeout", "2")
@@ -112,14 +112,6 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
     """Token-id prompts of 8..24 ordinary tokens (ids clear of the special ones at the start)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(300, 20000, int(rng.integers(8, 25))).tolist() for _ in range(n)]
-
-
-def request_body(prompt: list[int], max_tokens: int, stream: bool, model: str = MODEL) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "logprobs": 0, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
 
 
 async def read_whole(resp: aiohttp.ClientResponse) -> Answer:

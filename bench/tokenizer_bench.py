@@ -22,12 +22,12 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from bench.serve_proc import cpu_name
 from dpu_tokenizer import load_tokenizer
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.detok import IncrementalDetokenizer
 from dpu_tokenizer.fetch_assets import default_assets_dir
 from dpu_tokenizer.sources import default_model_path, read_gguf_vocab
+from harness.serve_proc import cpu_name
 
 SIZES = (10, 100, 1000, 2048)
 BATCH = 32

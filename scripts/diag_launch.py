@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from bench.models import LLAMA3_8B, MEDIUM_LLAMA, TINY_LLAMA3, write_config
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.persistent import library
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
@@ -18,6 +17,7 @@ from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import SeqStep, build_metadata
 from gpu_engine.models.loader import load_model
+from harness.models import LLAMA3_8B, MEDIUM_LLAMA, TINY_LLAMA3, write_config
 
 
 def main() -> None:

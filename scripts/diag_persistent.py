@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, TINY_LLAMA3, write_config
-from bench.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
+from harness.models import LLAMA3_8B, MEDIUM_LLAMA, SMALL_LLAMA, TINY_LLAMA3, write_config
+from harness.ring_driver import Driver, Job, start_engine, stop_engine, wait_ready
 
 CONFIGS = {"8b": LLAMA3_8B, "medium": MEDIUM_LLAMA, "small": SMALL_LLAMA, "tiny3": TINY_LLAMA3}
 

@@ -50,7 +50,7 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
   [ -d /tmp/blink-site ] && cp -a /tmp/blink-site "$SOAK/site"
   PYTHONPATH="${PYTHONPATH#"$PWD:"}"
   cd "$src" && export PYTHONPATH="$src:${PYTHONPATH//\/tmp\/blink-site/$SOAK/site}" BLINK_TOKENIZER_ASSETS="${BLINK_TOKENIZER_ASSETS/#"$OLDPWD"/$src}" && ASSETS="$BLINK_TOKENIZER_ASSETS"
-  mkdir -p "$SOAK" && model=$("$PY" -c "import sys; from pathlib import Path; from bench.serving_study import build_model_folder; print(build_model_folder('tiny', Path(sys.argv[1]), Path(sys.argv[2])))" "$ASSETS" "$SOAK") || return 1
+  mkdir -p "$SOAK" && model=$("$PY" -c "import sys; from pathlib import Path; from harness.models import build_model_folder; print(build_model_folder('tiny', Path(sys.argv[1]), Path(sys.argv[2])))" "$ASSETS" "$SOAK") || return 1
   setsid nohup "$PY" -m bench.soak --backend persistent --dtype float32 --model "$model" --random-weights \
     --duration-s "${SOAK_S:-600}" --clients "${SOAK_CLIENTS:-4}" --level-s "${SOAK_LEVEL_S:-6}" --out "$SOAK/soak_gpu.json" >"$SOAK/soak.log" 2>&1 </dev/null &
   echo $! >"$SOAK/pid"

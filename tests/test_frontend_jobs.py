@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers.http_jobs import HttpJob, HttpResult, compare, http_jobs, run_jobs, settled_gauges
 
-from bench.serve_proc import MODEL, ServeProc
+from harness.serve_proc import MODEL, ServeProc
 
 ARGS = ("--max-output-tokens", "64", "--max-prompt-tokens", "32", "--num-slots", "16")
 

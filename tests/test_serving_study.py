@@ -26,6 +26,7 @@ from bench import serve_bench as sb
 from bench import serving_study as ss
 from bench.workloads import WORKLOADS, Limits
 from dpu_tokenizer.fetch_assets import default_assets_dir
+from harness import models as hm
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = ("mode", "interference", "rate", "completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
@@ -34,7 +35,7 @@ RUN_KEYS = ("mode", "interference", "rate", "completed", "failed", "ttft_p50_ms"
 
 def have_llama3_assets() -> bool:
     try:
-        ss.llama3_assets(default_assets_dir())
+        hm.llama3_assets(default_assets_dir())
     except FileNotFoundError:
         return False
     return True
@@ -119,7 +120,7 @@ def test_other_setup_is_not_merged(tmp_path: Path) -> None:
 def test_model_folder_gets_the_llama3_tokenizer(tmp_path: Path) -> None:
     from dpu_tokenizer.loader import load_tokenizer
 
-    folder = ss.build_model_folder("small", default_assets_dir(), tmp_path)
+    folder = hm.build_model_folder("small", default_assets_dir(), tmp_path)
     config = json.loads((folder / "config.json").read_text())
     assert config["vocab_size"] == 128256 and config["num_hidden_layers"] == 2
     tok = load_tokenizer(folder)
@@ -130,7 +131,7 @@ def test_model_folder_gets_the_llama3_tokenizer(tmp_path: Path) -> None:
 
 def test_missing_assets_say_how_to_fetch(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="fetch_assets"):
-        ss.build_model_folder("8b", tmp_path, tmp_path / "m")
+        hm.build_model_folder("8b", tmp_path, tmp_path / "m")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")

@@ -18,9 +18,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.serve_bench import parse_event
-from bench.serve_proc import GAUGE_NAMES, ServeProc
-from bench.soak import request_body
+from harness.serve_proc import GAUGE_NAMES, ServeProc
+from harness.sse import parse_event, request_body
 
 
 @dataclasses.dataclass(frozen=True)

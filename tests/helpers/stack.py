@@ -11,7 +11,7 @@ import json
 import uuid
 from pathlib import Path
 
-from bench.serve_proc import MODEL, ServeProc, http_get
+from harness.serve_proc import MODEL, ServeProc, http_get
 from helpers.procfs import processes
 from shared.transport import SHM_DIR
 
@@ -21,7 +21,7 @@ FAKE_ENGINE = "tests.helpers.fake_engine"
 
 @dataclasses.dataclass
 class Stack(ServeProc):
-    """A ``blink serve`` of the tests: ``bench.serve_proc.ServeProc`` plus the API key it was given."""
+    """A ``blink serve`` of the tests: ``harness.serve_proc.ServeProc`` plus the API key it was given."""
 
     api_key: str | None = None
     ring: str = dataclasses.field(default_factory=lambda: f"blink-test-{uuid.uuid4().hex[:10]}")

@@ -22,9 +22,9 @@ import pytest
 import torch
 from helpers.http_jobs import HttpJob, HttpResult, compare, engine_events, http_jobs, run_jobs, settled_gauges
 
-from bench.serve_proc import ServeProc
-from bench.serving_study import build_model_folder
 from dpu_tokenizer.fetch_assets import default_assets_dir
+from harness.models import build_model_folder
+from harness.serve_proc import ServeProc
 
 pytestmark = pytest.mark.gpu
 SERVED = "tiny"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.ring_driver import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
+from harness.ring_driver import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
 from shared import ring_layout as L
 from shared.ring import Ring
 from shared.transport import SHM_DIR
