@@ -16,6 +16,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
 
 ENGINE_MODULE = "gpu_engine.serve"
@@ -44,17 +45,20 @@ def model_name(model: str | None) -> str:
     return name.removesuffix(".gguf").removesuffix(".Q4_1")
 
 
-def add_common(ap: argparse.ArgumentParser) -> None:
+def add_common(ap: argparse.ArgumentParser, ring: bool = True) -> None:
     e = env()
-    ap.add_argument("--run-dir", type=Path, default=e.run_dir, help="folder of the services' Unix sockets")
-    ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring")
+    ap.add_argument("--run-dir", type=Path, default=e.run_dir,
+                    help="folder of the services' Unix sockets; BLINK_RUN_DIR sets the default (default: %(default)s)")
+    if ring:  # serve takes --ring from the engine's flags
+        ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring")
     ap.add_argument("--log-level", default=None, help="debug, info, warning, error")
 
 
-def add_frontend(ap: argparse.ArgumentParser) -> None:
+def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2)")
+    if model:  # serve takes --model from the engine's flags
+        ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--served-model-name", default=None, help="name in the API (default: from --model)")
     ap.add_argument("--api-key", default=env().api_key, help="require 'Authorization: Bearer KEY' on /v1")
     ap.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -106,7 +110,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"blink serve: {problem}", file=sys.stderr)
         return 2
-    return Supervisor(ServeConfig.from_args(args)).run()
+    try:
+        engine = EngineConfig.from_namespace(args)
+    except ValueError as exc:
+        print(f"blink serve: {exc}", file=sys.stderr)
+        return 2
+    return Supervisor(ServeConfig.from_args(args, engine)).run()
 
 
 # Pass-through commands get their arguments untouched (argparse cannot forward "--flags").
@@ -122,21 +131,45 @@ def cmd_gen_schema(argv: list[str]) -> int:
     return generate(argv)
 
 
-BENCH_TOOLS = {"serve": "bench.serve_bench", "interfere": "bench.interfere"}
+# name: (module under bench/, what it measures). The benchmarks are not installed: they run from a checkout.
+BENCH_TOOLS: dict[str, tuple[str, str]] = {
+    "serve": ("serve_bench", "Poisson load against an OpenAI-compatible endpoint, streamed over SSE"),
+    "interfere": ("interfere", "CPU co-tenants pinned to chosen cores, for interference runs"),
+    "soak": ("soak", "steady load with clients that hang up at random moments, for a long run"),
+    "study": ("serving_study", "the serving evaluation: persistent vs host-driven, isolated vs interfered"),
+    "roofline": ("roofline", "decode/prefill step time through captured graphs against hardware floors (GPU)"),
+    "micro": ("scheduler_micro", "persistent-scheduler micro-benchmarks: launches, slot scan, admission (GPU)"),
+    "fig3": ("fig3", "makespan of 16 concurrent requests, persistent vs host-driven"),
+    "tokenizer": ("tokenizer_bench", "our encoder against Hugging Face tokenizers, and streaming detokenization"),
+    "conn-storm": ("conn_storm", "gateway resident memory across storms of concurrent requests"),
+    "cpu": ("cpu_bench", "CPU engine throughput on the embedded model against transformers' generate"),
+}
+CHECKOUT = Path(__file__).resolve().parent.parent  # the source tree, where this is an editable install
+
+
+def bench_listing() -> str:
+    width = max(map(len, BENCH_TOOLS))
+    rows = [f"  {name:<{width}}  {what}" for name, (_, what) in BENCH_TOOLS.items()]
+    return "\n".join(["usage: blink bench NAME [ARGS]   (blink bench NAME --help: its flags)", "", *rows])
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """``blink bench serve ARGS`` (load generator), ``blink bench interfere ARGS`` (CPU co-tenants)."""
-    if argv and argv[0] in BENCH_TOOLS:
-        import importlib
-
-        return int(importlib.import_module(BENCH_TOOLS[argv[0]]).main(argv[1:]) or 0)
-    try:
-        from bench.main import main as bench  # type: ignore[import-not-found]
-    except ImportError:
-        print("blink bench: the benchmark harness is not installed in this build", file=sys.stderr)
+    """``blink bench`` lists the benchmarks; ``blink bench NAME ARGS`` runs ``python -m bench.MODULE ARGS``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(bench_listing())
+        return 0
+    if argv[0] not in BENCH_TOOLS:
+        print(f"blink bench: no benchmark {argv[0]!r}\n{bench_listing()}", file=sys.stderr)
         return 2
-    return int(bench(argv) or 0)
+    if not (CHECKOUT / "bench" / "__init__.py").is_file():
+        print("blink bench: the benchmarks run from a source checkout, not from an installed package: "
+              "clone the repository, `pip install -e '.[dev]'` in it, then run `blink bench "
+              f"{argv[0]}` (or `python -m bench.{BENCH_TOOLS[argv[0]][0]}` from its root)", file=sys.stderr)
+        return 2
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p)
+    module = f"bench.{BENCH_TOOLS[argv[0]][0]}"
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv[1:]], {**os.environ, "PYTHONPATH": path})
+    return 1  # not reached
 
 
 PASS_THROUGH = {"engine": cmd_engine, "gen-schema": cmd_gen_schema, "bench": cmd_bench}
@@ -144,14 +177,8 @@ PASS_THROUGH = {"engine": cmd_engine, "gen-schema": cmd_gen_schema, "bench": cmd
 
 # ---------------------------------------------------------------------- parser
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
-    """The engine's flags that ``serve`` passes through (omitted ones keep the engine's defaults)."""
-    ap.add_argument("--random-weights", action="store_true")
-    ap.add_argument("--backend", choices=("cpu", "host", "persistent"), default=None)
-    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                    help="weights and KV cache (default auto: float32 on the CPU, bfloat16 on a GPU)")
-    for flag in ("--num-slots", "--max-prompt-tokens", "--max-output-tokens", "--max-batch", "--kv-blocks",
-                 "--block-size", "--threads"):
-        ap.add_argument(flag, type=int, default=None)
+    """The engine's flags, as ``blink engine`` has them; ``serve`` passes on those not at their default."""
+    add_engine_arguments(ap.add_argument_group("engine (passed to blink engine)"))
     ap.add_argument("--engine-module", default=ENGINE_MODULE, help=argparse.SUPPRESS)
 
 
@@ -159,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving over a shared ring")
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)")
-    add_common(serve)
-    add_frontend(serve)
+    add_common(serve, ring=False)
+    add_frontend(serve, model=False)
     add_engine_flags(serve)
     serve.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
     serve.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
@@ -185,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     rd.set_defaults(func=cmd_reader)
     sub.add_parser("engine", help="the engine alone: python -m gpu_engine.serve ARGS", add_help=False)
     sub.add_parser("gen-schema", help="regenerate the ring layout from schema/ring.fbs [--check]", add_help=False)
-    sub.add_parser("bench", help="benchmarks: serve (load generator), interfere (CPU co-tenants)", add_help=False)
+    sub.add_parser("bench", help="benchmarks, from a source checkout (blink bench lists them)", add_help=False)
     return ap
 
 

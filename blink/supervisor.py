@@ -24,6 +24,7 @@ from pathlib import Path
 
 from shared import ipc
 from shared import ring_layout as L
+from shared.config import EngineConfig
 from shared.log import get_logger
 from shared.ring import attach_shm_ring
 from shared.transport import RingError, ShmTransport
@@ -40,7 +41,7 @@ class ServeConfig:
     host: str
     port: int
     gateways: int
-    engine_args: tuple[str, ...]      # flags passed through to the engine
+    engine_args: tuple[str, ...]      # the engine's command line: EngineConfig.to_argv()
     frontend_args: tuple[str, ...]    # flags shared by gateway and tokenizer
     gateway_args: tuple[str, ...]
     tracker_args: tuple[str, ...]
@@ -53,29 +54,18 @@ class ServeConfig:
             raise ValueError(f"--gateways must be >= 1, got {self.gateways}")
 
     @classmethod
-    def from_args(cls, a: argparse.Namespace) -> ServeConfig:
-        engine = ["--ring", a.ring]
-        if a.model:
-            engine += ["--model", a.model]
-        if a.random_weights:
-            engine.append("--random-weights")
-        if a.backend:
-            engine += ["--backend", a.backend]
-        if getattr(a, "dtype", None):
-            engine += ["--dtype", a.dtype]
-        for name in ("num_slots", "max_prompt_tokens", "max_output_tokens", "max_batch", "kv_blocks", "block_size",
-                     "threads"):
-            if getattr(a, name) is not None:
-                engine += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
-        front = ["--model", a.model] if a.model else []
+    def from_args(cls, a: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
+        """From ``blink serve``'s arguments and the engine config parsed out of them."""
+        front = ["--model", engine.model] if engine.model else []
         gateway = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
                    "--drain-timeout", str(a.drain_timeout)]
         if a.served_model_name:
             gateway += ["--served-model-name", a.served_model_name]
         if a.api_key:
             gateway += ["--api-key", a.api_key]
-        return cls(a.run_dir, a.ring, a.host, a.port, a.gateways, tuple(engine), tuple(front), tuple(gateway),
-                   ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout, a.startup_timeout)
+        return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, tuple(engine.to_argv()), tuple(front),
+                   tuple(gateway), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
+                   a.startup_timeout)
 
 
 def _die_with_parent() -> None:

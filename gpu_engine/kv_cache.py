@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from gpu_engine.models.config import ModelConfig
+
+class KVShape(Protocol):
+    """What the cache needs to know of a model (``models.config.ModelConfig`` has it): the cache sits
+    below the models, which write into it, so it names only these three numbers."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
 
 
 class NoFreeBlocks(Exception):
@@ -62,7 +76,7 @@ class KVCache:
     ``p % block_size``; its flat slot is ``block * block_size + offset``. ``allocator`` manages the blocks.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, config: KVShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")

@@ -7,82 +7,39 @@ serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
 
 import torch
 
+from gpu_engine.backend import Backend, Servable, kv_blocks_for
 from gpu_engine.engine import RingEngine
 from gpu_engine.kv_cache import KVCache
-from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
-from gpu_engine.runner import Runner, TorchRunner
+from gpu_engine.runner import TorchRunner
 from shared import ring_layout as L
-from shared.config import EngineConfig
-from shared.env import env
+from shared.config import EngineConfig, add_engine_arguments, engine_config_from
 from shared.log import get_logger, setup_logging
-from shared.ring import Ring, RingGeometry, create_shm_ring
+from shared.ring import create_shm_ring
 
 log = get_logger("engine")
-CPU_KV_BYTES = 1 << 30  # KV budget on the CPU backend when --kv-blocks is not given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The engine's command line, derived from ``shared.config.EngineConfig``."""
+    ap = argparse.ArgumentParser(prog="blink engine", description=__doc__.splitlines()[0])
+    add_engine_arguments(ap)
+    return ap
 
 
 def parse_args(argv: list[str] | None) -> EngineConfig:
-    ap = argparse.ArgumentParser(prog="blink engine", description=__doc__.splitlines()[0])
-    ap.add_argument("--ring", default=env().ring_name, help="shared-memory segment name")
-    ap.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
-    ap.add_argument("--random-weights", action="store_true", help="same architecture, seeded random weights")
-    ap.add_argument("--backend", default="cpu", choices=["cpu", "host", "persistent"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--num-slots", type=int, default=256)
-    ap.add_argument("--max-prompt-tokens", type=int, default=4096)
-    ap.add_argument("--max-output-tokens", type=int, default=2048)
-    ap.add_argument("--top-logprobs", type=int, default=20)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-blocks", type=int, default=0, help="0: sized from a memory budget")
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="CPU backend threads (0: all cores but one)")
-    a = ap.parse_args(argv)
-    geometry = RingGeometry(a.num_slots, a.max_prompt_tokens, a.max_output_tokens, a.top_logprobs)
-    try:
-        return EngineConfig(ring_name=a.ring, model=a.model, random_weights=a.random_weights, backend=a.backend,
-                            dtype=a.dtype, geometry=geometry, block_size=a.block_size, kv_blocks=a.kv_blocks,
-                            max_batch=a.max_batch, seed=a.seed, threads=a.threads)
-    except ValueError as exc:
-        ap.error(str(exc))
-        raise  # unreachable
-
-
-def kv_blocks_for(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
-    if cfg.kv_blocks:
-        return cfg.kv_blocks
-    per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
-    return max(CPU_KV_BYTES // (per_token * cfg.block_size), 1)
-
-
-class Servable(Protocol):
-    def serve(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Backend:
-    """Everything a RingEngine needs besides the ring, built before the ring exists."""
-
-    runner: Runner | None
-    policy: Policy
-    eos_ids: tuple[int, ...]
-    max_context: int
-    vocab_size: int
-    make_engine: Callable[[Ring], Servable] | None = None  # persistent mode: its own engine
+    ap = build_parser()
+    return engine_config_from(ap, ap.parse_args(argv))
 
 
 def build_cpu_backend(cfg: EngineConfig) -> Backend:
@@ -106,7 +63,7 @@ def build_backend(cfg: EngineConfig) -> Backend:
         return build_cpu_backend(cfg)
     from gpu_engine.gpu.serve_gpu import build_gpu_backend  # noqa: PLC0415 - needs CUDA
 
-    return build_gpu_backend(cfg)  # type: ignore[no-any-return]
+    return build_gpu_backend(cfg)
 
 
 def serve(cfg: EngineConfig, backend: Backend) -> None:

@@ -1,30 +1,60 @@
-"""Frozen, validated configuration objects, one per process, built once at start-up."""
+"""Frozen, validated configuration objects, one per process, built once at start-up.
+
+``EngineConfig`` is the engine's one declaration: each field carries its help text, its default and,
+where it has them, its choices or lower bound (the ring's geometry fields live in ``RingGeometry``
+with theirs). Everything else is derived from it: the engine's command line (``blink engine``,
+``python -m gpu_engine.serve``), the engine flags of ``blink serve`` and the supervisor's engine
+command (``EngineConfig.to_argv``), which parses back to the same config.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
+from shared.env import env
 from shared.ring import RingGeometry
+
+BACKENDS = ("cpu", "host", "persistent")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
+          minimum: int | None = None, factory: Callable[[], Any] | None = None) -> Any:
+    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _env_ring_name() -> str:
+    return env().ring_name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """What the engine process needs; ``blink engine`` builds it from its flags."""
+    """What the engine process needs; one field per engine flag (``geometry``: one per its fields)."""
 
-    ring_name: str
-    model: str | None = None          # HF directory or .gguf; None: the embedded default
-    random_weights: bool = False
-    backend: str = "cpu"              # cpu | host | persistent
-    dtype: str = "auto"               # auto | float32 | bfloat16
-    geometry: RingGeometry = RingGeometry()
-    block_size: int = 16
-    kv_blocks: int = 0                # 0: sized from memory
-    max_batch: int = 64
-    heartbeat_interval_s: float = 0.1
-    seed: int = 0
-    threads: int = 0                  # CPU backend's torch threads; 0: all cores this process may use but one
+    ring_name: str = _flag(None, "shared-memory name of the ring the engine creates; BLINK_RING_NAME sets the default",
+                           flag="--ring", factory=_env_ring_name)
+    model: str | None = _flag(None, "Hugging Face folder (config.json + safetensors) or .gguf file "
+                              "(default: the embedded SmolLM2-135M-Instruct)")
+    random_weights: bool = _flag(False, "the model's architecture with seeded random weights (for benchmarks)")
+    backend: str = _flag("cpu", "cpu: PyTorch on the CPU; host: host-driven GPU loop; "
+                         "persistent: the persistent GPU scheduler", choices=BACKENDS)
+    dtype: str = _flag("auto", "weights and KV cache; auto: float32 on the CPU, bfloat16 on a GPU", choices=DTYPES)
+    geometry: RingGeometry = dataclasses.field(default=RingGeometry(), metadata={"fields_are_flags": True})
+    block_size: int = _flag(16, "tokens per KV cache block", minimum=1)
+    kv_blocks: int = _flag(0, "KV cache blocks; 0: sized from memory (1 GiB on the CPU, "
+                           "half the free memory on a GPU)", minimum=0)
+    max_batch: int = _flag(64, "sequences in one engine step", minimum=1)
+    seed: int = _flag(0, "seed of torch and of random weights")
+    threads: int = _flag(0, "torch threads of the CPU backend; 0: every core this process may use but one",
+                         minimum=0)
 
     @property
     def cpu_threads(self) -> int:
@@ -35,11 +65,100 @@ class EngineConfig:
         return max(1, len(os.sched_getaffinity(0)) - 1)
 
     def __post_init__(self) -> None:
-        if self.backend not in ("cpu", "host", "persistent"):
-            raise ValueError(f"backend must be cpu, host or persistent, got {self.backend!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.block_size < 1 or self.max_batch < 1 or self.kv_blocks < 0 or self.threads < 0:
-            raise ValueError("block_size and max_batch must be >= 1, kv_blocks >= 0")
+        for fl in engine_flags():
+            if not fl.in_geometry:
+                fl.check(getattr(self, fl.name))
+        if not self.ring_name:
+            raise ValueError("--ring must not be empty")
         if self.model is not None and not Path(self.model).exists():
-            raise ValueError(f"model path {self.model} does not exist")
+            raise ValueError(f"--model: path {self.model} does not exist")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineConfig:
+        """The config from arguments parsed by a parser that ``add_engine_arguments`` filled."""
+        flags = engine_flags()
+        geometry = RingGeometry(**{fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry})
+        return cls(geometry=geometry, **{fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry})
+
+    def to_argv(self) -> list[str]:
+        """Engine flags that parse back to this config: those whose value is not the default, plus those
+        whose default comes from the environment (the child's environment need not be this one's)."""
+        argv: list[str] = []
+        for fl in engine_flags():
+            value = getattr(self.geometry if fl.in_geometry else self, fl.name)
+            if value == fl.default and not fl.default_from_env:
+                continue
+            argv += [fl.flag] if isinstance(value, bool) else [fl.flag, str(value)]
+        return argv
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """One engine flag, derived from a field of ``EngineConfig`` or of its ``RingGeometry``."""
+
+    name: str                  # field name, also the argparse dest
+    flag: str                  # e.g. --max-batch
+    default: Any
+    help: str
+    choices: tuple[str, ...]
+    minimum: int | None
+    in_geometry: bool
+    default_from_env: bool
+
+    def check(self, value: Any) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.flag} must be one of {', '.join(self.choices)}, got {value!r}")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{self.flag} must be >= {self.minimum}, got {value}")
+
+    @property
+    def help_with_default(self) -> str:
+        """The help text, with the default where there is one to show (argparse fills it in)."""
+        if self.default is None or isinstance(self.default, bool):
+            return self.help
+        return f"{self.help} (default: %(default)s)"
+
+
+def _to_flag(f: dataclasses.Field[Any], in_geometry: bool) -> Flag:
+    meta = f.metadata
+    from_env = f.default is dataclasses.MISSING
+    default = f.default_factory() if from_env else f.default  # type: ignore[misc,operator]
+    if isinstance(default, bool) and default:
+        raise TypeError(f"flag field {f.name} must default to False (flags can only switch it on)")
+    return Flag(f.name, meta.get("flag") or "--" + f.name.replace("_", "-"), default, meta["help"],
+                meta.get("choices", ()), meta.get("minimum"), in_geometry, from_env)
+
+
+def engine_flags() -> tuple[Flag, ...]:
+    """Every engine flag, in declaration order; geometry's fields where ``geometry`` stands."""
+    out: list[Flag] = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.metadata.get("fields_are_flags"):
+            out += [_to_flag(g, True) for g in dataclasses.fields(RingGeometry)]
+        else:
+            out.append(_to_flag(f, False))
+    return tuple(out)
+
+
+class ArgumentAdder(Protocol):
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def add_engine_arguments(ap: ArgumentAdder) -> None:
+    """Declare every engine flag on a parser or argument group, with its help text and default."""
+    for fl in engine_flags():
+        if isinstance(fl.default, bool):
+            ap.add_argument(fl.flag, dest=fl.name, action="store_true", help=fl.help)
+            continue
+        kind = str if fl.default is None else type(fl.default)
+        metavar = None if fl.choices else "N" if kind is int else fl.flag.lstrip("-").upper()
+        ap.add_argument(fl.flag, dest=fl.name, type=kind, default=fl.default, choices=fl.choices or None,
+                        metavar=metavar, help=fl.help_with_default)
+
+
+def engine_config_from(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineConfig:
+    """``EngineConfig.from_namespace``; a bad value ends the program with the parser's usage error."""
+    try:
+        return EngineConfig.from_namespace(ns)
+    except ValueError as exc:
+        ap.error(str(exc))

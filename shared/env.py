@@ -1,15 +1,19 @@
-"""Every environment variable Blink reads, typed, in one place; read once at start-up."""
+"""Every environment variable Blink reads, typed, in one place; read once at start-up.
+
+Each field of ``Env`` names its variable, how its text is parsed and what it means; an unset or empty
+variable keeps the field's default. No other product module reads a ``BLINK_*`` variable.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 
-def _bool(value: str | None, default: bool) -> bool:
-    if value is None or value == "":
-        return default
+def _bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     if value.lower() in ("0", "false", "no", "off"):
@@ -17,37 +21,59 @@ def _bool(value: str | None, default: bool) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
+def default_run_dir() -> Path:
+    """Where the services' Unix sockets live unless BLINK_RUN_DIR or --run-dir says otherwise."""
+    return Path(f"/tmp/blink-{os.geteuid()}")
+
+
+def _var(name: str, default: Any, meaning: str, parse: Callable[[str], Any] = str,
+         factory: Callable[[], Any] | None = None) -> Any:
+    meta = {"var": name, "parse": parse, "help": meaning}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Env:
-    """Values from the environment. Names and meanings are listed in the README."""
+    """Values from the environment. Names and meanings are also listed in the README."""
 
-    log_level: str = "info"            # BLINK_LOG_LEVEL
-    log_json: bool | None = None       # BLINK_LOG_JSON (default: JSON when stderr is not a terminal)
-    run_dir: Path = Path("/tmp/blink")  # BLINK_RUN_DIR: Unix sockets of the services
-    ring_name: str = "blink-ring"      # BLINK_RING_NAME
-    api_key: str | None = None         # BLINK_API_KEY (same as --api-key)
-    heartbeat_timeout_s: float = 2.0   # BLINK_HEARTBEAT_TIMEOUT_S: engine considered down after this
-    sched_yield_all: bool = False      # BLINK_SCHED_YIELD_ALL: the persistent scheduler leaves its SM every step
-    sched_plain_claim: bool = False    # BLINK_SCHED_PLAIN_CLAIM: claim slots by a store, not a PCIe CAS
-    sched_full_scan: bool = False      # BLINK_SCHED_FULL_SCAN: read every slot's state word at each doorbell
+    log_level: str = _var("BLINK_LOG_LEVEL", "info", "log level of every process", str.lower)
+    log_json: bool | None = _var("BLINK_LOG_JSON", None, "force JSON logs on or off "
+                                 "(default: JSON when stderr is not a terminal)", _bool)
+    run_dir: Path = _var("BLINK_RUN_DIR", None, "Unix sockets of the services", Path, factory=default_run_dir)
+    ring_name: str = _var("BLINK_RING_NAME", "blink-ring", "shared-memory segment name")
+    api_key: str | None = _var("BLINK_API_KEY", None, "same as --api-key")
+    heartbeat_timeout_s: float = _var("BLINK_HEARTBEAT_TIMEOUT_S", 2.0,
+                                      "engine considered down after this much heartbeat silence", float)
+    sched_yield_all: bool = _var("BLINK_SCHED_YIELD_ALL", False,
+                                 "the persistent scheduler leaves its SM every step", _bool)
+    sched_plain_claim: bool = _var("BLINK_SCHED_PLAIN_CLAIM", False,
+                                   "claim slots by a store, not a PCIe compare-and-swap", _bool)
+    sched_full_scan: bool = _var("BLINK_SCHED_FULL_SCAN", False,
+                                 "read every slot's state word at each doorbell", _bool)
+    cuda_build_dir: Path | None = _var("BLINK_CUDA_BUILD_DIR", None,
+                                       "where the scheduler library is built (default: gpu_engine/csrc/build)", Path)
+    tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "
+                                  "for the tests", Path, factory=lambda: Path.home() / ".cache/blink/tokenizer-assets")
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> Env:
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
         e = os.environ if environ is None else environ
+        given: dict[str, Any] = {}
         try:
-            return cls(
-                log_level=e.get("BLINK_LOG_LEVEL", "info").lower(),
-                log_json=None if e.get("BLINK_LOG_JSON") in (None, "") else _bool(e.get("BLINK_LOG_JSON"), False),
-                run_dir=Path(e.get("BLINK_RUN_DIR", f"/tmp/blink-{os.geteuid()}")),
-                ring_name=e.get("BLINK_RING_NAME", "blink-ring"),
-                api_key=e.get("BLINK_API_KEY") or None,
-                heartbeat_timeout_s=float(e.get("BLINK_HEARTBEAT_TIMEOUT_S", "2.0")),
-                sched_yield_all=_bool(e.get("BLINK_SCHED_YIELD_ALL"), False),
-                sched_plain_claim=_bool(e.get("BLINK_SCHED_PLAIN_CLAIM"), False),
-                sched_full_scan=_bool(e.get("BLINK_SCHED_FULL_SCAN"), False),
-            )
+            for f in dataclasses.fields(cls):
+                raw = e.get(f.metadata["var"], "")
+                if raw != "":
+                    given[f.name] = f.metadata["parse"](raw)
         except ValueError as exc:
-            raise SystemExit(f"bad environment variable: {exc}") from None
+            raise SystemExit(f"bad environment variable {f.metadata['var']}: {exc}") from None
+        return cls(**given)
+
+    @staticmethod
+    def variables() -> dict[str, str]:
+        """Every variable read, with its meaning."""
+        return {f.metadata["var"]: f.metadata["help"] for f in dataclasses.fields(Env)}
 
 
 _ENV: Env | None = None

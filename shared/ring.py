@@ -34,10 +34,12 @@ def _align(n: int) -> int:
 class RingGeometry:
     """How many slots and how many tokens each slot may hold."""
 
-    num_slots: int = 256
-    max_prompt_tokens: int = 4096
-    max_output_tokens: int = 4096
-    top_logprobs: int = 20
+    # Each field is also an engine flag (``--num-slots``, ...): shared/config.py derives it with this help.
+    num_slots: int = dataclasses.field(default=256, metadata={"help": "request slots in the ring"})
+    max_prompt_tokens: int = dataclasses.field(default=4096, metadata={"help": "prompt tokens a slot holds"})
+    max_output_tokens: int = dataclasses.field(default=2048, metadata={"help": "output tokens a slot holds"})
+    top_logprobs: int = dataclasses.field(
+        default=20, metadata={"help": "alternatives per token a slot can return (top_logprobs, 0..20)"})
 
     def __post_init__(self) -> None:
         for field in ("num_slots", "max_prompt_tokens", "max_output_tokens"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_engine.backend import Backend
 from gpu_engine.gpu.graph_cache import GraphCache, shape_label
 from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, coresidency_failures, library
@@ -150,9 +151,7 @@ class PersistentEngine:
         sched.wait()
 
 
-def build_gpu_backend(cfg: EngineConfig):  # noqa: ANN201 - returns serve.Backend
-    from gpu_engine.serve import Backend  # noqa: PLC0415 - avoid an import cycle
-
+def build_gpu_backend(cfg: EngineConfig) -> Backend:
     parts = build_parts(cfg)
     policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=parts.limits.max_tokens,
                     prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1])
