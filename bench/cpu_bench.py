@@ -23,6 +23,7 @@ from gpu_engine.engine import RingEngine
 from gpu_engine.models.loader import default_model_path
 from gpu_engine.serve import build_cpu_backend
 from shared.config import EngineConfig
+from shared.messages import Sampling
 from shared.ring import RingGeometry, local_ring
 from shared.slots import SlotRequest, SlotWriter
 
@@ -45,7 +46,7 @@ def blink_tok_s(batch: int) -> float:
     for i, p in enumerate(prompts(batch, backend.vocab_size)):
         seq = writer.try_reserve(i, int(ring.slots[i]["seq"]))
         assert seq is not None
-        writer.publish(i, seq, SlotRequest(i + 1, p, OUTPUT_LEN, ignore_eos=True))
+        writer.publish(i, seq, SlotRequest(i + 1, p, Sampling(OUTPUT_LEN, ignore_eos=True)))
     while engine.step() or engine.by_slot:
         pass
     elapsed = time.perf_counter() - t0

@@ -28,6 +28,7 @@ from gpu_engine.gpu.serve_gpu import GpuParts, build_parts  # noqa: E402
 from harness.models import SMALL_LLAMA, write_config  # noqa: E402
 from shared import ring_layout as L  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
+from shared.messages import Sampling  # noqa: E402
 from shared.ring import Ring, RingGeometry, create_shm_ring  # noqa: E402
 from shared.slots import SlotRequest, SlotWriter, split_word  # noqa: E402
 
@@ -60,7 +61,7 @@ def admission(ring: Ring, n: int) -> np.ndarray:
         idx = k % ring.geometry.num_slots
         seq = w.try_reserve(idx, int(ring.slots[idx]["seq"]))
         assert seq is not None
-        w.publish(idx, seq, SlotRequest(k + 1, np.array([5, 6, 7], np.int32), 1))
+        w.publish(idx, seq, SlotRequest(k + 1, np.array([5, 6, 7], np.int32), Sampling(1)))
         t0 = time.perf_counter_ns()
         while split_word(t.load64(ring.slot_offset(idx)))[0] == S.PREFILL_PENDING:
             pass
@@ -75,7 +76,7 @@ def long_generation(ring: Ring, tokens: int) -> None:
     w = SlotWriter(ring)
     seq = w.try_reserve(0, int(ring.slots[0]["seq"]))
     assert seq is not None
-    w.publish(0, seq, SlotRequest(99_999, np.array([9, 10], np.int32), tokens, ignore_eos=True))
+    w.publish(0, seq, SlotRequest(99_999, np.array([9, 10], np.int32), Sampling(tokens, ignore_eos=True)))
     while ring.slots[0]["state"] != S.DECODE_COMPLETED:
         time.sleep(0.01)
     assert int(ring.slots[0]["generated"]) == tokens

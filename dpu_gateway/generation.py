@@ -80,7 +80,7 @@ class Generation:
         if self.detok.stopped:
             self.finish_reason = "stop"
             self._account()
-        return Delta(text, self._logprobs(msg) if self.plan.logprobs else None)
+        return Delta(text, self._logprobs(msg) if self.plan.sampling.logprobs else None)
 
     def _finished(self, msg: m.Finished) -> Delta:
         if msg.reason == F.ERROR:

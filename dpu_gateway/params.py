@@ -27,12 +27,11 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """A request, ready to submit: its sampling fields and how to post-process the output."""
+    """A request, ready to submit: its sampling record (what the tracker writes into the ring) and
+    what only the gateway applies to the output (stop strings)."""
 
     sampling: m.Sampling
     stop: list[str]
-    logprobs: bool
-    top_logprobs: int
 
 
 def check_common(req: _Common) -> list[str]:
@@ -78,6 +77,7 @@ def top_k(requested: int | None) -> int:
 
 
 def sampling(req: _Common, budget: int, logprobs: bool, top: int) -> m.Sampling:
+    """The request's sampling record, OpenAI's defaults filled in."""
     return m.Sampling(
         max_new_tokens=budget,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -97,8 +97,7 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits) -> Pl
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = max_new_tokens(asked, prompt_len, limits, param)
-    top = req.top_logprobs or 0
-    return Plan(sampling(req, budget, req.logprobs, top), stop, req.logprobs, top)
+    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0), stop)
 
 
 def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits) -> Plan:
@@ -113,9 +112,7 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits) -> 
     budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
     if req.max_tokens is None:  # OpenAI's default of 16, within what the server allows
         budget = min(16, budget)
-    want = req.logprobs is not None
-    top = req.logprobs or 0
-    return Plan(sampling(req, budget, want, top), stop, want, top)
+    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0), stop)
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -74,7 +74,7 @@ async def answer_whole(gen: Generation, shape: Shape, codec: TextCodec, model: s
                 lps.append(part)
             texts.append(delta.text)
             offset += len(delta.text)
-    logprobs = merge_logprobs(shape, lps) if gen.plan.logprobs else None
+    logprobs = merge_logprobs(shape, lps) if gen.plan.sampling.logprobs else None
     body = shape.whole(env, "".join(texts), gen.finish_reason, logprobs, gen.usage)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 

@@ -53,16 +53,6 @@ class Live:
         return m.Track(s.req_id, s.gateway_id, self.slot, self.seq, s.sampling.logprobs, s.sampling.top_logprobs)
 
 
-def slot_request(sub: m.Submit) -> SlotRequest:
-    s = sub.sampling
-    return SlotRequest(
-        request_id=sub.req_id, prompt=np.asarray(sub.prompt, np.int32), max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs or s.top_logprobs > 0,
-        num_top_logprobs=s.top_logprobs, stop_ids=tuple(s.stop_ids),
-    )
-
-
 class SlotTracker:
     def __init__(self, cfg: TrackerConfig) -> None:
         self.cfg = cfg
@@ -120,7 +110,7 @@ class SlotTracker:
             return False
         idx, seq = got
         try:
-            cache.writer.publish(idx, seq, slot_request(sub))
+            cache.writer.publish(idx, seq, SlotRequest(sub.req_id, np.asarray(sub.prompt, np.int32), sub.sampling))
         except (ValueError, OverflowError) as exc:  # one bad request must not cost the gateway its link
             cache.writer.abandon(idx, seq)
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))

@@ -14,7 +14,7 @@ import numpy as np
 
 from gpu_engine.policy import Finish, Policy, Request, StepPlan
 from gpu_engine.runner import Runner, StepOutput
-from gpu_engine.sampling import SamplingSpec, request_seed
+from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
@@ -23,19 +23,6 @@ from shared.ring import Ring
 S = L.SlotState
 log = get_logger("engine")
 STALL_S = 60.0  # a loop silent for this long is hung: the heartbeat thread stops beating
-
-
-def sampling_spec(sp: np.void, request_id: int) -> SamplingSpec:
-    """The slot's sampling parameters, with the seed resolved once (derived from the id if none)."""
-    flags = int(sp["flags"])
-    return SamplingSpec(
-        temperature=float(sp["temperature"]),
-        top_p=float(sp["top_p"]),
-        top_k=int(sp["top_k"]),
-        min_p=float(sp["min_p"]),
-        seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if flags & L.SamplingFlags.HAS_SEED else request_seed(request_id),
-        num_top_logprobs=int(sp["num_top_logprobs"]),
-    )
 
 
 class RingEngine:
@@ -78,14 +65,9 @@ class RingEngine:
         if prompt.min() < 0 or prompt.max() >= self.vocab_size:
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
             return
-        sp = meta["sampling"]
-        stop = frozenset(int(x) for x in sp["stop_ids"][: int(sp["num_stop_ids"])])
-        req = Request(slot=idx, seq=seq, request_id=int(meta["request_id"]),
-                      prompt=prompt.tolist(), max_new_tokens=max_new,
-                      arrival=self.arrivals, stop_ids=stop,
-                      ignore_eos=bool(int(sp["flags"]) & L.SamplingFlags.IGNORE_EOS),
-                      want_logprobs=bool(int(sp["flags"]) & L.SamplingFlags.WANT_LOGPROBS),
-                      sampling=sampling_spec(sp, int(meta["request_id"])))
+        rid = int(meta["request_id"])
+        req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
+                      arrival=self.arrivals, sampling=SamplingSpec.from_ring(meta["sampling"], rid))
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)
@@ -121,7 +103,7 @@ class RingEngine:
     def _publish(self, req: Request, b: int, start: int, tok: int, out: StepOutput) -> None:
         k = max(self.ring.geometry.top_logprobs, 1)
         top = None
-        if req.want_logprobs:
+        if req.sampling.want_logprobs:
             top = np.zeros((1, k), L.TOPLOGPROB_DTYPE)
             n = min(k, out.top_ids.shape[1])
             top["token"][0, :n], top["logprob"][0, :n] = out.top_ids[b, :n], out.top_logprobs[b, :n]

@@ -27,9 +27,9 @@ import collections
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from gpu_engine.kv_cache import BlockAllocator, NoFreeBlocks
+from gpu_engine.sampling import SamplingSpec
 from shared.ring_layout import FinishReason as Finish
 
 
@@ -50,10 +50,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     arrival: int                      # FCFS order: claim order
-    stop_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    want_logprobs: bool = False
-    sampling: object = None           # opaque to the policy (the runner's SamplingSpec)
+    sampling: SamplingSpec = SamplingSpec()  # stop ids, ignore_eos and the graph variant are read here
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0               # tokens whose KV is in the cache
@@ -89,24 +86,14 @@ class StepPlan:
         return sum(w.num_new for w in self.work)
 
 
-class SamplingParams(Protocol):
-    """The fields of a request's sampling parameters that pick the graph variant (``SamplingSpec`` has them)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-
-
-def needs_filter(sampling: SamplingParams | None) -> bool:
+def needs_filter(sampling: SamplingSpec) -> bool:
     """Whether a row's draw goes through the top-k / top-p / min-p filter (the sort over the vocabulary).
 
     A row filters iff it samples (temperature > 0) and any of the three is on; "off" is exactly what
     ``gpu_engine.sampling.filter_logits`` treats as off (top_k <= 0, top_p >= 1, min_p <= 0), so a
     value that is none of these (NaN included) counts as on: the filtered path is always exact.
-    None (no parameters) is greedy.
     """
-    if sampling is None or not sampling.temperature > 0:
+    if not sampling.temperature > 0:
         return False
     return not (sampling.top_k <= 0 and sampling.top_p >= 1.0 and sampling.min_p <= 0.0)
 
@@ -114,14 +101,14 @@ def needs_filter(sampling: SamplingParams | None) -> bool:
 def step_filters(plan: StepPlan) -> bool:
     """Which graph variant a step runs: True for the filtering one (every prefill, and a decode with
     a row that ``needs_filter``), False for the sort-free decode graph (same tokens for such rows)."""
-    return plan.kind != "decode" or any(needs_filter(w.req.sampling) for w in plan.work)  # type: ignore[arg-type]
+    return plan.kind != "decode" or any(needs_filter(w.req.sampling) for w in plan.work)
 
 
 def finish_reason(req: Request, token: int, eos_ids: Iterable[int]) -> Finish:
     """Why ``req`` stops after sampling ``token`` (NONE to go on). EOS / stop ids are not emitted."""
-    if token in req.stop_ids:
+    if token in req.sampling.stop_ids:
         return Finish.STOP_ID
-    if not req.ignore_eos and token in eos_ids:
+    if not req.sampling.ignore_eos and token in eos_ids:
         return Finish.EOS
     if len(req.output) + 1 >= req.max_new_tokens:
         return Finish.LENGTH

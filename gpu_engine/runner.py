@@ -10,8 +10,8 @@ import torch
 
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import SeqStep, build_metadata
-from gpu_engine.policy import Request, StepPlan
-from gpu_engine.sampling import SamplingSpec, sample
+from gpu_engine.policy import StepPlan
+from gpu_engine.sampling import sample
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,13 +26,6 @@ class Runner(Protocol):
     """What the engine needs from a backend: run a plan, return one sampled token per sequence."""
 
     def run(self, plan: StepPlan) -> StepOutput: ...
-
-
-def spec_of(req: Request) -> SamplingSpec:
-    """The request's sampling parameters; the engine resolved its seed at admission."""
-    spec = req.sampling
-    assert isinstance(spec, SamplingSpec) and spec.seed is not None, "sampling not resolved at admission"
-    return spec
 
 
 def step_inputs(plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
@@ -58,7 +51,7 @@ class TorchRunner:
         steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.kv.block_size, self.device)
         logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
-        specs = [spec_of(w.req) for w in plan.work]
+        specs = [w.req.sampling for w in plan.work]
         positions = torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64)
         seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
         res = sample(logits.float(), specs, positions, seeds)

@@ -20,23 +20,54 @@ exactly. Here it is computed with int64 torch ops masked to 32 bits; products ar
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from shared import ring_layout as L
+
 MASK32 = 0xFFFFFFFF
-_seed_source = random.SystemRandom()
+
+
+def request_seed(request_id: int) -> int:
+    """The seed of a request that gave none: derived from its id, as the CUDA scheduler does at claim."""
+    return (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    """Everything the engine needs of one request's sampling, decoded once from its ring slot.
+
+    ``seed`` is always resolved (``from_ring``): the request's own, or ``request_seed`` of its id.
+    """
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # >= 1: off
+    top_k: int = 0  # <= 0: off
+    min_p: float = 0.0  # <= 0: off
+    seed: int = 0
     num_top_logprobs: int = 0
+    stop_ids: frozenset[int] = frozenset()  # finish (not emitted) on any of these
+    ignore_eos: bool = False
+    want_logprobs: bool = False
+
+    @classmethod
+    def from_ring(cls, sp: np.void, request_id: int) -> SamplingSpec:
+        """Decode a slot's ``SamplingParams`` (``shared/ring_layout.SAMPLINGPARAMS_DTYPE``)."""
+        flags = int(sp["flags"])
+        has_seed = flags & L.SamplingFlags.HAS_SEED
+        return cls(
+            temperature=float(sp["temperature"]),
+            top_p=float(sp["top_p"]),
+            top_k=int(sp["top_k"]),
+            min_p=float(sp["min_p"]),
+            seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if has_seed else request_seed(request_id),
+            num_top_logprobs=int(sp["num_top_logprobs"]),
+            stop_ids=frozenset(int(x) for x in sp["stop_ids"][: int(sp["num_stop_ids"])]),
+            ignore_eos=bool(flags & L.SamplingFlags.IGNORE_EOS),
+            want_logprobs=bool(flags & L.SamplingFlags.WANT_LOGPROBS),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,21 +76,6 @@ class SampleResult:
     logprobs: torch.Tensor  # [B] float32, log-softmax of the raw logits at the chosen token
     top_ids: torch.Tensor  # [B, K] int64, K = max num_top_logprobs in the batch
     top_logprobs: torch.Tensor  # [B, K] float32
-
-
-def draw_seed() -> int:
-    """A fresh seed for a request that did not give one (draw once per request, then reuse)."""
-    return _seed_source.getrandbits(63)
-
-
-def request_seed(request_id: int) -> int:
-    """The seed of a request that gave none: derived from its id, as the CUDA scheduler does at claim."""
-    return (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
-
-
-def resolve_seed(spec: SamplingSpec) -> int:
-    """The request's own seed, or a freshly drawn one."""
-    return spec.seed if spec.seed is not None else draw_seed()
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -113,7 +129,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
     """Pick one token per row of float32 ``logits`` [B, V].
 
     ``steps`` [B] int64 is the index of the token being sampled in each sequence and ``seeds`` [B]
-    int64 each request's seed (see ``resolve_seed``). Rows with temperature 0 are greedy.
+    int64 each request's seed (``SamplingSpec.seed``). Rows with temperature 0 are greedy.
     """
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(specs)} sampling specs")

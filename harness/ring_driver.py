@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from shared import ring_layout as L
+from shared.messages import Sampling
 from shared.ring import Ring, attach_shm_ring
 from shared.slots import SlotRequest, SlotWriter, split_word
 
@@ -33,6 +34,11 @@ class Job:
     seed: int | None = None
     top_p: float = 1.0
     top_k: int = 0
+
+    def sampling(self) -> Sampling:
+        """The job's sampling record: it always runs to ``max_new`` tokens (EOS ignored)."""
+        return Sampling(self.max_new, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        seed=self.seed, ignore_eos=True)
 
 
 @dataclasses.dataclass
@@ -98,8 +104,7 @@ class Driver:
             seq = self.w.try_reserve(int(idx), int(snap["seq"][idx]))
             if seq is None:
                 continue
-            req = SlotRequest(job.rid, job.prompt, job.max_new, temperature=job.temperature, top_p=job.top_p,
-                              top_k=job.top_k, seed=job.seed, ignore_eos=True)
+            req = SlotRequest(job.rid, job.prompt, job.sampling())
             self.w.flips = self.flips and not (self.minor0_every and job.rid % self.minor0_every == 0)
             self.w.publish(int(idx), seq, req)
             self.inflight[int(idx)] = (job, seq, 0, time.perf_counter())

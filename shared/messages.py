@@ -42,8 +42,14 @@ FromTokenizer = Encoded | EncodeFailed
 
 
 # ---------------------------------------------------------------- gateway <-> tracker
-class Sampling(msgspec.Struct, array_like=True, omit_defaults=True):
-    """The per-request fields the slot tracker writes into a ring slot."""
+class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One request's sampling parameters: the frontend's only record of them.
+
+    The gateway plans it (``dpu_gateway/params.py``), the tracker writes it into the ring as is
+    (``shared/slots.SlotRequest.sampling_record``), the engine decodes the ring copy once
+    (``gpu_engine/sampling.SamplingSpec.from_ring``). ``top_logprobs`` is the number of
+    alternatives per token (OpenAI's name; the ring's ``num_top_logprobs``).
+    """
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -54,7 +60,7 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    stop_ids: list[int] = []
+    stop_ids: tuple[int, ...] = ()
 
 
 class Submit(_Msg, tag="sub"):
@@ -94,7 +100,8 @@ class GatewayHello(_Msg, tag="hello"):
 
 
 class Track(_Msg, tag="track"):
-    """Sent by the tracker right after it publishes ``slot`` with ``seq``."""
+    """Sent by the tracker right after it publishes ``slot`` with ``seq``; the logprob fields are
+    the request's ``Sampling.logprobs`` / ``Sampling.top_logprobs``."""
 
     req_id: int
     gateway_id: int

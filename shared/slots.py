@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
+from shared.messages import Sampling
 from shared.ring import FLIP_SLOTS, HEADER_OFF, MAX_STOP_IDS, Ring
 
 S = L.SlotState
@@ -30,35 +31,27 @@ def split_word(word: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotRequest:
-    """What the frontend writes into a slot for one request."""
+    """What the frontend writes into a slot for one request: its id, prompt and sampling record."""
 
     request_id: int
     prompt: np.ndarray  # int32 token ids
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    logprobs: bool = False
-    num_top_logprobs: int = 0
-    stop_ids: tuple[int, ...] = ()
+    sampling: Sampling
 
     def sampling_record(self) -> np.ndarray:
+        """The slot's ``SamplingParams`` (schema/ring.fbs) encoding ``self.sampling``."""
+        s = self.sampling
         rec = np.zeros(1, L.SAMPLINGPARAMS_DTYPE)
-        rec["temperature"], rec["top_p"], rec["top_k"], rec["min_p"] = (
-            self.temperature, self.top_p, self.top_k, self.min_p)
+        rec["temperature"], rec["top_p"], rec["top_k"], rec["min_p"] = s.temperature, s.top_p, s.top_k, s.min_p
         flags = 0
-        if self.seed is not None:
+        if s.seed is not None:
             flags |= L.SamplingFlags.HAS_SEED
-            rec["seed"] = self.seed & 0xFFFFFFFFFFFFFFFF
-        flags |= L.SamplingFlags.IGNORE_EOS if self.ignore_eos else 0
-        flags |= L.SamplingFlags.WANT_LOGPROBS if self.logprobs else 0
+            rec["seed"] = s.seed & 0xFFFFFFFFFFFFFFFF
+        flags |= L.SamplingFlags.IGNORE_EOS if s.ignore_eos else 0
+        flags |= L.SamplingFlags.WANT_LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0
         rec["flags"] = int(flags)
-        rec["num_top_logprobs"] = self.num_top_logprobs
-        rec["num_stop_ids"] = len(self.stop_ids)
-        rec["stop_ids"][0, : len(self.stop_ids)] = self.stop_ids
+        rec["num_top_logprobs"] = s.top_logprobs
+        rec["num_stop_ids"] = len(s.stop_ids)
+        rec["stop_ids"][0, : len(s.stop_ids)] = s.stop_ids
         return rec
 
 
@@ -83,14 +76,15 @@ class SlotWriter:
 
     def check(self, req: SlotRequest) -> None:
         """Refuse what this ring can never carry (the gateway turns these into 400s)."""
+        s = req.sampling
         if not 0 < len(req.prompt) <= self.max_prompt:
             raise ValueError(f"prompt has {len(req.prompt)} tokens; this ring carries 1..{self.max_prompt}")
-        if not 0 < req.max_new_tokens <= self.max_output:
-            raise ValueError(f"max_new_tokens is {req.max_new_tokens}; this ring carries 1..{self.max_output}")
-        if req.num_top_logprobs > self.max_top:
-            raise ValueError(f"top_logprobs is {req.num_top_logprobs}; this ring carries at most {self.max_top}")
-        if len(req.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"{len(req.stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
+        if not 0 < s.max_new_tokens <= self.max_output:
+            raise ValueError(f"max_new_tokens is {s.max_new_tokens}; this ring carries 1..{self.max_output}")
+        if s.top_logprobs > self.max_top:
+            raise ValueError(f"top_logprobs is {s.top_logprobs}; this ring carries at most {self.max_top}")
+        if len(s.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(s.stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
 
     def publish(self, idx: int, seq: int, req: SlotRequest) -> None:
         """RESERVED(seq) -> PREFILL_PENDING(seq): prompt and metadata first, state word last."""
@@ -100,7 +94,7 @@ class SlotWriter:
         meta = np.zeros(1, L.SLOT_DTYPE)
         meta["state"], meta["seq"] = S.RESERVED, seq
         meta["request_id"], meta["prompt_len"] = req.request_id, len(req.prompt)
-        meta["max_new_tokens"] = req.max_new_tokens
+        meta["max_new_tokens"] = req.sampling.max_new_tokens
         meta["submit_ns"] = time.time_ns()
         meta["sampling"] = req.sampling_record()
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)

@@ -17,6 +17,7 @@ import numpy as np
 
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
+from shared.messages import Sampling
 from shared.ring import HEADER_OFF, attach_shm_ring
 from shared.slots import SlotRequest, SlotWriter, split_word
 
@@ -85,7 +86,8 @@ class Submitter:
             if seq is None:
                 continue  # another submitter won this slot
             rid = self.todo.pop()
-            self.w.publish(int(idx), seq, SlotRequest(rid, np.array([rid % 1000, 1, 2], np.int32), max_new(rid)))
+            req = SlotRequest(rid, np.array([rid % 1000, 1, 2], np.int32), Sampling(max_new(rid)))
+            self.w.publish(int(idx), seq, req)
             if rid % 10 == 0:
                 self.w.cancel(int(idx), seq)
             self.inflight[int(idx)] = (rid, seq, 0)

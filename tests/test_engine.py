@@ -14,6 +14,7 @@ from gpu_engine.engine import RingEngine
 from gpu_engine.serve import build_cpu_backend
 from shared import ring_layout as L
 from shared.config import EngineConfig
+from shared.messages import Sampling
 from shared.ring import Ring, RingGeometry, local_ring
 from shared.slots import SlotRequest, SlotWriter
 
@@ -51,7 +52,7 @@ class Harness:
     def submit(self, idx: int, prompt: list[int], max_new: int, **kw: Any) -> None:
         seq = self.writer.try_reserve(idx, int(self.ring.slots[idx]["seq"]))
         assert seq is not None
-        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), max_new, **kw))
+        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), Sampling(max_new, **kw)))
         self.seqs[idx] = seq
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -160,7 +161,7 @@ def test_stop_id_and_max_tokens(tiny_llama: Path) -> None:
 
 def test_logprobs_published(tiny_llama: Path) -> None:
     h = Harness(tiny_llama, kv_blocks=256)
-    h.submit(0, PROMPTS[1], 6, ignore_eos=True, logprobs=True, num_top_logprobs=3)
+    h.submit(0, PROMPTS[1], 6, ignore_eos=True, logprobs=True, top_logprobs=3)
     h.run()
     out, _ = h.result(0)
     lps = h.ring.logprobs[0, :6]

@@ -1,5 +1,6 @@
 """Kernels vs their plain-PyTorch references: tiny shapes on CPU (Triton interpreter), real sizes on GPU."""
 
+import dataclasses
 import os
 
 import pytest
@@ -290,7 +291,7 @@ def test_gpu_sampling_matches_reference():
              ref.SamplingSpec(1.0, top_p=0.9), ref.SamplingSpec(0.8, min_p=0.05),
              ref.SamplingSpec(1.1, top_k=100, top_p=0.95, min_p=0.01), ref.SamplingSpec(2.0),
              ref.SamplingSpec(0.5, top_p=0.5)]
-    specs = [ref.SamplingSpec(s.temperature, s.top_p, s.top_k, s.min_p, None, 5) for s in specs]
+    specs = [dataclasses.replace(s, num_top_logprobs=5) for s in specs]
     seeds = torch.tensor([3, -7, 2**40 + 1, 11, 12, 13, 14, 15], device=DEV)
     steps = torch.arange(B, device=DEV) * 1000
     want = ref.sample(logits, specs, steps, seeds)

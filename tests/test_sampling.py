@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import msgspec
+import numpy as np
 import pytest
 import torch
 
-from gpu_engine.sampling import SamplingSpec, filter_logits, fmix32, resolve_seed, sample, uniform_noise
+from gpu_engine.sampling import SamplingSpec, filter_logits, fmix32, request_seed, sample, uniform_noise
+from shared.messages import Sampling
+from shared.slots import SlotRequest
 
 V = 50
 
@@ -17,7 +22,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def _run(logits: torch.Tensor, specs: list[SamplingSpec], step: int = 0) -> torch.Tensor:
-    seeds = torch.tensor([s.seed if s.seed is not None else 0 for s in specs], dtype=torch.int64)
+    seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
     steps = torch.full((len(specs),), step, dtype=torch.int64)
     return sample(logits, specs, steps, seeds).tokens
 
@@ -103,10 +108,39 @@ def test_hash_is_exact_uint32_arithmetic() -> None:
     assert not torch.equal(u[0], u[1])
 
 
-def test_unseeded_requests_get_a_seed() -> None:
-    assert resolve_seed(SamplingSpec(seed=5)) == 5
-    drawn = {resolve_seed(SamplingSpec()) for _ in range(4)}
-    assert len(drawn) == 4 and all(0 <= s < 2**63 for s in drawn)
+def _through_ring(s: Sampling, request_id: int) -> SamplingSpec:
+    """The frontend's record as the tracker writes it, decoded as the engine reads it at claim."""
+    rec = SlotRequest(request_id, np.array([1, 2], np.int32), s).sampling_record()
+    return SamplingSpec.from_ring(rec[0], request_id)
+
+
+def test_every_field_of_the_record_reaches_the_engine() -> None:
+    s = Sampling(9, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=-3, ignore_eos=True,
+                 logprobs=True, top_logprobs=4, stop_ids=(7, 11))
+    assert _through_ring(s, 5) == SamplingSpec(
+        temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=(-3) & (2**63 - 1), num_top_logprobs=4,
+        stop_ids=frozenset({7, 11}), ignore_eos=True, want_logprobs=True)
+
+
+def test_record_defaults_through_the_ring() -> None:
+    """No seed: the engine derives it from the request id (as the CUDA scheduler does); alternatives
+    asked for without ``logprobs`` still turn logprobs on."""
+    assert _through_ring(Sampling(3), 77) == SamplingSpec(seed=request_seed(77))
+    assert 0 <= request_seed(77) < 2**63 and request_seed(77) != request_seed(78)
+    assert _through_ring(Sampling(3, top_logprobs=2), 1).want_logprobs
+
+
+def test_the_two_records_hold_the_same_fields() -> None:
+    """A field added to the frontend's record and not to the engine's spec (or back) fails here:
+    ``docs/DESIGN.md`` lists the files a new field goes through."""
+    renamed = {"logprobs": "want_logprobs", "top_logprobs": "num_top_logprobs"}
+    frontend = {renamed.get(f, f) for f in Sampling.__struct_fields__} - {"max_new_tokens"}
+    assert frontend == {f.name for f in dataclasses.fields(SamplingSpec)}
+
+
+def test_record_survives_the_tracker_link() -> None:
+    s = Sampling(9, temperature=0.5, seed=2**63 - 1, logprobs=True, top_logprobs=2, stop_ids=(3,))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Sampling) == s
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -141,14 +175,14 @@ def test_needs_filter_is_exactly_when_filter_logits_acts(spec: SamplingSpec, fil
 def test_step_filters_picks_the_graph_variant() -> None:
     from gpu_engine.policy import Request, SeqWork, StepPlan, needs_filter, step_filters
 
-    def plan(kind: str, *specs: SamplingSpec | None) -> StepPlan:
+    def plan(kind: str, *specs: SamplingSpec) -> StepPlan:
         reqs = [Request(slot=i, seq=0, request_id=i, prompt=[1], max_new_tokens=4, arrival=i, sampling=s)
                 for i, s in enumerate(specs)]
         return StepPlan(kind, [SeqWork(r, 0, 1) for r in reqs])
 
     plain, sorting = SamplingSpec(temperature=1.0, seed=1), SamplingSpec(temperature=1.0, top_p=0.9, seed=2)
-    assert not needs_filter(None)
-    assert not step_filters(plan("decode", SamplingSpec(), plain, None))
+    assert not needs_filter(SamplingSpec())
+    assert not step_filters(plan("decode", SamplingSpec(), plain))
     assert step_filters(plan("decode", SamplingSpec(), plain, sorting))
     assert step_filters(plan("prefill", SamplingSpec(), plain))  # prefill graphs always filter
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
+from shared.messages import Sampling
 from shared.ring import HEADER_OFF, RingGeometry, create_shm_ring
 from shared.slots import SlotRequest, SlotWriter
 
@@ -16,7 +17,7 @@ GEO = RingGeometry(64, 8, 8, 1)
 def publish(w: SlotWriter, idx: int, rid: int) -> None:
     seq = w.try_reserve(idx, int(w.ring.slots["seq"][idx]))
     assert seq is not None
-    w.publish(idx, seq, SlotRequest(rid, np.array([5, 6], np.int32), 2))
+    w.publish(idx, seq, SlotRequest(rid, np.array([5, 6], np.int32), Sampling(2)))
 
 
 def claim_all(eng: SlotEngine) -> list[int]:
@@ -58,7 +59,7 @@ def test_a_flip_seen_before_its_ring_does_not_hide_a_writer_without_flips(ring_n
     assert seq is not None
     t, bell = ring.transport, HEADER_OFF["doorbell"]
     new.flips = False
-    new.publish(7, seq, SlotRequest(7, np.array([5], np.int32), 1))
+    new.publish(7, seq, SlotRequest(7, np.array([5], np.int32), Sampling(1)))
     t.store64(bell, t.load64(bell) - 1)
     t.fetch_xor64(HEADER_OFF["pending_flips"], 1 << 7)
     publish(old, 9, 9)

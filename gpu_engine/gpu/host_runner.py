@@ -15,7 +15,7 @@ from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.models.attention import build_metadata
 from gpu_engine.policy import StepPlan, step_filters
-from gpu_engine.runner import StepOutput, spec_of, step_inputs
+from gpu_engine.runner import StepOutput, step_inputs
 
 
 class HostGraphRunner:
@@ -27,7 +27,7 @@ class HostGraphRunner:
         self.block_size = runner.kv.block_size
 
     def _sampling(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        specs = [spec_of(w.req) for w in plan.work]
+        specs = [w.req.sampling for w in plan.work]
         return {
             "temperature": torch.tensor([s.temperature for s in specs], dtype=torch.float32),
             "top_k": torch.tensor([s.top_k for s in specs], dtype=torch.int32),
