@@ -89,7 +89,8 @@ def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool, cas: boo
     ring = create_shm_ring(f"{cfg.ring_name}-{int(scan_flips)}{int(cas)}", geo)
     sched = PersistentScheduler(ring.transport.base, ring.transport.size, geo, parts.cache.scheduler_view(),  # type: ignore[attr-defined]
                                 parts.kv, parts.limits, parts.eos_ids, cfg.max_batch, parts.max_context,
-                                parts.vocab_size, claim_with_cas=cas, scan_flips=scan_flips)
+                                parts.vocab_size, claim_with_cas=cas, scan_flips=scan_flips,
+                                phase_clocks=True)  # scan_phase_ns: a library built with the phase clocks
     ring.header_store32("engine_state", L.EngineState.READY)
     sched.start()
     try:
@@ -111,7 +112,7 @@ def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool, cas: boo
         "step_us_p50_small_model": float(np.median(st.samples("step"))) / 1e3,
         "windows": int(st.windows), "launches": int(st.launches), "launch_retries": int(st.launch_retries),
         "launch_failures": int(st.launch_failures),
-        # Mean of each phase over the scans that claimed through the flips (sched.h, scan_phase_ns).
+        # Mean of each phase over the scans that claimed through the flips (stats.scan_phase_ns).
         "scan_phases_us": {name: round(int(st.scan_phase_ns[k]) / max(1, int(st.scan_phase_n)) / 1e3, 3)
                            for k, name in enumerate(("flip_words", "state_word", "claim", "rest"))},
         "scan_phase_scans": int(st.scan_phase_n),

@@ -6,7 +6,9 @@ One command (``blink gen-schema`` or ``python -m schema.generate``) writes:
 * ``schema/cpp/ring_generated.h``        flatc's C++ header (host code);
 * ``schema/cpp/blink_ring.h``            plain C structs usable from CUDA device code;
 * ``schema/cpp/ring_layout_check.h``     static_asserts tying the two C++ headers together;
-* ``shared/ring_layout.py``              numpy structured dtypes and enums for bulk access.
+* ``shared/ring_layout.py``              numpy structured dtypes and enums for bulk access;
+* the scheduler's host structs and their ctypes mirror, from ``schema/sched_structs.py``
+  (``gpu_engine/csrc/sched_structs.h``, ``gpu_engine/gpu/sched_structs.py``).
 
 The layout is computed here with the FlatBuffers struct rules (natural alignment, struct
 alignment = widest member, size rounded up to it); the static_asserts check it against flatc's
@@ -25,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from schema import sched_structs
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "schema" / "ring.fbs"
@@ -302,10 +306,11 @@ def generate(root: Path) -> None:
     (cpp_dir / "blink_ring.h").write_text(emit_c_header(schema, major, minor))
     (cpp_dir / "ring_layout_check.h").write_text(emit_c_check(schema))
     (root / "shared" / "ring_layout.py").write_text(emit_python(schema, major, minor))
+    sched_structs.generate(root)
 
 
 GENERATED = ("shared/generated", "schema/cpp/ring_generated.h", "schema/cpp/blink_ring.h",
-             "schema/cpp/ring_layout_check.h", "shared/ring_layout.py")
+             "schema/cpp/ring_layout_check.h", "shared/ring_layout.py", *sched_structs.OUTPUTS)
 
 
 def _diff(a: Path, b: Path) -> list[str]:

@@ -37,3 +37,10 @@ def test_flip_scan_covers_at_most_4096_slots(lib: pers.Library) -> None:
 
 def test_more_slots_than_the_scan_threads_hold_are_refused(lib: pers.Library) -> None:
     assert "slots 8193" in create(lib, num_slots=8193, scan_flips=0)
+
+
+def test_phase_clocks_are_a_separate_build_with_the_same_structs() -> None:
+    plain, clocks = pers.library_path(), pers.library_path(phase_clocks=True)
+    assert plain != clocks and plain.parent == clocks.parent
+    lib = pers.Library(pers.build_library(phase_clocks=True))  # the size checks of both mirrors again
+    assert lib.lib.blink_sched_stats_size() == C.sizeof(pers.SchedStats)

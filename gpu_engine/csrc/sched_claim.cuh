@@ -1,5 +1,83 @@
-// Claiming new prompts (all 256 threads), cancellations, heartbeat and shutdown.
+// Claiming new prompts (all threads): scan the ring, claim the pending slots, order the claims by
+// submission time, admit them (read, check, queue).
+//
+// The scan runs only when the doorbell moved. With scan_flips, 64 threads first read the header's
+// pending_flips (512 bytes, a few PCIe reads) and only slots whose bit flipped since the last scan
+// have their state word read; otherwise, and on the first scan or after one that overflowed
+// kMaxClaims, every slot's state word is read. The flips are read before the state words, so a
+// slot whose flip is seen shows PENDING (the frontend flips after storing the state word). Each
+// publication flips once and rings once, its flip first: fewer flips than rings since the last
+// full scan means a writer that does not flip (an older frontend) published, and every slot is
+// read.
+#ifndef BLINK_SCHED_CLAIM_CUH_
+#define BLINK_SCHED_CLAIM_CUH_
 
+#include <stddef.h>
+#include <stdint.h>
+
+#include "blink_ring.h"
+#include "sched_memory.cuh"
+#include "sched_policy.cuh"
+#include "sched_state.cuh"
+
+namespace {
+
+// ------------------------------------------------------------------ phase clocks
+// Built with -DBLINK_SCHED_PHASE_CLOCKS (build_library(phase_clocks=True)), a scan that claims
+// through the flips adds the time of each of its phases to stats.scan_phase_ns; otherwise none of
+// these clocks is read and scan_phase_ns stays zero.
+struct ScanClocks {
+  uint64_t flips;  // the flip words read and fenced
+  uint64_t word;   // the first claimed slot's state word read and fenced
+  uint64_t claim;  // that slot claimed and its submission time in hand
+};
+
+__device__ __forceinline__ uint64_t phase_now() {
+#ifdef BLINK_SCHED_PHASE_CLOCKS
+  return now_ns();
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void clock_flips(ScanClocks *c) {
+#ifdef BLINK_SCHED_PHASE_CLOCKS
+  c->flips = now_ns();
+#endif
+}
+
+__device__ __forceinline__ void clock_first_claim(ScanClocks *c, uint64_t t_seen, uint64_t key) {
+#ifdef BLINK_SCHED_PHASE_CLOCKS
+  uint64_t arrived;
+  asm volatile("mov.u64 %0, %1;" : "=l"(arrived) : "l"(key));  // the clock is read once the key is here
+  c->word = t_seen;
+  c->claim = now_ns() + (arrived & 0);
+#endif
+}
+
+__device__ __forceinline__ void add_phase_clocks(blink_sched_stats *st, const ScanClocks *c, uint64_t t0,
+                                                 uint64_t t_end) {
+#ifdef BLINK_SCHED_PHASE_CLOCKS
+  st->scan_phase_ns[0] += c->flips - t0;
+  st->scan_phase_ns[1] += c->word - c->flips;
+  st->scan_phase_ns[2] += c->claim - c->word;
+  st->scan_phase_ns[3] += t_end - c->claim;
+  st->scan_phase_n++;
+#endif
+}
+
+// ------------------------------------------------------------------ one scan's shared scratch
+struct ClaimScratch {
+  uint32_t n_claimed, go, full, n_flips;                          // full: every slot's state word is read
+  uint32_t ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];  // claimed: slot, or kNoSlot (CAS lost)
+  uint64_t key[kMaxClaims];                                       // submission time (the sort key)
+  uint64_t bell, t0;
+  uint64_t flips[kFlipWords];  // bits flipped since the last scan
+  int64_t credit;
+  ScanClocks clocks;
+};
+
+// ------------------------------------------------------------------ requests
 // Read one claimed slot's request into device state; false when the engine can never run it.
 __device__ bool read_request(SchedState *s, uint32_t i) {
   const volatile blink_slot *sl = slot(s, i);
@@ -14,8 +92,8 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->top_k = sl->sampling.top_k;
   r->min_p = sl->sampling.min_p;
   r->num_top = sl->sampling.num_top_logprobs;
-  r->num_stop = sl->sampling.num_stop_ids > 8 ? 8 : sl->sampling.num_stop_ids;
-  for (int k = 0; k < 8; ++k) r->stop_ids[k] = sl->sampling.stop_ids[k];
+  r->num_stop = sl->sampling.num_stop_ids > kMaxStopIds ? kMaxStopIds : sl->sampling.num_stop_ids;
+  for (uint32_t k = 0; k < kMaxStopIds; ++k) r->stop_ids[k] = sl->sampling.stop_ids[k];
   uint64_t seed =
       (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
   r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
@@ -43,68 +121,67 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
   }
 }
 
-// Thread 0: the scheduler's own state was overwritten (by a kernel writing out of bounds): stop
-// at once, through the copy of the ring address, rather than dereference what is left.
-__device__ bool state_corrupted(SchedState *s) {
-  if (s->cfg.ring == s->ring_check) return false;
-  s->stats->exit_reason = 5;  // scheduler state overwritten
-  s->stopped = 1;
-  st_rel32(&reinterpret_cast<blink_ring_header *>(s->ring_check)->engine_state, BLINK_ENGINE_STATE_FAILED);
-  return true;
+// ------------------------------------------------------------------ scan
+// All threads: whether this scan runs (the same answer for every thread). Thread 0 checks the
+// state, reads the doorbell and starts the clock.
+__device__ bool scan_begin(SchedState *s, ClaimScratch *sh) {
+  if (threadIdx.x == 0 && state_corrupted(s)) sh->go = 0;
+  __syncthreads();
+  if (s->stopped) return false;
+  if (threadIdx.x == 0) {
+    sh->bell = ld_acq64(&header(s)->doorbell);
+    sh->go = !s->draining && sh->bell != s->last_doorbell;
+    sh->n_claimed = sh->n_flips = 0;
+    sh->full = !s->cfg.scan_flips || !s->flips_synced;
+    sh->t0 = now_ns();
+  }
+  __syncthreads();
+  return sh->go;
 }
 
-// Scan of the ring, run only when the doorbell moved; claims pending prompts and queues them
-// oldest-submitted first. With scan_flips, 64 threads first read the header's pending_flips
-// (512 bytes, a few PCIe reads) and only slots whose bit flipped since the last scan have their
-// state word read; otherwise, and on the first scan or after one that overflowed kMaxClaims,
-// every slot's state word is read. The flips are read before the state words, so a slot whose
-// flip is seen shows PENDING (the frontend flips after storing the state word). Each publication
-// flips once and rings once, its flip first: fewer flips than rings since the last full scan
-// means a writer that does not flip (an older frontend) published, and every slot is read.
-__device__ void claim_new(SchedState *s) {
-  __shared__ uint32_t n_claimed, go, full, n_flips, ok[kMaxClaims], bad[kMaxClaims], claimed[kMaxClaims];
-  __shared__ uint64_t key[kMaxClaims], bell, t0, t_flips, t_word, t_claim, flips[kFlipWords];
-  __shared__ int64_t credit;
-  if (threadIdx.x == 0 && state_corrupted(s)) go = 0;
+// All threads (with scan_flips): the bits flipped since the last scan, read by 64 threads; the
+// scan reads every slot when the flips do not account for every ring of the doorbell.
+__device__ void scan_flip_words(SchedState *s, ClaimScratch *sh) {
+  if (threadIdx.x < kFlipWords) {
+    uint64_t b = ld_relaxed64(&header(s)->pending_flips[threadIdx.x]);
+    sh->flips[threadIdx.x] = b ^ s->flips_seen[threadIdx.x];
+    s->flips_seen[threadIdx.x] = b;
+    atomicAdd(&sh->n_flips, static_cast<uint32_t>(__popcll(sh->flips[threadIdx.x])));
+  }
+  __threadfence_system();  // the flips before the state words they announce
   __syncthreads();
-  if (s->stopped) return;
   if (threadIdx.x == 0) {
-    bell = ld_acq64(&header(s)->doorbell);
-    go = !s->draining && bell != s->last_doorbell;
-    n_claimed = n_flips = 0;
-    full = !s->cfg.scan_flips || !s->flips_synced;
-    t0 = now_ns();
+    sh->credit = s->flip_credit + static_cast<int64_t>(sh->n_flips) - static_cast<int64_t>(sh->bell - s->last_doorbell);
+    sh->full = sh->full || sh->credit < 0;
+    clock_flips(&sh->clocks);
   }
   __syncthreads();
-  if (!go) return;
-  if (s->cfg.scan_flips) {
-    if (threadIdx.x < kFlipWords) {
-      uint64_t b = ld_relaxed64(&header(s)->pending_flips[threadIdx.x]);
-      flips[threadIdx.x] = b ^ s->flips_seen[threadIdx.x];
-      s->flips_seen[threadIdx.x] = b;
-      atomicAdd(&n_flips, static_cast<uint32_t>(__popcll(flips[threadIdx.x])));
-    }
-    __threadfence_system();  // the flips before the state words they announce
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      credit = s->flip_credit + static_cast<int64_t>(n_flips) - static_cast<int64_t>(bell - s->last_doorbell);
-      full = full || credit < 0;
-      t_flips = now_ns();
-    }
-    __syncthreads();
-  }
-  // Relaxed loads, all issued before any is used, so the PCIe round trips overlap; an acquire
-  // fence orders them before the payload reads of a pending slot. A slot found through its flip
-  // has its whole payload visible already (the frontend flips after the state word), so its
-  // submission time is loaded beside the state word rather than after the claim.
-  uint64_t words[kMaxPerThread], submit[kMaxPerThread];
+}
+
+// Each thread's slots (threadIdx.x + k * blockDim.x) that the scan looks at: relaxed loads of the
+// state words, all issued before any is used, so the PCIe round trips overlap. A slot found
+// through its flip has its whole payload visible already (the frontend flips after the state
+// word), so its submission time is loaded beside the state word rather than after the claim.
+__device__ __forceinline__ void scan_state_words(SchedState *s, const ClaimScratch *sh,
+                                                 uint64_t (&words)[kMaxPerThread], uint64_t (&submit)[kMaxPerThread]) {
 #pragma unroll
   for (uint32_t k = 0; k < kMaxPerThread; ++k) {
     uint32_t i = threadIdx.x + k * blockDim.x;
-    bool look = i < s->cfg.num_slots && (full || ((flips[i >> 6] >> (i & 63)) & 1u));
+    bool look = i < s->cfg.num_slots && (sh->full || ((sh->flips[i >> 6] >> (i & 63)) & 1u));
     words[k] = look ? ld_relaxed64(slot(s, i)) : 0;
-    submit[k] = look && !full ? ld_relaxed64(&slot(s, i)->submit_ns) : 0;
+    submit[k] = look && !sh->full ? ld_relaxed64(&slot(s, i)->submit_ns) : 0;
   }
+}
+
+// ------------------------------------------------------------------ claim
+// All threads: load the state words, then an acquire fence orders them before the payload reads
+// of a pending slot, then claim every pending one: by a CAS of its state word, or by a release
+// store without claim_with_cas (only the engine writes PENDING slots), recorded with its
+// submission time (the sort key). A lost CAS leaves a kNoSlot entry; past kMaxClaims a slot waits
+// for the next scan (the doorbell is not marked seen).
+__device__ void claim_pending(SchedState *s, ClaimScratch *sh) {
+  uint64_t words[kMaxPerThread], submit[kMaxPerThread];
+  scan_state_words(s, sh, words, submit);
   __threadfence_system();
 #pragma unroll
   for (uint32_t k = 0; k < kMaxPerThread; ++k) {
@@ -112,159 +189,111 @@ __device__ void claim_new(SchedState *s) {
     uint64_t w = words[k];
     if (i >= s->cfg.num_slots || static_cast<uint32_t>(w) != BLINK_SLOT_STATE_PREFILL_PENDING) continue;
     blink_slot *sl = slot(s, i);
-    uint64_t t_seen = now_ns();
-    uint32_t c = atomicAdd(&n_claimed, 1u);
-    if (c >= kMaxClaims) continue;  // the rest next time (the doorbell is not marked seen)
+    uint64_t t_seen = phase_now();
+    uint32_t c = atomicAdd(&sh->n_claimed, 1u);
+    if (c >= kMaxClaims) continue;
     uint64_t want = word(BLINK_SLOT_STATE_PREFILL_PROCESSING, static_cast<uint32_t>(w >> 32));
     bool won = true;
     if (s->cfg.claim_with_cas) {
       won = atomicCAS_system(reinterpret_cast<unsigned long long *>(sl), w, want) == w;
     } else {
-      st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);  // only the engine writes PENDING slots
+      st_rel32(&sl->state, BLINK_SLOT_STATE_PREFILL_PROCESSING);
     }
-    claimed[c] = won ? i : 0xFFFFFFFFu;
-    uint64_t kv = !won ? ~0ull : full ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : submit[k];
-    key[c] = kv;
-    if (c == 0) {
-      uint64_t arrived;
-      asm volatile("mov.u64 %0, %1;" : "=l"(arrived) : "l"(kv));  // the clock is read once kv is here
-      t_word = t_seen;
-      t_claim = now_ns() + (arrived & 0);
-    }
+    sh->claimed[c] = won ? i : kNoSlot;
+    uint64_t kv = !won ? ~0ull : sh->full ? *reinterpret_cast<volatile uint64_t *>(&sl->submit_ns) : submit[k];
+    sh->key[c] = kv;
+    if (c == 0) clock_first_claim(&sh->clocks, t_seen, kv);
   }
-  __syncthreads();
-  uint32_t n = n_claimed < kMaxClaims ? n_claimed : kMaxClaims;
-  if (threadIdx.x == 0) {
-    uint64_t t_end = now_ns();
-    s->stats->scans++;
-    sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, t_end - t0);
-    if (n > 0 && !full) {
-      s->stats->scan_phase_ns[0] += t_flips - t0;
-      s->stats->scan_phase_ns[1] += t_word - t_flips;
-      s->stats->scan_phase_ns[2] += t_claim - t_word;
-      s->stats->scan_phase_ns[3] += t_end - t_claim;
-      s->stats->scan_phase_n++;
-    }
-    if (n_claimed <= kMaxClaims) {
-      s->last_doorbell = bell;
-      s->flip_credit = full ? 0 : credit;
-    }
-    s->flips_synced = n_claimed <= kMaxClaims;  // after an overflow the flips of the rest are spent
-    for (uint32_t a = 1; a < n; ++a) {          // insertion sort by submission time
-      uint32_t ci = claimed[a];
-      uint64_t ck = key[a];
-      uint32_t b = a;
-      for (; b > 0 && (key[b - 1] > ck || (key[b - 1] == ck && claimed[b - 1] > ci)); --b) {
-        claimed[b] = claimed[b - 1];
-        key[b] = key[b - 1];
-      }
-      claimed[b] = ci;
-      key[b] = ck;
-    }
+}
+
+// ------------------------------------------------------------------ order
+// Thread 0: the scan's counters and samples. The doorbell (and the flips' credit) count as seen
+// unless the claims overflowed, so that the next scan reads every slot again.
+__device__ void scan_end(SchedState *s, const ClaimScratch *sh, uint32_t n) {
+  uint64_t t_end = now_ns();
+  s->stats->scans++;
+  sample_into(s->stats->scan_ns, &s->stats->n_scan_samples, t_end - sh->t0);
+  if (n > 0 && !sh->full) add_phase_clocks(s->stats, &sh->clocks, sh->t0, t_end);
+  if (sh->n_claimed <= kMaxClaims) {
+    s->last_doorbell = sh->bell;
+    s->flip_credit = sh->full ? 0 : sh->credit;
   }
-  __syncthreads();
+  s->flips_synced = sh->n_claimed <= kMaxClaims;  // after an overflow the flips of the rest are spent
+}
+
+// Thread 0: the n claims by submission time, then slot index (insertion sort).
+__device__ void order_claims(ClaimScratch *sh, uint32_t n) {
+  for (uint32_t a = 1; a < n; ++a) {
+    uint32_t ci = sh->claimed[a];
+    uint64_t ck = sh->key[a];
+    uint32_t b = a;
+    for (; b > 0 && (sh->key[b - 1] > ck || (sh->key[b - 1] == ck && sh->claimed[b - 1] > ci)); --b) {
+      sh->claimed[b] = sh->claimed[b - 1];
+      sh->key[b] = sh->key[b - 1];
+    }
+    sh->claimed[b] = ci;
+    sh->key[b] = ck;
+  }
+}
+
+// ------------------------------------------------------------------ admit
+// Thread 0: every won claim counts; a request the engine cannot serve (ok 0) or whose prompt
+// holds ids outside the vocabulary (bad) completes with an error, the rest join `waiting` in
+// submission order.
+__device__ void queue_admitted(SchedState *s, const ClaimScratch *sh, uint32_t n) {
+  for (uint32_t k = 0; k < n; ++k) {
+    uint32_t i = sh->claimed[k];
+    if (i == kNoSlot) continue;
+    s->stats->claims++;
+    if (!sh->ok[k]) {
+      s->stats->refused++;
+      complete_slot(s, i, BLINK_FINISH_REASON_ERROR, BLINK_ERROR_CODE_NO_CAPACITY);
+      continue;
+    }
+    if (sh->bad[k]) {
+      s->stats->refused++;
+      complete_slot(s, i, BLINK_FINISH_REASON_ERROR, BLINK_ERROR_CODE_BAD_PARAMS);
+      continue;
+    }
+    ReqInfo *r = &s->req[i];
+    r->arrival = s->arrivals++;
+    r->phase = kWaiting;
+    s->waiting[(s->wait_head + s->wait_count++) % s->cfg.num_slots] = i;
+  }
+}
+
+// All threads: the claimed requests read (one per thread), their prompts copied (every thread
+// on each), then queued by thread 0.
+__device__ void admit_claims(SchedState *s, ClaimScratch *sh, uint32_t n) {
   for (uint32_t k = threadIdx.x; k < n; k += blockDim.x) {
-    ok[k] = claimed[k] != 0xFFFFFFFFu && read_request(s, claimed[k]);
-    bad[k] = 0;
+    sh->ok[k] = sh->claimed[k] != kNoSlot && read_request(s, sh->claimed[k]);
+    sh->bad[k] = 0;
   }
   __syncthreads();
   for (uint32_t k = 0; k < n; ++k)
-    if (ok[k]) copy_prompt(s, claimed[k], &bad[k]);
+    if (sh->ok[k]) copy_prompt(s, sh->claimed[k], &sh->bad[k]);
   __syncthreads();
+  if (threadIdx.x == 0) queue_admitted(s, sh, n);
+  __syncthreads();
+}
+
+// All threads: scan, claim, order, admit. Returns at once (every thread) when the scheduler has
+// stopped or the doorbell has not moved.
+__device__ void claim_new(SchedState *s) {
+  __shared__ ClaimScratch sh;
+  if (!scan_begin(s, &sh)) return;
+  if (s->cfg.scan_flips) scan_flip_words(s, &sh);
+  claim_pending(s, &sh);
+  __syncthreads();
+  uint32_t n = sh.n_claimed < kMaxClaims ? sh.n_claimed : kMaxClaims;
   if (threadIdx.x == 0) {
-    for (uint32_t k = 0; k < n; ++k) {
-      uint32_t i = claimed[k];
-      if (i == 0xFFFFFFFFu) continue;
-      s->stats->claims++;
-      if (!ok[k]) {
-        s->stats->refused++;
-        complete_slot(s, i, kError, BLINK_ERROR_CODE_NO_CAPACITY);
-        continue;
-      }
-      if (bad[k]) {
-        s->stats->refused++;
-        complete_slot(s, i, kError, BLINK_ERROR_CODE_BAD_PARAMS);
-        continue;
-      }
-      ReqInfo *r = &s->req[i];
-      r->arrival = s->arrivals++;
-      r->phase = kWaiting;
-      s->waiting[(s->wait_head + s->wait_count++) % s->cfg.num_slots] = i;
-    }
+    scan_end(s, &sh, n);
+    order_claims(&sh, n);
   }
   __syncthreads();
+  admit_claims(s, &sh, n);
 }
 
-// Cancel flags of every active request, read in parallel; thread 0 finishes them.
-__device__ void apply_cancellations(SchedState *s) {
-  __shared__ uint32_t n, list[BLINK_SCHED_THREADS];
-  if (s->stopped) return;
-  if (threadIdx.x == 0) n = 0;
-  __syncthreads();
-  for (uint32_t i = threadIdx.x; i < s->cfg.num_slots; i += blockDim.x) {
-    if (s->req[i].phase == kFree) continue;
-    if (ld_relaxed32(&slot(s, i)->cancel) == 0) continue;
-    uint32_t k = atomicAdd(&n, 1u);
-    if (k < BLINK_SCHED_THREADS) list[k] = i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t m = n < BLINK_SCHED_THREADS ? n : BLINK_SCHED_THREADS;
-    for (uint32_t k = 0; k < m; ++k) {
-      finish_req(s, list[k], kCancelled, BLINK_ERROR_CODE_OK);
-      s->stats->cancels++;
-      s->stats->last_cancel_slot = list[k];
-    }
-  }
-  __syncthreads();
-}
+}  // namespace
 
-__device__ void publish_stats(SchedState *s) {
-  blink_ring_header *h = header(s);
-  h->stats.running = s->running_count;
-  h->stats.waiting = s->wait_count + s->paused_count;
-  h->stats.kv_blocks_total = s->cfg.num_blocks;
-  h->stats.kv_blocks_free = s->free_count;
-  h->stats.steps = s->stats->steps;
-  h->stats.prompt_tokens = s->stats->prompt_tokens;
-  h->stats.output_tokens = s->stats->output_tokens;
-  h->stats.preemptions = s->stats->preemptions;
-  h->stats.window_relaunches = s->stats->windows;
-  s->stats->running = s->running_count;
-  s->stats->waiting = s->wait_count;
-  s->stats->paused = s->paused_count;
-  s->stats->kv_free = s->free_count;
-  const uint32_t *src = reinterpret_cast<const uint32_t *>(s->stats);
-  volatile uint32_t *dst = reinterpret_cast<volatile uint32_t *>(s->host_stats);
-  for (uint32_t k = 0; k < offsetof(blink_sched_stats, launch_ns) / 4; ++k) dst[k] = src[k];
-}
-
-// Heartbeat, stats and the shutdown flag (thread 0). Draining stops claims; once nothing is
-// left (or the drain time is over) the remaining requests are cancelled and the loop exits.
-__device__ void maintenance(SchedState *s) {
-  if (threadIdx.x != 0 || state_corrupted(s)) return;
-  uint64_t t = now_ns();
-  blink_ring_header *h = header(s);
-  if (t - s->last_beat >= s->cfg.heartbeat_ns) {
-    s->last_beat = t;
-    publish_stats(s);
-    st_rel64(&h->heartbeat_ns, t + s->cfg.clock_offset_ns);
-    volatile uint64_t *beat = &h->heartbeat;  // single writer: no PCIe atomic needed
-    *beat = *beat + 1;
-  }
-  if (!s->draining && ld_acq32(&h->shutdown)) {
-    s->draining = 1;
-    s->stats->exit_reason = 1;  // shutdown flag
-    s->drain_deadline = t + s->cfg.drain_ns;
-    st_rel32(&h->engine_state, BLINK_ENGINE_STATE_DRAINING);
-  }
-  bool empty = !s->running_count && !s->wait_count && !s->paused_count;
-  if (s->draining && (empty || t > s->drain_deadline)) {
-    while (s->running_count) finish_req(s, s->running[0], kCancelled, BLINK_ERROR_CODE_OK);
-    while (s->paused_count) finish_req(s, s->paused[0], kCancelled, BLINK_ERROR_CODE_OK);
-    while (s->wait_count) finish_req(s, s->waiting[s->wait_head], kCancelled, BLINK_ERROR_CODE_OK);
-    publish_stats(s);
-    st_rel32(&h->engine_state, BLINK_ENGINE_STATE_STOPPED);
-    s->stopped = 1;
-  }
-}
+#endif  // BLINK_SCHED_CLAIM_CUH_

@@ -1,9 +1,22 @@
-// ------------------------------------------------------------------ host API (extern "C", ctypes)
+// The scheduler's host API (extern "C", declared in sched.h, called through ctypes): create the
+// state and the device-launchable graph that runs the kernel, start it, then only supervise;
+// plus the diagnostics (the SM footprint probe, one-off launches, the guard report).
+#ifndef BLINK_SCHED_HOST_CUH_
+#define BLINK_SCHED_HOST_CUH_
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 
 #include <vector>
+
+#include "sched.h"
+#include "sched_kernel.cuh"
+#include "sched_memory.cuh"
+#include "sched_state.cuh"
 
 namespace {
 
@@ -217,8 +230,6 @@ int blink_sched_wait(void *handle) {
 // scheduler's shared memory) and wait until it runs; blink_probe_release ends it. Used to check
 // that every model graph can finish while the scheduler holds its SM (a kernel whose CTAs wait on
 // each other and that sizes its grid to every SM would hang).
-int blink_probe_release(void *probe);
-
 int blink_probe_hold(void **probe) {
   Probe *p = new Probe();
   cudaFuncAttributes attr;
@@ -340,3 +351,5 @@ int blink_sched_destroy(void *handle) {
 }
 
 }  // extern "C"
+
+#endif  // BLINK_SCHED_HOST_CUH_

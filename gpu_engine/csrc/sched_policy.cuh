@@ -1,5 +1,15 @@
 // The shared policy on the device (thread 0 only). Mirrors gpu_engine/policy.py function by
 // function; docs/POLICY.md maps one to the other.
+#ifndef BLINK_SCHED_POLICY_CUH_
+#define BLINK_SCHED_POLICY_CUH_
+
+#include <stdint.h>
+
+#include "blink_ring.h"
+#include "sched_memory.cuh"
+#include "sched_state.cuh"
+
+namespace {
 
 __device__ uint32_t blocks_for(SchedState *s, uint32_t ntok) {
   return (ntok + s->cfg.block_size - 1) / s->cfg.block_size;
@@ -175,10 +185,14 @@ __device__ bool finish_reason_stop(const ReqInfo *r, int32_t tok) {
 
 // finish_reason() of the policy: stop ids, then EOS (unless ignored), then length.
 __device__ uint32_t finish_reason(SchedState *s, const ReqInfo *r, int32_t tok) {
-  if (finish_reason_stop(r, tok)) return kStopId;
+  if (finish_reason_stop(r, tok)) return BLINK_FINISH_REASON_STOP_ID;
   if (!(r->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS))
     for (uint32_t k = 0; k < s->cfg.num_eos; ++k)
-      if (s->cfg.eos_ids[k] == tok) return kEos;
-  if (r->out_len + 1 >= r->max_new) return kLength;
-  return kNone;
+      if (s->cfg.eos_ids[k] == tok) return BLINK_FINISH_REASON_EOS;
+  if (r->out_len + 1 >= r->max_new) return BLINK_FINISH_REASON_LENGTH;
+  return BLINK_FINISH_REASON_NONE;
 }
+
+}  // namespace
+
+#endif  // BLINK_SCHED_POLICY_CUH_

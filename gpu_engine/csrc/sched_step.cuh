@@ -1,5 +1,19 @@
 // One step: plan (thread 0), stage the static buffers (all threads), launch the graph from the
 // device (thread 0), wait for its completion counter and publish the results (all threads).
+#ifndef BLINK_SCHED_STEP_CUH_
+#define BLINK_SCHED_STEP_CUH_
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "blink_ring.h"
+#include "sched.h"
+#include "sched_memory.cuh"
+#include "sched_policy.cuh"
+#include "sched_state.cuh"
+
+namespace {
 
 enum Action : uint32_t { kActionIdle = 0, kActionRun = 1, kActionRelaunch = 2, kActionExit = 3 };
 
@@ -30,7 +44,7 @@ __device__ bool relaunch_self(SchedState *s) {
   cudaError_t err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
   if (err == cudaSuccess) return true;
   s->stats->error = static_cast<uint32_t>(err);
-  s->stats->exit_reason = 3;  // tail launch failed
+  s->stats->exit_reason = BLINK_EXIT_TAIL_LAUNCH_FAILED;
   s->stopped = 1;
   st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
   return false;
@@ -56,17 +70,9 @@ __device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
   return kActionRun;
 }
 
-// All threads: write the step into the graphs' static buffers, padding the rest exactly as
-// GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults).
-__device__ void stage(SchedState *s, uint32_t *cu) {
+// All threads: each token's id, position and KV slot; tokens past T pad (slot_mapping -1).
+__device__ void stage_tokens(SchedState *s, const uint32_t *cu, uint32_t n, uint32_t T, uint32_t Tg) {
   const blink_sched_config &c = s->cfg;
-  uint32_t g = s->plan_graph, n = s->plan_n, T = s->plan_tokens;
-  uint32_t Bg = static_cast<uint32_t>(c.graph_batch[g]), Tg = static_cast<uint32_t>(c.graph_tokens[g]);
-  if (threadIdx.x == 0) {
-    cu[0] = 0;
-    for (uint32_t r = 0; r < n; ++r) cu[r + 1] = cu[r] + s->plan_new[r];
-  }
-  __syncthreads();
   for (uint32_t j = threadIdx.x; j < Tg; j += blockDim.x) {
     if (j >= T) {
       c.input_ids[j] = 0;
@@ -88,6 +94,12 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
     c.positions[j] = pos;
     c.slot_mapping[j] = static_cast<int64_t>(block) * c.block_size + pos % c.block_size;
   }
+}
+
+// All threads: each row's sequence bounds, context length and sampling parameters; rows past n
+// are zero-length and greedy.
+__device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32_t T, uint32_t Bg) {
+  const blink_sched_config &c = s->cfg;
   for (uint32_t r = threadIdx.x; r <= Bg; r += blockDim.x) c.cu_seqlens[r] = r <= n ? cu[r] : T;
   for (uint32_t r = threadIdx.x; r < Bg; r += blockDim.x) {
     bool real = r < n;
@@ -100,12 +112,34 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
     c.seeds[r] = real ? static_cast<int64_t>(q->seed) : 0;
     c.sample_index[r] = real ? q->out_len : 0;
   }
+}
+
+// All threads: each row's block table, -1 past its blocks.
+__device__ void stage_block_tables(SchedState *s, uint32_t n, uint32_t Bg) {
+  const blink_sched_config &c = s->cfg;
   for (uint32_t e = threadIdx.x; e < Bg * c.max_graph_blocks; e += blockDim.x) {
     uint32_t r = e / c.max_graph_blocks, k = e % c.max_graph_blocks;
     int32_t v = -1;
     if (r < n && k < s->req[s->plan_slot[r]].num_blocks) v = req_blocks(s, s->plan_slot[r])[k];
     c.block_tables[e] = v;
   }
+}
+
+// All threads: write the step into the graphs' static buffers, padding the rest exactly as
+// GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults). `cu`
+// (shared, [BLINK_SCHED_THREADS + 1]) receives the rows' token offsets.
+__device__ void stage(SchedState *s, uint32_t *cu) {
+  const blink_sched_config &c = s->cfg;
+  uint32_t g = s->plan_graph, n = s->plan_n, T = s->plan_tokens;
+  uint32_t Bg = static_cast<uint32_t>(c.graph_batch[g]), Tg = static_cast<uint32_t>(c.graph_tokens[g]);
+  if (threadIdx.x == 0) {
+    cu[0] = 0;
+    for (uint32_t r = 0; r < n; ++r) cu[r + 1] = cu[r] + s->plan_new[r];
+  }
+  __syncthreads();
+  stage_tokens(s, cu, n, T, Tg);
+  stage_rows(s, cu, n, T, Bg);
+  stage_block_tables(s, n, Bg);
   __threadfence();
 }
 
@@ -136,7 +170,7 @@ __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
     __nanosleep(500);
   }
   s->stats->launch_failures++;
-  s->stats->exit_reason = 2;  // graph launch failed
+  s->stats->exit_reason = BLINK_EXIT_LAUNCH_FAILED;
   s->stats->error = static_cast<uint32_t>(err);
   return false;
 }
@@ -148,7 +182,7 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
   ReqInfo *q = &s->req[i];
   int32_t tok = static_cast<int32_t>(c.next_tokens[r]);
   uint32_t reason = finish_reason(s, q, tok);
-  if (reason != kNone && reason != kLength) return reason;
+  if (reason != BLINK_FINISH_REASON_NONE && reason != BLINK_FINISH_REASON_LENGTH) return reason;
   uint32_t pos = q->out_len;
   size_t at = static_cast<size_t>(i) * c.max_output + pos;
   req_tokens(s, i)[q->prompt_len + pos] = tok;
@@ -193,15 +227,15 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   bool prefill = s->plan_kind == kPrefill;
   for (uint32_t r = 0; r < s->plan_n; ++r) {
     uint32_t i = s->plan_slot[r];
-    if (reason[r] == kNone || reason[r] == kLength) s->stats->output_tokens++;
+    if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
     if (prefill) {
       s->stats->prompt_tokens += s->plan_new[r];
-      if (reason[r] == kNone) {
+      if (reason[r] == BLINK_FINISH_REASON_NONE) {
         join_running(s, i);
         st_rel32(&slot(s, i)->state, BLINK_SLOT_STATE_DECODE_PROCESSING);
       }
     }
-    if (reason[r] != kNone) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
+    if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
   s->stats->steps++;
   if (prefill)
@@ -209,3 +243,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   else
     s->stats->decodes++;
 }
+
+}  // namespace
+
+#endif  // BLINK_SCHED_STEP_CUH_

@@ -19,60 +19,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
+
+from gpu_engine.gpu import sched_structs
+from gpu_engine.gpu.sched_structs import MAX_EOS, SAMPLES, SchedConfig
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SCHEMA_CPP = CSRC.parent.parent / "schema" / "cpp"
-SOURCES = ("scheduler.cu", "sched.h", "sched_policy.cuh", "sched_claim.cuh", "sched_step.cuh", "sched_host.cuh")
-MAX_EOS = 8
-SAMPLES = 4096
+# Every source of the library (scheduler.cu includes the headers): the build cache's digest covers them all.
+SOURCES = tuple(sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")))
+PHASE_CLOCKS_FLAG = "-DBLINK_SCHED_PHASE_CLOCKS"
 
-u32, u64, i32, i64, f32 = C.c_uint32, C.c_uint64, C.c_int32, C.c_int64, C.c_float
 P = C.c_void_p
+i64 = C.c_int64
 
 
-class SchedConfig(C.Structure):
-    """Mirror of blink_sched_config (gpu_engine/csrc/sched.h); size checked against the library."""
-
-    _fields_ = [
-        ("ring", P), ("num_slots", u32), ("max_prompt", u32), ("max_output", u32), ("ring_top_k", u32),
-        ("slots_off", u64), ("prompt_off", u64), ("output_off", u64), ("logprob_off", u64),
-        ("top_logprob_off", u64),
-        ("max_batch", u32), ("block_size", u32), ("num_blocks", u32), ("max_blocks_per_seq", u32),
-        ("max_context", u32), ("max_prefill_tokens", u32), ("num_eos", u32), ("claim_with_cas", u32),
-        ("scan_flips", u32),
-        ("eos_ids", i32 * MAX_EOS),
-        ("num_graphs", u32), ("copies", u32), ("token_grain", u32), ("prefill_cols", u32),
-        ("exec_handles", P), ("graph_batch", P), ("graph_tokens", P), ("decode_table", P),
-        ("prefill_table", P), ("counters", P), ("graph_yield", P),
-        ("input_ids", P), ("positions", P), ("slot_mapping", P), ("cu_seqlens", P), ("context_lens", P),
-        ("block_tables", P), ("temperature", P), ("top_p", P), ("min_p", P), ("top_k", P), ("seeds", P),
-        ("sample_index", P), ("next_tokens", P), ("token_logprobs", P), ("top_ids", P), ("top_logprobs", P),
-        ("num_top_out", u32), ("max_tokens", u32), ("max_graph_blocks", u32), ("vocab_size", u32),
-        ("heartbeat_ns", u64), ("drain_ns", u64), ("clock_offset_ns", i64),
-    ]
-
-
-class SchedStats(C.Structure):
-    """Mirror of blink_sched_stats."""
-
-    _fields_ = [
-        *[(n, u64) for n in ("steps", "prefills", "decodes", "prompt_tokens", "output_tokens", "preemptions",
-                              "launches", "launch_retries", "launch_failures", "windows", "claims",
-                              "completions", "cancels", "refused", "scans", "idle_loops", "yield_steps")],
-        *[(n, u32) for n in ("running", "waiting", "paused", "kv_free", "exited", "error", "n_launch_samples",
-                              "n_scan_samples", "n_tail_samples", "n_step_samples", "exit_reason",
-                              "last_cancel_slot", "current_graph", "pad0")],
-        ("current_since_ns", u64), ("tail_start_ns", u64),
-        ("launch_ns", u32 * SAMPLES), ("scan_ns", u32 * SAMPLES), ("tail_ns", u32 * SAMPLES),
-        ("step_ns", u32 * SAMPLES), ("scan_phase_ns", u64 * 4), ("scan_phase_n", u64),
-    ]
+class SchedStats(sched_structs.SchedStats):
+    """blink_sched_stats (mirror generated from schema/sched_structs.py) and what the host reads of it."""
 
     def samples(self, name: str) -> np.ndarray:
         n = min(int(getattr(self, f"n_{name}_samples")), SAMPLES)
         return np.frombuffer(getattr(self, f"{name}_ns"), dtype=np.uint32)[:n].astype(np.float64)
 
     def counters(self) -> dict[str, int]:
-        names = [n for n, _ in self._fields_]
+        names = [f[0] for f in self._fields_]
         return {n: int(getattr(self, n)) for n in names[: names.index("current_graph")]}
 
 
@@ -83,22 +53,34 @@ class SchedulerError(RuntimeError):
 def _digest() -> str:
     h = hashlib.sha256()
     for name in SOURCES:
+        h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update((SCHEMA_CPP / "blink_ring.h").read_bytes())
     return h.hexdigest()[:16]
 
 
-def build_library(arch: str = "sm_90a") -> Path:
-    """Compile libblink_sched.so (cached by source digest) with relocatable device code."""
+def library_path(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
+    """Where ``build_library`` puts (and finds) the library for these sources and options."""
     out_dir = Path(os.environ.get("BLINK_CUDA_BUILD_DIR", CSRC / "build"))
-    lib = out_dir / f"libblink_sched-{_digest()}-{arch}.so"
+    clocks = "-clocks" if phase_clocks else ""
+    return out_dir / f"libblink_sched-{_digest()}-{arch}{clocks}.so"
+
+
+def build_library(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
+    """Compile libblink_sched.so (cached by source digest) with relocatable device code.
+
+    ``phase_clocks`` builds the scan's phase clocks in (stats.scan_phase_ns; the scheduler
+    micro-benchmark asks for them): a few more global-timer reads per scan, so off by default.
+    """
+    lib = library_path(arch, phase_clocks)
     if lib.exists():
         return lib
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    lib.parent.mkdir(parents=True, exist_ok=True)
     compute = arch.replace("sm_", "compute_")
+    flags = [PHASE_CLOCKS_FLAG] if phase_clocks else []
     cmd = [nvcc, "-O2", "-std=c++17", f"-gencode=arch={compute},code={arch}", "-rdc=true", "-shared",
-           "-Xcompiler", "-fPIC", "-cudart", "shared", f"-I{SCHEMA_CPP}", str(CSRC / "scheduler.cu"),
+           "-Xcompiler", "-fPIC", "-cudart", "shared", f"-I{SCHEMA_CPP}", *flags, str(CSRC / "scheduler.cu"),
            "-o", str(lib), "-lcudadevrt"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -154,12 +136,12 @@ class Library:
 
 
 @functools.cache
-def library() -> Library:
+def library(phase_clocks: bool = False) -> Library:
     """The scheduler library of this process: built (or found in the cache) and loaded once."""
-    return Library(build_library())
+    return Library(build_library(phase_clocks=phase_clocks))
 
 
-def _dev_array(values: np.ndarray | list[int], dtype: np.dtype) -> object:
+def _dev_array(values: np.ndarray | list[int], dtype: npt.DTypeLike) -> object:
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(np.asarray(values, dtype=dtype))).cuda()
@@ -198,8 +180,8 @@ class PersistentScheduler:
                  limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
                  claim_with_cas: bool = True, scan_flips: bool = True, heartbeat_ms: float = 5.0,
                  drain_s: float = 5.0,
-                 yield_graphs: frozenset[int] = frozenset()) -> None:
-        self.lib = library()
+                 yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False) -> None:
+        self.lib = library(phase_clocks)
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
         self._keep: list[object] = []
@@ -216,7 +198,7 @@ class PersistentScheduler:
         self.lib.check(self.lib.lib.blink_sched_create(C.byref(cfg), C.byref(self.handle), C.byref(self.stats_ptr)),
                        "scheduler create")
 
-    def _arr(self, values: np.ndarray | list[int], dtype: np.dtype) -> int:
+    def _arr(self, values: np.ndarray | list[int], dtype: npt.DTypeLike) -> int:
         t = _dev_array(values, dtype)
         self._keep.append(t)
         return int(t.data_ptr())  # type: ignore[attr-defined]

@@ -1,0 +1,103 @@
+// The persistent scheduler's device state: one SchedState in global memory (so that the next
+// execution after a tail launch resumes where this one stopped), per-request ReqInfo, and the
+// accessors of the ring and of the state's arrays.
+//
+// Every .cuh of the scheduler is one part of the single translation unit scheduler.cu (the kernel
+// that launches graphs from the device and tail-launches itself is one module) and includes what it
+// uses, so each also compiles alone. Device code lives in an unnamed namespace: internal linkage
+// lets the compiler see every caller of a function and inline it, as in one file.
+#ifndef BLINK_SCHED_STATE_CUH_
+#define BLINK_SCHED_STATE_CUH_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "blink_ring.h"
+#include "sched.h"
+#include "sched_memory.cuh"
+
+namespace {
+
+// A request's place in the scheduler's queues (the ring's slot state is BLINK_SLOT_STATE_*).
+enum Phase : uint32_t { kFree = 0, kWaiting = 1, kRunning = 2, kPaused = 3 };
+// What the planned step is.
+enum PlanKind : uint32_t { kIdle = 0, kPrefill = 1, kDecode = 2 };
+
+constexpr uint32_t kMaxClaims = 256;    // slots claimed per scan; the rest wait for the next one
+constexpr uint32_t kMaxPerThread = 32;  // slots per scanning thread: num_slots <= 8192
+constexpr uint32_t kFlipWords = 64;     // RingHeader.pending_flips: one bit per slot, slots 0..4095
+constexpr uint32_t kMaxStopIds = sizeof(blink_sampling_params::stop_ids) / sizeof(int32_t);
+constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
+
+struct ReqInfo {
+  uint64_t request_id, seed;
+  uint32_t seq, phase, arrival, prompt_len, max_new, out_len, num_blocks, flags;
+  uint32_t num_stop, num_top;
+  float temp, top_p, min_p;
+  int32_t top_k;
+  int32_t stop_ids[kMaxStopIds];
+};
+
+struct SchedState {
+  blink_sched_config cfg;
+  blink_sched_stats *stats;                      // device memory: counters and samples
+  blink_sched_stats *host_stats;                 // host-mapped copy, refreshed at each heartbeat and at exit
+  ReqInfo *req;                                  // [num_slots]
+  int32_t *tokens;                               // [num_slots * max_context]: prompt then outputs
+  int32_t *blocks;                               // [num_slots * max_blocks_per_seq]
+  uint32_t *waiting;                             // FIFO ring [num_slots]
+  uint32_t *paused;                              // sorted by arrival [num_slots]
+  uint32_t *running;                             // [max_batch]
+  uint32_t *free_blocks;                         // stack [num_blocks]
+  uint32_t *copy_rr;                             // [num_graphs] next executable copy
+  uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
+  uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
+  uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;
+  uint64_t last_doorbell, drain_deadline, last_beat;
+  uint8_t *ring_check;  // a second copy of cfg.ring: the state's integrity check
+  uint32_t pending;     // a step launched by the previous execution, which then yielded its SM
+  int64_t pending_expect;
+  uint64_t pending_launch_ns;
+  uint64_t flips_seen[kFlipWords];  // the header's pending_flips as of the last scan
+  uint32_t flips_synced;            // 0: the next scan reads every slot (at start, after an overflow)
+  int64_t flip_credit;              // flips seen minus doorbell increments seen since the last full scan
+};
+
+// ------------------------------------------------------------------ the ring
+__device__ __forceinline__ blink_ring_header *header(SchedState *s) {
+  return reinterpret_cast<blink_ring_header *>(s->cfg.ring);
+}
+__device__ __forceinline__ blink_slot *slot(SchedState *s, uint32_t i) {
+  return reinterpret_cast<blink_slot *>(s->cfg.ring + s->cfg.slots_off) + i;
+}
+// A slot's 64-bit state word: state in the low half, seq in the high half.
+__device__ __forceinline__ uint64_t word(uint32_t state, uint32_t seq) {
+  return (static_cast<uint64_t>(seq) << 32) | state;
+}
+
+// ------------------------------------------------------------------ the state's arrays
+__device__ __forceinline__ int32_t *req_tokens(SchedState *s, uint32_t i) {
+  return s->tokens + static_cast<size_t>(i) * s->cfg.max_context;
+}
+__device__ __forceinline__ int32_t *req_blocks(SchedState *s, uint32_t i) {
+  return s->blocks + static_cast<size_t>(i) * s->cfg.max_blocks_per_seq;
+}
+__device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t v) {
+  uint32_t k = *n;
+  arr[k % BLINK_SAMPLES] = static_cast<uint32_t>(v > 0xFFFFFFFFull ? 0xFFFFFFFFull : v);
+  *n = k + 1;
+}
+
+// Thread 0: the scheduler's own state was overwritten (by a kernel writing out of bounds): stop
+// at once, through the copy of the ring address, rather than dereference what is left.
+__device__ bool state_corrupted(SchedState *s) {
+  if (s->cfg.ring == s->ring_check) return false;
+  s->stats->exit_reason = BLINK_EXIT_STATE_OVERWRITTEN;
+  s->stopped = 1;
+  st_rel32(&reinterpret_cast<blink_ring_header *>(s->ring_check)->engine_state, BLINK_ENGINE_STATE_FAILED);
+  return true;
+}
+
+}  // namespace
+
+#endif  // BLINK_SCHED_STATE_CUH_
