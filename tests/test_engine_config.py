@@ -141,5 +141,4 @@ def test_no_product_module_reads_blink_variables_itself() -> None:
             if path != ROOT / "shared" / "env.py" and ('environ.get("BLINK_' in text or 'getenv("BLINK_' in text
                                                        or 'environ["BLINK_' in text):
                 offenders.append(str(path.relative_to(ROOT)))
-    # gpu_engine/gpu/persistent.py still reads BLINK_CUDA_BUILD_DIR (Env.cuda_build_dir declares it).
-    assert set(offenders) <= {"gpu_engine/gpu/persistent.py"}, offenders
+    assert not offenders, offenders

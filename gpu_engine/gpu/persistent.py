@@ -11,7 +11,6 @@ import contextlib
 import ctypes as C
 import functools
 import hashlib
-import os
 import shutil
 import subprocess
 import time
@@ -23,6 +22,7 @@ import numpy.typing as npt
 
 from gpu_engine.gpu import sched_structs
 from gpu_engine.gpu.sched_structs import MAX_EOS, SAMPLES, SchedConfig
+from shared.env import env
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SCHEMA_CPP = CSRC.parent.parent / "schema" / "cpp"
@@ -61,7 +61,7 @@ def _digest() -> str:
 
 def library_path(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
     """Where ``build_library`` puts (and finds) the library for these sources and options."""
-    out_dir = Path(os.environ.get("BLINK_CUDA_BUILD_DIR", CSRC / "build"))
+    out_dir = env().cuda_build_dir or CSRC / "build"
     clocks = "-clocks" if phase_clocks else ""
     return out_dir / f"libblink_sched-{_digest()}-{arch}{clocks}.so"
 
