@@ -148,7 +148,8 @@ def test_deep_nesting_in_an_unknown_field_is_400(gateway: Gateway, path: str) ->
     assert "nested" in assert_openai_error(payload, "invalid_request_error")["message"]
 
 
-@pytest.mark.parametrize("auth", ["Bearer clé".encode(), b"Bearer \xff\xfe", "Bearer ключ".encode()])
+@pytest.mark.parametrize("auth", [b"Bearer cl\xe9", b"Bearer \xff\xfe", "Bearer ключ".encode()],
+                         ids=["latin-1", "invalid-utf8", "utf8"])  # the first two were a 500
 def test_non_ascii_authorization_is_401(gateway: Gateway, auth: bytes) -> None:
     status, payload = post(gateway, "/v1/completions", b'{"model": "x", "prompt": "hi"}', auth=auth)
     assert status == 401, payload
@@ -275,3 +276,14 @@ def test_a_flood_over_the_cap_keeps_the_log_small(gateway: Gateway) -> None:
     grown = gateway.log()[size:]
     assert len(grown) < 20_000, grown[-3000:]
     assert gateway.metric("blink:http_connections_refused_total") >= 1000
+
+
+def test_connection_cap_stays_under_the_descriptor_limit() -> None:
+    """With a descriptor limit of 300 that cannot be raised, a cap of 1024 becomes 300 - FD_RESERVE."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))\n"
+            "from dpu_gateway.server import FD_RESERVE, connection_cap\n"
+            "print(connection_cap(1024), 300 - FD_RESERVE, connection_cap(10))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cap, expected, small = done.stdout.split()
+    assert cap == expected and small == "10"
