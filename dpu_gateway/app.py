@@ -1,4 +1,10 @@
-"""The gateway app factory: typed state, start-up and clean-up hooks, draining shutdown."""
+"""The gateway app factory: typed state, start-up and clean-up hooks, draining shutdown.
+
+Before any handler runs, the body middleware reads a request's body against ``body_timeout_s``
+(408 and the connection closed when it comes too slowly) and checks that a body for ``/v1/`` is
+text a JSON decoder can take: valid UTF-8 (400 naming the byte) and nested no deeper than the
+decoder's recursion limit (400), so neither reaches a handler as an unexpected exception.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,11 @@ import asyncio
 import hmac
 import time
 
+import msgspec
 from aiohttp import web
 
 from dpu_gateway.backend import Backend
+from dpu_gateway.connguard import ConnectionGuard
 from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.routes import add_routes
@@ -27,12 +35,55 @@ def auth_middleware(api_key: str):
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            got = request.headers.get("Authorization", "").encode()
+            # aiohttp hands header bytes over as UTF-8 with surrogate escapes: any byte string compares
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, expected):
                 raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)
 
     return check
+
+
+class _AnyObject(msgspec.Struct):
+    """Decodes any JSON object by skipping every field: a cheap pass that meets the nesting depth."""
+
+
+_DEPTH_PROBE = msgspec.json.Decoder(_AnyObject)
+
+
+def check_json_text(body: bytes) -> None:
+    """400 for a body no JSON decoder should be handed: invalid UTF-8, or nesting past the recursion limit.
+    Everything else (syntax, types, values) is the handler's decoder's to report."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})",
+                           code="invalid_json") from None
+    try:
+        _DEPTH_PROBE.decode(body)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    except msgspec.DecodeError:
+        pass
+
+
+def body_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
+    @web.middleware
+    async def read_body(request: web.Request, handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(cfg.body_timeout_s):
+                    body = await request.read()  # aiohttp keeps it: the handler's read() returns it
+            except TimeoutError:
+                metrics.timed_out("body")
+                raise APIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s",
+                               code="request_timeout", close=True) from None
+            if request.path.startswith("/v1/"):
+                check_json_text(body)
+        return await handler(request)
+
+    return read_body
 
 
 async def on_startup(app: web.Application) -> None:
@@ -58,15 +109,20 @@ async def on_cleanup(app: web.Application) -> None:
     app[RING].close()
 
 
-def create_app(cfg: GatewayConfig, codec: TextCodec | None = None) -> web.Application:
-    middlewares = [error_middleware]
+def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: ConnectionGuard | None = None,
+               metrics: FrontendMetrics | None = None) -> web.Application:
+    """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
+    metrics = metrics or FrontendMetrics(cfg.served_model_name)
+    middlewares = [guard.middleware] if guard is not None else []
+    middlewares.append(error_middleware)
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))
+    middlewares.append(body_middleware(cfg, metrics))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = cfg
     app[CODEC] = codec or TextCodec(cfg.model)
     app[RING] = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
-    app[METRICS] = FrontendMetrics(cfg.served_model_name)
+    app[METRICS] = metrics
     app[LIVE] = set()
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -17,17 +17,19 @@ log = get_logger("gateway")
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+    405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_exceeded",
     500: "internal_server_error", 503: "service_unavailable",
 }
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s
+        self.close = close  # end the connection after this answer
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "api_error"),
@@ -37,8 +39,11 @@ class APIError(Exception):
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+        resp = web.Response(status=self.status, body=msgspec.json.encode(self.body()),
                             content_type="application/json", headers=headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")

@@ -5,7 +5,8 @@ at first (their first token is the TTFT), then the rest; new tokens (and logprob
 gateway that owns the request, batched into one frame per gateway. Once a slot is
 DECODE_COMPLETED and its tail is read, the reader sends ``Finished`` and releases the slot.
 Polling is adaptive: tight while tokens flow, backing off to ``max_poll_s`` when idle. A stale
-heartbeat or a replaced ring ends every stream with ``Failed`` (no client hangs).
+heartbeat or a replaced ring ends every stream with ``Failed`` (no client hangs); a replaced
+or removed ring's requests are failed, and their slots cancelled, before its mapping closes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shared.slots import SlotWriter
 
 log = get_logger("reader")
 S = L.SlotState
+RESTARTED = "the engine restarted; the request was lost"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,11 +57,10 @@ def top_pairs(tops: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
 class TokenReader:
     def __init__(self, cfg: ReaderConfig) -> None:
         self.cfg = cfg
-        self.watch = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
+        self.watch = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
         self.ring: Ring | None = None
         self.writer: SlotWriter | None = None
         self.snapshot: np.ndarray | None = None
-        self.generation = 0
         self.routes: dict[int, Route] = {}
         self.gateways: dict[int, ipc.Channel] = {}
         self._wake = asyncio.Event()
@@ -160,12 +161,9 @@ class TokenReader:
 
     # ------------------------------------------------------------ health
     def check_health(self) -> None:
-        ring = self.watch.current()
-        if self.watch.generation != self.generation or ring is None:
-            for route in self.routes.values():
-                self._fail(route, 503, "the engine restarted; the request was lost")
-            self.routes.clear()
-            self.generation = self.watch.generation
+        ring = self.watch.current()  # a replaced or removed segment reaches _ring_gone first
+        if ring is None or ring is not self.ring:
+            self._fail_all(RESTARTED)  # requests tracked while no ring was attached
             self.ring = ring
             self.writer = SlotWriter(ring) if ring is not None else None
             self.snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE) if ring is not None else None
@@ -174,6 +172,18 @@ class TokenReader:
             for route in self.routes.values():
                 if not route.orphan:
                     self._fail(route, 503, "the engine stopped responding")
+
+    def _ring_gone(self, old: Ring) -> None:
+        """The watch is about to close ``old``: end its requests and cancel their slots while it is mapped."""
+        if old is not self.ring:
+            return
+        self._fail_all(RESTARTED)
+        self.ring = self.writer = self.snapshot = None
+
+    def _fail_all(self, message: str) -> None:
+        for route in self.routes.values():
+            self._fail(route, 503, message)
+        self.routes.clear()
 
     async def poll_loop(self) -> None:
         delay = self.cfg.min_poll_s

@@ -3,11 +3,15 @@
 The engine creates the segment; a restarted engine replaces it. Every service that touches
 the ring holds a ``RingWatch`` and asks it for the current ring; ``generation`` changes
 whenever the segment behind it changed, so a service can drop what it knew about slots.
+A service that keeps objects on the ring (slot writers, routes) passes ``on_detach``: it is
+called with the old ring while its mapping is still open, just before the watch closes it;
+after that the old ring's transport refuses every access.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from shared import ring_layout as L
 from shared.ring import Ring, attach_shm_ring
@@ -15,9 +19,11 @@ from shared.transport import RingError, shm_path
 
 
 class RingWatch:
-    def __init__(self, name: str, heartbeat_timeout_s: float) -> None:
+    def __init__(self, name: str, heartbeat_timeout_s: float,
+                 on_detach: Callable[[Ring], None] | None = None) -> None:
         self.name = name
         self.timeout_s = heartbeat_timeout_s
+        self.on_detach = on_detach
         self.ring: Ring | None = None
         self.generation = 0
         self._identity: tuple[int, int] | None = None
@@ -55,10 +61,14 @@ class RingWatch:
         return ring is not None and ring.header_load32("engine_state") == L.EngineState.READY
 
     def _detach(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-        self.ring = None
-        self._identity = None
+        ring, self.ring, self._identity = self.ring, None, None
+        if ring is None:
+            return
+        try:
+            if self.on_detach is not None:
+                self.on_detach(ring)
+        finally:
+            ring.close()
 
     def close(self) -> None:
         self._detach()

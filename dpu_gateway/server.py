@@ -1,19 +1,85 @@
-"""The gateway process: serve the app on host:port (SO_REUSEPORT) until SIGTERM/SIGINT, then drain."""
+"""The gateway process: serve the app on host:port (SO_REUSEPORT) until SIGTERM/SIGINT, then drain.
+
+The listening socket's connections go through a ``ConnectionGuard`` (the connection cap and the
+request-head deadline); aiohttp closes idle connections after ``keepalive_timeout_s``. The cap
+stays below the process's file-descriptor limit (raised towards the hard limit where it is lower),
+so accepting never fails for want of descriptors.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import signal
 
 from aiohttp import web
 
 from dpu_gateway.app import create_app
+from dpu_gateway.connguard import ConnectionGuard, ConnectionLimits
 from dpu_gateway.state import BACKEND, GatewayConfig
 from shared import ipc
 from shared.log import get_logger
+from shared.metrics import FrontendMetrics
 
 log = get_logger("gateway")
+FD_RESERVE = 256  # descriptors kept for everything but client connections (links, ring, refused sockets)
+LINGER_S = 2.0    # how long an unread request body is drained after the answer, before closing
+
+
+def connection_cap(wanted: int) -> int:
+    """``wanted``, or less where the descriptor limit (raised as far as allowed) cannot hold it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cap = wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft - FD_RESERVE))
+    if cap < wanted:
+        log.warning("connection_cap_lowered", wanted=wanted, cap=cap, fd_limit=soft)
+    return cap
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site (like ``web.TCPSite``) whose connections are made by the guard."""
+
+    def __init__(self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int) -> None:
+        super().__init__(runner, backlog=1024)
+        self._guard, self._host, self._port = guard, host, port
+
+    @property
+    def port(self) -> int:
+        """The bound port (``port`` 0 asks the kernel for a free one)."""
+        sockets = getattr(self._server, "sockets", None)
+        return int(sockets[0].getsockname()[1]) if sockets else self._port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._guard.make_protocol = server
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._guard, self._host, self._port, backlog=self._backlog,
+                                                reuse_port=True)
+
+
+async def start_gateway(cfg: GatewayConfig, host: str, port: int) -> tuple[web.AppRunner, GuardedSite]:
+    """The app, served on host:port under the configured connection limits."""
+    metrics = FrontendMetrics(cfg.served_model_name)
+    guard = ConnectionGuard(ConnectionLimits(connection_cap(cfg.max_connections), cfg.header_timeout_s), metrics)
+    app = create_app(cfg, guard=guard, metrics=metrics)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,
+                           access_log=None, keepalive_timeout=cfg.keepalive_timeout_s, lingering_time=LINGER_S)
+    await runner.setup()
+    site = GuardedSite(runner, guard, host, port)
+    await site.start()
+    return runner, site
 
 
 async def _mark_ready_when_linked(app: web.Application, cfg: GatewayConfig, name: str) -> None:
@@ -23,12 +89,8 @@ async def _mark_ready_when_linked(app: web.Application, cfg: GatewayConfig, name
 
 
 async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gateway") -> None:
-    app = create_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,
-                           access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=True)
-    await site.start()
+    runner, _ = await start_gateway(cfg, host, port)
+    app = runner.app
     log.info("gateway_listening", host=host, port=port, model=cfg.served_model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

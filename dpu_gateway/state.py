@@ -26,12 +26,22 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 2.0
     gateway_id: int | None = None    # default: the process id
+    # connection limits (see dpu_gateway/connguard.py)
+    max_connections: int = 1024      # open connections of this gateway; more get a quick 503
+    header_timeout_s: float = 10.0   # a request head must be complete this long after its first byte
+    body_timeout_s: float = 30.0     # and its body this long after the head
+    keepalive_timeout_s: float = 15.0  # a connection with no request in progress closes after this
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 CONFIG = web.AppKey("config", GatewayConfig)

@@ -2,7 +2,8 @@
 
 One ``FrontendMetrics`` per gateway process, on its own registry. Latency histograms and
 token counters are observed by the gateway as requests run; the gauges are set from the
-ring header's engine stats and a slot count just before each scrape.
+ring header's engine stats and a slot count just before each scrape. The ``http_connections``
+series count what the connection limits did (dpu_gateway/connguard.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,19 @@ class FrontendMetrics:
                                          registry=r).labels(model_name)
         self.requests = Counter("blink:request_success", "Finished requests by finish reason.",
                                 label + ["finished_reason"], registry=r)
+        self.connections_open = Gauge("blink:http_connections_open", "HTTP connections open now.", label,
+                                      registry=r).labels(model_name)
+        self.connections_refused = Counter("blink:http_connections_refused",
+                                           "Connections answered 503 because the gateway held its maximum.",
+                                           label, registry=r).labels(model_name)
+        self.timeouts = Counter("blink:http_connections_timed_out",
+                                "Connections ended because a request head or body came too slowly.",
+                                label + ["phase"], registry=r)
         self.model_name = model_name
+
+    def timed_out(self, phase: str) -> None:
+        """One connection ended for taking too long; ``phase`` is ``header`` or ``body``."""
+        self.timeouts.labels(self.model_name, phase).inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model_name, reason).inc()

@@ -85,8 +85,12 @@ class MemoryTransport(Transport):
         self._np = np.frombuffer(self._view, dtype=np.uint8)
         self.size = len(self._view)
         self.base = int(self._np.ctypes.data)
+        self.closed = False
 
     def _check(self, offset: int, nbytes: int) -> None:
+        """Every access goes through here, so none reaches the mapping of a closed transport."""
+        if self.closed:
+            raise RingError("ring access after its transport was closed (the mapping is gone)")
         if offset < 0 or offset + nbytes > self.size:
             raise IndexError(f"ring access [{offset}, {offset + nbytes}) outside segment of {self.size} bytes")
 
@@ -138,9 +142,12 @@ class MemoryTransport(Transport):
         _atomics.fence()
 
     def local_view(self) -> memoryview:
+        self._check(0, 0)
         return self._view
 
     def close(self) -> None:
+        """Unmap the segment; any later access raises ``RingError`` (never touches unmapped memory)."""
+        self.closed = True
         self._np = np.empty(0, np.uint8)
         self._view.release()
         if isinstance(self._buf, mmap.mmap):
