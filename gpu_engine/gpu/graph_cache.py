@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -105,7 +105,7 @@ class GraphCache:
         self.counters = torch.zeros(len(shapes), dtype=torch.int64, device=runner.device)
         self.decode_table = self._decode_table(lim.max_batch)
         self.prefill_table = self._prefill_table(lim.max_batch, lim.max_tokens)
-        self._pool = None
+        self._pool: Any = None  # torch's graph pool handle, made at capture
 
     # ---- lookup -------------------------------------------------------------------------------
     def _decode_table(self, max_batch: int) -> np.ndarray:

@@ -104,19 +104,34 @@ class LayerWeights:
     router: torch.Tensor | None  # [E, H] for MoE layers
 
 
+def _tensor(module: object, *path: str) -> torch.Tensor:
+    """``module.a.b...``: a parameter of the model, checked to be a tensor."""
+    value = module
+    for name in path:
+        value = getattr(value, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{'.'.join(path)} is a {type(value).__name__}, not a tensor")
+    return value
+
+
+def _optional_weight(module: object, name: str) -> torch.Tensor | None:
+    """The weight of an optional submodule (a QK norm), or None where the model has none."""
+    return None if getattr(module, name) is None else _tensor(module, name, "weight")
+
+
 def layer_weights(model: CausalLM) -> list[LayerWeights]:
     """Views of the model's parameters, per layer (no copies)."""
     out = []
     for layer in model.layers:
-        moe = hasattr(layer.mlp, "router")
+        attn, mlp = layer.attn, layer.mlp
+        moe = hasattr(mlp, "router")
         out.append(LayerWeights(
-            attn_norm=layer.attn_norm.weight, qkv=layer.attn.qkv.weight,
-            q_norm=layer.attn.q_norm.weight if layer.attn.q_norm is not None else None,
-            k_norm=layer.attn.k_norm.weight if layer.attn.k_norm is not None else None,
-            o=layer.attn.o.weight, mlp_norm=layer.mlp_norm.weight,
-            gate_up=layer.mlp.gate_up if moe else layer.mlp.gate_up.weight,
-            down=layer.mlp.down if moe else layer.mlp.down.weight,
-            router=layer.mlp.router.weight if moe else None,
+            attn_norm=_tensor(layer, "attn_norm", "weight"), qkv=_tensor(attn, "qkv", "weight"),
+            q_norm=_optional_weight(attn, "q_norm"), k_norm=_optional_weight(attn, "k_norm"),
+            o=_tensor(attn, "o", "weight"), mlp_norm=_tensor(layer, "mlp_norm", "weight"),
+            gate_up=_tensor(mlp, "gate_up") if moe else _tensor(mlp, "gate_up", "weight"),
+            down=_tensor(mlp, "down") if moe else _tensor(mlp, "down", "weight"),
+            router=_tensor(mlp, "router", "weight") if moe else None,
         ))
     return out
 
@@ -227,8 +242,8 @@ class GpuModelRunner:
         buf.block_tables.fill_(-1)
         buf.block_tables[:B, :width].copy_(meta.block_tables)
         defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0}
-        for name, pad in defaults.items():
+        for name, value in defaults.items():
             dst = getattr(buf, name)
-            dst.fill_(pad)
+            dst.fill_(value)
             if sampling and name in sampling:
                 dst[:B].copy_(sampling[name])
