@@ -308,17 +308,21 @@ class Endpoint:
 def exchange(sock: socket.socket, ours: Endpoint, timeout_s: float = 10.0) -> Endpoint:
     """Send our endpoint, read the peer's (one line each way, out of band)."""
     sock.settimeout(timeout_s)
-    sock.sendall(ours.encode())
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise RingError("RDMA endpoint exchange: the peer closed the connection before answering")
-        buf += chunk
-        if len(buf) > 65536:
-            raise RingError("RDMA endpoint exchange: answer longer than 64 KiB")
+    try:
+        sock.sendall(ours.encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionResetError("end of stream")
+            buf += chunk
+            if len(buf) > 65536:
+                raise RingError("RDMA endpoint exchange: answer longer than 64 KiB")
+    except (BrokenPipeError, ConnectionResetError):
+        raise RingError("RDMA endpoint exchange: the peer closed the connection before answering") from None
+    except TimeoutError:
+        raise RingError(f"RDMA endpoint exchange: no answer within {timeout_s}s") from None
     return Endpoint.decode(buf)
-
 
 # ---------------------------------------------------------------------- queue pairs (pyverbs)
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -90,7 +90,7 @@ class Deployment:
         name = name or service
         path = self.logs / f"{name}-{time.monotonic_ns()}.log"
         log = open(path, "wb")  # noqa: SIM115 - the child owns it
-        env = {**os.environ, "PYTHONPATH": str(tree), "BLINK_LOG_LEVEL": "warning"}
+        env = {**os.environ, "PYTHONPATH": str(tree), "BLINK_LOG_LEVEL": "info"}
         proc = subprocess.Popen(self.argv(service, name), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
         log.close()
@@ -123,7 +123,8 @@ def wait_until(what: str, check, timeout_s: float = 60.0, procs: tuple[Service, 
         if check():
             return
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    logs = "".join(f"\n--- {svc.name}:\n{svc.tail()}" for svc in procs)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{logs}")
 
 
 def marker_pid(run_dir: Path, name: str) -> int:
@@ -149,7 +150,7 @@ def wait_ready(dep: Deployment, svc: Service) -> None:
     if svc.name == "engine":
         wait_until("the engine's ring READY", lambda: engine_ready(dep.ring, svc.proc.pid), 120, (svc,))
     else:
-        wait_until(f"{svc.name}'s ready marker", lambda: marker_pid(dep.run_dir, svc.name) == svc.proc.pid, 60,
+        wait_until(f"{svc.name}'s ready marker", lambda: marker_pid(dep.run_dir, svc.name) == svc.proc.pid, 120,
                    (svc,))
 
 
