@@ -4,8 +4,8 @@
 # (default: frontend engine-cpu, tag "latest", commit HEAD). The context is `git archive REV` plus this
 # folder's files under _deploy/, so the same recipe builds an older commit (the previous schema minor's
 # services for a rolling upgrade). Images: blink-frontend:TAG, blink-engine-cpu:TAG, blink-engine-cuda:TAG.
-# The CPU torch wheel comes from BLINK_WHEELS (default: the find-links folder of pip's configuration,
-# /opt/wheels on the machines of this repository's CI); builds reach PyPI through the host network.
+# The CPU torch wheel comes from BLINK_WHEELS (default: PIP_FIND_LINKS, else /opt/wheels, pip's find-links on the machines of this repository's CI); builds reach PyPI through the host network,
+# trusting the host's CA bundle (BLINK_PIP_CERT, else PIP_CERT, else the system bundle).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
@@ -19,7 +19,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 IMAGES=${IMAGES:-frontend engine-cpu}
-WHEELS=${BLINK_WHEELS:-$(pip config get global.find-links 2>/dev/null || echo /opt/wheels)}
+WHEELS=${BLINK_WHEELS:-${PIP_FIND_LINKS:-/opt/wheels}}
 
 CTX=$(mktemp -d /var/tmp/blink-ctx.XXXXXX)
 trap 'rm -rf "$CTX"' EXIT
@@ -29,6 +29,9 @@ cp "$HERE"/Dockerfile.* "$HERE"/entrypoint.sh "$HERE"/healthcheck.py "$HERE"/req
 commit=$(git -C "$REPO" rev-parse "$REV")
 minor=$(sed -n 's/^SCHEMA_MINOR = //p' "$CTX/shared/ring_layout.py")
 echo "commit $commit schema 1.$minor" > "$CTX/_deploy/BUILD"
+# The build host's CA bundle for pip inside the build (a TLS-inspecting proxy on the way to PyPI), if any.
+CA=${BLINK_PIP_CERT:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
+if [ -n "$CA" ] && [ -f "$CA" ]; then cp "$CA" "$CTX/_deploy/pip-ca.crt"; else : > "$CTX/_deploy/pip-ca.crt"; fi
 
 for image in $IMAGES; do
   if [ "$image" = engine-cpu ]; then

@@ -362,6 +362,8 @@ class VerbsQueuePair:
         from pyverbs.qp import QP, QPCap, QPInitAttr  # type: ignore[import-not-found]  # noqa: PLC0415
 
         self.e, self.pv, self.cfg = e, pv, cfg
+        self.ctx: Any
+        self.pd: Any
         self.owner = shared_with is None  # the first pair owns the device context and protection domain
         if shared_with is not None:
             self.ctx, self.pd = shared_with.ctx, shared_with.pd

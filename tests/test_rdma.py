@@ -233,3 +233,14 @@ def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - n
     seq = writer.try_reserve(0, 0)
     assert seq == 1 and local.load64(ring.slot_offset(0)) >> 32 == seq
     remote.close()
+
+
+def test_the_transport_module_offers_rdma_without_importing_pyverbs() -> None:
+    import sys
+
+    from shared import transport as tr
+
+    assert "pyverbs" not in sys.modules
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
+        tr.rdma_transport(a)
