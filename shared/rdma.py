@@ -1,0 +1,501 @@
+"""The RDMA transport: the ring reached with one-sided verbs over a reliable-connected queue pair.
+
+Three layers, so that everything but the wire can be tested without a device:
+
+* **Plans** (pure functions): which work requests each transport operation posts, in what order,
+  with which flags. The ordering is the one ``schema/OWNERSHIP.md`` prescribes: a payload goes in
+  RDMA WRITEs, the state word (a release store) in its own WRITE posted after them on the same
+  queue pair, flagged ``IBV_SEND_FENCE`` so it cannot pass an earlier READ; claims and releases are
+  8-byte ``ATOMIC_CMP_AND_SWP``; a fence is a signaled READ posted behind everything (a READ
+  response leaves the responder only after the WRITEs before it are placed).
+* **``RdmaTransport``**: the ``shared.transport.Transport`` interface over a ``Poster`` (post a
+  plan, wait for its signaled completions, read the local staging buffer).
+* **``VerbsPoster`` / ``RingExport``** (pyverbs, imported lazily: the product does not need it):
+  the frontend's queue pair, and the engine side that registers the ring memory, exchanges queue
+  pair numbers and keys over a socket, then leaves the data path.
+
+What has and has not run is in ``docs/RDMA.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from shared.transport import RingError, Transport
+
+SYS_RDMA = Path("/sys/class/infiniband")
+MAX_MESSAGE = 1 << 30       # bytes per WR; clamped to the port's max_msg_sz at connect time
+STAGING_BYTES = 1 << 20     # local buffer the READs land in and WRITEs leave from
+
+
+class RdmaUnavailable(RingError):
+    """No RDMA here: pyverbs missing, no device, or a device without what the ring needs."""
+
+
+class Opcode(enum.IntEnum):
+    """``enum ibv_wr_opcode`` values."""
+
+    RDMA_WRITE = 0
+    RDMA_READ = 4
+    ATOMIC_CMP_AND_SWP = 5
+    ATOMIC_FETCH_AND_ADD = 6
+
+
+class Flag(enum.IntFlag):
+    """``enum ibv_send_flags`` values."""
+
+    NONE = 0
+    FENCE = 1
+    SIGNALED = 2
+    INLINE = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkRequest:
+    """One send-queue entry: ``length`` bytes between ring ``remote`` and staging ``local`` offsets."""
+
+    opcode: Opcode
+    remote: int
+    length: int
+    local: int = 0
+    flags: Flag = Flag.NONE
+    compare: int = 0   # ATOMIC_CMP_AND_SWP: expected; ATOMIC_FETCH_AND_ADD: the addend
+    swap: int = 0      # ATOMIC_CMP_AND_SWP: desired
+
+
+# ---------------------------------------------------------------------- plans (pure)
+def _check_range(offset: int, nbytes: int, size: int) -> None:
+    if nbytes <= 0:
+        raise ValueError(f"RDMA access of {nbytes} bytes: must be > 0")
+    if offset < 0 or offset + nbytes > size:
+        raise IndexError(f"ring access [{offset}, {offset + nbytes}) outside segment of {size} bytes")
+
+
+def _check_word(offset: int, width: int, size: int) -> None:
+    _check_range(offset, width, size)
+    if offset % width:
+        raise ValueError(f"{width * 8}-bit ring word at offset {offset} is not {width}-byte aligned")
+
+
+def _chunks(offset: int, nbytes: int, max_message: int) -> list[tuple[int, int, int]]:
+    """(remote, local, length) pieces of at most ``max_message`` bytes."""
+    return [(offset + k, k, min(max_message, nbytes - k)) for k in range(0, nbytes, max_message)]
+
+
+def plan_read(offset: int, nbytes: int, size: int, max_message: int = MAX_MESSAGE) -> list[WorkRequest]:
+    """READs of the range into staging; only the last is signaled (RC completes in order)."""
+    _check_range(offset, nbytes, size)
+    pieces = _chunks(offset, nbytes, max_message)
+    return [WorkRequest(Opcode.RDMA_READ, r, n, loc, Flag.SIGNALED if i == len(pieces) - 1 else Flag.NONE)
+            for i, (r, loc, n) in enumerate(pieces)]
+
+
+def plan_write(offset: int, nbytes: int, size: int, max_message: int = MAX_MESSAGE) -> list[WorkRequest]:
+    """WRITEs of staging to the range: the payload, never waited for (later WRITEs are placed after it);
+    the last is signaled so the send queue can be reaped."""
+    _check_range(offset, nbytes, size)
+    pieces = _chunks(offset, nbytes, max_message)
+    return [WorkRequest(Opcode.RDMA_WRITE, r, n, loc, Flag.SIGNALED if i == len(pieces) - 1 else Flag.NONE)
+            for i, (r, loc, n) in enumerate(pieces)]
+
+
+def plan_store(offset: int, width: int, size: int, max_inline: int) -> list[WorkRequest]:
+    """A release store: its own WRITE, fenced so that it cannot pass an earlier READ, after the payload."""
+    _check_word(offset, width, size)
+    flags = Flag.FENCE | Flag.SIGNALED | (Flag.INLINE if max_inline >= width else Flag.NONE)
+    return [WorkRequest(Opcode.RDMA_WRITE, offset, width, 0, flags)]
+
+
+def plan_load(offset: int, width: int, size: int) -> list[WorkRequest]:
+    """An acquire load: a signaled READ, waited for before anything after it is posted."""
+    _check_word(offset, width, size)
+    return [WorkRequest(Opcode.RDMA_READ, offset, width, 0, Flag.SIGNALED)]
+
+
+def plan_cas64(offset: int, expected: int, desired: int, size: int) -> list[WorkRequest]:
+    """The slot transitions' compare-and-swap: 8-byte atomic, fenced behind earlier READs, waited for."""
+    _check_word(offset, 8, size)
+    return [WorkRequest(Opcode.ATOMIC_CMP_AND_SWP, offset, 8, 0, Flag.FENCE | Flag.SIGNALED,
+                        expected & 0xFFFF_FFFF_FFFF_FFFF, desired & 0xFFFF_FFFF_FFFF_FFFF)]
+
+
+def plan_fetch_add64(offset: int, delta: int, size: int) -> list[WorkRequest]:
+    _check_word(offset, 8, size)
+    return [WorkRequest(Opcode.ATOMIC_FETCH_AND_ADD, offset, 8, 0, Flag.FENCE | Flag.SIGNALED,
+                        delta & 0xFFFF_FFFF_FFFF_FFFF)]
+
+
+def plan_fence(size: int) -> list[WorkRequest]:
+    """Everything posted before is placed at the responder: a fenced, signaled 8-byte READ of the magic."""
+    _check_word(0, 8, size)
+    return [WorkRequest(Opcode.RDMA_READ, 0, 8, 0, Flag.FENCE | Flag.SIGNALED)]
+
+
+def xor_step(seen: int, bits: int) -> tuple[int, int]:
+    """Verbs have no atomic XOR: the (expected, desired) of the next CAS, given the word last seen."""
+    return seen, (seen ^ bits) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+# ---------------------------------------------------------------------- the transport
+class Poster(Protocol):
+    """What ``RdmaTransport`` needs of a queue pair: post WRs, wait for their signaled ones, staging."""
+
+    staging: np.ndarray     # uint8, STAGING_BYTES: the local memory region
+    max_message: int
+    max_inline: int
+
+    def post(self, wrs: Sequence[WorkRequest]) -> None: ...
+
+    def wait(self) -> None:
+        """Block until every signaled WR posted so far has completed (raise on an error completion)."""
+
+
+class RdmaTransport(Transport):
+    """The ring of a remote engine through one RC queue pair (see the module docstring)."""
+
+    def __init__(self, poster: Poster, size: int) -> None:
+        self.poster = poster
+        self.size = size
+        self._u64 = poster.staging[:8].view(np.uint64)
+
+    def _staged(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.poster.staging.size:
+            raise ValueError(f"RDMA access of {nbytes} bytes exceeds the {self.poster.staging.size}-byte staging "
+                             "buffer: split it")
+        return self.poster.staging[:nbytes]
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._staged(nbytes)
+        self.poster.post(plan_read(offset, nbytes, self.size, self.poster.max_message))
+        self.poster.wait()
+        return bytes(self.poster.staging[:nbytes])
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        out.view(np.uint8).reshape(-1)[:] = np.frombuffer(self.read(offset, out.nbytes), np.uint8)
+
+    def write(self, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+        raw = data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        self.poster.wait()  # the staging buffer is free once earlier WRITEs left it
+        self._staged(raw.size)[:] = raw
+        self.poster.post(plan_write(offset, raw.size, self.size, self.poster.max_message))
+
+    def _word(self, wrs: list[WorkRequest]) -> int:
+        self.poster.post(wrs)
+        self.poster.wait()
+        return int(self._u64[0])
+
+    def cas64(self, offset: int, expected: int, desired: int) -> int:
+        self.poster.wait()
+        return self._word(plan_cas64(offset, expected, desired, self.size))
+
+    def load32(self, offset: int) -> int:
+        self.poster.wait()
+        self.poster.post(plan_load(offset, 4, self.size))
+        self.poster.wait()
+        return int(self.poster.staging[:4].view(np.uint32)[0])
+
+    def load64(self, offset: int) -> int:
+        self.poster.wait()
+        return self._word(plan_load(offset, 8, self.size))
+
+    def _store(self, offset: int, width: int, value: int) -> None:
+        self.poster.wait()
+        self._staged(width)[:] = np.frombuffer(struct.pack("<I" if width == 4 else "<Q", value), np.uint8)
+        self.poster.post(plan_store(offset, width, self.size, self.poster.max_inline))
+
+    def store32(self, offset: int, value: int) -> None:
+        self._store(offset, 4, value & 0xFFFF_FFFF)
+
+    def store64(self, offset: int, value: int) -> None:
+        self._store(offset, 8, value & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def fetch_add64(self, offset: int, delta: int) -> int:
+        self.poster.wait()
+        return self._word(plan_fetch_add64(offset, delta, self.size))
+
+    def fetch_xor64(self, offset: int, bits: int) -> int:
+        seen = self.load64(offset)
+        while True:
+            expected, desired = xor_step(seen, bits)
+            got = self.cas64(offset, expected, desired)
+            if got == expected:
+                return got
+            seen = got
+
+    def fence(self) -> None:
+        self.poster.wait()
+        self.poster.post(plan_fence(self.size))
+        self.poster.wait()
+
+    def close(self) -> None:
+        closer = getattr(self.poster, "close", None)
+        if closer is not None:
+            closer()
+
+
+# ---------------------------------------------------------------------- devices (pyverbs, lazy)
+def _pyverbs() -> Any:
+    try:
+        import pyverbs.device  # type: ignore[import-not-found]  # noqa: F401, PLC0415 - optional
+    except ImportError as exc:
+        raise RdmaUnavailable(
+            f"the RDMA transport needs pyverbs ({exc}): apt-get install python3-pyverbs rdma-core, "
+            "or pip install pyverbs") from None
+    import pyverbs  # type: ignore[import-not-found]  # noqa: PLC0415
+
+    return pyverbs
+
+
+def rdma_devices(sys_dir: Path = SYS_RDMA) -> list[str]:
+    """The RDMA devices the kernel exposes (``/sys/class/infiniband``), without opening any."""
+    try:
+        return sorted(p.name for p in sys_dir.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def pick_device(name: str | None, sys_dir: Path = SYS_RDMA) -> str:
+    """The device to open: the named one, or the only/first one; a clear error when there is none."""
+    found = rdma_devices(sys_dir)
+    if not found:
+        raise RdmaUnavailable(
+            f"no RDMA device: {sys_dir} is empty or missing (no HCA, or a kernel without InfiniBand "
+            "support; SoftRoCE needs the rdma_rxe module); use the shared-memory transport")
+    if name is None:
+        return found[0]
+    if name not in found:
+        raise RdmaUnavailable(f"RDMA device {name!r} not found; this host has {', '.join(found)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What each side tells the other to connect an RC queue pair (exchanged as one JSON line)."""
+
+    qp_num: int
+    psn: int
+    lid: int
+    gid: str          # 16 bytes as hex ("" on InfiniBand with a LID)
+    mtu: int          # enum ibv_mtu
+    addr: int = 0     # ring: virtual address (or IOVA) of its memory region; frontend: 0
+    rkey: int = 0
+    size: int = 0
+
+    def encode(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+
+    @classmethod
+    def decode(cls, line: bytes) -> Endpoint:
+        try:
+            fields = json.loads(line)
+            ep = cls(**fields)
+        except (ValueError, TypeError) as exc:
+            raise RingError(f"RDMA endpoint exchange: malformed message {line[:200]!r}: {exc}") from None
+        if not 0 < ep.qp_num < 1 << 24 or not 0 <= ep.psn < 1 << 24:
+            raise RingError(f"RDMA endpoint exchange: qp_num {ep.qp_num} / psn {ep.psn} out of 24-bit range")
+        return ep
+
+
+def exchange(sock: socket.socket, ours: Endpoint, timeout_s: float = 10.0) -> Endpoint:
+    """Send our endpoint, read the peer's (one line each way, out of band)."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(ours.encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionResetError("end of stream")
+            buf += chunk
+            if len(buf) > 65536:
+                raise RingError("RDMA endpoint exchange: answer longer than 64 KiB")
+    except (BrokenPipeError, ConnectionResetError):
+        raise RingError("RDMA endpoint exchange: the peer closed the connection before answering") from None
+    except TimeoutError:
+        raise RingError(f"RDMA endpoint exchange: no answer within {timeout_s}s") from None
+    return Endpoint.decode(buf)
+
+# ---------------------------------------------------------------------- queue pairs (pyverbs)
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerbsConfig:
+    device: str | None = None      # None: the first device in /sys/class/infiniband
+    port: int = 1
+    gid_index: int = 0             # RoCE needs a GID; InfiniBand may use the LID
+    queue_depth: int = 256
+    max_inline: int = 64
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.port < 1 or self.gid_index < 0 or not 1 <= self.queue_depth <= 65536:
+            raise ValueError(f"RDMA config: port >= 1, gid_index >= 0, queue_depth in 1..65536; got {self}")
+
+
+REMOTE_RING_ACCESS = ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_REMOTE_WRITE",
+                      "IBV_ACCESS_REMOTE_ATOMIC")
+
+
+def _access(e: Any, names: Sequence[str]) -> int:
+    flags = 0
+    for name in names:
+        flags |= int(getattr(e, name))
+    return flags
+
+
+class VerbsQueuePair:
+    """One RC queue pair on a device, with its CQ and a protection domain: both sides build one."""
+
+    def __init__(self, cfg: VerbsConfig, shared_with: VerbsQueuePair | None = None) -> None:
+        pv = _pyverbs()
+        from pyverbs import enums as e  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.cq import CQ  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.device import Context  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.pd import PD  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.qp import QP, QPCap, QPInitAttr  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        self.e, self.pv, self.cfg = e, pv, cfg
+        self.ctx: Any
+        self.pd: Any
+        self.owner = shared_with is None  # the first pair owns the device context and protection domain
+        if shared_with is not None:
+            self.ctx, self.pd = shared_with.ctx, shared_with.pd
+        else:
+            self.ctx = Context(name=pick_device(cfg.device))
+            if int(self.ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
+                raise RdmaUnavailable("this RDMA device has no atomics: the ring's slot transitions need 8-byte CAS")
+            self.pd = PD(self.ctx)
+        self.cq = CQ(self.ctx, cfg.queue_depth)
+        cap = QPCap(max_send_wr=cfg.queue_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1,
+                    max_inline_data=cfg.max_inline)
+        self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
+        self.port_attr = self.ctx.query_port(cfg.port)
+        self.psn = 0x1B11 & 0xFFFFFF
+
+    def endpoint(self, addr: int = 0, rkey: int = 0, size: int = 0) -> Endpoint:
+        gid = str(self.ctx.query_gid(self.cfg.port, self.cfg.gid_index)).replace(":", "")
+        return Endpoint(self.qp.qp_num, self.psn, int(self.port_attr.lid), gid, int(self.port_attr.active_mtu),
+                        addr, rkey, size)
+
+    def connect(self, peer: Endpoint) -> None:
+        """RESET -> INIT -> RTR -> RTS towards the peer's queue pair."""
+        from pyverbs.addr import GID, AHAttr, GlobalRoute  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.qp import QPAttr  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        e = self.e
+        attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=self.cfg.port)
+        attr.qp_access_flags = _access(e, REMOTE_RING_ACCESS)
+        attr.path_mtu = min(peer.mtu, int(self.port_attr.active_mtu))
+        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = peer.qp_num, peer.psn, self.psn
+        attr.max_rd_atomic = attr.max_dest_rd_atomic = 1
+        attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.min_rnr_timer = 14, 7, 7, 12
+        gr = GlobalRoute(dgid=GID(":".join(peer.gid[i:i + 4] for i in range(0, 32, 4))),
+                         sgid_index=self.cfg.gid_index) if peer.gid.strip("0") else None
+        attr.ah_attr = AHAttr(port_num=self.cfg.port, dlid=peer.lid, is_global=gr is not None, gr=gr)
+        self.qp.to_rts(attr)
+
+    def close(self) -> None:
+        for name in ("qp", "cq", "pd", "ctx") if self.owner else ("qp", "cq"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+
+
+class VerbsPoster:
+    """The frontend side: posts plans on its queue pair against the engine's ring region."""
+
+    def __init__(self, qp: VerbsQueuePair, ring: Endpoint) -> None:
+        from pyverbs.mr import MR  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        self.qp, self.ring = qp, ring
+        e = qp.e
+        self.staging = np.zeros(STAGING_BYTES, np.uint8)
+        self.mr = MR(qp.pd, STAGING_BYTES, _access(e, ("IBV_ACCESS_LOCAL_WRITE",)), address=self.staging.ctypes.data)
+        self.max_message = min(MAX_MESSAGE, int(qp.port_attr.max_msg_sz))
+        self.max_inline = qp.cfg.max_inline
+        self._signaled = 0
+        self._opcodes = {Opcode.RDMA_WRITE: e.IBV_WR_RDMA_WRITE, Opcode.RDMA_READ: e.IBV_WR_RDMA_READ,
+                         Opcode.ATOMIC_CMP_AND_SWP: e.IBV_WR_ATOMIC_CMP_AND_SWP,
+                         Opcode.ATOMIC_FETCH_AND_ADD: e.IBV_WR_ATOMIC_FETCH_AND_ADD}
+
+    def post(self, wrs: Sequence[WorkRequest]) -> None:
+        from pyverbs.wr import SGE, SendWR  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        for wr in wrs:
+            sge = SGE(self.staging.ctypes.data + wr.local, wr.length, self.mr.lkey)
+            send = SendWR(opcode=self._opcodes[wr.opcode], num_sge=1, sg=[sge], send_flags=int(wr.flags))
+            if wr.opcode in (Opcode.ATOMIC_CMP_AND_SWP, Opcode.ATOMIC_FETCH_AND_ADD):
+                send.set_wr_atomic(self.ring.rkey, self.ring.addr + wr.remote, wr.compare, wr.swap)
+            else:
+                send.set_wr_rdma(self.ring.rkey, self.ring.addr + wr.remote)
+            self.qp.qp.post_send(send)
+            self._signaled += bool(wr.flags & Flag.SIGNALED)
+
+    def wait(self) -> None:
+        import time  # noqa: PLC0415
+
+        deadline = time.monotonic() + self.qp.cfg.timeout_s
+        while self._signaled:
+            n, wcs = self.qp.cq.poll(self._signaled)
+            for wc in wcs[:n]:
+                if wc.status != self.qp.e.IBV_WC_SUCCESS:
+                    raise RingError(f"RDMA work request failed: completion status {wc.status} "
+                                    f"({self.qp.pv.enums.ibv_wc_status(wc.status).name})")
+            self._signaled -= n
+            if self._signaled and time.monotonic() > deadline:
+                raise RingError(f"RDMA: {self._signaled} work requests not completed after {self.qp.cfg.timeout_s}s")
+
+    def close(self) -> None:
+        self.mr.close()
+        self.qp.close()
+
+
+class RingExport:
+    """The engine side: the ring's memory registered once; each frontend connects a queue pair to it over
+    an out-of-band socket, after which the engine is off the data path (the HCA serves the verbs)."""
+
+    def __init__(self, transport: Transport, cfg: VerbsConfig = VerbsConfig(), dmabuf_fd: int | None = None) -> None:
+        from pyverbs.mr import MR, DmaBufMR  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        self.cfg, self.size = cfg, transport.size
+        self.pairs: list[VerbsQueuePair] = []
+        self._template = VerbsQueuePair(cfg)
+        access = _access(self._template.e, REMOTE_RING_ACCESS)
+        if dmabuf_fd is not None:  # ring in GPU memory, exported by the driver as a dma-buf
+            self.mr = DmaBufMR(self._template.pd, self.size, access, dmabuf=dmabuf_fd, offset=0)
+            self.addr = 0  # a dma-buf region is addressed from IOVA 0
+        else:
+            base = getattr(transport, "base", None)
+            if base is None:
+                raise RingError("RDMA export needs a ring mapped in this process (ShmTransport or MemoryTransport)")
+            self.mr = MR(self._template.pd, self.size, access, address=base)
+            self.addr = int(base)
+
+    def accept(self, sock: socket.socket) -> None:
+        """Connect one frontend: exchange endpoints over ``sock`` and bring a queue pair up."""
+        # One protection domain: the ring's region serves every queue pair.
+        qp = self._template if not self.pairs else VerbsQueuePair(self.cfg, shared_with=self._template)
+        peer = exchange(sock, qp.endpoint(self.addr, self.mr.rkey, self.size), self.cfg.timeout_s)
+        qp.connect(peer)
+        self.pairs.append(qp)
+
+
+def connect_ring(sock: socket.socket, cfg: VerbsConfig = VerbsConfig()) -> RdmaTransport:
+    """The frontend side of ``RingExport.accept``: the ring as a Transport over a fresh queue pair."""
+    qp = VerbsQueuePair(cfg)
+    try:
+        ring = exchange(sock, qp.endpoint(), cfg.timeout_s)
+        if ring.size <= 0 or ring.rkey == 0:
+            raise RingError(f"RDMA: the engine announced no ring region (size {ring.size}, rkey {ring.rkey})")
+        qp.connect(ring)
+        return RdmaTransport(VerbsPoster(qp, ring), ring.size)
+    except BaseException:
+        qp.close()
+        raise

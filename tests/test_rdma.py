@@ -1,0 +1,246 @@
+"""The RDMA transport without a device: work-request plans, their ordering, error paths, and the ring's
+publication protocol run through ``RdmaTransport`` over a poster that executes the plans in memory.
+
+The tests that need an RDMA device are at the end; they skip with the reason (docs/RDMA.md).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import rdma
+from shared import ring_layout as L
+from shared.rdma import Flag, Opcode, WorkRequest
+from shared.ring import HEADER_OFF, RingGeometry, attach_ring, init_ring
+from shared.slots import SlotRequest, SlotWriter
+from shared.transport import MemoryTransport, RingError
+
+SIZE = 1 << 16
+
+
+class MemoryPoster:
+    """Executes work requests the way an RC queue pair does, in posting order, on a local 'remote'."""
+
+    def __init__(self, remote: bytearray, max_message: int = rdma.MAX_MESSAGE, max_inline: int = 64) -> None:
+        self.remote = np.frombuffer(remote, np.uint8)
+        self.staging = np.zeros(4096, np.uint8)
+        self.max_message, self.max_inline = max_message, max_inline
+        self.log: list[WorkRequest] = []
+        self.pending = 0
+
+    def post(self, wrs: Sequence[WorkRequest]) -> None:
+        for wr in wrs:
+            self.log.append(wr)
+            self._execute(wr)
+            self.pending += bool(wr.flags & Flag.SIGNALED)
+
+    def _execute(self, wr: WorkRequest) -> None:
+        rem = self.remote[wr.remote: wr.remote + wr.length]
+        loc = self.staging[wr.local: wr.local + wr.length]
+        if wr.opcode == Opcode.RDMA_WRITE:
+            rem[:] = loc
+        elif wr.opcode == Opcode.RDMA_READ:
+            loc[:] = rem
+        else:
+            word = rem.view(np.uint64)
+            old = int(word[0])
+            loc.view(np.uint64)[0] = old
+            if wr.opcode == Opcode.ATOMIC_FETCH_AND_ADD:
+                word[0] = (old + wr.compare) & 0xFFFF_FFFF_FFFF_FFFF
+            elif old == wr.compare:
+                word[0] = wr.swap
+
+    def wait(self) -> None:
+        self.pending = 0
+
+
+def transport(size: int = SIZE, **kw) -> tuple[rdma.RdmaTransport, MemoryPoster, bytearray]:
+    remote = bytearray(size)
+    poster = MemoryPoster(remote, **kw)
+    return rdma.RdmaTransport(poster, size), poster, remote
+
+
+# ---------------------------------------------------------------------- plans
+def test_read_plan_splits_at_the_message_limit_and_signals_only_the_last() -> None:
+    wrs = rdma.plan_read(100, 2500, SIZE, max_message=1000)
+    assert [(w.remote, w.local, w.length) for w in wrs] == [(100, 0, 1000), (1100, 1000, 1000), (2100, 2000, 500)]
+    assert all(w.opcode == Opcode.RDMA_READ for w in wrs)
+    assert [bool(w.flags & Flag.SIGNALED) for w in wrs] == [False, False, True]
+
+
+def test_release_store_is_its_own_fenced_write() -> None:
+    (wr,) = rdma.plan_store(64, 8, SIZE, max_inline=64)
+    assert wr.opcode == Opcode.RDMA_WRITE and wr.length == 8
+    assert wr.flags & Flag.FENCE and wr.flags & Flag.SIGNALED and wr.flags & Flag.INLINE
+    (no_inline,) = rdma.plan_store(64, 4, SIZE, max_inline=0)
+    assert not no_inline.flags & Flag.INLINE and no_inline.flags & Flag.FENCE
+
+
+def test_payload_writes_are_not_fenced() -> None:
+    assert all(not w.flags & Flag.FENCE for w in rdma.plan_write(0, 3000, SIZE, max_message=1024))
+
+
+def test_cas_is_an_8_byte_fenced_atomic_with_masked_operands() -> None:
+    (wr,) = rdma.plan_cas64(8, -1, 5, SIZE)
+    assert wr.opcode == Opcode.ATOMIC_CMP_AND_SWP and wr.length == 8
+    assert wr.flags == Flag.FENCE | Flag.SIGNALED
+    assert (wr.compare, wr.swap) == (0xFFFF_FFFF_FFFF_FFFF, 5)
+
+
+def test_fence_is_a_signaled_read_behind_everything() -> None:
+    (wr,) = rdma.plan_fence(SIZE)
+    assert wr.opcode == Opcode.RDMA_READ and wr.flags == Flag.FENCE | Flag.SIGNALED
+
+
+def test_xor_is_a_cas_from_the_value_seen() -> None:
+    assert rdma.xor_step(0b1010, 0b0110) == (0b1010, 0b1100)
+
+
+# ---------------------------------------------------------------------- errors
+@pytest.mark.parametrize(("plan", "exc", "words"), [
+    (lambda: rdma.plan_cas64(12, 0, 1, SIZE), ValueError, "not 8-byte aligned"),
+    (lambda: rdma.plan_load(SIZE - 4, 8, SIZE), IndexError, "outside segment"),
+    (lambda: rdma.plan_read(0, 0, SIZE), ValueError, "must be > 0"),
+    (lambda: rdma.plan_write(-8, 8, SIZE), IndexError, "outside segment"),
+    (lambda: rdma.plan_store(2, 4, SIZE, 64), ValueError, "4-byte aligned"),
+])
+def test_bad_accesses_are_refused_before_anything_is_posted(plan, exc, words: str) -> None:
+    with pytest.raises(exc, match=words):
+        plan()
+
+
+def test_an_access_larger_than_staging_is_refused() -> None:
+    t, poster, _ = transport()
+    with pytest.raises(ValueError, match="staging buffer"):
+        t.read(0, poster.staging.size + 1)
+    assert poster.log == []
+
+
+def test_no_device_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(rdma.RdmaUnavailable, match="no RDMA device.*shared-memory transport"):
+        rdma.pick_device(None, tmp_path / "infiniband")
+    (tmp_path / "ib").mkdir()
+    (tmp_path / "ib" / "mlx5_0").mkdir()
+    assert rdma.pick_device(None, tmp_path / "ib") == "mlx5_0"
+    with pytest.raises(rdma.RdmaUnavailable, match="'rxe0' not found; this host has mlx5_0"):
+        rdma.pick_device("rxe0", tmp_path / "ib")
+
+
+def test_opening_a_queue_pair_here_says_why_it_cannot() -> None:
+    """Without pyverbs, or without a device, the error names what is missing (never an ImportError)."""
+    with pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
+        rdma.VerbsQueuePair(rdma.VerbsConfig())
+
+
+def test_endpoint_exchange_round_trips_and_rejects_garbage() -> None:
+    a, b = socket.socketpair()
+    ours = rdma.Endpoint(qp_num=17, psn=5, lid=3, gid="fe80" + "0" * 28, mtu=5, addr=4096, rkey=99, size=SIZE)
+    peer = rdma.Endpoint(qp_num=18, psn=6, lid=4, gid="", mtu=3)
+    got: list[rdma.Endpoint] = []
+    th = threading.Thread(target=lambda: got.append(rdma.exchange(b, peer)))
+    th.start()
+    assert rdma.exchange(a, ours) == peer
+    th.join()
+    assert got == [ours]
+    with pytest.raises(RingError, match="malformed"):
+        rdma.Endpoint.decode(b'{"qp_num": 1}\n')
+    with pytest.raises(RingError, match="24-bit"):
+        rdma.Endpoint.decode(rdma.Endpoint(qp_num=1 << 24, psn=0, lid=0, gid="", mtu=1).encode())
+    a.close()
+    with pytest.raises(RingError, match="closed the connection"):
+        rdma.exchange(b, peer, timeout_s=2)
+    b.close()
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="queue_depth"):
+        rdma.VerbsConfig(queue_depth=0)
+
+
+# ---------------------------------------------------------------------- the transport over the plans
+def test_words_and_ranges_round_trip() -> None:
+    t, _, remote = transport()
+    t.write(128, b"payload!")
+    assert t.read(128, 8) == b"payload!"
+    t.store64(256, 0xDEAD_BEEF_0000_0001)
+    assert t.load64(256) == 0xDEAD_BEEF_0000_0001
+    t.store32(260, 7)
+    assert t.load32(260) == 7
+    assert t.cas64(256, 1, 2) != 1  # wrong expectation: nothing changes, the value seen comes back
+    seen = t.load64(256)
+    assert t.cas64(256, seen, 42) == seen and t.load64(256) == 42
+    assert t.fetch_add64(256, 3) == 42 and t.load64(256) == 45
+    assert t.fetch_xor64(256, 0b101) == 45 and t.load64(256) == 45 ^ 0b101
+
+
+def test_a_slot_publication_posts_payload_then_fenced_state_then_flip_then_doorbell() -> None:
+    """schema/OWNERSHIP.md over RDMA: the payload's WRITEs, the state word in its own fenced WRITE after
+    them, the pending_flips XOR (CAS) after the state, the doorbell's atomic add last."""
+    g = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
+    local = bytearray(g.total_bytes)
+    init_ring(MemoryTransport(local), g, "rdma-test")
+    poster = MemoryPoster(local)
+    ring = attach_ring(rdma.RdmaTransport(poster, g.total_bytes), "rdma-test")
+    writer = SlotWriter(ring)
+    slot = 2
+    seq = writer.try_reserve(slot, 0)
+    assert seq == 1
+    poster.log.clear()
+    writer.publish(slot, seq, SlotRequest(request_id=7, prompt=np.arange(5, dtype=np.int32), max_new_tokens=4))
+    state_at = ring.slot_field(slot, "state")
+    kinds = [(w.opcode, w.remote, w.flags) for w in poster.log]
+    i_state = next(i for i, w in enumerate(poster.log)
+                   if w.opcode == Opcode.RDMA_WRITE and w.remote == state_at and w.length == 4)
+    assert kinds[i_state][2] & Flag.FENCE, "the state word's WRITE must be fenced"
+    payload = {ring.prompt_offset(slot), ring.slot_offset(slot)}
+    before = [(op, off, flags) for op, off, flags in kinds[:i_state] if op == Opcode.RDMA_WRITE]
+    assert {off for _, off, _ in before} == payload and not any(flags & Flag.FENCE for *_, flags in before), \
+        "the payload's WRITEs (prompt, slot record) come before the state word, unfenced"
+    i_flip = next(i for i, (op, off, _) in enumerate(kinds)
+                  if op == Opcode.ATOMIC_CMP_AND_SWP and off == HEADER_OFF["pending_flips"])
+    i_bell = next(i for i, (op, off, _) in enumerate(kinds)
+                  if op == Opcode.ATOMIC_FETCH_AND_ADD and off == HEADER_OFF["doorbell"])
+    assert i_state < i_flip < i_bell
+    assert ring.read_slots()[slot]["state"] == L.SlotState.PREFILL_PENDING
+
+
+# ---------------------------------------------------------------------- on a device
+needs_device = pytest.mark.skipif(
+    not rdma.rdma_devices(),
+    reason="needs an RDMA device (none in /sys/class/infiniband: no HCA here, and the kernel has no "
+           "InfiniBand support, so SoftRoCE cannot be loaded); see docs/RDMA.md")
+
+
+@needs_device
+def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - needs a device
+    g = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
+    local = MemoryTransport(bytearray(g.total_bytes))
+    init_ring(local, g, "rdma-loopback")
+    export = rdma.RingExport(local)
+    a, b = socket.socketpair()
+    th = threading.Thread(target=export.accept, args=(a,))
+    th.start()
+    remote = rdma.connect_ring(b)
+    th.join()
+    ring = attach_ring(remote, "rdma-loopback")
+    writer = SlotWriter(ring)
+    seq = writer.try_reserve(0, 0)
+    assert seq == 1 and local.load64(ring.slot_offset(0)) >> 32 == seq
+    remote.close()
+
+
+def test_the_transport_module_offers_rdma_without_importing_pyverbs() -> None:
+    import sys
+
+    from shared import transport as tr
+
+    assert "pyverbs" not in sys.modules
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
+        tr.rdma_transport(a)

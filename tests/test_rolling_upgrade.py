@@ -1,0 +1,363 @@
+"""Rolling upgrade, process mode: every service its own process, replaced one at a time under load.
+
+The engine (CPU, the embedded model, a small ring) and each frontend service are started as plain
+processes with the ``blink`` command, as an operator (or a container runtime) would, not through the
+supervisor. A few streams run all along (``docker/loadgen.py``: a client retries only before its
+200). Then: the gateway is replaced by a new build (the new one starts on the shared port before
+the old one drains), the tokenizer, the tracker and the reader by the build of the previous schema
+minor (taken from the repository's history), and the engine is restarted. Requests fail only where
+the design lets them: those in flight on the engine at its restart, with the defined error, and
+(today) those streaming through the token reader at its replacement, which has no hand-over yet.
+The ring's slots and KV blocks all come back. The counts are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import ipc
+from shared import ring_layout as L
+from shared.ring import RingGeometry, attach_shm_ring, create_shm_ring
+from shared.transport import RingError, ShmTransport
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_FLAGS = ("--backend", "cpu", "--num-slots", "8", "--max-prompt-tokens", "128", "--max-output-tokens", "32",
+                "--max-batch", "4", "--block-size", "16", "--kv-blocks", "64", "--threads", "1")
+ENGINE_ERRORS = ("engine_unavailable",)  # the code a stream lost with its engine ends with
+READER_ERRORS = ("engine_unavailable",)  # "the token reader went away"
+STEADY_S = 1.0
+REST_TIMEOUT_S = 8.0  # the reader releases a finished slot within a poll; the engine frees its blocks at once
+
+
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+loadgen = _load_module("blink_docker_loadgen", ROOT / "docker" / "loadgen.py")
+
+
+# ---------------------------------------------------------------------- processes
+@dataclasses.dataclass(slots=True)
+class Service:
+    """One running process of a service, started from the code tree ``tree``."""
+
+    name: str
+    proc: subprocess.Popen
+    tree: Path
+    log: Path
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-1500:]
+
+
+@dataclasses.dataclass(slots=True)
+class Deployment:
+    run_dir: Path
+    ring: str
+    port: int
+    logs: Path
+    running: dict[str, Service] = dataclasses.field(default_factory=dict)
+
+    def argv(self, service: str, name: str) -> list[str]:
+        if service == "engine":
+            return [sys.executable, "-m", "gpu_engine.serve", "--ring", self.ring, *ENGINE_FLAGS]
+        argv = [sys.executable, "-m", "blink.cli", service, "--run-dir", str(self.run_dir), "--ring", self.ring]
+        if service == "gateway":
+            argv += ["--port", str(self.port), "--name", name, "--drain-timeout", "20"]
+        return argv
+
+    def start(self, service: str, tree: Path = ROOT, name: str | None = None) -> Service:
+        name = name or service
+        path = self.logs / f"{name}-{time.monotonic_ns()}.log"
+        log = open(path, "wb")  # noqa: SIM115 - the child owns it
+        env = {**os.environ, "PYTHONPATH": str(tree), "BLINK_LOG_LEVEL": "info"}
+        proc = subprocess.Popen(self.argv(service, name), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        log.close()
+        svc = Service(name, proc, tree, path)
+        self.running[name] = svc
+        return svc
+
+    def stop(self, name: str, timeout_s: float = 30.0) -> None:
+        svc = self.running.pop(name)
+        svc.proc.send_signal(signal.SIGTERM)
+        try:
+            svc.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            svc.proc.kill()
+            svc.proc.wait()
+            raise AssertionError(f"{name} did not stop within {timeout_s}s of SIGTERM") from None
+
+    def stop_all(self) -> None:
+        for name in [n for n in self.running if n != "engine"] + (["engine"] if "engine" in self.running else []):
+            with contextlib.suppress(AssertionError):
+                self.stop(name)
+
+
+def wait_until(what: str, check, timeout_s: float = 60.0, procs: tuple[Service, ...] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for svc in procs:
+            assert svc.proc.poll() is None, (
+                f"{svc.name} exited with {svc.proc.returncode} while waiting for {what}:\n{svc.tail()}")
+        if check():
+            return
+        time.sleep(0.05)
+    logs = "".join(f"\n--- {svc.name}:\n{svc.tail()}" for svc in procs)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{logs}")
+
+
+def marker_pid(run_dir: Path, name: str) -> int:
+    try:
+        return int(ipc.ready_path(run_dir, name).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def engine_ready(ring: str, pid: int) -> bool:
+    try:
+        r = attach_shm_ring(ring)
+    except (RingError, ValueError):
+        return False
+    try:
+        return r.header_load32("engine_pid") == pid and r.header_load32("engine_state") == L.EngineState.READY
+    finally:
+        r.close()
+
+
+def wait_ready(dep: Deployment, svc: Service) -> None:
+    """The engine: its ring says READY under its pid; a service: its ready marker holds its pid."""
+    if svc.name == "engine":
+        wait_until("the engine's ring READY", lambda: engine_ready(dep.ring, svc.proc.pid), 120, (svc,))
+    else:
+        wait_until(f"{svc.name}'s ready marker", lambda: marker_pid(dep.run_dir, svc.name) == svc.proc.pid, 120,
+                   (svc,))
+
+
+def start_ready(dep: Deployment, service: str, tree: Path = ROOT, name: str | None = None) -> Service:
+    svc = dep.start(service, tree, name)
+    wait_ready(dep, svc)
+    return svc
+
+
+# ---------------------------------------------------------------------- the previous schema minor
+def layout_minor(commit: str) -> int | None:
+    text = subprocess.run(["git", "show", f"{commit}:shared/ring_layout.py"], cwd=ROOT, capture_output=True,
+                          text=True).stdout
+    line = next((x for x in text.splitlines() if x.startswith("SCHEMA_MINOR = ")), None)
+    return None if line is None else int(line.split("=")[1])
+
+
+def previous_minor_commit() -> str | None:
+    """The last commit before this schema minor came in: the parent of the oldest commit whose generated
+    layout says this minor, provided that parent says the previous one."""
+    if L.SCHEMA_MINOR == 0 or not (ROOT / ".git").exists():
+        return None
+    try:
+        commits = subprocess.run(["git", "log", "--format=%H", "--", "shared/ring_layout.py"], cwd=ROOT,
+                                 check=True, capture_output=True, text=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    ours = [c for c in commits if layout_minor(c) == L.SCHEMA_MINOR]
+    if not ours:
+        return None
+    parent = subprocess.run(["git", "rev-parse", f"{ours[-1]}^"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return parent if parent and layout_minor(parent) == L.SCHEMA_MINOR - 1 else None
+
+
+def build_tree(commit: str, dest: Path) -> Path:
+    """``git archive`` of a commit, its C extensions built in place."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True,
+                   capture_output=True)
+    return dest
+
+
+# ---------------------------------------------------------------------- ring checks
+def ring_at_rest(ring: str) -> dict:
+    """Slots not EMPTY and the engine's KV accounting, read from the header and the slots."""
+    r = attach_shm_ring(ring)
+    try:
+        slots = r.read_slots()
+        stats = r.read_header()["stats"]
+        return {"busy_slots": int(np.count_nonzero(slots["state"] != L.SlotState.EMPTY)),
+                "kv_blocks_free": int(stats["kv_blocks_free"]), "kv_blocks_total": int(stats["kv_blocks_total"]),
+                "running": int(stats["running"]), "waiting": int(stats["waiting"])}
+    finally:
+        r.close()
+
+
+def settled(s: dict) -> bool:
+    return s["busy_slots"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] > 0 and s["running"] == 0
+
+
+def rest_after(ring: str, timeout_s: float) -> dict:
+    """The ring once the load stopped: at rest as soon as it is, or as it is after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not settled(state := ring_at_rest(ring)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return state
+
+
+# ---------------------------------------------------------------------- the test
+@pytest.fixture
+def deployment(tmp_path_factory: pytest.TempPathFactory, ring_name: str) -> Iterator[Deployment]:
+    from harness.serve_proc import free_port
+
+    run_dir = Path(f"/tmp/blink-ru-{os.getpid()}-{time.monotonic_ns() % 10**6}")
+    dep = Deployment(run_dir, ring_name, free_port(), tmp_path_factory.mktemp("logs"))
+    try:
+        yield dep
+    finally:
+        dep.stop_all()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(slots=True)
+class Phase:
+    name: str
+    start: float
+    end: float = 0.0
+
+
+async def replace(dep: Deployment, phases: list[Phase], service: str, tree: Path) -> None:
+    """Stop one service, start its replacement (a gateway: start the new one first, then drain the old)."""
+    await asyncio.sleep(STEADY_S)
+    phase = Phase(f"{service}@{'this build' if tree == ROOT else tree.name}", time.monotonic())
+    phases.append(phase)
+    if service == "gateway":
+        old = next(n for n in dep.running if n.startswith("gateway"))
+        await asyncio.to_thread(start_ready, dep, "gateway", tree, f"gateway-{len(phases)}")
+        await asyncio.to_thread(dep.stop, old)
+    else:
+        await asyncio.to_thread(dep.stop, service)
+        await asyncio.to_thread(start_ready, dep, service, tree)
+    phase.end = time.monotonic()
+
+
+def phase_of(res, phases: list[Phase]) -> str:
+    """The replacement a failed request died in: the one under way when it ended, else one it overlapped."""
+    for p in phases:
+        if p.start <= res.ended <= p.end:
+            return p.name
+    hit = next((p for p in phases if res.ok_at is not None and res.ok_at <= p.end and res.ended >= p.start), None)
+    return hit.name if hit is not None else "steady load"
+
+
+def classify_failures(results: list, phases: list[Phase]) -> tuple[dict[str, int], list[str]]:
+    """Failed requests counted by phase, and the ones the design does not allow: any failure outside the
+    engine's restart and the reader's replacement, or one there without the defined error."""
+    per_phase: dict[str, int] = {}
+    wrong: list[str] = []
+    for res in [r for r in results if r.ended and not r.ok]:
+        name = phase_of(res, phases)
+        per_phase[name] = per_phase.get(name, 0) + 1
+        code = (res.error or {}).get("code")
+        if name.startswith("engine"):
+            ok = code in ENGINE_ERRORS or res.finish == "abort"
+        else:
+            ok = name.startswith("reader") and code in READER_ERRORS
+        if not ok:
+            wrong.append(f"{name}: {res.error or res.finish}")
+    return per_phase, wrong
+
+
+async def under_load(dep: Deployment, phases: list[Phase], steps: list[tuple[str, Path]]) -> list:
+    """Run the load while the services in ``steps`` are replaced in turn; the results once it stopped."""
+    load = loadgen.Load(loadgen.LoadConfig(f"http://127.0.0.1:{dep.port}", streams=3, max_tokens=8))
+    load.start()
+    try:
+        for service, tree in steps:
+            await replace(dep, phases, service, tree)
+        await asyncio.sleep(STEADY_S)
+    finally:
+        await load.stop()
+    return load.results
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    results: list = dataclasses.field(default_factory=list)
+    phases: list[Phase] = dataclasses.field(default_factory=list)
+    rests: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+
+async def drive(dep: Deployment, old_tree: Path) -> Outcome:
+    """Three rounds of load, the ring read at rest after each: the services but the reader, the reader,
+    the engine."""
+    out = Outcome()
+    rounds = {"gateway, tokenizer, tracker": [("gateway", ROOT), ("tokenizer", old_tree), ("tracker", old_tree)],
+              "reader": [("reader", old_tree)], "engine": [("engine", ROOT)]}
+    for label, steps in rounds.items():
+        out.results += await under_load(dep, out.phases, steps)
+        out.rests[label] = await asyncio.to_thread(rest_after, dep.ring, REST_TIMEOUT_S)
+    return out
+
+
+def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> None:
+    commit = previous_minor_commit()
+    if commit is None:
+        pytest.skip("no commit of the previous schema minor in this checkout's history (needs a git clone)")
+    old_tree = build_tree(commit, tmp_path / f"minor{L.SCHEMA_MINOR - 1}")
+    dep = deployment
+    started = [dep.start(s) for s in ("engine", "tokenizer", "reader", "tracker")] + [dep.start("gateway", ROOT,
+                                                                                             "gateway-0")]
+    for svc in started:
+        wait_ready(dep, svc)
+    out = asyncio.run(drive(dep, old_tree))
+    counts = loadgen.summary(out.results)
+    failed_by_phase, wrong = classify_failures(out.results, out.phases)
+    print("\nrolling upgrade:", json.dumps({**counts, "failed_by_phase": failed_by_phase,
+                                           "previous_minor_build": commit[:12], "ring_at_rest": out.rests}))
+    assert counts["completed"] >= 20, counts
+    assert not wrong, wrong
+    assert settled(out.rests["gateway, tokenizer, tracker"]), out.rests
+    assert settled(out.rests["engine"]), out.rests
+    # The token reader has no hand-over yet (dpu_gateway/reader.py keeps its routes in memory): the streams
+    # it carried when stopped end with the defined error, and their slots may stay DECODE_COMPLETED (no
+    # reader owns them) until the engine restarts. Those, and nothing else, may be lost.
+    lost = sum(n for name, n in failed_by_phase.items() if name.startswith("reader"))
+    reader_rest = out.rests["reader"]
+    assert reader_rest["busy_slots"] <= lost and reader_rest["kv_blocks_free"] == reader_rest["kv_blocks_total"], (
+        lost, reader_rest)
+
+
+# ---------------------------------------------------------------------- another major
+def test_ring_of_another_major_is_refused_naming_both_versions(ring_name: str) -> None:
+    geometry = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=16, top_logprobs=0)
+    ring = create_shm_ring(ring_name, geometry)
+    try:
+        ring.header_store32("engine_state", L.EngineState.READY)
+        ring.transport.write(L.FIELD_OFFSETS["RingHeader"]["schema_major"],
+                             np.array([L.SCHEMA_MAJOR + 1], np.uint16))
+        with pytest.raises(RingError) as err:
+            attach_shm_ring(ring_name)
+        msg = str(err.value)
+        assert f"{L.SCHEMA_MAJOR + 1}.{L.SCHEMA_MINOR}" in msg and f"{L.SCHEMA_MAJOR}.{L.SCHEMA_MINOR}" in msg, msg
+        assert "major" in msg
+    finally:
+        ring.close()
+        ShmTransport.unlink_name(ring_name)
