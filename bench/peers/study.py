@@ -245,8 +245,9 @@ async def serve_levels(system: System, ctx: Context) -> None:
 
 def run_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> None:
     """Start one system, serve every level, stop it (also on errors and interrupts)."""
-    ctx.new["order"].append(name)
     system = make_system(name, ctx, peers, work)
+    name = system.name  # Blink's modes are blink-MODE in the results
+    ctx.new["order"].append(name)
     t0 = time.monotonic()
     try:
         say(f"[{name}] starting")
