@@ -78,12 +78,16 @@ peers_run() {  # peers_run SYSTEM
   if [ "$1" = vllm ] && [ ! -f /tmp/vllm-site/env.sh ]; then
     (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
   fi
+  rm -rf /tmp/blink-peers-work
   PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
+    --work-dir /tmp/blink-peers-work \
     --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \
     --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" \
     --time-budget-s "$(( ${T_PEERS:-560} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
   rc=$?
   cp bench/results/peers* "$OUT/" 2>/dev/null
+  # the servers' own logs (vLLM's start-up settings, Blink's events) go into logs.tgz
+  find /tmp/blink-peers-work -name '*.log' 2>/dev/null | while read -r f; do cp "$f" "$OUT/peers_$1_$(basename "$(dirname "$f")")_$(basename "$f")"; done
   return $rc
 }
 soak_wait() {

@@ -1,4 +1,20 @@
-"""One rate's record: counts, latencies and sustained throughput of the window, and the server's queue."""
+"""One rate's record: counts, latencies and sustained throughput of the window, and the server's queue.
+
+A record (one per system, co-tenant level and offered rate in ``peers.json``):
+
+- ``arrived``: requests whose arrival fell inside the window; each ended ``completed``, ``failed`` (an HTTP or
+  stream error; ``errors`` counts them by kind) or ``unfinished`` (still open at the cut), and
+  ``arrived = completed + failed + unfinished``;
+- ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms``: ``p50``, ``p95``, ``p99``, ``p999`` over the completed
+  measured requests (vLLM's definitions, ``bench/serve_bench.py``);
+- ``sustained_req_s`` / ``sustained_out_tok_s``: requests that completed, and output tokens that streamed,
+  inside the window (whatever their arrival), per second of window; ``vllm_def_req_s``: vLLM's benchmark
+  throughput of the measured requests (completed over first send to last answer), for reference only;
+- ``queue_start``, ``queue_end``, ``queue_max``, ``queue_growth`` (a line fitted through readings every
+  second): the server's waiting-requests gauge over the window; ``keeps_up`` and ``keeps_up_why``: the
+  plateau's test;
+- ``server_cpu_s_per_min`` (by process), ``client_cpu_s_per_min`` (per client process), ``client_busy``.
+"""
 
 from __future__ import annotations
 

@@ -232,7 +232,7 @@ def summary_line(rec: dict[str, Any]) -> str:
             f"{rec['queue_start']} -> {rec['queue_end']} | TTFT p50/p99 {report.fmt(rec['ttft_ms']['p50'], '.0f')}/"
             f"{report.fmt(rec['ttft_ms']['p99'], '.0f')} ms | TPOT p50/p99 {report.fmt(rec['tpot_ms']['p50'], '.1f')}/"
             f"{report.fmt(rec['tpot_ms']['p99'], '.1f')} ms | client CPU {max(rec['client_cpu_s_per_min'] or [0])} "
-            f"s/min | keeps up: {rec['keeps_up_why']}")
+            f"s/min{' (CLIENT BUSY: add --clients)' if rec['client_busy'] else ''} | keeps up: {rec['keeps_up_why']}")
 
 
 async def serve_levels(system: System, ctx: Context) -> None:
