@@ -1,14 +1,19 @@
 """CPU co-tenants for the interference study: busy processes pinned to chosen cores.
 
-Two kinds, one process per core each:
+Three kinds, ``--per-core`` processes per core each (default one):
 
 - ``compress``: compresses a mix of random and English text bytes in a loop, rotating zlib (level 6), bz2
   (level 9, the codec of pbzip2) and lzma (preset 1): a stand-in for a parallel ``pbzip2`` job;
 - ``thrash``: random read-modify-write over a buffer larger than the last-level cache (numpy gather and
-  scatter): a stand-in for the cache and memory traffic of a large compile such as an LLVM build.
+  scatter): a stand-in for the cache and memory traffic of a large compile such as an LLVM build;
+- ``churn``: alternates a bz2 compression (level 9) of ``--block-kb`` KiB with an anonymous mapping of
+  ``--churn-mb`` MiB that is touched page by page and unmapped: page faults, TLB shootdowns and last-level
+  cache pollution, the host-side mechanism that slows a host-driven serving loop. One operation is one
+  compression plus one map/touch/unmap cycle.
 
     blink bench interfere --cores 2-15 --duration-s 600
     blink bench interfere --all-but 2 --kinds compress          # every allowed core except the first two
+    blink bench interfere --cores all --kinds churn --per-core 3 --block-kb 384   # the heavy co-tenant
 
 From Python::
 
@@ -40,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("compress", "thrash")
+KINDS = ("compress", "thrash", "churn")
+PAGE = 4096
 PR_SET_PDEATHSIG = 1
 
 
@@ -146,6 +152,28 @@ def thrash_loop(stop: Stopper, buffer_mb: int, seed: int) -> float:
     return done
 
 
+def churn_loop(stop: Stopper, block_kb: int, map_mb: int) -> float:
+    """Alternate a bz2 compression of ``block_kb`` KiB with mapping, touching (one write per page) and
+    unmapping ``map_mb`` MiB of anonymous memory, until told to stop; returns the operations done (one
+    compression plus one mapping each)."""
+    import bz2
+    import mmap
+
+    text = text_bytes()
+    half = block_kb * 512
+    size = max(1, map_mb) << 20
+    done = 0.0
+    while not stop():
+        start = random.randrange(max(1, len(text) - half))
+        bz2.compress(os.urandom(half) + text[start:start + half], 9)
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for offset in range(0, size, PAGE):
+            region[offset] = 1
+        region.close()
+        done += 1
+    return done
+
+
 def worker_main(args: argparse.Namespace) -> int:
     stop = Stopper(args.parent_pid, args.duration_s)
     with contextlib.suppress(OSError):
@@ -153,6 +181,8 @@ def worker_main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     if args.worker == "compress":
         work, unit = compress_loop(stop, args.block_kb), "bytes"
+    elif args.worker == "churn":
+        work, unit = churn_loop(stop, args.block_kb, args.churn_mb), "operations"
     else:
         work, unit = thrash_loop(stop, args.thrash_mb, args.core), "accesses"
     elapsed = time.monotonic() - start
@@ -165,11 +195,16 @@ def worker_main(args: argparse.Namespace) -> int:
 class Interference:
     """Co-tenant processes on ``cores``: ``start``/``stop``, or use it as a context manager."""
 
-    def __init__(self, cores: list[int] | None = None, kinds: tuple[str, ...] = KINDS, duration_s: float | None = None,
-                 thrash_mb: int | None = None, block_kb: int = 256, grace_s: float = 1.5) -> None:
+    def __init__(self, cores: list[int] | None = None, kinds: tuple[str, ...] = ("compress", "thrash"),
+                 duration_s: float | None = None, thrash_mb: int | None = None, block_kb: int = 256,
+                 grace_s: float = 1.5, per_core: int = 1, churn_mb: int = 32) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown or not kinds:
             raise ValueError(f"kinds must be among {KINDS}, got {kinds}")
+        if per_core < 1 or churn_mb < 1 or block_kb < 1:
+            raise ValueError(f"per_core, churn_mb and block_kb must be >= 1, got {per_core}, {churn_mb}, {block_kb}")
+        self.per_core = per_core
+        self.churn_mb = churn_mb
         self.cores = list(cores) if cores is not None else allowed_cores()
         self.kinds = tuple(kinds)
         self.duration_s = duration_s
@@ -187,17 +222,18 @@ class Interference:
 
     def _command(self, kind: str, core: int) -> list[str]:
         cmd = [sys.executable, "-I", str(Path(__file__).resolve()), "--worker", kind, "--core", str(core),
-               "--parent-pid", str(os.getpid()), "--thrash-mb", str(self.thrash_mb), "--block-kb", str(self.block_kb)]
+               "--parent-pid", str(os.getpid()), "--thrash-mb", str(self.thrash_mb), "--block-kb", str(self.block_kb),
+               "--churn-mb", str(self.churn_mb)]
         if self.duration_s:
             cmd += ["--duration-s", str(self.duration_s)]
         return cmd
 
     def start(self) -> Interference:
-        """Start one worker per (kind, core), all in one new process group, each pinned to its core."""
+        """Start ``per_core`` workers per (kind, core), all in one new process group, each pinned to its core."""
         self.started = time.monotonic()
         atexit.register(self.stop)
         for kind in self.kinds:
-            for core in self.cores:
+            for core in [c for c in self.cores for _ in range(self.per_core)]:
                 proc = subprocess.Popen(self._command(kind, core), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         process_group=self.pgid or 0)
                 if self.pgid is None:
@@ -246,14 +282,19 @@ class Interference:
 
 
 def summarize(stats: list[dict[str, Any]], co: Interference, wall_s: float) -> dict[str, Any]:
-    """Achieved work over all workers: MB compressed per second, random accesses per second."""
+    """Achieved work over all workers: MB compressed per second, random accesses per second, churn operations
+    (one compression and one mapping cycle) per second."""
     def rate(kind: str) -> float:
         return sum(s["work"] / s["elapsed_s"] for s in stats if s["kind"] == kind and s["elapsed_s"] > 0)
 
-    return {"cores": co.cores, "kinds": list(co.kinds), "workers": len(co.procs), "reported": len(stats),
-            "wall_s": wall_s, "thrash_buffer_mb": co.thrash_mb if "thrash" in co.kinds else None,
+    return {"cores": co.cores, "kinds": list(co.kinds), "per_core": co.per_core, "workers": len(co.procs),
+            "reported": len(stats), "wall_s": wall_s,
+            "thrash_buffer_mb": co.thrash_mb if "thrash" in co.kinds else None,
             "compress_mb_per_s": rate("compress") / 1e6 if "compress" in co.kinds else None,
-            "thrash_accesses_per_s": rate("thrash") if "thrash" in co.kinds else None}
+            "thrash_accesses_per_s": rate("thrash") if "thrash" in co.kinds else None,
+            "churn_block_kb": co.block_kb if "churn" in co.kinds else None,
+            "churn_map_mb": co.churn_mb if "churn" in co.kinds else None,
+            "churn_ops_per_s": rate("churn") if "churn" in co.kinds else None}
 
 
 # ---------------------------------------------------------------------- command line
@@ -265,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kinds", default="compress,thrash")
     ap.add_argument("--duration-s", type=float, default=None, help="stop after this long (default: until signalled)")
     ap.add_argument("--thrash-mb", type=int, default=None, help="buffer per thrash worker (default: 2x the LLC)")
-    ap.add_argument("--block-kb", type=int, default=256, help="compression block size")
+    ap.add_argument("--block-kb", type=int, default=256, help="compression block size (compress, churn)")
+    ap.add_argument("--churn-mb", type=int, default=32, help="memory mapped, touched and unmapped per churn step")
+    ap.add_argument("--per-core", type=int, default=1, help="workers of each kind per core")
     ap.add_argument("--json", type=Path, default=None, help="write the report here too")
     ap.add_argument("--worker", choices=KINDS, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
@@ -282,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
     spec = f"all-but-{args.all_but}" if args.all_but is not None else (args.cores or "all")
-    co = Interference(parse_cores(spec), tuple(args.kinds.split(",")), args.duration_s, args.thrash_mb, args.block_kb)
+    co = Interference(parse_cores(spec), tuple(args.kinds.split(",")), args.duration_s, args.thrash_mb, args.block_kb,
+                      per_core=args.per_core, churn_mb=args.churn_mb)
     signal.signal(signal.SIGTERM, _raise_exit)
-    print(f"interference: {len(co.kinds)} kind(s) x {len(co.cores)} core(s) {co.cores}", file=sys.stderr)
+    print(f"interference: {len(co.kinds)} kind(s) x {co.per_core} x {len(co.cores)} core(s) {co.cores}",
+          file=sys.stderr)
     try:
         with co:
             co.wait(args.duration_s + 5 if args.duration_s else None)

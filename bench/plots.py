@@ -1,7 +1,8 @@
 """Plots of serving-benchmark results: latency and throughput against offered load.
 
-One line per mode label (colour); isolated runs solid, runs under CPU interference dashed. An infinite
-offered rate is drawn one step right of the largest finite rate and labelled ``inf``.
+One line per mode label (colour); isolated runs solid, runs under CPU interference dashed (an entry's condition
+is a flag, or a co-tenant level's name: ``none`` solid, ``moderate`` dash-dotted, ``heavy`` and any other level
+dashed). An infinite offered rate is drawn one step right of the largest finite rate and labelled ``inf``.
 
     python -m bench.plots persistent.json host.json host-interf.json:host:interference --out bench/results/sweep
 
@@ -23,7 +24,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-Entry = tuple[dict[str, Any], str, bool]
+Entry = tuple[dict[str, Any], str, bool | str]
+SOLID = ("none", "isolated")
+STYLES = {"moderate": "-."}
 LATENCY_PANELS = (("ttft_p50_ms", "TTFT P50 (ms)"), ("ttft_p99_ms", "TTFT P99 (ms)"),
                   ("tpot_p50_ms", "TPOT P50 (ms)"), ("tpot_p99_ms", "TPOT P99 (ms)"))
 THROUGHPUT_PANELS = (("req_per_s", "completed requests/s"), ("out_tok_per_s", "output tokens/s"))
@@ -55,6 +58,13 @@ def x_positions(entries: Sequence[Entry]) -> tuple[dict[float, float], bool]:
     return spot, log
 
 
+def condition_style(cond: bool | str) -> tuple[str, str]:
+    """(line style, legend name) of an entry's condition."""
+    if isinstance(cond, bool):
+        return ("--", "interference") if cond else ("-", "isolated")
+    return ("-" if cond in SOLID else STYLES.get(cond, "--")), cond
+
+
 def _draw(ax: Any, entries: Sequence[Entry], key: str, spot: dict[float, float]) -> list[float]:
     """One line per entry; returns the values drawn."""
     drawn: list[float] = []
@@ -68,8 +78,8 @@ def _draw(ax: Any, entries: Sequence[Entry], key: str, spot: dict[float, float])
             continue
         xs, ys = zip(*pts, strict=True)
         drawn.extend(ys)
-        ax.plot(xs, ys, color=colours[label], linestyle="--" if interf else "-", marker="o",
-                label=f"{label} ({'interference' if interf else 'isolated'})")
+        style, name = condition_style(interf)
+        ax.plot(xs, ys, color=colours[label], linestyle=style, marker="o", label=f"{label} ({name})")
     return drawn
 
 
@@ -95,7 +105,7 @@ def _figure(entries: Sequence[Entry], panels: Sequence[tuple[str, str]], title: 
         drawn = [v for v in _draw(ax, entries, key, spot) if v > 0]
         if drawn and max(drawn) >= 30 * min(drawn):  # isolated and interfered runs orders of magnitude apart
             ax.set_yscale("log")
-        if ideal_rate and key == "req_per_s":
+        if ideal_rate and key in ("req_per_s", "sustained_req_s"):
             finite = [(x, r) for r, x in spot.items() if not math.isinf(r)]
             if finite:
                 xs, rs = zip(*sorted(finite), strict=True)
@@ -110,13 +120,15 @@ def _figure(entries: Sequence[Entry], panels: Sequence[tuple[str, str]], title: 
     return path
 
 
-def plot_results(entries: Sequence[Entry], prefix: Path | str) -> list[Path]:
+def plot_results(entries: Sequence[Entry], prefix: Path | str,
+                 latency_panels: Sequence[tuple[str, str]] = LATENCY_PANELS,
+                 throughput_panels: Sequence[tuple[str, str]] = THROUGHPUT_PANELS) -> list[Path]:
     """Write ``PREFIX_latency.png`` and ``PREFIX_throughput.png``; returns their paths."""
     prefix = Path(prefix)
     base = prefix.parent / prefix.name
     return [
-        _figure(entries, LATENCY_PANELS, "Latency vs offered load", Path(f"{base}_latency.png")),
-        _figure(entries, THROUGHPUT_PANELS, "Throughput vs offered load", Path(f"{base}_throughput.png"),
+        _figure(entries, latency_panels, "Latency vs offered load", Path(f"{base}_latency.png")),
+        _figure(entries, throughput_panels, "Throughput vs offered load", Path(f"{base}_throughput.png"),
                 ideal_rate=True),
     ]
 

@@ -16,6 +16,11 @@ those modes' old runs and every other mode's runs are kept, so one invocation pe
 The plots (``PREFIX_latency.png``, ``PREFIX_throughput.png``) and the Markdown table (``--table``, default the
 ``--out`` path with ``.md``) are redrawn from the merged file every time.
 
+Peers: ``python -m bench.peers`` (``bench/peers/``) serves the same workload to Blink's modes and to peers started
+from a command line (vLLM first) in steady state (a warm-up, then a measurement window of arrivals), under three
+co-tenant levels, with the plateau found by bisection; it builds on this module's model description, serve flags
+and device names.
+
 Time: ``--time-budget-s`` bounds the invocation. A rate starts only when its worst case (sending
 ``--duration-s``, then at most ``--drain-s`` for the requests still in flight, which are then cut and counted as
 ``unfinished``) still fits, together with the interference replays of the rates run so far and the time to stop.

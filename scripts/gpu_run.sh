@@ -5,7 +5,8 @@
 #   bash scripts/gpu_run.sh OUTDIR [STEP ...]
 #
 # Steps run in the order given (default: build kernels persistent micro fig3 roofline
-# serving_persistent serving_host). Also, by name only: large (an 8B-shaped model served by the
+# serving_persistent serving_host). Also, by name only: peers_vllm, peers_blink and peers_host (the peer
+# study, below), large (an 8B-shaped model served by the
 # persistent scheduler, a check), soakstart (starts the GPU soak detached, so it can outlive this call
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
 # soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
@@ -56,6 +57,39 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
   echo $! >"$SOAK/pid"
   sleep "${SOAK_PEEK_S:-30}"; tail -n 5 "$SOAK/soak.log"
 }
+# The peer study (bench/peers): one system per call, started once, serving every rate and co-tenant level of
+# the call; results merge into bench/results/peers.json (it travels with the tree) and are copied to OUTDIR.
+#   peers_vllm   vLLM 0.26 from the offline kit. Its parts (vllmkit.tar.xz.part*, SHA256SUMS, install.sh,
+#                check_deps.py) are gathered in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/) over earlier calls;
+#                the step runs install.sh there once (-> /tmp/vllm-site) unless /tmp/vllm-site/env.sh exists.
+#                vLLM's first start compiles (80-123 s).
+#   peers_blink  Blink persistent;   peers_host  Blink host-driven.
+# PEERS_RATES (default 10,16), PEERS_COTENANTS (none,heavy), PEERS_WINDOW_S (60), PEERS_WARMUP_S (15),
+# PEERS_DRAIN_S (30), PEERS_ARGS (more flags, e.g. "--plateau-search 8:32 --max-probes 2"), T_PEERS (560 s).
+# A (rate, level) run takes about 2 + warm-up + window + tail (<= drain) + 5 s, ~85-110 s with the defaults,
+# so one call holds 4 runs (3 for vLLM with its start); the harness skips (and lists) what does not fit:
+#   PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm
+#   PEERS_RATES=22 PEERS_ARGS="--plateau-search 8:32 --max-probes 2" bash scripts/gpu_run.sh OUT peers_vllm
+#   PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_blink
+#   PEERS_RATES=16 bash scripts/gpu_run.sh OUT peers_host
+#   python -m bench.peers.report bench/results/peers.json     # the BENCHMARKS table (anywhere)
+peers_run() {  # peers_run SYSTEM
+  local t0=$SECONDS rc
+  if [ "$1" = vllm ] && [ ! -f /tmp/vllm-site/env.sh ]; then
+    (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
+  fi
+  rm -rf /tmp/blink-peers-work
+  PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
+    --work-dir /tmp/blink-peers-work \
+    --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \
+    --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" \
+    --time-budget-s "$(( ${T_PEERS:-560} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
+  rc=$?
+  cp bench/results/peers* "$OUT/" 2>/dev/null
+  # the servers' own logs (vLLM's start-up settings, Blink's events) go into logs.tgz
+  find /tmp/blink-peers-work -name '*.log' 2>/dev/null | while read -r f; do cp "$f" "$OUT/peers_$1_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  return $rc
+}
 soak_wait() {
   local pid
   pid=$(cat "$SOAK/pid") || return 1
@@ -79,6 +113,10 @@ run_step() {
     # "--rates 8,14,20 --duration-s 20 --time-budget-s 320").
     serving_persistent | serving_host)
       step "$1" "${T_SERVING:-590}" bash -c "$PY -m bench.serving_study --modes ${1#serving_} --tokenizer-assets '$ASSETS' --time-budget-s 560 ${SERVING_ARGS:-}; cp bench/results/serving* '$OUT/'" ;;
+    peers_vllm | peers_blink | peers_host)
+      local system=${1#peers_}
+      [ "$system" = blink ] && system=persistent
+      step "$1" "${T_PEERS:-560}" bash -c "$(declare -f peers_run); OUT='$OUT' PY='$PY' ASSETS='$ASSETS' peers_run $system" ;;
     *) summary "unknown step: $1" ;;
   esac
 }

@@ -92,3 +92,16 @@ def test_cli_stops_on_sigterm(tmp_path) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=5)
     assert out.exists() and '"reported"' in out.read_text()
+
+
+def test_churn_workers_per_core_report_their_operations() -> None:
+    core = sorted(os.sched_getaffinity(0))[-1]
+    with Interference(cores=[core], kinds=("churn",), per_core=3, block_kb=64, churn_mb=8) as co:
+        assert len(co.pids) == 3
+        assert all(os.sched_getaffinity(pid) == {core} for pid in co.pids)
+        time.sleep(1.5)
+    report = co.report
+    assert report is not None and report["reported"] == 3 and report["per_core"] == 3
+    assert report["churn_ops_per_s"] > 1 and report["churn_map_mb"] == 8 and report["compress_mb_per_s"] is None
+    with pytest.raises(ValueError, match="per_core"):
+        Interference(cores=[core], kinds=("churn",), per_core=0)

@@ -1,0 +1,263 @@
+"""The peer study (``bench/peers``): Blink beside a peer started from a command line, in steady state.
+
+End to end on the CPU: two invocations into one results file, one serving the embedded model through
+``blink serve`` started from a command line (the peer's code path, the one vLLM takes), one through Blink's own
+mode; the records' shape, their counts, the same requests for both systems, and both kept after the merge.
+Nothing may be left running. The window's bookkeeping, the plateau's bisection, the vLLM log parser, the merge
+and the table run on plain data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.procfs import processes
+
+from bench.peers import report
+from bench.peers.load import Outcome, Schedule, Window
+from bench.peers.measure import keeps_up, queue_growth, window_counts
+from bench.peers.systems import Peer, parse_peer, parse_vllm_log, write_tokenizer_config
+from bench.workloads import RequestSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_KEYS = ("system", "version", "cotenant", "rate", "window_s", "arrived", "completed", "failed", "unfinished",
+               "queue_start", "queue_end", "sustained_req_s", "sustained_out_tok_s", "ttft_ms", "tpot_ms", "itl_ms")
+PCTS = {"p50", "p95", "p99", "p999"}
+
+
+def alive_with(text: str) -> list[tuple[int, str]]:
+    return [(p.pid, p.cmdline) for p in processes() if text in p.cmdline and p.state != "Z" and p.pid != os.getpid()]
+
+
+def wait_none(text: str, timeout_s: float = 10.0) -> list[tuple[int, str]]:
+    end = time.monotonic() + timeout_s
+    while (left := alive_with(text)) and time.monotonic() < end:
+        time.sleep(0.2)
+    return left
+
+
+# ---------------------------------------------------------------------- end to end
+def invoke(tmp_path: Path, system: str, cotenants: str, extra: list[str]) -> tuple[dict[str, Any], str]:
+    cmd = [sys.executable, "-m", "bench.peers", "--systems", system, "--cotenants", cotenants, "--model-config",
+           "embedded", "--backend-override", "cpu", "--rates", "1", "--window-s", "3", "--warmup-s", "1",
+           "--drain-s", "15", "--clients", "2", "--client-cores", "1", "--max-batch", "8", "--max-prompt-tokens",
+           "64", "--max-output-tokens", "16", "--max-model-len", "80", "--workload", "vllm", "--prompt-mean", "24",
+           "--output-mean", "6", "--warmup-requests", "2", "--time-budget-s", "360", "--out",
+           str(tmp_path / "peers.json"), "--plot", str(tmp_path / "peers"), "--work-dir", str(tmp_path / system),
+           *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((tmp_path / "peers.json").read_text()), out
+
+
+def check_record(rec: dict[str, Any], served: bool = True) -> None:
+    """The record's keys and counts; ``served``: at least one measured request completed (not asked of a
+    loaded host under co-tenants, where a short tail may cut them all)."""
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    assert not missing, missing
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert set(rec[key]) == PCTS, rec[key]
+    assert rec["arrived"] == rec["completed"] + rec["failed"] + rec["unfinished"] >= 1, rec
+    assert rec["failed"] == 0, rec
+    if served or rec["completed"]:
+        assert rec["completed"] >= 1 and rec["ttft_ms"]["p999"] >= rec["ttft_ms"]["p50"] > 0, rec
+    assert rec["queue_start"] is not None and rec["queue_end"] is not None  # Blink's waiting gauge is read
+    assert rec["version"] and rec["window_s"] == 3.0 and rec["rate"] == 1.0
+    assert len(rec["client_cpu_s_per_min"]) == 2 and rec["cores"]["client"] == sorted(os.sched_getaffinity(0))[:1]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for co-tenants")
+def test_blink_and_a_command_line_peer_in_one_file(tmp_path: Path) -> None:
+    ring = f"blink-peer-{uuid.uuid4().hex[:8]}"
+    command = (f"BLINK_LOG_JSON=1 BLINK_HEARTBEAT_TIMEOUT_S=10 exec {{python}} -m blink.cli serve --backend cpu "
+               f"--port {{port}} --ring {ring} --run-dir {tmp_path / 'peer-run'} --max-batch {{max_num_seqs}} "
+               "--max-prompt-tokens 64 --max-output-tokens 16 --drain-timeout 5")
+    first, log = invoke(tmp_path, "cpupeer", "none,moderate", ["--peer", f"cpupeer:blink={command}"])
+    assert not wait_none(ring), "the peer outlived the study"
+    assert [(r["system"], r["cotenant"]) for r in first["records"]] == [
+        ("cpupeer", "none"), ("cpupeer", "moderate")], log
+    check_record(first["records"][0])
+    moderate = first["records"][1]
+    check_record(moderate, served=False)
+    assert moderate["cores"]["cotenants"] == sorted(os.sched_getaffinity(0))[1:]
+    assert moderate["cotenant_work"]["reported"] >= 1 and moderate["cotenant_work"]["compress_mb_per_s"] > 0
+    peer = first["systems"]["cpupeer"]
+    assert peer["kind"] == "blink" and peer["settings"]["max_context"] == 80 and peer["exit_code"] == 0
+
+    second, _ = invoke(tmp_path, "persistent", "none", [])
+    assert not wait_none(str(tmp_path / "persistent")), "blink serve outlived the study"
+    assert [r for r in second["records"] if r["system"] == "cpupeer"] == first["records"]  # kept as they were
+    (blink,) = [r for r in second["records"] if r["system"] == "blink-persistent"]
+    check_record(blink)
+    assert blink["arrived"] == first["records"][0]["arrived"]  # the same requests
+    assert {(p["system"], p["cotenant"]) for p in second["plateau"]} == {
+        ("cpupeer", "none"), ("cpupeer", "moderate"), ("blink-persistent", "none")}
+    assert set(second["systems"]) == {"cpupeer", "blink-persistent"} and not second["errors"]
+    for name in ("peers_latency.png", "peers_throughput.png"):
+        assert (tmp_path / name).stat().st_size > 10000
+    assert "| none | 1 | blink-persistent / cpupeer |" in report.format_table(second, peer="cpupeer")
+
+
+def test_another_setup_is_not_merged(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    out.write_text(json.dumps({"model": "something else", "workload": {}, "records": []}))
+    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--systems", "persistent", "--out", str(out),
+                           "--model-config", "embedded", "--client-cores", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "another setup" in proc.stdout
+
+
+# ---------------------------------------------------------------------- peers and their logs
+def test_peer_specs() -> None:
+    vllm = parse_peer("vllm")
+    assert vllm.kind == "vllm" and vllm.command.startswith("vllm serve {model} --load-format dummy")
+    assert "--max-num-seqs {max_num_seqs}" in vllm.command and "--max-model-len {max_model_len}" in vllm.command
+    other = parse_peer("sgl=python -m sglang.launch_server --port {port}")
+    assert (other.name, other.kind) == ("sgl", "openai")
+    mine = parse_peer("mine:blink={python} -m blink.cli serve --port {port}")
+    assert mine.kind == "blink" and mine.observer.waiting_gauge == "blink:num_requests_waiting"
+    assert vllm.observer.waiting_gauge == "vllm:num_requests_waiting"
+    cmd = vllm.render({"model": "/m dir", "port": 1, "max_num_seqs": 128, "max_model_len": 8192,
+                       "served_name": "m"})
+    assert "vllm serve '/m dir' " in cmd and "--port 1" in cmd
+    with pytest.raises(ValueError, match="no value"):
+        vllm.render({"port": 1})
+    for bad in ("persistent=x", "x:nosuch=cmd", "x={nope}", "sgl"):
+        with pytest.raises(ValueError):
+            parse_peer(bad)
+    with pytest.raises(ValueError, match="empty"):
+        Peer("p", "openai", " ")
+
+
+VLLM_LOG = """\
+(APIServer pid=11) INFO 12-01 10:00:00 [api_server.py:1800] vLLM API server version 0.26.0
+(APIServer pid=11) INFO 12-01 10:00:01 [utils.py:250] non-default args: {'model_tag': '/m', 'max_num_seqs': 128}
+(EngineCore_DP0 pid=12) INFO 12-01 10:00:05 [core.py:90] Initializing a V1 LLM engine (v0.26.0) with config: \
+model='/m', max_seq_len=8192, enable_prefix_caching=True, chunked_prefill_enabled=True, pooler_config=None
+(APIServer pid=11) INFO 12-01 10:00:02 [scheduler.py:200] Chunked prefill is enabled with max_num_batched_tokens=8192.
+(EngineCore_DP0 pid=12) INFO 12-01 10:01:00 [gpu_worker.py:300] Available KV cache memory: 112.56 GiB
+(EngineCore_DP0 pid=12) INFO 12-01 10:01:00 [kv_cache_utils.py:1000] GPU KV cache size: 922,064 tokens
+(EngineCore_DP0 pid=12) INFO 12-01 10:01:00 [kv_cache_utils.py:1004] Maximum concurrency for 8,192 tokens per \
+request: 112.56x
+"""
+
+
+def test_vllm_settings_from_its_log() -> None:
+    got = parse_vllm_log(VLLM_LOG)
+    assert got["version"] == "0.26.0" and got["max_num_batched_tokens"] == 8192 and got["max_num_seqs"] == 128
+    assert got["chunked_prefill"] is True and got["prefix_caching"] is True
+    assert got["kv_cache_tokens"] == 922064 and got["kv_cache_gib"] == 112.56 and got["max_concurrency"] == 112.56
+    assert any("GPU KV cache size" in line for line in got["log_lines"])
+    assert parse_vllm_log("nothing") == {"log_lines": []}
+
+
+def test_tokenizer_config_for_vllm(tmp_path: Path) -> None:
+    path = write_tokenizer_config(tmp_path)
+    assert json.loads(path.read_text())["eos_token"] == "<|eot_id|>"
+    path.write_text("{}")
+    assert write_tokenizer_config(tmp_path).read_text() == "{}"  # kept
+
+
+# ---------------------------------------------------------------------- the window's bookkeeping
+def out(idx: int, sent: float, chunks: list[float], ok: bool = True, error: str = "") -> Outcome:
+    arr = np.asarray(chunks)
+    return Outcome(idx, ok, error, sent, chunks[0] if chunks else 0.0, chunks[-1] if chunks else 0.0,
+                   len(chunks) if ok else 0, arr)
+
+
+def test_window_counts_measure_only_arrivals_inside_the_window() -> None:
+    w = Window(warmup_s=1.0, window_s=2.0, drain_s=5.0)
+    spec = RequestSpec([1, 2], 2, 3)
+    offsets = (0.5, 1.1, 1.5, 2.0, 2.9, 3.5)  # indices 1-4 arrive inside [1, 3)
+    sched = Schedule(4.0, offsets, (spec,) * len(offsets), w)
+    outs = [out(0, 0.5, [1.2, 1.4, 2.5]),  # warm-up arrival: not measured, but completes inside the window
+            out(1, 1.1, [1.3, 1.5, 1.8]), out(2, 1.5, [1.7, 2.0, 3.5]),  # completes after the window
+            out(3, 2.0, [], ok=False, error="http_500"), out(4, 2.9, [3.2], ok=False, error="cut"),
+            out(5, 3.5, [3.6, 3.7, 3.8])]
+    got = window_counts(sched, outs)
+    assert (got["arrived"], got["completed"], got["failed"], got["unfinished"]) == (4, 2, 1, 1)
+    assert got["errors"] == {"http_500": 1}
+    assert got["sustained_req_s"] == pytest.approx(2 / 2.0)  # requests 0 and 1 ended inside [1, 3)
+    assert got["sustained_out_tok_s"] == pytest.approx(8 / 2.0)  # the chunks of requests 0, 1 and 2 inside [1, 3)
+    assert got["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert got["tpot_ms"]["p50"] == pytest.approx((250 + 900) / 2)
+
+
+def test_queue_growth_and_the_plateau_test() -> None:
+    assert queue_growth([(1.0, 0.0), (2.0, 1.0), (3.0, 2.0)], 10.0) == pytest.approx(10.0)
+    assert queue_growth([(1.0, 3.0)], 10.0) is None
+    base = {"arrived": 100, "completed": 100, "ttft_ms": {"p50": 200.0}, "queue_growth": 1.0}
+    assert keeps_up(base)[0]
+    assert not keeps_up({**base, "queue_growth": 10.0})[0]
+    assert not keeps_up({**base, "ttft_ms": {"p50": 1500.0}})[0]
+    assert not keeps_up({**base, "completed": 0, "ttft_ms": {"p50": None}})[0]
+    no_gauge = {**base, "queue_growth": None, "queue_start": None, "queue_end": None}
+    assert keeps_up(no_gauge)[0] and not keeps_up({**no_gauge, "completed": 90})[0]
+
+
+def rec(system: str, cotenant: str, rate: float, ok: bool = True, **extra: Any) -> dict[str, Any]:
+    r = {"system": system, "cotenant": cotenant, "rate": rate, "arrived": 100, "completed": 100,
+         "ttft_ms": {"p50": 100.0 if ok else 3000.0, "p99": 200.0}, "tpot_ms": {"p50": 10.0, "p99": 20.0},
+         "queue_growth": 0.0, "sustained_req_s": rate if ok else 10.0, "sustained_out_tok_s": 400.0 * rate}
+    return {**r, **extra}
+
+
+def test_bisection_brackets_the_plateau_to_one_request_per_second() -> None:
+    true_plateau = 13.3
+    records: list[dict[str, Any]] = []
+    for _ in range(12):
+        probe = report.next_probe(*report.bracket(records), 4.0, 32.0)
+        if probe is None:
+            break
+        records.append(rec("vllm", "none", probe, ok=probe <= true_plateau))
+    lo, hi = report.bracket(records)
+    assert lo is not None and hi is not None and lo <= true_plateau < hi and hi - lo <= 1.0
+    assert len(records) <= 7
+    p = report.plateau_of("vllm", "none", records)
+    assert p["resolved"] and p["plateau_req_s"] == lo
+    assert report.next_probe(None, 3.0, 4.0, 32.0) == 1.5  # below the range: halve
+    assert report.next_probe(40.0, None, 4.0, 32.0) is None  # above it: nothing to bracket
+    assert report.bracket([rec("v", "none", 8.0, ok=False), rec("v", "none", 4.0)]) == (4.0, 8.0)
+
+
+def test_merge_replaces_a_record_and_keeps_other_systems() -> None:
+    old = {"model": "m", "workload": {}, "order": ["vllm"], "records": [rec("vllm", "none", 10.0, started="t0")],
+           "systems": {"vllm": {"version": "0.26.0"}}, "errors": {}, "skipped": []}
+    new = {"model": "m", "workload": {}, "order": ["blink-persistent", "vllm"],
+           "records": [rec("blink-persistent", "none", 10.0), rec("vllm", "none", 10.0, started="t1"),
+                       rec("vllm", "heavy", 10.0)],
+           "systems": {"blink-persistent": {"version": "0.1.0"}}, "errors": {}, "skipped": []}
+    doc = report.merge(old, new)
+    assert [(r["system"], r["cotenant"], r.get("started")) for r in doc["records"]] == [
+        ("vllm", "none", "t1"), ("vllm", "heavy", None), ("blink-persistent", "none", None)]
+    assert set(doc["systems"]) == {"vllm", "blink-persistent"}
+    assert {(p["system"], p["cotenant"]) for p in doc["plateau"]} == {
+        ("vllm", "none"), ("vllm", "heavy"), ("blink-persistent", "none")}
+    assert report.compatible(old, {"model": "m", "workload": {}}) is None
+    assert "model" in (report.compatible(old, {"model": "x", "workload": {}}) or "")
+
+
+def test_table_ratios() -> None:
+    doc = report.merge(None, {
+        "model": "m", "device": "d", "workload": {"name": "paper"}, "order": ["blink-persistent", "vllm"],
+        "records": [rec("blink-persistent", "none", 10.0, tpot_ms={"p50": 8.0, "p99": 12.0}),
+                    rec("vllm", "none", 10.0), rec("blink-persistent", "heavy", 10.0),
+                    rec("vllm", "heavy", 10.0, tpot_ms={"p50": 25.0, "p99": 40.0})],
+        "systems": {}, "errors": {}, "skipped": []})
+    table = report.format_table(doc)
+    assert "| none | 10 | blink-persistent / vllm | 0.80x | 0.60x | 1.00x | 1.00x | 1.00x | |" in table
+    assert "| heavy | 10 | blink-persistent / vllm | 0.40x | 0.50x |" in table
+    assert "| vllm | 10 | 2.50x | 2.00x | 1.00x |" in table  # heavy over none
+    assert "| none | >= 10 | >= 10 | 1.00x |" in table  # plateaus: not bracketed from above
