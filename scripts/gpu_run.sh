@@ -79,7 +79,11 @@ peers_run() {  # peers_run SYSTEM
     (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
   fi
   rm -rf /tmp/blink-peers-work
-  PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
+  # vLLM's command runs under `bash -c`, which first sources $BASH_ENV: the kit's env.sh (its PYTHONPATH, the hub
+  # offline, as nothing can be reached here, no FlashInfer sampler, no usage stats), for vLLM alone
+  local kit_env=""
+  [ "$1" = vllm ] && kit_env=/tmp/vllm-site/env.sh
+  BASH_ENV="$kit_env" PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
     --work-dir /tmp/blink-peers-work \
     --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \
     --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" \
