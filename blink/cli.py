@@ -146,7 +146,7 @@ def argv_without_key(argv: list[str], key: str) -> list[str] | None:
             skip = True
         else:
             out.append(arg)
-    if len(out) == len(argv) or any(key in arg for arg in out):
+    if len(out) == len(argv) or any(arg == key or arg.endswith(f"={key}") for arg in out):
         return None
     return out
 

@@ -25,8 +25,8 @@ log = get_logger("engine")
 # When the heartbeat thread stops beating (the frontend then takes the engine for dead): the loop has not
 # come round for STALL_S outside a step, or one step has run for longer than STALL_S plus STALL_PER_TOKEN_S
 # for each token it computes. A 4,096-token prefill on a loaded CPU takes minutes and is progress, not a
-# hang; the per-token bound is generous (several times the slowest CPU step seen) so only a stuck step
-# trips it.
+# hang; the per-token bound is generous (a 4,096-token step may run 470 s, over three times what one took
+# on a loaded 2-core machine) so only a stuck step trips it.
 STALL_S = 60.0
 STALL_PER_TOKEN_S = 0.1
 

@@ -192,6 +192,7 @@ def test_the_key_is_taken_off_serves_command_line() -> None:
     assert argv_without_key(["blink", "serve", "--api-key=K1"], "K1") == ["blink", "serve"]
     assert argv_without_key(["blink", "serve", "--api-k", "K1"], "K1") == ["blink", "serve"]
     assert argv_without_key(["blink", "serve"], "K1") is None  # from BLINK_API_KEY: nothing to hide
+    assert argv_without_key(["-m", "blink.cli", "serve", "--api-key", "blink"], "blink") == ["-m", "blink.cli", "serve"]
 
 
 def environ_of(pid: int) -> dict[str, str]:
