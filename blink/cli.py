@@ -104,18 +104,62 @@ def cmd_reader(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from blink.supervisor import ServeConfig, Supervisor
-    from shared.ipc import run_dir_problem
+    from shared.ring import segment_problem
 
-    problem = run_dir_problem(args.run_dir)
-    if problem:
-        print(f"blink serve: {problem}", file=sys.stderr)
-        return 2
     try:
         engine = EngineConfig.from_namespace(args)
     except ValueError as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
         return 2
+    problem = segment_problem(engine.ring_name)
+    if problem:
+        print(f"blink serve: {problem}", file=sys.stderr)
+        return 2
     return Supervisor(ServeConfig.from_args(args, engine)).run()
+
+
+def private_run_dir(args: argparse.Namespace) -> bool:
+    """Every service (and serve) starts by making sure its run dir is private; False, said, when it is not."""
+    from shared.ipc import RunDirError, ensure_run_dir
+
+    try:
+        ensure_run_dir(args.run_dir)
+    except RunDirError as exc:
+        print(f"blink {args.command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def argv_without_key(argv: list[str], key: str) -> list[str] | None:
+    """``argv`` without its ``--api-key KEY`` (or ``--api-key=KEY``, or an abbreviation argparse took);
+    None when the key is not there or would still show."""
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        is_key_flag = len(flag) > 4 and "--api-key".startswith(flag)
+        if skip:
+            skip = False
+        elif is_key_flag and eq and value == key:
+            continue
+        elif is_key_flag and not eq and i + 1 < len(argv) and argv[i + 1] == key:
+            skip = True
+        else:
+            out.append(arg)
+    if len(out) == len(argv) or any(arg == key or arg.endswith(f"={key}") for arg in out):
+        return None
+    return out
+
+
+def hide_api_key(args: argparse.Namespace) -> None:
+    """``blink serve --api-key KEY``: run again at once with KEY in ``BLINK_API_KEY`` instead of on the
+    command line (same pid), so that other local users cannot read it from ``/proc/PID/cmdline`` while
+    the server runs. The supervisor hands it to the gateways through their environment only."""
+    if args.command != "serve" or not args.api_key:
+        return
+    argv = argv_without_key(list(sys.orig_argv), args.api_key)
+    if argv is not None:
+        os.execve(sys.executable, argv, {**os.environ, "BLINK_API_KEY": args.api_key})
 
 
 # Pass-through commands get their arguments untouched (argparse cannot forward "--flags").
@@ -217,10 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASS_THROUGH:
         return PASS_THROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
+    if from_command_line:
+        hide_api_key(args)
+    if hasattr(args, "run_dir") and not private_run_dir(args):
+        return 2
     from shared.log import setup_logging
 
     setup_logging(args.command if args.command != "gateway" else args.name, level=getattr(args, "log_level", None))

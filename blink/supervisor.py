@@ -48,6 +48,7 @@ class ServeConfig:
     engine_module: str = "gpu_engine.serve"
     drain_timeout_s: float = 30.0
     startup_timeout_s: float = 600.0
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # to the gateways' environment only
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -61,11 +62,9 @@ class ServeConfig:
                    "--drain-timeout", str(a.drain_timeout)]
         if a.served_model_name:
             gateway += ["--served-model-name", a.served_model_name]
-        if a.api_key:
-            gateway += ["--api-key", a.api_key]
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, tuple(engine.to_argv()), tuple(front),
                    tuple(gateway), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
-                   a.startup_timeout)
+                   a.startup_timeout, a.api_key)
 
 
 def _die_with_parent() -> None:
@@ -79,11 +78,12 @@ def _die_with_parent() -> None:
 class Child:
     name: str
     argv: list[str]
+    env: dict[str, str] | None = dataclasses.field(default=None, repr=False)  # None: this process's
     proc: subprocess.Popen | None = None
     starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
 
     def spawn(self) -> None:
-        self.proc = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
         self.starts.append(time.monotonic())
         log.info("started", child=self.name, pid=self.proc.pid)
 
@@ -106,15 +106,19 @@ class Supervisor:
         self.stopping = False
         py = [sys.executable, "-m", "blink.cli"]
         common = ["--run-dir", str(cfg.run_dir), "--ring", cfg.ring]
-        self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args])
+        # The API key never goes on a command line (any local user reads /proc/PID/cmdline): the gateways
+        # get it in BLINK_API_KEY, which only their own user can read; the other children do not get it.
+        keyless = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
+        keyed = {**keyless, "BLINK_API_KEY": cfg.api_key} if cfg.api_key else keyless
+        self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args], keyless)
         self.services = [
-            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args]),
-            Child("reader", [*py, "reader", *common]),
-            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args]),
+            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
+            Child("reader", [*py, "reader", *common], keyless),
+            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args], keyless),
         ]
         self.gateways = [
             Child(f"gateway-{i}", [*py, "gateway", *common, *cfg.frontend_args, *cfg.gateway_args,
-                                   "--name", f"gateway-{i}"])
+                                   "--name", f"gateway-{i}"], keyed)
             for i in range(cfg.gateways)
         ]
 
@@ -130,7 +134,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        ipc.ensure_run_dir(self.cfg.run_dir)
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         code = 0

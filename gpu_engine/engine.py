@@ -22,7 +22,13 @@ from shared.ring import Ring
 
 S = L.SlotState
 log = get_logger("engine")
-STALL_S = 60.0  # a loop silent for this long is hung: the heartbeat thread stops beating
+# When the heartbeat thread stops beating (the frontend then takes the engine for dead): the loop has not
+# come round for STALL_S outside a step, or one step has run for longer than STALL_S plus STALL_PER_TOKEN_S
+# for each token it computes. A 4,096-token prefill on a loaded CPU takes minutes and is progress, not a
+# hang; the per-token bound is generous (a 4,096-token step may run 470 s, over three times what one took
+# on a loaded 2-core machine) so only a stuck step trips it.
+STALL_S = 60.0
+STALL_PER_TOKEN_S = 0.1
 
 
 class RingEngine:
@@ -42,6 +48,7 @@ class RingEngine:
         self.steps = self.prompt_tokens = self.output_tokens = 0
         self.draining = False
         self._loop_seen = 0.0
+        self._in_step: tuple[float, int] | None = None  # (started, tokens) while the runner computes a step
         self._stopped = threading.Event()
 
     # ------------------------------------------------------------------ admit
@@ -83,7 +90,11 @@ class RingEngine:
             self.slots.set_state(req.slot, S.DECODE_PAUSED)
         if not plan.work:
             return True
-        out = self.runner.run(plan)
+        self._in_step = (time.monotonic(), plan.num_tokens)
+        try:
+            out = self.runner.run(plan)
+        finally:
+            self._in_step = None
         self.postprocess(plan, out)
         return True
 
@@ -134,19 +145,30 @@ class RingEngine:
         for req in list(self.by_slot.values()):
             self._end(req, Finish.CANCELLED)
 
-    def _beat_forever(self, every_s: float) -> None:
+    def making_progress(self, now: float, stall_s: float, per_token_s: float) -> bool:
+        """The stall rule (see STALL_S): inside a step, its bound grows with its tokens; outside, the loop
+        must come round within ``stall_s``."""
+        step = self._in_step
+        if step is not None:
+            started, tokens = step
+            return now - started < stall_s + tokens * per_token_s
+        return now - self._loop_seen < stall_s
+
+    def _beat_forever(self, every_s: float, stall_s: float, per_token_s: float) -> None:
         """Heartbeat from a thread, so a long step (a big prefill on a loaded CPU) does not look like
-        a dead engine; it stops beating when the loop itself has not moved for STALL_S."""
+        a dead engine; it stops beating when the loop is stuck (``making_progress``)."""
         while not self._stopped.wait(every_s):
-            if time.monotonic() - self._loop_seen < STALL_S:
+            if self.making_progress(time.monotonic(), stall_s, per_token_s):
                 self.slots.beat()
 
-    def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0) -> None:
+    def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0, stall_s: float = STALL_S,
+              stall_per_token_s: float = STALL_PER_TOKEN_S) -> None:
         """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
         self.ring.header_store32("engine_state", L.EngineState.READY)
         self.slots.beat()
         self._loop_seen, self._stopped = time.monotonic(), threading.Event()
-        beater = threading.Thread(target=self._beat_forever, args=(beat_every_s,), name="heartbeat", daemon=True)
+        beater = threading.Thread(target=self._beat_forever, args=(beat_every_s, stall_s, stall_per_token_s),
+                                  name="heartbeat", daemon=True)
         beater.start()
         try:
             self._loop(beat_every_s, drain_timeout_s)

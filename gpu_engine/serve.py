@@ -26,6 +26,7 @@ from shared import ring_layout as L
 from shared.config import EngineConfig, add_engine_arguments, engine_config_from
 from shared.log import get_logger, setup_logging
 from shared.ring import create_shm_ring
+from shared.transport import SegmentTaken
 
 log = get_logger("engine")
 
@@ -107,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("model load failed", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    serve(cfg, backend)
+    try:
+        serve(cfg, backend)
+    except SegmentTaken as exc:  # another user holds the ring's name: say so, no traceback
+        log.error("ring name taken", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     log.info("engine stopped")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,18 @@ def _bool(value: str) -> bool:
 
 
 def default_run_dir() -> Path:
-    """Where the services' Unix sockets live unless BLINK_RUN_DIR or --run-dir says otherwise."""
+    """Where the services' Unix sockets live unless BLINK_RUN_DIR or --run-dir says otherwise:
+    ``$XDG_RUNTIME_DIR/blink`` when that folder is this user's and closed to others, else ``/tmp/blink-UID``.
+    Either way the services create it with mode 0700 and refuse it when it is not private
+    (``shared.ipc.run_dir_problem``): a name in /tmp can be guessed and taken by another user."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        try:
+            st = os.stat(xdg)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return Path(xdg) / "blink"
     return Path(f"/tmp/blink-{os.geteuid()}")
 
 

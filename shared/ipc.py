@@ -11,12 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import stat
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from shared.log import get_logger
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 256 * 1024 * 1024
@@ -87,6 +91,11 @@ Handler = Callable[[Channel], Awaitable[None]]
 
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket path (sun_path holds 108 with the terminating NUL)
 SOCKET_SERVICES = ("tokenizer", "tracker", "reader")  # the services that listen on a socket in the run dir
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class RunDirError(RuntimeError):
+    """A run dir (or a socket in it) that the services must not use; the message says which and why."""
 
 
 def socket_path(run_dir: Path, service: str) -> Path:
@@ -94,22 +103,73 @@ def socket_path(run_dir: Path, service: str) -> Path:
 
 
 def run_dir_problem(run_dir: Path) -> str | None:
-    """Why the services' sockets cannot live in ``run_dir``, or None."""
+    """Why the services' sockets cannot live in ``run_dir``, or None (one not made yet is fine).
+
+    The run dir must be private: a real directory (not a symbolic link) owned by this user with no
+    access for anyone else (mode 0700 or narrower). Otherwise another local user could have made it
+    (``/tmp/blink-UID`` is a name anyone can guess) and put their own sockets in it.
+    """
     longest = socket_path(run_dir, max(SOCKET_SERVICES, key=len))
     size = len(os.fsencode(longest))
     if size > MAX_SOCKET_PATH:
         return (f"run dir {run_dir} is too long for Unix sockets ({longest} is {size} bytes, at most "
                 f"{MAX_SOCKET_PATH}); choose a shorter --run-dir or BLINK_RUN_DIR")
-    return None
+    try:
+        st = os.lstat(run_dir)
+    except FileNotFoundError:
+        return None
+    mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        kind = "a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        kind = "not a directory"
+    elif st.st_uid != me:
+        kind = "owned by another user"
+    elif mode & 0o077:
+        kind = "open to other users"
+    else:
+        return None
+    return (f"run dir {run_dir} is {kind} (owner uid {st.st_uid}, mode {mode:04o}); it must be a directory "
+            f"owned by uid {me} with mode 0700, or another local user could put their own sockets in it. "
+            "Remove it (or chmod 700 it if it is yours), or choose another --run-dir or BLINK_RUN_DIR")
+
+
+def ensure_run_dir(run_dir: Path) -> Path:
+    """Create ``run_dir`` with mode 0700 if it is missing, then check it is private (RunDirError if not).
+
+    ``mkdir`` with the mode creates it atomically (a umask can only narrow it); a name that already
+    exists, a symbolic link included, is never followed, only checked with ``lstat``.
+    """
+    run_dir = Path(run_dir)
+    problem = run_dir_problem(run_dir)
+    if problem is None:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(run_dir, 0o700)
+        problem = run_dir_problem(run_dir)
+    if problem is not None:
+        raise RunDirError(problem)
+    return run_dir
+
+
+def peer_uid(sock: Any) -> int:
+    """The user id of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(raw)[1])
 
 
 async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Handler) -> asyncio.Server:
-    """Listen on ``run_dir/service.sock``; ``on_channel`` runs once per connected peer."""
-    path = socket_path(run_dir, service)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Listen on ``run_dir/service.sock`` (mode 0600, in a private run dir); ``on_channel`` runs once per
+    connected peer of this user (a peer of another user is hung up on)."""
+    path = socket_path(ensure_run_dir(run_dir), service)
     path.unlink(missing_ok=True)
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid != os.geteuid():
+            get_logger("ipc").warning("peer_refused", socket=str(path), peer_uid=uid)
+            writer.close()
+            return
         chan = Channel(reader, writer, inbound_type)
         try:
             await on_channel(chan)
@@ -118,23 +178,40 @@ async def serve(run_dir: Path, service: str, inbound_type: Any, on_channel: Hand
         finally:
             chan.close()
 
-    server = await asyncio.start_unix_server(accept, path=str(path))
-    os.chmod(path, 0o600)
-    return server
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.fchmod(sock.fileno(), 0o600)  # bind gives the socket file this mode, whatever the umask
+        sock.bind(str(path))
+        return await asyncio.start_unix_server(accept, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def connect(run_dir: Path, service: str, inbound_type: Any, *, retry_s: float = 0.05,
                   max_retry_s: float = 1.0) -> Channel:
-    """Connect to a service, waiting (with backoff) until its socket accepts."""
+    """Connect to a service, waiting (with backoff) until its socket accepts.
+
+    RunDirError when the run dir is not private or the socket is served by another user: nothing is
+    sent to a peer that is not this user's.
+    """
     path = socket_path(run_dir, service)
     delay = retry_s
     while True:
+        problem = run_dir_problem(run_dir)
+        if problem is not None:
+            raise RunDirError(problem)
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
-            return Channel(reader, writer, inbound_type)
         except (FileNotFoundError, ConnectionRefusedError):
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_retry_s)
+            continue
+        uid = peer_uid(writer.get_extra_info("socket"))
+        if uid != os.geteuid():
+            writer.close()
+            raise RunDirError(f"{path} is served by uid {uid}, not by uid {os.geteuid()}; refusing to use it")
+        return Channel(reader, writer, inbound_type)
 
 
 def ready_path(run_dir: Path, name: str) -> Path:
@@ -143,8 +220,7 @@ def ready_path(run_dir: Path, name: str) -> Path:
 
 def mark_ready(run_dir: Path, name: str) -> None:
     """Tell a supervisor this service serves now (it polls for the file)."""
-    path = ready_path(run_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = ready_path(ensure_run_dir(run_dir), name)
     path.write_text(f"{os.getpid()}\n")
 
 

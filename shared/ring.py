@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from shared import ring_layout as L
-from shared.transport import MemoryTransport, RingError, ShmTransport, Transport
+from shared.transport import MemoryTransport, RingError, SegmentTaken, ShmTransport, Transport
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
 ALIGN = 4096
@@ -261,7 +261,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def create_shm_ring(name: str, geometry: RingGeometry, *, replace_stale: bool = True) -> Ring:
-    """Create the engine's segment; a segment left by a dead engine is replaced."""
+    """Create the engine's segment; a segment left by a dead engine of this user is replaced, one of
+    another user is refused (``SegmentTaken``: it is neither mapped nor removed)."""
     try:
         transport = ShmTransport.create(name, geometry.total_bytes)
     except FileExistsError:
@@ -272,13 +273,24 @@ def create_shm_ring(name: str, geometry: RingGeometry, *, replace_stale: bool = 
     return init_ring(transport, geometry, name)
 
 
+def segment_problem(name: str) -> str | None:
+    """Why an engine could not create its ring under ``name`` (another user holds the name), or None."""
+    try:
+        ShmTransport.attach(name).close()
+    except SegmentTaken as exc:
+        return str(exc)
+    except RingError:
+        return None
+    return None
+
+
 def remove_stale_segment(name: str) -> None:
     """Unlink an existing segment unless a live engine owns it."""
     try:
-        old = ShmTransport.attach(name)
-    except RingError as exc:
-        if "owned by uid" in str(exc):
-            raise
+        old = ShmTransport.attach(name)  # SegmentTaken (never mapped nor removed) when another user holds it
+    except SegmentTaken:
+        raise
+    except RingError:
         ShmTransport.unlink_name(name)
         return
     try:

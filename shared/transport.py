@@ -10,8 +10,10 @@ modes); an RDMA transport implements the same methods with one-sided verbs.
 from __future__ import annotations
 
 import abc
+import errno
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,10 @@ PAGE = mmap.PAGESIZE
 
 class RingError(RuntimeError):
     """A ring segment that cannot be used; the message says which and why."""
+
+
+class SegmentTaken(RingError):
+    """The segment's name is held by another user (or is a symbolic link): it is never mapped nor removed."""
 
 
 class Transport(abc.ABC):
@@ -163,6 +169,21 @@ def shm_path(name: str) -> Path:
     return SHM_DIR / name
 
 
+def _taken_message(name: str, path: Path, st: os.stat_result | None) -> str:
+    """Why another user's segment (or a symbolic link) under ``name`` is refused."""
+    if st is None:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return f"ring {name}: {path} cannot be opened by uid {os.geteuid()}; refusing it"
+    if stat.S_ISLNK(st.st_mode):
+        return (f"ring {name}: {path} is a symbolic link (owner uid {st.st_uid}); refusing to follow it: "
+                "choose another ring name (--ring or BLINK_RING_NAME), or have its owner remove it")
+    return (f"ring {name}: {path} is a segment owned by uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o}), "
+            f"not by uid {os.geteuid()}: another user holds this name, so it is left alone; choose another "
+            "ring name (--ring or BLINK_RING_NAME), or have its owner remove it")
+
+
 class ShmTransport(MemoryTransport):
     """A POSIX shared-memory segment under /dev/shm, created 0600 and page-aligned."""
 
@@ -175,10 +196,12 @@ class ShmTransport(MemoryTransport):
 
     @classmethod
     def create(cls, name: str, size: int) -> ShmTransport:
-        """Create a new segment (fails if one exists: callers decide about stale ones)."""
+        """Create a new segment (FileExistsError if the name exists: callers decide about stale ones).
+
+        O_EXCL with O_NOFOLLOW: never opens what is already there, a symbolic link included."""
         path = shm_path(name)
         size = (size + PAGE - 1) // PAGE * PAGE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, size)
@@ -190,15 +213,20 @@ class ShmTransport(MemoryTransport):
 
     @classmethod
     def attach(cls, name: str) -> ShmTransport:
+        """Map an existing segment of this user; SegmentTaken (before any mapping) when it is not ours."""
         path = shm_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise RingError(f"ring {name}: no such segment in {SHM_DIR} (is the engine running?)") from None
+        except OSError as exc:  # ELOOP: a symbolic link; EACCES: another user's segment
+            if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                raise
+            raise SegmentTaken(_taken_message(name, path, None)) from None
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
             os.close(fd)
-            raise RingError(f"ring {name}: owned by uid {st.st_uid}, not {os.geteuid()}; refusing to attach")
+            raise SegmentTaken(_taken_message(name, path, st))
         if st.st_size == 0:
             os.close(fd)
             raise RingError(f"ring {name}: segment is empty (engine still creating it, or corrupt)")
