@@ -28,6 +28,9 @@ def auth_middleware(api_key: str):
     async def check(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
             got = request.headers.get("Authorization", "").encode()
+            if not got:
+                raise APIError(401, "You didn't provide an API key. Send it in the Authorization header as "
+                               "'Authorization: Bearer YOUR_KEY'.", code="missing_api_key")
             if not hmac.compare_digest(got, expected):
                 raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)
