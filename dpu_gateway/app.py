@@ -30,7 +30,7 @@ def auth_middleware(api_key: str):
             got = request.headers.get("Authorization", "").encode()
             if not got:
                 raise APIError(401, "You didn't provide an API key. Send it in the Authorization header as "
-                               "'Authorization: Bearer YOUR_KEY'.", code="missing_api_key")
+                               "'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
             if not hmac.compare_digest(got, expected):
                 raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)

@@ -119,8 +119,3 @@ class Generation:
         mt.prompt_tokens.inc(self.prompt_tokens)
         mt.generation_tokens.inc(self.completion_tokens)
         mt.finished(self.finish_reason or "stop")
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}

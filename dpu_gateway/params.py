@@ -71,10 +71,9 @@ def check_common(req: _Common, limits: Limits) -> list[str]:
     if req.include_stop_str_in_output and req.stop_token_ids:
         raise APIError(400, "include_stop_str_in_output applies to stop strings only: a stop token id is never "
                        "emitted", param="include_stop_str_in_output", code="unsupported_value")
-    for ids, name in ((req.stop_token_ids or [], "stop_token_ids"),):
-        if limits.vocab_size and any(t >= limits.vocab_size for t in ids):
-            raise APIError(400, f"{name} must be token ids in [0, {limits.vocab_size})", param=name,
-                           code="invalid_value")
+    if limits.vocab_size and any(t >= limits.vocab_size for t in req.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {limits.vocab_size})",
+                       param="stop_token_ids", code="invalid_value")
     check_features(req, limits)
     return [s for s in stop if s]
 

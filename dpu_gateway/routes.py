@@ -146,7 +146,8 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
                 handle = await backend.submit(ids, sampling)
                 handles.append(handle)
                 app[LIVE].add(handle)
-                gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, len(ids),
+                prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
+                gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
                                        p * plan.n + i))
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         if stream:

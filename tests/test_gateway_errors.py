@@ -81,7 +81,7 @@ async def test_api_key_required(api_stack: Stack) -> None:
     status, payload, _ = await post(api_stack, "/v1/chat/completions", {"model": MODEL, "messages": MSGS},
                                     headers={})
     err = assert_error(payload, "authentication_error")
-    assert status == 401 and err["code"] == "missing_api_key" and "didn't provide an API key" in err["message"]
+    assert status == 401 and err["code"] == "invalid_api_key" and "didn't provide an API key" in err["message"]
     async with openai.AsyncOpenAI(base_url=api_stack.url + "/v1", api_key="nope", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
