@@ -37,6 +37,9 @@ def auth_middleware(api_key: str):
         if request.path.startswith("/v1/"):
             # aiohttp hands header bytes over as UTF-8 with surrogate escapes: any byte string compares
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not got:
+                raise APIError(401, "You didn't provide an API key. Send it in the Authorization header as "
+                               "'Authorization: Bearer YOUR_KEY'.", code="invalid_api_key")
             if not hmac.compare_digest(got, expected):
                 raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return await handler(request)

@@ -49,8 +49,9 @@ def engine_error(msg: m.Finished) -> APIError:
 
 class Generation:
     def __init__(self, codec: TextCodec, plan: Plan, backend: Backend, stream: RequestStream,
-                 metrics: FrontendMetrics, arrival: float, prompt_tokens: int) -> None:
+                 metrics: FrontendMetrics, arrival: float, prompt_tokens: int, index: int = 0) -> None:
         self.codec, self.plan, self.backend, self.stream = codec, plan, backend, stream
+        self.index = index  # of the choice in the response
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
         self.detok = codec.detokenizer(plan.stop)
         self.completion_tokens = 0
@@ -60,6 +61,8 @@ class Generation:
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         try:
+            if self.plan.echo:
+                yield Delta(self.plan.echo)
             while self.finish_reason is None:
                 msg = await self.stream.events.get()
                 if isinstance(msg, m.Tokens):
@@ -80,6 +83,8 @@ class Generation:
         if self.detok.stopped:
             self.finish_reason = "stop"
             self._account()
+            if self.plan.include_stop_str and self.detok.stop_string:
+                text += self.detok.stop_string
         return Delta(text, self._logprobs(msg) if self.plan.sampling.logprobs else None)
 
     def _finished(self, msg: m.Finished) -> Delta:
@@ -114,8 +119,3 @@ class Generation:
         mt.prompt_tokens.inc(self.prompt_tokens)
         mt.generation_tokens.inc(self.completion_tokens)
         mt.finished(self.finish_reason or "stop")
-
-    @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}

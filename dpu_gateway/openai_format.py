@@ -50,43 +50,44 @@ def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: i
     }
 
 
-def chat_response(env: Envelope, text: str, finish: str | None, logprobs: dict | None, usage: dict) -> dict:
-    return {
-        "id": env.id, "object": "chat.completion", "created": env.created, "model": env.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                     "finish_reason": finish}],
-        "usage": usage,
-    }
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}
+
+
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_response(env: Envelope, choices: list[dict], usage: dict) -> dict:
+    return {"id": env.id, "object": "chat.completion", "created": env.created, "model": env.model,
+            "choices": choices, "usage": usage}
+
+
+def completion_response(env: Envelope, choices: list[dict], usage: dict) -> dict:
+    return {"id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
+            "choices": choices, "usage": usage}
 
 
 def chat_chunk(env: Envelope, delta: dict, finish: str | None = None, logprobs: dict | None = None,
-               with_usage: bool = False) -> dict:
+               with_usage: bool = False, index: int = 0, usage: dict | None = None) -> dict:
     chunk = {
         "id": env.id, "object": "chat.completion.chunk", "created": env.created, "model": env.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if with_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage
     return chunk
 
 
-def completion_response(env: Envelope, text: str, finish: str | None, logprobs: dict | None,
-                        usage: dict) -> dict:
-    return {
-        "id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        "usage": usage,
-    }
-
-
 def completion_chunk(env: Envelope, text: str, finish: str | None = None, logprobs: dict | None = None,
-                     with_usage: bool = False) -> dict:
+                     with_usage: bool = False, index: int = 0, usage: dict | None = None) -> dict:
     chunk = {
         "id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
     if with_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage
     return chunk
 
 
@@ -95,6 +96,10 @@ def usage_chunk(env: Envelope, obj: str, usage: dict) -> dict:
             "usage": usage}
 
 
+def model_card(model: str, created: int, max_context: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "blink", "root": model,
+            "parent": None, "max_model_len": max_context}
+
+
 def model_list(model: str, created: int, max_context: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "blink",
-                                        "root": model, "max_model_len": max_context}]}
+    return {"object": "list", "data": [model_card(model, created, max_context)]}

@@ -47,7 +47,8 @@ def _sampling(model: str, limits: DocLimits) -> dict:
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "n": {"type": "integer", "enum": [1]},
         "stream": {"type": "boolean"},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+        "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                           "properties": {"include_usage": {"type": "boolean"}}},
         "stop": {"oneOf": [stop_text, {"type": "array", "items": stop_text, "maxItems": MAX_STOP_STRINGS},
                            {"type": "null"}]},
         "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
@@ -62,13 +63,12 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-_PARTS = {"type": "array", "items": {"oneOf": [
-    {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"},
-                                                                     "text": {"type": "string"}}},
-    {"type": "object", "required": ["type", "image_url"], "properties": {"type": {"const": "image_url"},
-                                                                          "image_url": {"type": "object"}}}]}}
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+# Text parts only: image, audio and file parts and tool messages are refused (docs/API.md), and so is any
+# property not listed (additionalProperties: false).
+_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
+_MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "null"}, _PARTS]},
     "name": {"type": ["string", "null"]}}}
 _USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
@@ -90,12 +90,14 @@ def _schemas(model: str, limits: DocLimits) -> dict:
     return {
         "Error": _ERROR, "ChatMessage": _MESSAGE, "Usage": _USAGE, "Completion": _COMPLETION,
         "ModelList": _MODEL_LIST,
-        "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+        "ChatCompletionRequest": {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
+                                  "properties": {
             **sampling, "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
             "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, **limits.max_output},
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20}}},
-        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+                              "properties": {
             **sampling, "prompt": prompt, "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}},
     }
 

@@ -1,19 +1,28 @@
 """From a validated OpenAI request to what the ring needs: sampling fields and token limits.
 
 Checks that msgspec types cannot express live here and raise 400 ``APIError`` naming the
-parameter: n != 1, too many or too long stop strings, a prompt beyond the model's context.
+parameter: too many or too long stop strings, a prompt beyond the model's context, logit_bias
+keys that are not token ids, a field the serving engine backend does not implement (the ring
+header's ``sampling_features``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 from dpu_gateway.errors import APIError
 from dpu_gateway.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from shared import messages as m
+from shared import ring_layout as L
+from shared.ring import MAX_STOP_IDS
+from shared.slots import MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this much text
+_SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * this
+Feature = L.SamplingFeatures
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -23,22 +32,32 @@ class Limits:
     max_context: int
     max_prompt_tokens: int
     max_output_tokens: int
+    vocab_size: int = 0  # 0: not known (no check)
+    features: int = 0  # SamplingFeatures the serving engine implements
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """A request, ready to submit: its sampling record (what the tracker writes into the ring) and
-    what only the gateway applies to the output (stop strings)."""
+    what only the gateway applies to the output (stop strings, echo, n)."""
 
     sampling: m.Sampling
     stop: list[str]
+    include_stop_str: bool = False
+    n: int = 1
+    echo: str = ""  # text the answer starts with (echo)
+
+    def choices(self) -> list[m.Sampling]:
+        """One sampling record per choice: a seeded request's choices draw from seeds derived from it."""
+        s = self.sampling
+        if s.seed is None:
+            return [s] * self.n  # each slot's seed comes from its own request id
+        mask = 0xFFFFFFFFFFFFFFFF
+        return [msgspec.structs.replace(s, seed=(s.seed + i * _SEED_STEP) & mask) for i in range(self.n)]
 
 
-def check_common(req: _Common) -> list[str]:
+def check_common(req: _Common, limits: Limits) -> list[str]:
     """Shared checks; returns the stop strings."""
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns one choice (n=1)", param="n",
-                       code="unsupported_value")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop",
@@ -46,10 +65,49 @@ def check_common(req: _Common) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(400, f"each stop string may be at most {MAX_STOP_CHARS} characters long", param="stop",
                        code="invalid_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
+    if len(req.stop_token_ids or ()) > MAX_STOP_IDS:
+        raise APIError(400, f"stop_token_ids may hold at most {MAX_STOP_IDS} ids", param="stop_token_ids",
+                       code="invalid_value")
+    if req.include_stop_str_in_output and req.stop_token_ids:
+        raise APIError(400, "include_stop_str_in_output applies to stop strings only: a stop token id is never "
+                       "emitted", param="include_stop_str_in_output", code="unsupported_value")
+    if limits.vocab_size and any(t >= limits.vocab_size for t in req.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {limits.vocab_size})",
+                       param="stop_token_ids", code="invalid_value")
+    check_features(req, limits)
     return [s for s in stop if s]
+
+
+def check_features(req: _Common, limits: Limits) -> None:
+    """400 naming a field whose device support the serving engine does not advertise."""
+    used = {
+        "presence_penalty": (bool(req.presence_penalty), Feature.PENALTIES),
+        "frequency_penalty": (bool(req.frequency_penalty), Feature.PENALTIES),
+        "repetition_penalty": (req.repetition_penalty not in (None, 1.0), Feature.PENALTIES),
+        "logit_bias": (bool(req.logit_bias), Feature.LOGIT_BIAS),
+        "min_tokens": (req.min_tokens > 0, Feature.MIN_TOKENS),
+    }
+    for name, (on, bit) in used.items():
+        if on and not limits.features & bit:
+            raise APIError(400, f"{name} is not implemented by the engine backend serving this model",
+                           param=name, code="unsupported_parameter")
+
+
+def logit_bias(req: _Common, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as (id, bias) pairs, ids ascending."""
+    raw = req.logit_bias or {}
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(raw)}",
+                       param="logit_bias", code="invalid_value")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        tok = int(key) if key.strip().isdigit() else -1
+        if tok < 0 or (limits.vocab_size and tok >= limits.vocab_size):
+            bound = f" in [0, {limits.vocab_size})" if limits.vocab_size else ""
+            raise APIError(400, f"logit_bias keys must be token ids{bound}, got {key!r}", param="logit_bias",
+                           code="invalid_value")
+        out[tok] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, param: str) -> int:
@@ -71,13 +129,24 @@ def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, param
     return requested
 
 
+def check_bias_room(bias: tuple, prompt_len: int, limits: Limits) -> None:
+    """The bias table travels in the tail of the slot's prompt row (two words an entry)."""
+    if bias and prompt_len + 2 * len(bias) > limits.max_prompt_tokens:
+        raise APIError(400, f"a prompt of {prompt_len} tokens leaves room for "
+                       f"{max(0, (limits.max_prompt_tokens - prompt_len) // 2)} logit_bias entries, got {len(bias)}",
+                       param="logit_bias", code="context_length_exceeded")
+
+
 def top_k(requested: int | None) -> int:
     """0 (off) for None, -1 and any k no vocabulary reaches (the ring holds an int32)."""
     return requested if requested is not None and 0 < requested < 2**31 else 0
 
 
-def sampling(req: _Common, budget: int, logprobs: bool, top: int) -> m.Sampling:
+def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple) -> m.Sampling:
     """The request's sampling record, OpenAI's defaults filled in."""
+    if req.min_tokens > budget:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed the output budget ({budget})",
+                       param="min_tokens", code="invalid_value")
     return m.Sampling(
         max_new_tokens=budget,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -85,11 +154,15 @@ def sampling(req: _Common, budget: int, logprobs: bool, top: int) -> m.Sampling:
         top_k=top_k(req.top_k), min_p=req.min_p or 0.0,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFFFFFFFFFF,
         ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top,
+        stop_ids=tuple(dict.fromkeys(req.stop_token_ids or ())),
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens, logit_bias=bias,
     )
 
 
-def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits) -> Plan:
-    stop = check_common(req)
+def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo: str = "") -> Plan:
+    stop = check_common(req, limits)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     if req.max_completion_tokens is not None and req.max_tokens is not None:
@@ -97,36 +170,41 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits) -> Pl
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = max_new_tokens(asked, prompt_len, limits, param)
-    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0), stop)
+    bias = logit_bias(req, limits)
+    check_bias_room(bias, prompt_len, limits)
+    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias), stop,
+                req.include_stop_str_in_output, req.n, echo)
 
 
-def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits) -> Plan:
-    stop = check_common(req)
-    if req.echo:
-        raise APIError(400, "echo=true is not supported", param="echo", code="unsupported_value")
-    if req.best_of not in (None, 1):
-        raise APIError(400, f"best_of={req.best_of} is not supported (only 1)", param="best_of",
-                       code="unsupported_value")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "") -> Plan:
+    stop = check_common(req, limits)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
+                       param="echo", code="unsupported_value")
     budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
     if req.max_tokens is None:  # OpenAI's default of 16, within what the server allows
         budget = min(16, budget)
-    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0), stop)
+    bias = logit_bias(req, limits)
+    check_bias_room(bias, prompt_len, limits)
+    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias), stop,
+                req.include_stop_str_in_output, req.n, echo)
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request (a list of several is refused)."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one string, one token list, or a list of either."""
     p = req.prompt
     if isinstance(p, str):
-        return p
-    if p and all(isinstance(x, int) for x in p):
-        return [int(x) for x in p]  # type: ignore[arg-type]
-    if len(p) == 1:
-        only = p[0]
-        if isinstance(only, str):
-            return only
-        if isinstance(only, list):
-            return only
-    raise APIError(400, "prompt must be one string or one list of token ids (batched prompts are not "
-                   "supported)", param="prompt", code="invalid_value")
+        return [p]
+    if not p:
+        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    if all(isinstance(x, int) for x in p):
+        return [[int(x) for x in p]]  # type: ignore[arg-type]
+    if any(isinstance(x, int) for x in p):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a list of either (not a mix)",
+                       param="prompt", code="invalid_value")
+    return list(p)  # type: ignore[arg-type]
+
+
+def truncate(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``keep`` prompt tokens."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]

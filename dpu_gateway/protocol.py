@@ -1,58 +1,132 @@
-"""OpenAI request bodies as msgspec types: decoding a body validates it.
+"""OpenAI and vLLM request bodies as msgspec types: decoding a body validates it.
 
-Unknown fields are ignored (clients send many optional ones). Range checks that msgspec
-constraints can state are stated here; the rest are in ``dpu_gateway/params.py``.
+The rule: every field of OpenAI's and vLLM's request schemas is declared here and is either
+honoured or refused with a 400 naming it (``param`` = the field). **Unknown fields are refused**
+(a 400 naming the field, ``code = "unknown_field"``): a misspelt parameter must not be served as
+if it were absent. vLLM logs and ignores them instead; ``docs/API.md`` lists this difference.
+
+Fields Blink does not serve are declared loosely typed and listed in ``REFUSED`` with the value
+that is a no-op (``tools: []``, ``response_format: {"type": "text"}``, ...); any other value is
+refused with a message saying it is not supported. Range checks that msgspec constraints can state
+are stated here; the rest are in ``dpu_gateway/params.py``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+from dpu_gateway.errors import APIError
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_N = 16  # choices per request (each is a ring slot)
 
 
-class StreamOptions(msgspec.Struct):
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # refused when true (no padding field is sent)
 
 
-class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+class TextPart(_Body, tag_field="type", tag="text"):
     text: str
 
 
-class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
-    image_url: dict
+class ImagePart(_Body, tag_field="type", tag="image_url"):
+    image_url: Any = None
 
 
-class ChatMessage(msgspec.Struct):
+class AudioPart(_Body, tag_field="type", tag="input_audio"):
+    input_audio: Any = None
+
+
+class FilePart(_Body, tag_field="type", tag="file"):
+    file: Any = None
+
+
+class RefusalPart(_Body, tag_field="type", tag="refusal"):
+    refusal: str = ""
+
+
+Part = TextPart | ImagePart | AudioPart | FilePart | RefusalPart
+
+
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[Part] | None = None
     name: str | None = None
+    tool_calls: list | None = None          # refused (tool calling is not supported)
+    tool_call_id: str | None = None         # refused
+    function_call: Any = None               # refused
+    refusal: str | None = None              # assistant history: accepted, not rendered
+    audio: Any = None                       # refused
+    reasoning_content: str | None = None    # assistant history: accepted, not rendered
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(_Body, kw_only=True):
     model: str
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: int = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    # extensions (as in vLLM)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's sampling extensions
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: MinP | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    # declared so that they are refused by name (REFUSED says which values are a no-op)
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list | None = None
+    bad_words: list | None = None
+    logits_processors: list | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    response_format: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    priority: int | None = None
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None           # accepted: no prefix cache to salt
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    logprobs_mode: Any = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -60,6 +134,32 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+    # OpenAI fields Blink does not serve
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted: meaningless without tools
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None   # accepted: only meaningful with store
+    prompt_cache_key: str | None = None      # accepted: no prefix cache to key
+    safety_identifier: str | None = None     # accepted, like user
+    # vLLM chat extensions Blink does not serve
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list | None = None
+    mm_processor_kwargs: dict | None = None
+    include_reasoning: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -67,8 +167,158 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    prompt_embeds: Any = None
+
+
+def _off(v: Any) -> bool:
+    return v is None or v is False or v == [] or v == {}
+
+
+_TOOLS = "tool calling is not supported by this server"
+_JSON = "structured output (JSON mode, JSON schema, grammars) is not supported by this server"
+# field -> (is the value a no-op, why another value is refused)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_off, _TOOLS),
+    "tool_choice": (lambda v: v in (None, "none"), _TOOLS),
+    "functions": (_off, _TOOLS),
+    "function_call": (lambda v: v in (None, "none"), _TOOLS),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, _JSON + "; only {\"type\": \"text\"}"),
+    "guided_json": (_off, _JSON), "guided_regex": (_off, _JSON), "guided_choice": (_off, _JSON),
+    "guided_grammar": (_off, _JSON), "guided_decoding_backend": (_off, _JSON),
+    "guided_whitespace_pattern": (_off, _JSON), "structural_tag": (_off, _JSON),
+    "structured_outputs": (_off, _JSON),
+    "audio": (_off, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is served"),
+    "prediction": (_off, "predicted outputs are not supported"),
+    "web_search_options": (_off, "web search is not supported"),
+    "reasoning_effort": (_off, "the served model has no reasoning mode"),
+    "include_reasoning": (lambda v: v is None or v is True, "the served model has no reasoning mode"),
+    "verbosity": (_off, "verbosity is not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
+    "store": (_off, "completions are not stored"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
+    "use_beam_search": (_off, "beam search is not supported"),
+    "length_penalty": (lambda v: v in (None, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not supported"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported (use logit_bias)"),
+    "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
+    "logits_processors": (_off, "custom logits processors are not supported"),
+    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True), "only the default (true) is served"),
+    "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),
+    "request_id": (lambda v: v is None, "request_id is not supported (the server names each response)"),
+    "return_tokens_as_token_ids": (_off, "return_tokens_as_token_ids is not supported"),
+    "return_token_ids": (_off, "return_token_ids is not supported"),
+    "kv_transfer_params": (_off, "KV transfer is not supported"),
+    "vllm_xargs": (_off, "vllm_xargs is not supported"),
+    "logprobs_mode": (lambda v: v is None, "logprobs_mode is not supported (log-probs are of the raw logits)"),
+    "continue_final_message": (_off, "continue_final_message is not supported"),
+    "chat_template": (lambda v: v is None, "a per-request chat template is not supported"),
+    "chat_template_kwargs": (_off, "chat_template_kwargs is not supported"),
+    "documents": (_off, "documents are not supported"),
+    "mm_processor_kwargs": (_off, "the served model takes text only"),
+    "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
+    "prompt_embeds": (_off, "prompt embeddings are not supported"),
+}
+_MESSAGE_REFUSED = {
+    "tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS,
+    "audio": "audio input is not supported",
+}
+_PART_REFUSED = {ImagePart: "image", AudioPart: "audio", FilePart: "file"}
+
+
+def refuse(param: str, why: str) -> APIError:
+    return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def check_refused(req: _Common) -> None:
+    """400 naming the first field whose value Blink does not serve."""
+    for name, (noop, why) in REFUSED.items():
+        if hasattr(req, name) and not noop(getattr(req, name)):
+            raise refuse(name, why)
+    so = req.stream_options
+    if so is not None and so.include_obfuscation:
+        raise refuse("stream_options.include_obfuscation", "stream obfuscation is not supported")
+    if isinstance(req, ChatCompletionRequest):
+        for i, msg in enumerate(req.messages):
+            _check_message(i, msg)
+
+
+def _check_message(i: int, msg: ChatMessage) -> None:
+    for name, why in _MESSAGE_REFUSED.items():
+        if not _off(getattr(msg, name)):
+            raise refuse(f"messages[{i}].{name}", why)
+    if msg.role == "tool":
+        raise refuse(f"messages[{i}].role", _TOOLS)
+    if isinstance(msg.content, list):
+        for j, part in enumerate(msg.content):
+            kind = _PART_REFUSED.get(type(part))
+            if kind is not None:
+                raise refuse(f"messages[{i}].content[{j}]", f"{kind} content parts are not supported "
+                             "(the served model takes text only)")
+
+
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes, refused: bool = True) -> Any:
+    try:
+        req = decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        match = _UNKNOWN.search(str(exc))
+        if match is None:
+            raise
+        where = match.group(2) or ""
+        param = f"{where}.{match.group(1)}" if where else match.group(1)
+        raise APIError(400, f"Unknown field `{param}`: this server refuses fields it does not know "
+                       "rather than ignore them", param=param, code="unknown_field") from None
+    if refused:
+        check_refused(req)
+    return req
 
 
 ChatDecoder = msgspec.json.Decoder(ChatCompletionRequest)
 CompletionDecoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    return _decode(ChatDecoder, body)
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    return _decode(CompletionDecoder, body)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize`` body: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Body, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+_TokenizeDecoder = msgspec.json.Decoder(TokenizeRequest)
+_DetokenizeDecoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+def decode_tokenize(body: bytes) -> TokenizeRequest:
+    req = _decode(_TokenizeDecoder, body, refused=False)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
+    if req.return_token_strs:
+        raise refuse("return_token_strs", "token strings are not returned")
+    for i, msg in enumerate(req.messages or []):
+        _check_message(i, msg)
+    return req
+
+
+def decode_detokenize(body: bytes) -> DetokenizeRequest:
+    return _decode(_DetokenizeDecoder, body, refused=False)

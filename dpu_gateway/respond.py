@@ -7,6 +7,7 @@ cancellation); closing the delta generator then cancels the slot.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
@@ -17,7 +18,7 @@ from aiohttp import web
 from dpu_gateway import openai_format as fmt
 from dpu_gateway import sse
 from dpu_gateway.errors import APIError
-from dpu_gateway.generation import Delta, Generation, TokenLogprob
+from dpu_gateway.generation import Generation, TokenLogprob
 from dpu_gateway.textio import TextCodec
 
 
@@ -36,21 +37,40 @@ class Shape:
             return fmt.chat_logprobs(codec, entries)
         return fmt.completion_logprobs(codec, entries, offset)
 
-    def chunk(self, env: fmt.Envelope, text: str | None, finish: str | None, logprobs: dict | None,
-              with_usage: bool) -> dict:
+    def chunk(self, env: fmt.Envelope, index: int, text: str | None, finish: str | None, logprobs: dict | None,
+              usage: Usage) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return fmt.chat_chunk(env, delta, finish, logprobs, with_usage)
-        return fmt.completion_chunk(env, text or "", finish, logprobs, with_usage)
+            return fmt.chat_chunk(env, delta, finish, logprobs, usage.include, index, usage.now())
+        return fmt.completion_chunk(env, text or "", finish, logprobs, usage.include, index, usage.now())
 
-    def whole(self, env: fmt.Envelope, text: str, finish: str | None, logprobs: dict | None, usage: dict) -> dict:
-        if self.chat:
-            return fmt.chat_response(env, text, finish, logprobs, usage)
-        return fmt.completion_response(env, text, finish, logprobs, usage)
+    def choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        return (fmt.chat_choice if self.chat else fmt.completion_choice)(index, text, finish, logprobs)
+
+    def whole(self, env: fmt.Envelope, choices: list[dict], usage: dict) -> dict:
+        return (fmt.chat_response if self.chat else fmt.completion_response)(env, choices, usage)
 
 
 CHAT = Shape("chatcmpl", "chat.completion.chunk", chat=True)
 COMPLETION = Shape("cmpl", "text_completion", chat=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one response: every prompt once, every choice's output."""
+
+    gens: list[Generation]
+    prompt_tokens: int
+    include: bool = False      # stream_options.include_usage
+    continuous: bool = False   # stream_options.continuous_usage_stats: usage in every chunk
+
+    def total(self) -> dict:
+        done = sum(g.completion_tokens for g in self.gens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def now(self) -> dict | None:
+        return self.total() if self.include and self.continuous else None
 
 
 def merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
@@ -62,8 +82,7 @@ def merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
                                                           "text_offset")}
 
 
-async def answer_whole(gen: Generation, shape: Shape, codec: TextCodec, model: str) -> web.Response:
-    env = fmt.Envelope.new(shape.prefix, model)
+async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
     texts: list[str] = []
     lps: list[dict] = []
     offset = 0
@@ -75,25 +94,33 @@ async def answer_whole(gen: Generation, shape: Shape, codec: TextCodec, model: s
             texts.append(delta.text)
             offset += len(delta.text)
     logprobs = merge_logprobs(shape, lps) if gen.plan.sampling.logprobs else None
-    body = shape.whole(env, "".join(texts), gen.finish_reason, logprobs, gen.usage)
+    return shape.choice(gen.index, "".join(texts), gen.finish_reason, logprobs)
+
+
+async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
+                       usage: Usage) -> web.Response:
+    env = fmt.Envelope.new(shape.prefix, model)
+    choices = await asyncio.gather(*(_collect(g, shape, codec) for g in gens))
+    body = shape.whole(env, list(choices), usage.total())
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
-async def answer_stream(request: web.Request, gen: Generation, shape: Shape, codec: TextCodec, model: str,
-                        include_usage: bool) -> web.StreamResponse:
+async def answer_stream(request: web.Request, gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
+                        usage: Usage) -> web.StreamResponse:
     env = fmt.Envelope.new(shape.prefix, model)
     resp = await sse.open_stream(request)
 
     async def write(obj: dict) -> None:
         await resp.write(sse.event(obj))
 
-    if shape.chat:
-        await write(fmt.chat_chunk(env, {"role": "assistant", "content": ""}, with_usage=include_usage))
     try:
-        await _stream_deltas(gen, shape, codec, env, include_usage, write)
-        await write(shape.chunk(env, None if shape.chat else "", gen.finish_reason, None, include_usage))
-        if include_usage:
-            await write(fmt.usage_chunk(env, shape.chunk_object, gen.usage))
+        if shape.chat:
+            for g in gens:
+                await write(fmt.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, usage.include,
+                                           g.index, usage.now()))
+        await _stream_all(gens, shape, codec, env, usage, write)
+        if usage.include:
+            await write(fmt.usage_chunk(env, shape.chunk_object, usage.total()))
     except APIError as exc:
         await write(exc.body())
     await resp.write(sse.DONE)
@@ -101,15 +128,27 @@ async def answer_stream(request: web.Request, gen: Generation, shape: Shape, cod
     return resp
 
 
-async def _stream_deltas(gen: Generation, shape: Shape, codec: TextCodec, env: fmt.Envelope,
-                         include_usage: bool, write: Callable[[dict], Awaitable[None]]) -> None:
-    offset = 0
-    async with contextlib.aclosing(gen.deltas()) as deltas:
-        async for delta in deltas:
-            await write(_delta_chunk(shape, codec, env, delta, offset, include_usage))
-            offset += len(delta.text)
+async def _stream_all(gens: list[Generation], shape: Shape, codec: TextCodec, env: fmt.Envelope, usage: Usage,
+                      write: Callable[[dict], Awaitable[None]]) -> None:
+    """Every choice's chunks as they come (one writer: chunks never interleave on the wire)."""
+    lock = asyncio.Lock()
 
+    async def one(gen: Generation) -> None:
+        offset = 0
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for delta in deltas:
+                chunk = shape.chunk(env, gen.index, delta.text, None, shape.logprobs(codec, delta.logprobs, offset),
+                                    usage)
+                async with lock:
+                    await write(chunk)
+                offset += len(delta.text)
+        async with lock:
+            await write(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None, usage))
 
-def _delta_chunk(shape: Shape, codec: TextCodec, env: fmt.Envelope, delta: Delta, offset: int,
-                 include_usage: bool) -> dict:
-    return shape.chunk(env, delta.text, None, shape.logprobs(codec, delta.logprobs, offset), include_usage)
+    tasks = [asyncio.create_task(one(g)) for g in gens]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

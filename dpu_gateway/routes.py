@@ -1,24 +1,40 @@
-"""HTTP handlers: the OpenAI endpoints, /health, /metrics and /openapi.json."""
+"""HTTP handlers: the OpenAI endpoints, vLLM's /tokenize, /detokenize and /version, /health, /metrics and
+/openapi.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from importlib import metadata
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
 from dpu_gateway import openai_format as fmt
+from dpu_gateway.backend import RequestStream
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
 from dpu_gateway.openapi import DocLimits, openapi_document
-from dpu_gateway.params import Plan, completion_prompt, plan_chat, plan_completion
-from dpu_gateway.protocol import ChatDecoder, CompletionDecoder
-from dpu_gateway.respond import CHAT, COMPLETION, Shape, answer_stream, answer_whole
+from dpu_gateway.params import Limits, Plan, completion_prompts, plan_chat, plan_completion, truncate
+from dpu_gateway.protocol import (
+    ChatCompletionRequest,
+    _Common,
+    decode_chat,
+    decode_completion,
+    decode_detokenize,
+    decode_tokenize,
+)
+from dpu_gateway.respond import CHAT, COMPLETION, Shape, Usage, answer_stream, answer_whole
 from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RING, engine_limits
+from dpu_gateway.textio import message_text
 from shared import ring_layout as L
 
 STARTED = int(time.time())
+try:
+    VERSION = metadata.version("blink-serve")
+except metadata.PackageNotFoundError:  # a checkout that is not installed
+    VERSION = "0+unknown"
 
 
 def check_model(app: web.Application, model: str) -> None:
@@ -29,35 +45,78 @@ def check_model(app: web.Application, model: str) -> None:
 
 
 async def models(request: web.Request) -> web.Response:
-    ring = request.app[RING].current()
-    ctx = ring.header_load32("max_context") if ring is not None else 0
-    return web.json_response(fmt.model_list(request.app[CONFIG].served_model_name, STARTED, ctx))
+    return web.json_response(fmt.model_list(request.app[CONFIG].served_model_name, STARTED,
+                                            max_model_len(request.app)))
+
+
+async def model(request: web.Request) -> web.Response:
+    check_model(request.app, request.match_info["model"])
+    return web.json_response(fmt.model_card(request.app[CONFIG].served_model_name, STARTED,
+                                            max_model_len(request.app)))
+
+
+def max_model_len(app: web.Application) -> int:
+    """The context the engine accepts (prompt + output tokens), 0 while no engine has said."""
+    ring = app[RING].current()
+    return ring.header_load32("max_context") if ring is not None else 0
+
+
+def json_body(request: web.Request) -> None:
+    """415 for a body that is not JSON (as vLLM)."""
+    if request.content_type != "application/json":
+        raise APIError(415, f"Unsupported Media Type: Content-Type must be application/json, got "
+                       f"{request.content_type!r}", code="unsupported_media_type")
+
+
+def request_limits(app: web.Application) -> Limits:
+    """The engine's limits with the vocabulary and the sampling features its backend implements."""
+    limits = engine_limits(app)
+    ring = app[RING].current()
+    features = ring.header_load32("sampling_features") if ring is not None else 0
+    return dataclasses.replace(limits, vocab_size=vocab_size(app), features=features)
+
+
+def stream_usage(req: _Common) -> tuple[bool, bool]:
+    so = req.stream_options
+    return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the answer starts with the last message when it is the assistant's."""
+    last = req.messages[-1]
+    return message_text(last) if req.echo and last.role == "assistant" else ""
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     app = request.app
-    req = ChatDecoder.decode(await request.read())
+    json_body(request)
+    req = decode_chat(await request.read())
     check_model(app, req.model)
-    limits = engine_limits(app)
-    ids = await app[BACKEND].encode(app[CODEC].render_chat(req.messages), add_special=False)
-    plan = plan_chat(req, len(ids), limits)
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await run(request, CHAT, ids, plan, req.stream, usage, arrival)
+    limits = request_limits(app)
+    text = app[CODEC].render_chat(req.messages, req.add_generation_prompt)
+    ids = await app[BACKEND].encode(text, add_special=bool(req.add_special_tokens))
+    ids = truncate(ids, req.truncate_prompt_tokens)
+    plan = plan_chat(req, len(ids), limits, chat_echo(req))
+    return await run(request, CHAT, [(ids, plan)], req.stream, stream_usage(req), arrival)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     app = request.app
-    req = CompletionDecoder.decode(await request.read())
+    json_body(request)
+    req = decode_completion(await request.read())
     check_model(app, req.model)
-    limits = engine_limits(app)
-    prompt = completion_prompt(req)
-    ids = prompt if isinstance(prompt, list) else await app[BACKEND].encode(prompt, add_special=True)
-    check_token_ids(app, ids)
-    plan = plan_completion(req, len(ids), limits)
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await run(request, COMPLETION, ids, plan, req.stream, usage, arrival)
+    limits = request_limits(app)
+    add_special = True if req.add_special_tokens is None else req.add_special_tokens
+    jobs = []
+    for prompt in completion_prompts(req):
+        ids = prompt if isinstance(prompt, list) else await app[BACKEND].encode(prompt, add_special=add_special)
+        check_token_ids(app, ids)
+        ids = truncate(ids, req.truncate_prompt_tokens)
+        echo = "" if not req.echo else prompt if isinstance(prompt, str) else app[CODEC].decode(ids)
+        jobs.append((ids, plan_completion(req, len(ids), limits, echo)))
+    return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival)
 
 
 def vocab_size(app: web.Application) -> int:
@@ -74,20 +133,61 @@ def check_token_ids(app: web.Application, ids: list[int]) -> None:
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
 
 
-async def run(request: web.Request, shape: Shape, ids: list[int], plan: Plan, stream: bool, usage: bool,
-              arrival: float) -> web.StreamResponse:
+async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Plan]], stream: bool,
+              usage: tuple[bool, bool], arrival: float) -> web.StreamResponse:
+    """Submit every choice of every prompt (choice index = prompt index * n + i), then answer."""
     app = request.app
     backend, codec, model = app[BACKEND], app[CODEC], app[CONFIG].served_model_name
-    handle = await backend.submit(ids, plan.sampling)
-    app[LIVE].add(handle)
+    handles: list[RequestStream] = []
     try:
-        gen = Generation(codec, plan, backend, handle, app[METRICS], arrival, len(ids))
+        gens = []
+        for p, (ids, plan) in enumerate(jobs):
+            for i, sampling in enumerate(plan.choices()):
+                handle = await backend.submit(ids, sampling)
+                handles.append(handle)
+                app[LIVE].add(handle)
+                prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
+                gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
+                                       p * plan.n + i))
+        counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         if stream:
-            return await answer_stream(request, gen, shape, codec, model, usage)
-        return await answer_whole(gen, shape, codec, model)
+            return await answer_stream(request, gens, shape, codec, model, counts)
+        return await answer_whole(gens, shape, codec, model, counts)
     finally:
-        app[LIVE].discard(handle)
-        backend.forget(handle, cancel=True)
+        for handle in handles:
+            app[LIVE].discard(handle)
+            backend.forget(handle, cancel=True)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: a prompt or chat messages to ``{"count", "max_model_len", "tokens"}``."""
+    app = request.app
+    json_body(request)
+    req = decode_tokenize(await request.read())
+    check_model(app, req.model or app[CONFIG].served_model_name)
+    if req.messages is not None:
+        text, special = app[CODEC].render_chat(req.messages, req.add_generation_prompt), False
+    else:
+        text, special = req.prompt or "", True
+    add = special if req.add_special_tokens is None else req.add_special_tokens
+    ids = await app[BACKEND].encode(text, add_special=add)
+    return web.json_response({"count": len(ids), "max_model_len": max_model_len(app), "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /detokenize``: ``{"tokens"}`` to ``{"prompt"}``."""
+    app = request.app
+    json_body(request)
+    req = decode_detokenize(await request.read())
+    check_model(app, req.model or app[CONFIG].served_model_name)
+    vocab = vocab_size(app)
+    if vocab and not all(0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"tokens must be in [0, {vocab})", param="tokens", code="invalid_value")
+    return web.json_response({"prompt": app[CODEC].decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -136,6 +236,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)

@@ -28,10 +28,13 @@ class TextCodec:
     def _special_text(self, token: int | None) -> str:
         return "" if token is None else self.token_text(token)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         plain = [{"role": m.role, "content": message_text(m)} for m in messages]
-        return render_chat(self.template, plain, add_generation_prompt=True, bos_token=self.bos,
+        return render_chat(self.template, plain, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
                            eos_token=self.eos)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def detokenizer(self, stop: list[str]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, stop)

@@ -19,9 +19,11 @@ from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
 from shared.ring import Ring
+from shared.slots import MAX_LOGIT_BIAS
 
 S = L.SlotState
 log = get_logger("engine")
+FEATURES = L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
 # When the heartbeat thread stops beating (the frontend then takes the engine for dead): the loop has not
 # come round for STALL_S outside a step, or one step has run for longer than STALL_S plus STALL_PER_TOKEN_S
 # for each token it computes. A 4,096-token prefill on a loaded CPU takes minutes and is progress, not a
@@ -68,16 +70,28 @@ class RingEngine:
         if plen + max_new > self.max_context or not self.policy.can_ever_fit(plen, max_new):
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.NO_CAPACITY)
             return
-        prompt = self.slots.prompt(idx, plen)
-        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+        prompt, bias = self.slots.prompt(idx, plen), self._logit_bias(idx, plen, meta["sampling"])
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size or bias is None:
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
             return
         rid = int(meta["request_id"])
+        spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids)
         req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
-                      arrival=self.arrivals, sampling=SamplingSpec.from_ring(meta["sampling"], rid))
+                      arrival=self.arrivals, sampling=spec)
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)
+
+    def _logit_bias(self, idx: int, plen: int, sp: np.void) -> np.ndarray | None:
+        """The slot's ``LogitBias`` entries (the tail of its prompt row); None when they are malformed."""
+        n, row = int(sp["num_logit_bias"]), self.ring.geometry.max_prompt_tokens
+        if n > MAX_LOGIT_BIAS or plen + 2 * n > row:
+            return None
+        table = np.empty(n, L.LOGITBIAS_DTYPE)
+        if n:
+            self.ring.transport.read_into(self.ring.prompt_offset(idx) + 4 * row - table.nbytes, table)
+        ok = (table["token"] >= 0) & (table["token"] < self.vocab_size) & (np.abs(table["bias"]) <= 100)
+        return table if bool(ok.all()) else None
 
     # ------------------------------------------------------------------ step
     def step(self) -> bool:
@@ -164,6 +178,7 @@ class RingEngine:
     def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0, stall_s: float = STALL_S,
               stall_per_token_s: float = STALL_PER_TOKEN_S) -> None:
         """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
+        self.ring.header_store32("sampling_features", int(FEATURES))
         self.ring.header_store32("engine_state", L.EngineState.READY)
         self.slots.beat()
         self._loop_seen, self._stopped = time.monotonic(), threading.Event()

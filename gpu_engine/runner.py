@@ -54,7 +54,8 @@ class TorchRunner:
         specs = [w.req.sampling for w in plan.work]
         positions = torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64)
         seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
-        res = sample(logits.float(), specs, positions, seeds)
+        history = [(w.req.prompt, w.req.output) for w in plan.work]
+        res = sample(logits.float(), specs, positions, seeds, history)
         return StepOutput(
             tokens=[int(t) for t in res.tokens.tolist()],
             logprobs=res.logprobs.float().cpu().numpy(),

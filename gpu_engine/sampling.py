@@ -13,6 +13,13 @@ wrapping mod 2**32; ``M = 0xFFFFFFFF``)::
     u_i  = ((h_i >> 9) + 0.5) * 2**-23                # float32, exact, strictly inside (0, 1)
     token = argmax over allowed i of  logits_i / temperature - log(-log(u_i))
 
+Before the draw (and before the greedy argmax) the request's logits processors apply, in vLLM's
+order (``process_logits``): ``logit_bias`` is added; while fewer than ``min_tokens`` tokens were
+generated, the stop ids and EOS ids are set to -inf; the repetition penalty divides the positive
+logits (multiplies the negative ones) of every token seen in the prompt or output; then
+``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over output counts.
+Log-probs stay those of the raw logits.
+
 ``u`` keeps 23 hash bits (not 24) so that ``(h >> 9) + 0.5`` fits float32's 24-bit significand
 exactly. Here it is computed with int64 torch ops masked to 32 bits; products are split into
 16-bit halves so nothing overflows int64. Ties in the argmax go to the lowest index.
@@ -20,6 +27,7 @@ exactly. Here it is computed with int64 torch ops masked to 32 bits; products ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,12 +59,31 @@ class SamplingSpec:
     stop_ids: frozenset[int] = frozenset()  # finish (not emitted) on any of these
     ignore_eos: bool = False
     want_logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    eos_ids: frozenset[int] = frozenset()  # the model's, resolved at claim: min_tokens suppresses them
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor applies to this request (``process_logits``)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @classmethod
-    def from_ring(cls, sp: np.void, request_id: int) -> SamplingSpec:
-        """Decode a slot's ``SamplingParams`` (``shared/ring_layout.SAMPLINGPARAMS_DTYPE``)."""
+    def from_ring(cls, sp: np.void, request_id: int, logit_bias: np.ndarray | None = None,
+                  eos_ids: frozenset[int] = frozenset()) -> SamplingSpec:
+        """Decode a slot's ``SamplingParams`` (``shared/ring_layout.SAMPLINGPARAMS_DTYPE``); ``logit_bias``
+        holds its ``LogitBias`` entries (the prompt row's tail), ``eos_ids`` the model's EOS ids."""
         flags = int(sp["flags"])
         has_seed = flags & L.SamplingFlags.HAS_SEED
+        bias = () if logit_bias is None else tuple((int(e["token"]), float(e["bias"])) for e in logit_bias)
+        ignore_eos = bool(flags & L.SamplingFlags.IGNORE_EOS)
         return cls(
             temperature=float(sp["temperature"]),
             top_p=float(sp["top_p"]),
@@ -65,8 +92,14 @@ class SamplingSpec:
             seed=int(sp["seed"]) & 0x7FFFFFFFFFFFFFFF if has_seed else request_seed(request_id),
             num_top_logprobs=int(sp["num_top_logprobs"]),
             stop_ids=frozenset(int(x) for x in sp["stop_ids"][: int(sp["num_stop_ids"])]),
-            ignore_eos=bool(flags & L.SamplingFlags.IGNORE_EOS),
+            ignore_eos=ignore_eos,
             want_logprobs=bool(flags & L.SamplingFlags.WANT_LOGPROBS),
+            presence_penalty=float(sp["presence_penalty"]),
+            frequency_penalty=float(sp["frequency_penalty"]),
+            repetition_penalty=float(sp["repetition_penalty"]) or 1.0,  # 0: an older writer's zeros
+            min_tokens=int(sp["min_tokens"]),
+            logit_bias=bias,
+            eos_ids=frozenset() if ignore_eos else frozenset(eos_ids),
         )
 
 
@@ -124,17 +157,63 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(~keep_orig, float("-inf"))
 
 
+History = Sequence[tuple[Sequence[int], Sequence[int]]]  # per row: (prompt, output) token ids
+
+
+def process_row(logits: torch.Tensor, spec: SamplingSpec, step: int, prompt: Sequence[int],
+                output: Sequence[int]) -> torch.Tensor:
+    """One row's logits [V] after its logits processors (the module docstring's order), plainly."""
+    x = logits.clone()
+    vocab = x.shape[0]
+    for tok, bias in spec.logit_bias:
+        if 0 <= tok < vocab:
+            x[tok] += bias
+    if step < spec.min_tokens:
+        for tok in spec.stop_ids | spec.eos_ids:
+            if 0 <= tok < vocab:
+                x[tok] = float("-inf")
+    if spec.repetition_penalty != 1.0:
+        r = spec.repetition_penalty
+        for tok in set(prompt) | set(output):
+            x[tok] = x[tok] / r if x[tok] > 0 else x[tok] * r
+    counts: dict[int, int] = {}
+    for tok in output:
+        counts[tok] = counts.get(tok, 0) + 1
+    freq = torch.tensor(spec.frequency_penalty, dtype=torch.float32)
+    pres = torch.tensor(spec.presence_penalty, dtype=torch.float32)
+    for tok, c in counts.items():
+        x[tok] = x[tok] - freq * float(c)
+        x[tok] = x[tok] - pres
+    return x
+
+
+def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
+                   history: History | None) -> torch.Tensor:
+    """``logits`` [B, V] with each row's processors applied (rows without any are left as they are)."""
+    if not any(s.processed for s in specs):
+        return logits
+    if history is None or len(history) != len(specs):
+        raise ValueError("penalties, logit_bias and min_tokens need each row's (prompt, output) history")
+    out = logits.clone()
+    for b, s in enumerate(specs):
+        if s.processed:
+            out[b] = process_row(logits[b], s, int(steps[b]), *history[b])
+    return out
+
+
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
-           seeds: torch.Tensor) -> SampleResult:
+           seeds: torch.Tensor, history: History | None = None) -> SampleResult:
     """Pick one token per row of float32 ``logits`` [B, V].
 
     ``steps`` [B] int64 is the index of the token being sampled in each sequence and ``seeds`` [B]
     int64 each request's seed (``SamplingSpec.seed``). Rows with temperature 0 are greedy.
+    ``history`` (per row: prompt and output token ids) is needed when a row has a logits processor.
     """
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(specs)} sampling specs")
-    logits = logits.to(torch.float32)
+    raw = logits = logits.to(torch.float32)
     dev = logits.device
+    logits = process_logits(logits, specs, steps, history)
     temps = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=dev)
     tokens = torch.argmax(logits, dim=-1)
     random_rows = temps > 0
@@ -150,7 +229,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
         )
         u = uniform_noise(seeds.to(dev)[rows], steps.to(dev)[rows], logits.shape[-1])
         tokens[rows] = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1)
-    return _with_logprobs(logits, tokens, max((s.num_top_logprobs for s in specs), default=0))
+    return _with_logprobs(raw, tokens, max((s.num_top_logprobs for s in specs), default=0))
 
 
 def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleResult:

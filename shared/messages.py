@@ -48,7 +48,10 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     The gateway plans it (``dpu_gateway/params.py``), the tracker writes it into the ring as is
     (``shared/slots.SlotRequest.sampling_record``), the engine decodes the ring copy once
     (``gpu_engine/sampling.SamplingSpec.from_ring``). ``top_logprobs`` is the number of
-    alternatives per token (OpenAI's name; the ring's ``num_top_logprobs``).
+    alternatives per token (OpenAI's name; the ring's ``num_top_logprobs``). The penalties
+    are OpenAI's (``presence_penalty``, ``frequency_penalty``: over output tokens) and vLLM's
+    (``repetition_penalty``: over prompt and output tokens, 1 = off); ``min_tokens`` suppresses the
+    stop ids and EOS until that many tokens were generated.
     """
 
     max_new_tokens: int
@@ -61,6 +64,11 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     logprobs: bool = False
     top_logprobs: int = 0
     stop_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
 
 
 class Submit(_Msg, tag="sub"):

@@ -7,7 +7,7 @@ import enum
 import numpy as np
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
 
 
 class SlotState(enum.IntEnum):
@@ -52,13 +52,27 @@ class SamplingFlags(enum.IntFlag):
     WANT_LOGPROBS = 4
 
 
+class SamplingFeatures(enum.IntFlag):
+    PENALTIES = 1
+    LOGIT_BIAS = 2
+    MIN_TOKENS = 4
+
+
 SAMPLINGPARAMS_DTYPE = np.dtype({
-    'names': ['temperature', 'top_p', 'top_k', 'min_p', 'seed', 'flags', 'num_top_logprobs', 'num_stop_ids', 'reserved0', 'stop_ids', 'reserved'],
-    'formats': ['<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u4', ('<i4', (8,)), ('<u4', (4,))],
-    'offsets': [0, 4, 8, 12, 16, 24, 28, 32, 36, 40, 72],
+    'names': ['temperature', 'top_p', 'top_k', 'min_p', 'seed', 'flags', 'num_top_logprobs', 'num_stop_ids', 'num_logit_bias', 'stop_ids', 'presence_penalty', 'frequency_penalty', 'repetition_penalty', 'min_tokens'],
+    'formats': ['<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u4', ('<i4', (8,)), '<f4', '<f4', '<f4', '<u4'],
+    'offsets': [0, 4, 8, 12, 16, 24, 28, 32, 36, 40, 72, 76, 80, 84],
     'itemsize': 88,
 }, align=False)
 SAMPLINGPARAMS_ALIGN = 8
+
+LOGITBIAS_DTYPE = np.dtype({
+    'names': ['token', 'bias'],
+    'formats': ['<i4', '<f4'],
+    'offsets': [0, 4],
+    'itemsize': 8,
+}, align=False)
+LOGITBIAS_ALIGN = 4
 
 SLOT_DTYPE = np.dtype({
     'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'reserved'],
@@ -77,9 +91,9 @@ ENGINESTATS_DTYPE = np.dtype({
 ENGINESTATS_ALIGN = 8
 
 RINGHEADER_DTYPE = np.dtype({
-    'names': ['magic', 'schema_major', 'schema_minor', 'header_bytes', 'slot_bytes', 'num_slots', 'max_prompt_tokens', 'max_output_tokens', 'top_logprobs', 'top_logprob_bytes', 'slots_offset', 'prompt_arena_offset', 'output_arena_offset', 'logprob_arena_offset', 'top_logprob_arena_offset', 'total_bytes', 'engine_state', 'engine_pid', 'heartbeat', 'heartbeat_ns', 'created_ns', 'shutdown', 'creator_uid', 'doorbell', 'vocab_size', 'max_context', 'stats', 'pending_flips', 'reserved'],
-    'formats': ['<u8', '<u2', '<u2', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', ENGINESTATS_DTYPE, ('<u8', (64,)), ('<u8', (35,))],
-    'offsets': [0, 8, 10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 80, 88, 92, 96, 104, 112, 120, 124, 128, 136, 140, 144, 232, 744],
+    'names': ['magic', 'schema_major', 'schema_minor', 'header_bytes', 'slot_bytes', 'num_slots', 'max_prompt_tokens', 'max_output_tokens', 'top_logprobs', 'top_logprob_bytes', 'slots_offset', 'prompt_arena_offset', 'output_arena_offset', 'logprob_arena_offset', 'top_logprob_arena_offset', 'total_bytes', 'engine_state', 'engine_pid', 'heartbeat', 'heartbeat_ns', 'created_ns', 'shutdown', 'creator_uid', 'doorbell', 'vocab_size', 'max_context', 'stats', 'pending_flips', 'sampling_features', 'reserved1', 'reserved'],
+    'formats': ['<u8', '<u2', '<u2', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', ENGINESTATS_DTYPE, ('<u8', (64,)), '<u4', '<u4', ('<u8', (34,))],
+    'offsets': [0, 8, 10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 80, 88, 92, 96, 104, 112, 120, 124, 128, 136, 140, 144, 232, 744, 748, 752],
     'itemsize': 1024,
 }, align=False)
 RINGHEADER_ALIGN = 8
@@ -93,9 +107,10 @@ TOPLOGPROB_DTYPE = np.dtype({
 TOPLOGPROB_ALIGN = 4
 
 FIELD_OFFSETS: dict[str, dict[str, int]] = {
-    'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'reserved0': 36, 'stop_ids': 40, 'reserved': 72},
+    'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'num_logit_bias': 36, 'stop_ids': 40, 'presence_penalty': 72, 'frequency_penalty': 76, 'repetition_penalty': 80, 'min_tokens': 84},
+    'LogitBias': {'token': 0, 'bias': 4},
     'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'reserved': 160},
     'EngineStats': {'running': 0, 'waiting': 4, 'kv_blocks_total': 8, 'kv_blocks_free': 12, 'steps': 16, 'prompt_tokens': 24, 'output_tokens': 32, 'preemptions': 40, 'window_relaunches': 48, 'reserved': 56},
-    'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'reserved': 744},
+    'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'sampling_features': 744, 'reserved1': 748, 'reserved': 752},
     'TopLogprob': {'token': 0, 'logprob': 4},
 }

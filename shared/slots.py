@@ -18,6 +18,7 @@ from shared.ring import FLIP_SLOTS, HEADER_OFF, MAX_STOP_IDS, Ring
 
 S = L.SlotState
 _SAMPLING_OFF = L.FIELD_OFFSETS["Slot"]["sampling"]
+MAX_LOGIT_BIAS = 300  # entries per request (as OpenAI), in the tail of the slot's prompt row
 
 
 def state_word(state: int, seq: int) -> int:
@@ -52,7 +53,17 @@ class SlotRequest:
         rec["num_top_logprobs"] = s.top_logprobs
         rec["num_stop_ids"] = len(s.stop_ids)
         rec["stop_ids"][0, : len(s.stop_ids)] = s.stop_ids
+        rec["presence_penalty"], rec["frequency_penalty"] = s.presence_penalty, s.frequency_penalty
+        rec["repetition_penalty"], rec["min_tokens"] = s.repetition_penalty, s.min_tokens
+        rec["num_logit_bias"] = len(s.logit_bias)
         return rec
+
+    def logit_bias_table(self) -> np.ndarray:
+        """The ``LogitBias`` entries, as they sit in the tail of the slot's prompt row."""
+        table = np.zeros(len(self.sampling.logit_bias), L.LOGITBIAS_DTYPE)
+        if len(table):
+            table["token"], table["bias"] = zip(*self.sampling.logit_bias, strict=True)
+        return table
 
 
 class SlotWriter:
@@ -85,12 +96,20 @@ class SlotWriter:
             raise ValueError(f"top_logprobs is {s.top_logprobs}; this ring carries at most {self.max_top}")
         if len(s.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(s.stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
+        if len(s.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{len(s.logit_bias)} logit_bias entries; at most {MAX_LOGIT_BIAS}")
+        if len(req.prompt) + 2 * len(s.logit_bias) > self.max_prompt:
+            raise ValueError(f"a prompt of {len(req.prompt)} tokens and {len(s.logit_bias)} logit_bias entries "
+                             f"exceed the slot's prompt row ({self.max_prompt} words)")
 
     def publish(self, idx: int, seq: int, req: SlotRequest) -> None:
         """RESERVED(seq) -> PREFILL_PENDING(seq): prompt and metadata first, state word last."""
         self.check(req)
         ring, t = self.ring, self.t
         t.write(ring.prompt_offset(idx), np.ascontiguousarray(req.prompt, dtype=np.int32))
+        bias = req.logit_bias_table()
+        if len(bias):  # the row's tail (schema/ring.fbs)
+            t.write(ring.prompt_offset(idx) + 4 * self.max_prompt - bias.nbytes, bias.tobytes())
         meta = np.zeros(1, L.SLOT_DTYPE)
         meta["state"], meta["seq"] = S.RESERVED, seq
         meta["request_id"], meta["prompt_len"] = req.request_id, len(req.prompt)

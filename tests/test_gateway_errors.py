@@ -38,10 +38,10 @@ CASES = [
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "temperature": 3}, 400, "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL}, 400, None),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": MSGS}, 404, "model"),
@@ -78,6 +78,10 @@ async def test_api_key_required(api_stack: Stack) -> None:
                                     headers={"Authorization": "Bearer wrong"})
     assert status == 401
     assert assert_error(payload, "authentication_error")["code"] == "invalid_api_key"
+    status, payload, _ = await post(api_stack, "/v1/chat/completions", {"model": MODEL, "messages": MSGS},
+                                    headers={})
+    err = assert_error(payload, "authentication_error")
+    assert status == 401 and err["code"] == "invalid_api_key" and "didn't provide an API key" in err["message"]
     async with openai.AsyncOpenAI(base_url=api_stack.url + "/v1", api_key="nope", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
@@ -94,7 +98,7 @@ async def test_openai_client_sees_typed_errors(api_stack: Stack) -> None:
         with pytest.raises(openai.NotFoundError):
             await c.chat.completions.create(model="nope", messages=MSGS)
         with pytest.raises(openai.BadRequestError) as info:
-            await c.chat.completions.create(model=MODEL, messages=MSGS, n=3)
+            await c.chat.completions.create(model=MODEL, messages=MSGS, n=30)
     assert info.value.param == "n"
 
 

@@ -10,7 +10,9 @@ buffers, so at most one may run at a time. Each graph is captured with `keep_gra
 Each decode batch size is captured twice (`GraphShape.filtered`): the filtering variant samples
 through the top-k / top-p / min-p filter (a sort of every row over the vocabulary), the unfiltered
 one skips it and gives the same tokens when no row of the step uses those filters
-(`gpu_engine.policy.needs_filter`). Prefill graphs exist only in the filtering variant.
+(`gpu_engine.policy.needs_filter`). Prefill graphs exist only in the filtering variant. Every graph
+of a runner built with `RunnerLimits.processors` also applies the logits processors' dense columns
+(`StepBuffers.logit_add`, ...), which leave the logits unchanged until a step stages them.
 
 Lookup is O(1): `decode_table[f, b]` (int32, shape (2, max_batch + 1); row 0 unfiltered, row 1
 filtering, so a flat row-major read is `f * (max_batch + 1) + b`) is the index of the smallest

@@ -3,7 +3,9 @@
 This is the baseline of the paper's Fig. 3 and the fallback where device launch is unavailable:
 host bookkeeping (policy, metadata), staging copies, ``replay`` of the captured graph, then a
 stream synchronization and a copy of the sampled tokens back. A decode step with no row that uses
-top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``).
+top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``). A step
+with a row that uses penalties, logit_bias or min_tokens stages the processor columns (dense
+[batch, vocab] tensors built on the host from each row's prompt and output).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
+from gpu_engine.kernels.sampling import processor_columns
 from gpu_engine.models.attention import build_metadata
 from gpu_engine.policy import StepPlan, step_filters
 from gpu_engine.runner import StepOutput, step_inputs
@@ -28,7 +31,12 @@ class HostGraphRunner:
 
     def _sampling(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         specs = [w.req.sampling for w in plan.work]
-        return {
+        cols = {}
+        if any(s.processed for s in specs):
+            steps = [len(w.req.output) for w in plan.work]
+            history = [(w.req.prompt, w.req.output) for w in plan.work]
+            cols = processor_columns(specs, steps, history, self.runner.config.vocab_size)
+        return cols | {
             "temperature": torch.tensor([s.temperature for s in specs], dtype=torch.float32),
             "top_k": torch.tensor([s.top_k for s in specs], dtype=torch.int32),
             "top_p": torch.tensor([s.top_p for s in specs], dtype=torch.float32),

@@ -22,7 +22,7 @@ from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
-from gpu_engine.kernels.sampling import sample
+from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -36,6 +36,8 @@ class RunnerLimits:
     max_tokens: int
     max_blocks_per_seq: int
     num_top_logprobs: int = 5
+    # the logits processors (penalties, logit_bias, min_tokens) in every graph: [max_batch, vocab] x 3
+    processors: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_tokens, self.max_blocks_per_seq) <= 0 or self.num_top_logprobs < 0:
@@ -65,10 +67,18 @@ class StepBuffers:
     token_logprobs: torch.Tensor  # [max_batch] f32
     top_ids: torch.Tensor  # [max_batch, num_top] int64
     top_logprobs: torch.Tensor  # [max_batch, num_top] f32
+    # logits processors (`kernels.sampling.Processors`); [0, vocab] when RunnerLimits.processors is off
+    logit_add: torch.Tensor  # [max_batch, vocab] f32
+    pen_counts: torch.Tensor  # [max_batch, vocab] f32
+    pen_seen: torch.Tensor  # [max_batch, vocab] f32
+    repetition: torch.Tensor  # [max_batch] f32, 1 = off
+    frequency: torch.Tensor  # [max_batch] f32
+    presence: torch.Tensor  # [max_batch] f32
 
     @classmethod
     def allocate(cls, limits: RunnerLimits, vocab: int, device) -> StepBuffers:
         B, T, K = limits.max_batch, limits.max_tokens, max(1, limits.num_top_logprobs)
+        PB = B if limits.processors else 0
 
         def z(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -84,7 +94,15 @@ class StepBuffers:
             logits=z(B, vocab, dtype=torch.float32), next_tokens=z(B, dtype=torch.int64),
             token_logprobs=z(B, dtype=torch.float32), top_ids=z(B, K, dtype=torch.int64),
             top_logprobs=z(B, K, dtype=torch.float32),
+            logit_add=z(PB, vocab, dtype=torch.float32), pen_counts=z(PB, vocab, dtype=torch.float32),
+            pen_seen=z(PB, vocab, dtype=torch.float32),
+            repetition=torch.ones(B, dtype=torch.float32, device=device), frequency=z(B, dtype=torch.float32),
+            presence=z(B, dtype=torch.float32),
         )
+
+    def processors(self, batch: int) -> Processors:
+        return Processors(self.logit_add[:batch], self.pen_counts[:batch], self.pen_seen[:batch],
+                          self.repetition[:batch], self.frequency[:batch], self.presence[:batch])
 
     def pointers(self) -> dict[str, int]:
         """Device addresses of every buffer, for a C++ scheduler."""
@@ -155,6 +173,7 @@ class GpuModelRunner:
         self.rope_cache = cache_from_cos_sin(cos, sin)
         self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device)
         self.scale = cfg.head_dim ** -0.5
+        self._processors_staged = False  # the processor buffers hold something other than identity
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True) -> None:
@@ -219,14 +238,17 @@ class GpuModelRunner:
         b = self.buffers
         sample(b.logits[:batch], b.temperature[:batch], b.top_k[:batch], b.top_p[:batch], b.min_p[:batch],
                b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
-               b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered)
+               b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered,
+               processors=b.processors(batch) if self.limits.processors else None)
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:
         """Copy one step (`AttentionMetadata` + token ids) into the static buffers, padding the rest.
 
         `sampling` may hold per-sequence `temperature`, `top_k`, `top_p`, `min_p`, `seeds`,
-        `sample_index` tensors; absent ones reset to greedy / off / 0.
+        `sample_index` tensors; absent ones reset to greedy / off / 0. It may also hold the
+        `kernels.sampling.processor_columns` of the step (all of them); the processor buffers are
+        reset to identity only after a step that staged them.
         """
         buf, T, B = self.buffers, input_ids.shape[0], meta.context_lens.shape[0]
         width = meta.block_tables.shape[1]
@@ -247,3 +269,20 @@ class GpuModelRunner:
             dst.fill_(value)
             if sampling and name in sampling:
                 dst[:B].copy_(sampling[name])
+        self._stage_processors(B, sampling or {})
+
+    def _stage_processors(self, B: int, sampling: dict[str, torch.Tensor]) -> None:
+        staged = "logit_add" in sampling
+        if staged and not self.limits.processors:
+            raise ValueError("this runner was built without logits processors (RunnerLimits.processors)")
+        if not (staged or self._processors_staged):
+            return
+        buf = self.buffers
+        names = {"logit_add": "logit_add", "counts": "pen_counts", "seen": "pen_seen", "repetition": "repetition",
+                 "frequency": "frequency", "presence": "presence"}
+        for col, pad in Processors.IDENTITY.items():
+            dst = getattr(buf, names[col])
+            dst.fill_(pad)
+            if staged:
+                dst[:B].copy_(sampling[col])
+        self._processors_staged = staged

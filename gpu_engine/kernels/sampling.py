@@ -5,10 +5,17 @@ the temperature-scaled logits. `filtered=False` skips it: the sort-free variant,
 whenever no row sets top-k, top-p or min-p (the filter is then the identity), which is what a
 decode graph without such a row runs. The kernel regenerates the reference's counter hash noise
 per vocab entry (no [B, V] noise tensor) and takes the Gumbel-max argmax, lowest index on ties.
-Rows with temperature <= 0 take the argmax of the raw logits. Log-probs are of the raw logits.
+Rows with temperature <= 0 take the argmax of the processed logits. Log-probs are of the raw logits.
+
+The logits processors (logit bias, min_tokens, repetition / frequency / presence penalties, in
+the reference's order, `gpu_engine.sampling.process_logits`) run as dense elementwise ops over
+per-row columns (`Processors`) that the host stages (`processor_columns`); at their identity
+values (bias 0, no counts, nothing seen, repetition 1) they leave every logit bit for bit as is.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,7 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from gpu_engine.kernels._checks import check
-from gpu_engine.sampling import filter_logits
+from gpu_engine.sampling import History, SamplingSpec, filter_logits
 
 _M32 = 0xFFFFFFFF
 
@@ -66,14 +73,70 @@ def _gumbel_argmax_kernel(raw_ptr, filt_ptr, temp_ptr, seed_ptr, step_ptr, out_p
     tl.store(out_ptr + b, winner.to(tl.int64))
 
 
+@dataclass(frozen=True, slots=True)
+class Processors:
+    """Per-row logits-processor columns, on the logits' device."""
+
+    logit_add: torch.Tensor  # [B, V] f32: logit_bias, and -inf on stop / EOS ids below min_tokens
+    counts: torch.Tensor  # [B, V] f32: occurrences in the output
+    seen: torch.Tensor  # [B, V] f32: 1 where the token is in the prompt or the output
+    repetition: torch.Tensor  # [B] f32, 1 = off
+    frequency: torch.Tensor  # [B] f32
+    presence: torch.Tensor  # [B] f32
+
+    IDENTITY = {"logit_add": 0.0, "counts": 0.0, "seen": 0.0, "repetition": 1.0, "frequency": 0.0,
+                "presence": 0.0}
+
+    def rows(self, b: int) -> Processors:
+        return Processors(*(getattr(self, f)[:b] for f in self.IDENTITY))
+
+    def check(self, B: int, V: int, dev) -> None:
+        for name in ("logit_add", "counts", "seen"):
+            check(name, getattr(self, name), dtype=torch.float32, shape=(B, V), device=dev)
+        for name in ("repetition", "frequency", "presence"):
+            check(name, getattr(self, name), dtype=torch.float32, shape=(B,), device=dev)
+
+
+def processor_columns(specs: list[SamplingSpec], steps: list[int], history: History, vocab: int) -> dict:
+    """Host (CPU) tensors of `Processors`' fields for one step's rows, from the specs and histories."""
+    B = len(specs)
+    cols = {name: torch.full((B, vocab) if name in ("logit_add", "counts", "seen") else (B,), pad,
+                             dtype=torch.float32) for name, pad in Processors.IDENTITY.items()}
+    for b, spec in enumerate(specs):
+        if spec.logit_bias:
+            ids, vals = zip(*spec.logit_bias, strict=True)
+            cols["logit_add"][b, list(ids)] = torch.tensor(vals, dtype=torch.float32)
+        if steps[b] < spec.min_tokens and (spec.stop_ids or spec.eos_ids):
+            cols["logit_add"][b, sorted(t for t in spec.stop_ids | spec.eos_ids if 0 <= t < vocab)] = float("-inf")
+        if spec.penalized:
+            prompt, output = history[b]
+            out = torch.tensor(list(output), dtype=torch.int64)
+            cols["counts"][b].index_add_(0, out, torch.ones(len(out)))
+            cols["seen"][b, torch.tensor(list(prompt), dtype=torch.int64)] = 1.0
+            cols["seen"][b, out] = 1.0
+            cols["repetition"][b] = spec.repetition_penalty
+            cols["frequency"][b], cols["presence"][b] = spec.frequency_penalty, spec.presence_penalty
+    return cols
+
+
+def apply_processors(logits: torch.Tensor, p: Processors) -> torch.Tensor:
+    """The reference's `process_logits` as dense, sync-free ops (capturable); a new tensor."""
+    x = logits + p.logit_add
+    rep = p.repetition[:, None]
+    x = torch.where(p.seen > 0, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - p.frequency[:, None] * p.counts
+    return x - p.presence[:, None] * (p.counts > 0).to(torch.float32)
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, out_logprobs,
-           out_top_ids, out_top_logprobs, filtered: bool = True) -> None:
+           out_top_ids, out_top_logprobs, filtered: bool = True, processors: Processors | None = None) -> None:
     """One token per row of fp32 `logits` [B, V]; every output is written in place, no sync.
 
     temperature/top_p/min_p [B] f32, top_k [B] int32, seeds/steps [B] int64 (the reference's `seeds`
     and `steps`); outputs tokens [B] int64, logprobs [B] f32, top ids/logprobs [B, K].
     `filtered=False` ignores top_k/top_p/min_p (no sort): only for rows where they are all off
     (`gpu_engine.policy.needs_filter`), for which it gives the same outputs bit for bit.
+    `processors` (rows [B]) applies the logits processors before the draw and the greedy argmax.
     """
     check("logits", logits, dtype=torch.float32, shape=(None, None))
     B, V = logits.shape
@@ -85,14 +148,17 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
         check(name, t, dtype=dt, shape=(B,), device=dev)
     check("out_top_ids", out_top_ids, dtype=torch.int64, shape=(B, None), device=dev)
     check("out_top_logprobs", out_top_logprobs, dtype=torch.float32, shape=tuple(out_top_ids.shape), device=dev)
+    if processors is not None:
+        processors.check(B, V, dev)
     if B == 0:
         return
+    proc = logits if processors is None else apply_processors(logits, processors)
     temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scaled = logits / temps[:, None]
+    scaled = proc / temps[:, None]
     if filtered:
         scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
-    _gumbel_argmax_kernel[(B,)](logits, scaled, temperature, seeds, steps, out_tokens, V,
-                                logits.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
+    _gumbel_argmax_kernel[(B,)](proc, scaled, temperature, seeds, steps, out_tokens, V,
+                                proc.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
                                 LIBDEVICE=logits.is_cuda)
     logp = torch.log_softmax(logits, dim=-1)
     out_logprobs.copy_(logp.gather(-1, out_tokens[:, None]).squeeze(1))

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 1u
+#define BLINK_RING_SCHEMA_MINOR 2u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -47,6 +47,11 @@
 #define BLINK_SAMPLING_FLAGS_IGNORE_EOS 2u
 #define BLINK_SAMPLING_FLAGS_WANT_LOGPROBS 4u
 
+/* enum SamplingFeatures : uint32 */
+#define BLINK_SAMPLING_FEATURES_PENALTIES 1u
+#define BLINK_SAMPLING_FEATURES_LOGIT_BIAS 2u
+#define BLINK_SAMPLING_FEATURES_MIN_TOKENS 4u
+
 typedef struct __attribute__((aligned(8))) blink_sampling_params {
   float temperature; /* offset 0 */
   float top_p; /* offset 4 */
@@ -56,10 +61,18 @@ typedef struct __attribute__((aligned(8))) blink_sampling_params {
   uint32_t flags; /* offset 24 */
   uint32_t num_top_logprobs; /* offset 28 */
   uint32_t num_stop_ids; /* offset 32 */
-  uint32_t reserved0; /* offset 36 */
+  uint32_t num_logit_bias; /* offset 36 */
   int32_t stop_ids[8]; /* offset 40 */
-  uint32_t reserved[4]; /* offset 72 */
+  float presence_penalty; /* offset 72 */
+  float frequency_penalty; /* offset 76 */
+  float repetition_penalty; /* offset 80 */
+  uint32_t min_tokens; /* offset 84 */
 } blink_sampling_params;
+
+typedef struct __attribute__((aligned(4))) blink_logit_bias {
+  int32_t token; /* offset 0 */
+  float bias; /* offset 4 */
+} blink_logit_bias;
 
 typedef struct __attribute__((aligned(8))) blink_slot {
   uint32_t state; /* offset 0 */
@@ -121,7 +134,9 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint32_t max_context; /* offset 140 */
   blink_engine_stats stats; /* offset 144 */
   uint64_t pending_flips[64]; /* offset 232 */
-  uint64_t reserved[35]; /* offset 744 */
+  uint32_t sampling_features; /* offset 744 */
+  uint32_t reserved1; /* offset 748 */
+  uint64_t reserved[34]; /* offset 752 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {
@@ -132,6 +147,8 @@ typedef struct __attribute__((aligned(4))) blink_top_logprob {
 #ifdef __cplusplus
 static_assert(sizeof(blink_sampling_params) == 88, "SamplingParams size");
 static_assert(alignof(blink_sampling_params) == 8, "SamplingParams alignment");
+static_assert(sizeof(blink_logit_bias) == 8, "LogitBias size");
+static_assert(alignof(blink_logit_bias) == 4, "LogitBias alignment");
 static_assert(sizeof(blink_slot) == 256, "Slot size");
 static_assert(alignof(blink_slot) == 8, "Slot alignment");
 static_assert(sizeof(blink_engine_stats) == 88, "EngineStats size");

@@ -18,6 +18,8 @@ namespace ring {
 
 struct SamplingParams;
 
+struct LogitBias;
+
 struct Slot;
 
 struct EngineStats;
@@ -55,7 +57,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 1,
+  SchemaMinor_VALUE = 2,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -286,6 +288,43 @@ inline const char *EnumNameSamplingFlags(SamplingFlags e) {
   return EnumNamesSamplingFlags()[index];
 }
 
+/// Bits of RingHeader.sampling_features: the SamplingParams fields of minor 2 that the engine
+/// applies. The engine writes them before READY; the gateway refuses (400) a request that uses a
+/// field whose bit is clear, so an engine that does not know a field never silently ignores it.
+enum SamplingFeatures : uint32_t {
+  SamplingFeatures_PENALTIES = 1,
+  SamplingFeatures_LOGIT_BIAS = 2,
+  SamplingFeatures_MIN_TOKENS = 4,
+  SamplingFeatures_NONE = 0,
+  SamplingFeatures_ANY = 7
+};
+
+inline const SamplingFeatures (&EnumValuesSamplingFeatures())[3] {
+  static const SamplingFeatures values[] = {
+    SamplingFeatures_PENALTIES,
+    SamplingFeatures_LOGIT_BIAS,
+    SamplingFeatures_MIN_TOKENS
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesSamplingFeatures() {
+  static const char * const names[5] = {
+    "PENALTIES",
+    "LOGIT_BIAS",
+    "",
+    "MIN_TOKENS",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNameSamplingFeatures(SamplingFeatures e) {
+  if (::flatbuffers::IsOutRange(e, SamplingFeatures_PENALTIES, SamplingFeatures_MIN_TOKENS)) return "";
+  const size_t index = static_cast<size_t>(e) - static_cast<size_t>(SamplingFeatures_PENALTIES);
+  return EnumNamesSamplingFeatures()[index];
+}
+
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
  private:
   float temperature_;
@@ -296,9 +335,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
   uint32_t flags_;
   uint32_t num_top_logprobs_;
   uint32_t num_stop_ids_;
-  uint32_t reserved0_;
+  uint32_t num_logit_bias_;
   int32_t stop_ids_[8];
-  uint32_t reserved_[4];
+  float presence_penalty_;
+  float frequency_penalty_;
+  float repetition_penalty_;
+  uint32_t min_tokens_;
 
  public:
   SamplingParams()
@@ -310,11 +352,14 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         flags_(0),
         num_top_logprobs_(0),
         num_stop_ids_(0),
-        reserved0_(0),
+        num_logit_bias_(0),
         stop_ids_(),
-        reserved_() {
+        presence_penalty_(0),
+        frequency_penalty_(0),
+        repetition_penalty_(0),
+        min_tokens_(0) {
   }
-  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _reserved0)
+  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens)
       : temperature_(::flatbuffers::EndianScalar(_temperature)),
         top_p_(::flatbuffers::EndianScalar(_top_p)),
         top_k_(::flatbuffers::EndianScalar(_top_k)),
@@ -323,11 +368,14 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         flags_(::flatbuffers::EndianScalar(_flags)),
         num_top_logprobs_(::flatbuffers::EndianScalar(_num_top_logprobs)),
         num_stop_ids_(::flatbuffers::EndianScalar(_num_stop_ids)),
-        reserved0_(::flatbuffers::EndianScalar(_reserved0)),
+        num_logit_bias_(::flatbuffers::EndianScalar(_num_logit_bias)),
         stop_ids_(),
-        reserved_() {
+        presence_penalty_(::flatbuffers::EndianScalar(_presence_penalty)),
+        frequency_penalty_(::flatbuffers::EndianScalar(_frequency_penalty)),
+        repetition_penalty_(::flatbuffers::EndianScalar(_repetition_penalty)),
+        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)) {
   }
-  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _reserved0, ::flatbuffers::span<const int32_t, 8> _stop_ids, ::flatbuffers::span<const uint32_t, 4> _reserved)
+  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, ::flatbuffers::span<const int32_t, 8> _stop_ids, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens)
       : temperature_(::flatbuffers::EndianScalar(_temperature)),
         top_p_(::flatbuffers::EndianScalar(_top_p)),
         top_k_(::flatbuffers::EndianScalar(_top_k)),
@@ -336,9 +384,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         flags_(::flatbuffers::EndianScalar(_flags)),
         num_top_logprobs_(::flatbuffers::EndianScalar(_num_top_logprobs)),
         num_stop_ids_(::flatbuffers::EndianScalar(_num_stop_ids)),
-        reserved0_(::flatbuffers::EndianScalar(_reserved0)) {
+        num_logit_bias_(::flatbuffers::EndianScalar(_num_logit_bias)),
+        presence_penalty_(::flatbuffers::EndianScalar(_presence_penalty)),
+        frequency_penalty_(::flatbuffers::EndianScalar(_frequency_penalty)),
+        repetition_penalty_(::flatbuffers::EndianScalar(_repetition_penalty)),
+        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)) {
     ::flatbuffers::CastToArray(stop_ids_).CopyFromSpan(_stop_ids);
-    ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   float temperature() const {
     return ::flatbuffers::EndianScalar(temperature_);
@@ -364,17 +415,50 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
   uint32_t num_stop_ids() const {
     return ::flatbuffers::EndianScalar(num_stop_ids_);
   }
-  uint32_t reserved0() const {
-    return ::flatbuffers::EndianScalar(reserved0_);
+  uint32_t num_logit_bias() const {
+    return ::flatbuffers::EndianScalar(num_logit_bias_);
   }
   const ::flatbuffers::Array<int32_t, 8> *stop_ids() const {
     return &::flatbuffers::CastToArray(stop_ids_);
   }
-  const ::flatbuffers::Array<uint32_t, 4> *reserved() const {
-    return &::flatbuffers::CastToArray(reserved_);
+  float presence_penalty() const {
+    return ::flatbuffers::EndianScalar(presence_penalty_);
+  }
+  float frequency_penalty() const {
+    return ::flatbuffers::EndianScalar(frequency_penalty_);
+  }
+  float repetition_penalty() const {
+    return ::flatbuffers::EndianScalar(repetition_penalty_);
+  }
+  uint32_t min_tokens() const {
+    return ::flatbuffers::EndianScalar(min_tokens_);
   }
 };
 FLATBUFFERS_STRUCT_END(SamplingParams, 88);
+
+/// One logit-bias entry (since minor 2): added to the token's logit before sampling.
+FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) LogitBias FLATBUFFERS_FINAL_CLASS {
+ private:
+  int32_t token_;
+  float bias_;
+
+ public:
+  LogitBias()
+      : token_(0),
+        bias_(0) {
+  }
+  LogitBias(int32_t _token, float _bias)
+      : token_(::flatbuffers::EndianScalar(_token)),
+        bias_(::flatbuffers::EndianScalar(_bias)) {
+  }
+  int32_t token() const {
+    return ::flatbuffers::EndianScalar(token_);
+  }
+  float bias() const {
+    return ::flatbuffers::EndianScalar(bias_);
+  }
+};
+FLATBUFFERS_STRUCT_END(LogitBias, 8);
 
 /// One request's metadata. 256 bytes.
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
@@ -610,7 +694,9 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t max_context_;
   blink::ring::EngineStats stats_;
   uint64_t pending_flips_[64];
-  uint64_t reserved_[35];
+  uint32_t sampling_features_;
+  uint32_t reserved1_;
+  uint64_t reserved_[34];
 
  public:
   RingHeader()
@@ -642,9 +728,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         max_context_(0),
         stats_(),
         pending_flips_(),
+        sampling_features_(0),
+        reserved1_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -673,9 +761,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         max_context_(::flatbuffers::EndianScalar(_max_context)),
         stats_(_stats),
         pending_flips_(),
+        sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, ::flatbuffers::span<const uint64_t, 35> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, ::flatbuffers::span<const uint64_t, 34> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -702,7 +792,9 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         doorbell_(::flatbuffers::EndianScalar(_doorbell)),
         vocab_size_(::flatbuffers::EndianScalar(_vocab_size)),
         max_context_(::flatbuffers::EndianScalar(_max_context)),
-        stats_(_stats) {
+        stats_(_stats),
+        sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)) {
     ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
@@ -790,7 +882,13 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   const ::flatbuffers::Array<uint64_t, 64> *pending_flips() const {
     return &::flatbuffers::CastToArray(pending_flips_);
   }
-  const ::flatbuffers::Array<uint64_t, 35> *reserved() const {
+  uint32_t sampling_features() const {
+    return ::flatbuffers::EndianScalar(sampling_features_);
+  }
+  uint32_t reserved1() const {
+    return ::flatbuffers::EndianScalar(reserved1_);
+  }
+  const ::flatbuffers::Array<uint64_t, 34> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

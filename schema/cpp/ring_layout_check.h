@@ -22,9 +22,16 @@ static_assert(offsetof(blink::ring::SamplingParams, seed_) == offsetof(blink_sam
 static_assert(offsetof(blink::ring::SamplingParams, flags_) == offsetof(blink_sampling_params, flags), "SamplingParams.flags offset differs");
 static_assert(offsetof(blink::ring::SamplingParams, num_top_logprobs_) == offsetof(blink_sampling_params, num_top_logprobs), "SamplingParams.num_top_logprobs offset differs");
 static_assert(offsetof(blink::ring::SamplingParams, num_stop_ids_) == offsetof(blink_sampling_params, num_stop_ids), "SamplingParams.num_stop_ids offset differs");
-static_assert(offsetof(blink::ring::SamplingParams, reserved0_) == offsetof(blink_sampling_params, reserved0), "SamplingParams.reserved0 offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, num_logit_bias_) == offsetof(blink_sampling_params, num_logit_bias), "SamplingParams.num_logit_bias offset differs");
 static_assert(offsetof(blink::ring::SamplingParams, stop_ids_) == offsetof(blink_sampling_params, stop_ids), "SamplingParams.stop_ids offset differs");
-static_assert(offsetof(blink::ring::SamplingParams, reserved_) == offsetof(blink_sampling_params, reserved), "SamplingParams.reserved offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, presence_penalty_) == offsetof(blink_sampling_params, presence_penalty), "SamplingParams.presence_penalty offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, frequency_penalty_) == offsetof(blink_sampling_params, frequency_penalty), "SamplingParams.frequency_penalty offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, repetition_penalty_) == offsetof(blink_sampling_params, repetition_penalty), "SamplingParams.repetition_penalty offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, min_tokens_) == offsetof(blink_sampling_params, min_tokens), "SamplingParams.min_tokens offset differs");
+static_assert(sizeof(blink::ring::LogitBias) == sizeof(blink_logit_bias), "LogitBias size differs");
+static_assert(alignof(blink::ring::LogitBias) == alignof(blink_logit_bias), "LogitBias alignment differs");
+static_assert(offsetof(blink::ring::LogitBias, token_) == offsetof(blink_logit_bias, token), "LogitBias.token offset differs");
+static_assert(offsetof(blink::ring::LogitBias, bias_) == offsetof(blink_logit_bias, bias), "LogitBias.bias offset differs");
 static_assert(sizeof(blink::ring::Slot) == sizeof(blink_slot), "Slot size differs");
 static_assert(alignof(blink::ring::Slot) == alignof(blink_slot), "Slot alignment differs");
 static_assert(offsetof(blink::ring::Slot, state_) == offsetof(blink_slot, state), "Slot.state offset differs");
@@ -84,6 +91,8 @@ static_assert(offsetof(blink::ring::RingHeader, vocab_size_) == offsetof(blink_r
 static_assert(offsetof(blink::ring::RingHeader, max_context_) == offsetof(blink_ring_header, max_context), "RingHeader.max_context offset differs");
 static_assert(offsetof(blink::ring::RingHeader, stats_) == offsetof(blink_ring_header, stats), "RingHeader.stats offset differs");
 static_assert(offsetof(blink::ring::RingHeader, pending_flips_) == offsetof(blink_ring_header, pending_flips), "RingHeader.pending_flips offset differs");
+static_assert(offsetof(blink::ring::RingHeader, sampling_features_) == offsetof(blink_ring_header, sampling_features), "RingHeader.sampling_features offset differs");
+static_assert(offsetof(blink::ring::RingHeader, reserved1_) == offsetof(blink_ring_header, reserved1), "RingHeader.reserved1 offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved_) == offsetof(blink_ring_header, reserved), "RingHeader.reserved offset differs");
 static_assert(sizeof(blink::ring::TopLogprob) == sizeof(blink_top_logprob), "TopLogprob size differs");
 static_assert(alignof(blink::ring::TopLogprob) == alignof(blink_top_logprob), "TopLogprob alignment differs");

@@ -97,31 +97,37 @@ class RingHeader(object):
         return False
 
     # RingHeader
+    def SamplingFeatures(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744))
+    # RingHeader
+    def Reserved1(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(748))
+    # RingHeader
     def Reserved(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744 + i * 8)) for i in range(self.ReservedLength())]
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(752 + i * 8)) for i in range(self.ReservedLength())]
         elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744 + j * 8))
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(752 + j * 8))
         else:
             return None
 
     # RingHeader
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 744, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 752, self.ReservedLength())
 
     # RingHeader
     def ReservedLength(self):
-        return 35
+        return 34
 
     # RingHeader
     def ReservedIsNone(self):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_reserved, pendingFlips, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_reserved, pendingFlips, samplingFeatures, reserved1, reserved):
     builder.Prep(8, 1024)
-    for _idx0 in range(35 , 0, -1):
+    for _idx0 in range(34 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
+    builder.PrependUint32(reserved1)
+    builder.PrependUint32(samplingFeatures)
     for _idx0 in range(64 , 0, -1):
         builder.PrependUint64(pendingFlips[_idx0-1])
     builder.Prep(8, 88)

@@ -34,7 +34,7 @@ class SamplingParams(object):
     # SamplingParams
     def NumStopIds(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(32))
     # SamplingParams
-    def Reserved0(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(36))
+    def NumLogitBias(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(36))
     # SamplingParams
     def StopIds(self, j = None):
         if j is None:
@@ -57,34 +57,23 @@ class SamplingParams(object):
         return False
 
     # SamplingParams
-    def Reserved(self, j = None):
-        if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(72 + i * 4)) for i in range(self.ReservedLength())]
-        elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(72 + j * 4))
-        else:
-            return None
-
+    def PresencePenalty(self): return self._tab.Get(flatbuffers.number_types.Float32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(72))
     # SamplingParams
-    def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint32Flags, self._tab.Pos + 72, self.ReservedLength())
-
+    def FrequencyPenalty(self): return self._tab.Get(flatbuffers.number_types.Float32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(76))
     # SamplingParams
-    def ReservedLength(self):
-        return 4
-
+    def RepetitionPenalty(self): return self._tab.Get(flatbuffers.number_types.Float32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(80))
     # SamplingParams
-    def ReservedIsNone(self):
-        return False
+    def MinTokens(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(84))
 
-
-def CreateSamplingParams(builder, temperature, topP, topK, minP, seed, flags, numTopLogprobs, numStopIds, reserved0, stopIds, reserved):
+def CreateSamplingParams(builder, temperature, topP, topK, minP, seed, flags, numTopLogprobs, numStopIds, numLogitBias, stopIds, presencePenalty, frequencyPenalty, repetitionPenalty, minTokens):
     builder.Prep(8, 88)
-    for _idx0 in range(4 , 0, -1):
-        builder.PrependUint32(reserved[_idx0-1])
+    builder.PrependUint32(minTokens)
+    builder.PrependFloat32(repetitionPenalty)
+    builder.PrependFloat32(frequencyPenalty)
+    builder.PrependFloat32(presencePenalty)
     for _idx0 in range(8 , 0, -1):
         builder.PrependInt32(stopIds[_idx0-1])
-    builder.PrependUint32(reserved0)
+    builder.PrependUint32(numLogitBias)
     builder.PrependUint32(numStopIds)
     builder.PrependUint32(numTopLogprobs)
     builder.PrependUint32(flags)

@@ -71,16 +71,18 @@ class Slot(object):
         return False
 
 
-def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_reserved0, sampling_stopIds, sampling_reserved, reserved):
+def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, reserved):
     builder.Prep(8, 256)
     for _idx0 in range(12 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
     builder.Prep(8, 88)
-    for _idx0 in range(4 , 0, -1):
-        builder.PrependUint32(sampling_reserved[_idx0-1])
+    builder.PrependUint32(sampling_minTokens)
+    builder.PrependFloat32(sampling_repetitionPenalty)
+    builder.PrependFloat32(sampling_frequencyPenalty)
+    builder.PrependFloat32(sampling_presencePenalty)
     for _idx0 in range(8 , 0, -1):
         builder.PrependInt32(sampling_stopIds[_idx0-1])
-    builder.PrependUint32(sampling_reserved0)
+    builder.PrependUint32(sampling_numLogitBias)
     builder.PrependUint32(sampling_numStopIds)
     builder.PrependUint32(sampling_numTopLogprobs)
     builder.PrependUint32(sampling_flags)
