@@ -238,13 +238,3 @@ class ShmTransport(MemoryTransport):
     @staticmethod
     def unlink_name(name: str) -> None:
         shm_path(name).unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------- RDMA (optional)
-def rdma_transport(sock: object, **config: object) -> Transport:
-    """The ring of a remote engine over RDMA (``shared/rdma.py``): ``sock`` is the connected out-of-band
-    socket the engine's ``RingExport`` answers on. pyverbs is imported only here, so nothing else needs
-    it; without it, or without a device, this raises ``RdmaUnavailable`` saying which."""
-    from shared.rdma import VerbsConfig, connect_ring  # noqa: PLC0415 - optional dependency
-
-    return connect_ring(sock, VerbsConfig(**config))  # type: ignore[arg-type]

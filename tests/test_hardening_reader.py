@@ -49,7 +49,7 @@ def admit(ring, req_id: int) -> m.Track:
     idx = req_id % GEO.num_slots
     seq = writer.try_reserve(idx, 0)
     assert seq is not None
-    writer.publish(idx, seq, SlotRequest(req_id, np.array([1, 2, 3], "int32"), 4))
+    writer.publish(idx, seq, SlotRequest(req_id, np.array([1, 2, 3], "int32"), m.Sampling(4)))
     return m.Track(req_id, 7, idx, seq)
 
 

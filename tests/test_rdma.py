@@ -16,6 +16,7 @@ import pytest
 
 from shared import rdma
 from shared import ring_layout as L
+from shared.messages import Sampling
 from shared.rdma import Flag, Opcode, WorkRequest
 from shared.ring import HEADER_OFF, RingGeometry, attach_ring, init_ring
 from shared.slots import SlotRequest, SlotWriter
@@ -192,7 +193,7 @@ def test_a_slot_publication_posts_payload_then_fenced_state_then_flip_then_doorb
     seq = writer.try_reserve(slot, 0)
     assert seq == 1
     poster.log.clear()
-    writer.publish(slot, seq, SlotRequest(request_id=7, prompt=np.arange(5, dtype=np.int32), max_new_tokens=4))
+    writer.publish(slot, seq, SlotRequest(7, np.arange(5, dtype=np.int32), Sampling(4)))
     state_at = ring.slot_field(slot, "state")
     kinds = [(w.opcode, w.remote, w.flags) for w in poster.log]
     i_state = next(i for i, w in enumerate(poster.log)
@@ -235,12 +236,10 @@ def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - n
     remote.close()
 
 
-def test_the_transport_module_offers_rdma_without_importing_pyverbs() -> None:
+def test_connecting_without_pyverbs_or_a_device_says_which() -> None:
     import sys
 
-    from shared import transport as tr
-
-    assert "pyverbs" not in sys.modules
+    assert "pyverbs" not in sys.modules  # importing shared.rdma does not import it
     a, b = socket.socketpair()
     with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
-        tr.rdma_transport(a)
+        rdma.connect_ring(a)

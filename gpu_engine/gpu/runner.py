@@ -36,8 +36,9 @@ class RunnerLimits:
     max_tokens: int
     max_blocks_per_seq: int
     num_top_logprobs: int = 5
-    # the logits processors (penalties, logit_bias, min_tokens) in every graph: [max_batch, vocab] x 3
-    processors: bool = True
+    # the logits processors (penalties, logit_bias, min_tokens) in every graph: [max_batch, vocab] x 3 and a few
+    # dense passes per step; only the host-driven backend stages them (the persistent scheduler does not yet)
+    processors: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_tokens, self.max_blocks_per_seq) <= 0 or self.num_top_logprobs < 0:

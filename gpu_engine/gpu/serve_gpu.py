@@ -68,7 +68,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
-                          num_top_logprobs=max(1, g.top_logprobs))
+                          num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host")
     runner = GpuModelRunner(model, kv, limits)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
