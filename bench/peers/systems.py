@@ -95,7 +95,10 @@ def blink_version() -> str:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
-        return f"{version}+g{commit}" if commit else version
+        # a copy of the tree whose files differ from its HEAD (a tree sent to a GPU host) says so
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return f"{version}+g{commit}{'.dirty' if dirty else ''}" if commit else version
     return version
 
 
