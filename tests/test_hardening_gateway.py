@@ -275,7 +275,8 @@ def test_a_flood_over_the_cap_keeps_the_log_small(gateway: Gateway) -> None:
     time.sleep(0.5)
     grown = gateway.log()[size:]
     assert len(grown) < 20_000, grown[-3000:]
-    assert gateway.metric("blink:http_connections_refused_total") >= 1000
+    # most of the 2,000 are refused; a round slower than the header timeout (a loaded host) frees places early
+    assert gateway.metric("blink:http_connections_refused_total") >= 500
 
 
 def test_connection_cap_stays_under_the_descriptor_limit() -> None:
