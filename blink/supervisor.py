@@ -58,13 +58,25 @@ class ServeConfig:
     def from_args(cls, a: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
         """From ``blink serve``'s arguments and the engine config parsed out of them."""
         front = ["--model", engine.model] if engine.model else []
-        gateway = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
-                   "--drain-timeout", str(a.drain_timeout)]
-        if a.served_model_name:
-            gateway += ["--served-model-name", a.served_model_name]
+        front += ["--tokenizer", a.tokenizer] if a.tokenizer else []
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, tuple(engine.to_argv()), tuple(front),
-                   tuple(gateway), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
+                   tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
                    a.startup_timeout, a.api_key)
+
+
+def gateway_argv(a: argparse.Namespace) -> list[str]:
+    """The gateway flags of ``blink serve``'s arguments (every one, so the gateways' defaults cannot differ)."""
+    argv = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
+            "--drain-timeout", str(a.drain_timeout), "--max-connections", str(a.max_connections),
+            "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
+            "--keepalive-timeout", str(a.keepalive_timeout)]
+    if a.served_model_name:
+        argv += ["--served-model-name", *a.served_model_name]
+    if a.chat_template is not None:
+        argv += ["--chat-template", a.chat_template]
+    if a.disable_log_requests:
+        argv.append("--disable-log-requests")
+    return argv
 
 
 def _die_with_parent() -> None:

@@ -22,6 +22,7 @@ from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.routes import add_routes
 from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RING, GatewayConfig
 from dpu_gateway.textio import TextCodec
+from dpu_tokenizer.chat import chat_template_from_arg
 from shared import messages as m
 from shared.log import get_logger
 from shared.metrics import FrontendMetrics
@@ -112,6 +113,11 @@ async def on_cleanup(app: web.Application) -> None:
     app[RING].close()
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template's text (read from its file), or None for the tokenizer's own."""
+    return None if value is None else chat_template_from_arg(value)
+
+
 def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: ConnectionGuard | None = None,
                metrics: FrontendMetrics | None = None) -> web.Application:
     """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
@@ -123,7 +129,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     middlewares.append(body_middleware(cfg, metrics))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = cfg
-    app[CODEC] = codec or TextCodec(cfg.model)
+    app[CODEC] = codec or TextCodec(cfg.model, chat_template_text(cfg.chat_template))
     app[RING] = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
     app[METRICS] = metrics
     app[LIVE] = set()

@@ -38,8 +38,9 @@ except metadata.PackageNotFoundError:  # a checkout that is not installed
 
 
 def check_model(app: web.Application, model: str) -> None:
+    """404 unless ``model`` is the served name or one of its aliases."""
     name = app[CONFIG].served_model_name
-    if model != name:
+    if model not in app[CONFIG].model_names:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.", param="model",
                        code="model_not_found")
 

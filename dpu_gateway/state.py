@@ -20,7 +20,10 @@ class GatewayConfig:
     run_dir: Path
     ring_name: str
     model: str                       # path of the served model's files (for the tokenizer)
-    served_model_name: str
+    served_model_name: str           # reported in responses
+    model_aliases: tuple[str, ...] = ()  # other names a request's `model` may use
+    chat_template: str | None = None  # --chat-template: a file or the Jinja text (default: the tokenizer's)
+    log_requests: bool = True         # one log line per answered request
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
@@ -31,6 +34,10 @@ class GatewayConfig:
     header_timeout_s: float = 10.0   # a request head must be complete this long after its first byte
     body_timeout_s: float = 30.0     # and its body this long after the head
     keepalive_timeout_s: float = 15.0  # a connection with no request in progress closes after this
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
