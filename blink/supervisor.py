@@ -16,11 +16,14 @@ import collections
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from prometheus_client import multiprocess
 
 from shared import ipc
 from shared import ring_layout as L
@@ -122,6 +125,7 @@ class Supervisor:
         # get it in BLINK_API_KEY, which only their own user can read; the other children do not get it.
         keyless = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
         keyed = {**keyless, "BLINK_API_KEY": cfg.api_key} if cfg.api_key else keyless
+        keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
         self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args], keyless)
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
@@ -133,6 +137,15 @@ class Supervisor:
                                    "--name", f"gateway-{i}"], keyed)
             for i in range(cfg.gateways)
         ]
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Where the gateways' metrics files go, emptied at each start (the counters start at zero)."""
+        return self.cfg.run_dir / "metrics"
+
+    def _fresh_metrics_dir(self) -> None:
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.metrics_dir.mkdir(mode=0o700)
 
     @property
     def children(self) -> list[Child]:
@@ -147,6 +160,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         ipc.ensure_run_dir(self.cfg.run_dir)
+        self._fresh_metrics_dir()
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         code = 0
@@ -209,6 +223,8 @@ class Supervisor:
                 log.warning("child_exited", child=child.name, code=child.proc.returncode)
                 if child is self.engine:
                     self._retire_dead_ring(child.proc.pid)
+                if child in self.gateways:  # its counters stay in the totals; its live gauges go
+                    multiprocess.mark_process_dead(child.proc.pid, str(self.metrics_dir))
                 if child.too_many_restarts():
                     log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
                     return 1
@@ -279,3 +295,4 @@ class Supervisor:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         for name in ipc.SOCKET_SERVICES:
             ipc.socket_path(self.cfg.run_dir, name).unlink(missing_ok=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
