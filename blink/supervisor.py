@@ -1,8 +1,10 @@
 """``blink serve``: start the engine and the frontend services, watch them, stop them cleanly.
 
 Start order: engine (``python -m gpu_engine.serve``, never imported here), then tokenizer,
-reader, tracker and the gateways; ``serve`` reports ready once the ring says READY and every
-service has written its ready marker. A service that dies is restarted (with a limit per
+reader, tracker and the gateways, all at once without waiting, so the port answers (503 "the model
+is loading") while the engine loads; the gateways share ``RUN_DIR/metrics`` for one ``/metrics``
+view (``PROMETHEUS_MULTIPROC_DIR``, in their environment only). ``serve`` reports ready once the
+ring says READY and every service has written its ready marker. A service that dies is restarted (with a limit per
 minute); a dead engine's ring is first marked FAILED and removed, so streams on it end at
 once. SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is asked
 to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
