@@ -16,6 +16,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from blink.vllm_flags import add_refused_flags
 from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
 
@@ -37,12 +38,25 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
+EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's Hugging Face id
+EMBEDDED_ALIASES = ("SmolLM2-135M-Instruct",)         # its earlier served name, still answered
+
+
 def model_name(model: str | None) -> str:
-    """What /v1/models calls the model: the file or folder name without a .gguf suffix."""
+    """What /v1/models calls the model: the embedded model's Hugging Face id, else the file or folder
+    name without a .gguf suffix."""
     if not model:
-        return "SmolLM2-135M-Instruct"
+        return EMBEDDED_MODEL
     name = Path(model.rstrip("/")).name
     return name.removesuffix(".gguf").removesuffix(".Q4_1")
+
+
+def served_names(given: list[str] | None, model: str | None) -> tuple[str, tuple[str, ...]]:
+    """The name in responses and the other names requests may use (vLLM: the first of
+    --served-model-name is the one reported, every one is answered)."""
+    if given:
+        return given[0], tuple(given[1:])
+    return model_name(model), EMBEDDED_ALIASES if not model else ()
 
 
 def add_common(ap: argparse.ArgumentParser, ring: bool = True) -> None:
@@ -51,18 +65,42 @@ def add_common(ap: argparse.ArgumentParser, ring: bool = True) -> None:
                     help="folder of the services' Unix sockets; BLINK_RUN_DIR sets the default (default: %(default)s)")
     if ring:  # serve takes --ring from the engine's flags
         ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring")
-    ap.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    ap.add_argument("--log-level", default=None, help="debug, info, warning, error (default: BLINK_LOG_LEVEL, "
+                    "else info)")
+
+
+def add_tokenizer_flags(ap: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:  # serve takes --model from the engine's flags
+        ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder or file, when it is not the model's "
+                    "(default: the model's own)")
 
 
 def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    if model:  # serve takes --model from the engine's flags
-        ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded SmolLM2)")
-    ap.add_argument("--served-model-name", default=None, help="name in the API (default: from --model)")
-    ap.add_argument("--api-key", default=env().api_key, help="require 'Authorization: Bearer KEY' on /v1")
-    ap.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    ap.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
+    ap.add_argument("--port", type=int, default=8000, help="port the gateways share (SO_REUSEPORT)")
+    add_tokenizer_flags(ap, model)
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="names in the API: the first is reported, every one is answered (default: the "
+                    f"model's folder or file name; {EMBEDDED_MODEL} for the embedded model, which also "
+                    f"answers to {', '.join(EMBEDDED_ALIASES)})")
+    ap.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                    help="chat template for /v1/chat/completions: a file, or the Jinja text itself "
+                    "(default: the tokenizer's own, else ChatML)")
+    ap.add_argument("--api-key", default=env().api_key,
+                    help="require 'Authorization: Bearer KEY' on /v1; BLINK_API_KEY sets the default")
+    ap.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body")
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get at shutdown")
+    ap.add_argument("--max-connections", type=int, default=1024,
+                    help="open connections per gateway; more get a quick 503")
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a request head may take after its first byte (then the connection closes)")
+    ap.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a request body may take after its head (then 408)")
+    ap.add_argument("--keepalive-timeout", type=float, default=15.0,
+                    help="seconds an idle keep-alive connection stays open")
+    ap.add_argument("--disable-log-requests", action="store_true",
+                    help="no log line per answered request (as vLLM's flag)")
 
 
 # ---------------------------------------------------------------------- subcommands
@@ -71,11 +109,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from dpu_gateway.state import GatewayConfig
     from dpu_tokenizer.service import resolve_model
 
-    model = resolve_model(args.model)
-    cfg = GatewayConfig(run_dir=args.run_dir, ring_name=args.ring, model=model,
-                        served_model_name=args.served_model_name or model_name(args.model),
+    name, aliases = served_names(args.served_model_name, args.model)
+    cfg = GatewayConfig(run_dir=args.run_dir, ring_name=args.ring, model=args.tokenizer or resolve_model(args.model),
+                        served_model_name=name, model_aliases=aliases, chat_template=args.chat_template,
                         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s)
+                        drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
+                        max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                        body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                        log_requests=not args.disable_log_requests)
     asyncio.run(run_gateway(cfg, args.host, args.port, args.name))
     return 0
 
@@ -83,7 +124,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_tokenizer(args: argparse.Namespace) -> int:
     from dpu_tokenizer.service import TokenizerServiceConfig, resolve_model, run_tokenizer
 
-    cfg = TokenizerServiceConfig(args.run_dir, resolve_model(args.model))
+    cfg = TokenizerServiceConfig(args.run_dir, args.tokenizer or resolve_model(args.model))
     return run_until_signalled(run_tokenizer(cfg))
 
 
@@ -111,11 +152,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
         return 2
-    problem = segment_problem(engine.ring_name)
+    problem = segment_problem(engine.ring_name) or chat_template_problem(args.chat_template)
     if problem:
         print(f"blink serve: {problem}", file=sys.stderr)
         return 2
-    return Supervisor(ServeConfig.from_args(args, engine)).run()
+    try:
+        serve = ServeConfig.from_args(args, engine)
+    except ValueError as exc:
+        print(f"blink serve: {exc}", file=sys.stderr)
+        return 2
+    return Supervisor(serve).run()
+
+
+def chat_template_problem(value: str | None) -> str | None:
+    """Why --chat-template cannot be used (checked before anything starts), or None."""
+    if value is None:
+        return None
+    from dpu_tokenizer.chat import ChatTemplateError, chat_template_from_arg, compile_template
+
+    try:
+        compile_template(chat_template_from_arg(value))
+    except ChatTemplateError as exc:
+        return f"--chat-template: {exc}"
+    return None
 
 
 def private_run_dir(args: argparse.Namespace) -> bool:
@@ -220,6 +279,19 @@ PASS_THROUGH = {"engine": cmd_engine, "gen-schema": cmd_gen_schema, "bench": cmd
 
 
 # ---------------------------------------------------------------------- parser
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, except where the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+HELP = HelpFormatter
+
+
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     """The engine's flags, as ``blink engine`` has them; ``serve`` passes on those not at their default."""
     add_engine_arguments(ap.add_argument_group("engine (passed to blink engine)"))
@@ -229,29 +301,32 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving over a shared ring")
     sub = ap.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)")
+    serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)",
+                           formatter_class=HELP)
     add_common(serve, ring=False)
     add_frontend(serve, model=False)
     add_engine_flags(serve)
     serve.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
     serve.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
-    serve.add_argument("--startup-timeout", type=float, default=600.0)
+    serve.add_argument("--startup-timeout", type=float, default=600.0,
+                       help="seconds the engine and services may take to become ready")
+    add_refused_flags(serve)
     serve.set_defaults(func=cmd_serve)
-    gw = sub.add_parser("gateway", help="one HTTP gateway process")
+    gw = sub.add_parser("gateway", help="one HTTP gateway process", formatter_class=HELP)
     add_common(gw)
     add_frontend(gw)
     gw.add_argument("--name", default="gateway", help="name of its ready marker in the run dir")
     gw.set_defaults(func=cmd_gateway)
-    tok = sub.add_parser("tokenizer", help="the tokenizer service")
+    tok = sub.add_parser("tokenizer", help="the tokenizer service", formatter_class=HELP)
     add_common(tok)
-    tok.add_argument("--model", default=None)
+    add_tokenizer_flags(tok)
     tok.set_defaults(func=cmd_tokenizer)
-    tr = sub.add_parser("tracker", help="the slot tracker service")
+    tr = sub.add_parser("tracker", help="the slot tracker service", formatter_class=HELP)
     add_common(tr)
-    tr.add_argument("--max-waiting", type=int, default=256)
+    tr.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
     tr.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on a 429")
     tr.set_defaults(func=cmd_tracker)
-    rd = sub.add_parser("reader", help="the token reader service")
+    rd = sub.add_parser("reader", help="the token reader service", formatter_class=HELP)
     add_common(rd)
     rd.set_defaults(func=cmd_reader)
     sub.add_parser("engine", help="the engine alone: python -m gpu_engine.serve ARGS", add_help=False)

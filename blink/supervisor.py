@@ -1,8 +1,10 @@
 """``blink serve``: start the engine and the frontend services, watch them, stop them cleanly.
 
 Start order: engine (``python -m gpu_engine.serve``, never imported here), then tokenizer,
-reader, tracker and the gateways; ``serve`` reports ready once the ring says READY and every
-service has written its ready marker. A service that dies is restarted (with a limit per
+reader, tracker and the gateways, all at once without waiting, so the port answers (503 "the model
+is loading") while the engine loads; the gateways share ``RUN_DIR/metrics`` for one ``/metrics``
+view (``PROMETHEUS_MULTIPROC_DIR``, in their environment only). ``serve`` reports ready once the
+ring says READY and every service has written its ready marker. A service that dies is restarted (with a limit per
 minute); a dead engine's ring is first marked FAILED and removed, so streams on it end at
 once. SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is asked
 to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
@@ -16,11 +18,14 @@ import collections
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from prometheus_client import multiprocess
 
 from shared import ipc
 from shared import ring_layout as L
@@ -58,13 +63,25 @@ class ServeConfig:
     def from_args(cls, a: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
         """From ``blink serve``'s arguments and the engine config parsed out of them."""
         front = ["--model", engine.model] if engine.model else []
-        gateway = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
-                   "--drain-timeout", str(a.drain_timeout)]
-        if a.served_model_name:
-            gateway += ["--served-model-name", a.served_model_name]
+        front += ["--tokenizer", a.tokenizer] if a.tokenizer else []
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, tuple(engine.to_argv()), tuple(front),
-                   tuple(gateway), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
+                   tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
                    a.startup_timeout, a.api_key)
+
+
+def gateway_argv(a: argparse.Namespace) -> list[str]:
+    """The gateway flags of ``blink serve``'s arguments (every one, so the gateways' defaults cannot differ)."""
+    argv = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
+            "--drain-timeout", str(a.drain_timeout), "--max-connections", str(a.max_connections),
+            "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
+            "--keepalive-timeout", str(a.keepalive_timeout)]
+    if a.served_model_name:
+        argv += ["--served-model-name", *a.served_model_name]
+    if a.chat_template is not None:
+        argv += ["--chat-template", a.chat_template]
+    if a.disable_log_requests:
+        argv.append("--disable-log-requests")
+    return argv
 
 
 def _die_with_parent() -> None:
@@ -110,6 +127,7 @@ class Supervisor:
         # get it in BLINK_API_KEY, which only their own user can read; the other children do not get it.
         keyless = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
         keyed = {**keyless, "BLINK_API_KEY": cfg.api_key} if cfg.api_key else keyless
+        keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
         self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args], keyless)
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
@@ -121,6 +139,15 @@ class Supervisor:
                                    "--name", f"gateway-{i}"], keyed)
             for i in range(cfg.gateways)
         ]
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Where the gateways' metrics files go, emptied at each start (the counters start at zero)."""
+        return self.cfg.run_dir / "metrics"
+
+    def _fresh_metrics_dir(self) -> None:
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.metrics_dir.mkdir(mode=0o700)
 
     @property
     def children(self) -> list[Child]:
@@ -135,6 +162,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         ipc.ensure_run_dir(self.cfg.run_dir)
+        self._fresh_metrics_dir()
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         code = 0
@@ -197,6 +225,8 @@ class Supervisor:
                 log.warning("child_exited", child=child.name, code=child.proc.returncode)
                 if child is self.engine:
                     self._retire_dead_ring(child.proc.pid)
+                if child in self.gateways:  # its counters stay in the totals; its live gauges go
+                    multiprocess.mark_process_dead(child.proc.pid, str(self.metrics_dir))
                 if child.too_many_restarts():
                     log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
                     return 1
@@ -267,3 +297,4 @@ class Supervisor:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         for name in ipc.SOCKET_SERVICES:
             ipc.socket_path(self.cfg.run_dir, name).unlink(missing_ok=True)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

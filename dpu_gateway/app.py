@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import uuid
 
 import msgspec
 from aiohttp import web
@@ -20,8 +21,9 @@ from dpu_gateway.connguard import ConnectionGuard
 from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.routes import add_routes
-from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RING, GatewayConfig
+from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RECORD, RING, GatewayConfig, RequestRecord
 from dpu_gateway.textio import TextCodec
+from dpu_tokenizer.chat import chat_template_from_arg
 from shared import messages as m
 from shared.log import get_logger
 from shared.metrics import FrontendMetrics
@@ -71,6 +73,44 @@ def check_json_text(body: bytes) -> None:
         pass
 
 
+QUIET_PATHS = ("/metrics", "/health")  # scraped and probed often: their successes log at debug level
+
+
+def request_log_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
+    """One structured line per answered request (never its text), and the failure counter by status.
+    It sits outside the error middleware, so it sees the status every error was answered with."""
+
+    @web.middleware
+    async def log_request(request: web.Request, handler) -> web.StreamResponse:
+        start = time.monotonic()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if status >= 400:
+                metrics.failed(status)
+            if cfg.log_requests:
+                log_line(request, status, time.monotonic() - start)
+
+    return log_request
+
+
+def log_line(request: web.Request, status: int, total_s: float) -> None:
+    record = request.get(RECORD) or RequestRecord()
+    quiet = status < 400 and request.path in QUIET_PATHS
+    fields = {"id": request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16], "method": request.method,
+              "route": request.path, "status": status, "prompt_tokens": record.prompt_tokens,
+              "output_tokens": record.output_tokens,
+              "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4), "total_s": round(total_s, 4),
+              "finish_reason": ",".join(record.finish_reasons) or None}
+    (log.debug if quiet else log.info)("request", **fields)
+
+
 def body_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
     @web.middleware
     async def read_body(request: web.Request, handler) -> web.StreamResponse:
@@ -112,18 +152,23 @@ async def on_cleanup(app: web.Application) -> None:
     app[RING].close()
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template's text (read from its file), or None for the tokenizer's own."""
+    return None if value is None else chat_template_from_arg(value)
+
+
 def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: ConnectionGuard | None = None,
                metrics: FrontendMetrics | None = None) -> web.Application:
     """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
     metrics = metrics or FrontendMetrics(cfg.served_model_name)
     middlewares = [guard.middleware] if guard is not None else []
-    middlewares.append(error_middleware)
+    middlewares += [request_log_middleware(cfg, metrics), error_middleware]
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))
     middlewares.append(body_middleware(cfg, metrics))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = cfg
-    app[CODEC] = codec or TextCodec(cfg.model)
+    app[CODEC] = codec or TextCodec(cfg.model, chat_template_text(cfg.chat_template))
     app[RING] = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
     app[METRICS] = metrics
     app[LIVE] = set()

@@ -26,7 +26,18 @@ from dpu_gateway.protocol import (
     decode_tokenize,
 )
 from dpu_gateway.respond import CHAT, COMPLETION, Shape, Usage, answer_stream, answer_whole
-from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RING, engine_limits
+from dpu_gateway.state import (
+    BACKEND,
+    CODEC,
+    CONFIG,
+    LIVE,
+    METRICS,
+    RECORD,
+    RING,
+    RequestRecord,
+    engine_limits,
+    engine_unavailable,
+)
 from dpu_gateway.textio import message_text
 from shared import ring_layout as L
 
@@ -38,8 +49,9 @@ except metadata.PackageNotFoundError:  # a checkout that is not installed
 
 
 def check_model(app: web.Application, model: str) -> None:
+    """404 unless ``model`` is the served name or one of its aliases."""
     name = app[CONFIG].served_model_name
-    if model != name:
+    if model not in app[CONFIG].model_names:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.", param="model",
                        code="model_not_found")
 
@@ -139,8 +151,8 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
     app = request.app
     backend, codec, model = app[BACKEND], app[CODEC], app[CONFIG].served_model_name
     handles: list[RequestStream] = []
+    gens: list[Generation] = []
     try:
-        gens = []
         for p, (ids, plan) in enumerate(jobs):
             for i, sampling in enumerate(plan.choices()):
                 handle = await backend.submit(ids, sampling)
@@ -150,13 +162,26 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
                 gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
                                        p * plan.n + i))
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
+        request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
         if stream:
             return await answer_stream(request, gens, shape, codec, model, counts)
         return await answer_whole(gens, shape, codec, model, counts)
     finally:
+        record_outcome(request, gens)
         for handle in handles:
             app[LIVE].discard(handle)
             backend.forget(handle, cancel=True)
+
+
+def record_outcome(request: web.Request, gens: list[Generation]) -> None:
+    """Output tokens, time to first token and finish reasons of the request's choices, for its log line."""
+    record = request.get(RECORD)
+    if record is None:
+        return
+    record.output_tokens = sum(g.completion_tokens for g in gens)
+    firsts = [g.first_at - g.arrival for g in gens if g.first_at is not None]
+    record.ttft_s = min(firsts) if firsts else None
+    record.finish_reasons = tuple(g.finish_reason or "none" for g in gens)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -193,21 +218,21 @@ async def version(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     watch = request.app[RING]
     if not watch.alive():
-        raise APIError(503, "the engine is not running (no ring, or its heartbeat is stale)",
-                       code="engine_unavailable")
+        raise engine_unavailable(watch)
     if not request.app[BACKEND].linked():
         raise APIError(503, "frontend services are not all connected", code="service_unavailable")
     return web.json_response({"status": "ok"})
 
 
-def refresh_gauges(app: web.Application) -> None:
+def refresh_gauges(app: web.Application) -> dict | None:
+    """Set the gauges from the ring; the ring header's engine stats (None without an engine)."""
     mt, ring = app[METRICS], app[RING].current()
     queued = sum(1 for s in app[BACKEND].streams.values() if not s.admitted.done())
     if ring is None:
         for gauge in (mt.running, mt.kv_usage, mt.slots_in_use):
             gauge.set(0)
         mt.waiting.set(queued)
-        return
+        return None
     stats = ring.read_header()["stats"]
     states = ring.read_slots()["state"]
     mt.running.set(int(stats["running"]))
@@ -216,11 +241,12 @@ def refresh_gauges(app: web.Application) -> None:
     total = int(stats["kv_blocks_total"])
     mt.kv_usage.set(1.0 - int(stats["kv_blocks_free"]) / total if total else 0.0)
     mt.slots_in_use.set(int(np.count_nonzero(states != L.SlotState.EMPTY)))
+    return {name: stats[name] for name in stats.dtype.names}
 
 
 async def metrics(request: web.Request) -> web.Response:
-    refresh_gauges(request.app)
-    body = request.app[METRICS].render()
+    stats = refresh_gauges(request.app)
+    body = request.app[METRICS].render(stats)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

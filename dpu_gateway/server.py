@@ -19,6 +19,7 @@ from dpu_gateway.app import create_app
 from dpu_gateway.connguard import ConnectionGuard, ConnectionLimits
 from dpu_gateway.state import BACKEND, GatewayConfig
 from shared import ipc
+from shared.env import env
 from shared.log import get_logger
 from shared.metrics import FrontendMetrics
 
@@ -71,7 +72,7 @@ class GuardedSite(web.BaseSite):
 
 async def start_gateway(cfg: GatewayConfig, host: str, port: int) -> tuple[web.AppRunner, GuardedSite]:
     """The app, served on host:port under the configured connection limits."""
-    metrics = FrontendMetrics(cfg.served_model_name)
+    metrics = FrontendMetrics(cfg.served_model_name, env().metrics_dir)
     guard = ConnectionGuard(ConnectionLimits(connection_cap(cfg.max_connections), cfg.header_timeout_s), metrics)
     app = create_app(cfg, guard=guard, metrics=metrics)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,

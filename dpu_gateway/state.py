@@ -12,6 +12,7 @@ from dpu_gateway.errors import APIError
 from dpu_gateway.params import Limits
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.textio import TextCodec
+from shared import ring_layout as L
 from shared.metrics import FrontendMetrics
 
 
@@ -20,7 +21,10 @@ class GatewayConfig:
     run_dir: Path
     ring_name: str
     model: str                       # path of the served model's files (for the tokenizer)
-    served_model_name: str
+    served_model_name: str           # reported in responses
+    model_aliases: tuple[str, ...] = ()  # other names a request's `model` may use
+    chat_template: str | None = None  # --chat-template: a file or the Jinja text (default: the tokenizer's)
+    log_requests: bool = True         # one log line per answered request
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
@@ -31,6 +35,10 @@ class GatewayConfig:
     header_timeout_s: float = 10.0   # a request head must be complete this long after its first byte
     body_timeout_s: float = 30.0     # and its body this long after the head
     keepalive_timeout_s: float = 15.0  # a connection with no request in progress closes after this
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -52,12 +60,36 @@ METRICS = web.AppKey("metrics", FrontendMetrics)
 LIVE = web.AppKey("live", set[RequestStream])
 
 
+@dataclasses.dataclass(slots=True)
+class RequestRecord:
+    """What a request's log line says beyond its route and status; set by the handler that answers it."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    finish_reasons: tuple[str, ...] = ()
+
+
+RECORD = "blink_record"  # the request's RequestRecord, in request[RECORD]
+
+
+def engine_unavailable(watch: RingWatch) -> APIError:
+    """503 while no engine serves: "the model is loading" until this gateway first saw a ring whose engine
+    is past STARTING (the engine creates the ring once its weights are loaded and graphs captured)."""
+    ring = watch.current()
+    starting = ring is not None and ring.header_load32("engine_state") == L.EngineState.STARTING
+    if watch.generation == 0 or starting:
+        return APIError(503, "the model is loading", code="model_loading", retry_after_s=1)
+    return APIError(503, "the engine is not running (no ring, or its heartbeat is stale)",
+                    code="engine_unavailable", retry_after_s=1)
+
+
 def engine_limits(app: web.Application) -> Limits:
     """The ring's limits, or 503 when the engine is not serving."""
     watch = app[RING]
     ring = watch.current()
     if ring is None or not ring.engine_alive(watch.timeout_s):
-        raise APIError(503, "the engine is not running", code="engine_unavailable", retry_after_s=1)
+        raise engine_unavailable(watch)
     if not app[BACKEND].linked():
         raise APIError(503, "frontend services are starting", code="service_unavailable", retry_after_s=1)
     g = ring.geometry

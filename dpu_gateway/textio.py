@@ -18,9 +18,10 @@ def message_text(msg: ChatMessage) -> str:
 
 
 class TextCodec:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, chat_template: str | None = None) -> None:
+        """``chat_template``: the template text to use instead of the model's own."""
         self.tokenizer = load_tokenizer(model)
-        self.template = load_chat_template(model)
+        self.template = chat_template if chat_template is not None else load_chat_template(model)
         self.bos = self._special_text(self.tokenizer.bos_token_id)
         eos = self.tokenizer.eos_token_ids
         self.eos = self._special_text(eos[0] if eos else None)

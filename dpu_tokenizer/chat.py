@@ -141,3 +141,23 @@ def load_chat_template(model_path: str | os.PathLike[str] | None = None) -> str 
     if path.suffix == ".json":
         return _template_from_config(read_json_if_present(path))
     return _template_from_folder(path.parent) if path.is_file() else None
+
+
+def chat_template_from_arg(value: str) -> str:
+    """``--chat-template``: a file's text (a ``.json`` tokenizer config: its ``chat_template``), or the
+    value itself when it is Jinja text; anything else is a ``ChatTemplateError``."""
+    path = Path(value)
+    looks_inline = "{{" in value or "{%" in value
+    if not looks_inline and path.is_file():
+        if path.suffix == ".json":
+            found = _template_from_config(read_json_if_present(path))
+            if found is None:
+                raise ChatTemplateError(f"{value} has no chat_template")
+            return found
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read {value}: {exc}") from None
+    if looks_inline:
+        return value
+    raise ChatTemplateError(f"{value!r} is neither a file nor Jinja template text")

@@ -7,6 +7,8 @@ The CPU backend (``gpu_engine.serve``) and the GPU backends (``gpu_engine.gpu.se
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from collections.abc import Callable
 from typing import Protocol
 
@@ -16,7 +18,10 @@ from gpu_engine.models.config import ModelConfig
 from gpu_engine.policy import Policy
 from gpu_engine.runner import Runner
 from shared.config import EngineConfig
+from shared.log import get_logger
 from shared.ring import Ring
+
+log = get_logger("engine")
 
 CPU_KV_BYTES = 1 << 30  # KV budget on the CPU backend when --kv-blocks is not given
 
@@ -43,3 +48,37 @@ def kv_blocks_for(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype)
         return cfg.kv_blocks
     per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
     return max(CPU_KV_BYTES // (per_token * cfg.block_size), 1)
+
+
+def choose_backend(cuda: bool, capability: tuple[int, int] | None, nvcc: str | None) -> tuple[str, str]:
+    """``--backend auto``: the backend and why. The persistent scheduler is built for sm_90 with nvcc."""
+    if not cuda:
+        return "cpu", "no CUDA GPU visible"
+    if capability == (9, 0) and nvcc:
+        return "persistent", f"sm_90 GPU and nvcc at {nvcc}"
+    if capability != (9, 0):
+        return "host", f"CUDA GPU of compute capability {capability}, not sm_90"
+    return "host", "sm_90 GPU but no nvcc to build the persistent scheduler"
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, or under CUDA_HOME / /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        path = os.path.join(root, "bin", "nvcc") if root else ""
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def resolve_backend(cfg: EngineConfig) -> EngineConfig:
+    """The config with ``backend`` resolved (a new object; ``auto`` is resolved once, here, and logged)."""
+    if cfg.backend != "auto":
+        return cfg
+    cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability() if cuda else None
+    backend, why = choose_backend(cuda, capability, find_nvcc() if cuda else None)
+    log.info("backend chosen", backend=backend, reason=why)
+    return dataclasses.replace(cfg, backend=backend)  # a CPU pick with --gpu-memory-utilization raises here

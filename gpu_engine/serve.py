@@ -15,7 +15,7 @@ from types import FrameType
 
 import torch
 
-from gpu_engine.backend import Backend, Servable, kv_blocks_for
+from gpu_engine.backend import Backend, Servable, kv_blocks_for, resolve_backend
 from gpu_engine.engine import RingEngine
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.errors import ModelLoadError
@@ -45,14 +45,14 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
 
 def build_cpu_backend(cfg: EngineConfig) -> Backend:
     """Load the model and build KV cache, policy and runner on the CPU."""
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    dtype = getattr(torch, cfg.torch_dtype_name(on_gpu=False))
     path = Path(cfg.model) if cfg.model else default_model_path()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.cpu_threads)
+    log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cpu")
     model, mcfg = load_model(path, dtype=dtype, device="cpu", random_weights=cfg.random_weights, seed=cfg.seed)
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, dtype), cfg.block_size, dtype=dtype, device="cpu")
-    max_context = min(mcfg.max_position_embeddings,
-                      cfg.geometry.max_prompt_tokens + cfg.geometry.max_output_tokens)
+    max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=max(2048, max_context))
     log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
              block_size=cfg.block_size, max_context=max_context)
@@ -86,7 +86,8 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
             assert backend.runner is not None
             engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,
                                 backend.vocab_size)
-        log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots)
+        log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots,
+                 max_model_len=backend.max_context)
         engine.serve()
     except BaseException:
         ring.header_store32("engine_state", L.EngineState.FAILED)
@@ -103,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         # Load every CUDA module up front: lazy loading stalls while the persistent kernel runs.
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
+        cfg = resolve_backend(cfg)
         backend = build_backend(cfg)
+    except ValueError as exc:  # a flag the resolved backend cannot honour (--max-model-len, ...)
+        log.error("engine config refused", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ModelLoadError as exc:
         log.error("model load failed", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)

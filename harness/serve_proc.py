@@ -24,7 +24,7 @@ from pathlib import Path
 from shared.ipc import run_dir_problem
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's served name, its Hugging Face id
 SERVICE_ROLES = ("tokenizer", "reader", "tracker")
 GAUGES = ("blink:slots_in_use", "blink:num_requests_running", "blink:kv_cache_usage_perc")
 GAUGE_NAMES = tuple(g.split(":")[1] for g in GAUGES)  # how gauges() names them

@@ -19,13 +19,15 @@ from typing import Any, Protocol
 from shared.env import env
 from shared.ring import RingGeometry
 
-BACKENDS = ("cpu", "host", "persistent")
-DTYPES = ("auto", "float32", "bfloat16")
+BACKENDS = ("auto", "cpu", "host", "persistent")
+DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 
 
 def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
-          minimum: int | None = None, factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum}
+          minimum: float | None = None, factory: Callable[[], Any] | None = None,
+          aliases: tuple[str, ...] = (), kind: type | None = None) -> Any:
+    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "aliases": aliases, "kind": kind}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -44,14 +46,24 @@ class EngineConfig:
     model: str | None = _flag(None, "Hugging Face folder (config.json + safetensors) or .gguf file "
                               "(default: the embedded SmolLM2-135M-Instruct)")
     random_weights: bool = _flag(False, "the model's architecture with seeded random weights (for benchmarks)")
-    backend: str = _flag("cpu", "cpu: PyTorch on the CPU; host: host-driven GPU loop; "
-                         "persistent: the persistent GPU scheduler", choices=BACKENDS)
-    dtype: str = _flag("auto", "weights and KV cache; auto: float32 on the CPU, bfloat16 on a GPU", choices=DTYPES)
+    backend: str = _flag("auto", "cpu: PyTorch on the CPU; host: host-driven GPU loop; persistent: the "
+                         "persistent GPU scheduler; auto: persistent on an sm_90 GPU with nvcc, host on another "
+                         "CUDA GPU, cpu without one (resolved once by the engine, and logged)", choices=BACKENDS)
+    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: float32 on the CPU, bfloat16 on "
+                       "a GPU", choices=DTYPES)
+    max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
+                               "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
+                               "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
     geometry: RingGeometry = dataclasses.field(default=RingGeometry(), metadata={"fields_are_flags": True})
     block_size: int = _flag(16, "tokens per KV cache block", minimum=1)
     kv_blocks: int = _flag(0, "KV cache blocks; 0: sized from memory (1 GiB on the CPU, "
-                           "half the free memory on a GPU)", minimum=0)
-    max_batch: int = _flag(64, "sequences in one engine step", minimum=1)
+                           "--gpu-memory-utilization of the free memory on a GPU)", minimum=0)
+    gpu_memory_utilization: float | None = _flag(
+        None, "fraction of the GPU memory free after loading the weights that the KV cache takes (GPU backends "
+        f"only; the CPU backend refuses it: size its cache with --kv-blocks) (default: "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU)", kind=float)
+    max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias)",
+                           flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
     seed: int = _flag(0, "seed of torch and of random weights")
     threads: int = _flag(0, "torch threads of the CPU backend; 0: every core this process may use but one",
                          minimum=0)
@@ -64,20 +76,54 @@ class EngineConfig:
             return self.threads
         return max(1, len(os.sched_getaffinity(0)) - 1)
 
+    @property
+    def kv_memory_fraction(self) -> float:
+        """Of the GPU memory free after loading, what the KV cache takes when --kv-blocks is 0."""
+        return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+    def torch_dtype_name(self, on_gpu: bool) -> str:
+        """The torch dtype of weights and KV cache: ``auto`` and ``half`` resolved."""
+        if self.dtype == "auto":
+            return "bfloat16" if on_gpu else "float32"
+        return "float16" if self.dtype == "half" else self.dtype
+
+    def context_limit(self, model_context: int, cap: int | None = None) -> int:
+        """Prompt plus output tokens a request may have: --max-model-len, or the model's context capped
+        by the slot's capacity (and by ``cap``, what the backend can run); a --max-model-len over the
+        model's context or ``cap`` is refused."""
+        if self.max_model_len:
+            for limit, what in ((model_context, "the model's context"), (cap, "what this backend runs")):
+                if limit is not None and self.max_model_len > limit:
+                    raise ValueError(f"--max-model-len {self.max_model_len} is more than {what} ({limit})")
+            return self.max_model_len
+        g = self.geometry
+        return min(model_context, g.max_prompt_tokens + g.max_output_tokens, *(() if cap is None else (cap,)))
+
     def __post_init__(self) -> None:
         for fl in engine_flags():
             if not fl.in_geometry:
                 fl.check(getattr(self, fl.name))
         if not self.ring_name:
             raise ValueError("--ring must not be empty")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.backend == "cpu":
+            raise ValueError("--gpu-memory-utilization applies to the GPU backends; the CPU backend's KV cache "
+                             "is sized by --kv-blocks (default: 1 GiB of blocks)")
+        if self.max_model_len == 1:
+            raise ValueError("--max-model-len must be >= 2 (one prompt token and one output token)")
         if self.model is not None and not Path(self.model).exists():
             raise ValueError(f"--model: path {self.model} does not exist")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineConfig:
-        """The config from arguments parsed by a parser that ``add_engine_arguments`` filled."""
+        """The config from arguments parsed by a parser that ``add_engine_arguments`` filled. A
+        --max-prompt-tokens left out is ``max_model_len - 1`` when --max-model-len is given."""
         flags = engine_flags()
-        geometry = RingGeometry(**{fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry})
+        geo = {fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry}
+        if geo["max_prompt_tokens"] is None:
+            geo["max_prompt_tokens"] = ns.max_model_len - 1 if ns.max_model_len > 1 else PROMPT_TOKENS_DEFAULT
+        geometry = RingGeometry(**geo)
         return cls(geometry=geometry, **{fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry})
 
     def to_argv(self) -> list[str]:
@@ -86,10 +132,15 @@ class EngineConfig:
         argv: list[str] = []
         for fl in engine_flags():
             value = getattr(self.geometry if fl.in_geometry else self, fl.name)
-            if value == fl.default and not fl.default_from_env:
+            derived_differently = fl.name in DERIVED_DEFAULTS and self.max_model_len > 1
+            if value == fl.default and not fl.default_from_env and not derived_differently:
                 continue
             argv += [fl.flag] if isinstance(value, bool) else [fl.flag, str(value)]
         return argv
+
+
+PROMPT_TOKENS_DEFAULT = RingGeometry().max_prompt_tokens
+DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is given, else {PROMPT_TOKENS_DEFAULT}"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,20 +152,24 @@ class Flag:
     default: Any
     help: str
     choices: tuple[str, ...]
-    minimum: int | None
+    minimum: float | None
     in_geometry: bool
     default_from_env: bool
+    aliases: tuple[str, ...] = ()
+    kind: type | None = None   # the value's type where the default (None) does not tell
 
     def check(self, value: Any) -> None:
         if self.choices and value not in self.choices:
             raise ValueError(f"{self.flag} must be one of {', '.join(self.choices)}, got {value!r}")
-        if self.minimum is not None and value < self.minimum:
+        if self.minimum is not None and value is not None and value < self.minimum:
             raise ValueError(f"{self.flag} must be >= {self.minimum}, got {value}")
 
     @property
     def help_with_default(self) -> str:
         """The help text, with the default where there is one to show (argparse fills it in)."""
-        if self.default is None or isinstance(self.default, bool):
+        if self.name in DERIVED_DEFAULTS:
+            return f"{self.help} (default: {DERIVED_DEFAULTS[self.name]})"
+        if self.default is None or isinstance(self.default, bool) or "(default:" in self.help:
             return self.help
         return f"{self.help} (default: %(default)s)"
 
@@ -126,7 +181,8 @@ def _to_flag(f: dataclasses.Field[Any], in_geometry: bool) -> Flag:
     if isinstance(default, bool) and default:
         raise TypeError(f"flag field {f.name} must default to False (flags can only switch it on)")
     return Flag(f.name, meta.get("flag") or "--" + f.name.replace("_", "-"), default, meta["help"],
-                meta.get("choices", ()), meta.get("minimum"), in_geometry, from_env)
+                meta.get("choices", ()), meta.get("minimum"), in_geometry, from_env, meta.get("aliases", ()),
+                meta.get("kind"))
 
 
 def engine_flags() -> tuple[Flag, ...]:
@@ -147,12 +203,15 @@ class ArgumentAdder(Protocol):
 def add_engine_arguments(ap: ArgumentAdder) -> None:
     """Declare every engine flag on a parser or argument group, with its help text and default."""
     for fl in engine_flags():
+        names = (fl.flag, *fl.aliases)
         if isinstance(fl.default, bool):
-            ap.add_argument(fl.flag, dest=fl.name, action="store_true", help=fl.help)
+            ap.add_argument(*names, dest=fl.name, action="store_true", help=fl.help)
             continue
-        kind = str if fl.default is None else type(fl.default)
+        kind = fl.kind or (str if fl.default is None else type(fl.default))
         metavar = None if fl.choices else "N" if kind is int else fl.flag.lstrip("-").upper()
-        ap.add_argument(fl.flag, dest=fl.name, type=kind, default=fl.default, choices=fl.choices or None,
+        # --max-prompt-tokens parses to None when left out, so that --max-model-len can derive it
+        default = None if fl.name in DERIVED_DEFAULTS else fl.default
+        ap.add_argument(*names, dest=fl.name, type=kind, default=default, choices=fl.choices or None,
                         metavar=metavar, help=fl.help_with_default)
 
 

@@ -66,6 +66,8 @@ class Env:
                                  "read every slot's state word at each doorbell", _bool)
     cuda_build_dir: Path | None = _var("BLINK_CUDA_BUILD_DIR", None,
                                        "where the scheduler library is built (default: gpu_engine/csrc/build)", Path)
+    metrics_dir: Path | None = _var("PROMETHEUS_MULTIPROC_DIR", None, "folder where every gateway's metrics are "
+                                    "summed (blink serve sets it to RUN_DIR/metrics)", Path)
     tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "
                                   "for the tests", Path, factory=lambda: Path.home() / ".cache/blink/tokenizer-assets")
 

@@ -1,14 +1,25 @@
-"""Prometheus metrics of the frontend, named like vLLM's (prefix ``blink:``).
+"""Prometheus metrics of the frontend, named like vLLM's (prefix ``blink:``), with ``vllm:`` aliases.
 
-One ``FrontendMetrics`` per gateway process, on its own registry. Latency histograms and
-token counters are observed by the gateway as requests run; the gauges are set from the
-ring header's engine stats and a slot count just before each scrape. The ``http_connections``
-series count what the connection limits did (dpu_gateway/connguard.py).
+One ``FrontendMetrics`` per gateway process. Under ``blink serve`` every gateway writes its values to
+files in one folder (prometheus_client's multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR``, which the
+supervisor sets to ``RUN_DIR/metrics``), and a scrape of any gateway sums them, so ``--gateways N``
+shows every request once. Latency histograms and token counters are observed by the gateway as
+requests run; the gauges are set from the ring header's engine stats and a slot count just before each
+scrape (every gateway reads the same ring: the most recent value of a live gateway is shown); the
+engine's own counters (steps, tokens, preemptions) are read from the ring header at the scrape. The
+``http_connections`` series count what the connection limits did (dpu_gateway/connguard.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.samples import Sample
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -18,8 +29,22 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                120.0, 240.0)
 
 
+# vLLM's names, shown as copies of Blink's series so that vLLM dashboards and endpoint pickers work
+VLLM_ALIASES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+                "generation_tokens", "time_to_first_token_seconds", "time_per_output_token_seconds",
+                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success")
+# the engine's counters in the ring header (EngineStats), as counters named blink:engine_NAME
+ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Prompt tokens the engine prefilled.",
+                   "output_tokens": "Tokens the engine generated.", "preemptions": "Requests preempted.",
+                   "window_relaunches": "Persistent scheduler tail launches."}
+ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV cache blocks free."}
+
+
 class FrontendMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, multiprocess_dir: Path | None = None) -> None:
+        """``multiprocess_dir``: the folder every gateway's values go to (None: this process only). It
+        must be the ``PROMETHEUS_MULTIPROC_DIR`` this process started with."""
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         r, label = self.registry, ["model_name"]
         self.ttft = Histogram("blink:time_to_first_token_seconds", "Time to first token.", label,
@@ -31,13 +56,13 @@ class FrontendMetrics:
         self.e2e = Histogram("blink:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              label, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("blink:num_requests_running", "Requests in the engine's decode batch.", label,
-                             registry=r).labels(model_name)
+                             registry=r, multiprocess_mode="livemostrecent").labels(model_name)
         self.waiting = Gauge("blink:num_requests_waiting", "Requests waiting for the engine or for a slot.",
-                             label, registry=r).labels(model_name)
+                             label, registry=r, multiprocess_mode="livemostrecent").labels(model_name)
         self.kv_usage = Gauge("blink:kv_cache_usage_perc", "KV cache usage (1 means 100 percent).", label,
-                              registry=r).labels(model_name)
+                              registry=r, multiprocess_mode="livemostrecent").labels(model_name)
         self.slots_in_use = Gauge("blink:slots_in_use", "Ring slots not EMPTY.", label,
-                                  registry=r).labels(model_name)
+                                  registry=r, multiprocess_mode="livemostrecent").labels(model_name)
         self.prompt_tokens = Counter("blink:prompt_tokens", "Prompt tokens of finished requests.", label,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("blink:generation_tokens", "Generated tokens.", label,
@@ -45,14 +70,20 @@ class FrontendMetrics:
         self.requests = Counter("blink:request_success", "Finished requests by finish reason.",
                                 label + ["finished_reason"], registry=r)
         self.connections_open = Gauge("blink:http_connections_open", "HTTP connections open now.", label,
-                                      registry=r).labels(model_name)
+                                      registry=r, multiprocess_mode="livesum").labels(model_name)
         self.connections_refused = Counter("blink:http_connections_refused",
                                            "Connections answered 503 because the gateway held its maximum.",
                                            label, registry=r).labels(model_name)
         self.timeouts = Counter("blink:http_connections_timed_out",
                                 "Connections ended because a request head or body came too slowly.",
                                 label + ["phase"], registry=r)
+        self.failures = Counter("blink:request_failures", "Requests answered with an error status (4xx: "
+                                "refused, 5xx: failed), by status.", label + ["status"], registry=r)
         self.model_name = model_name
+
+    def failed(self, status: int) -> None:
+        """One request answered with ``status`` (>= 400)."""
+        self.failures.labels(self.model_name, str(status)).inc()
 
     def timed_out(self, phase: str) -> None:
         """One connection ended for taking too long; ``phase`` is ``header`` or ``body``."""
@@ -61,5 +92,51 @@ class FrontendMetrics:
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model_name, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, engine_stats: Mapping[str, Any] | None = None) -> bytes:
+        """The text of a scrape: every gateway's series (summed), the engine's from ``engine_stats`` (the
+        ring header's EngineStats; None: no engine now), and the vLLM aliases."""
+        source = self.registry
+        if self.multiprocess_dir is not None:
+            source = CollectorRegistry()
+            MultiProcessCollector(source, str(self.multiprocess_dir))
+        families = [*source.collect(), *engine_families(self.model_name, engine_stats)]
+        return generate_latest(_Families([*families, *vllm_aliases(families)]))
+
+
+class _Families:
+    """A ready list of metric families, in the shape ``generate_latest`` collects from."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def engine_families(model_name: str, stats: Mapping[str, Any] | None) -> list[Metric]:
+    if stats is None:
+        return []
+    out: list[Metric] = []
+    for name, doc in ENGINE_COUNTERS.items():
+        family = CounterMetricFamily(f"blink:engine_{name}", doc, labels=["model_name"])
+        family.add_metric([model_name], float(stats[name]))
+        out.append(family)
+    for name, doc in ENGINE_GAUGES.items():
+        gauge = GaugeMetricFamily(f"blink:engine_{name}", doc, labels=["model_name"])
+        gauge.add_metric([model_name], float(stats[name]))
+        out.append(gauge)
+    return out
+
+
+def vllm_aliases(families: Iterable[Metric]) -> list[Metric]:
+    """Copies of the aliased families under ``vllm:`` names."""
+    out = []
+    for fam in families:
+        short = fam.name.removeprefix("blink:")
+        if short not in VLLM_ALIASES:
+            continue
+        copy = Metric(f"vllm:{short}", fam.documentation, fam.type, fam.unit)
+        copy.samples = [Sample(s.name.replace("blink:", "vllm:", 1), s.labels, s.value, s.timestamp, s.exemplar)
+                        for s in fam.samples]
+        out.append(copy)
+    return out

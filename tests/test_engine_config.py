@@ -12,7 +12,7 @@ import pytest
 from blink.cli import build_parser, main
 from blink.supervisor import ServeConfig, Supervisor
 from gpu_engine import serve as engine_serve
-from shared.config import EngineConfig, engine_flags
+from shared.config import DERIVED_DEFAULTS, EngineConfig, engine_flags
 from shared.env import Env, default_run_dir, env
 from shared.ring import RingGeometry
 
@@ -46,9 +46,14 @@ def test_every_field_is_a_flag_of_the_engine_and_of_serve_with_its_help(monkeypa
         found = options(parsers[argv[0]])
         for fl in engine_flags():
             assert fl.flag in found, f"{fl.flag} missing from {argv[0]}"
-            assert found[fl.flag].dest == fl.name and found[fl.flag].default == fl.default
+            parsed_default = None if fl.name in DERIVED_DEFAULTS else fl.default  # derived in from_namespace
+            assert found[fl.flag].dest == fl.name and found[fl.flag].default == parsed_default
             assert one_line(fl.help) in shown, f"{fl.flag}: help text missing from {argv[0]} --help"
-            if fl.default is not None and not isinstance(fl.default, bool):
+            if fl.name in DERIVED_DEFAULTS:
+                assert one_line(f"{fl.help} (default: {DERIVED_DEFAULTS[fl.name]})") in shown
+            elif "(default:" in fl.help:
+                continue
+            elif fl.default is not None and not isinstance(fl.default, bool):
                 assert one_line(f"{fl.help} (default: {fl.default})") in shown
 
 
@@ -87,11 +92,11 @@ def test_the_supervisors_engine_command_parses_back_to_the_same_config(argv: lis
 
 def test_the_engine_gets_only_flags_that_differ_from_its_defaults() -> None:
     _, child = served_engine_argv(["--ring", "r-2", "--num-slots", "256", "--max-batch", "8", "--port", "9"])
-    assert child == ["--ring", "r-2", "--max-batch", "8"]  # --ring always: its default is the environment's
+    assert child == ["--ring", "r-2", "--max-num-seqs", "8"]  # --ring always: its default is the environment's
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--max-batch", "0"], "--max-num-seqs must be >= 1, got 0"),
     (["--kv-blocks", "-1"], "--kv-blocks must be >= 0, got -1"),
     (["--model", "/no/such/model"], "--model: path /no/such/model does not exist"),
     (["--top-logprobs", "21"], "top_logprobs must be in 0..20"),
@@ -110,8 +115,8 @@ def test_bad_choices_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         engine_serve.parse_args(["--backend", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--dtype must be one of auto, float32, bfloat16"):
-        EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match="--dtype must be one of auto, float16, half, bfloat16, float32"):
+        EngineConfig(dtype="float8")
 
 
 def test_env_reads_every_variable_typed() -> None:

@@ -188,3 +188,15 @@ def test_health_metrics_openapi(api_stack: Stack) -> None:
         assert f"blink:{name}" in metrics.decode(), name
     status, doc = api_stack.get("/openapi.json")
     assert status == 200 and b'"openapi":"3.1.0"' in doc and b"/v1/chat/completions" in doc
+
+
+async def test_the_embedded_model_answers_to_its_hugging_face_id_and_its_old_name(api_stack: Stack) -> None:
+    assert MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    c = client(api_stack)
+    for name in (MODEL, "SmolLM2-135M-Instruct"):
+        card = await c.models.retrieve(name)
+        assert card.id == MODEL  # the reported name is the Hugging Face id, whichever name was asked for
+        out = await c.completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert out.model == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await c.models.retrieve("SmolLM2")

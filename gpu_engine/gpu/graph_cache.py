@@ -25,6 +25,7 @@ steps; `lookup` reports it).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -149,8 +150,10 @@ class GraphCache:
         return idx, s.batch >= batch and s.tokens >= tokens
 
     # ---- capture ------------------------------------------------------------------------------
-    def capture(self, progress: bool = True) -> list[CapturedGraph]:
-        """Warm up and capture every shape, largest first (they share one pool); returns the graphs."""
+    def capture(self, progress: bool = True,
+                on_graph: Callable[[int, int], None] | None = None) -> list[CapturedGraph]:
+        """Warm up and capture every shape, largest first (they share one pool); returns the graphs.
+        ``on_graph(k, n)`` is called after the k-th of n graphs."""
         from tqdm import tqdm
 
         if not self.runner.device.type == "cuda":
@@ -158,8 +161,10 @@ class GraphCache:
         self._pool = torch.cuda.graph_pool_handle()
         order = sorted(range(len(self.shapes)), key=lambda i: -self.shapes[i].tokens)
         bar = tqdm(order, desc="capturing graphs", disable=not progress, unit="graph")
-        for i in bar:
+        for k, i in enumerate(bar, 1):
             self.graphs[i] = self._capture_one(i)
+            if on_graph is not None:
+                on_graph(k, len(order))
             g = self.graphs[i]
             bar.set_postfix_str(f"{shape_label(g.shape)} {g.capture_s * 1e3:.0f} ms {g.memory_bytes / 2**20:.1f} MiB")
         torch.cuda.synchronize()

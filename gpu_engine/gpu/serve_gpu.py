@@ -26,7 +26,7 @@ from shared.log import get_logger
 from shared.ring import Ring
 
 log = get_logger("engine")
-KV_FRACTION = 0.5  # of the memory free after loading the weights
+MAX_GRAPH_TOKENS = 8192  # the largest prefill graph: the context limit of the GPU backends
 STALL_S = 5.0       # device heartbeat silence before the host looks at the scheduler's stream
 SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
 PROBE_TIMEOUT_S = 5.0
@@ -57,14 +57,15 @@ class GpuParts:
 
 def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
-    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    dtype = getattr(torch, cfg.torch_dtype_name(on_gpu=True))
     path = Path(cfg.model) if cfg.model else default_model_path()
+    log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda")
     model, mcfg = load_model(path, dtype=dtype, device="cuda", random_weights=cfg.random_weights, seed=cfg.seed)
     g = cfg.geometry
-    max_tokens = min(g.max_prompt_tokens + g.max_output_tokens, mcfg.max_position_embeddings, 8192)
+    max_tokens = cfg.context_limit(mcfg.max_position_embeddings, cap=MAX_GRAPH_TOKENS)
     max_context = max_tokens
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
-    blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * KV_FRACTION // per_block)
+    blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
@@ -76,10 +77,17 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     cache = GraphCache(runner, decode_buckets(cfg.max_batch), prefill_buckets(cfg.max_batch, max_tokens),
                        device_launch=cfg.backend == "persistent")
     t0 = time.perf_counter()
-    graphs = cache.capture(progress=True)
+    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks)
+    graphs = cache.capture(progress=False, on_graph=capture_progress)
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
              kv_blocks=blocks, model=str(path), family=mcfg.family)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
+
+
+def capture_progress(k: int, n: int) -> None:
+    """A log line at every tenth of the graphs captured, and at the last."""
+    if k == n or k * 10 // n != (k - 1) * 10 // n:
+        log.info("capturing graphs", done=f"{k}/{n}")
 
 
 class PersistentEngine:

@@ -1,0 +1,164 @@
+"""``blink serve`` takes vLLM's flag names where the meaning matches, refuses the rest with what to do
+instead, shows every flag's default, and passes every flag on to the child that uses it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from blink.cli import EMBEDDED_MODEL, build_parser, main, served_names
+from blink.supervisor import ServeConfig, Supervisor
+from dpu_tokenizer.chat import ChatTemplateError, chat_template_from_arg
+from gpu_engine import serve as engine_serve
+from gpu_engine.backend import choose_backend
+from shared.config import EngineConfig
+
+
+def serve_ns(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def engine_of(argv: list[str]) -> EngineConfig:
+    return EngineConfig.from_namespace(serve_ns(argv))
+
+
+def children(argv: list[str]) -> Supervisor:
+    ns = serve_ns(argv)
+    return Supervisor(ServeConfig.from_args(ns, EngineConfig.from_namespace(ns)))
+
+
+def child_args(child_argv: list[str]) -> argparse.Namespace:
+    """A frontend child's command line (``python -m blink.cli SUB ...``) parsed by its own parser."""
+    assert child_argv[:3] == [sys.executable, "-m", "blink.cli"]
+    return build_parser().parse_args(child_argv[3:])
+
+
+def test_max_model_len_is_the_one_context_limit() -> None:
+    cfg = engine_of(["--max-model-len", "6144"])
+    assert cfg.geometry.max_prompt_tokens == 6143  # a 6,000-token prompt fits
+    assert cfg.context_limit(model_context=8192) == 6144
+    assert engine_of(["--max-model-len", "6144", "--max-prompt-tokens", "1000"]).geometry.max_prompt_tokens == 1000
+    with pytest.raises(ValueError, match="--max-model-len 6144 is more than the model's context .2048."):
+        cfg.context_limit(model_context=2048)
+    with pytest.raises(ValueError, match="what this backend runs"):
+        cfg.context_limit(model_context=16384, cap=4096)
+    assert engine_of([]).context_limit(model_context=8192) == 4096 + 2048  # unset: the slot's capacity
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-model-len", "6144"],
+    ["--max-model-len", "6144", "--max-prompt-tokens", "4096"],  # the default value, given: kept
+    ["--max-num-seqs", "12", "--gpu-memory-utilization", "0.8", "--dtype", "half", "--backend", "host"],
+    ["--max-batch", "12"],
+])
+def test_engine_flags_round_trip_through_the_supervisor(argv: list[str]) -> None:
+    cfg = engine_of(argv)
+    child = children(argv).engine.argv
+    assert engine_serve.parse_args(child[3:]) == cfg
+
+
+def test_max_num_seqs_and_its_alias_max_batch() -> None:
+    assert engine_of(["--max-num-seqs", "7"]).max_batch == engine_of(["--max-batch", "7"]).max_batch == 7
+
+
+def test_gpu_memory_utilization_is_the_gpu_kv_budget_and_refused_on_the_cpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert engine_of(["--gpu-memory-utilization", "0.9"]).kv_memory_fraction == 0.9
+    assert engine_of([]).kv_memory_fraction == 0.5
+    with pytest.raises(ValueError, match="the CPU backend's KV cache is sized by --kv-blocks"):
+        engine_of(["--backend", "cpu", "--gpu-memory-utilization", "0.9"])
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
+        engine_of(["--gpu-memory-utilization", "1.5"])
+    assert main(["serve", "--backend", "cpu", "--gpu-memory-utilization", "0.9"]) == 2
+    assert "--gpu-memory-utilization applies to the GPU backends" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "cpu", "gpu"), [("auto", "float32", "bfloat16"), ("half", "float16", "float16"),
+                                                   ("float16", "float16", "float16"),
+                                                   ("bfloat16", "bfloat16", "bfloat16")])
+def test_dtype_names(given: str, cpu: str, gpu: str) -> None:
+    cfg = engine_of(["--dtype", given])
+    assert (cfg.torch_dtype_name(on_gpu=False), cfg.torch_dtype_name(on_gpu=True)) == (cpu, gpu)
+
+
+def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:
+    assert engine_of([]).backend == "auto"
+    assert choose_backend(False, None, None)[0] == "cpu"
+    assert choose_backend(True, (9, 0), "/usr/local/cuda/bin/nvcc")[0] == "persistent"
+    assert choose_backend(True, (9, 0), None) == ("host", "sm_90 GPU but no nvcc to build the persistent scheduler")
+    assert choose_backend(True, (8, 0), "/usr/bin/nvcc")[0] == "host"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: tensor parallelism is not supported; Blink runs "
+     "one engine per GPU: see --data-parallel-size (planned)"),
+    (["-tp", "4"], "-tp 4: tensor parallelism is not supported"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not served yet"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser hermes: tool calling is not served yet"),
+    (["--quantization", "awq"], "Blink serves the weights as given"),
+    (["--trust-remote-code"], "Blink never runs a model's own code"),
+])
+def test_vllm_flags_blink_lacks_are_refused_with_what_to_do_instead(argv: list[str], message: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        serve_ns(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_vllm_flags_that_ask_for_nothing_different_are_accepted() -> None:
+    assert engine_of(["--tensor-parallel-size", "1", "-pp", "1", "--kv-cache-dtype", "auto"]) == engine_of([])
+
+
+def test_every_serve_flag_has_help_and_shows_its_default(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices["serve"]._actions:
+        if action.help == argparse.SUPPRESS or not action.option_strings:
+            continue
+        assert action.help, f"{action.option_strings[0]} has no help"
+        if action.default not in (None, False, argparse.SUPPRESS) and action.dest != "help":
+            assert f"(default: {action.default}" in shown or "(default: " in (action.help or ""), action.dest
+    for flag in ("--max-connections", "--header-timeout", "--body-timeout", "--keepalive-timeout"):
+        assert flag in shown
+    assert "--max-num-seqs N, --max-batch N" in shown
+
+
+def test_gateway_flags_reach_every_gateway(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    sup = children(["--gateways", "2", "--max-connections", "77", "--header-timeout", "3", "--body-timeout", "4",
+                    "--keepalive-timeout", "5", "--served-model-name", "a", "b", "--chat-template", str(template),
+                    "--tokenizer", str(tmp_path), "--disable-log-requests"])
+    for gw in sup.gateways:
+        a = child_args(gw.argv)
+        assert (a.max_connections, a.header_timeout, a.body_timeout, a.keepalive_timeout) == (77, 3.0, 4.0, 5.0)
+        assert a.served_model_name == ["a", "b"] and a.chat_template == str(template)
+        assert a.tokenizer == str(tmp_path) and a.disable_log_requests
+    tokenizer = child_args(next(c for c in sup.services if c.name == "tokenizer").argv)
+    assert tokenizer.tokenizer == str(tmp_path)
+
+
+def test_served_names() -> None:
+    assert served_names(None, None) == (EMBEDDED_MODEL, ("SmolLM2-135M-Instruct",))
+    assert EMBEDDED_MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert served_names(None, "/m/Qwen2.5-0.5B/") == ("Qwen2.5-0.5B", ())
+    assert served_names(["x", "y"], None) == ("x", ("y",))
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat_template_from_arg(str(f)) == f.read_text()
+    assert chat_template_from_arg("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ChatTemplateError, match="neither a file nor Jinja"):
+        chat_template_from_arg(str(tmp_path / "missing.jinja"))
+    assert main(["serve", "--chat-template", "{% for %}"]) == 2
+    assert "--chat-template: chat template does not compile" in capsys.readouterr().err
