@@ -109,9 +109,23 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was set up: a process (or a
+    test runner) that replaces or closes the stream it had keeps logging to the one it has now."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
+
+
 def _stdlib_handler(renderer: Any, level: int) -> logging.Handler:
     """Library records (aiohttp's bad-request and access logs, asyncio) rendered like our own lines."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setLevel(max(level, logging.WARNING))
     handler.addFilter(RepeatFilter())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
@@ -152,7 +166,7 @@ def setup_logging(service: str, *, level: str | None = None, json: bool | None =
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_STDERR),  # type: ignore[arg-type]  # write and flush suffice
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
