@@ -18,8 +18,8 @@ import torch
 from gpu_engine.backend import Backend, CpuFormats, Servable, kv_blocks_for
 from gpu_engine.engine import RingEngine
 from gpu_engine.kv_cache import KVCache
-from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.cpu_pack import pack_for_cpu
+from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
 from gpu_engine.runner import TorchRunner
