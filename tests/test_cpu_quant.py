@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from gpu_engine.backend import CpuFormats
 from gpu_engine.kernels.cpu_attention import paged_attention_cpu, paged_attention_ref
-from gpu_engine.kernels.cpu_linear import EMBED_GROUP, GroupInt8Embedding, PackedLinear
+from gpu_engine.kernels.cpu_linear import EMBED_GROUP, GroupInt8Embedding, Int4Linear, PackedLinear
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import build_metadata
 from gpu_engine.models.cpu_pack import pack_for_cpu
@@ -39,6 +39,23 @@ def test_packed_linear_is_fp32_arithmetic_on_fp16_weights() -> None:
         lin(x.bfloat16())
     with pytest.raises(ValueError, match="64"):
         lin(torch.randn(2, 32))
+
+
+def test_int4_linear_recovers_q4_1_codes() -> None:
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (64, 128), generator=gen).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # Q4_1: each group spans codes 0..15
+    step = (torch.rand(64, 4, generator=gen) * 0.01).half().float().repeat_interleave(32, 1)
+    low = (-torch.rand(64, 4, generator=gen) * 0.05).half().float().repeat_interleave(32, 1)
+    weight = codes * step + low
+    lin = Int4Linear(weight)
+    # bf16 scales and offsets: each weight within 2**-8 of its group's magnitude
+    assert float((lin.reference_weight() - weight).abs().max()) <= 2**-8 * float(weight.abs().max())
+    x = torch.randn(3, 128, generator=gen)
+    want = x @ weight.T
+    assert float((lin(x) - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    with pytest.raises(ValueError, match="float32"):
+        lin(x.half())
 
 
 def test_group_int8_embedding_is_lossless_on_q8_0_values() -> None:

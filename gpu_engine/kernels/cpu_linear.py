@@ -74,3 +74,44 @@ class GroupInt8Embedding(nn.Module):
     def reference_weight(self) -> torch.Tensor:
         """The whole table dequantized to float32 [V, H]."""
         return self.forward(torch.arange(self.num_embeddings))
+
+
+INT4_GROUP = 32
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T`` with ``W`` as 4-bit codes, groups of 32 along ``in`` with a scale and a minimum each (the
+    Q4_1 layout), through ``aten._weight_int4pack_mm_for_cpu``: bf16 activations and scales, fp32 in and out.
+
+    Built from Q4_1-dequantized values the codes come back exactly (a group's minimum is its code 0 and its
+    maximum its code 15); the scales and offsets are rounded to bf16 (relative error <= 2**-9)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        check("weight", weight, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(None, None))
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        if self.in_features % INT4_GROUP:
+            raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of {INT4_GROUP}")
+        groups = weight.to(torch.float32).reshape(self.out_features, -1, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        step = (high - low) / 15
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+        self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.reshape(self.out_features, self.in_features), 8))
+        # the kernel computes (code - 8) * scale + zero
+        zero = low + 8 * step
+        self.scale_zero = nn.Buffer(torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Int4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        return y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
+
+    def reference_weight(self) -> torch.Tensor:
+        """The stored weight as float32 [out, in]."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        sz = self.scale_zero.to(torch.float32)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye.float(), self.packed, INT4_GROUP, sz).t()

@@ -14,20 +14,21 @@ import ctypes.util
 import torch
 from torch import nn
 
-from gpu_engine.kernels.cpu_linear import GroupInt8Embedding, PackedLinear
+from gpu_engine.kernels.cpu_linear import GroupInt8Embedding, Int4Linear, PackedLinear
 from gpu_engine.models.decoder import CausalLM
 
 
-def pack_for_cpu(model: CausalLM) -> CausalLM:
+def pack_for_cpu(model: CausalLM, int4_layers: bool = False) -> CausalLM:
     """Replace the float32 linears and embedding of ``model`` by their packed CPU forms; returns it."""
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise ValueError(f"pack_for_cpu: needs a float32 CPU model, found {p.dtype} on {p.device}")
     if model.config.tie_word_embeddings:
-        model.lm_head = PackedLinear(model.embed.weight)
+        model.lm_head = PackedLinear(model.embed.weight)  # type: ignore[assignment]
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not isinstance(module, PackedLinear):
-            _replace(model, name, PackedLinear(module.weight, module.bias))
+            int4 = int4_layers and module.bias is None and name.startswith("layers.")
+            _replace(model, name, Int4Linear(module.weight) if int4 else PackedLinear(module.weight, module.bias))
     model.embed = GroupInt8Embedding(model.embed.weight)  # type: ignore[assignment]
     _release_freed_memory()
     return model
