@@ -86,7 +86,7 @@ def free_port() -> int:
 
 
 def start_llama(binary: Path, gguf: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
-    slot_ctx = 4096
+    slot_ctx = 2048  # each of the 8 slots holds the 1,969-token prompt; llama.cpp allocates its KV up front
     return subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                              "-t", str(threads), "-np", str(CONCURRENT), "-c", str(slot_ctx * CONCURRENT),
                              "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -149,7 +149,9 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, prompt: l
 
 async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
                          rss: Callable[[], float]) -> dict[str, float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    # a new connection per request: llama-server closes idle keep-alive connections under the client
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as s:
         await stream(s, url, model, prompts["short"], 8)  # warm-up
         t = await stream(s, url, model, prompts["short"], DECODE_TOKENS)
         decode = (len(t) - 1) / (t[-1] - t[0])
@@ -170,14 +172,16 @@ async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> str:
-    """The served model name once ``/v1/models`` answers."""
+    """The served model name once ``/health`` and ``/v1/models`` answer."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
+        try:  # both servers answer /health with 200 once they can serve
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                pass
             with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
                 return str(json.load(r)["data"][0]["id"])
         except (OSError, KeyError, IndexError, ValueError):
