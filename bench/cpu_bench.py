@@ -83,7 +83,8 @@ def main() -> None:
         print(f"batch {b:3d}: blink {ours:8.1f} tok/s   transformers {theirs:8.1f} tok/s   x{ours / theirs:.2f}",
               flush=True)
     result = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "cores": os.cpu_count(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",
+              "cores": os.cpu_count(),
+              "model": "SmolLM2-135M-Instruct (GGUF Q4_1; --dtype auto: fp16-packed linears, int8 embedding, fp16 KV)",
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

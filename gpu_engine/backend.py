@@ -42,6 +42,30 @@ class Backend:
     make_engine: Callable[[Ring], Servable] | None = None  # persistent mode: its own engine
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CpuFormats:
+    """How the CPU backend holds a model: ``packed`` linears (fp16 weights, fp32 arithmetic) or dense ones
+    of ``weight_dtype``, and the KV cache's dtype. ``--dtype auto`` is packed with an fp16 cache;
+    ``float32`` is every tensor dequantized to fp32 (the arithmetic of ``transformers`` on the same
+    weights); ``bfloat16`` and ``float16``/``half`` are dense weights and cache of that type."""
+
+    packed: bool
+    weight_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> CpuFormats:
+        if dtype == "auto":
+            return cls(packed=True, weight_dtype=torch.float32, kv_dtype=torch.float16)
+        if dtype == "float32":
+            return cls(packed=False, weight_dtype=torch.float32, kv_dtype=torch.float32)
+        if dtype == "bfloat16":
+            return cls(packed=False, weight_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+        if dtype in ("float16", "half"):
+            return cls(packed=False, weight_dtype=torch.float16, kv_dtype=torch.float16)
+        raise ValueError(f"--dtype {dtype!r}: the CPU backend takes auto, float32, bfloat16, float16 or half")
+
+
 def kv_blocks_for(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     """KV cache blocks on the CPU: ``--kv-blocks``, else as many as ``CPU_KV_BYTES`` holds."""
     if cfg.kv_blocks:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -69,6 +71,15 @@ class BlockAllocator:
             self._free.append(b)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on the CPU from ``calloc``ed memory, so a page becomes resident only once written
+    (the cache's resident size follows the blocks in use, not ``num_blocks``)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     """Per layer ``k[i]`` / ``v[i]`` tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 
@@ -84,8 +95,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
         self.allocator = BlockAllocator(num_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:

@@ -15,9 +15,10 @@ from types import FrameType
 
 import torch
 
-from gpu_engine.backend import Backend, Servable, kv_blocks_for, resolve_backend
+from gpu_engine.backend import Backend, CpuFormats, Servable, kv_blocks_for, resolve_backend
 from gpu_engine.engine import RingEngine
 from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.cpu_pack import pack_for_cpu
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
@@ -45,16 +46,20 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
 
 def build_cpu_backend(cfg: EngineConfig) -> Backend:
     """Load the model and build KV cache, policy and runner on the CPU."""
-    dtype = getattr(torch, cfg.torch_dtype_name(on_gpu=False))
+    fmt = CpuFormats.for_dtype(cfg.dtype)
     path = Path(cfg.model) if cfg.model else default_model_path()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.cpu_threads)
-    log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cpu")
-    model, mcfg = load_model(path, dtype=dtype, device="cpu", random_weights=cfg.random_weights, seed=cfg.seed)
-    kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, dtype), cfg.block_size, dtype=dtype, device="cpu")
+    log.info("loading weights", model=str(path), dtype=cfg.dtype, device="cpu")
+    model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
+                             seed=cfg.seed)
+    if fmt.packed:
+        pack_for_cpu(model)
+    kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=max(2048, max_context))
     log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
+             weights="fp16 packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context)
     return Backend(TorchRunner(model, kv), policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
 

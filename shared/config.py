@@ -49,8 +49,9 @@ class EngineConfig:
     backend: str = _flag("auto", "cpu: PyTorch on the CPU; host: host-driven GPU loop; persistent: the "
                          "persistent GPU scheduler; auto: persistent on an sm_90 GPU with nvcc, host on another "
                          "CUDA GPU, cpu without one (resolved once by the engine, and logged)", choices=BACKENDS)
-    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: float32 on the CPU, bfloat16 on "
-                       "a GPU", choices=DTYPES)
+    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: on the CPU, fp16-packed linears "
+                       "with fp32 arithmetic and an fp16 KV cache (float32: everything fp32), bfloat16 on a GPU",
+                       choices=DTYPES)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
@@ -81,10 +82,11 @@ class EngineConfig:
         """Of the GPU memory free after loading, what the KV cache takes when --kv-blocks is 0."""
         return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
 
-    def torch_dtype_name(self, on_gpu: bool) -> str:
-        """The torch dtype of weights and KV cache: ``auto`` and ``half`` resolved."""
+    def gpu_torch_dtype_name(self) -> str:
+        """The torch dtype of weights and KV cache on a GPU: ``auto`` and ``half`` resolved (the CPU backend's
+        formats are ``gpu_engine.backend.CpuFormats``)."""
         if self.dtype == "auto":
-            return "bfloat16" if on_gpu else "float32"
+            return "bfloat16"
         return "float16" if self.dtype == "half" else self.dtype
 
     def context_limit(self, model_context: int, cap: int | None = None) -> int:

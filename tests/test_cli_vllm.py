@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blink.cli import EMBEDDED_MODEL, build_parser, main, served_names
 from blink.supervisor import ServeConfig, Supervisor
 from dpu_tokenizer.chat import ChatTemplateError, chat_template_from_arg
 from gpu_engine import serve as engine_serve
-from gpu_engine.backend import choose_backend
+from gpu_engine.backend import CpuFormats, choose_backend
 from shared.config import EngineConfig
 
 
@@ -76,12 +77,16 @@ def test_gpu_memory_utilization_is_the_gpu_kv_budget_and_refused_on_the_cpu(
     assert "--gpu-memory-utilization applies to the GPU backends" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("given", "cpu", "gpu"), [("auto", "float32", "bfloat16"), ("half", "float16", "float16"),
-                                                   ("float16", "float16", "float16"),
-                                                   ("bfloat16", "bfloat16", "bfloat16")])
-def test_dtype_names(given: str, cpu: str, gpu: str) -> None:
+@pytest.mark.parametrize(("given", "cpu", "gpu"), [
+    ("auto", (True, torch.float32, torch.float16), "bfloat16"),
+    ("float32", (False, torch.float32, torch.float32), "float32"),
+    ("half", (False, torch.float16, torch.float16), "float16"),
+    ("float16", (False, torch.float16, torch.float16), "float16"),
+    ("bfloat16", (False, torch.bfloat16, torch.bfloat16), "bfloat16")])
+def test_dtype_names(given: str, cpu: tuple[bool, torch.dtype, torch.dtype], gpu: str) -> None:
     cfg = engine_of(["--dtype", given])
-    assert (cfg.torch_dtype_name(on_gpu=False), cfg.torch_dtype_name(on_gpu=True)) == (cpu, gpu)
+    fmt = CpuFormats.for_dtype(cfg.dtype)
+    assert ((fmt.packed, fmt.weight_dtype, fmt.kv_dtype), cfg.gpu_torch_dtype_name()) == (cpu, gpu)
 
 
 def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:

@@ -57,7 +57,7 @@ class GpuParts:
 
 def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
-    dtype = getattr(torch, cfg.torch_dtype_name(on_gpu=True))
+    dtype = getattr(torch, cfg.gpu_torch_dtype_name())
     path = Path(cfg.model) if cfg.model else default_model_path()
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda")
     model, mcfg = load_model(path, dtype=dtype, device="cuda", random_weights=cfg.random_weights, seed=cfg.seed)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from gpu_engine.kernels.cpu_attention import paged_attention_cpu
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.layers import RMSNorm
 from gpu_engine.models.rope import apply_rotary
@@ -87,29 +88,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal GQA attention of packed queries q [T, H, D] over each sequence's cached context.
 
     Query at position p sees cache positions 0..p of its own sequence, or only the last
-    ``window`` of them (p - window < k <= p) with a sliding window. Computed in float32.
+    ``window`` of them (p - window < k <= p) with a sliding window. Computed in float32, every
+    sequence of the step batched together (``kernels.cpu_attention``).
     """
-    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // kv_heads
-    out = torch.empty_like(q)
-    bounds = meta.cu_seqlens_q.tolist()
-    for b, ctx in enumerate(meta.context_lens.tolist()):
-        start, end = bounds[b], bounds[b + 1]
-        blocks = meta.block_tables[b, : -(-ctx // block_size)].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].to(torch.float32)
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].to(torch.float32)
-        qs = q[start:end].to(torch.float32).reshape(end - start, kv_heads, group, head_dim)
-        scores = torch.einsum("nkgd,ckd->kgnc", qs, k) * scale
-        key_pos = torch.arange(ctx, device=q.device)
-        q_pos = meta.positions[start:end, None]
-        visible = key_pos[None, :] <= q_pos
-        if window is not None:
-            visible &= key_pos[None, :] > q_pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("kgnc,ckd->nkgd", probs, v)
-        out[start:end] = o.reshape(end - start, kv_heads * group, head_dim).to(q.dtype)
-    return out
+    return paged_attention_cpu(q, k_cache, v_cache, meta.positions, meta.cu_seqlens_q, meta.context_lens,
+                               meta.block_tables, scale, window)
 
 
 class Attention(nn.Module):
@@ -131,13 +114,15 @@ class Attention(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim), qkv[:, q_size : q_size + kv_size]
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k.reshape(t, -1, self.head_dim)),
+                                                                         cos, sin)
+        else:  # one rotation for the query and key heads together
+            qk = apply_rotary(qkv[:, : q_size + kv_size].reshape(t, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)

@@ -1,0 +1,284 @@
+"""Blink's embedded CPU mode against llama.cpp's ``llama-server`` and ``transformers``, on the same GGUF.
+
+llama.cpp is built from the source tree that PyPI's ``llama-cpp-python`` sdist carries in
+``vendor/llama.cpp`` (CPU, ``GGML_NATIVE``, ``llama-server`` only), cached under ``.cache/llama_cpp``.
+The two servers run one at a time, each spoken to by the same client with the same requests
+(streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
+one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
+prompt's prefill tokens/s, and the resident memory of all the server's processes. ``transformers``
+``generate`` runs in-process on the same weights dequantized to fp32.
+
+    python -m bench.cpu_peer                      # build (once), run all three, write the JSON
+    python -m bench.cpu_peer --only blink         # one side (the others' columns stay null)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+LLAMA_CPP_PYTHON = "0.3.36"
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "llama_cpp"
+OUT = ROOT / "bench" / "results" / "cpu_peer.json"
+DECODE_TOKENS, TTFT_PROMPT, CONCURRENT, LONG_PROMPT = 128, 33, 8, 1969
+ROWS = (  # metric, unit, higher_is_better
+    ("one stream decode", "tokens/s", True),
+    ("one stream TTFT (33-token prompt)", "ms", False),
+    ("8 concurrent streams, total output", "tokens/s", True),
+    ("1,969-token prompt prefill", "tokens/s", True),
+    ("resident memory, all processes", "MiB", False),
+)
+
+
+# ---------------------------------------------------------------------- llama.cpp build
+def build_llama_server(pin: str = LLAMA_CPP_PYTHON) -> Path:
+    """``llama-server`` built from the ``llama-cpp-python==pin`` sdist's vendored llama.cpp (cached)."""
+    binary = CACHE / f"build-{pin}" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    src = _unpack_sdist(pin) / "vendor" / "llama.cpp"
+    build = CACHE / f"build-{pin}"
+    nice = ["nice", "-n", "19"]
+    subprocess.run(nice + ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                           "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_CUDA=OFF"], check=True)
+    subprocess.run(nice + ["cmake", "--build", str(build), "--target", "llama-server", "-j",
+                           str(os.cpu_count() or 2)], check=True)
+    if not binary.is_file():
+        raise RuntimeError(f"build finished but {binary} is missing")
+    return binary
+
+
+def _unpack_sdist(pin: str) -> Path:
+    tree = CACHE / f"llama_cpp_python-{pin}"
+    if (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        return tree
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                    f"llama-cpp-python=={pin}", "-d", str(CACHE)], check=True)
+    archive = next(CACHE.glob(f"llama_cpp_python-{pin}.tar.gz"))
+    shutil.unpack_archive(str(archive), str(CACHE))
+    return tree
+
+
+# ---------------------------------------------------------------------- servers
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_llama(binary: Path, gguf: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
+    slot_ctx = 2048  # each of the 8 slots holds the 1,969-token prompt; llama.cpp allocates its KV up front
+    return subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(threads), "-np", str(CONCURRENT), "-c", str(slot_ctx * CONCURRENT),
+                             "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_blink(port: int, run_dir: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--run-dir", str(run_dir),
+                             "--max-prompt-tokens", "2048", "--max-output-tokens", "256"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+    return total / 2**20
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------------- the client
+async def stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                 max_tokens: int) -> list[float]:
+    """Arrival times (perf_counter) of the streamed tokens of one greedy ``ignore_eos`` completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    times: list[float] = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
+                         rss: Callable[[], float]) -> dict[str, float]:
+    # a new connection per request: llama-server closes idle keep-alive connections under the client
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as s:
+        await stream(s, url, model, prompts["short"], 8)  # warm-up
+        t = await stream(s, url, model, prompts["short"], DECODE_TOKENS)
+        decode = (len(t) - 1) / (t[-1] - t[0])
+        ttfts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            first = await stream(s, url, model, prompts["short"], 1)
+            ttfts.append((first[0] - t0) * 1e3)
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(stream(s, url, model, prompts[f"c{i}"], DECODE_TOKENS)
+                                      for i in range(CONCURRENT)))
+        concurrent = sum(len(r) for r in runs) / (max(r[-1] for r in runs) - t0)
+        t0 = time.perf_counter()
+        first = await stream(s, url, model, prompts["long"], 1)
+        prefill = LONG_PROMPT / (first[0] - t0)
+        return {"decode": decode, "ttft": float(np.median(ttfts)), "concurrent": concurrent, "prefill": prefill,
+                "rss": rss()}
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> str:
+    """The served model name once ``/health`` and ``/v1/models`` answer."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:  # both servers answer /health with 200 once they can serve
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                pass
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                return str(json.load(r)["data"][0]["id"])
+        except (OSError, KeyError, IndexError, ValueError):
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
+
+
+def run_server(proc: subprocess.Popen[bytes], port: int, prompts: dict[str, list[int]]) -> dict[str, float]:
+    url = f"http://127.0.0.1:{port}"
+    try:
+        model = wait_ready(url, proc)
+        return asyncio.run(measure_server(url, model, prompts, lambda: tree_rss_mib(proc.pid)))
+    finally:
+        stop(proc)
+
+
+# ---------------------------------------------------------------------- transformers, in-process
+def run_transformers(gguf: Path, prompts: dict[str, list[int]], threads: int) -> dict[str, float]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32).eval()
+
+    def generate(ids: list[list[int]], n: int) -> float:
+        x = torch.tensor(ids, dtype=torch.int64)
+        t0 = time.perf_counter()
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        generate([prompts["short"]], 4)
+        ttft = float(np.median([generate([prompts["short"]], 1) for _ in range(5)]))
+        decode = (DECODE_TOKENS - 1) / (generate([prompts["short"]], DECODE_TOKENS) - ttft)
+        batch = [prompts[f"c{i}"] for i in range(CONCURRENT)]
+        concurrent = CONCURRENT * DECODE_TOKENS / generate(batch, DECODE_TOKENS)
+        prefill = LONG_PROMPT / generate([prompts["long"]], 1)
+    rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return {"decode": decode, "ttft": ttft * 1e3, "concurrent": concurrent, "prefill": prefill, "rss": rss}
+
+
+# ---------------------------------------------------------------------- main
+def make_prompts(vocab: int = 49152) -> dict[str, list[int]]:
+    """Fixed token-id prompts (ordinary-token range, seeded): the same requests for every server."""
+    rng = np.random.default_rng(0)
+    draw = lambda n: [1] + rng.integers(200, vocab - 200, n - 1).tolist()  # noqa: E731 - BOS then tokens
+    out = {"short": draw(TTFT_PROMPT), "long": draw(LONG_PROMPT)}
+    out.update({f"c{i}": draw(TTFT_PROMPT) for i in range(CONCURRENT)})
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'metric':40s} {'unit':9s} {'blink':>9s} {'llama.cpp':>10s} {'transformers':>13s}"]
+    for r in result["rows"]:
+        cells = [f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("blink", "llama_cpp", "transformers")]
+        lines.append(f"{r['metric']:40s} {r['unit']:9s} {cells[0]:>9s} {cells[1]:>10s} {cells[2]:>13s}")
+    return "\n".join(lines)
+
+
+def rows_of(results: dict[str, dict[str, float] | None]) -> list[dict[str, Any]]:
+    keys = ("decode", "ttft", "concurrent", "prefill", "rss")
+    return [{"metric": m, "unit": u, "higher_is_better": h,
+             **{side: (None if res is None else round(res[k], 2)) for side, res in results.items()}}
+            for (m, u, h), k in zip(ROWS, keys, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("blink", "llama_cpp", "transformers"), action="append")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp and transformers threads")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--note", default="", help="written into the JSON (e.g. how busy the machine was)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from gpu_engine.models.loader import default_model_path  # noqa: PLC0415 - after the path is set
+
+    gguf, prompts, sides = default_model_path(), make_prompts(), args.only or ["blink", "llama_cpp", "transformers"]
+    results: dict[str, dict[str, float] | None] = {"blink": None, "llama_cpp": None, "transformers": None}
+    if "llama_cpp" in sides:
+        binary, port = build_llama_server(), free_port()
+        results["llama_cpp"] = run_server(start_llama(binary, gguf, port, args.threads), port, prompts)
+    if "blink" in sides:
+        port = free_port()
+        with tempfile.TemporaryDirectory(prefix="blink-peer-") as run_dir:
+            results["blink"] = run_server(start_blink(port, Path(run_dir)), port, prompts)
+    if "transformers" in sides:
+        results["transformers"] = run_transformers(gguf, prompts, args.threads)
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                         f"load average {os.getloadavg()[0]:.1f} at the end. {args.note}".strip(),
+              "rows": rows_of(results)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

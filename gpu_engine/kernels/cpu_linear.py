@@ -1,0 +1,117 @@
+"""CPU weight formats that keep a quantized checkpoint small: packed fp16 linears and group-int8 embeddings.
+
+``PackedLinear`` holds its weight as fp16 in fbgemm's packed GEMM layout (``quantized.linear_prepack_fp16``)
+and multiplies fp32 activations with fp32 accumulation: a GGUF Q4_1/Q8_0 weight (``d * q + m`` with fp16
+``d``, ``m``) is stored to within fp16 rounding (relative error <= 2**-11 per weight), a quarter of fp32's
+bytes, and the kernel converts it in registers (AVX2 F16C) so no dequantized copy ever exists.
+
+``GroupInt8Embedding`` keeps the token table as int8 with one fp32 scale per group of 32 along the hidden
+dim (the Q8_0 layout): rows are dequantized only when looked up. Built from Q8_0-dequantized values the
+int8 codes and scales come back exactly (the group's largest code is 127); from other weights each value
+is within half a step (``max|w| / 254`` of its group).
+
+Both have a float32 reference (``reference_weight``) that the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_engine.kernels._checks import check
+
+EMBED_GROUP = 32
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` [out, in] stored as packed fp16 (``b`` float32); x, y float32 [..., in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        check("weight", weight, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(None, None))
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        if bias is not None:
+            check("bias", bias, shape=(self.out_features,))
+            bias = bias.to(torch.float32).contiguous()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight.to(torch.float32).contiguous(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"PackedLinear: expected float32 [..., {self.in_features}], "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+
+    def reference_weight(self) -> torch.Tensor:
+        """The stored weight as float32 [out, in] (its fp16 values), for tests and references."""
+        w, _ = torch.ops.quantized.linear_unpack_fp16(self._packed)
+        return w.to(torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 packed"
+
+
+class GroupInt8Embedding(nn.Module):
+    """Token embedding as int8 codes [V, H] with fp32 scales [V, H / 32]; lookups return float32 [T, H]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        check("weight", weight, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(None, None))
+        vocab, hidden = int(weight.shape[0]), int(weight.shape[1])
+        if hidden % EMBED_GROUP:
+            raise ValueError(f"GroupInt8Embedding: hidden size {hidden} is not a multiple of {EMBED_GROUP}")
+        groups = weight.to(torch.float32).reshape(vocab, hidden // EMBED_GROUP, EMBED_GROUP)
+        scale = groups.abs().amax(-1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(groups / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        self.codes = nn.Buffer(codes.reshape(vocab, hidden))
+        self.scales = nn.Buffer(scale.contiguous())
+        self.num_embeddings, self.embedding_dim = vocab, hidden
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[ids].to(torch.float32).view(-1, self.embedding_dim // EMBED_GROUP, EMBED_GROUP)
+        return (rows * self.scales[ids].view(-1, rows.shape[1], 1)).view(*ids.shape, self.embedding_dim)
+
+    def reference_weight(self) -> torch.Tensor:
+        """The whole table dequantized to float32 [V, H]."""
+        return self.forward(torch.arange(self.num_embeddings))
+
+
+INT4_GROUP = 32
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T`` with ``W`` as 4-bit codes, groups of 32 along ``in`` with a scale and a minimum each (the
+    Q4_1 layout), through ``aten._weight_int4pack_mm_for_cpu``: bf16 activations and scales, fp32 in and out.
+
+    Built from Q4_1-dequantized values the codes come back exactly (a group's minimum is its code 0 and its
+    maximum its code 15); the scales and offsets are rounded to bf16 (relative error <= 2**-9)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        check("weight", weight, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(None, None))
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        if self.in_features % INT4_GROUP:
+            raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of {INT4_GROUP}")
+        groups = weight.to(torch.float32).reshape(self.out_features, -1, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        step = (high - low) / 15
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+        self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.reshape(self.out_features, self.in_features), 8))
+        # the kernel computes (code - 8) * scale + zero
+        zero = low + 8 * step
+        self.scale_zero = nn.Buffer(torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Int4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        return y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
+
+    def reference_weight(self) -> torch.Tensor:
+        """The stored weight as float32 [out, in]."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        sz = self.scale_zero.to(torch.float32)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye.float(), self.packed, INT4_GROUP, sz).t()
