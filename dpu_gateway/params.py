@@ -65,7 +65,7 @@ def check_common(req: _Common, limits: Limits) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(400, f"each stop string may be at most {MAX_STOP_CHARS} characters long", param="stop",
                        code="invalid_value")
-    if len(req.stop_token_ids or ()) > MAX_STOP_IDS:
+    if len(set(req.stop_token_ids or ())) > MAX_STOP_IDS:  # repeats are merged before they reach the ring
         raise APIError(400, f"stop_token_ids may hold at most {MAX_STOP_IDS} ids", param="stop_token_ids",
                        code="invalid_value")
     if req.include_stop_str_in_output and req.stop_token_ids:
@@ -101,7 +101,7 @@ def logit_bias(req: _Common, limits: Limits) -> tuple[tuple[int, float], ...]:
                        param="logit_bias", code="invalid_value")
     out: dict[int, float] = {}
     for key, bias in raw.items():
-        tok = int(key) if key.strip().isdigit() else -1
+        tok = int(key) if key.isascii() and key.isdigit() else -1  # int() would also take '１２' or ' 12'
         if tok < 0 or (limits.vocab_size and tok >= limits.vocab_size):
             bound = f" in [0, {limits.vocab_size})" if limits.vocab_size else ""
             raise APIError(400, f"logit_bias keys must be token ids{bound}, got {key!r}", param="logit_bias",

@@ -57,10 +57,10 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
   echo $! >"$SOAK/pid"
   sleep "${SOAK_PEEK_S:-30}"; tail -n 5 "$SOAK/soak.log"
 }
-# The peer study (bench/peers): one system per call, started once, serving every rate and co-tenant level of
-# the call; results merge into bench/results/peers.json (it travels with the tree) and are copied to OUTDIR.
-#   peers_vllm   vLLM 0.26 from the offline kit. Its parts (vllmkit.tar.xz.part*, SHA256SUMS, install.sh,
-#                check_deps.py) are gathered in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/) over earlier calls;
+# The peer study (bench/peers): one system per invocation, started once, serving every rate and co-tenant level
+# given; results merge into bench/results/peers.json (kept in the tree) and are copied to OUTDIR.
+#   peers_vllm   vLLM 0.26 from an offline wheel bundle whose parts (vllmkit.tar.xz.part*, SHA256SUMS, install.sh,
+#                check_deps.py) are in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/; they may be copied there in turns);
 #                the step runs install.sh there once (-> /tmp/vllm-site) unless /tmp/vllm-site/env.sh exists.
 #                vLLM's first start compiles (80-123 s).
 #   peers_blink  Blink persistent;   peers_host  Blink host-driven.

@@ -174,6 +174,7 @@ class RdmaTransport(Transport):
         return self.poster.staging[:nbytes]
 
     def read(self, offset: int, nbytes: int) -> bytes:
+        self.poster.wait()  # a READ lands in the staging buffer: earlier WRITEs must have left it
         self._staged(nbytes)
         self.poster.post(plan_read(offset, nbytes, self.size, self.poster.max_message))
         self.poster.wait()

@@ -11,7 +11,6 @@ import contextlib
 import ctypes as C
 import functools
 import hashlib
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from gpu_engine.backend import find_nvcc
 from gpu_engine.gpu import sched_structs
 from gpu_engine.gpu.sched_structs import MAX_EOS, SAMPLES, SchedConfig
 from shared.env import env
@@ -75,7 +75,7 @@ def build_library(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
     lib = library_path(arch, phase_clocks)
     if lib.exists():
         return lib
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    nvcc = find_nvcc() or "nvcc"  # the one lookup --backend auto also uses
     lib.parent.mkdir(parents=True, exist_ok=True)
     compute = arch.replace("sm_", "compute_")
     flags = [PHASE_CLOCKS_FLAG] if phase_clocks else []
