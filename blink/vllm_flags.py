@@ -39,9 +39,6 @@ REFUSED = (
     Refused(("--speculative-config",), "speculative decoding is not supported"),
     Refused(("--enable-prefix-caching",), "prefix caching is not implemented; every prompt is prefilled",
             takes_value=False),
-    Refused(("--enable-chunked-prefill",), "prompts are prefilled whole, batched by the engine's policy",
-            takes_value=False),
-    Refused(("--max-num-batched-tokens",), "the prefill token budget follows --max-model-len"),
     Refused(("--enforce-eager",), "the GPU backends always replay captured graphs (the CPU backend has "
             "none): pick --backend cpu|host|persistent", takes_value=False),
     Refused(("--trust-remote-code",), "Blink never runs a model's own code; it serves its built-in "
@@ -70,8 +67,17 @@ class RefuseAction(argparse.Action):
         parser.error(f"{shown}: {r.instead}")
 
 
+# vLLM switches that turn on what Blink does by default: accepted, and they change nothing.
+DEFAULT_ON = (
+    ("--enable-chunked-prefill", "chunked prefill is on by default (--no-enable-chunked-prefill turns it off)"),
+)
+
+
 def add_refused_flags(ap: argparse.ArgumentParser) -> None:
-    """vLLM's flags that Blink lacks, in a help group of their own."""
+    """vLLM's flags that Blink lacks, in a help group of their own; its switches for Blink's defaults."""
+    for name, what in DEFAULT_ON:
+        ap.add_argument(name, action="store_true", dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                        help=f"accepted: {what}")
     group = ap.add_argument_group("vLLM flags Blink does not take (each refused with what to do instead)")
     for r in REFUSED:
         accepted = f" (accepted: {r.harmless})" if r.harmless is not None else ""

@@ -116,11 +116,11 @@ class RingEngine:
         starts = [len(w.req.output) for w in plan.work]
         results = self.policy.commit(plan, out.tokens, self.eos_ids)
         self.steps += 1
-        self.prompt_tokens += plan.num_tokens if plan.kind == "prefill" else 0
-        for b, ((req, tok, reason), start) in enumerate(zip(results, starts, strict=True)):
+        self.prompt_tokens += plan.prompt_tokens
+        for b, ((req, tok, reason), start, w) in enumerate(zip(results, starts, plan.work, strict=True)):
             if len(req.output) > start:
                 self._publish(req, b, start, tok, out)
-            if plan.kind == "prefill" and reason == Finish.NONE:
+            if w.prefill and w.samples and reason == Finish.NONE:
                 self.slots.set_state(req.slot, S.DECODE_PROCESSING)
             if reason != Finish.NONE:
                 self._complete(req, reason)
@@ -147,7 +147,7 @@ class RingEngine:
     def publish_stats(self) -> None:
         p = self.policy
         self.ring.stats_store("running", len(p.running))
-        self.ring.stats_store("waiting", len(p.waiting) + len(p.paused))
+        self.ring.stats_store("waiting", p.num_pending)
         self.ring.stats_store("kv_blocks_total", p.alloc.num_total)
         self.ring.stats_store("kv_blocks_free", p.alloc.num_free)
         self.ring.stats_store("steps", self.steps)

@@ -1,24 +1,37 @@
-"""The scheduling policy, written once: FCFS continuous batching with inline prefill.
+"""The scheduling policy, written once: FCFS continuous batching with chunked prefill.
 
 Plain Python, no model code. The CPU engine and the host-driven GPU engine call it every step;
-the persistent CUDA scheduler (``gpu_engine/csrc/scheduler.cu``) implements the same rules, and
+the persistent CUDA scheduler (``gpu_engine/csrc/sched_policy.cuh``) implements the same rules, and
 ``docs/POLICY.md`` maps each function here to its place there.
 
-A step is either a **prefill** of newly admitted (or resumed) requests or a **decode** of the
-running batch. New prompts are admitted inline, ahead of the next decode, when
+**Chunked prefill** (the default). Every step has a token budget (``--max-num-batched-tokens``).
+Every running request gets its decode token first; the rest of the budget goes to prefill chunks
+in FCFS order: the request whose prefill is under way (at most one: only the last request admitted
+to a step can be cut short, and it is first in line at the next step), then paused requests (they
+resume by recomputing prompt + generated tokens), then waiting ones. A request's KV blocks are
+allocated chunk by chunk (a prompt that is still waiting holds nothing the decodes could use); the
+chunk that ends a prompt also gets the block of the first generated token, and only that chunk's
+sampled token is used. A step with at least one chunk is a *prefill* step (its rows: the decodes,
+then the chunks); one without is a *decode* step. New prompts take chunks when
 
-  (i)   prefills are pending (claimed requests waiting, or preempted ones paused),
+  (i)   prefills are pending (a partial prefill, paused or waiting requests),
   (ii)  the batch has free places, counting the completions of the step just finished,
-  (iii) there is headroom: KV blocks for the whole prompt plus one token, the step's prefill
-        token budget, and (persistent scheduler only) device-launch-window room.
+  (iii) there is headroom: budget tokens left after the decodes, KV blocks for the chunk, a
+        captured graph for the step's shape and (persistent scheduler only) launch-window room;
+  (iv)  the step preempted nobody (the blocks a preemption frees go to the decodes).
 
-When a decode step needs a block and none is free, the youngest running request is preempted
-(its blocks freed, state DECODE_PAUSED) until the allocation succeeds; paused requests resume
-in arrival order before any new prompt is admitted. Resumption recomputes the KV of
-prompt + generated tokens in a prefill.
+When a decode needs a block and none is free, the youngest of the running requests and the
+partial prefill is preempted (its blocks freed), until the allocation succeeds; a preempted
+running request is paused (state DECODE_PAUSED) and resumes in arrival order before any new
+prompt is admitted; a preempted partial prefill goes back to the head of its queue.
 
-A decode step in which no row uses top-k, top-p or min-p runs the sort-free variant of the decode
-graph (``step_filters``); its tokens are the same as the filtering variant's.
+**Without chunking** (``--no-enable-chunked-prefill``) a step is either a prefill of whole prompts,
+admitted while their tokens fit the budget (the first may exceed it alone), or a decode of the
+running batch; a prompt gets the blocks of its whole context plus one token at admission.
+
+A step in which no row uses top-k, top-p or min-p runs the sort-free variant of its graph
+(``step_filters``; without chunking, prefill graphs exist in the filtering variant only); its tokens
+are the same as the filtering variant's.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ class Phase(enum.IntEnum):
     RUNNING = 1   # in the decode batch
     PAUSED = 2    # preempted, waiting to be resumed
     FINISHED = 3
+    PREFILL = 4   # in a prefill: a chunk in flight, or between chunks (``Policy.partial``)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -68,11 +82,17 @@ class Request:
 
 @dataclasses.dataclass(slots=True)
 class SeqWork:
-    """One request's share of a step: ``num_new`` tokens starting after ``num_cached``."""
+    """One request's share of a step: ``num_new`` tokens starting after ``num_cached``.
+
+    ``prefill``: the row is a prompt chunk (else a decode row); ``samples``: its sampled token is used
+    (a decode row, or the chunk that ends the prompt).
+    """
 
     req: Request
     num_cached: int
     num_new: int
+    prefill: bool = False
+    samples: bool = True
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,6 +104,11 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(w.num_new for w in self.work)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the step that are prompt (or recomputed) tokens, not decode tokens."""
+        return sum(w.num_new for w in self.work if w.prefill)
 
 
 def needs_filter(sampling: SamplingSpec) -> bool:
@@ -99,9 +124,10 @@ def needs_filter(sampling: SamplingSpec) -> bool:
 
 
 def step_filters(plan: StepPlan) -> bool:
-    """Which graph variant a step runs: True for the filtering one (every prefill, and a decode with
-    a row that ``needs_filter``), False for the sort-free decode graph (same tokens for such rows)."""
-    return plan.kind != "decode" or any(needs_filter(w.req.sampling) for w in plan.work)
+    """Which graph variant a step runs: True for the filtering one (a row whose token is used
+    ``needs_filter``), False for the sort-free one (same tokens for such rows). Without chunking
+    prefill graphs exist in the filtering variant only, which the lookup then gives for both."""
+    return any(w.samples and needs_filter(w.req.sampling) for w in plan.work)
 
 
 def finish_reason(req: Request, token: int, eos_ids: Iterable[int]) -> Finish:
@@ -116,22 +142,32 @@ def finish_reason(req: Request, token: int, eos_ids: Iterable[int]) -> Finish:
 
 
 class Policy:
-    """FCFS continuous batching over one block allocator."""
+    """FCFS continuous batching over one block allocator; chunked prefill unless ``chunked=False``.
+
+    ``token_budget`` is the step's token budget (``--max-num-batched-tokens``): decodes plus prefill
+    chunks with chunking, the prefill tokens of a step without (where the first prompt may exceed it
+    alone). With chunking it must hold one token for every sequence of a full batch.
+    """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int,
-                 max_prefill_tokens: int, window_headroom: Callable[[], bool] | None = None,
-                 prefill_fits: Callable[[int, int], bool] | None = None) -> None:
+                 token_budget: int, window_headroom: Callable[[], bool] | None = None,
+                 prefill_fits: Callable[[int, int], bool] | None = None, chunked: bool = True) -> None:
+        if chunked and token_budget < max_batch:
+            raise ValueError(f"a token budget of {token_budget} cannot hold the decodes of {max_batch} "
+                             "sequences: --max-num-batched-tokens must be >= --max-num-seqs")
         self.alloc = allocator
         # (sequences, tokens) -> whether one prefill step of that shape can run (a captured graph
         # holds it); None: any shape (the CPU engine)
         self.prefill_fits = prefill_fits or (lambda n, t: True)
         self.block_size = block_size
         self.max_batch = max_batch
-        self.max_prefill_tokens = max_prefill_tokens
+        self.token_budget = token_budget
+        self.chunked = chunked
         self.window_headroom = window_headroom or (lambda: True)
         self.waiting: collections.deque[Request] = collections.deque()
         self.paused: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.partial: Request | None = None  # the request whose chunked prefill is under way
         self.preemptions = 0
 
     # ------------------------------------------------------------------ admission
@@ -148,10 +184,17 @@ class Policy:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.paused) + len(self.running)
+        return len(self.waiting) + len(self.paused) + len(self.running) + (self.partial is not None)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests waiting for (the rest of) their prefill."""
+        return len(self.waiting) + len(self.paused) + (self.partial is not None)
 
     def schedule(self) -> StepPlan | None:
-        """Choose the next step: inline prefill when the three conditions hold, else decode."""
+        """Choose the next step (see the module's docstring for the two policies)."""
+        if self.chunked:
+            return self._chunked_step()
         plan = self._admit()
         if plan is not None:
             return plan
@@ -159,6 +202,73 @@ class Policy:
             return self._decode()
         return None
 
+    # ------------------------------------------------------------------ chunked prefill
+    def _chunked_step(self) -> StepPlan | None:
+        preempted = self._grow_running()
+        work = [SeqWork(r, r.context_len - 1, 1) for r in self.running]
+        tokens = len(work)
+        # a step that had to preempt admits no chunk: the blocks it freed go to the decodes
+        while not preempted and tokens < self.token_budget and len(work) < self.max_batch:
+            chunk = self._next_chunk(len(work), tokens)
+            if chunk is None:
+                break
+            work.append(chunk)
+            tokens += chunk.num_new
+        if not work:
+            return StepPlan("decode", [], preempted) if preempted else None
+        kind = "prefill" if any(w.prefill for w in work) else "decode"
+        return StepPlan(kind, work, preempted)
+
+    def _next_chunk(self, rows: int, tokens: int) -> SeqWork | None:
+        """The next prefill chunk in FCFS order within the budget left, its blocks allocated; None when
+        nothing is pending or the head request cannot take a chunk now (strict FCFS: no overtaking)."""
+        req = self.partial or (self.paused[0] if self.paused else self.waiting[0] if self.waiting else None)
+        if req is None or not self.window_headroom():
+            return None
+        todo = req.context_len - req.num_cached
+        n = min(todo, self.token_budget - tokens)
+        last = n == todo
+        if not self.prefill_fits(rows + 1, tokens + n):
+            return None
+        try:
+            self._grow(req, self.blocks_for(req.num_cached + n + (1 if last else 0)))
+        except NoFreeBlocks:
+            return None
+        if req is not self.partial:
+            (self.paused if req.phase == Phase.PAUSED else self.waiting).popleft()
+            req.num_cached = 0
+        req.phase = Phase.PREFILL
+        self.partial = None if last else req
+        return SeqWork(req, req.num_cached, n, prefill=True, samples=last)
+
+    def _grow(self, req: Request, blocks: int) -> None:
+        """All-or-nothing: grow ``req``'s block table to ``blocks`` blocks."""
+        if blocks > len(req.blocks):
+            req.blocks += self.alloc.allocate(blocks - len(req.blocks))
+
+    def _grow_running(self) -> list[Request]:
+        """Blocks for one more token of every running request, oldest first, preempting the youngest
+        of the running requests and the partial prefill while the allocator is empty."""
+        preempted: list[Request] = []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.phase != Phase.RUNNING:
+                continue                      # preempted below in this same pass
+            while len(req.blocks) * self.block_size < req.context_len:
+                try:
+                    req.blocks += self.alloc.allocate(1)
+                except NoFreeBlocks:
+                    victim = self._youngest_active()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+        return preempted
+
+    def _youngest_active(self) -> Request:
+        active = [*self.running, *([self.partial] if self.partial is not None else [])]
+        return max(active, key=lambda r: r.arrival)
+
+    # ------------------------------------------------------------------ whole prompts (no chunking)
     def _admit(self) -> StepPlan | None:
         work: list[SeqWork] = []
         tokens = 0
@@ -167,8 +277,7 @@ class Policy:
             req = queue[0]
             need = req.context_len            # recompute everything not cached
             # the first one may exceed the token budget alone
-            if work and (tokens + need > self.max_prefill_tokens or not self.prefill_fits(len(work) + 1,
-                                                                                          tokens + need)):
+            if work and (tokens + need > self.token_budget or not self.prefill_fits(len(work) + 1, tokens + need)):
                 break
             if not self.window_headroom():
                 break
@@ -178,54 +287,57 @@ class Policy:
                 break
             queue.popleft()
             req.num_cached = 0
-            work.append(SeqWork(req, 0, need))
+            req.phase = Phase.PREFILL
+            work.append(SeqWork(req, 0, need, prefill=True))
             tokens += need
         return StepPlan("prefill", work) if work else None
 
     def _decode(self) -> StepPlan:
-        preempted: list[Request] = []
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if req.phase != Phase.RUNNING:
-                continue                      # preempted below in this same pass
-            while len(req.blocks) * self.block_size < req.context_len:
-                try:
-                    req.blocks += self.alloc.allocate(1)
-                except NoFreeBlocks:
-                    victim = self._youngest_running()
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is req:
-                        break
+        preempted = self._grow_running()
         work = [SeqWork(r, r.context_len - 1, 1) for r in self.running]
         return StepPlan("decode", work, preempted)
 
-    def _youngest_running(self) -> Request:
-        return max(self.running, key=lambda r: r.arrival)
-
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        """Free ``req``'s blocks: a running request is paused (resumed oldest first); the partial
+        prefill goes back to the head of the queue it came from (paused if it has output)."""
+        if req is self.partial:
+            self.partial = None
+            if req.output:
+                self._pause(req)
+            else:
+                req.phase = Phase.WAITING
+                self.waiting.appendleft(req)
+        else:
+            self.running.remove(req)
+            self._pause(req)
         self.alloc.free(req.blocks)
-        req.blocks, req.num_cached, req.phase = [], 0, Phase.PAUSED
-        # Paused requests resume oldest first.
+        req.blocks, req.num_cached = [], 0
+        self.preemptions += 1
+
+    def _pause(self, req: Request) -> None:
+        req.phase = Phase.PAUSED
         idx = sum(1 for p in self.paused if p.arrival < req.arrival)
         self.paused.insert(idx, req)
-        self.preemptions += 1
 
     # ------------------------------------------------------------------ after a step
     def commit(self, plan: StepPlan, tokens: list[int], eos_ids: Iterable[int]) -> list[tuple[Request, int, Finish]]:
         """Apply one sampled token per sequence; returns (request, token, finish) per sequence.
 
-        Tokens that end a request by EOS or a stop id are not appended to its output.
+        Tokens that end a request by EOS or a stop id are not appended to its output; the token of a
+        chunk that does not end its prompt is dropped (finish NONE, nothing appended).
         """
         eos = frozenset(eos_ids)
         out: list[tuple[Request, int, Finish]] = []
         for w, tok in zip(plan.work, tokens, strict=True):
             req = w.req
             req.num_cached = w.num_cached + w.num_new
+            if not w.samples:
+                out.append((req, tok, Finish.NONE))
+                continue
             reason = finish_reason(req, tok, eos)
             if reason in (Finish.NONE, Finish.LENGTH):
                 req.output.append(tok)
-            if plan.kind == "prefill" and req.phase != Phase.RUNNING:
+            if w.prefill:
                 req.phase = Phase.RUNNING
                 self.running.append(req)
             if reason != Finish.NONE:
@@ -241,10 +353,12 @@ class Policy:
             self.paused.remove(req)
         elif req.phase == Phase.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif req is self.partial:
+            self.partial = None
         if req.blocks:
             self.alloc.free(req.blocks)
             req.blocks = []
         req.phase, req.finish = Phase.FINISHED, reason
 
     def all_requests(self) -> list[Request]:
-        return [*self.running, *self.paused, *self.waiting]
+        return [*self.running, *([self.partial] if self.partial is not None else []), *self.paused, *self.waiting]

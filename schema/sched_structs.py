@@ -117,6 +117,7 @@ CONFIG_GROUPS = (
     Group("policy", (
         Decl("uint32_t", "max_batch block_size num_blocks max_blocks_per_seq"),
         Decl("uint32_t", "max_context max_prefill_tokens num_eos claim_with_cas"),
+        Decl("uint32_t", "chunked", "chunked prefill: max_prefill_tokens is the step's token budget, decodes included"),
         Decl("uint32_t", "scan_flips", "find new prompts through the header's pending_flips (num_slots <= 4096)"),
         Decl("int32_t", "eos_ids", count="BLINK_MAX_EOS"),
     )),
@@ -126,13 +127,14 @@ CONFIG_GROUPS = (
         Decl("const int32_t *", "graph_batch", "[num_graphs]"),
         Decl("const int32_t *", "graph_tokens", "[num_graphs]"),
         Decl("const int32_t *", "decode_table", "[2][max_batch + 1]: without, with the filtering sort"),
-        Decl("const int32_t *", "prefill_table", "[(max_batch + 1) * prefill_cols]"),
+        Decl("const int32_t *", "prefill_table", "[2][(max_batch + 1) * prefill_cols]: without, with the sort"),
         Decl("int64_t *", "counters", "[num_graphs] completion counters bumped by each graph"),
         Decl("const uint32_t *", "graph_yield", "[num_graphs] 1: the scheduler leaves its SM while this graph runs"),
     )),
     Group("static step buffers shared by every graph (device)", (
         Decl("int64_t *", "input_ids positions slot_mapping"),
         Decl("int32_t *", "cu_seqlens context_lens block_tables"),
+        Decl("int32_t *", "decode_ctx cu_chunks", "a mixed step's rows split between the two attention kernels"),
         Decl("float *", "temperature top_p min_p"),
         Decl("int32_t *", "top_k"),
         Decl("int64_t *", "seeds sample_index"),

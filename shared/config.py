@@ -22,6 +22,11 @@ from shared.ring import RingGeometry
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
+# --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
+# GPU a step of 2,048 tokens keeps the matrix units busy (BENCHMARKS.md, chunked prefill) while a decode
+# waits at most one such step; on the CPU a 256-token chunk of the embedded model takes about as long as a
+# few decode steps, so a long prompt delays the other streams by a fraction of a second per chunk.
+DEFAULT_TOKEN_BUDGET = {"gpu": 2048, "cpu": 256}
 
 
 def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
@@ -65,6 +70,15 @@ class EngineConfig:
         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU)", kind=float)
     max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias)",
                            flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
+    max_num_batched_tokens: int = _flag(
+        0, "tokens in one engine step (vLLM's name): with chunked prefill, every running decode plus prompt "
+        "chunks up to this budget; without, the prompt tokens of a prefill step (the first prompt may exceed "
+        f"it alone); 0: {DEFAULT_TOKEN_BUDGET['gpu']} on a GPU, {DEFAULT_TOKEN_BUDGET['cpu']} on the CPU "
+        "(at least --max-num-seqs)", minimum=0)
+    no_enable_chunked_prefill: bool = _flag(
+        False, "prefill whole prompts in steps of their own, during which the running decodes wait (chunked "
+        "prefill, the default, mixes prompt chunks into the decode steps; vLLM's name)",
+        flag="--no-enable-chunked-prefill")
     seed: int = _flag(0, "seed of torch and of random weights")
     threads: int = _flag(0, "torch threads of the CPU backend; 0: every core this process may use but one",
                          minimum=0)
@@ -81,6 +95,20 @@ class EngineConfig:
     def kv_memory_fraction(self) -> float:
         """Of the GPU memory free after loading, what the KV cache takes when --kv-blocks is 0."""
         return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return not self.no_enable_chunked_prefill
+
+    def token_budget(self, gpu: bool) -> int | None:
+        """The policy's step token budget: --max-num-batched-tokens, else with chunked prefill the backend
+        kind's default (never below --max-num-seqs, which a step of decodes needs); None: not given and
+        no chunking (the backend's own prefill limit applies)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if not self.chunked_prefill:
+            return None
+        return max(DEFAULT_TOKEN_BUDGET["gpu" if gpu else "cpu"], self.max_batch)
 
     def gpu_torch_dtype_name(self) -> str:
         """The torch dtype of weights and KV cache on a GPU: ``auto`` and ``half`` resolved (the CPU backend's
@@ -112,6 +140,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and self.backend == "cpu":
             raise ValueError("--gpu-memory-utilization applies to the GPU backends; the CPU backend's KV cache "
                              "is sized by --kv-blocks (default: 1 GiB of blocks)")
+        if self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_batch:
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one decode token "
+                             f"for each of --max-num-seqs {self.max_batch} sequences: give at least {self.max_batch}")
         if self.max_model_len == 1:
             raise ValueError("--max-model-len must be >= 2 (one prompt token and one output token)")
         if self.model is not None and not Path(self.model).exists():

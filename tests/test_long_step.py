@@ -46,7 +46,7 @@ class SlowPrefillRunner:
 
 
 def make_engine(runner: SlowPrefillRunner) -> RingEngine:
-    policy = Policy(BlockAllocator(64), 4, 4, max_prefill_tokens=64)
+    policy = Policy(BlockAllocator(64), 4, 4, 64)
     return RingEngine(local_ring(GEO), runner, policy, (2,), max_context=80, vocab_size=100)
 
 

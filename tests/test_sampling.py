@@ -185,7 +185,14 @@ def test_step_filters_picks_the_graph_variant() -> None:
     assert not needs_filter(SamplingSpec())
     assert not step_filters(plan("decode", SamplingSpec(), plain))
     assert step_filters(plan("decode", SamplingSpec(), plain, sorting))
-    assert step_filters(plan("prefill", SamplingSpec(), plain))  # prefill graphs always filter
+    # a prefill step picks its variant the same way (without chunking the lookup gives the filtering
+    # graph for both); a chunk that does not end its prompt samples nothing, so its filters do not count
+    assert not step_filters(plan("prefill", SamplingSpec(), plain))
+    mid = plan("prefill", plain, sorting)
+    mid.work[1].samples = False
+    assert not step_filters(mid)
+    mid.work[1].samples = True
+    assert step_filters(mid)
 
 
 def test_prefill_never_holds_more_than_a_captured_graph() -> None:
@@ -197,7 +204,7 @@ def test_prefill_never_holds_more_than_a_captured_graph() -> None:
     def fits(n: int, tokens: int) -> bool:
         return n <= 4 and tokens <= 96
 
-    policy = Policy(BlockAllocator(1000), 16, max_batch=32, max_prefill_tokens=96, prefill_fits=fits)
+    policy = Policy(BlockAllocator(1000), 16, max_batch=32, token_budget=96, chunked=False, prefill_fits=fits)
     for i in range(10):
         policy.add(Request(slot=i, seq=0, request_id=i, prompt=[5] * 12, max_new_tokens=4, arrival=i))
     sizes = []

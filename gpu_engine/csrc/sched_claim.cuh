@@ -99,11 +99,12 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
   r->out_len = 0;
   r->num_blocks = 0;
+  r->cached = 0;
   const blink_sched_config &c = s->cfg;
   uint32_t total = r->prompt_len + r->max_new;
   bool ok = r->prompt_len >= 1 && r->prompt_len <= c.max_prompt && r->max_new >= 1 && r->max_new <= c.max_output &&
             total <= c.max_context && blocks_for(s, total) <= c.num_blocks &&
-            blocks_for(s, total) <= c.max_blocks_per_seq && total - 1 <= c.max_tokens;
+            blocks_for(s, total) <= c.max_blocks_per_seq && (c.chunked || total - 1 <= c.max_tokens);
   st_rel64(const_cast<uint64_t *>(&sl->admit_ns), now_ns() + c.clock_offset_ns);
   return ok;
 }

@@ -42,7 +42,7 @@ __device__ void apply_cancellations(SchedState *s) {
 __device__ void publish_stats(SchedState *s) {
   blink_ring_header *h = header(s);
   h->stats.running = s->running_count;
-  h->stats.waiting = s->wait_count + s->paused_count;
+  h->stats.waiting = s->wait_count + s->paused_count + (s->partial != kNoSlot);
   h->stats.kv_blocks_total = s->cfg.num_blocks;
   h->stats.kv_blocks_free = s->free_count;
   h->stats.steps = s->stats->steps;
@@ -78,9 +78,10 @@ __device__ void maintenance(SchedState *s) {
     s->drain_deadline = t + s->cfg.drain_ns;
     st_rel32(&h->engine_state, BLINK_ENGINE_STATE_DRAINING);
   }
-  bool empty = !s->running_count && !s->wait_count && !s->paused_count;
+  bool empty = !s->running_count && !s->wait_count && !s->paused_count && s->partial == kNoSlot;
   if (s->draining && (empty || t > s->drain_deadline)) {
     while (s->running_count) finish_req(s, s->running[0], BLINK_FINISH_REASON_CANCELLED, BLINK_ERROR_CODE_OK);
+    if (s->partial != kNoSlot) finish_req(s, s->partial, BLINK_FINISH_REASON_CANCELLED, BLINK_ERROR_CODE_OK);
     while (s->paused_count) finish_req(s, s->paused[0], BLINK_FINISH_REASON_CANCELLED, BLINK_ERROR_CODE_OK);
     while (s->wait_count) finish_req(s, s->waiting[s->wait_head], BLINK_FINISH_REASON_CANCELLED, BLINK_ERROR_CODE_OK);
     publish_stats(s);

@@ -111,6 +111,7 @@ int init_state(const blink_sched_config &c, Handle *h, SchedState *st) {
   for (uint32_t k = 0; k < c.num_blocks; ++k) stack[k] = c.num_blocks - 1 - k;
   BLINK_CHECK(cudaMemcpy(st->free_blocks, stack.data(), sizeof(uint32_t) * c.num_blocks, cudaMemcpyHostToDevice));
   st->free_count = c.num_blocks;
+  st->partial = kNoSlot;
   BLINK_CHECK(cudaHostAlloc(&h->host_stats, sizeof(blink_sched_stats), cudaHostAllocMapped));
   memset(h->host_stats, 0, sizeof(blink_sched_stats));
   BLINK_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&st->host_stats), h->host_stats, 0));

@@ -70,16 +70,15 @@ __device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t 
   if (r->phase == kRunning) remove_from(s->running, &s->running_count, i);
   if (r->phase == kPaused) remove_from(s->paused, &s->paused_count, i);
   if (r->phase == kWaiting) remove_waiting(s, i);
+  if (s->partial == i) s->partial = kNoSlot;
   free_blocks(s, i);
   r->phase = kFree;
   complete_slot(s, i, reason, error);
 }
 
-// Policy._preempt: free the youngest running request's blocks; it resumes in arrival order.
-__device__ void preempt(SchedState *s, uint32_t i) {
+// Policy._pause: into `paused`, kept in arrival order.
+__device__ void pause(SchedState *s, uint32_t i) {
   ReqInfo *r = &s->req[i];
-  remove_from(s->running, &s->running_count, i);
-  free_blocks(s, i);
   r->phase = kPaused;
   uint32_t k = s->paused_count;
   while (k > 0 && s->req[s->paused[k - 1]].arrival > r->arrival) {
@@ -88,8 +87,30 @@ __device__ void preempt(SchedState *s, uint32_t i) {
   }
   s->paused[k] = i;
   s->paused_count++;
-  s->stats->preemptions++;
   st_rel32(&slot(s, i)->state, BLINK_SLOT_STATE_DECODE_PAUSED);
+}
+
+// Policy._preempt: free a request's blocks. A running one is paused (it resumes in arrival order);
+// the partial prefill goes back to the head of its queue (paused if it has output, else waiting).
+__device__ void preempt(SchedState *s, uint32_t i) {
+  ReqInfo *r = &s->req[i];
+  if (s->partial == i) {
+    s->partial = kNoSlot;
+    if (r->out_len) {
+      pause(s, i);
+    } else {
+      r->phase = kWaiting;
+      s->wait_head = (s->wait_head + s->cfg.num_slots - 1) % s->cfg.num_slots;
+      s->waiting[s->wait_head] = i;
+      s->wait_count++;
+    }
+  } else {
+    remove_from(s->running, &s->running_count, i);
+    pause(s, i);
+  }
+  free_blocks(s, i);
+  r->cached = 0;
+  s->stats->preemptions++;
 }
 
 __device__ void plan_row(SchedState *s, uint32_t row, uint32_t i, uint32_t cached, uint32_t fresh) {
@@ -98,12 +119,13 @@ __device__ void plan_row(SchedState *s, uint32_t row, uint32_t i, uint32_t cache
   s->plan_new[row] = fresh;
 }
 
-// Policy.prefill_fits: a captured prefill graph holds n sequences and this many tokens.
+// Policy.prefill_fits: a captured prefill graph (of the filtering variant, which always exists)
+// holds n sequences and this many tokens.
 __device__ bool prefill_fits(SchedState *s, uint32_t n, uint32_t tokens) {
   const blink_sched_config &c = s->cfg;
   uint32_t col = (tokens + c.token_grain - 1) / c.token_grain;
   if (n > c.max_batch || col >= c.prefill_cols) return false;
-  int32_t g = c.prefill_table[n * c.prefill_cols + col];
+  int32_t g = c.prefill_table[(c.max_batch + 1 + n) * c.prefill_cols + col];
   return g >= 0 && static_cast<uint32_t>(c.graph_batch[g]) >= n && static_cast<uint32_t>(c.graph_tokens[g]) >= tokens;
 }
 
@@ -127,7 +149,8 @@ __device__ bool plan_prefill(SchedState *s) {
       s->wait_head = (s->wait_head + 1) % s->cfg.num_slots;
       s->wait_count--;
     }
-    r->phase = kWaiting;  // in flight in this prefill; joins `running` after it
+    r->phase = kPrefilling;  // in flight in this prefill; joins `running` after it
+    r->cached = 0;
     plan_row(s, n++, i, 0, need);
     tokens += need;
   }
@@ -136,26 +159,88 @@ __device__ bool plan_prefill(SchedState *s) {
   return n > 0;
 }
 
-__device__ uint32_t youngest_running(SchedState *s) {
-  uint32_t best = s->running[0];
-  for (uint32_t k = 1; k < s->running_count; ++k)
-    if (s->req[s->running[k]].arrival > s->req[best].arrival) best = s->running[k];
+// Policy._youngest_active: the youngest of the running requests and the partial prefill.
+__device__ uint32_t youngest_active(SchedState *s) {
+  uint32_t best = s->partial;
+  for (uint32_t k = 0; k < s->running_count; ++k)
+    if (best == kNoSlot || s->req[s->running[k]].arrival > s->req[best].arrival) best = s->running[k];
   return best;
 }
 
-// Policy._decode: every running request gets a slot for one more token, preempting the
-// youngest when blocks run out. `running` is kept in arrival order.
-__device__ bool plan_decode(SchedState *s) {
+// Policy._grow_running: every running request gets a slot for one more token, oldest first,
+// preempting the youngest active request while blocks run out. `running` is kept in arrival
+// order. Returns the number of preemptions.
+__device__ uint32_t grow_running(SchedState *s) {
+  uint32_t preempted = 0;
   for (uint32_t k = 0; k < s->running_count; ++k) {
     uint32_t i = s->running[k];
     ReqInfo *r = &s->req[i];
     while (!grow_blocks(s, i, blocks_for(s, ctx_len(r)))) {
-      uint32_t victim = youngest_running(s);
+      uint32_t victim = youngest_active(s);
       preempt(s, victim);
+      ++preempted;
       if (victim == i) break;
     }
     if (r->phase != kRunning) break;  // it was the youngest: nothing after it
   }
+  return preempted;
+}
+
+// Policy._next_chunk: the next prefill chunk in FCFS order (the partial prefill, else the head of
+// `paused`, else of `waiting`) within the budget left, its blocks grown; false when nothing is
+// pending or the head cannot take a chunk now. The window headroom is checked by the caller.
+__device__ bool next_chunk(SchedState *s, uint32_t row, uint32_t tokens) {
+  bool from_paused = false;
+  uint32_t i = s->partial;
+  if (i == kNoSlot && s->paused_count) {
+    i = s->paused[0];
+    from_paused = true;
+  } else if (i == kNoSlot && s->wait_count) {
+    i = s->waiting[s->wait_head];
+  }
+  if (i == kNoSlot) return false;
+  ReqInfo *r = &s->req[i];
+  if (s->partial != i) r->cached = 0;
+  uint32_t todo = ctx_len(r) - r->cached, left = s->cfg.max_prefill_tokens - tokens;
+  uint32_t n = todo < left ? todo : left;
+  bool last = n == todo;
+  if (!prefill_fits(s, row + 1, tokens + n)) return false;
+  if (!grow_blocks(s, i, blocks_for(s, r->cached + n + (last ? 1 : 0)))) return false;
+  if (s->partial != i) {
+    if (from_paused) {
+      remove_from(s->paused, &s->paused_count, i);
+    } else {
+      s->wait_head = (s->wait_head + 1) % s->cfg.num_slots;
+      s->wait_count--;
+    }
+  }
+  r->phase = kPrefilling;
+  s->partial = last ? kNoSlot : i;
+  plan_row(s, row, i, r->cached, n);
+  return true;
+}
+
+// Policy._chunked_step: the running decodes first, then prefill chunks filling the token budget
+// (none in a step that preempted). The rows' kind is read back from the request's phase.
+__device__ bool plan_chunked(SchedState *s) {
+  uint32_t preempted = grow_running(s);
+  for (uint32_t k = 0; k < s->running_count; ++k) {
+    uint32_t i = s->running[k];
+    plan_row(s, k, i, ctx_len(&s->req[i]) - 1, 1);
+  }
+  uint32_t n = s->running_count, tokens = n;
+  while (!preempted && tokens < s->cfg.max_prefill_tokens && n < s->cfg.max_batch && next_chunk(s, n, tokens)) {
+    tokens += s->plan_new[n];
+    ++n;
+  }
+  s->plan_n = n;
+  s->plan_tokens = tokens;
+  return n > 0;
+}
+
+// Policy._decode: every running request gets a slot for one more token (no chunking).
+__device__ bool plan_decode(SchedState *s) {
+  grow_running(s);
   for (uint32_t k = 0; k < s->running_count; ++k) {
     uint32_t i = s->running[k];
     plan_row(s, k, i, ctx_len(&s->req[i]) - 1, 1);

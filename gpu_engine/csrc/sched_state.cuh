@@ -19,7 +19,8 @@
 namespace {
 
 // A request's place in the scheduler's queues (the ring's slot state is BLINK_SLOT_STATE_*).
-enum Phase : uint32_t { kFree = 0, kWaiting = 1, kRunning = 2, kPaused = 3 };
+// kPrefilling: in a prefill (a chunk in flight, or between chunks as SchedState::partial).
+enum Phase : uint32_t { kFree = 0, kWaiting = 1, kRunning = 2, kPaused = 3, kPrefilling = 4 };
 // What the planned step is.
 enum PlanKind : uint32_t { kIdle = 0, kPrefill = 1, kDecode = 2 };
 
@@ -32,6 +33,7 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 struct ReqInfo {
   uint64_t request_id, seed;
   uint32_t seq, phase, arrival, prompt_len, max_new, out_len, num_blocks, flags;
+  uint32_t cached;  // tokens whose KV is in the cache (a chunked prefill's progress)
   uint32_t num_stop, num_top;
   float temp, top_p, min_p;
   int32_t top_k;
@@ -53,6 +55,7 @@ struct SchedState {
   uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
   uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;
+  uint32_t partial;  // the request whose chunked prefill is under way, or kNoSlot
   uint64_t last_doorbell, drain_deadline, last_beat;
   uint8_t *ring_check;  // a second copy of cfg.ring: the state's integrity check
   uint32_t pending;     // a step launched by the previous execution, which then yielded its SM

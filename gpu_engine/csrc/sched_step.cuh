@@ -23,18 +23,22 @@ __device__ bool row_filters(const ReqInfo *q) {
   return q->temp > 0.f && !(q->top_k <= 0 && q->top_p >= 1.f && q->min_p <= 0.f);
 }
 
-// Decode graphs come in two variants: row 0 of decode_table samples without the filtering sort
-// (every row greedy or plain temperature), row 1 with it. Prefill graphs always filter.
+// SeqWork.samples: the row's token is used (a decode, or the chunk that ends its prompt).
+__device__ bool row_samples(SchedState *s, uint32_t r) {
+  return s->plan_cached[r] + s->plan_new[r] == ctx_len(&s->req[s->plan_slot[r]]);
+}
+
+// policy.step_filters, then the graph: row 0 of each table samples without the filtering sort
+// (no sampled row filters), row 1 with it. Where no unfiltered prefill graph was captured (no
+// chunking), row 0 of prefill_table names the filtering graphs.
 __device__ uint32_t pick_graph(SchedState *s, bool decode, uint32_t n, uint32_t tokens) {
   const blink_sched_config &c = s->cfg;
-  if (decode) {
-    uint32_t filtered = 0;
-    for (uint32_t r = 0; r < n && !filtered; ++r) filtered = row_filters(&s->req[s->plan_slot[r]]);
-    return static_cast<uint32_t>(c.decode_table[filtered * (c.max_batch + 1) + (n < c.max_batch ? n : c.max_batch)]);
-  }
+  uint32_t filtered = 0, b = n < c.max_batch ? n : c.max_batch;
+  for (uint32_t r = 0; r < n && !filtered; ++r) filtered = row_samples(s, r) && row_filters(&s->req[s->plan_slot[r]]);
+  if (decode) return static_cast<uint32_t>(c.decode_table[filtered * (c.max_batch + 1) + b]);
   uint32_t col = (tokens + c.token_grain - 1) / c.token_grain;
   if (col >= c.prefill_cols) col = c.prefill_cols - 1;
-  return static_cast<uint32_t>(c.prefill_table[(n < c.max_batch ? n : c.max_batch) * c.prefill_cols + col]);
+  return static_cast<uint32_t>(c.prefill_table[(filtered * (c.max_batch + 1) + b) * c.prefill_cols + col]);
 }
 
 // Thread 0: queue the next execution of this scheduler graph. It starts once this execution and
@@ -58,7 +62,11 @@ __device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
     return relaunch_self(s) ? kActionRelaunch : kActionExit;
   }
   bool decode = false;
-  if (plan_prefill(s)) {
+  if (s->cfg.chunked) {
+    if (!plan_chunked(s)) return kActionIdle;
+    decode = s->req[s->plan_slot[s->plan_n - 1]].phase == kRunning;  // chunks come last
+    s->plan_kind = decode ? kDecode : kPrefill;
+  } else if (plan_prefill(s)) {
     s->plan_kind = kPrefill;
   } else if (plan_decode(s)) {
     s->plan_kind = kDecode;
@@ -97,14 +105,20 @@ __device__ void stage_tokens(SchedState *s, const uint32_t *cu, uint32_t n, uint
 }
 
 // All threads: each row's sequence bounds, context length and sampling parameters; rows past n
-// are zero-length and greedy.
-__device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32_t T, uint32_t Bg) {
+// are zero-length and greedy. The leading `nd` one-token rows attend through the decode kernel
+// (decode_ctx), the rest through the prefill kernel (cu_chunks), as runner.split_rows says.
+__device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32_t nd, uint32_t T, uint32_t Bg) {
   const blink_sched_config &c = s->cfg;
-  for (uint32_t r = threadIdx.x; r <= Bg; r += blockDim.x) c.cu_seqlens[r] = r <= n ? cu[r] : T;
+  for (uint32_t r = threadIdx.x; r <= Bg; r += blockDim.x) {
+    uint32_t at = r <= n ? cu[r] : T;
+    c.cu_seqlens[r] = at;
+    c.cu_chunks[r] = at > nd ? at : nd;
+  }
   for (uint32_t r = threadIdx.x; r < Bg; r += blockDim.x) {
     bool real = r < n;
     const ReqInfo *q = real ? &s->req[s->plan_slot[r]] : nullptr;
     c.context_lens[r] = real ? s->plan_cached[r] + s->plan_new[r] : 0;
+    c.decode_ctx[r] = real && r < nd ? s->plan_cached[r] + s->plan_new[r] : 0;
     c.temperature[r] = real ? q->temp : 0.f;
     c.top_k[r] = real ? q->top_k : 0;
     c.top_p[r] = real ? q->top_p : 1.f;
@@ -129,16 +143,19 @@ __device__ void stage_block_tables(SchedState *s, uint32_t n, uint32_t Bg) {
 // GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults). `cu`
 // (shared, [BLINK_SCHED_THREADS + 1]) receives the rows' token offsets.
 __device__ void stage(SchedState *s, uint32_t *cu) {
+  __shared__ uint32_t nd;
   const blink_sched_config &c = s->cfg;
   uint32_t g = s->plan_graph, n = s->plan_n, T = s->plan_tokens;
   uint32_t Bg = static_cast<uint32_t>(c.graph_batch[g]), Tg = static_cast<uint32_t>(c.graph_tokens[g]);
   if (threadIdx.x == 0) {
     cu[0] = 0;
     for (uint32_t r = 0; r < n; ++r) cu[r + 1] = cu[r] + s->plan_new[r];
+    nd = 0;
+    while (nd < n && cu[nd + 1] == nd + 1) ++nd;
   }
   __syncthreads();
   stage_tokens(s, cu, n, T, Tg);
-  stage_rows(s, cu, n, T, Bg);
+  stage_rows(s, cu, n, nd, T, Bg);
   stage_block_tables(s, n, Bg);
   __threadfence();
 }
@@ -180,6 +197,7 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
   const blink_sched_config &c = s->cfg;
   uint32_t i = s->plan_slot[r];
   ReqInfo *q = &s->req[i];
+  if (!row_samples(s, r)) return BLINK_FINISH_REASON_NONE;  // a chunk before the prompt's end
   int32_t tok = static_cast<int32_t>(c.next_tokens[r]);
   uint32_t reason = finish_reason(s, q, tok);
   if (reason != BLINK_FINISH_REASON_NONE && reason != BLINK_FINISH_REASON_LENGTH) return reason;
@@ -227,14 +245,17 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   bool prefill = s->plan_kind == kPrefill;
   for (uint32_t r = 0; r < s->plan_n; ++r) {
     uint32_t i = s->plan_slot[r];
-    if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
-    if (prefill) {
+    ReqInfo *q = &s->req[i];
+    q->cached = s->plan_cached[r] + s->plan_new[r];
+    if (q->phase == kPrefilling) {
       s->stats->prompt_tokens += s->plan_new[r];
+      if (s->partial == i) continue;  // a chunk before the prompt's end: nothing sampled
       if (reason[r] == BLINK_FINISH_REASON_NONE) {
         join_running(s, i);
         st_rel32(&slot(s, i)->state, BLINK_SLOT_STATE_DECODE_PROCESSING);
       }
     }
+    if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
     if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
   s->stats->steps++;

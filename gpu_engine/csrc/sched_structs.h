@@ -28,6 +28,8 @@ typedef struct blink_sched_config {
   // ---- policy
   uint32_t max_batch, block_size, num_blocks, max_blocks_per_seq;
   uint32_t max_context, max_prefill_tokens, num_eos, claim_with_cas;
+  // chunked prefill: max_prefill_tokens is the step's token budget, decodes included
+  uint32_t chunked;
   // find new prompts through the header's pending_flips (num_slots <= 4096)
   uint32_t scan_flips;
   int32_t eos_ids[BLINK_MAX_EOS];
@@ -41,7 +43,7 @@ typedef struct blink_sched_config {
   const int32_t *graph_tokens;
   // [2][max_batch + 1]: without, with the filtering sort
   const int32_t *decode_table;
-  // [(max_batch + 1) * prefill_cols]
+  // [2][(max_batch + 1) * prefill_cols]: without, with the sort
   const int32_t *prefill_table;
   // [num_graphs] completion counters bumped by each graph
   int64_t *counters;
@@ -50,6 +52,8 @@ typedef struct blink_sched_config {
   // ---- static step buffers shared by every graph (device)
   int64_t *input_ids, *positions, *slot_mapping;
   int32_t *cu_seqlens, *context_lens, *block_tables;
+  // a mixed step's rows split between the two attention kernels
+  int32_t *decode_ctx, *cu_chunks;
   float *temperature, *top_p, *min_p;
   int32_t *top_k;
   int64_t *seeds, *sample_index;

@@ -10,14 +10,17 @@ buffers, so at most one may run at a time. Each graph is captured with `keep_gra
 Each decode batch size is captured twice (`GraphShape.filtered`): the filtering variant samples
 through the top-k / top-p / min-p filter (a sort of every row over the vocabulary), the unfiltered
 one skips it and gives the same tokens when no row of the step uses those filters
-(`gpu_engine.policy.needs_filter`). Prefill graphs exist only in the filtering variant. Every graph
+(`gpu_engine.policy.needs_filter`). Prefill graphs come in both variants with `prefill_variants`
+(chunked prefill: their steps carry the running decodes, whose sampling the sort would slow), else
+in the filtering variant only. Every graph
 of a runner built with `RunnerLimits.processors` also applies the logits processors' dense columns
 (`StepBuffers.logit_add`, ...), which leave the logits unchanged until a step stages them.
 
 Lookup is O(1): `decode_table[f, b]` (int32, shape (2, max_batch + 1); row 0 unfiltered, row 1
 filtering, so a flat row-major read is `f * (max_batch + 1) + b`) is the index of the smallest
-decode graph with batch >= b and filtered == bool(f); `prefill_table[b, ceil(t / TOKEN_GRAIN)]` the
-cheapest prefill graph with batch >= b and tokens >= t. Shapes past the largest fall back to the
+decode graph with batch >= b and filtered == bool(f); `prefill_table[f, b, ceil(t / TOKEN_GRAIN)]`
+the cheapest prefill graph with batch >= b, tokens >= t and filtered == bool(f) (the filtering one
+where no unfiltered prefill graph was captured). Shapes past the largest fall back to the
 largest graph of their kind (whose padding rules then do not hold, so callers must split such
 steps; `lookup` reports it).
 """
@@ -92,7 +95,8 @@ class GraphCache:
     """Decode graphs over batch sizes and prefill graphs over (batch, tokens) buckets for one runner."""
 
     def __init__(self, runner: GpuModelRunner, decode_batches: list[int],
-                 prefill_buckets: list[tuple[int, int]], copies: int = 4, device_launch: bool = True) -> None:
+                 prefill_buckets: list[tuple[int, int]], copies: int = 4, device_launch: bool = True,
+                 prefill_variants: bool = False) -> None:
         lim = runner.limits
         for b in decode_batches:
             if not 0 < b <= lim.max_batch:
@@ -102,7 +106,8 @@ class GraphCache:
                 raise ValueError(f"prefill bucket ({b}, {t}) outside the runner limits {lim}")
         self.runner, self.copies, self.device_launch = runner, copies, device_launch
         shapes = [GraphShape(True, b, b, f) for f in (False, True) for b in sorted(set(decode_batches))]
-        shapes += [GraphShape(False, b, t, True) for b, t in sorted(set(prefill_buckets))]
+        variants = (False, True) if prefill_variants else (True,)
+        shapes += [GraphShape(False, b, t, f) for f in variants for b, t in sorted(set(prefill_buckets))]
         self.shapes = shapes
         self.graphs: list[CapturedGraph | None] = [None] * len(shapes)
         self.counters = torch.zeros(len(shapes), dtype=torch.int64, device=runner.device)
@@ -122,28 +127,30 @@ class GraphCache:
 
     def _prefill_table(self, max_batch: int, max_tokens: int) -> np.ndarray:
         n_t = triton.cdiv(max_tokens, TOKEN_GRAIN) + 1
-        table = np.full((max_batch + 1, n_t), -1, dtype=np.int32)
-        pre = [(s.tokens, s.batch, i) for i, s in enumerate(self.shapes) if not s.decode]
-        if not pre:
-            return table
-        largest = max(pre)[2]
-        for b in range(max_batch + 1):
-            for g in range(n_t):
-                fits = sorted((t, bb, i) for t, bb, i in pre if bb >= b and t >= g * TOKEN_GRAIN)
-                table[b, g] = fits[0][2] if fits else largest
+        table = np.full((2, max_batch + 1, n_t), -1, dtype=np.int32)
+        for f in (1, 0):
+            pre = [(s.tokens, s.batch, i) for i, s in enumerate(self.shapes) if not s.decode and s.filtered == bool(f)]
+            if not pre:
+                table[f] = table[1]  # no unfiltered prefill graphs: the filtering ones serve both
+                continue
+            largest = max(pre)[2]
+            for b in range(max_batch + 1):
+                for g in range(n_t):
+                    fits = sorted((t, bb, i) for t, bb, i in pre if bb >= b and t >= g * TOKEN_GRAIN)
+                    table[f, b, g] = fits[0][2] if fits else largest
         return table
 
     def lookup(self, decode: bool, batch: int, tokens: int, filtered: bool = True) -> tuple[int, bool]:
         """(graph index, fits) for a step; fits is False when the largest-shape fallback is too small.
 
-        `filtered` picks the decode variant; a prefill graph always filters, so it is ignored there.
+        `filtered` picks the variant (a prefill without unfiltered graphs gets the filtering one).
         """
         if decode:
             idx = int(self.decode_table[int(bool(filtered)), min(batch, self.decode_table.shape[1] - 1)])
         else:
-            b = min(batch, self.prefill_table.shape[0] - 1)
-            g = min(triton.cdiv(tokens, TOKEN_GRAIN), self.prefill_table.shape[1] - 1)
-            idx = int(self.prefill_table[b, g])
+            b = min(batch, self.prefill_table.shape[1] - 1)
+            g = min(triton.cdiv(tokens, TOKEN_GRAIN), self.prefill_table.shape[2] - 1)
+            idx = int(self.prefill_table[int(bool(filtered)), b, g])
         if idx < 0:
             raise LookupError(f"no {'decode' if decode else 'prefill'} graph captured")
         s = self.shapes[idx]
@@ -201,9 +208,10 @@ class GraphCache:
     def replay(self, shape: GraphShape | tuple[bool, int, int], filtered: bool = True) -> GraphShape:
         """Host-driven mode: replay the graph for (decode, batch, tokens) on the current stream.
 
-        `filtered` picks the decode variant (`gpu_engine.policy.step_filters`); prefill graphs always
-        filter. A 4-field `GraphShape` must agree with `filtered` for decode. Buffers past the real
-        step must hold padding (`GpuModelRunner.stage` writes it). Returns the captured shape that ran.
+        `filtered` picks the variant (`gpu_engine.policy.step_filters`); a prefill without unfiltered
+        graphs runs the filtering one. A 4-field `GraphShape` must agree with `filtered` for decode.
+        Buffers past the real step must hold padding (`GpuModelRunner.stage` writes it). Returns the
+        captured shape that ran.
         """
         decode, batch, tokens = shape[:3]
         if decode and len(shape) > 3 and bool(shape[3]) != bool(filtered):
@@ -230,7 +238,7 @@ class GraphCache:
             "shapes": [tuple(s) for s in self.shapes],
             "exec_handles": [list(g.exec_handles) if g else [] for g in self.graphs],
             "decode_table": self.decode_table,  # (2, max_batch + 1) int32: row 0 unfiltered, row 1 filtering
-            "prefill_table": self.prefill_table,
+            "prefill_table": self.prefill_table,  # (2, max_batch + 1, cols) int32: same rows as decode_table
             "token_grain": TOKEN_GRAIN,
             "counters_ptr": self.counters.data_ptr(),
             "buffers": self.runner.buffers.pointers(),
@@ -251,4 +259,4 @@ def shape_label(s: GraphShape) -> str:
     """A graph shape for logs: decode/prefill, batch, tokens and the sampling variant."""
     if s.decode:
         return f"decode b={s.batch} {'filtered' if s.filtered else 'unfiltered'}"
-    return f"prefill b={s.batch} t={s.tokens}"
+    return f"prefill b={s.batch} t={s.tokens}{'' if s.filtered else ' unfiltered'}"

@@ -180,7 +180,8 @@ class PersistentScheduler:
                  limits: object, eos_ids: tuple[int, ...], max_batch: int, max_context: int, vocab_size: int,
                  claim_with_cas: bool = True, scan_flips: bool = True, heartbeat_ms: float = 5.0,
                  drain_s: float = 5.0,
-                 yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False) -> None:
+                 yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False,
+                 chunked: bool = False, token_budget: int | None = None) -> None:
         self.lib = library(phase_clocks)
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
@@ -188,6 +189,11 @@ class PersistentScheduler:
         cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context, vocab_size)
         cfg.graph_yield = self._arr([int(i in yield_graphs) for i in range(cfg.num_graphs)], np.uint32)
         cfg.claim_with_cas = int(claim_with_cas)
+        # the policy's token budget (Policy.token_budget): the largest prefill graph without chunking
+        cfg.chunked = int(chunked)
+        cfg.max_prefill_tokens = token_budget or limits.max_tokens  # type: ignore[attr-defined]
+        if chunked and cfg.max_prefill_tokens < max_batch:
+            raise SchedulerError(f"token budget {cfg.max_prefill_tokens} < max batch {max_batch}")
         cfg.scan_flips = int(scan_flips)
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
@@ -222,7 +228,10 @@ class PersistentScheduler:
         shapes = view["shapes"]
         copies = min(len(h) for h in view["exec_handles"])
         c.num_graphs, c.copies, c.token_grain = len(shapes), copies, view["token_grain"]
-        c.prefill_cols = view["prefill_table"].shape[1]
+        prefill_table = np.asarray(view["prefill_table"], dtype=np.int32)
+        if prefill_table.ndim != 3 or prefill_table.shape[:2] != (2, max_batch + 1):
+            raise SchedulerError(f"prefill table is {prefill_table.shape}, expected (2, {max_batch + 1}, cols)")
+        c.prefill_cols = prefill_table.shape[2]
         c.exec_handles = self._arr([h[k] for h in view["exec_handles"] for k in range(copies)], np.uint64)
         c.graph_batch = self._arr([s[1] for s in shapes], np.int32)
         c.graph_tokens = self._arr([s[2] for s in shapes], np.int32)
@@ -231,11 +240,12 @@ class PersistentScheduler:
             raise SchedulerError(f"decode table is {decode_table.shape}, expected (2, {max_batch + 1}): "
                                  "one row per sampling variant (without, with filtering)")
         c.decode_table = self._arr(decode_table.reshape(-1), np.int32)
-        c.prefill_table = self._arr(view["prefill_table"].reshape(-1), np.int32)
+        c.prefill_table = self._arr(prefill_table.reshape(-1), np.int32)
         c.counters = view["counters_ptr"]
         b = view["buffers"]
         for name, ours in (("input_ids", "input_ids"), ("positions", "positions"), ("slot_mapping", "slot_mapping"),
                            ("cu_seqlens_q", "cu_seqlens"), ("context_lens", "context_lens"),
+                           ("decode_ctx", "decode_ctx"), ("cu_chunks", "cu_chunks"),
                            ("block_tables", "block_tables"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("min_p", "min_p"), ("top_k", "top_k"), ("seeds", "seeds"),
                            ("sample_index", "sample_index"), ("next_tokens", "next_tokens"),

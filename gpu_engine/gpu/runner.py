@@ -7,6 +7,12 @@ sequences past the real batch an empty query range. `forward(batch, tokens, deco
 launches only device work with shapes fixed by its arguments, so it can be captured in a CUDA graph
 and replayed for any step that fits. `filtered=False` samples without the top-k / top-p / min-p
 filter (no vocabulary sort): exact only for steps where no row uses them.
+
+A prefill step may mix rows (chunked prefill): the running decodes (one token each) first, then
+prompt chunks with a cached prefix. The leading run of one-token rows attends through the decode
+kernel (`decode_ctx`: their context lengths, 0 for the other rows) and the rest through the prefill
+kernel (`cu_chunks`: the query bounds with those rows made empty), so a decode row costs the same in
+a mixed step as in a decode step.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class StepBuffers:
     slot_mapping: torch.Tensor  # [max_tokens] int64, -1 = padding
     cu_seqlens_q: torch.Tensor  # [max_batch + 1] int32
     context_lens: torch.Tensor  # [max_batch] int32, after this step
+    decode_ctx: torch.Tensor  # [max_batch] int32, context_lens of the leading one-token rows, else 0
+    cu_chunks: torch.Tensor  # [max_batch + 1] int32, cu_seqlens_q with the leading one-token rows empty
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32, -1 padded
     temperature: torch.Tensor  # [max_batch] f32, 0 = greedy
     top_k: torch.Tensor  # [max_batch] int32, 0 = off
@@ -88,6 +96,7 @@ class StepBuffers:
             input_ids=z(T, dtype=torch.int64), positions=z(T, dtype=torch.int64),
             slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
             cu_seqlens_q=z(B + 1, dtype=torch.int32), context_lens=z(B, dtype=torch.int32),
+            decode_ctx=z(B, dtype=torch.int32), cu_chunks=z(B + 1, dtype=torch.int32),
             block_tables=torch.full((B, limits.max_blocks_per_seq), -1, dtype=torch.int32, device=device),
             temperature=z(B, dtype=torch.float32), top_k=z(B, dtype=torch.int32),
             top_p=torch.ones(B, dtype=torch.float32, device=device), min_p=z(B, dtype=torch.float32),
@@ -216,9 +225,11 @@ class GpuModelRunner:
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         if decode:
             out = decode_attention(q, kc, vc, tables, ctx, self.scale)
-        else:
-            out = prefill_attention(q, kc, vc, tables, ctx, buf.cu_seqlens_q[: batch + 1], self.scale,
-                                    block_m=64 if tokens >= 64 else 16)
+        else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
+            out = torch.empty_like(q)
+            decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch])
+            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
+                              block_m=64 if tokens >= 64 else 16)
         return F.linear(out.view(tokens, hq * d), w.o)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -262,6 +273,11 @@ class GpuModelRunner:
             dst[: len(src)].copy_(src)
         buf.cu_seqlens_q[B + 1:].fill_(T)
         buf.cu_seqlens_q[: B + 1].copy_(meta.cu_seqlens_q)
+        decode_ctx, cu_chunks = split_rows(meta.cu_seqlens_q, meta.context_lens)
+        buf.decode_ctx.fill_(0)
+        buf.decode_ctx[:B].copy_(decode_ctx)
+        buf.cu_chunks[B + 1:].fill_(T)
+        buf.cu_chunks[: B + 1].copy_(cu_chunks)
         buf.block_tables.fill_(-1)
         buf.block_tables[:B, :width].copy_(meta.block_tables)
         defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0}
@@ -287,3 +303,16 @@ class GpuModelRunner:
             if staged:
                 dst[:B].copy_(sampling[col])
         self._processors_staged = staged
+
+
+def split_rows(cu_seqlens: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode_ctx, cu_chunks) of a step: the leading run of one-token rows (row r with
+    cu[r + 1] == r + 1) keeps its context length in decode_ctx and is empty in cu_chunks
+    (cu_chunks[r] = max(cu[r], that run's length)); every other row is 0 in decode_ctx."""
+    cu = cu_seqlens.to(torch.int64)
+    rows = torch.arange(1, cu.numel(), dtype=torch.int64)
+    lead = torch.cumprod((cu[1:] == rows).to(torch.int64), 0).bool()
+    nd = int(lead.sum())
+    decode_ctx = torch.where(lead, context_lens.to(torch.int32), torch.zeros_like(context_lens, dtype=torch.int32))
+    return decode_ctx, cu.clamp(min=nd).to(torch.int32)
+

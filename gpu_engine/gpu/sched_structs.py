@@ -36,6 +36,7 @@ class SchedConfig(C.Structure):
     max_prefill_tokens: int
     num_eos: int
     claim_with_cas: int
+    chunked: int
     scan_flips: int
     eos_ids: C.Array[C.c_int32]
     num_graphs: int
@@ -55,6 +56,8 @@ class SchedConfig(C.Structure):
     cu_seqlens: int | None
     context_lens: int | None
     block_tables: int | None
+    decode_ctx: int | None
+    cu_chunks: int | None
     temperature: int | None
     top_p: int | None
     min_p: int | None
@@ -91,6 +94,7 @@ class SchedConfig(C.Structure):
         ("max_prefill_tokens", C.c_uint32),
         ("num_eos", C.c_uint32),
         ("claim_with_cas", C.c_uint32),
+        ("chunked", C.c_uint32),
         ("scan_flips", C.c_uint32),
         ("eos_ids", C.c_int32 * MAX_EOS),
         ("num_graphs", C.c_uint32),
@@ -110,6 +114,8 @@ class SchedConfig(C.Structure):
         ("cu_seqlens", C.c_void_p),
         ("context_lens", C.c_void_p),
         ("block_tables", C.c_void_p),
+        ("decode_ctx", C.c_void_p),
+        ("cu_chunks", C.c_void_p),
         ("temperature", C.c_void_p),
         ("top_p", C.c_void_p),
         ("min_p", C.c_void_p),

@@ -38,10 +38,20 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 
 def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Whole-prompt prefill graphs (no chunking): up to the context limit, batches of prompts."""
     tokens = [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if t < max_tokens] + [max_tokens]
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     # A prefill of b prompts averages at least 16 tokens each; larger batches use larger buckets.
     return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
+
+
+def mixed_buckets(max_batch: int, budget: int) -> list[tuple[int, int]]:
+    """Graphs of chunked-prefill steps: up to the token budget, any batch up to a token per row (the
+    running decodes ride in the same step). Tokens are padded to at most twice the step's (a step with
+    prompt work pending fills the budget exactly), rows to the next of the decode bucket sizes."""
+    tokens = sorted({t for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < budget} | {budget})
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
+    return [(b, t) for t in tokens for b in batches if b <= t]
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +63,8 @@ class GpuParts:
     eos_ids: tuple[int, ...]
     max_context: int
     vocab_size: int
+    token_budget: int    # the policy's step budget (Policy.token_budget)
+    chunked: bool
 
 
 def build_parts(cfg: EngineConfig) -> GpuParts:
@@ -62,8 +74,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda")
     model, mcfg = load_model(path, dtype=dtype, device="cuda", random_weights=cfg.random_weights, seed=cfg.seed)
     g = cfg.geometry
-    max_tokens = cfg.context_limit(mcfg.max_position_embeddings, cap=MAX_GRAPH_TOKENS)
-    max_context = max_tokens
+    max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=MAX_GRAPH_TOKENS)
+    budget = cfg.token_budget(gpu=True)
+    max_tokens = max(max_context, budget or 0)
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
@@ -74,14 +87,18 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)
-    cache = GraphCache(runner, decode_buckets(cfg.max_batch), prefill_buckets(cfg.max_batch, max_tokens),
-                       device_launch=cfg.backend == "persistent")
+    chunked = cfg.chunked_prefill
+    buckets = mixed_buckets(cfg.max_batch, budget) if chunked and budget else prefill_buckets(cfg.max_batch, max_tokens)
+    cache = GraphCache(runner, decode_buckets(cfg.max_batch), buckets, device_launch=cfg.backend == "persistent",
+                       prefill_variants=chunked)
     t0 = time.perf_counter()
     log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks)
     graphs = cache.capture(progress=False, on_graph=capture_progress)
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
-             kv_blocks=blocks, model=str(path), family=mcfg.family)
-    return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
+             kv_blocks=blocks, model=str(path), family=mcfg.family, chunked_prefill=chunked,
+             token_budget=budget or max_tokens)
+    return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
+                    budget or max_tokens, chunked)
 
 
 def capture_progress(k: int, n: int) -> None:
@@ -109,7 +126,8 @@ class PersistentEngine:
                                     p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
                                     p.max_context, p.vocab_size, yield_graphs=yielding,
                                     claim_with_cas=not env.env().sched_plain_claim,
-                                    scan_flips=self.flips_usable())
+                                    scan_flips=self.flips_usable(), chunked=p.chunked,
+                                    token_budget=p.token_budget)
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
@@ -161,8 +179,8 @@ class PersistentEngine:
 
 def build_gpu_backend(cfg: EngineConfig) -> Backend:
     parts = build_parts(cfg)
-    policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=parts.limits.max_tokens,
-                    prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1])
+    policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, parts.token_budget,
+                    prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked)
     if cfg.backend == "persistent":
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
                        make_engine=lambda ring: PersistentEngine(ring, parts, cfg))

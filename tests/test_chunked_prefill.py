@@ -1,0 +1,224 @@
+"""Chunked prefill: the policy's budget and FCFS chunks, and the CPU engine through a ring with prompts
+much longer than the budget: same greedy tokens as without chunking, preemption and cancellation
+mid-prefill, every block returned, and other streams served while a long prompt prefills."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_engine.engine import RingEngine
+from gpu_engine.kv_cache import BlockAllocator
+from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
+from gpu_engine.serve import build_cpu_backend
+from shared import ring_layout as L
+from shared.config import EngineConfig
+from shared.messages import Sampling
+from shared.ring import Ring, RingGeometry, local_ring
+from shared.slots import SlotRequest, SlotWriter
+
+transformers = pytest.importorskip("transformers")
+S = L.SlotState
+GEO = RingGeometry(16, 240, 32, 4)
+LONG = [list(np.random.default_rng(k).integers(3, 200, size=40 + 23 * k)) for k in range(8)]  # 40..201 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(11)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=320,
+                                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_llama_chunked")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed() -> Iterator[None]:
+    torch.manual_seed(0)
+    yield
+
+
+class Harness:
+    """A RingEngine over a private ring, stepped by hand, with a frontend-side writer."""
+
+    def __init__(self, model: Path | None, kv_blocks: int, budget: int, chunked: bool = True,
+                 geometry: RingGeometry = GEO, max_batch: int = 8, block_size: int = 4, dtype: str = "float32") -> None:
+        cfg = EngineConfig(ring_name="local", model=None if model is None else str(model), geometry=geometry,
+                           kv_blocks=kv_blocks, block_size=block_size, max_batch=max_batch, dtype=dtype,
+                           max_num_batched_tokens=budget, no_enable_chunked_prefill=not chunked)
+        self.backend = b = build_cpu_backend(cfg)
+        self.ring: Ring = local_ring(geometry)
+        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context, b.vocab_size)
+        self.policy: Policy = b.policy
+        self.writer = SlotWriter(self.ring)
+        self.seqs: dict[int, int] = {}
+        self.free_at_start = self.policy.alloc.num_free
+        self.plans: list[StepPlan] = []
+        schedule = self.policy.schedule
+
+        def recording() -> StepPlan | None:  # keeps each plan for the assertions; the policy decides
+            plan = schedule()
+            if plan is not None:
+                self.plans.append(plan)
+            return plan
+
+        self.policy.schedule = recording  # type: ignore[method-assign]
+
+    def submit(self, idx: int, prompt: list[int], max_new: int, **kw: Any) -> None:
+        seq = self.writer.try_reserve(idx, int(self.ring.slots[idx]["seq"]))
+        assert seq is not None
+        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), Sampling(max_new, **kw)))
+        self.seqs[idx] = seq
+
+    def run(self, max_steps: int = 20_000) -> None:
+        for _ in range(max_steps):
+            if not self.engine.step() and not self.engine.by_slot:
+                return
+        raise AssertionError("engine did not finish")
+
+    def result(self, idx: int) -> tuple[list[int], int]:
+        s = self.ring.slots[idx]
+        assert s["state"] == S.DECODE_COMPLETED
+        out = self.ring.output_tokens[idx, : int(s["generated"])].tolist()
+        assert self.writer.release(idx, self.seqs[idx])
+        return out, int(s["finish_reason"])
+
+    def check_blocks_returned(self) -> None:
+        assert self.policy.alloc.num_free == self.free_at_start
+        assert self.policy.num_unfinished == 0 and self.policy.partial is None
+
+
+def run_together(h: Harness, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        h.submit(i, p, max_new, ignore_eos=True)
+    h.run()
+    return [h.result(i)[0] for i in range(len(prompts))]
+
+
+def check_plans(h: Harness) -> None:
+    """Every step: within the budget and the batch, the decodes first, at most one chunk cut short."""
+    for plan in h.plans:
+        assert plan.num_tokens <= h.policy.token_budget and len(plan.work) <= h.policy.max_batch
+        kinds = [w.prefill for w in plan.work]
+        assert kinds == sorted(kinds), "decode rows come before the prompt chunks"
+        assert sum(1 for w in plan.work if not w.samples) <= 1
+        assert all(w.samples for w in plan.work[:-1]), "only the step's last chunk may stop short of its prompt"
+
+
+def test_greedy_tokens_identical_with_chunking_on_and_off(tiny_llama: Path) -> None:
+    whole = run_together(Harness(tiny_llama, kv_blocks=512, budget=0, chunked=False), LONG, 12)
+    h = Harness(tiny_llama, kv_blocks=512, budget=16)
+    assert run_together(h, LONG, 12) == whole
+    assert all(len(o) == 12 for o in whole)
+    cut = [w for plan in h.plans for w in plan.work if not w.samples]
+    assert len(cut) >= sum(len(p) // 16 for p in LONG) - len(LONG), "prompts of up to 201 tokens took many chunks"
+    assert any(plan.kind == "prefill" and not plan.work[0].prefill for plan in h.plans), "no mixed step was run"
+    check_plans(h)
+    h.check_blocks_returned()
+
+
+def test_preemption_mid_prefill_keeps_tokens_and_returns_blocks(tiny_llama: Path) -> None:
+    whole = run_together(Harness(tiny_llama, kv_blocks=512, budget=0, chunked=False), LONG, 12)
+    h = Harness(tiny_llama, kv_blocks=60, budget=16)  # 240 token slots; the longest request needs 213
+    victims: list[bool] = []
+    preempt = h.policy._preempt
+
+    def watching(req: Request) -> None:  # records whether the victim was the partial prefill
+        victims.append(req is h.policy.partial)
+        preempt(req)
+
+    h.policy._preempt = watching  # type: ignore[method-assign]
+    assert run_together(h, LONG, 12) == whole
+    assert any(victims), "no partial prefill was preempted"
+    check_plans(h)
+    h.check_blocks_returned()
+
+
+def test_cancellation_mid_prefill_frees_its_blocks(tiny_llama: Path) -> None:
+    h = Harness(tiny_llama, kv_blocks=512, budget=16)
+    h.submit(0, LONG[7], 8, ignore_eos=True)
+    h.submit(1, LONG[0][:10], 8, ignore_eos=True)
+    for _ in range(4):
+        h.engine.step()
+    partial = h.policy.partial
+    assert partial is not None and partial.slot == 0 and 0 < partial.num_cached < len(LONG[7])
+    assert partial.blocks, "a partial prefill holds the blocks of its chunks"
+    assert h.writer.cancel(0, h.seqs[0])
+    h.run()
+    assert h.result(0)[1] == Finish.CANCELLED
+    out, reason = h.result(1)
+    assert len(out) == 8 and reason == Finish.LENGTH
+    h.check_blocks_returned()
+
+
+def test_policy_keeps_its_rules_over_5000_random_requests() -> None:
+    """The policy alone (no model): random prompts, outputs, cancellations and a cache small enough to
+    preempt; every step within the budget, FCFS chunks, and at the end every block free."""
+    rng = random.Random(5)
+    alloc = BlockAllocator(300)
+    policy = Policy(alloc, 4, max_batch=16, token_budget=48)
+    reqs, done, arrival, steps, mid_cancels = [], 0, 0, 0, 0
+    while done < 5000:
+        for _ in range(rng.randint(0, 3) if arrival < 5000 else 0):
+            req = Request(slot=arrival, seq=0, request_id=arrival, prompt=[5] * rng.randint(1, 300),
+                          max_new_tokens=rng.randint(1, 40), arrival=arrival)
+            assert policy.can_ever_fit(len(req.prompt), req.max_new_tokens)
+            policy.add(req)
+            reqs.append(req)
+            arrival += 1
+        if policy.partial is not None and rng.random() < 0.02:
+            policy.finish(policy.partial, Finish.CANCELLED)
+            mid_cancels += 1
+            done += 1
+        plan = policy.schedule()
+        if plan is None:
+            continue
+        steps += 1
+        assert plan.num_tokens <= 48 and len(plan.work) <= 16
+        assert sum(len(r.blocks) for r in reqs if r.phase != Phase.FINISHED) + alloc.num_free == 300
+        for w in plan.work:
+            assert len(w.req.blocks) * 4 >= w.num_cached + w.num_new
+        results = policy.commit(plan, [7] * len(plan.work), eos_ids=())
+        done += sum(1 for _, _, reason in results if reason != Finish.NONE)
+    assert policy.num_unfinished == 0 and alloc.num_free == 300
+    assert policy.preemptions > 0 and mid_cancels > 0 and steps > 5000
+
+
+def test_short_streams_keep_receiving_tokens_while_a_long_prompt_prefills() -> None:
+    """The embedded model: a 4,096-token prompt arrives while 4 short streams decode. Its prefill is
+    cut into chunks that share steps with the streams, so the longest gap between two tokens of a stream
+    is a small fraction of the long prompt's prefill time, measured here."""
+    geo = RingGeometry(8, 4096, 128, 4)
+    h = Harness(None, kv_blocks=0, budget=256, geometry=geo, block_size=16, dtype="auto")
+    for i in range(4):
+        h.submit(i, [1, 28, 1234 + i, 77, 13, 29, 9, 512], 100, ignore_eos=True)
+    while min(int(h.ring.slots[i]["generated"]) for i in range(4)) < 2:
+        h.engine.step()
+    h.submit(4, list(np.random.default_rng(3).integers(100, 40000, size=4096)), 4, ignore_eos=True)
+    t_submit, times = time.monotonic(), {i: [] for i in range(4)}
+    counts = {i: int(h.ring.slots[i]["generated"]) for i in range(4)}
+    while int(h.ring.slots[4]["generated"]) == 0:
+        h.engine.step()
+        now = time.monotonic()
+        for i in range(4):
+            n = int(h.ring.slots[i]["generated"])
+            times[i] += [now] * (n - counts[i])
+            counts[i] = n
+    prefill_s = time.monotonic() - t_submit
+    gaps = [b - a for i in range(4) for a, b in zip([t_submit, *times[i]], times[i], strict=False)]
+    assert min(len(t) for t in times.values()) >= 8, "the streams stalled while the prompt prefilled"
+    assert max(gaps) < 0.25 * prefill_s, f"largest gap {max(gaps):.2f} s of a {prefill_s:.1f} s prefill"
+    h.run()
+    assert all(len(h.result(i)[0]) == 100 for i in range(4))
+    assert len(h.result(4)[0]) == 4
+    check_plans(h)
+    h.check_blocks_returned()
