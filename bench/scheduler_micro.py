@@ -90,7 +90,8 @@ def run_scheduler(parts: GpuParts, cfg: EngineConfig, scan_flips: bool, cas: boo
     sched = PersistentScheduler(ring.transport.base, ring.transport.size, geo, parts.cache.scheduler_view(),  # type: ignore[attr-defined]
                                 parts.kv, parts.limits, parts.eos_ids, cfg.max_batch, parts.max_context,
                                 parts.vocab_size, claim_with_cas=cas, scan_flips=scan_flips,
-                                phase_clocks=True)  # scan_phase_ns: a library built with the phase clocks
+                                # scan_phase_ns: a library built with the phase clocks
+                                phase_clocks=True, chunked=parts.chunked, token_budget=parts.token_budget)
     ring.header_store32("engine_state", L.EngineState.READY)
     sched.start()
     try:

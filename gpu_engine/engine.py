@@ -18,7 +18,7 @@ from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
-from shared.ring import Ring
+from shared.ring import Ring, step_fill_bucket
 from shared.slots import MAX_LOGIT_BIAS
 
 S = L.SlotState
@@ -48,6 +48,7 @@ class RingEngine:
         self.by_slot: dict[int, Request] = {}
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
+        self.step_fill = [0] * 7  # EngineStats.step_fill: steps by tokens / the policy's token budget
         self.draining = False
         self._loop_seen = 0.0
         self._in_step: tuple[float, int] | None = None  # (started, tokens) while the runner computes a step
@@ -117,6 +118,7 @@ class RingEngine:
         results = self.policy.commit(plan, out.tokens, self.eos_ids)
         self.steps += 1
         self.prompt_tokens += plan.prompt_tokens
+        self.step_fill[step_fill_bucket(plan.num_tokens, self.policy.token_budget)] += 1
         for b, ((req, tok, reason), start, w) in enumerate(zip(results, starts, plan.work, strict=True)):
             if len(req.output) > start:
                 self._publish(req, b, start, tok, out)
@@ -154,6 +156,9 @@ class RingEngine:
         self.ring.stats_store("prompt_tokens", self.prompt_tokens)
         self.ring.stats_store("output_tokens", self.output_tokens)
         self.ring.stats_store("preemptions", p.preemptions)
+        self.ring.stats_store("token_budget", p.token_budget)
+        for k, n in enumerate(self.step_fill):
+            self.ring.stats_store("step_fill", n, k)
 
     def cancel_all(self) -> None:
         for req in list(self.by_slot.values()):

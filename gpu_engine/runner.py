@@ -51,14 +51,19 @@ class TorchRunner:
         steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.kv.block_size, self.device)
         logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
-        specs = [w.req.sampling for w in plan.work]
-        positions = torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64)
+        rows = [b for b, w in enumerate(plan.work) if w.samples]  # a chunk short of its prompt's end samples nothing
+        work = [plan.work[b] for b in rows]
+        specs = [w.req.sampling for w in work]
+        positions = torch.tensor([len(w.req.output) for w in work], dtype=torch.int64)
         seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
-        history = [(w.req.prompt, w.req.output) for w in plan.work]
-        res = sample(logits.float(), specs, positions, seeds, history)
-        return StepOutput(
-            tokens=[int(t) for t in res.tokens.tolist()],
-            logprobs=res.logprobs.float().cpu().numpy(),
-            top_ids=res.top_ids.to(torch.int32).cpu().numpy(),
-            top_logprobs=res.top_logprobs.float().cpu().numpy(),
-        )
+        history = [(w.req.prompt, w.req.output) for w in work]
+        res = sample(logits[rows].float(), specs, positions, seeds, history)
+        n, k = len(plan.work), res.top_ids.shape[1]
+        out = StepOutput(tokens=[-1] * n, logprobs=np.zeros(n, np.float32), top_ids=np.zeros((n, k), np.int32),
+                         top_logprobs=np.zeros((n, k), np.float32))
+        for b, t in zip(rows, res.tokens.tolist(), strict=True):
+            out.tokens[b] = int(t)
+        out.logprobs[rows] = res.logprobs.float().cpu().numpy()
+        out.top_ids[rows] = res.top_ids.to(torch.int32).cpu().numpy()
+        out.top_logprobs[rows] = res.top_logprobs.float().cpu().numpy()
+        return out

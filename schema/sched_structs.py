@@ -162,6 +162,7 @@ STATS_GROUPS = (
         Decl("uint32_t", "n_tail_samples n_step_samples"),
         Decl("uint32_t", "exit_reason", "0 while running, else one of BLINK_EXIT_*"),
         Decl("uint32_t", "last_cancel_slot"),
+        Decl("uint32_t", "step_fill", "steps by tokens / token budget (shared.ring.step_fill_bucket)", count=7),
     )),
     Group("the graph in flight", (
         Decl("uint32_t", "current_graph pad0", "host copy only: 1 + index of the graph in flight, 0 when none"),

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
+
+from shared.ring import STEP_FILL_BOUNDS
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -37,7 +39,8 @@ VLLM_ALIASES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_
 ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Prompt tokens the engine prefilled.",
                    "output_tokens": "Tokens the engine generated.", "preemptions": "Requests preempted.",
                    "window_relaunches": "Persistent scheduler tail launches."}
-ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV cache blocks free."}
+ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV cache blocks free.",
+                 "token_budget": "Tokens one engine step may carry (--max-num-batched-tokens)."}
 
 
 class FrontendMetrics:
@@ -125,7 +128,22 @@ def engine_families(model_name: str, stats: Mapping[str, Any] | None) -> list[Me
         gauge = GaugeMetricFamily(f"blink:engine_{name}", doc, labels=["model_name"])
         gauge.add_metric([model_name], float(stats[name]))
         out.append(gauge)
-    return out
+    return [*out, *step_fill_families(model_name, stats)]
+
+
+def step_fill_families(model_name: str, stats: Mapping[str, Any]) -> list[Metric]:
+    """The engine's steps by how much of the token budget they used: a histogram of tokens / budget
+    (no _sum: the engine counts steps per bucket only) and the count of steps that filled it."""
+    counts = [int(c) for c in stats["step_fill"]]
+    hist = HistogramMetricFamily("blink:engine_step_budget_use", "Engine steps by tokens / token budget.",
+                                 labels=["model_name"])
+    cumulative = [sum(counts[: k + 1]) for k in range(5)] + [sum(counts)]
+    buckets = [(repr(b), float(c)) for b, c in zip(STEP_FILL_BOUNDS, cumulative, strict=True)]
+    hist.add_metric([model_name], [*buckets, ("+Inf", float(sum(counts)))], None)
+    full = CounterMetricFamily("blink:engine_steps_budget_full", "Engine steps that used the whole token budget.",
+                               labels=["model_name"])
+    full.add_metric([model_name], float(counts[6]))
+    return [hist, full]
 
 
 def vllm_aliases(families: Iterable[Metric]) -> list[Metric]:

@@ -30,6 +30,22 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+# EngineStats.step_fill: upper bounds of tokens / budget of its first six counts; the seventh counts the
+# steps that filled the budget exactly (tokens / budget == 1, so also within the last bound)
+STEP_FILL_BOUNDS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0)
+
+
+def step_fill_bucket(tokens: int, budget: int) -> int:
+    """Which ``EngineStats.step_fill`` count a step of ``tokens`` under ``budget`` adds to (integer
+    arithmetic, so the CUDA scheduler's ``step_fill_bucket`` gives the same answer)."""
+    if tokens >= budget:
+        return 6
+    for k, (num, den) in enumerate(((1, 16), (1, 8), (1, 4), (1, 2), (3, 4))):
+        if tokens * den <= budget * num:
+            return k
+    return 5
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RingGeometry:
     """How many slots and how many tokens each slot may hold."""
@@ -161,12 +177,16 @@ class Ring:
     def header_store64(self, field: str, value: int) -> None:
         self.transport.store64(HEADER_OFF[field], value)
 
-    def stats_store(self, field: str, value: int) -> None:
-        off = STATS_OFF + L.FIELD_OFFSETS["EngineStats"][field]
+    def stats_store(self, field: str, value: int, index: int = 0) -> None:
+        """One engine-stats word (``index``: the element of an array field, such as ``step_fill``)."""
         fields = L.ENGINESTATS_DTYPE.fields
         assert fields is not None
-        size = fields[field][0].itemsize
-        (self.transport.store64 if size == 8 else self.transport.store32)(off, value)
+        dtype = fields[field][0]
+        size = dtype.base.itemsize
+        if not 0 <= index < max(1, dtype.shape[0] if dtype.shape else 1):
+            raise IndexError(f"EngineStats.{field}[{index}]")
+        off = STATS_OFF + L.FIELD_OFFSETS["EngineStats"][field] + index * size
+        (self.transport.store64 if size == 8 else self.transport.store32)(off, value & ((1 << (8 * size)) - 1))
 
     def engine_alive(self, timeout_s: float) -> bool:
         """True when the engine says READY and beat within ``timeout_s``."""

@@ -222,3 +222,23 @@ def test_short_streams_keep_receiving_tokens_while_a_long_prompt_prefills() -> N
     assert len(h.result(4)[0]) == 4
     check_plans(h)
     h.check_blocks_returned()
+
+
+def test_budget_and_step_fill_reach_the_metrics(tiny_llama: Path) -> None:
+    """The engine publishes its token budget and how full each step was; /metrics shows them as a gauge,
+    a histogram of tokens / budget and a count of full steps."""
+    from shared.metrics import FrontendMetrics
+
+    h = Harness(tiny_llama, kv_blocks=512, budget=16)
+    run_together(h, LONG[:3], 4)
+    h.engine.publish_stats()
+    stats = h.ring.read_header()["stats"]
+    fill = [int(c) for c in stats["step_fill"]]
+    assert int(stats["token_budget"]) == 16 and sum(fill) == len(h.plans) == h.engine.steps
+    assert fill[6] == sum(1 for p in h.plans if p.num_tokens == 16) > 0
+    assert fill[0] == sum(1 for p in h.plans if p.num_tokens == 1) > 0  # one decode of a 16-token budget
+    text = FrontendMetrics("m").render(stats).decode()
+    assert 'blink:engine_token_budget{model_name="m"} 16.0' in text
+    assert f'blink:engine_step_budget_use_bucket{{le="+Inf",model_name="m"}} {float(sum(fill))}' in text
+    assert f'blink:engine_step_budget_use_bucket{{le="0.0625",model_name="m"}} {float(fill[0])}' in text
+    assert f'blink:engine_steps_budget_full_total{{model_name="m"}} {float(fill[6])}' in text

@@ -50,6 +50,8 @@ __device__ void publish_stats(SchedState *s) {
   h->stats.output_tokens = s->stats->output_tokens;
   h->stats.preemptions = s->stats->preemptions;
   h->stats.window_relaunches = s->stats->windows;
+  h->stats.token_budget = s->cfg.max_prefill_tokens;
+  for (uint32_t k = 0; k < 7; ++k) h->stats.step_fill[k] = s->stats->step_fill[k];
   s->stats->running = s->running_count;
   s->stats->waiting = s->wait_count;
   s->stats->paused = s->paused_count;

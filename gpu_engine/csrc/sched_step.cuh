@@ -24,6 +24,15 @@ __device__ bool row_filters(const ReqInfo *q) {
 }
 
 // SeqWork.samples: the row's token is used (a decode, or the chunk that ends its prompt).
+// shared.ring.step_fill_bucket: which EngineStats.step_fill count a step of `tokens` adds to.
+__device__ uint32_t step_fill_bucket(uint32_t tokens, uint32_t budget) {
+  if (tokens >= budget) return 6;
+  const uint64_t num[5] = {1, 1, 1, 1, 3}, den[5] = {16, 8, 4, 2, 4};
+  for (uint32_t k = 0; k < 5; ++k)
+    if (static_cast<uint64_t>(tokens) * den[k] <= static_cast<uint64_t>(budget) * num[k]) return k;
+  return 5;
+}
+
 __device__ bool row_samples(SchedState *s, uint32_t r) {
   return s->plan_cached[r] + s->plan_new[r] == ctx_len(&s->req[s->plan_slot[r]]);
 }
@@ -259,6 +268,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
   s->stats->steps++;
+  s->stats->step_fill[step_fill_bucket(s->plan_tokens, s->cfg.max_prefill_tokens)]++;
   if (prefill)
     s->stats->prefills++;
   else

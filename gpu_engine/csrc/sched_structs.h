@@ -83,6 +83,8 @@ typedef struct blink_sched_stats {
   // 0 while running, else one of BLINK_EXIT_*
   uint32_t exit_reason;
   uint32_t last_cancel_slot;
+  // steps by tokens / token budget (shared.ring.step_fill_bucket)
+  uint32_t step_fill[7];
   // ---- the graph in flight
   // host copy only: 1 + index of the graph in flight, 0 when none
   uint32_t current_graph, pad0;

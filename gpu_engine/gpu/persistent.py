@@ -41,9 +41,13 @@ class SchedStats(sched_structs.SchedStats):
         n = min(int(getattr(self, f"n_{name}_samples")), SAMPLES)
         return np.frombuffer(getattr(self, f"{name}_ns"), dtype=np.uint32)[:n].astype(np.float64)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int | list[int]]:
         names = [f[0] for f in self._fields_]
-        return {n: int(getattr(self, n)) for n in names[: names.index("current_graph")]}
+        out: dict[str, int | list[int]] = {}
+        for n in names[: names.index("current_graph")]:
+            v = getattr(self, n)
+            out[n] = int(v) if isinstance(v, int) else [int(x) for x in v]
+        return out
 
 
 class SchedulerError(RuntimeError):

@@ -168,6 +168,7 @@ class SchedStats(C.Structure):
     n_step_samples: int
     exit_reason: int
     last_cancel_slot: int
+    step_fill: C.Array[C.c_uint32]
     current_graph: int
     pad0: int
     current_since_ns: int
@@ -208,6 +209,7 @@ class SchedStats(C.Structure):
         ("n_step_samples", C.c_uint32),
         ("exit_reason", C.c_uint32),
         ("last_cancel_slot", C.c_uint32),
+        ("step_fill", C.c_uint32 * 7),
         ("current_graph", C.c_uint32),
         ("pad0", C.c_uint32),
         ("current_since_ns", C.c_uint64),

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 2u
+#define BLINK_RING_SCHEMA_MINOR 3u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -102,7 +102,8 @@ typedef struct __attribute__((aligned(8))) blink_engine_stats {
   uint64_t output_tokens; /* offset 32 */
   uint64_t preemptions; /* offset 40 */
   uint64_t window_relaunches; /* offset 48 */
-  uint64_t reserved[4]; /* offset 56 */
+  uint32_t token_budget; /* offset 56 */
+  uint32_t step_fill[7]; /* offset 60 */
 } blink_engine_stats;
 
 typedef struct __attribute__((aligned(8))) blink_ring_header {

@@ -57,7 +57,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 2,
+  SchemaMinor_VALUE = 3,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -591,7 +591,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) EngineStats FLATBUFFERS_FINAL_CLASS {
   uint64_t output_tokens_;
   uint64_t preemptions_;
   uint64_t window_relaunches_;
-  uint64_t reserved_[4];
+  uint32_t token_budget_;
+  uint32_t step_fill_[7];
 
  public:
   EngineStats()
@@ -604,9 +605,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) EngineStats FLATBUFFERS_FINAL_CLASS {
         output_tokens_(0),
         preemptions_(0),
         window_relaunches_(0),
-        reserved_() {
+        token_budget_(0),
+        step_fill_() {
   }
-  EngineStats(uint32_t _running, uint32_t _waiting, uint32_t _kv_blocks_total, uint32_t _kv_blocks_free, uint64_t _steps, uint64_t _prompt_tokens, uint64_t _output_tokens, uint64_t _preemptions, uint64_t _window_relaunches)
+  EngineStats(uint32_t _running, uint32_t _waiting, uint32_t _kv_blocks_total, uint32_t _kv_blocks_free, uint64_t _steps, uint64_t _prompt_tokens, uint64_t _output_tokens, uint64_t _preemptions, uint64_t _window_relaunches, uint32_t _token_budget)
       : running_(::flatbuffers::EndianScalar(_running)),
         waiting_(::flatbuffers::EndianScalar(_waiting)),
         kv_blocks_total_(::flatbuffers::EndianScalar(_kv_blocks_total)),
@@ -616,9 +618,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) EngineStats FLATBUFFERS_FINAL_CLASS {
         output_tokens_(::flatbuffers::EndianScalar(_output_tokens)),
         preemptions_(::flatbuffers::EndianScalar(_preemptions)),
         window_relaunches_(::flatbuffers::EndianScalar(_window_relaunches)),
-        reserved_() {
+        token_budget_(::flatbuffers::EndianScalar(_token_budget)),
+        step_fill_() {
   }
-  EngineStats(uint32_t _running, uint32_t _waiting, uint32_t _kv_blocks_total, uint32_t _kv_blocks_free, uint64_t _steps, uint64_t _prompt_tokens, uint64_t _output_tokens, uint64_t _preemptions, uint64_t _window_relaunches, ::flatbuffers::span<const uint64_t, 4> _reserved)
+  EngineStats(uint32_t _running, uint32_t _waiting, uint32_t _kv_blocks_total, uint32_t _kv_blocks_free, uint64_t _steps, uint64_t _prompt_tokens, uint64_t _output_tokens, uint64_t _preemptions, uint64_t _window_relaunches, uint32_t _token_budget, ::flatbuffers::span<const uint32_t, 7> _step_fill)
       : running_(::flatbuffers::EndianScalar(_running)),
         waiting_(::flatbuffers::EndianScalar(_waiting)),
         kv_blocks_total_(::flatbuffers::EndianScalar(_kv_blocks_total)),
@@ -627,8 +630,9 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) EngineStats FLATBUFFERS_FINAL_CLASS {
         prompt_tokens_(::flatbuffers::EndianScalar(_prompt_tokens)),
         output_tokens_(::flatbuffers::EndianScalar(_output_tokens)),
         preemptions_(::flatbuffers::EndianScalar(_preemptions)),
-        window_relaunches_(::flatbuffers::EndianScalar(_window_relaunches)) {
-    ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
+        window_relaunches_(::flatbuffers::EndianScalar(_window_relaunches)),
+        token_budget_(::flatbuffers::EndianScalar(_token_budget)) {
+    ::flatbuffers::CastToArray(step_fill_).CopyFromSpan(_step_fill);
   }
   uint32_t running() const {
     return ::flatbuffers::EndianScalar(running_);
@@ -657,8 +661,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) EngineStats FLATBUFFERS_FINAL_CLASS {
   uint64_t window_relaunches() const {
     return ::flatbuffers::EndianScalar(window_relaunches_);
   }
-  const ::flatbuffers::Array<uint64_t, 4> *reserved() const {
-    return &::flatbuffers::CastToArray(reserved_);
+  uint32_t token_budget() const {
+    return ::flatbuffers::EndianScalar(token_budget_);
+  }
+  const ::flatbuffers::Array<uint32_t, 7> *step_fill() const {
+    return &::flatbuffers::CastToArray(step_fill_);
   }
 };
 FLATBUFFERS_STRUCT_END(EngineStats, 88);

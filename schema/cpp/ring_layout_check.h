@@ -60,7 +60,8 @@ static_assert(offsetof(blink::ring::EngineStats, prompt_tokens_) == offsetof(bli
 static_assert(offsetof(blink::ring::EngineStats, output_tokens_) == offsetof(blink_engine_stats, output_tokens), "EngineStats.output_tokens offset differs");
 static_assert(offsetof(blink::ring::EngineStats, preemptions_) == offsetof(blink_engine_stats, preemptions), "EngineStats.preemptions offset differs");
 static_assert(offsetof(blink::ring::EngineStats, window_relaunches_) == offsetof(blink_engine_stats, window_relaunches), "EngineStats.window_relaunches offset differs");
-static_assert(offsetof(blink::ring::EngineStats, reserved_) == offsetof(blink_engine_stats, reserved), "EngineStats.reserved offset differs");
+static_assert(offsetof(blink::ring::EngineStats, token_budget_) == offsetof(blink_engine_stats, token_budget), "EngineStats.token_budget offset differs");
+static_assert(offsetof(blink::ring::EngineStats, step_fill_) == offsetof(blink_engine_stats, step_fill), "EngineStats.step_fill offset differs");
 static_assert(sizeof(blink::ring::RingHeader) == sizeof(blink_ring_header), "RingHeader size differs");
 static_assert(alignof(blink::ring::RingHeader) == alignof(blink_ring_header), "RingHeader alignment differs");
 static_assert(offsetof(blink::ring::RingHeader, magic_) == offsetof(blink_ring_header, magic), "RingHeader.magic offset differs");

@@ -190,3 +190,34 @@ def test_graph_replay_is_bitwise_equal_to_eager():
     assert view["decode_table"].shape == (2, runner.limits.max_batch + 1)
     assert view["buffers"]["logits"] == runner.buffers.logits.data_ptr() and view["counters_ptr"]
     graphs.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_step_of_decodes_and_prompt_chunks_matches_transformers(family):
+    """A chunked-prefill step: two decode rows (decode kernel) then two prompt chunks, one after a cached
+    prefix (prefill kernel), in one forward; each row's logits against transformers on its whole
+    sequence, in fp32, and the split of the rows between the kernels as the scheduler stages it."""
+    from gpu_engine.gpu.runner import split_rows
+
+    hf = _hf_model(family, "small", torch.float32, 0.15)
+    runner, cfg = _ours(hf)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (37, 90, 70, 25)]
+    tables = [[0, 1, 2], list(range(3, 9)), list(range(9, 14)), [14, 15]]
+    # step 1: the first two prompts whole, and the first 40 tokens of the third
+    runner.stage(torch.cat([prompts[0], prompts[1], prompts[2][:40]]).cuda(),
+                 _meta([(0, 37, tables[0]), (0, 90, tables[1]), (0, 40, tables[2])]))
+    runner.forward(4, 256, False)
+    # step 2 (mixed): decode the first two, the last 30 tokens of the third, the fourth whole
+    nxt = torch.tensor([5, 7])
+    meta = _meta([(37, 1, tables[0]), (90, 1, tables[1]), (40, 30, tables[2]), (0, 25, tables[3])])
+    decode_ctx, cu_chunks = split_rows(meta.cu_seqlens_q, meta.context_lens)
+    assert decode_ctx.tolist() == [38, 91, 0, 0] and cu_chunks.tolist() == [2, 2, 2, 32, 57]
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(torch.cat([nxt, prompts[2][40:], prompts[3]]).cuda(), meta)
+    runner.forward(4, 64, False)
+    full = [torch.cat([prompts[0], nxt[:1]]), torch.cat([prompts[1], nxt[1:]]), prompts[2], prompts[3]]
+    with torch.no_grad():
+        for b, ids in enumerate(full):
+            ref = hf(ids[None].cuda()).logits[0, -1].float()
+            assert _rel(runner.buffers.logits[b], ref) < 1e-4, (family, b)

@@ -170,3 +170,26 @@ def test_persistent_serves_a_frontend_without_flips(tiny: Path) -> None:
     got, stats = serve_jobs(tiny, "persistent", jobs, window=32, tag="minor0", minor0_every=3)
     check_against(jobs, got, ref, "schema minor 0 beside minor 1")
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
+
+
+# A budget of 96 tokens per step (64 of them may be decodes) against prompts of up to 256 tokens, and a
+# cache of 300 blocks (4,800 tokens) for up to 64 requests of up to 304: chunks, mixed steps and
+# preemptions mid-prefill on every side.
+CHUNK_ARGS = tuple(a if a != "6000" else "300" for a in ENGINE_ARGS) + ("--max-num-batched-tokens", "96")
+
+
+def test_chunked_prefill_matches_whole_prompts(tiny: Path) -> None:
+    """Prompts much longer than the step budget, some cancelled: the persistent scheduler and the
+    host-driven mode, both chunking, give the tokens of the host-driven mode without chunking."""
+    jobs = random_jobs(2000, VOCAB, seed=8, max_prompt=256, max_new=48, cancel_frac=0.1)
+    reference = [dataclasses.replace(j, cancel_after=None) for j in jobs]
+    whole, _ = serve_jobs(tiny, "host", reference, window=64, tag="whole",
+                          engine_args=(*ENGINE_ARGS, "--no-enable-chunked-prefill"))
+    host, hstats = serve_jobs(tiny, "host", reference, window=64, tag="chunked", engine_args=CHUNK_ARGS)
+    check_against(reference, host, whole, "host-driven, chunked")
+    pers, stats = serve_jobs(tiny, "persistent", jobs, window=64, tag="chunked", engine_args=CHUNK_ARGS)
+    check_against(jobs, pers, whole, "persistent, chunked")
+    (OUT / "persistent_chunked.json").write_text(json.dumps({"host": hstats, "persistent": stats}))
+    for st in (hstats, stats):
+        assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["exit_code"] == 0 and not st["segment_left"]
+        assert st["preemptions"] > 0

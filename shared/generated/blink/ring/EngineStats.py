@@ -37,31 +37,34 @@ class EngineStats(object):
     # EngineStats
     def WindowRelaunches(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(48))
     # EngineStats
-    def Reserved(self, j = None):
+    def TokenBudget(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(56))
+    # EngineStats
+    def StepFill(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(56 + i * 8)) for i in range(self.ReservedLength())]
-        elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(56 + j * 8))
+            return [self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(60 + i * 4)) for i in range(self.StepFillLength())]
+        elif j >= 0 and j < self.StepFillLength():
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(60 + j * 4))
         else:
             return None
 
     # EngineStats
-    def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 56, self.ReservedLength())
+    def StepFillAsNumpy(self):
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint32Flags, self._tab.Pos + 60, self.StepFillLength())
 
     # EngineStats
-    def ReservedLength(self):
-        return 4
+    def StepFillLength(self):
+        return 7
 
     # EngineStats
-    def ReservedIsNone(self):
+    def StepFillIsNone(self):
         return False
 
 
-def CreateEngineStats(builder, running, waiting, kvBlocksTotal, kvBlocksFree, steps, promptTokens, outputTokens, preemptions, windowRelaunches, reserved):
+def CreateEngineStats(builder, running, waiting, kvBlocksTotal, kvBlocksFree, steps, promptTokens, outputTokens, preemptions, windowRelaunches, tokenBudget, stepFill):
     builder.Prep(8, 88)
-    for _idx0 in range(4 , 0, -1):
-        builder.PrependUint64(reserved[_idx0-1])
+    for _idx0 in range(7 , 0, -1):
+        builder.PrependUint32(stepFill[_idx0-1])
+    builder.PrependUint32(tokenBudget)
     builder.PrependUint64(windowRelaunches)
     builder.PrependUint64(preemptions)
     builder.PrependUint64(outputTokens)

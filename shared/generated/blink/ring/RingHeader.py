@@ -122,7 +122,7 @@ class RingHeader(object):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_reserved, pendingFlips, samplingFeatures, reserved1, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, reserved):
     builder.Prep(8, 1024)
     for _idx0 in range(34 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
@@ -131,8 +131,9 @@ def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slot
     for _idx0 in range(64 , 0, -1):
         builder.PrependUint64(pendingFlips[_idx0-1])
     builder.Prep(8, 88)
-    for _idx0 in range(4 , 0, -1):
-        builder.PrependUint64(stats_reserved[_idx0-1])
+    for _idx0 in range(7 , 0, -1):
+        builder.PrependUint32(stats_stepFill[_idx0-1])
+    builder.PrependUint32(stats_tokenBudget)
     builder.PrependUint64(stats_windowRelaunches)
     builder.PrependUint64(stats_preemptions)
     builder.PrependUint64(stats_outputTokens)
