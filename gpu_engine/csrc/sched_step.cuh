@@ -218,8 +218,10 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
 }
 
 // Thread 0: wait for the graph's completion counter, at most step_timeout_ns after its launch;
-// past that the step is taken for hung: false, the scheduler stopped and the engine marked failed
-// (the host then fails the in-flight requests). BLINK_FAULT_HANG waits for a count that never comes.
+// past that the step is taken for hung: false and the scheduler stopped. The host, seeing the exit
+// reason, fails the in-flight requests (ENGINE_FAILURE), then marks the engine failed: marked here,
+// the frontend could take the engine for dead before those requests are failed.
+// BLINK_FAULT_HANG waits for a count that never comes.
 __device__ bool await_step(SchedState *s, int64_t expect, uint64_t t_launch) {
   const blink_sched_config &c = s->cfg;
   const int64_t *ctr = &c.counters[s->plan_graph];
@@ -228,7 +230,6 @@ __device__ bool await_step(SchedState *s, int64_t expect, uint64_t t_launch) {
     if (c.step_timeout_ns && now_ns() - t_launch > c.step_timeout_ns) {
       s->stats->exit_reason = BLINK_EXIT_STEP_TIMEOUT;
       s->stopped = 1;
-      st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
       return false;
     }
   }
