@@ -74,12 +74,12 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed)
     if fmt.packed:
-        pack_for_cpu(model)
+        pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4")
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, max_prefill_tokens=max(2048, max_context))
     log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
-             weights="fp16 packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
+             weights=f"{cfg.cpu_weights} packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context)
     runner = with_fault(TorchRunner(model, kv), fault)
     return Backend(runner, policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
