@@ -6,10 +6,13 @@ The two servers run one at a time, each spoken to by the same client with the sa
 (streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
 prompt's prefill tokens/s, and the resident memory of all the server's processes. ``transformers``
-``generate`` runs in-process on the same weights dequantized to fp32.
+``generate`` runs in-process on the same weights dequantized to fp32. Blink runs twice: its default
+(fp16-packed linears) and ``--cpu-weights int4`` (the decoder layers' linears as group-int4), the
+``blink_int4`` column.
 
-    python -m bench.cpu_peer                      # build (once), run all three, write the JSON
+    python -m bench.cpu_peer                      # build (once), run all four, write the JSON
     python -m bench.cpu_peer --only blink         # one side (the others' columns stay null)
+    python -m bench.cpu_peer --only blink_int4 --smoke   # a few tokens per row: checks the run, not the speed
 """
 
 from __future__ import annotations
@@ -92,10 +95,13 @@ def start_llama(binary: Path, gguf: Path, port: int, threads: int) -> subprocess
                              "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_blink(port: int, run_dir: Path) -> subprocess.Popen[bytes]:
+def start_blink(port: int, run_dir: Path, *flags: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--run-dir", str(run_dir),
-                             "--max-prompt-tokens", "2048", "--max-output-tokens", "256"],
+                             "--max-prompt-tokens", "2048", "--max-output-tokens", "256", *flags],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+BLINK_SIDES = {"blink": (), "blink_int4": ("--cpu-weights", "int4")}  # column -> extra `blink serve` flags
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -235,11 +241,14 @@ def make_prompts(vocab: int = 49152) -> dict[str, list[int]]:
     return out
 
 
+SIDES = ("blink", "blink_int4", "llama_cpp", "transformers")
+
+
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'metric':40s} {'unit':9s} {'blink':>9s} {'llama.cpp':>10s} {'transformers':>13s}"]
+    lines = [f"{'metric':40s} {'unit':9s} " + " ".join(f"{side:>12s}" for side in SIDES)]
     for r in result["rows"]:
-        cells = [f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("blink", "llama_cpp", "transformers")]
-        lines.append(f"{r['metric']:40s} {r['unit']:9s} {cells[0]:>9s} {cells[1]:>10s} {cells[2]:>13s}")
+        cells = [f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in SIDES]
+        lines.append(f"{r['metric']:40s} {r['unit']:9s} " + " ".join(f"{c:>12s}" for c in cells))
     return "\n".join(lines)
 
 
@@ -252,7 +261,8 @@ def rows_of(results: dict[str, dict[str, float] | None]) -> list[dict[str, Any]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("blink", "llama_cpp", "transformers"), action="append")
+    ap.add_argument("--only", choices=SIDES, action="append")
+    ap.add_argument("--smoke", action="store_true", help="4 tokens per decode row, a 65-token long prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp and transformers threads")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--note", default="", help="written into the JSON (e.g. how busy the machine was)")
@@ -260,15 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from gpu_engine.models.loader import default_model_path  # noqa: PLC0415 - after the path is set
 
-    gguf, prompts, sides = default_model_path(), make_prompts(), args.only or ["blink", "llama_cpp", "transformers"]
-    results: dict[str, dict[str, float] | None] = {"blink": None, "llama_cpp": None, "transformers": None}
+    if args.smoke:
+        global DECODE_TOKENS, LONG_PROMPT
+        DECODE_TOKENS, LONG_PROMPT = 4, 65
+    gguf, prompts, sides = default_model_path(), make_prompts(), args.only or list(SIDES)
+    results: dict[str, dict[str, float] | None] = dict.fromkeys(SIDES)
     if "llama_cpp" in sides:
         binary, port = build_llama_server(), free_port()
         results["llama_cpp"] = run_server(start_llama(binary, gguf, port, args.threads), port, prompts)
-    if "blink" in sides:
-        port = free_port()
-        with tempfile.TemporaryDirectory(prefix="blink-peer-") as run_dir:
-            results["blink"] = run_server(start_blink(port, Path(run_dir)), port, prompts)
+    for side, flags in BLINK_SIDES.items():
+        if side in sides:
+            port = free_port()
+            with tempfile.TemporaryDirectory(prefix="blink-peer-") as run_dir:
+                results[side] = run_server(start_blink(port, Path(run_dir), *flags), port, prompts)
     if "transformers" in sides:
         results["transformers"] = run_transformers(gguf, prompts, args.threads)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

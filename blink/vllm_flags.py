@@ -29,7 +29,7 @@ REFUSED = (
     Refused(("--data-parallel-size", "-dp"), "data parallelism across GPUs is planned; today run one "
             "`blink serve` per GPU (CUDA_VISIBLE_DEVICES) behind a load balancer", "1"),
     Refused(("--quantization", "-q"), "Blink serves the weights as given (--dtype); GGUF Q4_1 files load "
-            "through --model FILE.gguf"),
+            "through --model FILE.gguf, and --cpu-weights int4 keeps the CPU backend's linears 4-bit"),
     Refused(("--kv-cache-dtype",), "the KV cache has the weights' dtype: see --dtype", "auto"),
     Refused(("--enable-auto-tool-choice",), "tool calling is not served yet; requests with `tools` get a "
             "400", takes_value=False),

@@ -1,7 +1,7 @@
 #!/opt/blink/bin/python
 """blink-health SERVICE: exit 0 when the service in this container says it serves, else 1 with the reason.
 
-engine: the ring says READY under a fresh heartbeat; gateway: GET /health answers 200; tokenizer,
+engine: the ring says READY and its beat counter moves; gateway: GET /health answers 200; tokenizer,
 reader, tracker: the ready marker in the run dir names a live process of this container.
 """
 
@@ -24,7 +24,11 @@ def engine_problem(ring_name: str) -> str | None:
     except (RingError, ValueError) as exc:
         return str(exc)
     try:
-        return None if ring.engine_alive(HEARTBEAT_TIMEOUT_S) else "the ring is not READY or its heartbeat is stale"
+        from shared import ring_layout as L
+
+        if ring.header_load32("engine_state") != L.EngineState.READY:
+            return "the ring is not READY"
+        return None if ring.wait_for_beat(HEARTBEAT_TIMEOUT_S) else "the engine's beat counter did not move"
     finally:
         ring.close()
 

@@ -1,7 +1,9 @@
 """``python -m gpu_engine.serve`` / ``blink engine``: load a model, create the ring, serve it.
 
 The engine process owns the ring segment: it creates it (replacing one left by a dead engine),
-serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks it.
+serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks it. An engine that
+fails (a device hang or launch failure, or any error while serving) first ends every request the ring
+holds for it with ``ENGINE_FAILURE``, then unlinks the ring and exits non-zero, for a restart.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ import torch
 
 from gpu_engine.backend import Backend, CpuFormats, Servable, kv_blocks_for, resolve_backend
 from gpu_engine.engine import RingEngine
+from gpu_engine.faults import EXIT_ENGINE_FAILURE, DeviceFailure, Fault, FaultyRunner, arm, parse_faults
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.cpu_pack import pack_for_cpu
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
-from gpu_engine.runner import TorchRunner
+from gpu_engine.runner import Runner, TorchRunner
+from shared import env
 from shared import ring_layout as L
 from shared.config import EngineConfig, add_engine_arguments, engine_config_from
+from shared.engine_slots import SlotEngine
 from shared.log import get_logger, setup_logging
-from shared.ring import create_shm_ring
+from shared.ring import Ring, create_shm_ring
 from shared.transport import SegmentTaken
 
 log = get_logger("engine")
+COLLECT_S = 2.0  # after a failure: how long the engine waits for the frontend to read the failed requests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +50,21 @@ def parse_args(argv: list[str] | None) -> EngineConfig:
     return engine_config_from(ap, ap.parse_args(argv))
 
 
-def build_cpu_backend(cfg: EngineConfig) -> Backend:
+def with_fault(runner: Runner, fault: Fault | None) -> Runner:
+    """The runner, injecting ``fault`` (BLINK_FAULT) when one is armed."""
+    return runner if fault is None else FaultyRunner(runner, fault, env.env().step_timeout_s)
+
+
+def armed_fault() -> Fault | None:
+    """The fault this engine injects (BLINK_FAULT, BLINK_FAULT_ONCE_DIR), logged; ValueError on a bad spec."""
+    e = env.env()
+    fault = arm(parse_faults(e.fault), e.fault_once_dir)
+    if fault is not None:
+        log.warning("fault injection armed", kind=fault.kind, at_step=fault.at_step)
+    return fault
+
+
+def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     """Load the model and build KV cache, policy and runner on the CPU."""
     fmt = CpuFormats.for_dtype(cfg.dtype)
     path = Path(cfg.model) if cfg.model else default_model_path()
@@ -54,24 +74,36 @@ def build_cpu_backend(cfg: EngineConfig) -> Backend:
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed)
     if fmt.packed:
-        pack_for_cpu(model)
+        pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4")
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),
                     chunked=cfg.chunked_prefill)
     log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
-             weights="fp16 packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
+             weights=f"{cfg.cpu_weights} packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context, chunked_prefill=policy.chunked,
              token_budget=policy.token_budget)
-    return Backend(TorchRunner(model, kv), policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
+    runner = with_fault(TorchRunner(model, kv), fault)
+    return Backend(runner, policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
 
 
-def build_backend(cfg: EngineConfig) -> Backend:
+def build_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     if cfg.backend == "cpu":
-        return build_cpu_backend(cfg)
+        return build_cpu_backend(cfg, fault)
     from gpu_engine.gpu.serve_gpu import build_gpu_backend  # noqa: PLC0415 - needs CUDA
 
-    return build_gpu_backend(cfg)
+    return build_gpu_backend(cfg, fault)
+
+
+def fail_requests(ring: Ring, exc: BaseException) -> None:
+    """The engine failed: end every request the ring holds for it with ENGINE_FAILURE and give the frontend
+    up to ``COLLECT_S`` to read them (so clients get this error, not a lost ring's), then say FAILED."""
+    slots = SlotEngine(ring)
+    failed = slots.fail_in_flight()
+    log.error("engine failed", error=str(exc) or type(exc).__name__, kind=type(exc).__name__,
+              requests_failed=len(failed))
+    slots.wait_collected(failed, COLLECT_S)
+    ring.header_store32("engine_state", L.EngineState.FAILED)
 
 
 def serve(cfg: EngineConfig, backend: Backend) -> None:
@@ -96,8 +128,8 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
         log.info("engine ready", ring=cfg.ring_name, backend=cfg.backend, slots=cfg.geometry.num_slots,
                  max_model_len=backend.max_context)
         engine.serve()
-    except BaseException:
-        ring.header_store32("engine_state", L.EngineState.FAILED)
+    except BaseException as exc:
+        fail_requests(ring, exc)
         raise
     finally:
         ring.transport.unlink()  # type: ignore[attr-defined]
@@ -112,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         cfg = resolve_backend(cfg)
-        backend = build_backend(cfg)
+        backend = build_backend(cfg, armed_fault())
     except ValueError as exc:  # a flag the resolved backend cannot honour (--max-model-len, ...)
         log.error("engine config refused", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)
@@ -127,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("ring name taken", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DeviceFailure as exc:
+        # The device may still run the hung work: leave at once, without the interpreter's teardown.
+        log.error("device failure: the engine exits to be restarted", error=str(exc), code=EXIT_ENGINE_FAILURE)
+        sys.stderr.flush()
+        os._exit(EXIT_ENGINE_FAILURE)
     log.info("engine stopped")
     return 0
 

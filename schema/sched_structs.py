@@ -106,6 +106,11 @@ CONSTANTS = (
     Constant("BLINK_EXIT_TAIL_LAUNCH_FAILED", "EXIT_TAIL_LAUNCH_FAILED", 3, "exit_reason: the tail launch failed"),
     Constant("BLINK_EXIT_STATE_OVERWRITTEN", "EXIT_STATE_OVERWRITTEN", 5,
              "exit_reason: the scheduler's state was overwritten (a kernel wrote out of bounds)"),
+    Constant("BLINK_EXIT_STEP_TIMEOUT", "EXIT_STEP_TIMEOUT", 6,
+             "exit_reason: a step's completion counter did not arrive within step_timeout_ns"),
+    Constant("BLINK_FAULT_HANG", "FAULT_HANG", 1, "fault: the completion poll of step fault_at waits for a count "
+             "that never comes (debug, BLINK_FAULT)"),
+    Constant("BLINK_FAULT_LAUNCH", "FAULT_LAUNCH", 2, "fault: the launch of step fault_at fails (debug, BLINK_FAULT)"),
 )
 
 CONFIG_GROUPS = (
@@ -148,6 +153,8 @@ CONFIG_GROUPS = (
         Decl("uint64_t", "heartbeat_ns", "beat period"),
         Decl("uint64_t", "drain_ns", "after shutdown, cancel what is still running after this long"),
         Decl("int64_t", "clock_offset_ns", "CLOCK_REALTIME - globaltimer, so ring timestamps share the host clock"),
+        Decl("uint64_t", "step_timeout_ns", "a step not complete after this long: the scheduler exits (0: no bound)"),
+        Decl("uint32_t", "fault fault_at", "debug: BLINK_FAULT_* injected at the step numbered fault_at (0: none)"),
     )),
 )
 

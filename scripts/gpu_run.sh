@@ -7,7 +7,8 @@
 # Steps run in the order given (default: build kernels persistent micro fig3 roofline
 # serving_persistent serving_host). Also, by name only: peers_vllm, peers_blink and peers_host (the peer
 # study, below), large (an 8B-shaped model served by the
-# persistent scheduler, a check), soakstart (starts the GPU soak detached, so it can outlive this call
+# persistent scheduler, a check), faults (BLINK_FAULT injection on the persistent scheduler: a launch failure,
+# then a hung step, while streams run; RELIABILITY.md), soakstart (starts the GPU soak detached, so it can outlive this call
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
 # soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
 # soak's (docs/GPU_NOTES.md). A 10-minute soak takes two calls: soakstart, then soakwait.
@@ -108,6 +109,7 @@ run_step() {
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
     kernels) step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu ;;
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
+    faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
     persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;

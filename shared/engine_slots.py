@@ -15,6 +15,7 @@ from shared.ring import HEADER_OFF, Ring
 from shared.slots import split_word, state_word
 
 S = L.SlotState
+ENGINE_HELD = (S.PREFILL_PROCESSING, S.DECODE_PROCESSING, S.DECODE_PAUSED)  # the engine's states of a request
 
 
 class SlotEngine:
@@ -127,6 +128,37 @@ class SlotEngine:
         t.store32(ring.slot_field(idx, "error_code"), error)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.DECODE_COMPLETED)
+
+    def fail_in_flight(self, error: int = L.ErrorCode.ENGINE_FAILURE) -> list[tuple[int, int]]:
+        """After the engine failed (nothing else of it writes the ring any more): complete every request the
+        ring holds for it with ``ERROR`` and ``error``, those it holds and those pending (claimed first, so a
+        frontend's CAS never races); the (slot, seq) of each."""
+        snap = self.ring.read_slots()
+        failed = []
+        for idx in range(self.ring.geometry.num_slots):
+            state, seq = int(snap["state"][idx]), int(snap["seq"][idx])
+            if state == S.PREFILL_PENDING:
+                if self.claim(idx, seq) is None:
+                    continue
+            elif state not in ENGINE_HELD:
+                continue
+            self.complete(idx, L.FinishReason.ERROR, error)
+            failed.append((idx, seq))
+        return failed
+
+    def wait_collected(self, slots: list[tuple[int, int]], timeout_s: float, poll_s: float = 0.01) -> bool:
+        """Wait until the frontend has read and released each completed (slot, seq), or ``timeout_s``;
+        whether it did."""
+        end = time.monotonic() + timeout_s
+        left = list(slots)
+        while left:
+            left = [(i, q) for i, q in left if self.state_of(i) == (S.DECODE_COMPLETED, q)]
+            if not left:
+                break
+            if time.monotonic() >= end:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def state_of(self, idx: int) -> tuple[int, int]:
         return split_word(self.t.load64(self.ring.slot_offset(idx)))

@@ -64,6 +64,12 @@ class Env:
                                    "claim slots by a store, not a PCIe compare-and-swap", _bool)
     sched_full_scan: bool = _var("BLINK_SCHED_FULL_SCAN", False,
                                  "read every slot's state word at each doorbell", _bool)
+    step_timeout_s: float = _var("BLINK_STEP_TIMEOUT_S", 5.0, "a GPU step not complete after this long is a device "
+                                 "hang: the engine fails its requests with ENGINE_FAILURE and exits", float)
+    fault: str = _var("BLINK_FAULT", "", "debug: faults the engine injects, KIND@STEP[,KIND@STEP...], KIND hang "
+                      "or launch (gpu_engine/faults.py)")
+    fault_once_dir: Path | None = _var("BLINK_FAULT_ONCE_DIR", None, "debug: each BLINK_FAULT entry fires once "
+                                       "per folder (an engine arms the first one whose marker it creates)", Path)
     cuda_build_dir: Path | None = _var("BLINK_CUDA_BUILD_DIR", None,
                                        "where the scheduler library is built (default: gpu_engine/csrc/build)", Path)
     metrics_dir: Path | None = _var("PROMETHEUS_MULTIPROC_DIR", None, "folder where every gateway's metrics are "

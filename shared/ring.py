@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -90,6 +91,30 @@ class RingGeometry:
         return _align(self.top_logprob_arena_offset + self.num_slots * per_slot)
 
 
+@dataclasses.dataclass(slots=True)
+class Liveness:
+    """The engine's liveness as one process sees it, on one clock: that process's own.
+
+    The engine bumps the header's ``heartbeat`` counter while it makes progress; an observer records
+    when (on ``clock``, monotonic) it last saw the counter change. Nothing compares the engine's
+    clock with the observer's: ``heartbeat_ns`` (the engine's time of its last beat) is for display
+    only, so a wall-clock step or drift on either side, or a GPU timer, cannot make a live engine
+    look dead or a hung one alive. The first observation counts as a move: an observer that attaches
+    to a hung engine declares it dead ``timeout`` after attaching.
+    """
+
+    clock: Callable[[], float] = time.monotonic
+    beat: int | None = None  # the counter when it last moved
+    moved_at: float = 0.0
+
+    def silent_s(self, beat: int) -> float:
+        """Seconds, on ``clock``, since the counter was last seen to change (0 when it changed now)."""
+        now = self.clock()
+        if beat != self.beat:
+            self.beat, self.moved_at = beat, now
+        return now - self.moved_at
+
+
 class Ring:
     """Typed access to a ring segment through a transport."""
 
@@ -97,6 +122,7 @@ class Ring:
         self.transport = transport
         self.geometry = geometry
         self.name = name
+        self.liveness = Liveness()  # what this process saw of the engine's beat counter
         view = transport.local_view()
         self._local = view is not None
         if view is not None:
@@ -189,10 +215,19 @@ class Ring:
         (self.transport.store64 if size == 8 else self.transport.store32)(off, value & ((1 << (8 * size)) - 1))
 
     def engine_alive(self, timeout_s: float) -> bool:
-        """True when the engine says READY and beat within ``timeout_s``."""
-        state = self.header_load32("engine_state")
-        beat_ns = self.header_load64("heartbeat_ns")
-        return state == L.EngineState.READY and (time.time_ns() - beat_ns) < timeout_s * 1e9
+        """True when the engine says READY and its beat counter moved within ``timeout_s`` of this
+        process's monotonic clock (see ``Liveness``)."""
+        silent = self.liveness.silent_s(self.header_load64("heartbeat"))
+        return self.header_load32("engine_state") == L.EngineState.READY and silent < timeout_s
+
+    def wait_for_beat(self, timeout_s: float, poll_s: float = 0.01) -> bool:
+        """For a one-shot check (a health probe): wait up to ``timeout_s`` for the beat counter to move."""
+        first, end = self.header_load64("heartbeat"), time.monotonic() + timeout_s
+        while self.header_load64("heartbeat") == first:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def close(self) -> None:
         for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs"):

@@ -43,12 +43,12 @@ __device__ void finish_pending(SchedState *s) {
   __syncthreads();
 }
 
-// Thread 0: launch the staged step; kActionRun, or kActionExit with the engine marked failed.
+// Thread 0: launch the staged step; kActionRun, or kActionExit (the host, seeing the exit reason,
+// fails the in-flight requests, then marks the engine failed).
 __device__ uint32_t launch_step(SchedState *s, uint32_t *launches, int64_t *expect, uint64_t *t_launch) {
   ++*launches;
   if (launch(s, expect, t_launch)) return kActionRun;
   s->stopped = 1;
-  st_rel32(&header(s)->engine_state, BLINK_ENGINE_STATE_FAILED);
   return kActionExit;
 }
 

@@ -169,9 +169,15 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
   __threadfence();
 }
 
+// Thread 0: this step is the one BLINK_FAULT picked for `fault` (debug).
+__device__ bool fault_now(SchedState *s, uint32_t fault) {
+  return s->cfg.fault == fault && s->stats->steps + 1 == s->cfg.fault_at;
+}
+
 // Thread 0: fire-and-forget launch of the step's graph, rotating executable copies. A graph
 // relaunched right after completion can be refused for a few microseconds with the same
-// error code as the window limit, so retries are bounded.
+// error code as the window limit (cudaErrorInvalidValue): that code alone is retried, a bounded
+// number of times; any other fails the launch at once.
 __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
   const blink_sched_config &c = s->cfg;
   uint32_t g = s->plan_graph;
@@ -180,8 +186,10 @@ __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
   for (uint32_t attempt = 0; attempt < 256; ++attempt) {
     uint32_t copy = s->copy_rr[g]++ % c.copies;
     uint64_t t0 = now_ns();
-    err = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(c.exec_handles[g * c.copies + copy]),
-                          cudaStreamGraphFireAndForget);
+    err = fault_now(s, BLINK_FAULT_LAUNCH)
+              ? cudaErrorLaunchFailure
+              : cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(c.exec_handles[g * c.copies + copy]),
+                                cudaStreamGraphFireAndForget);
     uint64_t t1 = now_ns();
     if (err == cudaSuccess) {
       volatile blink_sched_stats *hs = s->host_stats;  // what a host watchdog reads if this step hangs
@@ -192,6 +200,7 @@ __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
       s->stats->launches++;
       return true;
     }
+    if (err != cudaErrorInvalidValue) break;
     s->stats->launch_retries++;
     __nanosleep(500);
   }
@@ -235,19 +244,35 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
   return reason;
 }
 
+// Thread 0: wait for the graph's completion counter, at most step_timeout_ns after its launch;
+// past that the step is taken for hung: false and the scheduler stopped. The host, seeing the exit
+// reason, fails the in-flight requests (ENGINE_FAILURE), then marks the engine failed: marked here,
+// the frontend could take the engine for dead before those requests are failed.
+// BLINK_FAULT_HANG waits for a count that never comes.
+__device__ bool await_step(SchedState *s, int64_t expect, uint64_t t_launch) {
+  const blink_sched_config &c = s->cfg;
+  const int64_t *ctr = &c.counters[s->plan_graph];
+  if (fault_now(s, BLINK_FAULT_HANG)) ++expect;
+  while (ld_volatile64(ctr) < expect) {
+    if (c.step_timeout_ns && now_ns() - t_launch > c.step_timeout_ns) {
+      s->stats->exit_reason = BLINK_EXIT_STEP_TIMEOUT;
+      s->stopped = 1;
+      return false;
+    }
+  }
+  return true;
+}
+
 // All threads: wait for the graph, publish every row, then thread 0 updates the policy state.
 __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_launch) {
   __shared__ uint32_t reason[BLINK_SCHED_THREADS];
-  if (threadIdx.x == 0) {
-    const int64_t *ctr = &s->cfg.counters[s->plan_graph];
-    while (ld_volatile64(ctr) < expect) {
-    }
+  if (threadIdx.x == 0 && await_step(s, expect, t_launch)) {
     __threadfence();
     reinterpret_cast<volatile blink_sched_stats *>(s->host_stats)->current_graph = 0;
     sample_into(s->stats->step_ns, &s->stats->n_step_samples, now_ns() - t_launch);
   }
   __syncthreads();
-  if (s->stopped) return;  // the state was found overwritten: publish nothing
+  if (s->stopped) return;  // the step timed out, or the state was found overwritten: publish nothing
   if (threadIdx.x < s->plan_n) reason[threadIdx.x] = publish_row(s, threadIdx.x);
   __syncthreads();
   if (threadIdx.x != 0) return;

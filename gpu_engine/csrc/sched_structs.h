@@ -18,6 +18,12 @@
 #define BLINK_EXIT_TAIL_LAUNCH_FAILED 3
 // exit_reason: the scheduler's state was overwritten (a kernel wrote out of bounds)
 #define BLINK_EXIT_STATE_OVERWRITTEN 5
+// exit_reason: a step's completion counter did not arrive within step_timeout_ns
+#define BLINK_EXIT_STEP_TIMEOUT 6
+// fault: the completion poll of step fault_at waits for a count that never comes (debug, BLINK_FAULT)
+#define BLINK_FAULT_HANG 1
+// fault: the launch of step fault_at fails (debug, BLINK_FAULT)
+#define BLINK_FAULT_LAUNCH 2
 
 // What the host gives the scheduler at creation; never changed after.
 typedef struct blink_sched_config {
@@ -69,6 +75,10 @@ typedef struct blink_sched_config {
   uint64_t drain_ns;
   // CLOCK_REALTIME - globaltimer, so ring timestamps share the host clock
   int64_t clock_offset_ns;
+  // a step not complete after this long: the scheduler exits (0: no bound)
+  uint64_t step_timeout_ns;
+  // debug: BLINK_FAULT_* injected at the step numbered fault_at (0: none)
+  uint32_t fault, fault_at;
 } blink_sched_config;
 
 // Counters and instrumentation the host may read after the scheduler stopped (or by peeking).

@@ -6,6 +6,10 @@ stream synchronization and a copy of the sampled tokens back. A decode step with
 top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``). A step
 with a row that uses penalties, logit_bias or min_tokens stages the processor columns (dense
 [batch, vocab] tensors built on the host from each row's prompt and output).
+
+The wait is bounded: a step not complete within ``step_timeout_s`` is a ``DeviceHang``, and a CUDA error
+from the replay or from the step itself a ``LaunchFailure`` / ``DeviceFailure`` (``gpu_engine/faults.py``);
+either ends the engine's requests with ENGINE_FAILURE and restarts the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_engine.faults import DeviceFailure, LaunchFailure, poll_until
 from gpu_engine.gpu.graph_cache import GraphCache
 from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.kernels.sampling import processor_columns
@@ -24,10 +29,11 @@ from gpu_engine.runner import StepOutput, step_inputs
 class HostGraphRunner:
     """Runner protocol over a GraphCache: stage, replay, synchronize, read back."""
 
-    def __init__(self, runner: GpuModelRunner, cache: GraphCache) -> None:
+    def __init__(self, runner: GpuModelRunner, cache: GraphCache, step_timeout_s: float = 5.0) -> None:
         self.runner = runner
         self.cache = cache
         self.block_size = runner.kv.block_size
+        self.step_timeout_s = step_timeout_s
 
     def _sampling(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         specs = [w.req.sampling for w in plan.work]
@@ -51,8 +57,7 @@ class HostGraphRunner:
         meta = build_metadata(steps, self.block_size, "cpu")
         self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
         b, t = len(plan.work), len(ids)
-        self.cache.replay((plan.kind == "decode", b, t), filtered=step_filters(plan))
-        torch.cuda.current_stream().synchronize()
+        self._replay_and_wait(plan, b, t)
         buf = self.runner.buffers
         return StepOutput(
             tokens=buf.next_tokens[:b].cpu().tolist(),
@@ -60,3 +65,21 @@ class HostGraphRunner:
             top_ids=buf.top_ids[:b].to(torch.int32).cpu().numpy(),
             top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
         )
+
+    def _replay_and_wait(self, plan: StepPlan, b: int, t: int) -> None:
+        """Replay the step's graph and wait, within ``step_timeout_s``, for it to complete."""
+        what = f"the {plan.kind} step of {b} rows and {t} tokens"
+        try:
+            self.cache.replay((plan.kind == "decode", b, t), filtered=step_filters(plan))
+            done = torch.cuda.Event()
+            done.record()
+        except RuntimeError as exc:  # torch raises CUDA errors as RuntimeError
+            raise LaunchFailure(f"{what}: launch failed: {exc}") from exc
+
+        def complete() -> bool:
+            try:
+                return bool(done.query())
+            except RuntimeError as exc:  # an error of the step itself (an illegal address, ...)
+                raise DeviceFailure(f"{what} failed on the device: {exc}") from exc
+
+        poll_until(complete, self.step_timeout_s, what)

@@ -185,7 +185,8 @@ class PersistentScheduler:
                  claim_with_cas: bool = True, scan_flips: bool = True, heartbeat_ms: float = 5.0,
                  drain_s: float = 5.0,
                  yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False,
-                 chunked: bool = False, token_budget: int | None = None) -> None:
+                 chunked: bool = False, token_budget: int | None = None,
+                 step_timeout_s: float = 0.0, fault: tuple[int, int] = (0, 0)) -> None:
         self.lib = library(phase_clocks)
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
@@ -202,6 +203,8 @@ class PersistentScheduler:
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
         cfg.clock_offset_ns = self.lib.clock_offset()
+        cfg.step_timeout_ns = int(step_timeout_s * 1e9)  # 0: the completion poll is unbounded
+        cfg.fault, cfg.fault_at = fault  # (BLINK_FAULT_*, step from 1) injected for fault runs; (0, 0): none
         self.config = cfg
         self.handle = P()
         self.stats_ptr = C.POINTER(SchedStats)()

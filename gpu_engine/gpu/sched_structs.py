@@ -13,6 +13,9 @@ EXIT_SHUTDOWN = 1  # BLINK_EXIT_SHUTDOWN
 EXIT_LAUNCH_FAILED = 2  # BLINK_EXIT_LAUNCH_FAILED
 EXIT_TAIL_LAUNCH_FAILED = 3  # BLINK_EXIT_TAIL_LAUNCH_FAILED
 EXIT_STATE_OVERWRITTEN = 5  # BLINK_EXIT_STATE_OVERWRITTEN
+EXIT_STEP_TIMEOUT = 6  # BLINK_EXIT_STEP_TIMEOUT
+FAULT_HANG = 1  # BLINK_FAULT_HANG
+FAULT_LAUNCH = 2  # BLINK_FAULT_LAUNCH
 
 
 class SchedConfig(C.Structure):
@@ -75,6 +78,9 @@ class SchedConfig(C.Structure):
     heartbeat_ns: int
     drain_ns: int
     clock_offset_ns: int
+    step_timeout_ns: int
+    fault: int
+    fault_at: int
     _fields_ = [
         ("ring", C.c_void_p),
         ("num_slots", C.c_uint32),
@@ -133,6 +139,9 @@ class SchedConfig(C.Structure):
         ("heartbeat_ns", C.c_uint64),
         ("drain_ns", C.c_uint64),
         ("clock_offset_ns", C.c_int64),
+        ("step_timeout_ns", C.c_uint64),
+        ("fault", C.c_uint32),
+        ("fault_at", C.c_uint32),
     ]
 
 

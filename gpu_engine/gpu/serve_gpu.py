@@ -1,19 +1,27 @@
 """GPU backends of ``blink engine``: host-driven (``--backend host``) and persistent
 (``--backend persistent``). Both load the model in bf16, size the paged KV cache from free
-memory, capture the graph cache, and serve the same ring with the same policy."""
+memory, capture the graph cache, and serve the same ring with the same policy.
+
+Both bound every wait for the device (``BLINK_STEP_TIMEOUT_S``): a step that does not complete, a launch
+that fails or a scheduler that stops raises a ``DeviceFailure`` (``gpu_engine/faults.py``), on which the
+engine fails its requests with ENGINE_FAILURE and exits for a restart."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from gpu_engine.backend import Backend
+from gpu_engine.faults import DeviceFailure, DeviceHang, Fault, FaultyRunner, LaunchFailure
+from gpu_engine.gpu import sched_structs as SS
 from gpu_engine.gpu.graph_cache import GraphCache, shape_label
 from gpu_engine.gpu.host_runner import HostGraphRunner
-from gpu_engine.gpu.persistent import PersistentScheduler, coresidency_failures, library
+from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
@@ -23,11 +31,20 @@ from shared import env
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.log import get_logger
-from shared.ring import Ring
+from shared.ring import Liveness, Ring
 
 log = get_logger("engine")
 MAX_GRAPH_TOKENS = 8192  # the largest prefill graph: the context limit of the GPU backends
 STALL_S = 5.0       # device heartbeat silence before the host looks at the scheduler's stream
+QUERY_EVERY_S = 0.5  # while the heartbeat is silent: how often the host asks CUDA whether the kernel still runs
+# How the persistent scheduler's exit reasons that are failures reach the engine.
+FAILED_EXITS: dict[int, tuple[type[DeviceFailure], str]] = {
+    SS.EXIT_LAUNCH_FAILED: (LaunchFailure, "a graph launch failed"),
+    SS.EXIT_TAIL_LAUNCH_FAILED: (LaunchFailure, "the scheduler's tail launch failed"),
+    SS.EXIT_STEP_TIMEOUT: (DeviceHang, "a step did not complete within the step timeout"),
+    SS.EXIT_STATE_OVERWRITTEN: (DeviceFailure, "the scheduler's state was overwritten"),
+}
+DEVICE_FAULTS = {"hang": SS.FAULT_HANG, "launch": SS.FAULT_LAUNCH}
 SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
 PROBE_TIMEOUT_S = 5.0
 
@@ -110,8 +127,10 @@ def capture_progress(k: int, n: int) -> None:
 class PersistentEngine:
     """The engine host process of the persistent mode: launch once, then only sleep and watch."""
 
-    def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig) -> None:
+    def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig, fault: Fault | None = None) -> None:
         self.ring, self.parts, self.cfg = ring, parts, cfg
+        self.fault = (DEVICE_FAULTS[fault.kind], fault.at_step) if fault is not None else (0, 0)
+        self.step_timeout_s = env.env().step_timeout_s
 
     def flips_usable(self) -> bool:
         """Find new prompts through the header's flip bits: the ring's writer keeps them (minor >= 1), they
@@ -127,12 +146,13 @@ class PersistentEngine:
                                     p.max_context, p.vocab_size, yield_graphs=yielding,
                                     claim_with_cas=not env.env().sched_plain_claim,
                                     scan_flips=self.flips_usable(), chunked=p.chunked,
-                                    token_budget=p.token_budget)
+                                    token_budget=p.token_budget, step_timeout_s=self.step_timeout_s,
+                                    fault=self.fault)
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()
-        self.watch(sched)
+        watch_scheduler(sched, ring, self.step_timeout_s, self.graph_in_flight)
         st = sched.stats
         log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
         overwritten = sched.guard_report()
@@ -156,34 +176,82 @@ class PersistentEngine:
                         graphs=[shape_label(cache.shapes[i]) for i in stuck])
         return frozenset(stuck)
 
-    def watch(self, sched: PersistentScheduler) -> None:
-        """Sleep until the scheduler exits. Steady state reads host memory only; a CUDA call is
-        made only once the device heartbeat has stalled, to learn whether the kernel died."""
-        stall_ns = int(STALL_S * 1e9)
-        while not sched.exited():
-            time.sleep(0.02)
-            if time.time_ns() - self.ring.header_load64("heartbeat_ns") < stall_ns:
-                continue
-            state = sched.query()  # 0: still running (a long step), else finished or failed
-            if state != 0:
-                self.ring.header_store32("engine_state", L.EngineState.FAILED)
-                log.error("persistent scheduler stopped without exiting", query=state, detail=sched.last_error())
-                raise SystemExit(3)
-            flight = sched.stuck_graph()
-            where = {} if flight is None else {"graph": shape_label(self.parts.cache.shapes[flight[0]]),
-                                               "graph_running_s": round(flight[1], 3)}
-            log.warning("device heartbeat stalled", seconds=STALL_S, **where, counters=sched.stats.counters())
-            time.sleep(STALL_S)
-        sched.wait()
+    def graph_in_flight(self, sched: Watched) -> dict:
+        """Log fields naming the graph in flight and how long it has run, if one is."""
+        assert isinstance(sched, PersistentScheduler)
+        flight = sched.stuck_graph()
+        if flight is None:
+            return {}
+        return {"graph": shape_label(self.parts.cache.shapes[flight[0]]), "graph_running_s": round(flight[1], 3)}
 
 
-def build_gpu_backend(cfg: EngineConfig) -> Backend:
+class Watched(Protocol):
+    """What ``watch_scheduler`` reads of a running scheduler."""
+
+    @property
+    def stats(self) -> SchedStats: ...
+    def exited(self) -> bool: ...
+    def query(self) -> int: ...
+    def last_error(self) -> str: ...
+    def wait(self) -> None: ...
+
+
+def watch_scheduler(sched: Watched, ring: Ring, step_timeout_s: float,
+                    where: Callable[[Watched], dict] = lambda _: {}, stall_s: float = STALL_S) -> None:
+    """Sleep until the scheduler exits; ``DeviceFailure`` when it failed or hung.
+
+    Steady state reads host memory only: the ring's beat counter, timed on this process's monotonic clock
+    (``Liveness``: never against the device's clock), and the exit flag. Once the counter has been silent
+    for ``stall_s`` the host asks CUDA whether the kernel still runs, every ``QUERY_EVERY_S``: a kernel that
+    stopped without exiting is a ``DeviceFailure``; one still running but silent for ``stall_s`` plus twice
+    the step timeout is a ``DeviceHang`` (hung where its own bounded poll cannot see it, e.g. yielded to a
+    graph that never completes)."""
+    live, next_query, warned = Liveness(), 0.0, False
+    hang_s = stall_s + 2 * step_timeout_s if step_timeout_s > 0 else float("inf")
+    while not sched.exited():
+        time.sleep(0.02)
+        silent = live.silent_s(ring.header_load64("heartbeat"))
+        now = time.monotonic()
+        if silent < stall_s:
+            warned = False
+            continue
+        if now < next_query:
+            continue
+        next_query = now + QUERY_EVERY_S
+        state = sched.query()  # 0: still running (a long step), else finished or failed
+        if state != 0:
+            raise DeviceFailure(f"the persistent scheduler stopped without exiting (query {state}): "
+                                f"{sched.last_error()}")
+        if silent >= hang_s:
+            raise DeviceHang(f"the device made no progress for {silent:.1f} s")
+        if not warned:
+            log.warning("device heartbeat stalled", seconds=round(silent, 3), **where(sched),
+                        counters=sched.stats.counters())
+            warned = True
+    check_exit(sched)
+
+
+def check_exit(sched: Watched) -> None:
+    """After the scheduler's exit flag: a failure exit raises its ``DeviceFailure`` (no CUDA call: the device
+    may still hold a hung graph); a clean one waits for the kernel's end."""
+    reason = int(sched.stats.exit_reason)
+    if reason in FAILED_EXITS:
+        cls, what = FAILED_EXITS[reason]
+        log.error("persistent scheduler failed", what=what, counters=sched.stats.counters())
+        raise cls(f"the persistent scheduler exited: {what} (exit reason {reason}, CUDA error "
+                  f"{int(sched.stats.error)})")
+    sched.wait()
+
+
+def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     parts = build_parts(cfg)
     policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, parts.token_budget,
                     prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked)
     if cfg.backend == "persistent":
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
-                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg))
-    runner = HostGraphRunner(parts.runner, parts.cache)
-    return Backend(runner, policy, parts.eos_ids, parts.max_context, parts.vocab_size)
+                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault))
+    timeout_s = env.env().step_timeout_s
+    runner = HostGraphRunner(parts.runner, parts.cache, timeout_s)
+    served = runner if fault is None else FaultyRunner(runner, fault, timeout_s)
+    return Backend(served, policy, parts.eos_ids, parts.max_context, parts.vocab_size)
 

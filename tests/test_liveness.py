@@ -1,0 +1,139 @@
+"""Liveness on one clock: the frontend watches the engine's beat counter on its own monotonic clock and
+never compares the engine's clock with its own, so a wall-clock step cannot kill a live engine or hide a
+hung one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dpu_gateway.ringwatch import RingWatch
+from shared import ring_layout as L
+from shared.ring import Liveness, Ring, RingGeometry, create_shm_ring, local_ring
+
+GEO = RingGeometry(4, 16, 16, 1)
+HOUR_NS = 3600 * 10**9
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def serving(ring: Ring, stamp_ns: int) -> None:
+    """READY, with the engine's own clock reading ``stamp_ns`` at its latest beat."""
+    ring.header_store32("engine_state", L.EngineState.READY)
+    ring.header_store64("heartbeat_ns", stamp_ns)
+
+
+def beat(ring: Ring, stamp_ns: int) -> None:
+    ring.header_store64("heartbeat_ns", stamp_ns)
+    ring.transport.fetch_add64(L.FIELD_OFFSETS["RingHeader"]["heartbeat"], 1)
+
+
+def test_silence_is_measured_on_the_observers_clock_from_the_last_change() -> None:
+    clock = FakeClock()
+    live = Liveness(clock)
+    assert live.silent_s(5) == 0.0  # the first look counts as a move
+    clock.t += 1.5
+    assert live.silent_s(5) == 1.5
+    clock.t += 1.0
+    assert live.silent_s(6) == 0.0
+    clock.t += 0.25
+    assert live.silent_s(6) == 0.25
+
+
+@pytest.mark.parametrize("skew_ns", [-HOUR_NS, HOUR_NS, -(2**62)])
+def test_a_beating_engine_is_alive_whatever_its_clock_says(skew_ns: int) -> None:
+    """The engine's clock an hour behind, an hour ahead, or nonsense (a GPU timer with a stale offset):
+    before, an engine whose ``heartbeat_ns`` was over 2 s from the frontend's wall clock was dead."""
+    ring = local_ring(GEO)
+    stamp = max(0, time.time_ns() + skew_ns)
+    serving(ring, stamp)
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:
+        beat(ring, stamp)
+        assert ring.engine_alive(0.2)
+        time.sleep(0.02)
+
+
+def test_a_hung_engine_is_dead_even_when_its_stamp_looks_fresh() -> None:
+    """Counter stopped, ``heartbeat_ns`` a minute in the future (the frontend's wall clock stepped back):
+    before, this engine looked alive for that whole minute."""
+    ring = local_ring(GEO)
+    serving(ring, time.time_ns() + 60 * 10**9)
+    beat(ring, time.time_ns() + 60 * 10**9)
+    assert ring.engine_alive(0.2)
+    time.sleep(0.3)
+    assert not ring.engine_alive(0.2)
+    beat(ring, 0)
+    assert ring.engine_alive(0.2), "beating again is alive again"
+
+
+def test_not_ready_is_never_alive() -> None:
+    ring = local_ring(GEO)
+    beat(ring, time.time_ns())
+    for state in (L.EngineState.STARTING, L.EngineState.DRAINING, L.EngineState.STOPPED, L.EngineState.FAILED):
+        ring.header_store32("engine_state", state)
+        assert not ring.engine_alive(10.0)
+
+
+@pytest.fixture
+def beating(ring_name: str) -> Iterator[tuple[Ring, threading.Event]]:
+    """A segment whose engine beats every 20 ms, its clock stamp always 0, until the event is set."""
+    ring = create_shm_ring(ring_name, GEO)
+    serving(ring, 0)
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.02):
+            beat(ring, 0)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield ring, stop
+    stop.set()
+    thread.join()
+    ring.transport.unlink()  # type: ignore[attr-defined]
+    ring.close()
+
+
+def test_the_frontends_watch_follows_the_counter(beating: tuple[Ring, threading.Event], ring_name: str) -> None:
+    """What the gateway's /health and the token reader ask: alive while the counter moves, dead
+    ``timeout`` after it stops."""
+    _, stop = beating
+    watch = RingWatch(ring_name, 0.3)
+    try:
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            assert watch.alive()
+            time.sleep(0.05)
+        stop.set()
+        time.sleep(0.05)
+        assert watch.alive()  # a beat since the last look is seen now: silence counts from here
+        time.sleep(0.35)
+        assert not watch.alive()
+    finally:
+        watch.close()
+
+
+def test_a_one_shot_probe_waits_for_a_beat(beating: tuple[Ring, threading.Event], ring_name: str) -> None:
+    from shared.ring import attach_shm_ring
+
+    _, stop = beating
+    probe = attach_shm_ring(ring_name)
+    try:
+        assert probe.wait_for_beat(1.0)
+        stop.set()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        assert not probe.wait_for_beat(0.2)
+        assert time.monotonic() - t0 >= 0.2
+    finally:
+        probe.close()
