@@ -85,7 +85,7 @@ class EchoRunner:
 
 
 def engine_with(fault: Fault, timeout_s: float = 0.3) -> RingEngine:
-    policy = Policy(BlockAllocator(64), 4, 2, max_prefill_tokens=64)
+    policy = Policy(BlockAllocator(64), 4, 2, token_budget=64)
     runner = FaultyRunner(EchoRunner(), fault, timeout_s)
     return RingEngine(local_ring(GEO), runner, policy, (2,), max_context=48, vocab_size=100)
 
