@@ -111,7 +111,8 @@ def byte_dfa(pattern: Pat, max_states: int = 65536) -> ByteDFA:
     classes, members = _byte_classes(nfa)
     closure = _Closure(nfa)
     first = closure.of([start])
-    ids, order, rows = {first: 0}, [first], []
+    ids, order = {first: 0}, [first]
+    rows: list[list[int]] = []
     while len(rows) < len(order):
         moves: list[set[int]] = [set() for _ in members]
         for s in order[len(rows)]:
@@ -148,7 +149,7 @@ def minimize(dfa: ByteDFA) -> ByteDFA:
             break
         block = new
     first = np.full(int(block.max()) + 1, -1, dtype=np.int64)  # renumber by first appearance: start is 0
-    order = []
+    order: list[int] = []
     for s in range(C):
         if first[block[s]] < 0:
             first[block[s]] = len(order)

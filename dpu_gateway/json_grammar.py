@@ -1,9 +1,9 @@
 """JSON as byte patterns (``dpu_gateway/grammar.py``): any JSON value to a nesting depth, and JSON Schema.
 
 What the constrained output looks like (``docs/API.md``): keys in the schema's order, one optional space
-after ``:`` and ``,`` and nowhere else, exponents of at most 3 digits. A value of unconstrained type ("any JSON") nests at most ``ANY_DEPTH`` containers deep.
-Schema keywords that change what is valid and are not implemented are refused (``SchemaError`` naming the
-keyword), never ignored.
+after ``:`` and ``,`` and nowhere else, exponents of at most 3 digits. A value of unconstrained type
+("any JSON") nests at most ``ANY_DEPTH`` containers deep. Schema keywords that change what is valid and
+are not implemented are refused (``SchemaError`` naming the keyword), never ignored.
 """
 
 from __future__ import annotations
