@@ -29,8 +29,20 @@ class SchemaError(GrammarError):
 WS = opt(lit(" "))
 DIGIT = byteset(b"0123456789")
 HEX = byteset(b"0123456789abcdefABCDEF")
-_PLAIN = bytes(b for b in range(0x20, 0x100) if b not in (0x22, 0x5C))
-CHAR = alt(byteset(_PLAIN), seq(lit("\\"), alt(byteset(b'"\\/bfnrt'), seq(lit("u"), HEX, HEX, HEX, HEX))))
+_PLAIN = bytes(b for b in range(0x20, 0x80) if b not in (0x22, 0x5C))
+
+
+def _span(lo: int, hi: int) -> Pat:
+    return byteset(range(lo, hi + 1))
+
+
+_TAIL = _span(0x80, 0xBF)
+UTF8 = alt(  # a well-formed multi-byte UTF-8 sequence (RFC 3629): strings stay valid text
+    seq(_span(0xC2, 0xDF), _TAIL), seq(lit(b"\xe0"), _span(0xA0, 0xBF), _TAIL),
+    seq(byteset([*range(0xE1, 0xED), 0xEE, 0xEF]), _TAIL, _TAIL), seq(lit(b"\xed"), _span(0x80, 0x9F), _TAIL),
+    seq(lit(b"\xf0"), _span(0x90, 0xBF), _TAIL, _TAIL), seq(_span(0xF1, 0xF3), _TAIL, _TAIL, _TAIL),
+    seq(lit(b"\xf4"), _span(0x80, 0x8F), _TAIL, _TAIL))
+CHAR = alt(byteset(_PLAIN), UTF8, seq(lit("\\"), alt(byteset(b'"\\/bfnrt'), seq(lit("u"), HEX, HEX, HEX, HEX))))
 STRING = seq(lit('"'), star(CHAR), lit('"'))
 INTEGER = seq(opt(lit("-")), alt(lit("0"), seq(byteset(b"123456789"), star(DIGIT))))
 NUMBER = seq(INTEGER, opt(seq(lit("."), rep(DIGIT, 1, None))),
