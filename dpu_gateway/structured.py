@@ -56,7 +56,12 @@ def response_format(value: dict | None) -> Constraint | None:
 def guided(req: _Common) -> Constraint | None:
     """vLLM's ``guided_json`` (a schema) and ``guided_choice`` (one of these strings)."""
     if req.guided_json is not None:
-        schema = json.loads(req.guided_json) if isinstance(req.guided_json, str) else req.guided_json
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise _bad("guided_json", "must be a JSON Schema (an object, or its JSON text)") from None
         return Constraint(_key("json_schema", schema), lambda: schema_pattern(schema), "guided_json")
     if req.guided_choice is not None:
         choices = req.guided_choice

@@ -103,6 +103,17 @@ def test_sampling_under_the_mask_always_spells_a_sentence() -> None:
     assert allowed[ord("{")] and not allowed[eos] and not allowed[ord("[")]
 
 
+def test_the_grammar_id_travels_in_the_slot_and_the_engine_refuses_a_missing_one(tmp_path, monkeypatch) -> None:
+    from gpu_engine.grammar_mask import GrammarCache
+    from shared.messages import Sampling
+    from shared.slots import SlotRequest
+
+    rec = SlotRequest(1, np.array([1], np.int32), Sampling(4, grammar_id=2**64 - 5)).sampling_record()
+    assert int(rec["grammar_id"][0]) == 2**64 - 5
+    monkeypatch.setattr("shared.token_dfa.SHM_DIR", tmp_path)
+    assert GrammarCache("ring", 300).get(12345) is None  # the slot then fails with BAD_PARAMS
+
+
 # ----------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
