@@ -101,6 +101,13 @@ def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
                     help="seconds an idle keep-alive connection stays open")
     ap.add_argument("--disable-log-requests", action="store_true",
                     help="no log line per answered request (as vLLM's flag)")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="serve tool_choice \"auto\": the model decides whether to call a tool (needs "
+                    "--tool-call-parser; \"required\" and named choices are enforced without it)")
+    ap.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                    help="the format tool calls are read in: hermes (<tool_call> JSON </tool_call>, Hermes and "
+                    "Qwen) or llama3_json (Llama 3.x JSON); also the format forced calls are written in "
+                    "(default: none; forced calls use hermes)")
 
 
 # ---------------------------------------------------------------------- subcommands
@@ -116,7 +123,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                         drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
                         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                         body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
-                        log_requests=not args.disable_log_requests)
+                        log_requests=not args.disable_log_requests,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     asyncio.run(run_gateway(cfg, args.host, args.port, args.name))
     return 0
 
@@ -152,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
         return 2
-    problem = segment_problem(engine.ring_name) or chat_template_problem(args.chat_template)
+    problem = (segment_problem(engine.ring_name) or chat_template_problem(args.chat_template)
+               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
     if problem:
         print(f"blink serve: {problem}", file=sys.stderr)
         return 2
@@ -174,6 +183,17 @@ def chat_template_problem(value: str | None) -> str | None:
         compile_template(chat_template_from_arg(value))
     except ChatTemplateError as exc:
         return f"--chat-template: {exc}"
+    return None
+
+
+def tool_flags_problem(auto: bool, parser: str | None) -> str | None:
+    """Why --enable-auto-tool-choice / --tool-call-parser cannot be used, or None (vLLM's rules)."""
+    from dpu_gateway.tools import PARSERS
+
+    if parser is not None and parser not in PARSERS:
+        return f"--tool-call-parser: unknown parser {parser!r}; Blink has {', '.join(PARSERS)}"
+    if auto and parser is None:
+        return "--enable-auto-tool-choice needs --tool-call-parser"
     return None
 
 

@@ -32,6 +32,7 @@ from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.log import get_logger
 from shared.ring import attach_shm_ring
+from shared.token_dfa import remove_store
 from shared.transport import RingError, ShmTransport
 
 log = get_logger("supervisor")
@@ -81,6 +82,10 @@ def gateway_argv(a: argparse.Namespace) -> list[str]:
         argv += ["--chat-template", a.chat_template]
     if a.disable_log_requests:
         argv.append("--disable-log-requests")
+    if a.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if a.tool_call_parser is not None:
+        argv += ["--tool-call-parser", a.tool_call_parser]
     return argv
 
 
@@ -293,6 +298,7 @@ class Supervisor:
                 ours = False
             if ours:
                 ShmTransport.unlink_name(self.cfg.ring)
+        remove_store(self.cfg.ring)  # the grammars the gateways compiled for this ring
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         for name in ipc.SOCKET_SERVICES:

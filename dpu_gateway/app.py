@@ -18,10 +18,22 @@ from aiohttp import web
 
 from dpu_gateway.backend import Backend
 from dpu_gateway.connguard import ConnectionGuard
+from dpu_gateway.constrain import GrammarCompiler
 from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.routes import add_routes
-from dpu_gateway.state import BACKEND, CODEC, CONFIG, LIVE, METRICS, RECORD, RING, GatewayConfig, RequestRecord
+from dpu_gateway.state import (
+    BACKEND,
+    CODEC,
+    CONFIG,
+    GRAMMARS,
+    LIVE,
+    METRICS,
+    RECORD,
+    RING,
+    GatewayConfig,
+    RequestRecord,
+)
 from dpu_gateway.textio import TextCodec
 from dpu_tokenizer.chat import chat_template_from_arg
 from shared import messages as m
@@ -170,6 +182,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     app[CONFIG] = cfg
     app[CODEC] = codec or TextCodec(cfg.model, chat_template_text(cfg.chat_template))
     app[RING] = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
+    app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name)
     app[METRICS] = metrics
     app[LIVE] = set()
     app.on_startup.append(on_startup)

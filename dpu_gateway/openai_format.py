@@ -50,9 +50,12 @@ def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: i
     }
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:  # as OpenAI: content null when the answer is only calls
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:

@@ -14,6 +14,8 @@ import msgspec
 
 from dpu_gateway.errors import APIError
 from dpu_gateway.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from dpu_gateway.structured import Constraint
+from dpu_gateway.tools import Format
 from shared import messages as m
 from shared import ring_layout as L
 from shared.ring import MAX_STOP_IDS
@@ -46,6 +48,8 @@ class Plan:
     include_stop_str: bool = False
     n: int = 1
     echo: str = ""  # text the answer starts with (echo)
+    tool_format: Format | None = None  # read tool calls out of the answer in this format
+    parallel_tool_calls: bool = True   # False: only the first call is answered
 
     def choices(self) -> list[m.Sampling]:
         """One sampling record per choice: a seeded request's choices draw from seeds derived from it."""
@@ -91,6 +95,19 @@ def check_features(req: _Common, limits: Limits) -> None:
         if on and not limits.features & bit:
             raise APIError(400, f"{name} is not implemented by the engine backend serving this model",
                            param=name, code="unsupported_parameter")
+
+
+def check_constraint(c: Constraint, req: _Common, limits: Limits) -> None:
+    """400 when the output constraint cannot be enforced here, or with fields that would break it."""
+    if not limits.features & Feature.GRAMMAR:
+        raise APIError(400, f"{c.param}: constrained decoding is not implemented by the engine backend serving "
+                       "this model", param=c.param, code="unsupported_parameter")
+    if req.min_tokens > 0:
+        raise APIError(400, f"min_tokens cannot be combined with {c.param} (it could forbid the only token that "
+                       "ends a complete answer)", param="min_tokens", code="unsupported_value")
+    if req.ignore_eos:
+        raise APIError(400, f"ignore_eos cannot be combined with {c.param} (a complete answer ends with EOS)",
+                       param="ignore_eos", code="unsupported_value")
 
 
 def logit_bias(req: _Common, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -142,7 +159,7 @@ def top_k(requested: int | None) -> int:
     return requested if requested is not None and 0 < requested < 2**31 else 0
 
 
-def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple) -> m.Sampling:
+def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple, grammar_id: int = 0) -> m.Sampling:
     """The request's sampling record, OpenAI's defaults filled in."""
     if req.min_tokens > budget:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed the output budget ({budget})",
@@ -157,12 +174,16 @@ def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple) -
         stop_ids=tuple(dict.fromkeys(req.stop_token_ids or ())),
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_tokens=req.min_tokens, logit_bias=bias,
+        min_tokens=req.min_tokens, logit_bias=bias, grammar_id=grammar_id,
     )
 
 
-def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo: str = "") -> Plan:
+def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo: str = "", grammar_id: int = 0,
+              tool_format: Format | None = None) -> Plan:
     stop = check_common(req, limits)
+    if tool_format is not None and req.logprobs:
+        raise APIError(400, "logprobs are not returned for answers read as tool calls", param="logprobs",
+                       code="unsupported_value")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     if req.max_completion_tokens is not None and req.max_tokens is not None:
@@ -172,11 +193,12 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     budget = max_new_tokens(asked, prompt_len, limits, param)
     bias = logit_bias(req, limits)
     check_bias_room(bias, prompt_len, limits)
-    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias), stop,
-                req.include_stop_str_in_output, req.n, echo)
+    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id), stop,
+                req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False)
 
 
-def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "") -> Plan:
+def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "",
+                    grammar_id: int = 0) -> Plan:
     stop = check_common(req, limits)
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
@@ -186,7 +208,7 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, ech
         budget = min(16, budget)
     bias = logit_bias(req, limits)
     check_bias_room(bias, prompt_len, limits)
-    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias), stop,
+    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias, grammar_id), stop,
                 req.include_stop_str_in_output, req.n, echo)
 
 

@@ -68,9 +68,9 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
     name: str | None = None
-    tool_calls: list | None = None          # refused (tool calling is not supported)
-    tool_call_id: str | None = None         # refused
-    function_call: Any = None               # refused
+    tool_calls: list | None = None          # assistant history: rendered (dpu_gateway/tools.py)
+    tool_call_id: str | None = None         # a tool result's call
+    function_call: Any = None               # refused (the deprecated form of tool_calls)
     refusal: str | None = None              # assistant history: accepted, not rendered
     audio: Any = None                       # refused
     reasoning_content: str | None = None    # assistant history: accepted, not rendered
@@ -110,10 +110,10 @@ class _Common(_Body, kw_only=True):
     logits_processors: list | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    response_format: dict | None = None
-    guided_json: Any = None
+    response_format: dict | None = None      # enforced by constrained decoding (dpu_gateway/structured.py)
+    guided_json: Any = None                  # enforced (a schema)
     guided_regex: str | None = None
-    guided_choice: list | None = None
+    guided_choice: list | None = None        # enforced (one of these strings)
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
@@ -136,10 +136,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     echo: bool = False
-    # OpenAI fields Blink does not serve
-    tools: list | None = None
+    tools: list | None = None                # dpu_gateway/tools.py
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # accepted: meaningless without tools
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields Blink does not serve
     functions: list | None = None
     function_call: Any = None
     audio: Any = None
@@ -174,16 +174,14 @@ def _off(v: Any) -> bool:
     return v is None or v is False or v == [] or v == {}
 
 
-_TOOLS = "tool calling is not supported by this server"
-_JSON = "structured output (JSON mode, JSON schema, grammars) is not supported by this server"
+_TOOLS = "the deprecated functions API is not supported; use tools and tool_choice"
+_JSON = "this kind of structured output (regular expressions, grammars, structural tags) is not supported " \
+    "by this server; use response_format, guided_json or guided_choice"
 # field -> (is the value a no-op, why another value is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_off, _TOOLS),
-    "tool_choice": (lambda v: v in (None, "none"), _TOOLS),
     "functions": (_off, _TOOLS),
     "function_call": (lambda v: v in (None, "none"), _TOOLS),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, _JSON + "; only {\"type\": \"text\"}"),
-    "guided_json": (_off, _JSON), "guided_regex": (_off, _JSON), "guided_choice": (_off, _JSON),
+    "guided_regex": (_off, _JSON),
     "guided_grammar": (_off, _JSON), "guided_decoding_backend": (_off, _JSON),
     "guided_whitespace_pattern": (_off, _JSON), "structural_tag": (_off, _JSON),
     "structured_outputs": (_off, _JSON),
@@ -221,7 +219,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_embeds": (_off, "prompt embeddings are not supported"),
 }
 _MESSAGE_REFUSED = {
-    "tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS,
+    "function_call": _TOOLS,
     "audio": "audio input is not supported",
 }
 _PART_REFUSED = {ImagePart: "image", AudioPart: "audio", FilePart: "file"}
@@ -248,8 +246,12 @@ def _check_message(i: int, msg: ChatMessage) -> None:
     for name, why in _MESSAGE_REFUSED.items():
         if not _off(getattr(msg, name)):
             raise refuse(f"messages[{i}].{name}", why)
-    if msg.role == "tool":
-        raise refuse(f"messages[{i}].role", _TOOLS)
+    if msg.role == "tool" and msg.tool_call_id is None:
+        raise APIError(400, f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers",
+                       param=f"messages[{i}].tool_call_id", code="invalid_value")
+    if msg.tool_calls and msg.role != "assistant":
+        raise APIError(400, f"messages[{i}].tool_calls: only assistant messages hold tool calls",
+                       param=f"messages[{i}].tool_calls", code="invalid_value")
     if isinstance(msg.content, list):
         for j, part in enumerate(msg.content):
             kind = _PART_REFUSED.get(type(part))
@@ -298,6 +300,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool | None = None
+    tools: list | None = None  # rendered into the prompt as chat completions do
 
 
 class DetokenizeRequest(_Body, kw_only=True):

@@ -20,6 +20,7 @@ from dpu_gateway import sse
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation, TokenLogprob
 from dpu_gateway.textio import TextCodec
+from dpu_gateway.tools import Call, parse_all
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +95,18 @@ async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
             texts.append(delta.text)
             offset += len(delta.text)
     logprobs = merge_logprobs(shape, lps) if gen.plan.sampling.logprobs else None
-    return shape.choice(gen.index, "".join(texts), gen.finish_reason, logprobs)
+    fmt_ = gen.plan.tool_format
+    if fmt_ is None:
+        return shape.choice(gen.index, "".join(texts), gen.finish_reason, logprobs)
+    content, calls = parse_all(fmt_, "".join(texts))
+    calls = calls if gen.plan.parallel_tool_calls else calls[:1]
+    return fmt.chat_choice(gen.index, content, tool_finish(gen, bool(calls)), logprobs,
+                           [c.openai() for c in calls])
+
+
+def tool_finish(gen: Generation, called: bool) -> str | None:
+    """``tool_calls`` when the answer ended on its own after calls; ``length`` and the rest unchanged."""
+    return "tool_calls" if called and gen.finish_reason == "stop" else gen.finish_reason
 
 
 async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
@@ -134,6 +146,8 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TextCodec, en
     lock = asyncio.Lock()
 
     async def one(gen: Generation) -> None:
+        if gen.plan.tool_format is not None:
+            return await _stream_calls(gen, env, usage, lock, write)
         offset = 0
         async with contextlib.aclosing(gen.deltas()) as deltas:
             async for delta in deltas:
@@ -152,3 +166,33 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TextCodec, en
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: asyncio.Lock,
+                        write: Callable[[dict], Awaitable[None]]) -> None:
+    """One choice read as tool calls: content deltas as they are decided, each call as OpenAI streams one
+    (a delta with its id, type and name, then one with its arguments), then the finish."""
+    assert gen.plan.tool_format is not None
+    parser, calls = gen.plan.tool_format.parser(), 0
+
+    async def send(events: list[str | Call]) -> None:
+        nonlocal calls
+        for e in events:
+            deltas: list[dict] = []
+            if isinstance(e, str):
+                deltas = [{"content": e}] if e else []
+            elif gen.plan.parallel_tool_calls or calls == 0:
+                head = {"index": calls, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+                args = {"index": calls, "function": {"arguments": e.arguments}}
+                deltas = [{"tool_calls": [head]}, {"tool_calls": [args]}]
+                calls += 1
+            for d in deltas:
+                async with lock:
+                    await write(fmt.chat_chunk(env, d, None, None, usage.include, gen.index, usage.now()))
+
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        async for delta in deltas:
+            await send(parser.feed(delta.text))
+    await send(parser.finish())
+    async with lock:
+        await write(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index, usage.now()))

@@ -16,7 +16,15 @@ from dpu_gateway.backend import RequestStream
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
 from dpu_gateway.openapi import DocLimits, openapi_document
-from dpu_gateway.params import Limits, Plan, completion_prompts, plan_chat, plan_completion, truncate
+from dpu_gateway.params import (
+    Limits,
+    Plan,
+    check_constraint,
+    completion_prompts,
+    plan_chat,
+    plan_completion,
+    truncate,
+)
 from dpu_gateway.protocol import (
     ChatCompletionRequest,
     _Common,
@@ -30,6 +38,7 @@ from dpu_gateway.state import (
     BACKEND,
     CODEC,
     CONFIG,
+    GRAMMARS,
     LIVE,
     METRICS,
     RECORD,
@@ -38,7 +47,9 @@ from dpu_gateway.state import (
     engine_limits,
     engine_unavailable,
 )
+from dpu_gateway.structured import Constraint, constraint_of
 from dpu_gateway.textio import message_text
+from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
 from shared import ring_layout as L
 
 STARTED = int(time.time())
@@ -106,11 +117,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_chat(await request.read())
     check_model(app, req.model)
     limits = request_limits(app)
-    text = app[CODEC].render_chat(req.messages, req.add_generation_prompt)
+    cfg = app[CONFIG]
+    tooling = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
+                         cfg.enable_auto_tool_choice)
+    constraint = chat_constraint(req, tooling)
+    if constraint is not None:
+        check_constraint(constraint, req, limits)
+    text = app[CODEC].render_chat(req.messages, req.add_generation_prompt, tooling.tools, tooling.fmt)
     ids = await app[BACKEND].encode(text, add_special=bool(req.add_special_tokens))
     ids = truncate(ids, req.truncate_prompt_tokens)
-    plan = plan_chat(req, len(ids), limits, chat_echo(req))
+    gid = await grammar_id(app, constraint, limits)
+    plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
     return await run(request, CHAT, [(ids, plan)], req.stream, stream_usage(req), arrival)
+
+
+def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan) -> Constraint | None:
+    """A forced tool call's grammar, or the response format's; never both."""
+    asked = constraint_of(req)
+    if not tooling.forced():
+        return asked
+    if asked is not None:
+        raise APIError(400, f"{asked.param} cannot be combined with a forced tool call (tool_choice "
+                       f"{tooling.choice.mode!r})", param=asked.param, code="unsupported_value")
+    kind, value = tooling.pattern_key()
+    return Constraint(msgspec.json.encode([kind, value]).decode(), tooling.pattern, "tool_choice")
+
+
+async def grammar_id(app: web.Application, constraint: Constraint | None, limits: Limits) -> int:
+    if constraint is None:
+        return 0
+    return await app[GRAMMARS].compile(constraint.key, constraint.pattern, limits.vocab_size, constraint.param)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -120,6 +156,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_completion(await request.read())
     check_model(app, req.model)
     limits = request_limits(app)
+    constraint = constraint_of(req)
+    if constraint is not None:
+        check_constraint(constraint, req, limits)
+    gid = await grammar_id(app, constraint, limits)
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     jobs = []
     for prompt in completion_prompts(req):
@@ -127,7 +167,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_token_ids(app, ids)
         ids = truncate(ids, req.truncate_prompt_tokens)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else app[CODEC].decode(ids)
-        jobs.append((ids, plan_completion(req, len(ids), limits, echo)))
+        jobs.append((ids, plan_completion(req, len(ids), limits, echo, gid)))
     return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival)
 
 
@@ -191,7 +231,8 @@ async def tokenize(request: web.Request) -> web.Response:
     req = decode_tokenize(await request.read())
     check_model(app, req.model or app[CONFIG].served_model_name)
     if req.messages is not None:
-        text, special = app[CODEC].render_chat(req.messages, req.add_generation_prompt), False
+        tools = parse_tools(req.tools)
+        text, special = app[CODEC].render_chat(req.messages, req.add_generation_prompt, tools), False
     else:
         text, special = req.prompt or "", True
     add = special if req.add_special_tokens is None else req.add_special_tokens

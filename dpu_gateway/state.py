@@ -8,10 +8,12 @@ from pathlib import Path
 from aiohttp import web
 
 from dpu_gateway.backend import Backend, RequestStream
+from dpu_gateway.constrain import GrammarCompiler
 from dpu_gateway.errors import APIError
 from dpu_gateway.params import Limits
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.textio import TextCodec
+from dpu_gateway.tools import PARSERS
 from shared import ring_layout as L
 from shared.metrics import FrontendMetrics
 
@@ -25,6 +27,8 @@ class GatewayConfig:
     model_aliases: tuple[str, ...] = ()  # other names a request's `model` may use
     chat_template: str | None = None  # --chat-template: a file or the Jinja text (default: the tokenizer's)
     log_requests: bool = True         # one log line per answered request
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
+    tool_call_parser: str | None = None    # --tool-call-parser: the format tool calls are read in
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
@@ -41,6 +45,10 @@ class GatewayConfig:
         return (self.served_model_name, *self.model_aliases)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
@@ -57,6 +65,7 @@ CODEC = web.AppKey("codec", TextCodec)
 BACKEND = web.AppKey("backend", Backend)
 RING = web.AppKey("ring", RingWatch)
 METRICS = web.AppKey("metrics", FrontendMetrics)
+GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -103,6 +104,12 @@ def render_chat(
         raise
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+def renders_tools(template: str | None) -> bool:
+    """Whether a template reads the ``tools`` variable (Hugging Face's convention for tool definitions);
+    when it does not, the caller has to put tools and tool messages into plain messages itself."""
+    return template is not None and re.search(r"\btools\b", template) is not None
 
 
 def _template_from_config(config: Mapping[str, Any]) -> str | None:

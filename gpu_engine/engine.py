@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from gpu_engine.grammar_mask import GrammarCache
 from gpu_engine.policy import Finish, Policy, Request, StepPlan
 from gpu_engine.runner import Runner, StepOutput
 from gpu_engine.sampling import SamplingSpec
@@ -23,7 +24,8 @@ from shared.slots import MAX_LOGIT_BIAS
 
 S = L.SlotState
 log = get_logger("engine")
-FEATURES = L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
+FEATURES = (L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
+            | L.SamplingFeatures.GRAMMAR)
 # When the heartbeat thread stops beating (the frontend then takes the engine for dead): the loop has not
 # come round for STALL_S outside a step, or one step has run for longer than STALL_S plus STALL_PER_TOKEN_S
 # for each token it computes. A 4,096-token prefill on a loaded CPU takes minutes and is progress, not a
@@ -45,6 +47,7 @@ class RingEngine:
         self.eos_ids = frozenset(eos_ids)
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.grammars = GrammarCache(ring.name, vocab_size)
         self.by_slot: dict[int, Request] = {}
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
@@ -75,8 +78,13 @@ class RingEngine:
         if prompt.min() < 0 or prompt.max() >= self.vocab_size or bias is None:
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
             return
+        gid = int(meta["sampling"]["grammar_id"])
+        grammar = self.grammars.get(gid) if gid else None
+        if gid and grammar is None:
+            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            return
         rid = int(meta["request_id"])
-        spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids)
+        spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids, grammar)
         req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
                       arrival=self.arrivals, sampling=spec)
         self.arrivals += 1

@@ -18,7 +18,9 @@ order (``process_logits``): ``logit_bias`` is added; while fewer than ``min_toke
 generated, the stop ids and EOS ids are set to -inf; the repetition penalty divides the positive
 logits (multiplies the negative ones) of every token seen in the prompt or output; then
 ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over output counts.
-Log-probs stay those of the raw logits.
+A request with a grammar (``grammar_id``: a token DFA the frontend compiled) then has every token
+its DFA does not allow at this point set to -inf (``gpu_engine/grammar_mask.py``). Log-probs stay those
+of the raw logits.
 
 ``u`` keeps 23 hash bits (not 24) so that ``(h >> 9) + 0.5`` fits float32's 24-bit significand
 exactly. Here it is computed with int64 torch ops masked to 32 bits; products are split into
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_engine.grammar_mask import allowed_tokens
 from shared import ring_layout as L
+from shared.token_dfa import TokenDFA
 
 MASK32 = 0xFFFFFFFF
 
@@ -65,6 +69,7 @@ class SamplingSpec:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     eos_ids: frozenset[int] = frozenset()  # the model's, resolved at claim: min_tokens suppresses them
+    grammar: TokenDFA | None = None  # the tables of the slot's grammar_id, loaded at claim
 
     @property
     def penalized(self) -> bool:
@@ -73,13 +78,20 @@ class SamplingSpec:
     @property
     def processed(self) -> bool:
         """Whether any logits processor applies to this request (``process_logits``)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+
+    def grammar_allowed(self, output: Sequence[int], vocab: int) -> np.ndarray | None:
+        """bool [vocab] of the tokens the grammar allows after ``output`` (end tokens where complete)."""
+        if self.grammar is None:
+            return None
+        return allowed_tokens(self.grammar, output, self.stop_ids | self.eos_ids, vocab)
 
     @classmethod
     def from_ring(cls, sp: np.void, request_id: int, logit_bias: np.ndarray | None = None,
-                  eos_ids: frozenset[int] = frozenset()) -> SamplingSpec:
+                  eos_ids: frozenset[int] = frozenset(), grammar: TokenDFA | None = None) -> SamplingSpec:
         """Decode a slot's ``SamplingParams`` (``shared/ring_layout.SAMPLINGPARAMS_DTYPE``); ``logit_bias``
-        holds its ``LogitBias`` entries (the prompt row's tail), ``eos_ids`` the model's EOS ids."""
+        holds its ``LogitBias`` entries (the prompt row's tail), ``eos_ids`` the model's EOS ids, ``grammar``
+        the tables its ``grammar_id`` names."""
         flags = int(sp["flags"])
         has_seed = flags & L.SamplingFlags.HAS_SEED
         bias = () if logit_bias is None else tuple((int(e["token"]), float(e["bias"])) for e in logit_bias)
@@ -100,6 +112,7 @@ class SamplingSpec:
             min_tokens=int(sp["min_tokens"]),
             logit_bias=bias,
             eos_ids=frozenset() if ignore_eos else frozenset(eos_ids),
+            grammar=grammar,
         )
 
 
@@ -184,6 +197,9 @@ def process_row(logits: torch.Tensor, spec: SamplingSpec, step: int, prompt: Seq
     for tok, c in counts.items():
         x[tok] = x[tok] - freq * float(c)
         x[tok] = x[tok] - pres
+    allowed = spec.grammar_allowed(output, vocab)
+    if allowed is not None:
+        x[torch.from_numpy(~allowed)] = float("-inf")
     return x
 
 

@@ -69,6 +69,7 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
+    grammar_id: int = 0  # a token DFA in the ring's grammar store (shared/token_dfa.py); 0: none
 
 
 class Submit(_Msg, tag="sub"):

@@ -56,13 +56,14 @@ class SamplingFeatures(enum.IntFlag):
     PENALTIES = 1
     LOGIT_BIAS = 2
     MIN_TOKENS = 4
+    GRAMMAR = 8
 
 
 SAMPLINGPARAMS_DTYPE = np.dtype({
-    'names': ['temperature', 'top_p', 'top_k', 'min_p', 'seed', 'flags', 'num_top_logprobs', 'num_stop_ids', 'num_logit_bias', 'stop_ids', 'presence_penalty', 'frequency_penalty', 'repetition_penalty', 'min_tokens'],
-    'formats': ['<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u4', ('<i4', (8,)), '<f4', '<f4', '<f4', '<u4'],
-    'offsets': [0, 4, 8, 12, 16, 24, 28, 32, 36, 40, 72, 76, 80, 84],
-    'itemsize': 88,
+    'names': ['temperature', 'top_p', 'top_k', 'min_p', 'seed', 'flags', 'num_top_logprobs', 'num_stop_ids', 'num_logit_bias', 'stop_ids', 'presence_penalty', 'frequency_penalty', 'repetition_penalty', 'min_tokens', 'grammar_id'],
+    'formats': ['<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u4', ('<i4', (8,)), '<f4', '<f4', '<f4', '<u4', '<u8'],
+    'offsets': [0, 4, 8, 12, 16, 24, 28, 32, 36, 40, 72, 76, 80, 84, 88],
+    'itemsize': 96,
 }, align=False)
 SAMPLINGPARAMS_ALIGN = 8
 
@@ -76,8 +77,8 @@ LOGITBIAS_ALIGN = 4
 
 SLOT_DTYPE = np.dtype({
     'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'reserved'],
-    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, ('<u8', (12,))],
-    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 160],
+    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, ('<u8', (11,))],
+    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 168],
     'itemsize': 256,
 }, align=False)
 SLOT_ALIGN = 8
@@ -107,9 +108,9 @@ TOPLOGPROB_DTYPE = np.dtype({
 TOPLOGPROB_ALIGN = 4
 
 FIELD_OFFSETS: dict[str, dict[str, int]] = {
-    'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'num_logit_bias': 36, 'stop_ids': 40, 'presence_penalty': 72, 'frequency_penalty': 76, 'repetition_penalty': 80, 'min_tokens': 84},
+    'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'num_logit_bias': 36, 'stop_ids': 40, 'presence_penalty': 72, 'frequency_penalty': 76, 'repetition_penalty': 80, 'min_tokens': 84, 'grammar_id': 88},
     'LogitBias': {'token': 0, 'bias': 4},
-    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'reserved': 160},
+    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'reserved': 168},
     'EngineStats': {'running': 0, 'waiting': 4, 'kv_blocks_total': 8, 'kv_blocks_free': 12, 'steps': 16, 'prompt_tokens': 24, 'output_tokens': 32, 'preemptions': 40, 'window_relaunches': 48, 'token_budget': 56, 'step_fill': 60},
     'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'sampling_features': 744, 'reserved1': 748, 'reserved': 752},
     'TopLogprob': {'token': 0, 'logprob': 4},

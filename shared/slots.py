@@ -56,6 +56,7 @@ class SlotRequest:
         rec["presence_penalty"], rec["frequency_penalty"] = s.presence_penalty, s.frequency_penalty
         rec["repetition_penalty"], rec["min_tokens"] = s.repetition_penalty, s.min_tokens
         rec["num_logit_bias"] = len(s.logit_bias)
+        rec["grammar_id"] = s.grammar_id
         return rec
 
     def logit_bias_table(self) -> np.ndarray:

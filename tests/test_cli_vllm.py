@@ -102,8 +102,6 @@ def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:
      "one engine per GPU: see --data-parallel-size (planned)"),
     (["-tp", "4"], "-tp 4: tensor parallelism is not supported"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not served yet"),
-    (["--tool-call-parser", "hermes"], "--tool-call-parser hermes: tool calling is not served yet"),
     (["--quantization", "awq"], "Blink serves the weights as given"),
     (["--trust-remote-code"], "Blink never runs a model's own code"),
 ])

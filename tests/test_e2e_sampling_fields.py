@@ -85,8 +85,10 @@ def test_include_stop_str_in_output(real: Stack) -> None:
 
 
 @pytest.mark.parametrize(("kw", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                         "pattern": "a+"}}}},
+     "response_format.pattern"),
     ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
     ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
 ])

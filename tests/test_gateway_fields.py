@@ -31,14 +31,15 @@ def chat(**kw) -> dict:
 
 
 REFUSED = [
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # auto needs the flags
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "tool_choice"),
     (CHAT, chat(tool_choice="auto"), "tool_choice"),
     (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
     (CHAT, chat(response_format={"type": "bogus"}), "response_format"),
     (CHAT, chat(guided_json={"type": "object"}), "guided_json"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content[0]"),
-    (CHAT, chat(messages=[{"role": "tool", "content": "1", "tool_call_id": "c"}]), "messages[0].tool_call_id"),
+    (CHAT, chat(messages=[{"role": "tool", "content": "1"}]), "messages[0].tool_call_id"),
     (CHAT, chat(best_of=2), "best_of"),
     (CHAT, chat(use_beam_search=True), "use_beam_search"),
     (CHAT, chat(prompt_logprobs=1), "prompt_logprobs"),

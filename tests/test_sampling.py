@@ -133,7 +133,8 @@ def test_record_defaults_through_the_ring() -> None:
 def test_the_two_records_hold_the_same_fields() -> None:
     """A field added to the frontend's record and not to the engine's spec (or back) fails here:
     ``docs/DESIGN.md`` lists the files a new field goes through."""
-    renamed = {"logprobs": "want_logprobs", "top_logprobs": "num_top_logprobs"}
+    renamed = {"logprobs": "want_logprobs", "top_logprobs": "num_top_logprobs",
+               "grammar_id": "grammar"}  # the id names the tables the engine loads at claim
     frontend = {renamed.get(f, f) for f in Sampling.__struct_fields__} - {"max_new_tokens"}
     engine_only = {"eos_ids"}  # the model's, resolved at claim
     assert frontend == {f.name for f in dataclasses.fields(SamplingSpec)} - engine_only

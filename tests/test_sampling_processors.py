@@ -100,7 +100,8 @@ def test_the_ring_refuses_a_bias_table_that_does_not_fit() -> None:
 def test_engine_advertises_its_sampling_features() -> None:
     ring = local_ring(GEO)
     assert ring.header_load32("sampling_features") == 0  # a ring no engine has served
-    assert FEATURES == L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
+    assert FEATURES == (L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
+                        | L.SamplingFeatures.GRAMMAR)
 
 
 # ------------------------------------------------------------------ the CPU engine, end to end

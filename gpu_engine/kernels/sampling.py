@@ -108,6 +108,9 @@ def processor_columns(specs: list[SamplingSpec], steps: list[int], history: Hist
             cols["logit_add"][b, list(ids)] = torch.tensor(vals, dtype=torch.float32)
         if steps[b] < spec.min_tokens and (spec.stop_ids or spec.eos_ids):
             cols["logit_add"][b, sorted(t for t in spec.stop_ids | spec.eos_ids if 0 <= t < vocab)] = float("-inf")
+        allowed = spec.grammar_allowed(history[b][1], vocab)
+        if allowed is not None:
+            cols["logit_add"][b, torch.from_numpy(~allowed)] = float("-inf")
         if spec.penalized:
             prompt, output = history[b]
             out = torch.tensor(list(output), dtype=torch.int64)

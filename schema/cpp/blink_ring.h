@@ -51,6 +51,7 @@
 #define BLINK_SAMPLING_FEATURES_PENALTIES 1u
 #define BLINK_SAMPLING_FEATURES_LOGIT_BIAS 2u
 #define BLINK_SAMPLING_FEATURES_MIN_TOKENS 4u
+#define BLINK_SAMPLING_FEATURES_GRAMMAR 8u
 
 typedef struct __attribute__((aligned(8))) blink_sampling_params {
   float temperature; /* offset 0 */
@@ -67,6 +68,7 @@ typedef struct __attribute__((aligned(8))) blink_sampling_params {
   float frequency_penalty; /* offset 76 */
   float repetition_penalty; /* offset 80 */
   uint32_t min_tokens; /* offset 84 */
+  uint64_t grammar_id; /* offset 88 */
 } blink_sampling_params;
 
 typedef struct __attribute__((aligned(4))) blink_logit_bias {
@@ -89,7 +91,7 @@ typedef struct __attribute__((aligned(8))) blink_slot {
   uint64_t first_token_ns; /* offset 56 */
   uint64_t last_token_ns; /* offset 64 */
   blink_sampling_params sampling; /* offset 72 */
-  uint64_t reserved[12]; /* offset 160 */
+  uint64_t reserved[11]; /* offset 168 */
 } blink_slot;
 
 typedef struct __attribute__((aligned(8))) blink_engine_stats {
@@ -146,7 +148,7 @@ typedef struct __attribute__((aligned(4))) blink_top_logprob {
 } blink_top_logprob;
 
 #ifdef __cplusplus
-static_assert(sizeof(blink_sampling_params) == 88, "SamplingParams size");
+static_assert(sizeof(blink_sampling_params) == 96, "SamplingParams size");
 static_assert(alignof(blink_sampling_params) == 8, "SamplingParams alignment");
 static_assert(sizeof(blink_logit_bias) == 8, "LogitBias size");
 static_assert(alignof(blink_logit_bias) == 4, "LogitBias alignment");

@@ -295,32 +295,38 @@ enum SamplingFeatures : uint32_t {
   SamplingFeatures_PENALTIES = 1,
   SamplingFeatures_LOGIT_BIAS = 2,
   SamplingFeatures_MIN_TOKENS = 4,
+  SamplingFeatures_GRAMMAR = 8,
   SamplingFeatures_NONE = 0,
-  SamplingFeatures_ANY = 7
+  SamplingFeatures_ANY = 15
 };
 
-inline const SamplingFeatures (&EnumValuesSamplingFeatures())[3] {
+inline const SamplingFeatures (&EnumValuesSamplingFeatures())[4] {
   static const SamplingFeatures values[] = {
     SamplingFeatures_PENALTIES,
     SamplingFeatures_LOGIT_BIAS,
-    SamplingFeatures_MIN_TOKENS
+    SamplingFeatures_MIN_TOKENS,
+    SamplingFeatures_GRAMMAR
   };
   return values;
 }
 
 inline const char * const *EnumNamesSamplingFeatures() {
-  static const char * const names[5] = {
+  static const char * const names[9] = {
     "PENALTIES",
     "LOGIT_BIAS",
     "",
     "MIN_TOKENS",
+    "",
+    "",
+    "",
+    "GRAMMAR",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameSamplingFeatures(SamplingFeatures e) {
-  if (::flatbuffers::IsOutRange(e, SamplingFeatures_PENALTIES, SamplingFeatures_MIN_TOKENS)) return "";
+  if (::flatbuffers::IsOutRange(e, SamplingFeatures_PENALTIES, SamplingFeatures_GRAMMAR)) return "";
   const size_t index = static_cast<size_t>(e) - static_cast<size_t>(SamplingFeatures_PENALTIES);
   return EnumNamesSamplingFeatures()[index];
 }
@@ -341,6 +347,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
   float frequency_penalty_;
   float repetition_penalty_;
   uint32_t min_tokens_;
+  uint64_t grammar_id_;
 
  public:
   SamplingParams()
@@ -357,9 +364,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         presence_penalty_(0),
         frequency_penalty_(0),
         repetition_penalty_(0),
-        min_tokens_(0) {
+        min_tokens_(0),
+        grammar_id_(0) {
   }
-  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens)
+  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens, uint64_t _grammar_id)
       : temperature_(::flatbuffers::EndianScalar(_temperature)),
         top_p_(::flatbuffers::EndianScalar(_top_p)),
         top_k_(::flatbuffers::EndianScalar(_top_k)),
@@ -373,9 +381,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         presence_penalty_(::flatbuffers::EndianScalar(_presence_penalty)),
         frequency_penalty_(::flatbuffers::EndianScalar(_frequency_penalty)),
         repetition_penalty_(::flatbuffers::EndianScalar(_repetition_penalty)),
-        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)) {
+        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)),
+        grammar_id_(::flatbuffers::EndianScalar(_grammar_id)) {
   }
-  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, ::flatbuffers::span<const int32_t, 8> _stop_ids, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens)
+  SamplingParams(float _temperature, float _top_p, int32_t _top_k, float _min_p, uint64_t _seed, uint32_t _flags, uint32_t _num_top_logprobs, uint32_t _num_stop_ids, uint32_t _num_logit_bias, ::flatbuffers::span<const int32_t, 8> _stop_ids, float _presence_penalty, float _frequency_penalty, float _repetition_penalty, uint32_t _min_tokens, uint64_t _grammar_id)
       : temperature_(::flatbuffers::EndianScalar(_temperature)),
         top_p_(::flatbuffers::EndianScalar(_top_p)),
         top_k_(::flatbuffers::EndianScalar(_top_k)),
@@ -388,7 +397,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
         presence_penalty_(::flatbuffers::EndianScalar(_presence_penalty)),
         frequency_penalty_(::flatbuffers::EndianScalar(_frequency_penalty)),
         repetition_penalty_(::flatbuffers::EndianScalar(_repetition_penalty)),
-        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)) {
+        min_tokens_(::flatbuffers::EndianScalar(_min_tokens)),
+        grammar_id_(::flatbuffers::EndianScalar(_grammar_id)) {
     ::flatbuffers::CastToArray(stop_ids_).CopyFromSpan(_stop_ids);
   }
   float temperature() const {
@@ -433,8 +443,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
   uint32_t min_tokens() const {
     return ::flatbuffers::EndianScalar(min_tokens_);
   }
+  uint64_t grammar_id() const {
+    return ::flatbuffers::EndianScalar(grammar_id_);
+  }
 };
-FLATBUFFERS_STRUCT_END(SamplingParams, 88);
+FLATBUFFERS_STRUCT_END(SamplingParams, 96);
 
 /// One logit-bias entry (since minor 2): added to the token's logit before sampling.
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) LogitBias FLATBUFFERS_FINAL_CLASS {
@@ -477,7 +490,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint64_t first_token_ns_;
   uint64_t last_token_ns_;
   blink::ring::SamplingParams sampling_;
-  uint64_t reserved_[12];
+  uint64_t reserved_[11];
 
  public:
   Slot()
@@ -514,7 +527,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         sampling_(_sampling),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, ::flatbuffers::span<const uint64_t, 12> _reserved)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, ::flatbuffers::span<const uint64_t, 11> _reserved)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -573,7 +586,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   const blink::ring::SamplingParams &sampling() const {
     return sampling_;
   }
-  const ::flatbuffers::Array<uint64_t, 12> *reserved() const {
+  const ::flatbuffers::Array<uint64_t, 11> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

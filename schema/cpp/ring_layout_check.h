@@ -28,6 +28,7 @@ static_assert(offsetof(blink::ring::SamplingParams, presence_penalty_) == offset
 static_assert(offsetof(blink::ring::SamplingParams, frequency_penalty_) == offsetof(blink_sampling_params, frequency_penalty), "SamplingParams.frequency_penalty offset differs");
 static_assert(offsetof(blink::ring::SamplingParams, repetition_penalty_) == offsetof(blink_sampling_params, repetition_penalty), "SamplingParams.repetition_penalty offset differs");
 static_assert(offsetof(blink::ring::SamplingParams, min_tokens_) == offsetof(blink_sampling_params, min_tokens), "SamplingParams.min_tokens offset differs");
+static_assert(offsetof(blink::ring::SamplingParams, grammar_id_) == offsetof(blink_sampling_params, grammar_id), "SamplingParams.grammar_id offset differs");
 static_assert(sizeof(blink::ring::LogitBias) == sizeof(blink_logit_bias), "LogitBias size differs");
 static_assert(alignof(blink::ring::LogitBias) == alignof(blink_logit_bias), "LogitBias alignment differs");
 static_assert(offsetof(blink::ring::LogitBias, token_) == offsetof(blink_logit_bias, token), "LogitBias.token offset differs");

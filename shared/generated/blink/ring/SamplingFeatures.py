@@ -9,3 +9,4 @@ class SamplingFeatures(object):
     PENALTIES = 1
     LOGIT_BIAS = 2
     MIN_TOKENS = 4
+    GRAMMAR = 8

@@ -11,7 +11,7 @@ class SamplingParams(object):
 
     @classmethod
     def SizeOf(cls):
-        return 88
+        return 96
 
     # SamplingParams
     def Init(self, buf, pos):
@@ -64,9 +64,12 @@ class SamplingParams(object):
     def RepetitionPenalty(self): return self._tab.Get(flatbuffers.number_types.Float32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(80))
     # SamplingParams
     def MinTokens(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(84))
+    # SamplingParams
+    def GrammarId(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(88))
 
-def CreateSamplingParams(builder, temperature, topP, topK, minP, seed, flags, numTopLogprobs, numStopIds, numLogitBias, stopIds, presencePenalty, frequencyPenalty, repetitionPenalty, minTokens):
-    builder.Prep(8, 88)
+def CreateSamplingParams(builder, temperature, topP, topK, minP, seed, flags, numTopLogprobs, numStopIds, numLogitBias, stopIds, presencePenalty, frequencyPenalty, repetitionPenalty, minTokens, grammarId):
+    builder.Prep(8, 96)
+    builder.PrependUint64(grammarId)
     builder.PrependUint32(minTokens)
     builder.PrependFloat32(repetitionPenalty)
     builder.PrependFloat32(frequencyPenalty)

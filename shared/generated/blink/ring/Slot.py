@@ -52,30 +52,31 @@ class Slot(object):
     # Slot
     def Reserved(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(160 + i * 8)) for i in range(self.ReservedLength())]
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(168 + i * 8)) for i in range(self.ReservedLength())]
         elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(160 + j * 8))
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(168 + j * 8))
         else:
             return None
 
     # Slot
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 160, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 168, self.ReservedLength())
 
     # Slot
     def ReservedLength(self):
-        return 12
+        return 11
 
     # Slot
     def ReservedIsNone(self):
         return False
 
 
-def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, reserved):
+def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, sampling_grammarId, reserved):
     builder.Prep(8, 256)
-    for _idx0 in range(12 , 0, -1):
+    for _idx0 in range(11 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
-    builder.Prep(8, 88)
+    builder.Prep(8, 96)
+    builder.PrependUint64(sampling_grammarId)
     builder.PrependUint32(sampling_minTokens)
     builder.PrependFloat32(sampling_repetitionPenalty)
     builder.PrependFloat32(sampling_frequencyPenalty)

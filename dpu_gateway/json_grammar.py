@@ -1,0 +1,218 @@
+"""JSON as byte patterns (``dpu_gateway/grammar.py``): any JSON value to a nesting depth, and JSON Schema.
+
+What the constrained output looks like (``docs/API.md``): keys in the schema's order, one optional space
+after ``:`` and ``,`` and nowhere else, exponents of at most 3 digits. A value of unconstrained type
+("any JSON") nests at most ``ANY_DEPTH`` containers deep. Schema keywords that change what is valid and
+are not implemented are refused (``SchemaError`` naming the keyword), never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dpu_gateway.grammar import Pat, alt, byteset, lit, opt, rep, seq, star
+from shared.token_dfa import GrammarError
+
+ANY_DEPTH = 3
+MAX_ITEMS_BOUND = 16  # maxItems above this is refused (each allowed item is a copy of its pattern)
+
+
+class SchemaError(GrammarError):
+    """A schema this server cannot enforce; ``keyword`` names what it would have to ignore."""
+
+    def __init__(self, message: str, keyword: str = "") -> None:
+        super().__init__(message)
+        self.keyword = keyword
+
+
+WS = opt(lit(" "))
+DIGIT = byteset(b"0123456789")
+HEX = byteset(b"0123456789abcdefABCDEF")
+_PLAIN = bytes(b for b in range(0x20, 0x80) if b not in (0x22, 0x5C))
+
+
+def _span(lo: int, hi: int) -> Pat:
+    return byteset(range(lo, hi + 1))
+
+
+_TAIL = _span(0x80, 0xBF)
+UTF8 = alt(  # a well-formed multi-byte UTF-8 sequence (RFC 3629): strings stay valid text
+    seq(_span(0xC2, 0xDF), _TAIL), seq(lit(b"\xe0"), _span(0xA0, 0xBF), _TAIL),
+    seq(byteset([*range(0xE1, 0xED), 0xEE, 0xEF]), _TAIL, _TAIL), seq(lit(b"\xed"), _span(0x80, 0x9F), _TAIL),
+    seq(lit(b"\xf0"), _span(0x90, 0xBF), _TAIL, _TAIL), seq(_span(0xF1, 0xF3), _TAIL, _TAIL, _TAIL),
+    seq(lit(b"\xf4"), _span(0x80, 0x8F), _TAIL, _TAIL))
+CHAR = alt(byteset(_PLAIN), UTF8, seq(lit("\\"), alt(byteset(b'"\\/bfnrt'), seq(lit("u"), HEX, HEX, HEX, HEX))))
+STRING = seq(lit('"'), star(CHAR), lit('"'))
+INTEGER = seq(opt(lit("-")), alt(lit("0"), seq(byteset(b"123456789"), star(DIGIT))))
+NUMBER = seq(INTEGER, opt(seq(lit("."), rep(DIGIT, 1, None))),
+             opt(seq(byteset(b"eE"), opt(byteset(b"+-")), rep(DIGIT, 1, 3))))
+BOOLEAN = alt(lit("true"), lit("false"))
+NULL = lit("null")
+SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BOOLEAN, "null": NULL}
+
+
+def encode(value: Any) -> str:
+    """A JSON value as the constrained output writes it."""
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+
+
+def any_value(depth: int = ANY_DEPTH) -> Pat:
+    if depth <= 0:
+        return alt(STRING, NUMBER, BOOLEAN, NULL)
+    return alt(STRING, NUMBER, BOOLEAN, NULL, any_object(depth - 1), array(any_value(depth - 1)))
+
+
+def any_object(depth: int = ANY_DEPTH - 1) -> Pat:
+    return mapping(any_value(depth))
+
+
+def mapping(value: Pat) -> Pat:
+    member = seq(STRING, lit(":"), WS, value)
+    return seq(lit("{"), opt(seq(member, star(seq(lit(","), WS, member)))), lit("}"))
+
+
+def array(item: Pat, lo: int = 0, hi: int | None = None) -> Pat:
+    if hi == 0:
+        return lit("[]")
+    rest = rep(seq(lit(","), WS, item), max(lo - 1, 0), None if hi is None else hi - 1)
+    body = seq(item, rest)
+    return seq(lit("["), body if lo > 0 else opt(body), lit("]"))
+
+
+def members(props: list[tuple[str, Pat, bool]]) -> Pat:
+    """An object with these (name, value, required) members, in this order, optional ones omissible."""
+
+    def build(nfa: Any, cont: int) -> int:
+        first = rest = lit("}")(nfa, cont)  # after no member yet / after one
+        for name, value, required in reversed(props):
+            member = seq(lit(encode(name)), lit(":"), WS, value)
+            with_first, with_rest = member(nfa, rest), seq(lit(","), WS, member)(nfa, rest)
+            first = with_first if required else nfa.fork([with_first, first])
+            rest = with_rest if required else nfa.fork([with_rest, rest])
+        return lit("{")(nfa, first)
+    return build
+
+
+# Keywords that only annotate (nothing about validity changes); any keyword not named here or handled below
+# is refused.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
+                         "writeOnly", "deprecated", "discriminator", "strict"})
+HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"})
+MAX_REF_DEPTH = 8
+
+
+class SchemaCompiler:
+    """One schema (with its ``$defs``) to a pattern."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.refs: list[str] = []
+
+    def pattern(self, schema: Any) -> Pat:
+        if schema is True or schema == {}:
+            return any_value()
+        if not isinstance(schema, dict):
+            raise SchemaError(f"a schema must be an object or true, got {schema!r}")
+        unknown = sorted(set(schema) - ANNOTATIONS - HANDLED)
+        if unknown:
+            raise SchemaError(f"JSON Schema keyword {unknown[0]!r} is not enforced by this server", unknown[0])
+        if "$ref" in schema:
+            return self._ref(schema["$ref"])
+        if "const" in schema:
+            return lit(encode(schema["const"]))
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise SchemaError("enum must be a non-empty list", "enum")
+            return alt(*(lit(encode(v)) for v in schema["enum"]))
+        for key in ("anyOf", "oneOf"):  # oneOf is enforced as anyOf (exclusivity is not checked)
+            if key in schema:
+                return alt(*(self.pattern({**_rest(schema, key), **_sub(s)}) for s in _list(schema, key)))
+        if "allOf" in schema:
+            parts = _list(schema, "allOf")
+            if len(parts) != 1:
+                raise SchemaError("allOf with more than one schema is not enforced by this server", "allOf")
+            return self.pattern({**_rest(schema, "allOf"), **_sub(parts[0])})
+        return self._typed(schema)
+
+    def _typed(self, schema: dict) -> Pat:
+        kinds = schema.get("type")
+        if kinds is None:
+            kinds = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kinds is None:
+            return any_value()
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        return alt(*(self._one_type(schema, k) for k in kinds)) if len(kinds) > 1 else self._one_type(schema, kinds[0])
+
+    def _one_type(self, schema: dict, kind: Any) -> Pat:
+        if kind == "object":
+            return self._object(schema)
+        if kind == "array":
+            return self._array(schema)
+        if kind not in SCALARS:
+            raise SchemaError(f"unknown JSON Schema type {kind!r}", "type")
+        return SCALARS[kind]
+
+    def _object(self, schema: dict) -> Pat:
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties", True)
+        if props is None:
+            return any_object() if extra in (True, {}) else mapping(self.pattern(extra)) if extra else lit("{}")
+        if not isinstance(props, dict):
+            raise SchemaError("properties must be an object", "properties")
+        required = schema.get("required", [])
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"required property {missing[0]!r} has no schema in properties", "required")
+        return members([(name, self.pattern(sub), name in required) for name, sub in props.items()])
+
+    def _array(self, schema: dict) -> Pat:
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+            raise SchemaError("minItems / maxItems must be integers with 0 <= minItems <= maxItems", "maxItems")
+        if max(lo, hi or 0) > MAX_ITEMS_BOUND:
+            raise SchemaError(f"minItems / maxItems above {MAX_ITEMS_BOUND} are not enforced by this server",
+                              "maxItems")
+        items = schema.get("items", True)
+        if isinstance(items, list):
+            raise SchemaError("tuple-form items are not enforced by this server", "items")
+        return array(self.pattern(items), lo, hi)
+
+    def _ref(self, ref: Any) -> Pat:
+        if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")):
+            raise SchemaError(f"only local references (#/$defs/NAME) are supported, got {ref!r}", "$ref")
+        if self.refs.count(ref) >= 1 or len(self.refs) >= MAX_REF_DEPTH:
+            raise SchemaError(f"recursive schemas ({ref}) are not enforced by this server", "$ref")
+        section, name = ref[2:].split("/", 1)
+        target = self.root.get(section, {}).get(name) if isinstance(self.root, dict) else None
+        if target is None:
+            raise SchemaError(f"reference {ref} names no definition", "$ref")
+        self.refs.append(ref)
+        try:
+            return self.pattern(target)
+        finally:
+            self.refs.pop()
+
+
+def _list(schema: dict, key: str) -> list:
+    value = schema[key]
+    if not isinstance(value, list) or not value:
+        raise SchemaError(f"{key} must be a non-empty list of schemas", key)
+    return value
+
+
+def _rest(schema: dict, key: str) -> dict:
+    return {k: v for k, v in schema.items() if k != key and k not in ANNOTATIONS and k not in ("$defs", "definitions")}
+
+
+def _sub(s: Any) -> dict:
+    if s is True:
+        return {}
+    if not isinstance(s, dict):
+        raise SchemaError(f"a schema must be an object or true, got {s!r}")
+    return s
+
+
+def schema_pattern(schema: Any) -> Pat:
+    return SchemaCompiler(schema).pattern(schema)

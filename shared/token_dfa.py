@@ -1,0 +1,146 @@
+"""A token-level DFA: the tables a constrained decoder looks up, and where the frontend stores them.
+
+The frontend compiles a grammar (JSON mode, a JSON schema, a forced tool call) against the served
+tokenizer once (``dpu_gateway/grammar.py``) and stores the tables under a 64-bit id; a slot names the
+id in ``SamplingParams.grammar_id`` (ring schema minor 3). The engine loads the tables once per id
+and, per step, only looks up: the allowed-token mask of the row's state, and the state after the
+sampled token. No grammar code runs on the engine's side.
+
+Tables, for ``S`` states over a vocabulary of ``V`` ids:
+
+- ``bits`` uint8 [S, ceil(V / 8)]: bit ``t`` (``np.packbits`` order) set when token ``t`` may follow;
+- ``default`` int32 [S]: the state after most allowed tokens;
+- ``exc_offsets`` int64 [S + 1], ``exc_tokens`` int32, ``exc_next`` int32: per state, the allowed
+  tokens (ascending) whose next state is not ``default``, and that state;
+- ``accept`` bool [S]: the text so far is a complete sentence: the end tokens (EOS, stop ids) may follow.
+
+They live in ``/dev/shm/<ring name>.grammars/<id as 16 hex digits>.npz``, a private folder of the
+ring's owner next to the ring itself (the engine and the frontend already share that segment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from shared.transport import SHM_DIR
+
+TABLES = ("bits", "default", "exc_offsets", "exc_tokens", "exc_next", "accept")
+
+
+class GrammarError(ValueError):
+    """Tables that are missing, malformed, or of another vocabulary."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class TokenDFA:
+    start: int
+    vocab_size: int
+    bits: np.ndarray
+    default: np.ndarray
+    exc_offsets: np.ndarray
+    exc_tokens: np.ndarray
+    exc_next: np.ndarray
+    accept: np.ndarray
+
+    def __post_init__(self) -> None:
+        S = len(self.default)
+        ok = (self.bits.shape == (S, (self.vocab_size + 7) // 8) and self.accept.shape == (S,)
+              and self.exc_offsets.shape == (S + 1,) and len(self.exc_tokens) == len(self.exc_next)
+              and 0 <= self.start < S and int(self.exc_offsets[-1]) == len(self.exc_tokens))
+        if not ok or (S and (self.default.min() < 0 or self.default.max() >= S)):
+            raise GrammarError("token DFA tables of inconsistent shapes")
+        if len(self.exc_next) and (self.exc_next.min() < 0 or self.exc_next.max() >= S):
+            raise GrammarError("token DFA exception names a state out of range")
+
+    @property
+    def num_states(self) -> int:
+        return len(self.default)
+
+    def allowed(self, state: int) -> np.ndarray:
+        """bool [V]: the tokens that may follow ``state`` (end tokens aside: see ``accept``)."""
+        return np.unpackbits(self.bits[state], count=self.vocab_size).astype(bool)
+
+    def advance(self, state: int, token: int) -> int:
+        """The state after ``token``; -1 when the token is not allowed there."""
+        if not 0 <= token < self.vocab_size or not self.bits[state, token >> 3] & (0x80 >> (token & 7)):
+            return -1
+        lo, hi = int(self.exc_offsets[state]), int(self.exc_offsets[state + 1])
+        i = lo + int(np.searchsorted(self.exc_tokens[lo:hi], token))
+        return int(self.exc_next[i]) if i < hi and int(self.exc_tokens[i]) == token else int(self.default[state])
+
+    def walk(self, tokens: list[int] | tuple[int, ...]) -> int:
+        """The state after ``tokens`` from the start; -1 once one of them was not allowed."""
+        state = self.start
+        for tok in tokens:
+            state = self.advance(state, int(tok))
+            if state < 0:
+                return -1
+        return state
+
+    def save(self, path: Path) -> None:
+        """Write atomically (a temporary name, then a rename), readable by the owner only."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, start=np.int64(self.start), vocab_size=np.int64(self.vocab_size),
+                     **{name: getattr(self, name) for name in TABLES})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> TokenDFA:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return cls(int(z["start"]), int(z["vocab_size"]), *(np.asarray(z[name]) for name in TABLES))
+        except (OSError, KeyError, ValueError) as exc:
+            raise GrammarError(f"cannot read token DFA {path}: {exc}") from None
+
+
+def grammar_dir(ring_name: str) -> Path:
+    return SHM_DIR / f"{ring_name}.grammars"
+
+
+def grammar_path(ring_name: str, grammar_id: int) -> Path:
+    return grammar_dir(ring_name) / f"{grammar_id:016x}.npz"
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder of this user with mode 0700, created if missing (GrammarError otherwise)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise GrammarError(f"{path} is not a private folder of this user (mode 0700)")
+    return path
+
+
+def store(ring_name: str, grammar_id: int, dfa: TokenDFA) -> Path:
+    """Store ``dfa`` under ``grammar_id`` for the engine of ``ring_name`` (no-op when already there)."""
+    if not 0 < grammar_id < 2**64:
+        raise GrammarError(f"grammar id {grammar_id} out of range (1 .. 2**64 - 1)")
+    path = grammar_path(ring_name, grammar_id)
+    private_dir(path.parent)
+    if not path.exists():
+        dfa.save(path)
+    return path
+
+
+def load(ring_name: str, grammar_id: int) -> TokenDFA:
+    path = grammar_path(ring_name, grammar_id)
+    private_dir(path.parent)
+    return TokenDFA.load(path)
+
+
+def remove_store(ring_name: str) -> None:
+    """Remove the ring's stored grammars (the supervisor's cleanup)."""
+    folder = grammar_dir(ring_name)
+    if folder.is_dir() and not folder.is_symlink():
+        for f in folder.iterdir():
+            with contextlib.suppress(OSError):
+                f.unlink()
+        with contextlib.suppress(OSError):
+            folder.rmdir()
