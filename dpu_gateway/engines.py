@@ -70,10 +70,10 @@ def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> Engi
     values = {name: int(stats[name]) for name in stats.dtype.names if name != "reserved"}
     state = ring.header_load32("engine_state")
     reason = ""
-    if not ring.engine_alive(watch.timeout_s):
+    if state != L.EngineState.READY:
+        reason = f"its state is {L.EngineState(state).name}" if state in set(L.EngineState) else "unknown state"
+    elif not ring.engine_alive(watch.timeout_s):
         reason = "its heartbeat is stale"
-    elif state != L.EngineState.READY:
-        reason = f"its state is {L.EngineState(state).name}"
     in_use = pending = 0
     if with_slots:
         states = ring.read_slots()["state"]

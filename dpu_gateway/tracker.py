@@ -35,7 +35,6 @@ from shared.slots import SlotRequest
 
 log = get_logger("tracker")
 NOT_RUNNING = "the engine is not running"
-TAKES_REQUESTS = (L.EngineState.STARTING, L.EngineState.READY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,19 +98,16 @@ class Lane:
         return self.cache
 
     def serving(self) -> SlotCache | None:
-        """The slot cache when the engine takes requests (a fresh heartbeat, STARTING or READY), else None."""
+        """The slot cache when the engine serves (READY with a fresh heartbeat), else None."""
         cache = self.slots()
-        if cache is None or not cache.ring.engine_alive(self.watch.timeout_s):
-            return None
-        return cache if cache.ring.header_load32("engine_state") in TAKES_REQUESTS else None
+        return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
 
     def load(self, cache: SlotCache) -> Load:
         """What the routing rule compares (``dpu_gateway/routing.py``)."""
         ring = cache.ring
         stats = ring.read_header()["stats"]
         pending = int(np.count_nonzero(cache.snapshot["state"] == L.SlotState.PREFILL_PENDING))
-        return Load(self.index, ring.header_load32("engine_state") == L.EngineState.READY,
-                    int(stats["waiting"]) + pending, cache.in_use(), int(stats["kv_blocks_free"]),
+        return Load(self.index, int(stats["waiting"]) + pending, cache.in_use(), int(stats["kv_blocks_free"]),
                     int(stats["kv_blocks_total"]))
 
 
