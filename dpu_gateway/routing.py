@@ -2,18 +2,18 @@
 
 The rule, in order (the first difference decides):
 
-1. the fewest requests waiting there: the engine's own queue (claimed, not yet in its batch, or
-   preempted; the ring header's ``stats.waiting``) plus the slots published that it has not claimed
-   yet (PREFILL_PENDING in the tracker's last view of the ring);
+1. the fewest requests waiting in the engine: claimed but not yet in its batch, or preempted (the
+   ring header's ``stats.waiting``, which the engine refreshes every step or 0.1 s);
 2. the fewest slots in use (every state but EMPTY: the tracker's own view, which counts its own
    reservations at once and sees releases at its next refresh, at most 0.1 s later);
 3. the largest fraction of free KV cache blocks (``stats.kv_blocks_free / kv_blocks_total``);
 4. the next engine after the one the previous request went to (round robin among equals).
 
 Only engines that serve (READY, with a fresh heartbeat) are compared; a full ring is skipped for
-the next in this order. Everything compared is read from memory the tracker already maps (one
-header read per engine and a count over its slot view), so the choice costs microseconds per request
-(``bench/dp_routing.py`` measures it).
+the next in this order. Everything compared is read from memory the tracker already maps (three
+header words per engine and a count over its own slot view), so the choice costs microseconds per
+request (``bench/dp_routing.py`` measures it). Slots published but not yet claimed count in 2 (they
+are in use); they are not added to 1, which would need a scan of the slots per request.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ from shared.slots import SlotRequest
 
 log = get_logger("tracker")
 NOT_RUNNING = "the engine is not running"
+_STATS = L.FIELD_OFFSETS["RingHeader"]["stats"]
+STAT_WAITING, STAT_KV_FREE, STAT_KV_TOTAL = (_STATS + L.FIELD_OFFSETS["EngineStats"][f]
+                                             for f in ("waiting", "kv_blocks_free", "kv_blocks_total"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,12 +106,10 @@ class Lane:
         return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
 
     def load(self, cache: SlotCache) -> Load:
-        """What the routing rule compares (``dpu_gateway/routing.py``)."""
-        ring = cache.ring
-        stats = ring.read_header()["stats"]
-        pending = int(np.count_nonzero(cache.snapshot["state"] == L.SlotState.PREFILL_PENDING))
-        return Load(self.index, int(stats["waiting"]) + pending, cache.in_use(), int(stats["kv_blocks_free"]),
-                    int(stats["kv_blocks_total"]))
+        """What the routing rule compares (``dpu_gateway/routing.py``): three words of the ring header's
+        stats and the tracker's own count of slots in use."""
+        t = cache.ring.transport
+        return Load(self.index, t.load32(STAT_WAITING), cache.in_use(), t.load32(STAT_KV_FREE), t.load32(STAT_KV_TOTAL))
 
 
 class SlotTracker:

@@ -94,7 +94,7 @@ async def complete(client: openai.AsyncOpenAI, max_tokens: int = 4) -> openai.ty
 
 
 async def test_requests_spread_over_both_engines(dp: Stack, client: openai.AsyncOpenAI) -> None:
-    await complete(client, 1)  # warm-up (both engines got one at start-up, or this gives the first one)
+    await complete(client, 1)  # a first request, so that the counts below start from a used stack
     idle(dp)
     before = per_engine(dp)["blink:dp_engine_prompt_tokens_total"]
     n = 6

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import openai
 import pytest
+from helpers.e2e import wait_for
+from helpers.procfs import processes
 from helpers.stack import MODEL
 
 from harness.serve_proc import free_port
@@ -104,3 +106,10 @@ def test_two_replicas_stream_spread_and_survive_a_killed_one(endpoint: str) -> N
         time.sleep(1)
     print(f"replacement running {time.monotonic() - t_kill:.1f} s after the kill")
     assert len(replica_actors()) == 2 and victim not in replica_actors()
+    # the killed replica's blink serve went with it (SIGTERM from the kernel when its parent died)
+    wait_for(lambda: len(blink_serves()) == 2, 60, 0.5)
+
+
+def blink_serves() -> list[int]:
+    """Pids of the replicas' ``blink serve`` supervisors now."""
+    return [p.pid for p in processes() if "blink.cli serve" in p.cmdline and "blink-ray-" in p.cmdline]
