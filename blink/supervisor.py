@@ -157,7 +157,8 @@ class Supervisor:
         self.stopping = False
         py = [sys.executable, "-m", "blink.cli"]
         dp = cfg.data_parallel
-        common = ["--run-dir", str(cfg.run_dir), "--ring", cfg.ring, "--data-parallel-size", str(dp.size)]
+        common = ["--run-dir", str(cfg.run_dir), "--ring", cfg.ring]
+        common += ["--data-parallel-size", str(dp.size)] if dp.size > 1 else []  # one engine: the argv as before
         # The API key never goes on a command line (any local user reads /proc/PID/cmdline): the gateways
         # get it in BLINK_API_KEY, which only their own user can read; the other children do not get it.
         keyless = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}

@@ -136,7 +136,8 @@ def health(stack: Stack) -> tuple[int, dict]:
 async def test_killing_one_engine_fails_only_its_requests(dp: Stack, client: openai.AsyncOpenAI) -> None:
     idle(dp)
     streams = [await open_stream(client) for _ in range(4)]
-    victim = rings(dp)[0]
+    victim, other = rings(dp)
+    other_pid = engine_pid(other)
     os.kill(engine_pid(victim), signal.SIGKILL)
     ends = asyncio.gather(*(finish(s) for s, _ in streams))
     wait_for(lambda: health(dp)[1].get("status") == "degraded", 10, 0.05)  # while the engine loads again
@@ -151,6 +152,7 @@ async def test_killing_one_engine_fails_only_its_requests(dp: Stack, client: ope
     assert [e["finish_reason"] for e in ends.result() if "error" not in e] == ["length", "length"], ends
     wait_for(lambda: health(dp)[1].get("status") == "ok", 180, 0.2)
     assert per_engine(dp)["blink:dp_engine_up"] == {0: 1.0, 1: 1.0}
+    assert engine_pid(other) == other_pid  # the supervisor restarted only the killed engine
 
 
 async def test_both_rings_return_every_slot(dp: Stack, client: openai.AsyncOpenAI) -> None:
