@@ -64,9 +64,18 @@ def add_common(ap: argparse.ArgumentParser, ring: bool = True) -> None:
     ap.add_argument("--run-dir", type=Path, default=e.run_dir,
                     help="folder of the services' Unix sockets; BLINK_RUN_DIR sets the default (default: %(default)s)")
     if ring:  # serve takes --ring from the engine's flags
-        ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring")
+        ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring (with "
+                        "--data-parallel-size N > 1: the base of the N rings' names, NAME-dp0 ...)")
+    add_data_parallel(ap)
     ap.add_argument("--log-level", default=None, help="debug, info, warning, error (default: BLINK_LOG_LEVEL, "
                     "else info)")
+
+
+def add_data_parallel(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                    help="engines behind the one frontend, each with its own ring: one per GPU (engine i "
+                    "sees the i-th visible GPU), or N CPU engines; requests go to the engine with the most "
+                    "free capacity (docs/SCALING.md)")
 
 
 def add_tokenizer_flags(ap: argparse.ArgumentParser, model: bool = True) -> None:
@@ -123,7 +132,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                         drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
                         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                         body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
-                        log_requests=not args.disable_log_requests,
+                        log_requests=not args.disable_log_requests, data_parallel_size=args.data_parallel_size,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     asyncio.run(run_gateway(cfg, args.host, args.port, args.name))
     return 0
@@ -140,14 +149,15 @@ def cmd_tracker(args: argparse.Namespace) -> int:
     from dpu_gateway.tracker import TrackerConfig, run_tracker
 
     cfg = TrackerConfig(args.run_dir, args.ring, max_waiting=args.max_waiting, retry_after_s=args.retry_after,
-                        heartbeat_timeout_s=env().heartbeat_timeout_s)
+                        heartbeat_timeout_s=env().heartbeat_timeout_s, data_parallel_size=args.data_parallel_size)
     return run_until_signalled(run_tracker(cfg))
 
 
 def cmd_reader(args: argparse.Namespace) -> int:
     from dpu_gateway.reader import ReaderConfig, run_reader
 
-    cfg = ReaderConfig(args.run_dir, args.ring, heartbeat_timeout_s=env().heartbeat_timeout_s)
+    cfg = ReaderConfig(args.run_dir, args.ring, heartbeat_timeout_s=env().heartbeat_timeout_s,
+                       data_parallel_size=args.data_parallel_size)
     return run_until_signalled(run_reader(cfg))
 
 
@@ -160,15 +170,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
         return 2
-    problem = (segment_problem(engine.ring_name) or chat_template_problem(args.chat_template)
-               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
-    if problem:
-        print(f"blink serve: {problem}", file=sys.stderr)
-        return 2
     try:
         serve = ServeConfig.from_args(args, engine)
     except ValueError as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
+        return 2
+    rings = serve.data_parallel.ring_names
+    problem = (next(filter(None, map(segment_problem, rings)), None) or chat_template_problem(args.chat_template)
+               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
+    if problem:
+        print(f"blink serve: {problem}", file=sys.stderr)
         return 2
     return Supervisor(serve).run()
 

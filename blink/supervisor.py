@@ -1,4 +1,4 @@
-"""``blink serve``: start the engine and the frontend services, watch them, stop them cleanly.
+"""``blink serve``: start the engines and the frontend services, watch them, stop them cleanly.
 
 Start order: engine (``python -m gpu_engine.serve``, never imported here), then tokenizer,
 reader, tracker and the gateways, all at once without waiting, so the port answers (503 "the model
@@ -9,6 +9,12 @@ minute); a dead engine's ring is first marked FAILED and removed, so streams on 
 once. SIGINT/SIGTERM: gateways drain first, then the services stop, then the engine is asked
 to stop through the ring's shutdown flag; stragglers are killed, and the shared-memory
 segment, sockets and markers are removed, so nothing is left behind.
+
+``--data-parallel-size N`` starts N engines (``engine-0`` ...), each on its own ring
+(``shared/data_parallel.py`` names them) and, on a GPU, with ``CUDA_VISIBLE_DEVICES`` set to one
+device; the frontend services are told N and serve every ring. An engine that dies is restarted on
+its own (its ring retired first, so only its requests fail); the others are not touched. An engine
+that restarts too often is left stopped while another still serves.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from prometheus_client import multiprocess
 from shared import ipc
 from shared import ring_layout as L
 from shared.config import EngineConfig
+from shared.data_parallel import DataParallelConfig, engine_devices
 from shared.log import get_logger
 from shared.ring import attach_shm_ring
 from shared.token_dfa import remove_store
@@ -43,11 +50,11 @@ _PR_SET_PDEATHSIG = 1
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     run_dir: Path
-    ring: str
+    ring: str                         # the rings' base name (the one ring's name for one engine)
     host: str
     port: int
     gateways: int
-    engine_args: tuple[str, ...]      # the engine's command line: EngineConfig.to_argv()
+    engine_args: tuple[tuple[str, ...], ...]  # each engine's command line: EngineConfig.to_argv()
     frontend_args: tuple[str, ...]    # flags shared by gateway and tokenizer
     gateway_args: tuple[str, ...]
     tracker_args: tuple[str, ...]
@@ -55,19 +62,44 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     startup_timeout_s: float = 600.0
     api_key: str | None = dataclasses.field(default=None, repr=False)  # to the gateways' environment only
+    engine_env: tuple[dict[str, str], ...] = ()  # each engine's extra environment (its GPU); () for none
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
             raise ValueError(f"--gateways must be >= 1, got {self.gateways}")
+        if self.engine_env and len(self.engine_env) != len(self.engine_args):
+            raise ValueError("one environment per engine")
+
+    @property
+    def data_parallel(self) -> DataParallelConfig:
+        return DataParallelConfig(len(self.engine_args), self.ring)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
         """From ``blink serve``'s arguments and the engine config parsed out of them."""
         front = ["--model", engine.model] if engine.model else []
         front += ["--tokenizer", a.tokenizer] if a.tokenizer else []
-        return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, tuple(engine.to_argv()), tuple(front),
+        dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
+        return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
                    tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
-                   a.startup_timeout, a.api_key)
+                   a.startup_timeout, a.api_key, engine_envs(engine, dp))
+
+
+def engine_argvs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[tuple[str, ...], ...]:
+    """Each engine's flags: its own ring; N CPU engines left to choose their threads share the cores."""
+    threads = engine.threads
+    if dp.size > 1 and engine.backend == "cpu" and not threads:
+        threads = max(1, (len(os.sched_getaffinity(0)) - 1) // dp.size)
+    return tuple(tuple(dataclasses.replace(engine, ring_name=name, threads=threads).to_argv())
+                 for name in dp.ring_names)
+
+
+def engine_envs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[dict[str, str], ...]:
+    """Each engine's GPU (``CUDA_VISIBLE_DEVICES``) when there are several engines and they may use one."""
+    if dp.size == 1 or engine.backend == "cpu":
+        return tuple({} for _ in range(dp.size))
+    devices = engine_devices(dp.size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return tuple({"CUDA_VISIBLE_DEVICES": d} for d in devices)
 
 
 def gateway_argv(a: argparse.Namespace) -> list[str]:
@@ -101,6 +133,8 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str] | None = dataclasses.field(default=None, repr=False)  # None: this process's
+    ring: str | None = None           # an engine's ring
+    retired: bool = False             # an engine left stopped after too many restarts
     proc: subprocess.Popen | None = None
     starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
 
@@ -127,13 +161,18 @@ class Supervisor:
         self.cfg = cfg
         self.stopping = False
         py = [sys.executable, "-m", "blink.cli"]
+        dp = cfg.data_parallel
         common = ["--run-dir", str(cfg.run_dir), "--ring", cfg.ring]
+        common += ["--data-parallel-size", str(dp.size)] if dp.size > 1 else []  # one engine: the argv as before
         # The API key never goes on a command line (any local user reads /proc/PID/cmdline): the gateways
         # get it in BLINK_API_KEY, which only their own user can read; the other children do not get it.
         keyless = {k: v for k, v in os.environ.items() if k != "BLINK_API_KEY"}
         keyed = {**keyless, "BLINK_API_KEY": cfg.api_key} if cfg.api_key else keyless
         keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
-        self.engine = Child("engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args], keyless)
+        envs = cfg.engine_env or tuple({} for _ in cfg.engine_args)
+        self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
+                              {**keyless, **envs[i]}, ring=name)
+                        for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
             Child("reader", [*py, "reader", *common], keyless),
@@ -155,8 +194,13 @@ class Supervisor:
         self.metrics_dir.mkdir(mode=0o700)
 
     @property
+    def engine(self) -> Child:
+        """The first engine (the only one without --data-parallel-size)."""
+        return self.engines[0]
+
+    @property
     def children(self) -> list[Child]:
-        return [self.engine, *self.services, *self.gateways]
+        return [*self.engines, *self.services, *self.gateways]
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if not self.stopping:
@@ -184,15 +228,16 @@ class Supervisor:
         return code
 
     # ------------------------------------------------------------ readiness
-    def _engine_ready(self) -> bool:
+    def _engine_ready(self, engine: Child) -> bool:
+        assert engine.ring is not None
         try:
-            ring = attach_shm_ring(self.cfg.ring)
+            ring = attach_shm_ring(engine.ring)
         except (RingError, ValueError):
             return False
         try:
             pid = ring.header_load32("engine_pid")
             state = ring.header_load32("engine_state")
-            return self.engine.proc is not None and pid == self.engine.proc.pid and state == L.EngineState.READY
+            return engine.proc is not None and pid == engine.proc.pid and state == L.EngineState.READY
         finally:
             ring.close()
 
@@ -211,7 +256,7 @@ class Supervisor:
             if dead:
                 log.error("failed_to_start", children=dead)
                 return False
-            waiting = [] if self._engine_ready() else ["engine"]
+            waiting = [e.name for e in self.engines if not self._engine_ready(e)]
             waiting += [c.name for c in self.services + self.gateways if not self._service_ready(c)]
             if not waiting:
                 return True
@@ -224,26 +269,36 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             for child in self.children:
-                if child.alive():
+                if child.retired or child.alive():
                     continue
-                assert child.proc is not None
-                log.warning("child_exited", child=child.name, code=child.proc.returncode)
-                if child is self.engine:
-                    self._retire_dead_ring(child.proc.pid)
-                if child in self.gateways:  # its counters stay in the totals; its live gauges go
-                    multiprocess.mark_process_dead(child.proc.pid, str(self.metrics_dir))
-                if child.too_many_restarts():
-                    log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
+                if not self._restart(child):
                     return 1
-                child.spawn()
             time.sleep(0.2)
         return 0
 
-    def _retire_dead_ring(self, dead_pid: int) -> None:
+    def _restart(self, child: Child) -> bool:
+        """Start a child that exited again; False when serve must stop (it restarted too often)."""
+        assert child.proc is not None
+        log.warning("child_exited", child=child.name, code=child.proc.returncode)
+        if child in self.engines:
+            self._retire_dead_ring(child, child.proc.pid)
+        if child in self.gateways:  # its counters stay in the totals; its live gauges go
+            multiprocess.mark_process_dead(child.proc.pid, str(self.metrics_dir))
+        if child.too_many_restarts():
+            log.error("giving_up", child=child.name, restarts_per_minute=RESTARTS_PER_MINUTE)
+            if child in self.engines and any(not e.retired and e is not child for e in self.engines):
+                child.retired = True  # the other engines keep serving
+                return True
+            return False
+        child.spawn()
+        return True
+
+    def _retire_dead_ring(self, engine: Child, dead_pid: int) -> None:
         """The engine died: mark its ring FAILED and remove the segment, so every service sees it gone
         at once (not a heartbeat timeout later) and the restarted engine starts on a fresh segment."""
+        assert engine.ring is not None
         try:
-            ring = attach_shm_ring(self.cfg.ring)
+            ring = attach_shm_ring(engine.ring)
         except (RingError, ValueError):
             return
         try:
@@ -252,16 +307,17 @@ class Supervisor:
             ring.header_store32("engine_state", L.EngineState.FAILED)
         finally:
             ring.close()
-        ShmTransport.unlink_name(self.cfg.ring)
-        log.warning("dead_engine_ring_removed", ring=self.cfg.ring, pid=dead_pid)
+        ShmTransport.unlink_name(engine.ring)
+        log.warning("dead_engine_ring_removed", ring=engine.ring, pid=dead_pid)
 
     # ------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
         self.stopping = True
         self._stop(self.gateways, signal.SIGTERM, self.cfg.drain_timeout_s + 10)
         self._stop(self.services, signal.SIGTERM, 10)
-        self._ask_engine_to_stop()
-        self._stop([self.engine], signal.SIGTERM, 30)
+        for engine in self.engines:
+            self._ask_engine_to_stop(engine)
+        self._stop(self.engines, signal.SIGTERM, 30)
         self._clean_files()
         log.info("stopped")
 
@@ -278,9 +334,10 @@ class Supervisor:
             if child.proc is not None:
                 child.proc.wait()
 
-    def _ask_engine_to_stop(self) -> None:
+    def _ask_engine_to_stop(self, engine: Child) -> None:
+        assert engine.ring is not None
         try:
-            ring = attach_shm_ring(self.cfg.ring)
+            ring = attach_shm_ring(engine.ring)
         except (RingError, ValueError):
             return
         try:
@@ -289,18 +346,24 @@ class Supervisor:
             ring.close()
 
     def _clean_files(self) -> None:
-        if self.engine.proc is not None:
-            try:
-                ring = attach_shm_ring(self.cfg.ring)
-                ours = ring.header_load32("engine_pid") == self.engine.proc.pid
-                ring.close()
-            except (RingError, ValueError):
-                ours = False
-            if ours:
-                ShmTransport.unlink_name(self.cfg.ring)
-        remove_store(self.cfg.ring)  # the grammars the gateways compiled for this ring
+        for engine in self.engines:
+            self._remove_own_ring(engine)
+        remove_store(self.cfg.ring)  # the grammars the gateways compiled for this ring (and its engines')
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         for name in ipc.SOCKET_SERVICES:
             ipc.socket_path(self.cfg.run_dir, name).unlink(missing_ok=True)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _remove_own_ring(self, engine: Child) -> None:
+        """Remove the engine's segment if its last process made it (never another server's)."""
+        if engine.proc is None or engine.ring is None:
+            return
+        try:
+            ring = attach_shm_ring(engine.ring)
+            ours = ring.header_load32("engine_pid") == engine.proc.pid
+            ring.close()
+        except (RingError, ValueError):
+            ours = False
+        if ours:
+            ShmTransport.unlink_name(engine.ring)

@@ -23,11 +23,9 @@ class Refused:
 
 REFUSED = (
     Refused(("--tensor-parallel-size", "-tp"), "tensor parallelism is not supported; Blink runs one engine "
-            "per GPU: see --data-parallel-size (planned)", "1"),
+            "per GPU: see --data-parallel-size", "1"),
     Refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not supported; Blink runs one "
             "engine per GPU", "1"),
-    Refused(("--data-parallel-size", "-dp"), "data parallelism across GPUs is planned; today run one "
-            "`blink serve` per GPU (CUDA_VISIBLE_DEVICES) behind a load balancer", "1"),
     Refused(("--quantization", "-q"), "Blink serves the weights as given (--dtype); GGUF Q4_1 files load "
             "through --model FILE.gguf, and --cpu-weights int4 keeps the CPU backend's linears 4-bit"),
     Refused(("--kv-cache-dtype",), "the KV cache has the weights' dtype: see --dtype", "auto"),

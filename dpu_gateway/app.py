@@ -19,8 +19,8 @@ from aiohttp import web
 from dpu_gateway.backend import Backend
 from dpu_gateway.connguard import ConnectionGuard
 from dpu_gateway.constrain import GrammarCompiler
+from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError, error_middleware
-from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.routes import add_routes
 from dpu_gateway.state import (
     BACKEND,
@@ -181,7 +181,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = cfg
     app[CODEC] = codec or TextCodec(cfg.model, chat_template_text(cfg.chat_template))
-    app[RING] = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
+    app[RING] = RingSet(cfg.ring_name, cfg.data_parallel_size, cfg.heartbeat_timeout_s)
     app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name)
     app[METRICS] = metrics
     app[LIVE] = set()

@@ -1,4 +1,4 @@
-"""The token reader service: moves generated tokens from the ring to the owning gateway.
+"""The token reader service: moves generated tokens from the rings to the owning gateway.
 
 Each cycle is one bulk read of slot metadata. Slots that have produced nothing yet are looked
 at first (their first token is the TTFT), then the rest; new tokens (and logprobs) go to the
@@ -7,6 +7,10 @@ DECODE_COMPLETED and its tail is read, the reader sends ``Finished`` and release
 Polling is adaptive: tight while tokens flow, backing off to ``max_poll_s`` when idle. A stale
 heartbeat or a replaced ring ends every stream with ``Failed`` (no client hangs); a replaced
 or removed ring's requests are failed, and their slots cancelled, before its mapping closes.
+
+With more than one engine (``--data-parallel-size``) there is one ``RingReader`` per engine's ring,
+each with its own watch and routes (keyed by slot; a ``Track`` names its engine); one poll loop serves
+them all, and a ring that goes fails only its own requests.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dpu_gateway.ringwatch import RingWatch
 from shared import ipc
 from shared import messages as m
 from shared import ring_layout as L
+from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
 from shared.ring import Ring
 from shared.slots import SlotWriter
@@ -34,12 +39,20 @@ RESTARTED = "the engine restarted; the request was lost"
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReaderConfig:
     run_dir: Path
-    ring_name: str
+    ring_name: str                   # the base name: engine_ring_names(ring_name, data_parallel_size)
     heartbeat_timeout_s: float = 2.0
     min_poll_s: float = 50e-6
     max_poll_s: float = 0.002
     health_every_s: float = 0.1
     unowned_grace_s: float = 5.0
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        engine_ring_names(self.ring_name, self.data_parallel_size)  # validates the size
+
+    @property
+    def ring_names(self) -> tuple[str, ...]:
+        return engine_ring_names(self.ring_name, self.data_parallel_size)
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,35 +67,17 @@ def top_pairs(tops: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     return [[(int(e["token"]), float(e["logprob"])) for e in row[:k]] for row in tops]
 
 
-class TokenReader:
-    def __init__(self, cfg: ReaderConfig) -> None:
+class RingReader:
+    """One engine's ring: its watch, the routes of the slots published there, and the reading of them."""
+
+    def __init__(self, cfg: ReaderConfig, name: str, gateways: dict[int, ipc.Channel]) -> None:
         self.cfg = cfg
-        self.watch = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
+        self.watch = RingWatch(name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
         self.ring: Ring | None = None
         self.writer: SlotWriter | None = None
         self.snapshot: np.ndarray | None = None
         self.routes: dict[int, Route] = {}
-        self.gateways: dict[int, ipc.Channel] = {}
-        self._wake = asyncio.Event()
-
-    # ------------------------------------------------------------ links
-    async def on_channel(self, chan: ipc.Channel) -> None:
-        try:
-            while True:
-                msgs = await chan.recv()
-                if any(isinstance(msg, m.Track) for msg in msgs):
-                    self.check_health()  # so a new route belongs to the ring as it is now
-                for msg in msgs:
-                    if isinstance(msg, m.GatewayHello):
-                        chan.info["gateway_id"] = msg.gateway_id
-                        self.gateways[msg.gateway_id] = chan
-                    else:
-                        self.routes[msg.slot] = Route(msg)
-                        self._wake.set()
-        except ipc.LinkClosed:
-            gid = chan.info.get("gateway_id")
-            if gid is not None and self.gateways.get(gid) is chan:
-                del self.gateways[gid]
+        self.gateways = gateways  # shared with the TokenReader: gateway id -> its link
 
     # ------------------------------------------------------------ one cycle
     def cycle(self) -> bool:
@@ -185,6 +180,58 @@ class TokenReader:
             self._fail(route, 503, message)
         self.routes.clear()
 
+
+class TokenReader:
+    def __init__(self, cfg: ReaderConfig) -> None:
+        self.cfg = cfg
+        self.gateways: dict[int, ipc.Channel] = {}
+        self.engines = [RingReader(cfg, name, self.gateways) for name in cfg.ring_names]
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ links
+    async def on_channel(self, chan: ipc.Channel) -> None:
+        try:
+            while True:
+                tracks = []
+                for msg in await chan.recv():
+                    if isinstance(msg, m.GatewayHello):
+                        chan.info["gateway_id"] = msg.gateway_id
+                        self.gateways[msg.gateway_id] = chan
+                    else:
+                        tracks.append(msg)
+                self.track(tracks)
+        except ipc.LinkClosed:
+            gid = chan.info.get("gateway_id")
+            if gid is not None and self.gateways.get(gid) is chan:
+                del self.gateways[gid]
+
+    def track(self, tracks: list[m.Track]) -> None:
+        """Route newly published slots; each engine named is checked first, so that a new route
+        belongs to its ring as it is now."""
+        known = [tr for tr in tracks if 0 <= tr.engine < len(self.engines)]
+        for tr in (tr for tr in tracks if not 0 <= tr.engine < len(self.engines)):
+            log.error("track_for_unknown_engine", engine=tr.engine, req_id=tr.req_id)
+        for engine in sorted({tr.engine for tr in known}):
+            self.engines[engine].check_health()
+        for tr in known:
+            self.engines[tr.engine].routes[tr.slot] = Route(tr)
+        if known:
+            self._wake.set()
+
+    @property
+    def busy(self) -> bool:
+        return any(e.routes for e in self.engines)
+
+    def check_health(self) -> None:
+        for engine in self.engines:
+            engine.check_health()
+
+    def cycle(self) -> bool:
+        moved = False
+        for engine in self.engines:
+            moved |= engine.cycle()
+        return moved
+
     async def poll_loop(self) -> None:
         delay = self.cfg.min_poll_s
         next_health = 0.0
@@ -193,7 +240,7 @@ class TokenReader:
             if now >= next_health:
                 self.check_health()
                 next_health = now + self.cfg.health_every_s
-            if not self.routes:
+            if not self.busy:
                 await self._idle()
                 delay = self.cfg.min_poll_s
                 continue
@@ -208,15 +255,19 @@ class TokenReader:
             pass
         self._wake.clear()
 
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.watch.close()
+
 
 async def run_reader(cfg: ReaderConfig) -> None:
     reader = TokenReader(cfg)
     server = await ipc.serve(cfg.run_dir, "reader", m.ToReader, reader.on_channel)
     ipc.mark_ready(cfg.run_dir, "reader")
-    log.info("reader_ready", ring=cfg.ring_name)
+    log.info("reader_ready", rings=",".join(cfg.ring_names))
     try:
         await reader.poll_loop()
     finally:
         ipc.clear_ready(cfg.run_dir, "reader")
         server.close()
-        reader.watch.close()
+        reader.close()

@@ -27,11 +27,12 @@ class RingWatch:
         self.ring: Ring | None = None
         self.generation = 0
         self._identity: tuple[int, int] | None = None
+        self._path = str(shm_path(name))  # built once: current() runs on every request
 
     def _segment_identity(self) -> tuple[int, int] | None:
         """Device and inode: a replaced segment is a new file (times change with every write)."""
         try:
-            st = os.stat(shm_path(self.name))
+            st = os.stat(self._path)
         except FileNotFoundError:
             return None
         return st.st_dev, st.st_ino

@@ -8,11 +8,11 @@ import time
 from importlib import metadata
 
 import msgspec
-import numpy as np
 from aiohttp import web
 
 from dpu_gateway import openai_format as fmt
 from dpu_gateway.backend import RequestStream
+from dpu_gateway.engines import engine_samples, engine_views, health_body, set_total_gauges, total_stats
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
 from dpu_gateway.openapi import DocLimits, openapi_document
@@ -50,7 +50,7 @@ from dpu_gateway.state import (
 from dpu_gateway.structured import Constraint, constraint_of
 from dpu_gateway.textio import message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
-from shared import ring_layout as L
+from shared.metrics import EngineSample
 
 STARTED = int(time.time())
 try:
@@ -257,37 +257,27 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    watch = request.app[RING]
-    if not watch.alive():
-        raise engine_unavailable(watch)
+    """200 while an engine serves (``degraded`` naming the others when some do not), 503 when none does."""
+    rings = request.app[RING]
+    if not rings.alive():
+        raise engine_unavailable(rings)
     if not request.app[BACKEND].linked():
         raise APIError(503, "frontend services are not all connected", code="service_unavailable")
-    return web.json_response({"status": "ok"})
+    return web.json_response(health_body(engine_views(rings)))
 
 
-def refresh_gauges(app: web.Application) -> dict | None:
-    """Set the gauges from the ring; the ring header's engine stats (None without an engine)."""
-    mt, ring = app[METRICS], app[RING].current()
+def refresh_gauges(app: web.Application) -> tuple[dict | None, list[EngineSample]]:
+    """Set the gauges from the rings; the engines' stats summed (None without an engine) and per engine."""
+    views = engine_views(app[RING], with_slots=True)
+    samples = engine_samples(views)
     queued = sum(1 for s in app[BACKEND].streams.values() if not s.admitted.done())
-    if ring is None:
-        for gauge in (mt.running, mt.kv_usage, mt.slots_in_use):
-            gauge.set(0)
-        mt.waiting.set(queued)
-        return None
-    stats = ring.read_header()["stats"]
-    states = ring.read_slots()["state"]
-    mt.running.set(int(stats["running"]))
-    pending = int(np.count_nonzero(states == L.SlotState.PREFILL_PENDING))
-    mt.waiting.set(int(stats["waiting"]) + pending + queued)
-    total = int(stats["kv_blocks_total"])
-    mt.kv_usage.set(1.0 - int(stats["kv_blocks_free"]) / total if total else 0.0)
-    mt.slots_in_use.set(int(np.count_nonzero(states != L.SlotState.EMPTY)))
-    return {name: stats[name] for name in stats.dtype.names}
+    set_total_gauges(app[METRICS], samples, views, queued)
+    return total_stats(views), samples
 
 
 async def metrics(request: web.Request) -> web.Response:
-    stats = refresh_gauges(request.app)
-    body = request.app[METRICS].render(stats)
+    stats, per_engine = refresh_gauges(request.app)
+    body = request.app[METRICS].render(stats, per_engine)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

@@ -9,9 +9,9 @@ from aiohttp import web
 
 from dpu_gateway.backend import Backend, RequestStream
 from dpu_gateway.constrain import GrammarCompiler
+from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError
 from dpu_gateway.params import Limits
-from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import PARSERS
 from shared import ring_layout as L
@@ -34,6 +34,7 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 2.0
     gateway_id: int | None = None    # default: the process id
+    data_parallel_size: int = 1      # engines, each with its own ring (shared/data_parallel.py names them)
     # connection limits (see dpu_gateway/connguard.py)
     max_connections: int = 1024      # open connections of this gateway; more get a quick 503
     header_timeout_s: float = 10.0   # a request head must be complete this long after its first byte
@@ -63,7 +64,7 @@ class GatewayConfig:
 CONFIG = web.AppKey("config", GatewayConfig)
 CODEC = web.AppKey("codec", TextCodec)
 BACKEND = web.AppKey("backend", Backend)
-RING = web.AppKey("ring", RingWatch)
+RING = web.AppKey("ring", RingSet)  # every engine's ring (one without --data-parallel-size)
 METRICS = web.AppKey("metrics", FrontendMetrics)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
@@ -82,7 +83,7 @@ class RequestRecord:
 RECORD = "blink_record"  # the request's RequestRecord, in request[RECORD]
 
 
-def engine_unavailable(watch: RingWatch) -> APIError:
+def engine_unavailable(watch: RingSet) -> APIError:
     """503 while no engine serves: "the model is loading" until this gateway first saw a ring whose engine
     is past STARTING (the engine creates the ring once its weights are loaded and graphs captured)."""
     ring = watch.current()

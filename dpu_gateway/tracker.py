@@ -1,9 +1,15 @@
-"""The slot tracker service: admits gateway requests into ring slots.
+"""The slot tracker service: admits gateway requests into ring slots, over one ring per engine.
 
-It owns the EMPTY -> RESERVED -> PREFILL_PENDING transitions and the cancel flag. A request
-that finds the ring full waits in a bounded FIFO queue; when that is full too the gateway is
-told 429 with a Retry-After. After publishing a slot it tells the token reader who owns it
-(``Track``), and re-sends every live ``Track`` whenever the reader link is re-established.
+It owns the EMPTY -> RESERVED -> PREFILL_PENDING transitions and the cancel flag. With more than one
+engine (``--data-parallel-size``) each request goes to the ring ``dpu_gateway.routing`` chooses: the
+engine with the fewest requests waiting, then the fewest slots in use, then the most free KV blocks,
+then the next in turn. A request that finds every ring full waits in a bounded FIFO queue; when that
+is full too the gateway is told 429 with a Retry-After; only when no engine serves is it told 503.
+After publishing a slot it tells the token reader who owns it (``Track``, with the engine's index),
+and re-sends every live ``Track`` whenever the reader link is re-established.
+
+Each ring's slot cache (and so its slot writer) is dropped through the ring watch's ``on_detach``,
+while the old mapping is still open: nothing in the tracker outlives the ring it writes to.
 """
 
 from __future__ import annotations
@@ -11,71 +17,122 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from dpu_gateway.ringwatch import RingWatch
+from dpu_gateway.routing import Load, choose_order
 from dpu_gateway.slot_cache import SlotCache
 from shared import ipc
 from shared import messages as m
 from shared import ring_layout as L
+from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
+from shared.ring import Ring
 from shared.slots import SlotRequest
 
 log = get_logger("tracker")
+NOT_RUNNING = "the engine is not running"
+_STATS = L.FIELD_OFFSETS["RingHeader"]["stats"]
+STAT_WAITING, STAT_KV_FREE, STAT_KV_TOTAL = (_STATS + L.FIELD_OFFSETS["EngineStats"][f]
+                                             for f in ("waiting", "kv_blocks_free", "kv_blocks_total"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrackerConfig:
     run_dir: Path
-    ring_name: str
+    ring_name: str                   # the base name: engine_ring_names(ring_name, data_parallel_size)
     max_waiting: int = 256
     retry_after_s: float = 1.0
     heartbeat_timeout_s: float = 2.0
     busy_poll_s: float = 0.001
     idle_poll_s: float = 0.1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        engine_ring_names(self.ring_name, self.data_parallel_size)  # validates the size
+
+    @property
+    def ring_names(self) -> tuple[str, ...]:
+        return engine_ring_names(self.ring_name, self.data_parallel_size)
 
 
 @dataclasses.dataclass(slots=True)
 class Live:
     chan: ipc.Channel
     submit: m.Submit
+    engine: int
     slot: int
     seq: int
 
     def track(self) -> m.Track:
         s = self.submit
-        return m.Track(s.req_id, s.gateway_id, self.slot, self.seq, s.sampling.logprobs, s.sampling.top_logprobs)
+        return m.Track(s.req_id, s.gateway_id, self.slot, self.seq, s.sampling.logprobs, s.sampling.top_logprobs,
+                       self.engine)
+
+
+class Lane:
+    """One engine's ring as the tracker sees it: the watch and the slot cache of the attached ring."""
+
+    def __init__(self, index: int, name: str, heartbeat_timeout_s: float, on_lost: Callable[[int], None]) -> None:
+        self.index = index
+        self.watch = RingWatch(name, heartbeat_timeout_s, on_detach=self._detached)
+        self.cache: SlotCache | None = None
+        self.on_lost = on_lost  # called with the index when a ring this lane wrote to goes
+
+    def _detached(self, old: Ring) -> None:
+        """The watch is closing ``old``: drop the cache (and its slot writer) that points into it."""
+        if self.cache is not None and self.cache.ring is old:
+            self.cache = None
+            self.on_lost(self.index)
+
+    def slots(self) -> SlotCache | None:
+        """The slot cache of the ring attached now, or None when no ring is."""
+        ring = self.watch.current()  # a replaced ring reaches _detached first: the old cache goes
+        if ring is None:
+            return None
+        if self.cache is None:
+            self.cache = SlotCache(ring)
+            self.cache.refresh()
+        return self.cache
+
+    def serving(self) -> SlotCache | None:
+        """The slot cache when the engine serves (READY with a fresh heartbeat), else None."""
+        cache = self.slots()
+        return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
+
+    def load(self, cache: SlotCache) -> Load:
+        """What the routing rule compares (``dpu_gateway/routing.py``): three words of the ring header's
+        stats and the tracker's own count of slots in use."""
+        t = cache.ring.transport
+        return Load(self.index, t.load32(STAT_WAITING), cache.in_use(), t.load32(STAT_KV_FREE), t.load32(STAT_KV_TOTAL))
 
 
 class SlotTracker:
     def __init__(self, cfg: TrackerConfig) -> None:
         self.cfg = cfg
-        self.watch = RingWatch(cfg.ring_name, cfg.heartbeat_timeout_s)
-        self.cache: SlotCache | None = None
-        self._generation = 0
+        self.lanes = [Lane(i, name, cfg.heartbeat_timeout_s, self._forget_engine)
+                      for i, name in enumerate(cfg.ring_names)]
         self.waiting: collections.deque[tuple[ipc.Channel, m.Submit]] = collections.deque()
         self.live: dict[int, Live] = {}
         self.reader: ipc.Channel | None = None
+        self.last_engine = -1  # the engine the last request went to (ties go to the next one)
+        self.routed = [0] * len(self.lanes)  # requests published to each engine since start
         self._wake = asyncio.Event()
 
-    # ------------------------------------------------------------ ring
-    def _slots(self) -> SlotCache | None:
-        ring = self.watch.current()
-        if ring is None:
-            self.cache = None
-            return None
-        if self.watch.generation != self._generation:
-            self._generation = self.watch.generation
-            self.cache = SlotCache(ring)
-            self.cache.refresh()
-            self.live.clear()  # the old ring's requests are failed by the reader
-        return self.cache
+    # ------------------------------------------------------------ rings
+    def serving(self) -> list[tuple[Lane, SlotCache]]:
+        """The lanes whose engine serves now, with their caches; forgets the live requests of rings let go."""
+        return [(lane, cache) for lane in self.lanes if (cache := lane.serving()) is not None]
+
+    def _forget_engine(self, engine: int) -> None:
+        """Engine ``engine``'s ring went: the reader fails its requests; this process forgets them."""
+        for req_id in [r for r, live in self.live.items() if live.engine == engine]:
+            del self.live[req_id]
 
     # ------------------------------------------------------------ gateway link
     async def on_gateway(self, chan: ipc.Channel) -> None:
@@ -90,11 +147,11 @@ class SlotTracker:
             self.drop_channel(chan)
 
     def submit(self, chan: ipc.Channel, sub: m.Submit) -> None:
-        cache = self._slots()
-        if cache is None or not self.watch.alive():
-            chan.send(m.Rejected(sub.req_id, 503, "the engine is not running"))
+        serving = self.serving()
+        if not serving:
+            chan.send(m.Rejected(sub.req_id, 503, NOT_RUNNING))
             return
-        if not self.waiting and self._publish(cache, chan, sub):
+        if not self.waiting and self._publish(serving, chan, sub):
             return
         if len(self.waiting) >= self.cfg.max_waiting:
             chan.send(m.Rejected(sub.req_id, 429, "server busy: the ring and the wait queue are full",
@@ -103,24 +160,35 @@ class SlotTracker:
         self.waiting.append((chan, sub))
         self._wake.set()
 
-    def _publish(self, cache: SlotCache, chan: ipc.Channel, sub: m.Submit) -> bool:
-        """Write ``sub`` into a free slot; False when none is free."""
-        got = cache.reserve_refreshing()
-        if got is None:
-            return False
+    def _publish(self, serving: list[tuple[Lane, SlotCache]], chan: ipc.Channel, sub: m.Submit) -> bool:
+        """Write ``sub`` into a free slot of the engine the routing rule puts first; False when every
+        serving ring is full."""
+        caches = dict((lane.index, cache) for lane, cache in serving)
+        order = [serving[0][0].index] if len(serving) == 1 else choose_order(
+            [lane.load(cache) for lane, cache in serving], self.last_engine, len(self.lanes))
+        for engine in order:
+            cache = caches[engine]
+            got = cache.reserve_refreshing()
+            if got is not None:
+                self._write(engine, cache, got, chan, sub)
+                return True
+        return False
+
+    def _write(self, engine: int, cache: SlotCache, got: tuple[int, int], chan: ipc.Channel, sub: m.Submit) -> None:
         idx, seq = got
         try:
             cache.writer.publish(idx, seq, SlotRequest(sub.req_id, np.asarray(sub.prompt, np.int32), sub.sampling))
         except (ValueError, OverflowError) as exc:  # one bad request must not cost the gateway its link
             cache.writer.abandon(idx, seq)
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))
-            return True
-        live = Live(chan, sub, idx, seq)
+            return
+        live = Live(chan, sub, engine, idx, seq)
         self.live[sub.req_id] = live
+        self.last_engine = engine
+        self.routed[engine] += 1
         if self.reader is not None:
             self.reader.send(live.track())
         chan.send(m.Admitted(sub.req_id, idx))
-        return True
 
     def cancel(self, req_id: int) -> None:
         for i, (_, sub) in enumerate(self.waiting):
@@ -128,20 +196,23 @@ class SlotTracker:
                 del self.waiting[i]
                 return
         live = self.live.get(req_id)
-        if live is not None and self.cache is not None:
-            self.cache.writer.cancel(live.slot, live.seq)
-        elif live is None:
+        if live is None:
             self._cancel_by_ring(req_id)
+            return
+        cache = self.lanes[live.engine].slots()  # None, and the request forgotten, when its ring went
+        if cache is not None and req_id in self.live:
+            cache.writer.cancel(live.slot, live.seq)
 
     def _cancel_by_ring(self, req_id: int) -> None:
         """A request this process does not know (an earlier tracker process admitted it): find its
-        slot by request id in the ring; ``cancel`` leaves slots that finished or were reused alone."""
-        cache = self._slots()
-        if cache is None:
-            return
-        snap = cache.refresh()
-        for idx in np.flatnonzero(snap["request_id"] == np.uint64(req_id)):
-            cache.writer.cancel(int(idx), int(snap["seq"][idx]))
+        slot by request id in every ring; ``cancel`` leaves slots that finished or were reused alone."""
+        for lane in self.lanes:
+            cache = lane.slots()
+            if cache is None:
+                continue
+            snap = cache.refresh()
+            for idx in np.flatnonzero(snap["request_id"] == np.uint64(req_id)):
+                cache.writer.cancel(int(idx), int(snap["seq"][idx]))
 
     def drop_channel(self, chan: ipc.Channel) -> None:
         """A gateway went away: forget its queued requests and cancel its slots."""
@@ -151,22 +222,24 @@ class SlotTracker:
 
     # ------------------------------------------------------------ admission loop
     def admit_waiting(self) -> None:
-        cache = self._slots()
-        if cache is None or not self.watch.alive():
+        serving = self.serving()
+        if not serving:
             while self.waiting:
                 chan, sub = self.waiting.popleft()
-                chan.send(m.Rejected(sub.req_id, 503, "the engine is not running"))
+                chan.send(m.Rejected(sub.req_id, 503, NOT_RUNNING))
             return
-        snap = cache.refresh()
-        self._forget_finished(snap)
+        for lane, cache in serving:
+            self._forget_finished(lane.index, cache.refresh())
         while self.waiting:
             chan, sub = self.waiting[0]
-            if not self._publish(cache, chan, sub):
+            if not self._publish(serving, chan, sub):
                 break
             self.waiting.popleft()
 
-    def _forget_finished(self, snap: np.ndarray) -> None:
+    def _forget_finished(self, engine: int, snap: np.ndarray) -> None:
         for req_id, live in list(self.live.items()):
+            if live.engine != engine:
+                continue
             state, seq = int(snap["state"][live.slot]), int(snap["seq"][live.slot])
             if seq != live.seq or state == L.SlotState.EMPTY:
                 del self.live[req_id]
@@ -180,6 +253,10 @@ class SlotTracker:
                 pass
             self._wake.clear()
             self.admit_waiting()
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.watch.close()
 
     # ------------------------------------------------------------ reader link
     async def reader_link(self) -> None:
@@ -202,10 +279,10 @@ async def run_tracker(cfg: TrackerConfig) -> None:
     server = await ipc.serve(cfg.run_dir, "tracker", m.ToTracker, tracker.on_gateway)
     tasks = [asyncio.create_task(tracker.reader_link()), asyncio.create_task(tracker.admission_loop())]
     ipc.mark_ready(cfg.run_dir, "tracker")
-    log.info("tracker_ready", ring=cfg.ring_name, max_waiting=cfg.max_waiting)
+    log.info("tracker_ready", rings=",".join(cfg.ring_names), max_waiting=cfg.max_waiting)
     try:
         await asyncio.gather(*tasks)
     finally:
         ipc.clear_ready(cfg.run_dir, "tracker")
         server.close()
-        tracker.watch.close()
+        tracker.close()

@@ -109,8 +109,9 @@ class GatewayHello(_Msg, tag="hello"):
 
 
 class Track(_Msg, tag="track"):
-    """Sent by the tracker right after it publishes ``slot`` with ``seq``; the logprob fields are
-    the request's ``Sampling.logprobs`` / ``Sampling.top_logprobs``."""
+    """Sent by the tracker right after it publishes ``slot`` with ``seq`` in the ring of engine
+    ``engine`` (its index under ``--data-parallel-size``; 0 for a single engine); the logprob fields
+    are the request's ``Sampling.logprobs`` / ``Sampling.top_logprobs``."""
 
     req_id: int
     gateway_id: int
@@ -118,6 +119,7 @@ class Track(_Msg, tag="track"):
     seq: int
     logprobs: bool = False
     top_logprobs: int = 0
+    engine: int = 0
 
 
 ToReader = GatewayHello | Track

@@ -8,11 +8,18 @@ requests run; the gauges are set from the ring header's engine stats and a slot 
 scrape (every gateway reads the same ring: the most recent value of a live gateway is shown); the
 engine's own counters (steps, tokens, preemptions) are read from the ring header at the scrape. The
 ``http_connections`` series count what the connection limits did (dpu_gateway/connguard.py).
+
+With more than one engine (``--data-parallel-size``) the series above are totals over the engines
+(gauges and engine counters summed; KV usage over every engine's blocks), and the ``blink:dp_*``
+series give each engine's values under an ``engine`` label (its index): ``dp_engine_up`` (1 while
+it serves), ``dp_num_requests_running``, ``dp_num_requests_waiting``, ``dp_slots_in_use``,
+``dp_kv_cache_usage_perc`` and ``dp_engine_<counter>`` for each engine counter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,45 @@ ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Pr
                    "window_relaunches": "Persistent scheduler tail launches."}
 ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV cache blocks free.",
                  "token_budget": "Tokens one engine step may carry (--max-num-batched-tokens)."}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One engine's values at a scrape, for the per-engine ``blink:dp_*`` series."""
+
+    engine: int
+    up: bool
+    running: int
+    waiting: int
+    slots_in_use: int
+    kv_usage: float
+    counters: Mapping[str, int]  # ENGINE_COUNTERS' names
+
+
+PER_ENGINE_GAUGES = {"engine_up": ("1 while the engine serves (fresh heartbeat, READY), else 0.", "up"),
+                     "num_requests_running": ("Requests in this engine's decode batch.", "running"),
+                     "num_requests_waiting": ("Requests waiting in this engine or its ring.", "waiting"),
+                     "slots_in_use": ("This engine's ring slots not EMPTY.", "slots_in_use"),
+                     "kv_cache_usage_perc": ("This engine's KV cache usage (1 means 100 percent).", "kv_usage")}
+
+
+def per_engine_families(model_name: str, samples: Sequence[EngineSample]) -> list[Metric]:
+    """The ``blink:dp_*`` families, one sample per engine (label ``engine``)."""
+    if not samples:
+        return []
+    labels = ["model_name", "engine"]
+    out: list[Metric] = []
+    for name, (doc, attr) in PER_ENGINE_GAUGES.items():
+        gauge = GaugeMetricFamily(f"blink:dp_{name}", doc, labels=labels)
+        for s in samples:
+            gauge.add_metric([model_name, str(s.engine)], float(getattr(s, attr)))
+        out.append(gauge)
+    for name, doc in ENGINE_COUNTERS.items():
+        family = CounterMetricFamily(f"blink:dp_engine_{name}", f"{doc} (per engine)", labels=labels)
+        for s in samples:
+            family.add_metric([model_name, str(s.engine)], float(s.counters.get(name, 0)))
+        out.append(family)
+    return out
 
 
 class FrontendMetrics:
@@ -95,14 +141,16 @@ class FrontendMetrics:
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model_name, reason).inc()
 
-    def render(self, engine_stats: Mapping[str, Any] | None = None) -> bytes:
+    def render(self, engine_stats: Mapping[str, Any] | None = None, per_engine: Sequence[EngineSample] = ()) -> bytes:
         """The text of a scrape: every gateway's series (summed), the engine's from ``engine_stats`` (the
-        ring header's EngineStats; None: no engine now), and the vLLM aliases."""
+        ring header's EngineStats, summed over the engines; None: no engine now), each engine's from
+        ``per_engine``, and the vLLM aliases."""
         source = self.registry
         if self.multiprocess_dir is not None:
             source = CollectorRegistry()
             MultiProcessCollector(source, str(self.multiprocess_dir))
-        families = [*source.collect(), *engine_families(self.model_name, engine_stats)]
+        families = [*source.collect(), *engine_families(self.model_name, engine_stats),
+                    *per_engine_families(self.model_name, per_engine)]
         return generate_latest(_Families([*families, *vllm_aliases(families)]))
 
 

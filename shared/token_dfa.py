@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,10 @@ class TokenDFA:
 
 
 def grammar_dir(ring_name: str) -> Path:
-    return SHM_DIR / f"{ring_name}.grammars"
+    """The store of a frontend's ring and of its engines' (``RING-dpK`` under --data-parallel-size, see
+    shared/data_parallel.engine_ring_names): one folder per ``RING``, named without the ``-dpK`` suffix,
+    so the gateway compiles a grammar once, before it knows which engine the request goes to."""
+    return SHM_DIR / f"{re.sub(r'-dp[0-9]+$', '', ring_name)}.grammars"
 
 
 def grammar_path(ring_name: str, grammar_id: int) -> Path:

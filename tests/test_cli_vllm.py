@@ -99,7 +99,7 @@ def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: tensor parallelism is not supported; Blink runs "
-     "one engine per GPU: see --data-parallel-size (planned)"),
+     "one engine per GPU: see --data-parallel-size"),
     (["-tp", "4"], "-tp 4: tensor parallelism is not supported"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
     (["--quantization", "awq"], "Blink serves the weights as given"),

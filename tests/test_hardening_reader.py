@@ -94,9 +94,10 @@ def test_closed_transport_raises_ring_error(ring_name: str) -> None:
 @pytest.mark.parametrize("how", ["replaced", "removed"])
 def test_reader_fails_the_old_rings_requests_and_survives(ring_name: str, tmp_path: Path, how: str) -> None:
     old = serving_ring(ring_name)
-    reader = TokenReader(ReaderConfig(tmp_path, ring_name, heartbeat_timeout_s=5.0))
+    service = TokenReader(ReaderConfig(tmp_path, ring_name, heartbeat_timeout_s=5.0))
+    reader = service.engines[0]  # the one engine's ring
     gateway = Gateway()
-    reader.gateways[7] = gateway  # type: ignore[assignment]
+    service.gateways[7] = gateway  # type: ignore[assignment]
     reader.check_health()
     tracks = [admit(old, req_id) for req_id in (1, 2, 3)]
     for tr in tracks:

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend-override", choices=("cpu", "host", "persistent"), default=None,
                     help="engine backend of every Blink mode (the mode stays the label), e.g. cpu in tests")
     ap.add_argument("--serve-args", default="", help="more flags for blink serve")
+    ap.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                    help="Blink engines behind one frontend (one per GPU); N > 1 names the systems MODE-dpN")
     ap.add_argument("--startup-timeout-s", type=float, default=420.0)
     ap.add_argument("--warmup-requests", type=int, default=8, help="short uncounted requests after a start")
     ap.add_argument("--warmup-timeout-s", type=float, default=300.0)

@@ -135,7 +135,11 @@ def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> 
         backend = args.backend_override or name
         env = {"BLINK_HEARTBEAT_TIMEOUT_S": os.environ.get("BLINK_HEARTBEAT_TIMEOUT_S", "10")} if backend == "cpu" \
             else {}
-        return BlinkServer(name, ss.serve_args(args, backend, ctx.model), env, work)
+        flags = ss.serve_args(args, backend, ctx.model)
+        dp = getattr(args, "data_parallel_size", 1)
+        if dp > 1:  # N engines: --max-batch is per engine, the record is MODE-dpN
+            return BlinkServer(f"{name}-dp{dp}", (*flags, "--data-parallel-size", str(dp)), env, work)
+        return BlinkServer(name, flags, env, work)
     values = {"model": ctx.model, "max_num_seqs": args.max_batch, "max_model_len": args.max_model_len,
               "served_name": ctx.model.name if ctx.model else None}
     return CommandServer(peers[name], values, work)

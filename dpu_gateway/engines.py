@@ -1,0 +1,132 @@
+"""The gateway's view of every engine's ring: limits, ``/health`` and the per-engine ``/metrics`` values.
+
+``RingSet`` holds one ``RingWatch`` per engine (``--data-parallel-size``) and answers what the
+handlers ask of "the ring": ``current()`` is the ring of an engine that serves (every engine runs the
+same config, so any serving one tells the limits), ``alive()`` is true while at least one serves.
+
+``/health`` (``health_body``): 200 ``{"status": "ok"}`` while every engine serves; 200
+``{"status": "degraded", ...}`` naming the engines that do not while at least one does (requests go
+to the others); 503 only when none serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dpu_gateway.ringwatch import RingWatch
+from shared import ring_layout as L
+from shared.data_parallel import engine_ring_names
+from shared.metrics import ENGINE_COUNTERS, EngineSample, FrontendMetrics
+from shared.ring import Ring
+
+
+class RingSet:
+    def __init__(self, base_name: str, size: int, heartbeat_timeout_s: float) -> None:
+        self.watches = [RingWatch(name, heartbeat_timeout_s) for name in engine_ring_names(base_name, size)]
+        self.timeout_s = heartbeat_timeout_s
+
+    @property
+    def generation(self) -> int:
+        """0 until a ring of any engine was seen; grows whenever one is attached."""
+        return sum(w.generation for w in self.watches)
+
+    def current(self) -> Ring | None:
+        """The ring of the first engine that serves, else the first ring attached, else None."""
+        attached = None
+        for watch in self.watches:
+            ring = watch.current()
+            if ring is not None and ring.engine_alive(self.timeout_s):
+                return ring
+            attached = attached or ring
+        return attached
+
+    def alive(self) -> bool:
+        return any(w.alive() for w in self.watches)
+
+    def close(self) -> None:
+        for watch in self.watches:
+            watch.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine at a scrape or a health probe."""
+
+    engine: int
+    up: bool
+    reason: str                    # why it is not up ("" when it is)
+    stats: dict[str, int] | None   # the ring header's EngineStats (None without a ring)
+    slots_in_use: int = 0
+    slots_pending: int = 0         # published, not yet claimed by the engine
+
+
+def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> EngineView:
+    ring = watch.current()
+    if ring is None:
+        return EngineView(engine, False, "no ring: the engine is not running or is restarting", None)
+    stats = ring.read_header()["stats"]
+    values = {name: int(stats[name]) for name in stats.dtype.names if name != "reserved"}
+    state = ring.header_load32("engine_state")
+    reason = ""
+    if state != L.EngineState.READY:
+        reason = f"its state is {L.EngineState(state).name}" if state in set(L.EngineState) else "unknown state"
+    elif not ring.engine_alive(watch.timeout_s):
+        reason = "its heartbeat is stale"
+    in_use = pending = 0
+    if with_slots:
+        states = ring.read_slots()["state"]
+        in_use = int(np.count_nonzero(states != L.SlotState.EMPTY))
+        pending = int(np.count_nonzero(states == L.SlotState.PREFILL_PENDING))
+    return EngineView(engine, not reason, reason, values, in_use, pending)
+
+
+def engine_views(rings: RingSet, with_slots: bool = False) -> list[EngineView]:
+    return [engine_view(i, w, with_slots) for i, w in enumerate(rings.watches)]
+
+
+def health_body(views: list[EngineView]) -> dict[str, object]:
+    """What ``/health`` answers while at least one engine serves."""
+    if len(views) == 1:
+        return {"status": "ok"}
+    engines = [{"engine": v.engine, "status": "ok" if v.up else "down", **({"reason": v.reason} if v.reason else {})}
+               for v in views]
+    down = [v.engine for v in views if not v.up]
+    body: dict[str, object] = {"status": "degraded" if down else "ok", "engines": engines,
+                               "serving": len(views) - len(down), "total": len(views)}
+    if down:
+        body["message"] = (f"engine {', '.join(map(str, down))} is down; requests go to the "
+                           f"{len(views) - len(down)} engine(s) that serve")
+    return body
+
+
+def total_stats(views: list[EngineView]) -> dict[str, int] | None:
+    """The engines' stats summed (None when no engine has a ring)."""
+    present = [v.stats for v in views if v.stats is not None]
+    if not present:
+        return None
+    return {name: sum(s[name] for s in present) for name in present[0]}
+
+
+def engine_samples(views: list[EngineView]) -> list[EngineSample]:
+    """Each engine's values for the per-engine ``/metrics`` series (``engine`` label)."""
+    out = []
+    for v in views:
+        s = v.stats or {}
+        total = s.get("kv_blocks_total", 0)
+        out.append(EngineSample(v.engine, v.up, s.get("running", 0), s.get("waiting", 0) + v.slots_pending,
+                                v.slots_in_use, 1.0 - s.get("kv_blocks_free", 0) / total if total else 0.0,
+                                {name: s.get(name, 0) for name in ENGINE_COUNTERS}))
+    return out
+
+
+def set_total_gauges(metrics: FrontendMetrics, samples: list[EngineSample], views: list[EngineView],
+                     queued: int) -> None:
+    """The unlabelled gauges: over every engine (``queued``: this gateway's requests not yet admitted)."""
+    metrics.running.set(sum(s.running for s in samples))
+    metrics.waiting.set(sum(s.waiting for s in samples) + queued)
+    metrics.slots_in_use.set(sum(s.slots_in_use for s in samples))
+    free = sum((v.stats or {}).get("kv_blocks_free", 0) for v in views)
+    total = sum((v.stats or {}).get("kv_blocks_total", 0) for v in views)
+    metrics.kv_usage.set(1.0 - free / total if total else 0.0)
