@@ -12,6 +12,7 @@ to the others); 503 only when none serves.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class EngineView:
     engine: int
     up: bool
     reason: str                    # why it is not up ("" when it is)
-    stats: dict[str, int] | None   # the ring header's EngineStats (None without a ring)
+    stats: dict[str, Any] | None   # the ring header's EngineStats (None without a ring)
     slots_in_use: int = 0
     slots_pending: int = 0         # published, not yet claimed by the engine
 
@@ -67,7 +68,7 @@ def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> Engi
     if ring is None:
         return EngineView(engine, False, "no ring: the engine is not running or is restarting", None)
     stats = ring.read_header()["stats"]
-    values = {name: int(stats[name]) for name in stats.dtype.names if name != "reserved"}
+    values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
     state = ring.header_load32("engine_state")
     reason = ""
     if state != L.EngineState.READY:
@@ -101,12 +102,25 @@ def health_body(views: list[EngineView]) -> dict[str, object]:
     return body
 
 
-def total_stats(views: list[EngineView]) -> dict[str, int] | None:
-    """The engines' stats summed (None when no engine has a ring)."""
+def stat_value(v: Any) -> Any:
+    """An EngineStats field as Python: an int, or a list of ints for an array (``step_fill``)."""
+    return int(v) if np.ndim(v) == 0 else [int(x) for x in v]
+
+
+def total_stats(views: list[EngineView]) -> dict[str, Any] | None:
+    """The engines' stats summed, arrays element by element; ``token_budget``, a per-step limit, is the
+    largest engine's (None when no engine has a ring)."""
     present = [v.stats for v in views if v.stats is not None]
     if not present:
         return None
-    return {name: sum(s[name] for s in present) for name in present[0]}
+    out: dict[str, Any] = {}
+    for name in present[0]:
+        values = [s[name] for s in present]
+        if isinstance(values[0], list):
+            out[name] = [sum(col) for col in zip(*values, strict=True)]
+        else:
+            out[name] = max(values) if name == "token_budget" else sum(values)
+    return out
 
 
 def engine_samples(views: list[EngineView]) -> list[EngineSample]:

@@ -91,7 +91,10 @@ def test_tracker_spreads_skips_a_stale_engine_and_refuses_only_when_none_serves(
         assert all(isinstance(submit(tracker, chan, i), m.Admitted) for i in range(4))
         assert tracker.routed == [2, 2]
         assert [live.engine for live in tracker.live.values()] == [0, 1, 0, 1]
-        rings[1].header_store64("heartbeat_ns", time.time_ns() - 60 * 10**9)  # engine 1 stops beating
+        # engine 1 stops beating: its counter, which never moves here, was last seen to move 60 s ago
+        watched = tracker.lanes[1].watch.current()
+        assert watched is not None
+        watched.liveness.moved_at -= 60
         assert all(isinstance(submit(tracker, chan, i), m.Admitted) for i in (4, 5))
         assert tracker.routed == [4, 2]  # engine 0's ring is now full: the next one waits
         tracker.submit(chan, m.Submit(6, 1, [1], m.Sampling(4)))  # type: ignore[arg-type]
