@@ -63,6 +63,8 @@ class StepBuffers:
     min_p: torch.Tensor  # [max_batch] f32, 0 = off
     seeds: torch.Tensor  # [max_batch] int64
     sample_index: torch.Tensor  # [max_batch] int64, index of the token being sampled (RNG counter)
+    # [max_batch] int32: 1 = compute this row's log-probs, 0 = zeros; allocated all 1 for a writer that stages none
+    want_logprobs: torch.Tensor
     logits: torch.Tensor  # [max_batch, vocab] f32
     next_tokens: torch.Tensor  # [max_batch] int64
     token_logprobs: torch.Tensor  # [max_batch] f32
@@ -92,6 +94,7 @@ class StepBuffers:
             temperature=z(B, dtype=torch.float32), top_k=z(B, dtype=torch.int32),
             top_p=torch.ones(B, dtype=torch.float32, device=device), min_p=z(B, dtype=torch.float32),
             seeds=z(B, dtype=torch.int64), sample_index=z(B, dtype=torch.int64),
+            want_logprobs=torch.ones(B, dtype=torch.int32, device=device),
             logits=z(B, vocab, dtype=torch.float32), next_tokens=z(B, dtype=torch.int64),
             token_logprobs=z(B, dtype=torch.float32), top_ids=z(B, K, dtype=torch.int64),
             top_logprobs=z(B, K, dtype=torch.float32),
@@ -240,14 +243,16 @@ class GpuModelRunner:
         sample(b.logits[:batch], b.temperature[:batch], b.top_k[:batch], b.top_p[:batch], b.min_p[:batch],
                b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
                b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered,
-               processors=b.processors(batch) if self.limits.processors else None)
+               processors=b.processors(batch) if self.limits.processors else None,
+               want_logprobs=b.want_logprobs[:batch])
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:
         """Copy one step (`AttentionMetadata` + token ids) into the static buffers, padding the rest.
 
         `sampling` may hold per-sequence `temperature`, `top_k`, `top_p`, `min_p`, `seeds`,
-        `sample_index` tensors; absent ones reset to greedy / off / 0. It may also hold the
+        `sample_index`, `want_logprobs` tensors; absent ones reset to greedy / off / 0 (log-probs: on
+        for the real rows, off for the padding). It may also hold the
         `kernels.sampling.processor_columns` of the step (all of them); the processor buffers are
         reset to identity only after a step that staged them.
         """
@@ -264,12 +269,15 @@ class GpuModelRunner:
         buf.cu_seqlens_q[: B + 1].copy_(meta.cu_seqlens_q)
         buf.block_tables.fill_(-1)
         buf.block_tables[:B, :width].copy_(meta.block_tables)
-        defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0}
+        defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0,
+                    "want_logprobs": 0}
         for name, value in defaults.items():
             dst = getattr(buf, name)
             dst.fill_(value)
             if sampling and name in sampling:
                 dst[:B].copy_(sampling[name])
+            elif name == "want_logprobs":
+                dst[:B].fill_(1)
         self._stage_processors(B, sampling or {})
 
     def _stage_processors(self, B: int, sampling: dict[str, torch.Tensor]) -> None:
