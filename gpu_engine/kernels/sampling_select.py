@@ -65,19 +65,21 @@ def _row_stats(row, V, min_p, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _above(row, V, cand, m, BLOCK: tl.constexpr, NCAND: tl.constexpr):
-    """For each candidate key c: how many tokens have key >= c, and the softmax mass of key > c."""
-    count = tl.zeros([NCAND], tl.int32)
-    mass = tl.zeros([NCAND], tl.float32)
+def _above(row, V, cand, m, BLOCK: tl.constexpr, NCAND: tl.constexpr, MASS: tl.constexpr):
+    """For each candidate key c: how many tokens have key >= c, or (MASS) the softmax mass of key > c.
+
+    Sums stay per lane ([BLOCK, NCAND]) until the end: one cross-lane reduction per pass.
+    """
+    acc = tl.zeros([BLOCK, NCAND], tl.float32 if MASS else tl.int32)
     for v0 in range(0, V, BLOCK):
         idx = v0 + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(row + idx, mask=ok, other=float("-inf"))
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf"))
         k = _key(x)[:, None]
-        e = tl.where(ok, tl.exp(x - m), 0.0)[:, None]
-        count += tl.sum(((k >= cand[None, :]) & ok[:, None]).to(tl.int32), axis=0)
-        mass += tl.sum(tl.where(k > cand[None, :], e, 0.0), axis=0)
-    return count, mass
+        if MASS:
+            acc += tl.where(k > cand[None, :], tl.exp(x - m)[:, None], 0.0)
+        else:
+            acc += ((k >= cand[None, :]) & (idx < V)[:, None]).to(tl.int32)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -93,7 +95,7 @@ def _kth_key(row, V, k, m, lo, hi, BLOCK: tl.constexpr, NCAND: tl.constexpr):
     hi = hi.to(tl.int64)
     while hi - lo > 1:
         cand = _candidates(lo, hi, NCAND)
-        count, _ = _above(row, V, cand, m, BLOCK, NCAND)
+        count = _above(row, V, cand, m, BLOCK, NCAND, False)
         ok = count >= k
         lo = tl.maximum(lo, tl.max(tl.where(ok, cand, IMIN), axis=0).to(tl.int64))
         hi = tl.minimum(hi, tl.min(tl.where(ok, IMAX, cand), axis=0).to(tl.int64))
@@ -107,7 +109,7 @@ def _nucleus_key(row, V, limit, m, lo, hi, BLOCK: tl.constexpr, NCAND: tl.conste
     hi = hi.to(tl.int64)
     while hi - lo > 1:
         cand = _candidates(lo, hi, NCAND)
-        _, mass = _above(row, V, cand, m, BLOCK, NCAND)
+        mass = _above(row, V, cand, m, BLOCK, NCAND, True)
         ok = mass < limit
         hi = tl.minimum(hi, tl.min(tl.where(ok, cand, IMAX), axis=0).to(tl.int64))
         lo = tl.maximum(lo, tl.max(tl.where(ok, IMIN, cand), axis=0).to(tl.int64))
