@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.attention import decode_attention, prefill_attention
+from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
+from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
@@ -162,7 +163,9 @@ class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, fused: bool = True) -> None:
+        """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; one decode split
+        size), kept for comparison."""
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -178,6 +181,7 @@ class GpuModelRunner:
         self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._processors_staged = False  # the processor buffers hold something other than identity
+        self.fused = fused
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True) -> None:
@@ -210,15 +214,20 @@ class GpuModelRunner:
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-        if w.q_norm is not None and w.k_norm is not None:
-            rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
-            rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
-        apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
         kc, vc = self.kv.k[i], self.kv.v[i]
-        write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
+        if self.fused:
+            qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
+        else:
+            if w.q_norm is not None and w.k_norm is not None:
+                rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
+                rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
+            apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
+            write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale)
+            part = decode_partition(batch, hkv) if self.fused else 256
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part)
         else:
             out = prefill_attention(q, kc, vc, tables, ctx, buf.cu_seqlens_q[: batch + 1], self.scale,
                                     block_m=64 if tokens >= 64 else 16)
