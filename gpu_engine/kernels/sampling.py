@@ -5,9 +5,9 @@ each row's kept prefix of the temperature-scaled logits as a (key, count) bounda
 kernel masks tokens by it as it scans (the same tokens as the reference's `filter_logits`).
 `sort_free=False` keeps the reference's sort-based torch function, for comparison. `filtered=False`
 skips filtering altogether: bit-identical whenever no row sets top-k, top-p or min-p (the filter is
-then the identity), which is what a decode graph without such a row runs. The kernel regenerates the reference's counter hash noise
-per vocab entry (no [B, V] noise tensor) and takes the Gumbel-max argmax, lowest index on ties.
-Rows with temperature <= 0 take the argmax of the processed logits. Log-probs are of the raw logits,
+then the identity), which is what a decode graph without such a row runs. The kernel regenerates
+the reference's counter hash noise per vocab entry (no [B, V] noise tensor) and takes the
+Gumbel-max argmax, lowest index on ties. Rows with temperature <= 0 take the argmax of the processed logits. Log-probs are of the raw logits,
 computed only for the rows whose `want_logprobs` is set (`kernels.logprobs`).
 
 The logits processors (logit bias, min_tokens, repetition / frequency / presence penalties, in
