@@ -8,7 +8,8 @@ skips filtering altogether: bit-identical whenever no row sets top-k, top-p or m
 then the identity), which is what a decode graph without such a row runs. The kernel regenerates
 the reference's counter hash noise per vocab entry (no [B, V] noise tensor) and takes the
 Gumbel-max argmax, lowest index on ties. Rows with temperature <= 0 take the argmax of the
-processed logits. Log-probs are of the raw logits, computed only for the rows whose `want_logprobs` is set (`kernels.logprobs`).
+processed logits. Log-probs are of the raw logits, computed only for the rows whose
+`want_logprobs` is set (`kernels.logprobs`).
 
 The logits processors (logit bias, min_tokens, repetition / frequency / presence penalties, in
 the reference's order, `gpu_engine.sampling.process_logits`) run as dense elementwise ops over
