@@ -1,9 +1,10 @@
 """Each decode-path kernel against its own floor: achieved GB/s beside the measured device-copy rate.
 
 Every kernel is timed inside a captured CUDA graph of repeated launches (so launch gaps do not
-count), at Llama-3-8B shapes in bf16, after being checked against its reference. Where an old path
-is kept for comparison (the sort-based filter, log-probs for every row, the unfused QK-norm / RoPE /
-KV write, one decode split size), it is timed beside the new one.
+count), at Llama-3-8B shapes in bf16 (its correctness is tests/gpu's). Where an old path is kept
+for comparison (the sort-based filter, log-probs for every row, the unfused QK-norm / RoPE / KV
+write, one decode split size, cuBLAS and a separate SiLU-and-multiply at M <= 8), it is timed
+beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json]
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
 (bench/roofline.py prints it for every decode row).
@@ -65,7 +66,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
 
     cfg, buf, w, L = runner.config, runner.buffers, runner.layers[0], len(runner.layers)
     hq, hk, d, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    x = torch.randn(batch, H, device="cuda", dtype=runner.dtype)
+    x = torch.randn(batch, H, device=runner.device, dtype=runner.dtype)
     res = torch.randn_like(x)
     qkv = F.linear(x, w.qkv)
     q, k, v = (qkv[:, : hq * d].view(batch, hq, d), qkv[:, hq * d: (hq + hk) * d].view(batch, hk, d),
@@ -203,6 +204,28 @@ def attention_rows(gbps: float) -> list[dict]:
     return rows
 
 
+def gemv_rows(gbps: float) -> list[dict]:
+    """The skinny matmul against cuBLAS (F.linear) at the Llama-3-8B projections, M = 1 and 8; the MLP's
+    down projection with the SiLU-and-multiply fused against silu_and_mul + F.linear."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.gemv import gemv
+
+    rows = []
+    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                       ("lm_head", 128256, 4096)):
+        w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+        for M in (1, 8):
+            x = torch.randn(M, 2 * K if name == "down" else K, device="cuda", dtype=torch.bfloat16)
+            act = "silu_mul" if name == "down" else None
+            cases = {"gemv": lambda x=x, w=w, act=act: gemv(x, w, act=act),
+                     "cublas": (lambda x=x, w=w: F.linear(silu_and_mul(x), w)) if act else
+                     (lambda x=x, w=w: F.linear(x, w))}
+            for case, fn in cases.items():
+                rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
+                             **entry(graph_ms(fn), _nbytes(w, x), gbps)})
+    return rows
+
+
 def silu_rows(gbps: float) -> list[dict]:
     from gpu_engine.kernels.activation import silu_and_mul
 
@@ -224,7 +247,7 @@ def main() -> None:
     gbps = copy_gbps()
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
-    for fn in (sampling_rows, prep_rows, attention_rows, silu_rows):
+    for fn in (sampling_rows, prep_rows, attention_rows, gemv_rows, silu_rows):
         for r in fn(gbps):
             rows.append(r)
             where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab") if k in r)

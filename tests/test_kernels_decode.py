@@ -80,3 +80,32 @@ def test_decode_attention_with_fine_splits_and_empty_rows():
     out = torch.full_like(q, float("nan"))
     attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=out, partition_size=32, block_n=16)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+def test_gemv_matches_the_reference(M, act, dtype, tol):
+    from gpu_engine.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(M)
+    K, N = 200, 70  # neither a multiple of the tiles
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    gemv(x, w, act=act, out=out, block_n=32, block_k=64)
+    torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+
+
+def test_gemv_rejects_bad_inputs():
+    from gpu_engine.kernels.gemv import gemv
+
+    x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="w: shape"):
+        gemv(x, w, act="silu_mul")
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.zeros(17, 8, device=DEV), w)
+    with pytest.raises(ValueError, match="act"):
+        gemv(x, w, act="gelu")
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x, w.half())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.gemv import gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -27,6 +28,8 @@ from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
+
+GEMV_ROWS = 8  # steps of at most this many tokens use `kernels.gemv` for their projections (fused path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,7 @@ class GpuModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; one decode split
-        size), kept for comparison."""
+        size; cuBLAS and a separate SiLU-and-multiply at every M), kept for comparison."""
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -210,7 +213,7 @@ class GpuModelRunner:
                    decode: bool) -> torch.Tensor:
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
+        qkv = self._linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
@@ -231,13 +234,20 @@ class GpuModelRunner:
         else:
             out = prefill_attention(q, kc, vc, tables, ctx, buf.cu_seqlens_q[: batch + 1], self.scale,
                                     block_m=64 if tokens >= 64 else 16)
-        return F.linear(out.view(tokens, hq * d), w.o)
+        return self._linear(out.view(tokens, hq * d), w.o)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.router is not None:
             cfg = self.config
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return F.linear(silu_and_mul(F.linear(x, w.gate_up)), w.down)
+        return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`); a decode-sized step (fused, at most
+        GEMV_ROWS rows) takes the skinny matmul, with the SiLU-and-multiply applied as it loads x."""
+        if self.fused and x.shape[0] <= GEMV_ROWS:
+            return gemv(x, w, act="silu_mul" if silu_mul else None)
+        return F.linear(silu_and_mul(x) if silu_mul else x, w)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
         """Final residual add + norm on each sequence's last token only, then the LM head."""
@@ -245,7 +255,7 @@ class GpuModelRunner:
             last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
             h, residual = h[last], residual[last]
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
-        self.buffers.logits[:batch].copy_(F.linear(x, self.lm_head))
+        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:
         b = self.buffers

@@ -46,3 +46,16 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
                                partition_size=attention.decode_partition(batch, 8))
     want = attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
+                                   (4096, 14336, "silu_mul"), (128256, 4096, None)])
+def test_gpu_gemv_real_sizes(M, shape):
+    from gpu_engine.kernels.gemv import gemv, gemv_ref
+
+    N, K, act = shape
+    x = torch.randn(M, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
+    got, want = gemv(x, w, act=act).float(), gemv_ref(x, w, act).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2
