@@ -1,11 +1,16 @@
-"""Decode/prefill step time of a Llama-3-8B-shaped random bf16 model through captured graphs, vs floors.
+"""Decode/prefill step time of random bf16 models through captured graphs, vs floors.
 
-Measures the device-copy bandwidth and the bf16 matmul rate in the same run, then times graph
+Shapes: Llama-3-8B (dense: decode and prefill) and Qwen3-30B-A3B (MoE: decode at batch 1, 8, 64,
+128). Measures the device-copy bandwidth and the bf16 matmul rate in the same run, then times graph
 replays. Floors: decode = (weight bytes read + KV bytes read) / bandwidth (the embedding table is
-not read, only B rows of it); prefill = FLOPs (linear layers + causal attention) / matmul rate.
-Decode rows are greedy, so `ms` is the sort-free (unfiltered) decode graph, the one such steps run;
-`ms_filtered` is the same step through the filtering variant (top-k / top-p / min-p sort).
-Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--quick]
+not read, only B rows of it; for MoE only the experts a step routes to, `active_experts`, the
+expected count under uniform routing); prefill = FLOPs (linear layers + causal attention) / matmul
+rate. Decode rows are greedy without log-probs, so `ms` is the unfiltered decode graph, the one such
+steps run; `ms_filtered` the same step through the filtering variant (top-k / top-p / min-p),
+`ms_logprobs` with every row asking for log-probs. `breakdown` is each component's time in one step
+(each timed alone, in a captured graph of repeats) and `kernel_floor_ms` its own bytes / bandwidth.
+Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense|moe|dense,moe]
+(rows of the models run replace that model's rows in an existing `--out`, the others stay)
 """
 
 from __future__ import annotations
@@ -21,8 +26,14 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidde
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "max_position_embeddings": 8192}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "max_position_embeddings": 8192, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True}
 BLOCK = 16
 DECODE_BATCHES = (1, 8, 32, 64, 128)
+MOE_BATCHES = (1, 8, 64, 128)
 CONTEXTS = (512, 2048)
 PREFILL_TOKENS = (512, 2048, 8192)
 
@@ -52,37 +63,51 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(max_ctx: int):
+def build(hf: dict, max_ctx: int, batches, prefill):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
     from gpu_engine.models.loader import build_empty
 
-    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    cfg = ModelConfig.from_hf(hf)
     model = build_empty(cfg, torch.bfloat16, "cuda")
     torch.cuda.empty_cache()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     per_seq = max_ctx // BLOCK + 1
-    kv = KVCache(cfg, max(DECODE_BATCHES) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
-    limits = RunnerLimits(max(DECODE_BATCHES), max(PREFILL_TOKENS), max(PREFILL_TOKENS) // BLOCK)
+    kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
+    tokens = max(prefill, default=max(batches))
+    limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
     return cfg, model, GpuModelRunner(model, kv, limits), per_seq
 
 
-def stage_step(runner, batch: int, ctx: int, new: int, per_seq: int) -> None:
-    """B sequences of `ctx` tokens after this step, each adding `new` tokens, disjoint blocks."""
+def stage_step(runner, batch: int, ctx: int, new: int, per_seq: int, logprobs: bool = False) -> None:
+    """B sequences of `ctx` tokens after this step, each adding `new` tokens, disjoint blocks; greedy,
+    with or without log-probs."""
     from gpu_engine.models.attention import build_metadata
 
     seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
     meta = build_metadata(seqs, BLOCK, device="cuda")
     ids = torch.randint(0, runner.config.vocab_size, (batch * new,), device="cuda")
-    runner.stage(ids, meta)
+    runner.stage(ids, meta, {"want_logprobs": torch.full((batch,), int(logprobs), dtype=torch.int32)})
 
 
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every parameter except the embedding table (unless tied)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+def active_experts(cfg, batch: int) -> float:
+    """Expected distinct experts per MoE layer for `batch` tokens under uniform routing (top-k of E)."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
+def weight_bytes(model, batch: int = 1) -> float:
+    """Bytes a decode step of `batch` rows reads: every parameter except the embedding table (unless
+    tied), and of the stacked experts only the active ones."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name.endswith(("mlp.gate_up", "mlp.down")) and p.dim() == 3:
+            size *= active_experts(model.config, batch) / p.shape[0]
+        total += size
     if model.lm_head.weight is not model.embed.weight:
         total -= model.embed.weight.numel() * model.embed.weight.element_size()
     return total
@@ -94,73 +119,102 @@ def prefill_flops(cfg, model, tokens: int) -> float:
     return 2.0 * tokens * layer_params + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
-def capture(runner):
+def capture(runner, batches, prefill):
     """Capture with device-launch executables; if instantiating those fails, say so and use host replay."""
     from gpu_engine.gpu.graph_cache import GraphCache
 
-    buckets = [(1, t) for t in PREFILL_TOKENS]
+    buckets = [(1, t) for t in prefill]
     try:
-        graphs = GraphCache(runner, list(DECODE_BATCHES), buckets)
+        graphs = GraphCache(runner, list(batches), buckets)
         return graphs, graphs.capture(progress=True)
     except Exception as exc:  # noqa: BLE001  (reported, then the host-replay path still gets measured)
         print(f"DEVICE-LAUNCH CAPTURE FAILED: {exc!r}; recapturing for host replay only", flush=True)
         graphs.close()
-        graphs = GraphCache(runner, list(DECODE_BATCHES), buckets, device_launch=False)
+        graphs = GraphCache(runner, list(batches), buckets, device_launch=False)
         return graphs, graphs.capture(progress=True)
 
 
-def run(out: Path, iters: int) -> dict:
-    gbps, tflops = measure_ceilings()
-    print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
-    cfg, model, runner, per_seq = build(max(CONTEXTS))
-    t0 = time.perf_counter()
-    graphs, captured = capture(runner)
-    print(f"captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
-          f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
-    wbytes = weight_bytes(model)
+def decode_row(name, cfg, model, runner, graphs, b: int, ctx: int, per_seq: int, gbps: float, iters: int) -> dict:
+    from bench.kernels import step_breakdown
+
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    rows = []
-    for ctx in CONTEXTS:
-        for b in DECODE_BATCHES:
-            stage_step(runner, b, ctx, 1, per_seq)
-            ms = _time_ms(lambda b=b: graphs.replay((True, b, b), filtered=False), iters)
-            ms_filtered = _time_ms(lambda b=b: graphs.replay((True, b, b), filtered=True), iters)
-            sample_ms = _time_ms(lambda b=b: runner._sample(b), iters)
-            floor = (wbytes + b * ctx * kv_per_token) / (gbps * 1e9) * 1e3
-            rows.append({"model": "llama3-8b-shape", "phase": "decode", "batch": b, "context": ctx,
-                         "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms,
-                         "ms_filtered": ms_filtered})
-    for t in PREFILL_TOKENS:
+    stage_step(runner, b, ctx, 1, per_seq, logprobs=True)
+    ms_logprobs = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
+    stage_step(runner, b, ctx, 1, per_seq)
+    ms = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
+    ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
+    sample_ms = _time_ms(lambda: runner._sample(b), iters)
+    floor = (weight_bytes(model, b) + b * ctx * kv_per_token) / (gbps * 1e9) * 1e3
+    parts = step_breakdown(runner, b, ctx, gbps)
+    row = {"model": name, "phase": "decode", "batch": b, "context": ctx, "tokens": b, "ms": ms, "floor_ms": floor,
+           "sample_ms": sample_ms, "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
+    if cfg.num_experts:
+        row["active_experts"] = active_experts(cfg, b)
+    return row
+
+
+def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int) -> list[dict]:
+    cfg, model, runner, per_seq = build(hf, max(CONTEXTS), batches, prefill)
+    t0 = time.perf_counter()
+    graphs, captured = capture(runner, batches, prefill)
+    print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
+          f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
+    rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, per_seq, gbps, iters)
+            for ctx in CONTEXTS for b in batches]
+    for t in prefill:
         stage_step(runner, 1, t, t, per_seq)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
         floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
-        rows.append({"model": "llama3-8b-shape", "phase": "prefill", "batch": 1, "context": t,
-                     "tokens": t, "ms": ms, "floor_ms": floor})
+        rows.append({"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms,
+                     "floor_ms": floor})
+    graphs.close()
+    return rows
+
+
+MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
+          "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
+
+
+def run(out: Path, iters: int, models=("dense", "moe")) -> dict:
+    gbps, tflops = measure_ceilings()
+    print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+    names = {MODELS[m][0] for m in models}
+    old = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    rows = [r for r in old.get("rows", []) if r.get("model") not in names]
+    for m in models:
+        rows += run_model(*MODELS[m], gbps, tflops, iters)
+        torch.cuda.empty_cache()  # the model is gone with run_model's frame
     result = {"device": torch.cuda.get_device_name(), "hbm_gbps_measured": gbps,
               "matmul_tflops_measured": tflops, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    graphs.close()
     return result
 
 
 def print_table(result: dict) -> None:
-    print(f"{'phase':8} {'batch':>5} {'ctx':>5} {'tokens':>6} {'ms':>9} {'floor':>9} {'x floor':>7}")
+    print(f"{'model':20} {'phase':8} {'batch':>5} {'ctx':>5} {'tokens':>6} {'ms':>9} {'floor':>9} {'x floor':>7}")
     for r in result["rows"]:
-        print(f"{r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
+        print(f"{r['model']:20} {r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
               f"{r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:7.2f}"
               + (f"  (filtered {r['ms_filtered']:.3f} ms)" if "ms_filtered" in r else "")
-              + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else ""))
+              + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else "")
+              + (f"  (log-probs {r['ms_logprobs']:.3f} ms)" if "ms_logprobs" in r else ""))
+        for part, v in r.get("breakdown", {}).items():
+            print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {v['gbps']:7.0f} GB/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode_roofline.json"))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(MODELS))
     args = parser.parse_args()
+    models = tuple(m for m in args.models.split(",") if m)
+    if not models or any(m not in MODELS for m in models):
+        raise SystemExit(f"--models: pick from {', '.join(MODELS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    print_table(run(args.out, args.iters))
+    print_table(run(args.out, args.iters, models))
 
 
 if __name__ == "__main__":

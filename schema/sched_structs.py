@@ -141,7 +141,7 @@ CONFIG_GROUPS = (
         Decl("int32_t *", "cu_seqlens context_lens block_tables"),
         Decl("int32_t *", "decode_ctx cu_chunks", "a mixed step's rows split between the two attention kernels"),
         Decl("float *", "temperature top_p min_p"),
-        Decl("int32_t *", "top_k"),
+        Decl("int32_t *", "top_k want_logprobs"),
         Decl("int64_t *", "seeds sample_index"),
         Decl("int64_t *", "next_tokens"),
         Decl("float *", "token_logprobs"),

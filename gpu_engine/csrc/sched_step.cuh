@@ -128,6 +128,8 @@ __device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32
     const ReqInfo *q = real ? &s->req[s->plan_slot[r]] : nullptr;
     c.context_lens[r] = real ? s->plan_cached[r] + s->plan_new[r] : 0;
     c.decode_ctx[r] = real && r < nd ? s->plan_cached[r] + s->plan_new[r] : 0;
+    // log-probs only for the rows that asked and whose token is used (runner.StepBuffers.want_logprobs)
+    c.want_logprobs[r] = real && (q->flags & BLINK_SAMPLING_FLAGS_WANT_LOGPROBS) && row_samples(s, r) ? 1 : 0;
     c.temperature[r] = real ? q->temp : 0.f;
     c.top_k[r] = real ? q->top_k : 0;
     c.top_p[r] = real ? q->top_p : 1.f;

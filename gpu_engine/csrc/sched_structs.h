@@ -61,7 +61,7 @@ typedef struct blink_sched_config {
   // a mixed step's rows split between the two attention kernels
   int32_t *decode_ctx, *cu_chunks;
   float *temperature, *top_p, *min_p;
-  int32_t *top_k;
+  int32_t *top_k, *want_logprobs;
   int64_t *seeds, *sample_index;
   int64_t *next_tokens;
   float *token_logprobs;

@@ -49,6 +49,7 @@ class HostGraphRunner:
             "min_p": torch.tensor([s.min_p for s in specs], dtype=torch.float32),
             "seeds": torch.tensor([s.seed for s in specs], dtype=torch.int64),
             "sample_index": torch.tensor([len(w.req.output) for w in plan.work], dtype=torch.int64),
+            "want_logprobs": torch.tensor([s.want_logprobs for s in specs], dtype=torch.int32),
         }
 
     @torch.inference_mode()

@@ -253,6 +253,7 @@ class PersistentScheduler:
         for name, ours in (("input_ids", "input_ids"), ("positions", "positions"), ("slot_mapping", "slot_mapping"),
                            ("cu_seqlens_q", "cu_seqlens"), ("context_lens", "context_lens"),
                            ("decode_ctx", "decode_ctx"), ("cu_chunks", "cu_chunks"),
+                           ("want_logprobs", "want_logprobs"),
                            ("block_tables", "block_tables"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("min_p", "min_p"), ("top_k", "top_k"), ("seeds", "seeds"),
                            ("sample_index", "sample_index"), ("next_tokens", "next_tokens"),

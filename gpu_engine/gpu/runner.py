@@ -23,15 +23,19 @@ import torch
 import torch.nn.functional as F
 
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.attention import decode_attention, prefill_attention
+from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.gemv import gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
+from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
+
+GEMV_ROWS = 8  # steps of at most this many tokens use `kernels.gemv` for their projections (fused path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,8 @@ class StepBuffers:
     min_p: torch.Tensor  # [max_batch] f32, 0 = off
     seeds: torch.Tensor  # [max_batch] int64
     sample_index: torch.Tensor  # [max_batch] int64, index of the token being sampled (RNG counter)
+    # [max_batch] int32: 1 = compute this row's log-probs, 0 = zeros; allocated all 1 for a writer that stages none
+    want_logprobs: torch.Tensor
     logits: torch.Tensor  # [max_batch, vocab] f32
     next_tokens: torch.Tensor  # [max_batch] int64
     token_logprobs: torch.Tensor  # [max_batch] f32
@@ -101,6 +107,7 @@ class StepBuffers:
             temperature=z(B, dtype=torch.float32), top_k=z(B, dtype=torch.int32),
             top_p=torch.ones(B, dtype=torch.float32, device=device), min_p=z(B, dtype=torch.float32),
             seeds=z(B, dtype=torch.int64), sample_index=z(B, dtype=torch.int64),
+            want_logprobs=torch.ones(B, dtype=torch.int32, device=device),
             logits=z(B, vocab, dtype=torch.float32), next_tokens=z(B, dtype=torch.int64),
             token_logprobs=z(B, dtype=torch.float32), top_ids=z(B, K, dtype=torch.int64),
             top_logprobs=z(B, K, dtype=torch.float32),
@@ -168,7 +175,9 @@ class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, fused: bool = True) -> None:
+        """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; one decode split
+        size; cuBLAS and a separate SiLU-and-multiply at every M), kept for comparison."""
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -184,6 +193,7 @@ class GpuModelRunner:
         self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._processors_staged = False  # the processor buffers hold something other than identity
+        self.fused = fused
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True) -> None:
@@ -212,31 +222,45 @@ class GpuModelRunner:
                    decode: bool) -> torch.Tensor:
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
+        qkv = self._linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-        if w.q_norm is not None and w.k_norm is not None:
-            rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
-            rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
-        apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
         kc, vc = self.kv.k[i], self.kv.v[i]
-        write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
+        if self.fused:
+            qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
+        else:
+            if w.q_norm is not None and w.k_norm is not None:
+                rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
+                rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
+            apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
+            write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale)
+            part = decode_partition(batch, hkv) if self.fused else 256
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
+            part = decode_partition(batch, hkv) if self.fused else 256
             out = torch.empty_like(q)
-            decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch])
+            decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
+                             partition_size=part)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
                               block_m=64 if tokens >= 64 else 16)
-        return F.linear(out.view(tokens, hq * d), w.o)
+        return self._linear(out.view(tokens, hq * d), w.o)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.router is not None:
             cfg = self.config
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return F.linear(silu_and_mul(F.linear(x, w.gate_up)), w.down)
+        return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`); a decode-sized step (fused, at most
+        GEMV_ROWS rows) takes the skinny matmul, with the SiLU-and-multiply applied as it loads x."""
+        if self.fused and x.shape[0] <= GEMV_ROWS:
+            return gemv(x, w, act="silu_mul" if silu_mul else None)
+        return F.linear(silu_and_mul(x) if silu_mul else x, w)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
         """Final residual add + norm on each sequence's last token only, then the LM head."""
@@ -244,21 +268,23 @@ class GpuModelRunner:
             last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
             h, residual = h[last], residual[last]
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
-        self.buffers.logits[:batch].copy_(F.linear(x, self.lm_head))
+        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:
         b = self.buffers
         sample(b.logits[:batch], b.temperature[:batch], b.top_k[:batch], b.top_p[:batch], b.min_p[:batch],
                b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
                b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered,
-               processors=b.processors(batch) if self.limits.processors else None)
+               processors=b.processors(batch) if self.limits.processors else None,
+               want_logprobs=b.want_logprobs[:batch])
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:
         """Copy one step (`AttentionMetadata` + token ids) into the static buffers, padding the rest.
 
         `sampling` may hold per-sequence `temperature`, `top_k`, `top_p`, `min_p`, `seeds`,
-        `sample_index` tensors; absent ones reset to greedy / off / 0. It may also hold the
+        `sample_index`, `want_logprobs` tensors; absent ones reset to greedy / off / 0 (log-probs: on
+        for the real rows, off for the padding). It may also hold the
         `kernels.sampling.processor_columns` of the step (all of them); the processor buffers are
         reset to identity only after a step that staged them.
         """
@@ -280,12 +306,15 @@ class GpuModelRunner:
         buf.cu_chunks[: B + 1].copy_(cu_chunks)
         buf.block_tables.fill_(-1)
         buf.block_tables[:B, :width].copy_(meta.block_tables)
-        defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0}
+        defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seeds": 0, "sample_index": 0,
+                    "want_logprobs": 0}
         for name, value in defaults.items():
             dst = getattr(buf, name)
             dst.fill_(value)
             if sampling and name in sampling:
                 dst[:B].copy_(sampling[name])
+            elif name == "want_logprobs":
+                dst[:B].fill_(1)
         self._stage_processors(B, sampling or {})
 
     def _stage_processors(self, B: int, sampling: dict[str, torch.Tensor]) -> None:

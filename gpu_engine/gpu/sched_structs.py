@@ -65,6 +65,7 @@ class SchedConfig(C.Structure):
     top_p: int | None
     min_p: int | None
     top_k: int | None
+    want_logprobs: int | None
     seeds: int | None
     sample_index: int | None
     next_tokens: int | None
@@ -126,6 +127,7 @@ class SchedConfig(C.Structure):
         ("top_p", C.c_void_p),
         ("min_p", C.c_void_p),
         ("top_k", C.c_void_p),
+        ("want_logprobs", C.c_void_p),
         ("seeds", C.c_void_p),
         ("sample_index", C.c_void_p),
         ("next_tokens", C.c_void_p),

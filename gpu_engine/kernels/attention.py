@@ -40,6 +40,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    start = s * PART
+    if start >= ctx:  # past this sequence's context: the reduce reads only the active splits
+        return
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
@@ -48,7 +51,6 @@ def _decode_split_kernel(
     m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    start = s * PART
     end = tl.minimum(start + PART, ctx)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     for n0 in range(start, end, BLOCK_N):
@@ -216,11 +218,22 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def decode_partition(batch: int, kv_heads: int) -> int:
+    """Context tokens per split for a decode graph of `batch` rows: small batches split finer so that
+    a short context still spreads over the SMs (one program per (row, KV head, split)); the graph
+    fixes it per batch size, whatever the contexts of the step it replays."""
+    rows = batch * kv_heads
+    return 64 if rows <= 64 else 128 if rows <= 256 else 256
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 64,
 ) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged."""
+    """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged.
+
+    One program per (row, KV head, split) computes all the query heads of that KV head (GQA), so
+    each K/V tile is read once; splits past a row's context exit at once (`decode_partition`)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]

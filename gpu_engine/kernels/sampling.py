@@ -1,11 +1,15 @@
 """Sampling on the device with no host round trip, mirroring `gpu_engine.sampling` exactly.
 
-Filtering (top-k, top-p, min-p) reuses the reference's torch function (sort-based, sync-free) on
-the temperature-scaled logits. `filtered=False` skips it: the sort-free variant, bit-identical
-whenever no row sets top-k, top-p or min-p (the filter is then the identity), which is what a
-decode graph without such a row runs. The kernel regenerates the reference's counter hash noise
-per vocab entry (no [B, V] noise tensor) and takes the Gumbel-max argmax, lowest index on ties.
-Rows with temperature <= 0 take the argmax of the processed logits. Log-probs are of the raw logits.
+Filtering (top-k, top-p, min-p) runs sort-free by default: `sampling_select.filter_boundary` finds
+each row's kept prefix of the temperature-scaled logits as a (key, count) boundary, and the draw
+kernel masks tokens by it as it scans (the same tokens as the reference's `filter_logits`).
+`sort_free=False` keeps the reference's sort-based torch function, for comparison. `filtered=False`
+skips filtering altogether: bit-identical whenever no row sets top-k, top-p or min-p (the filter is
+then the identity), which is what a decode graph without such a row runs. The kernel regenerates
+the reference's counter hash noise per vocab entry (no [B, V] noise tensor) and takes the
+Gumbel-max argmax, lowest index on ties. Rows with temperature <= 0 take the argmax of the
+processed logits. Log-probs are of the raw logits, computed only for the rows whose
+`want_logprobs` is set (`kernels.logprobs`).
 
 The logits processors (logit bias, min_tokens, repetition / frequency / presence penalties, in
 the reference's order, `gpu_engine.sampling.process_logits`) run as dense elementwise ops over
@@ -23,6 +27,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from gpu_engine.kernels._checks import check
+from gpu_engine.kernels.logprobs import token_logprobs
+from gpu_engine.kernels.sampling_select import _key, filter_boundary
 from gpu_engine.sampling import History, SamplingSpec, filter_logits
 
 _M32 = 0xFFFFFFFF
@@ -39,10 +45,22 @@ def _fmix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(raw_ptr, filt_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, V, s_raw, s_filt,
-                          BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _keep(x, idx, mask, bkey, bcnt, seen):
+    """The boundary's mask over one block of a row scanned in index order; `seen`: its ties so far."""
+    k = _key(x)
+    eq = (k == bkey) & mask
+    rank = seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    return (k > bkey) | (eq & (rank < bcnt)), seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(raw_ptr, filt_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, bkey_ptr, bcnt_ptr, V,
+                          s_raw, s_filt, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, BOUNDARY: tl.constexpr):
     b = tl.program_id(0)
     random = tl.load(temp_ptr + b) > 0
+    bkey = tl.load(bkey_ptr + b) if BOUNDARY else 0
+    bcnt = tl.load(bcnt_ptr + b) if BOUNDARY else 0
+    seen = tl.full([], 0, tl.int32)
     seed = tl.load(seed_ptr + b)
     s_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     s_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -58,6 +76,9 @@ def _gumbel_argmax_kernel(raw_ptr, filt_ptr, temp_ptr, seed_ptr, step_ptr, out_p
             h = _fmix32(kn ^ (idx.to(tl.uint32) * 0x9E3779B1))
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
             x = tl.load(filt_ptr + b * s_filt + idx, mask=mask, other=float("-inf"))
+            if BOUNDARY:
+                keep, seen = _keep(x, idx, mask, bkey, bcnt, seen)
+                x = tl.where(keep, x, float("-inf"))
             if LIBDEVICE:
                 x = x - libdevice.log(-libdevice.log(u))
             else:
@@ -132,14 +153,18 @@ def apply_processors(logits: torch.Tensor, p: Processors) -> torch.Tensor:
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, out_logprobs,
-           out_top_ids, out_top_logprobs, filtered: bool = True, processors: Processors | None = None) -> None:
+           out_top_ids, out_top_logprobs, filtered: bool = True, processors: Processors | None = None,
+           want_logprobs: torch.Tensor | None = None, sort_free: bool = True) -> None:
     """One token per row of fp32 `logits` [B, V]; every output is written in place, no sync.
 
     temperature/top_p/min_p [B] f32, top_k [B] int32, seeds/steps [B] int64 (the reference's `seeds`
     and `steps`); outputs tokens [B] int64, logprobs [B] f32, top ids/logprobs [B, K].
-    `filtered=False` ignores top_k/top_p/min_p (no sort): only for rows where they are all off
+    `filtered=False` ignores top_k/top_p/min_p: only for rows where they are all off
     (`gpu_engine.policy.needs_filter`), for which it gives the same outputs bit for bit.
+    `sort_free=False` filters through the reference's sort instead of the boundary search.
     `processors` (rows [B]) applies the logits processors before the draw and the greedy argmax.
+    `want_logprobs` [B] int32 (None: every row) picks the rows whose log-prob outputs are computed;
+    the others get zeros.
     """
     check("logits", logits, dtype=torch.float32, shape=(None, None))
     B, V = logits.shape
@@ -153,20 +178,22 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     check("out_top_logprobs", out_top_logprobs, dtype=torch.float32, shape=tuple(out_top_ids.shape), device=dev)
     if processors is not None:
         processors.check(B, V, dev)
+    if want_logprobs is None:
+        want_logprobs = torch.ones(B, dtype=torch.int32, device=dev)
+    check("want_logprobs", want_logprobs, dtype=torch.int32, shape=(B,), device=dev)
     if B == 0:
         return
     proc = logits if processors is None else apply_processors(logits, processors)
     temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = proc / temps[:, None]
-    if filtered:
-        scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
-    _gumbel_argmax_kernel[(B,)](proc, scaled, temperature, seeds, steps, out_tokens, V,
+    boundary = filtered and sort_free
+    if boundary:
+        bkey, bcnt = filter_boundary(scaled, temperature, top_k, top_p, min_p)
+    else:
+        bkey = bcnt = out_tokens  # not read
+        if filtered:
+            scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
+    _gumbel_argmax_kernel[(B,)](proc, scaled, temperature, seeds, steps, out_tokens, bkey, bcnt, V,
                                 proc.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
-                                LIBDEVICE=logits.is_cuda)
-    logp = torch.log_softmax(logits, dim=-1)
-    out_logprobs.copy_(logp.gather(-1, out_tokens[:, None]).squeeze(1))
-    k = out_top_ids.shape[1]
-    if k:
-        vals, ids = torch.topk(logp, k, dim=-1)
-        out_top_ids.copy_(ids)
-        out_top_logprobs.copy_(vals)
+                                LIBDEVICE=logits.is_cuda, BOUNDARY=boundary)
+    token_logprobs(logits, want_logprobs, out_tokens, out_logprobs, out_top_ids, out_top_logprobs)

@@ -1,0 +1,262 @@
+"""Each decode-path kernel against its own floor: achieved GB/s beside the measured device-copy rate.
+
+Every kernel is timed inside a captured CUDA graph of repeated launches (so launch gaps do not
+count), at Llama-3-8B shapes in bf16 (its correctness is tests/gpu's). Where an old path is kept
+for comparison (the sort-based filter, log-probs for every row, the unfused QK-norm / RoPE / KV
+write, one decode split size, cuBLAS and a separate SiLU-and-multiply at M <= 8), it is timed
+beside the new one.
+Usage: python -m bench.kernels [--out bench/results/kernels.json]
+`step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
+(bench/roofline.py prints it for every decode row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Milliseconds per call of `fn`, from a CUDA graph holding `reps` calls, replayed 5 times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / autotune outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (5 * reps)
+
+
+def copy_gbps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (graph_ms(lambda: dst.copy_(src), 5) * 1e-3) / 1e9
+
+
+def entry(ms: float, nbytes: float, gbps: float) -> dict:
+    return {"ms": ms, "bytes": nbytes, "gbps": nbytes / (ms * 1e-3) / 1e9, "floor_ms": nbytes / (gbps * 1e9) * 1e3}
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]:
+    """Per-component time of one decode step of `batch` rows at context `ctx`, as staged in `runner`."""
+    from gpu_engine.kernels.attention import decode_attention, decode_partition
+    from gpu_engine.kernels.moe import fused_moe
+    from gpu_engine.kernels.qkv_prep import qkv_prep
+    from gpu_engine.kernels.rmsnorm import rms_norm
+
+    cfg, buf, w, L = runner.config, runner.buffers, runner.layers[0], len(runner.layers)
+    hq, hk, d, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    x = torch.randn(batch, H, device=runner.device, dtype=runner.dtype)
+    res = torch.randn_like(x)
+    qkv = F.linear(x, w.qkv)
+    q, k, v = (qkv[:, : hq * d].view(batch, hq, d), qkv[:, hq * d: (hq + hk) * d].view(batch, hk, d),
+               qkv[:, (hq + hk) * d:].view(batch, hk, d))
+    kc, vc = runner.kv.k[0], runner.kv.v[0]
+    attn = torch.empty_like(q)
+    row = batch * H * x.element_size()  # one [batch, hidden] activation
+    eps = cfg.rms_norm_eps
+    parts = {  # per layer: (launch, bytes it must move)
+        "norms": (lambda: (rms_norm(x, w.attn_norm, eps, residual=res), rms_norm(x, w.mlp_norm, eps, residual=res)),
+                  8 * row + 2 * _nbytes(w.attn_norm)),
+        "qkv_gemm": (lambda: F.linear(x, w.qkv), _nbytes(w.qkv, qkv) + row),
+        "qkv_prep": (lambda: qkv_prep(q, k, v, buf.positions[:batch], runner.rope_cache, kc, vc,
+                                      buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
+        "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
+                                                      runner.scale, out=attn,
+                                                      partition_size=decode_partition(batch, hk)),
+                             batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
+        "o_gemm": (lambda: F.linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
+    }
+    parts |= _mlp_parts(runner, w, x, batch, fused_moe)
+    per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
+    out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
+           for name, e in per_layer.items()}
+    head = F.linear(x, runner.lm_head)
+    out["lm_head"] = entry(graph_ms(lambda: F.linear(x, runner.lm_head)), _nbytes(runner.lm_head, head), gbps)
+    out["sampling"] = entry(graph_ms(lambda: runner._sample(batch)), _nbytes(buf.logits[:batch]), gbps)
+    return out
+
+
+def _mlp_parts(runner, w, x, batch: int, fused_moe) -> dict:
+    cfg = runner.config
+    if w.router is not None:
+        from bench.roofline import active_experts
+
+        frac = active_experts(cfg, batch) / cfg.num_experts
+        nbytes = (_nbytes(w.gate_up) + _nbytes(w.down)) * frac + _nbytes(w.router)
+        return {"moe": (lambda: fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok,
+                                          cfg.norm_topk_prob), nbytes)}
+    from gpu_engine.kernels.activation import silu_and_mul
+
+    gu = F.linear(x, w.gate_up)
+    h = silu_and_mul(gu)
+    return {"gate_up_gemm": (lambda: F.linear(x, w.gate_up), _nbytes(w.gate_up, gu, x)),
+            "silu_mul": (lambda: silu_and_mul(gu, out=h), _nbytes(gu, h)),
+            "down_gemm": (lambda: F.linear(h, w.down), _nbytes(w.down, h, x))}
+
+
+def _col(B: int, value, dtype=torch.float32) -> torch.Tensor:
+    return torch.full((B,), value, device="cuda", dtype=dtype)
+
+
+def _sampling_batch(B: int, V: int, gbps: float) -> list[dict]:
+    from gpu_engine.kernels.sampling import sample
+
+    logits = (torch.randn(B, V, device="cuda") * 4).bfloat16().float()
+    seeds, steps = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
+    outs = (torch.empty(B, dtype=torch.int64, device="cuda"), torch.empty(B, device="cuda"),
+            torch.empty(B, 5, dtype=torch.int64, device="cuda"), torch.empty(B, 5, device="cuda"))
+    off, on = _col(B, 0, torch.int32), _col(B, 1, torch.int32)
+    greedy, plain = _col(B, 0.0), _col(B, 1.0)
+    cases = {  # (temperature, top_k, top_p, keywords)
+        "greedy": (greedy, 0, 1.0, {"filtered": False, "want_logprobs": off}),
+        "greedy+logprobs": (greedy, 0, 1.0, {"filtered": False, "want_logprobs": on}),
+        "top_p0.9_sort_free": (plain, 0, 0.9, {"want_logprobs": off}),
+        "top_p0.9_sort": (plain, 0, 0.9, {"want_logprobs": off, "sort_free": False}),
+        "top_k50_sort_free": (plain, 50, 1.0, {"want_logprobs": off}),
+        "top_k50_sort": (plain, 50, 1.0, {"want_logprobs": off, "sort_free": False}),
+    }
+    rows = []
+    min_p = _col(B, 0.0)
+    for name, (t, k, p, kw) in cases.items():
+        top_k, top_p = _col(B, k, torch.int32), _col(B, p)
+        ms = graph_ms(lambda t=t, k=top_k, p=top_p, kw=kw: sample(logits, t, k, p, min_p, seeds, steps, *outs, **kw))
+        rows.append({"kernel": "sampling", "case": name, "batch": B, "vocab": V, **entry(ms, _nbytes(logits), gbps)})
+    return rows
+
+
+def sampling_rows(gbps: float, V: int = 128256) -> list[dict]:
+    """The sampler per batch: greedy with and without log-probs, top-p / top-k sort-free and sorted."""
+    return [r for B in (1, 8, 64, 128) for r in _sampling_batch(B, V, gbps)]
+
+
+def prep_rows(gbps: float) -> list[dict]:
+    """The fused QK-norm + RoPE + KV write against the unfused kernels, Llama-3-8B / Qwen3 head shapes."""
+    from gpu_engine.kernels.kv_cache import write_kv
+    from gpu_engine.kernels.qkv_prep import qkv_prep
+    from gpu_engine.kernels.rmsnorm import rms_norm
+    from gpu_engine.kernels.rope import apply_rope, build_rope_cache
+
+    hq, hk, d = 32, 8, 128
+    cache = build_rope_cache(d, 8192, 500000.0, device="cuda")
+    kc = torch.zeros(4096, 16, hk, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    qn, kn = torch.ones(d, device="cuda", dtype=torch.bfloat16), torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for T in (1, 8, 64, 128):
+        qkv = torch.randn(T, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d: (hq + hk) * d].view(T, hk, d),
+                   qkv[:, (hq + hk) * d:].view(T, hk, d))
+        pos, slots = torch.arange(T, device="cuda"), torch.arange(T, device="cuda")
+
+        def unfused(q=q, k=k, v=v, pos=pos, slots=slots):
+            rms_norm(q, qn, 1e-6, out=q)
+            rms_norm(k, kn, 1e-6, out=k)
+            apply_rope(q, k, pos, cache)
+            write_kv(k, v, kc, vc, slots)
+
+        for name, fn in {"fused": lambda q=q, k=k, v=v, pos=pos, slots=slots: qkv_prep(
+                q, k, v, pos, cache, kc, vc, slots, qn, kn, 1e-6), "unfused": unfused}.items():
+            rows.append({"kernel": "qkv_prep", "case": name, "batch": T, **entry(graph_ms(fn), 2 * _nbytes(qkv), gbps)})
+    return rows
+
+
+def attention_rows(gbps: float) -> list[dict]:
+    """Decode attention at the runner's split size against the old fixed 256, bf16, 8 KV heads."""
+    from gpu_engine.kernels.attention import decode_attention, decode_partition
+
+    rows = []
+    for ctx in (512, 2048):
+        for B in (1, 8, 64, 128):
+            per = ctx // 16 + 1
+            kc = torch.randn(B * per, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            tables = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
+            lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+            q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            nbytes = 2 * B * ctx * 8 * 128 * 2 + 2 * _nbytes(q)
+            for name, part in (("split_by_batch", decode_partition(B, 8)), ("split_256", 256)):
+                ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, p=part: decode_attention(
+                    q, kc, vc, t, n, 128 ** -0.5, out=o, partition_size=p))
+                rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx,
+                             **entry(ms, nbytes, gbps)})
+    return rows
+
+
+def gemv_rows(gbps: float) -> list[dict]:
+    """The skinny matmul against cuBLAS (F.linear) at the Llama-3-8B projections, M = 1 and 8; the MLP's
+    down projection with the SiLU-and-multiply fused against silu_and_mul + F.linear."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.gemv import gemv
+
+    rows = []
+    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                       ("lm_head", 128256, 4096)):
+        w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+        for M in (1, 8):
+            x = torch.randn(M, 2 * K if name == "down" else K, device="cuda", dtype=torch.bfloat16)
+            act = "silu_mul" if name == "down" else None
+            cases = {"gemv": lambda x=x, w=w, act=act: gemv(x, w, act=act),
+                     "cublas": (lambda x=x, w=w: F.linear(silu_and_mul(x), w)) if act else
+                     (lambda x=x, w=w: F.linear(x, w))}
+            for case, fn in cases.items():
+                rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
+                             **entry(graph_ms(fn), _nbytes(w, x), gbps)})
+    return rows
+
+
+def silu_rows(gbps: float) -> list[dict]:
+    from gpu_engine.kernels.activation import silu_and_mul
+
+    rows = []
+    for T in (1, 8, 64, 128):
+        x = torch.randn(T, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+        out = silu_and_mul(x)
+        rows.append({"kernel": "silu_mul", "case": "triton", "batch": T,
+                     **entry(graph_ms(lambda x=x, out=out: silu_and_mul(x, out=out)), _nbytes(x, out), gbps)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels needs a CUDA device")
+    gbps = copy_gbps()
+    print(f"device copy {gbps:.0f} GB/s", flush=True)
+    rows = []
+    for fn in (sampling_rows, prep_rows, attention_rows, gemv_rows, silu_rows):
+        for r in fn(gbps):
+            rows.append(r)
+            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab") if k in r)
+            print(f"{r['kernel']:17} {r['case']:20} {where:26} {r['ms'] * 1e3:9.1f} us {r['gbps']:7.0f} GB/s "
+                  f"({r['gbps'] / gbps:5.1%} of copy)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": gbps, "rows": rows},
+                                   indent=1))
+
+
+if __name__ == "__main__":
+    main()

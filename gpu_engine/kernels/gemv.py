@@ -1,0 +1,87 @@
+"""Skinny matmul for decode (M <= 16 rows): out = act(x) @ w.T, reading the weight once at full width.
+
+A decode step multiplies a handful of rows by each weight, so its time is the weight read. Each
+program owns BLOCK_N output columns for all M rows and streams its [BLOCK_N, K] slice of the
+weight in [BLOCK_N, BLOCK_K] tiles (contiguous rows), the rows of x padded to 16 for the dot.
+`act="silu_mul"` takes x as the gate_up output [M, 2K] and applies silu(gate) * up to each x
+tile as it is loaded, so the SiLU-and-multiply of the MLP costs no launch and no round trip.
+Accumulation is fp32; fp32 inputs multiply at full precision (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_engine.kernels._checks import FLOAT_DTYPES, check
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _x_tile(x_ptr, sx, m, k, M, K, SILU: tl.constexpr):
+    mask = (m[:, None] < M) & (k[None, :] < K)
+    ptrs = x_ptr + m[:, None] * sx + k[None, :]
+    if SILU:
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, sw, so, SILU: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    tl.store(out_ptr + m[:, None] * so + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    """Plain PyTorch: F.linear(act(x), w) in fp32, rounded to x's dtype."""
+    xf = x.float()
+    if act == "silu_mul":
+        g, u = xf.chunk(2, dim=-1)
+        xf = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
+    return (xf @ w.float().T).to(x.dtype)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
+         block_n: int | None = None, block_k: int = 128) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with act="silu_mul"), w [N, K] -> out [M, N]; M <= MAX_ROWS.
+
+    `block_n` (default by N: 16 up to 8192 columns, 32 up to 32768, else 64) keeps a few programs
+    per SM for the Llama-3-8B projections (N 4096 .. 128256)."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
+    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
+    if act and x.shape[1] % 2:
+        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
+    if M > MAX_ROWS:
+        raise ValueError(f"x: {M} rows, the skinny matmul takes at most {MAX_ROWS}")
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if block_n is None:
+        block_n = 16 if N <= 8192 else 32 if N <= 32768 else 64
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), SILU=act == "silu_mul", BLOCK_M=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        num_stages=4,
+    )
+    return out

@@ -1,0 +1,61 @@
+"""The decode-path kernels at real sizes (Llama-3-8B and Qwen3 shapes, bf16) against their references."""
+
+import pytest
+import torch
+
+from gpu_engine.kernels import attention, rope
+from gpu_engine.kernels.qkv_prep import qkv_prep, qkv_prep_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T", [1, 128, 2048])
+def test_gpu_qkv_prep_real_sizes(norm, T):
+    hq, hk, d = 32, 8, 128
+    qkv = torch.randn(T, (hq + 2 * hk) * d, device=DEV, dtype=torch.bfloat16)
+    q, k = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d: (hq + hk) * d].view(T, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(T, hk, d)
+    cache = rope.build_rope_cache(d, 8192, 500000.0, device=DEV)
+    pos = torch.randint(0, 8192, (T,), device=DEV)
+    slots = torch.randperm(4096 * 16, device=DEV)[:T]
+    slots[::7] = -1
+    qn = kn = None
+    if norm:
+        qn, kn = (torch.rand(d, device=DEV) + 0.5).bfloat16(), (torch.rand(d, device=DEV) + 0.5).bfloat16()
+    kc = torch.zeros(4096, 16, hk, d, device=DEV, dtype=torch.bfloat16)
+    vc, want_kc, want_vc = torch.zeros_like(kc), torch.zeros_like(kc), torch.zeros_like(kc)
+    want_q = qkv_prep_ref(q, k, v, pos, cache, want_kc, want_vc, slots, qn, kn, 1e-6)
+    qkv_prep(q, k, v, pos, cache, kc, vc, slots, qn, kn, 1e-6)
+    torch.testing.assert_close(q.float(), want_q.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kc.float(), want_kc.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(vc, want_vc)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64, 128])
+def test_gpu_decode_attention_at_the_runner_split(batch):
+    from tests.test_kernels import _paged
+
+    lens = [int(x) for x in torch.randint(1, 4096, (batch,), generator=torch.Generator().manual_seed(batch))]
+    kc, vc, bt, ctx = _paged(lens, hkv=8, d=128, bs=16, nblocks=sum(-(-n // 16) for n in lens) + 8,
+                             dtype=torch.bfloat16)
+    q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out,
+                               partition_size=attention.decode_partition(batch, 8))
+    want = attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
+                                   (4096, 14336, "silu_mul"), (128256, 4096, None)])
+def test_gpu_gemv_real_sizes(M, shape):
+    from gpu_engine.kernels.gemv import gemv, gemv_ref
+
+    N, K, act = shape
+    x = torch.randn(M, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
+    got, want = gemv(x, w, act=act).float(), gemv_ref(x, w, act).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2

@@ -1,0 +1,111 @@
+"""The decode-path kernels against their references: the fused QK-norm + RoPE + KV write, and the
+split-KV decode attention at the split sizes small batches use. Tiny shapes (interpreter on the CPU)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpu_engine.kernels import attention, rope  # noqa: E402
+from gpu_engine.kernels.qkv_prep import qkv_prep, qkv_prep_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _qkv(T, hq, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(DEV, dtype)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(T, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(T, hk, d)
+    return qkv, q, k, v
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("rot", [16, 8])  # full and partial rotary
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_qkv_prep_matches_the_unfused_kernels(norm, rot, dtype, tol):
+    T, hq, hk, d = 5, 4, 2, 16
+    _, q, k, v = _qkv(T, hq, hk, d, dtype)
+    cache = rope.build_rope_cache(rot, 64, 10000.0, device=DEV)
+    pos = torch.tensor([0, 3, 17, 63, 8], device=DEV)
+    slots = torch.tensor([2, -1, 9, 30, 11], device=DEV)
+    qn = kn = None
+    if norm:
+        qn, kn = torch.rand(d, device=DEV).to(dtype) + 0.5, torch.rand(d, device=DEV).to(dtype) + 0.5
+    kc, vc = torch.zeros(8, 4, hk, d, device=DEV, dtype=dtype), torch.zeros(8, 4, hk, d, device=DEV, dtype=dtype)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want_q = qkv_prep_ref(q, k, v, pos, cache, want_kc, want_vc, slots, qn, kn, 1e-6)
+    qkv_prep(q, k, v, pos, cache, kc, vc, slots, qn, kn, 1e-6)
+    torch.testing.assert_close(q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc.float(), want_kc.float(), rtol=tol, atol=tol)
+    assert torch.equal(vc, want_vc)
+    assert not bool(kc.view(-1, hk, d)[[0, 1]].any())  # slot -1 wrote nothing
+
+
+def test_qkv_prep_rejects_bad_inputs():
+    _, q, k, v = _qkv(2, 4, 2, 16, torch.float32)
+    cache = rope.build_rope_cache(16, 8, 10000.0, device=DEV)
+    kc = torch.zeros(2, 4, 2, 16, device=DEV)
+    pos, slots = torch.zeros(2, dtype=torch.int64, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qkv_prep(q, k, v, pos, cache, kc, kc.clone(), slots.int())
+    with pytest.raises(ValueError, match="k_cache"):
+        qkv_prep(q, k, v, pos, cache, kc[:, :, :1], kc.clone(), slots)
+    with pytest.raises(ValueError, match="go together"):
+        qkv_prep(q, k, v, pos, cache, kc, kc.clone(), slots, q_norm=torch.ones(16, device=DEV))
+    with pytest.raises(ValueError, match="rotary"):
+        qkv_prep(q, k, v, pos, torch.zeros(8, 18, device=DEV), kc, kc.clone(), slots)
+    with pytest.raises(ValueError, match="multiple"):
+        qkv_prep(q[:, :3], k, v, pos, cache, kc, kc.clone(), slots)
+
+
+def test_decode_partition_splits_small_batches_finer():
+    assert attention.decode_partition(1, 8) == 64
+    assert attention.decode_partition(16, 8) == 128
+    assert attention.decode_partition(128, 8) == 256
+    for b in (1, 8, 32, 64, 128, 256):
+        assert attention.decode_partition(b, 8) % 64 == 0  # a multiple of the default block_n
+
+
+def test_decode_attention_with_fine_splits_and_empty_rows():
+    from tests.test_kernels import _paged
+
+    kc, vc, bt, ctx = _paged([1, 130, 0, 64, 65], hkv=2, d=16, bs=4, nblocks=80)
+    q = torch.randn(5, 8, 16, device=DEV)
+    want = attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25)
+    out = torch.full_like(q, float("nan"))
+    attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=out, partition_size=32, block_n=16)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+def test_gemv_matches_the_reference(M, act, dtype, tol):
+    from gpu_engine.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(M)
+    K, N = 200, 70  # neither a multiple of the tiles
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    gemv(x, w, act=act, out=out, block_n=32, block_k=64)
+    torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+
+
+def test_gemv_rejects_bad_inputs():
+    from gpu_engine.kernels.gemv import gemv
+
+    x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="w: shape"):
+        gemv(x, w, act="silu_mul")
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.zeros(17, 8, device=DEV), w)
+    with pytest.raises(ValueError, match="act"):
+        gemv(x, w, act="gelu")
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x, w.half())
