@@ -339,7 +339,7 @@ def split_rows(cu_seqlens: torch.Tensor, context_lens: torch.Tensor) -> tuple[to
     cu[r + 1] == r + 1) keeps its context length in decode_ctx and is empty in cu_chunks
     (cu_chunks[r] = max(cu[r], that run's length)); every other row is 0 in decode_ctx."""
     cu = cu_seqlens.to(torch.int64)
-    rows = torch.arange(1, cu.numel(), dtype=torch.int64)
+    rows = torch.arange(1, cu.numel(), dtype=torch.int64, device=cu.device)
     lead = torch.cumprod((cu[1:] == rows).to(torch.int64), 0).bool()
     nd = int(lead.sum())
     decode_ctx = torch.where(lead, context_lens.to(torch.int32), torch.zeros_like(context_lens, dtype=torch.int32))

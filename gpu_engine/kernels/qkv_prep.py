@@ -72,9 +72,11 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_p
     _store_heads(q, sq_h, y1, y2, y3, rm, pm, ROT_HALF, BLOCK_HQ, BLOCK_R, BLOCK_P)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        y1, y2, y3, rm, pm = _norm_rotate(k_ptr + t * sk_t, HK, sk_h, kw_ptr, eps, cos, sin, NORM, D, ROT_HALF,
-                                          BLOCK_HK, BLOCK_R, BLOCK_P)
-        _store_heads(kc_ptr + slot * (HK * D), D, y1, y2, y3, rm, pm, ROT_HALF, BLOCK_HK, BLOCK_R, BLOCK_P)
+        # names of their own: a value defined before an `if` must keep its shape inside it (the key
+        # heads' tiles are [BLOCK_HK, ...], the query heads' [BLOCK_HQ, ...])
+        k1, k2, k3, krm, kpm = _norm_rotate(k_ptr + t * sk_t, HK, sk_h, kw_ptr, eps, cos, sin, NORM, D, ROT_HALF,
+                                            BLOCK_HK, BLOCK_R, BLOCK_P)
+        _store_heads(kc_ptr + slot * (HK * D), D, k1, k2, k3, krm, kpm, ROT_HALF, BLOCK_HK, BLOCK_R, BLOCK_P)
         h = tl.arange(0, BLOCK_HK)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         vm = (h < HK) & (d < D)
