@@ -63,12 +63,9 @@ def test_qkv_prep_rejects_bad_inputs():
         qkv_prep(q[:, :3], k, v, pos, cache, kc, kc.clone(), slots)
 
 
-def test_decode_partition_splits_small_batches_finer():
-    assert attention.decode_partition(1, 8) == 64
-    assert attention.decode_partition(16, 8) == 128
-    assert attention.decode_partition(128, 8) == 256
-    for b in (1, 8, 32, 64, 128, 256):
-        assert attention.decode_partition(b, 8) % 64 == 0  # a multiple of the default block_n
+def test_decode_partition_is_the_same_for_every_batch():
+    """A row's splits (so its sums) do not depend on the batch it runs in: greedy tokens stay batch-invariant."""
+    assert {attention.decode_partition(b, 8) for b in (1, 8, 16, 32, 64, 128, 256)} == {256}
 
 
 def test_decode_attention_with_fine_splits_and_empty_rows():

@@ -35,7 +35,11 @@ from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
 
-GEMV_ROWS = 8  # steps of at most this many tokens use `kernels.gemv` for their projections (fused path)
+# Steps of at most this many tokens use `kernels.gemv` for their projections (fused path). Off (0): a
+# request's tokens must not depend on how many tokens its step carries, and the skinny matmul sums in
+# another order than cuBLAS does for larger steps (on the H200 one of 5,000 fp32 greedy requests then
+# differed between two runs whose steps were batched differently).
+GEMV_ROWS = 0
 
 
 @dataclass(frozen=True, slots=True)

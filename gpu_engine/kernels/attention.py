@@ -222,8 +222,12 @@ def decode_partition(batch: int, kv_heads: int) -> int:
     """Context tokens per split for a decode graph of `batch` rows: small batches split finer so that
     a short context still spreads over the SMs (one program per (row, KV head, split)); the graph
     fixes it per batch size, whatever the contexts of the step it replays."""
-    rows = batch * kv_heads
-    return 64 if rows <= 64 else 128 if rows <= 256 else 256
+    # One size for every batch: a row's split (so its fp32 sums) must not depend on the batch it runs
+    # in, or a request's greedy tokens would depend on its neighbours. The finer splits for small
+    # batches (64 tokens for <= 64 (row, KV head) programs, 128 for <= 256) wait for a merge that is
+    # independent of the split size.
+    del batch, kv_heads
+    return 256
 
 
 def decode_attention(

@@ -77,5 +77,6 @@ def test_5000_requests_through_the_frontend(model: Path, tmp_path: Path) -> None
     summary = {"requests": len(jobs), "hung_up": hung_up, "tokens": sum(len(r.tokens) for r in pers.values()),
                "persistent_s": info["elapsed_s"], "host_s": host_info["elapsed_s"], "scheduler": stats}
     (OUT / "persistent_frontend_5k.json").write_text(json.dumps(summary))
-    assert stats["windows"] > 100 and stats["kv_free"] == captured["kv_blocks"]
+    # chunked prefill carries prompts in the decode steps: fewer launches than one step per prefill
+    assert stats["windows"] > 50 and stats["kv_free"] == captured["kv_blocks"]
     assert stats["cancels"] >= 1 and stats["launch_failures"] == 0

@@ -173,9 +173,9 @@ def test_persistent_serves_a_frontend_without_flips(tiny: Path) -> None:
 
 
 # A budget of 96 tokens per step (64 of them may be decodes) against prompts of up to 256 tokens, and a
-# cache of 300 blocks (4,800 tokens) for up to 64 requests of up to 304: chunks, mixed steps and
-# preemptions mid-prefill on every side.
-CHUNK_ARGS = tuple(a if a != "6000" else "300" for a in ENGINE_ARGS) + ("--max-num-batched-tokens", "96")
+# cache of 64 blocks (1,024 tokens) for up to 64 requests of up to 304: chunks, mixed steps and
+# preemptions on every side.
+CHUNK_ARGS = tuple(a if a != "6000" else "64" for a in ENGINE_ARGS) + ("--max-num-batched-tokens", "96")
 
 
 def test_chunked_prefill_matches_whole_prompts(tiny: Path) -> None:
