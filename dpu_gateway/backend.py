@@ -211,7 +211,7 @@ class Backend:
         return m.GatewayHello(self.gateway_id, [m.Resume(s.req_id, s.received) for s in live])
 
     def _reader_down(self) -> None:
-        """Streams wait for the next reader; those still unserved ``reattach_s`` on fail."""
+        """The streams wait for the next reader; if none has linked ``reattach_s`` later, they fail."""
         links = self._reader_links
         asyncio.get_running_loop().call_later(self.reattach_s, self._reattach_expired, links)
 

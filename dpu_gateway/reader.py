@@ -260,6 +260,7 @@ class TokenReader:
             for route in engine.routes.values():
                 if route.track.req_id in left and route.track.gateway_id == gateway_id:
                     route.sent = left.pop(route.track.req_id)
+                    route.orphan = False  # its gateway is here after all (a cancelled slot ends as abort)
         for engine in self.engines:
             if left:
                 engine.check_health()
