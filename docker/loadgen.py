@@ -41,6 +41,7 @@ class Result:
     error: dict | None = None        # the error event streamed after the 200, or the broken stream
     tokens: int = 0
     retries: int = 0
+    text: str = ""                   # the streamed text, put together
 
     @property
     def ok(self) -> bool:
@@ -151,6 +152,7 @@ class Load:
                 continue
             for choice in event.get("choices", ()):
                 res.tokens += 1 if choice.get("text") else 0
+                res.text += choice.get("text") or ""
                 res.finish = choice.get("finish_reason") or res.finish
         if not done and res.error is None:
             res.error = {"broken": "stream ended without [DONE]"}

@@ -4,6 +4,10 @@ Each link is kept up by its own task: connect (waiting for the service), run, an
 peer goes away fail what depended on it, then reconnect. A request's events (tokens,
 finish, failure) arrive on its ``RequestStream`` queue; the stream is registered before the
 request is submitted, so no token can arrive before there is somewhere to put it.
+
+A lost reader link fails nothing at once: the streams wait up to ``reattach_s`` for the next reader,
+whose hello names them with the tokens each received; that reader sends the rest (docs/DEPLOY.md).
+Tokens a stream already has are dropped by position (``Tokens.at``), so none is seen twice.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from shared.log import get_logger
 
 log = get_logger("gateway")
 Event = m.Tokens | m.Finished | m.Failed
+REATTACH_S = 10.0  # how long streams wait for a new token reader before they fail
+READER_GONE = "the token reader went away"
 
 
 @dataclasses.dataclass(slots=True, eq=False)  # identity: streams live in sets
@@ -32,11 +38,36 @@ class RequestStream:
     admitted: asyncio.Future[int] = dataclasses.field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     done: bool = False
+    received: int = 0  # output tokens put on ``events``
+    link_pos: int = 0  # where the next Tokens without ``at`` starts (from a reader of an earlier build)
+
+    def placed(self) -> bool:
+        """Admitted into a ring, or already streaming: a new reader can find it there."""
+        ok = self.admitted.done() and not self.admitted.cancelled() and self.admitted.exception() is None
+        return ok or self.received > 0
+
+    def fresh(self, msg: m.Tokens) -> Event | None:
+        """What of ``msg`` this stream lacks (a re-attached reader may start before what it has),
+        None if nothing; a gap (tokens skipped) is a ``Failed``."""
+        at = msg.at if msg.at >= 0 else self.link_pos
+        self.link_pos = at + len(msg.ids)
+        skip = self.received - at
+        if skip < 0:
+            return m.Failed(self.req_id, 500, f"tokens {self.received}..{at - 1} of the stream were lost")
+        if skip >= len(msg.ids):
+            return None
+        self.received = self.link_pos
+        if skip == 0:
+            return msg
+        return m.Tokens(msg.req_id, msg.ids[skip:], msg.logprobs[skip:] if msg.logprobs else msg.logprobs,
+                        msg.top[skip:] if msg.top else msg.top, at=at + skip)
 
 
 class Backend:
-    def __init__(self, run_dir: Path, gateway_id: int | None = None) -> None:
+    def __init__(self, run_dir: Path, gateway_id: int | None = None, reattach_s: float = REATTACH_S) -> None:
         self.run_dir = run_dir
+        self.reattach_s = reattach_s
+        self._reader_links = 0  # reader links made so far: a re-attach timer checks none came since
         self.gateway_id = (os.getpid() if gateway_id is None else gateway_id) & 0xFFFFFF
         self._ids = itertools.count(1)
         self.links: dict[str, ipc.Channel | None] = {"tokenizer": None, "tracker": None, "reader": None}
@@ -67,7 +98,7 @@ class Backend:
         while True:
             chan = await ipc.connect(self.run_dir, name, inbound)
             if name == "reader":
-                chan.send(m.GatewayHello(self.gateway_id))
+                chan.send(self._hello())
             self.links[name] = chan
             self._linked[name].set()
             try:
@@ -160,11 +191,32 @@ class Backend:
 
     def _on_reader(self, msg: Event) -> None:
         stream = self.streams.get(msg.req_id)
-        if stream is not None:
-            if not isinstance(msg, m.Tokens):
-                stream.done = True
-            stream.events.put_nowait(msg)
+        if stream is None or stream.done:
+            return
+        event = stream.fresh(msg) if isinstance(msg, m.Tokens) else msg
+        if event is None:
+            return
+        if not isinstance(event, m.Tokens):
+            stream.done = True
+        stream.events.put_nowait(event)
+
+    def _hello(self) -> m.GatewayHello:
+        """The hello for a new reader link: the streams to go on with, and how many tokens each has."""
+        self._reader_links += 1
+        live = [s for s in self.streams.values() if not s.done and s.placed()]
+        for stream in self.streams.values():
+            stream.link_pos = 0
+        if live:
+            log.info("streams_reattached", streams=len(live))
+        return m.GatewayHello(self.gateway_id, [m.Resume(s.req_id, s.received) for s in live])
 
     def _reader_down(self) -> None:
-        for stream in self.streams.values():
-            stream.events.put_nowait(m.Failed(stream.req_id, 503, "the token reader went away"))
+        """The streams wait for the next reader; if none has linked ``reattach_s`` later, they fail."""
+        links = self._reader_links
+        asyncio.get_running_loop().call_later(self.reattach_s, self._reattach_expired, links)
+
+    def _reattach_expired(self, links: int) -> None:
+        if self._reader_links != links:
+            return  # a reader linked since: it has the streams (or failed those it could not find)
+        for stream in self.streams.values():  # not marked done: forgetting them cancels their slots
+            stream.events.put_nowait(m.Failed(stream.req_id, 503, READER_GONE))

@@ -11,12 +11,22 @@ or removed ring's requests are failed, and their slots cancelled, before its map
 With more than one engine (``--data-parallel-size``) there is one ``RingReader`` per engine's ring,
 each with its own watch and routes (keyed by slot; a ``Track`` names its engine); one poll loop serves
 them all, and a ring that goes fails only its own requests.
+
+Replacing the reader loses no stream (docs/DEPLOY.md). A reader that stops leaves its streams alone:
+it fails none and cancels no slot, sends out what it queued, and closes its links. Each gateway's
+``GatewayHello`` to the next reader lists the streams it has with the tokens each received
+(``Resume``); the new reader finds their slots by request id in the rings, rebuilds their routes from
+the slot (seq, logprob fields of the sampling record) and sends from the first token the gateway has
+not had (``Tokens.at``). The tracker re-sends its ``Track``s too; one for a route that exists changes
+nothing. A reader that crashed is replaced the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +44,8 @@ from shared.slots import SlotWriter
 log = get_logger("reader")
 S = L.SlotState
 RESTARTED = "the engine restarted; the request was lost"
+NOT_IN_RING = "the request is in no ring any more (its engine restarted); it was lost"
+DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gateways
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,8 +82,9 @@ def top_pairs(tops: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
 class RingReader:
     """One engine's ring: its watch, the routes of the slots published there, and the reading of them."""
 
-    def __init__(self, cfg: ReaderConfig, name: str, gateways: dict[int, ipc.Channel]) -> None:
+    def __init__(self, cfg: ReaderConfig, name: str, gateways: dict[int, ipc.Channel], index: int = 0) -> None:
         self.cfg = cfg
+        self.index = index  # the engine's, under --data-parallel-size
         self.watch = RingWatch(name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
         self.ring: Ring | None = None
         self.writer: SlotWriter | None = None
@@ -98,12 +111,15 @@ class RingReader:
             self._fail(route, 500, "slot was reused before its request finished")
             del self.routes[tr.slot]
             return False
+        state = int(meta["state"])
+        if state == S.EMPTY:  # released by an earlier reader, after its Finished: a stale re-sent Track
+            del self.routes[tr.slot]
+            return False
         chan = self.gateways.get(tr.gateway_id)
         if chan is None and not route.orphan:
             if time.monotonic() - route.since < self.cfg.unowned_grace_s:
                 return False  # its gateway has not said hello yet
             self._orphan(route)
-        state = int(meta["state"])
         done = state == S.DECODE_COMPLETED
         assert self.ring is not None
         gen = self.ring.transport.load32(self.ring.slot_field(tr.slot, "generated")) if done else int(
@@ -125,9 +141,9 @@ class RingReader:
         if tr.logprobs or tr.top_logprobs:
             lps, tops = self.ring.read_logprobs(tr.slot, start, gen)
             top = top_pairs(tops, tr.top_logprobs) if tr.top_logprobs else None
-            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top))
+            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start))
         else:
-            chan.send(m.Tokens(tr.req_id, ids))
+            chan.send(m.Tokens(tr.req_id, ids, at=start))
 
     def _finish(self, route: Route, chan: ipc.Channel | None, meta: np.void, gen: int) -> None:
         assert self.writer is not None
@@ -153,6 +169,31 @@ class RingReader:
         route.orphan = True
         if self.writer is not None:
             self.writer.cancel(route.track.slot, route.track.seq)
+
+    # ------------------------------------------------------------ hand-over
+    def adopt(self, gateway_id: int, received: dict[int, int]) -> set[int]:
+        """Route the requests of ``received`` (request id -> tokens its gateway has) found in this ring,
+        each from its slot as it is now and from the first token its gateway lacks; their ids."""
+        if self.ring is None or not received:
+            return set()
+        snap = self.ring.read_slots(self.snapshot)
+        wanted = np.fromiter(received, np.uint64, len(received))
+        live = np.isin(snap["request_id"], wanted) & (snap["state"] > S.RESERVED)
+        adopted = set()
+        for idx in np.flatnonzero(live):
+            meta = snap[idx]
+            req_id, sampling = int(meta["request_id"]), meta["sampling"]
+            track = m.Track(req_id, gateway_id, int(idx), int(meta["seq"]),
+                            bool(int(sampling["flags"]) & L.SamplingFlags.WANT_LOGPROBS),
+                            int(sampling["num_top_logprobs"]), self.index)
+            self.routes[int(idx)] = Route(track, sent=received[req_id])
+            adopted.add(req_id)
+        return adopted
+
+    def leave(self) -> None:
+        """Stop without touching the streams: the next reader serves them (nothing failed or cancelled)."""
+        self.routes.clear()
+        self.watch.close()
 
     # ------------------------------------------------------------ health
     def check_health(self) -> None:
@@ -185,7 +226,7 @@ class TokenReader:
     def __init__(self, cfg: ReaderConfig) -> None:
         self.cfg = cfg
         self.gateways: dict[int, ipc.Channel] = {}
-        self.engines = [RingReader(cfg, name, self.gateways) for name in cfg.ring_names]
+        self.engines = [RingReader(cfg, name, self.gateways, i) for i, name in enumerate(cfg.ring_names)]
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------ links
@@ -195,8 +236,7 @@ class TokenReader:
                 tracks = []
                 for msg in await chan.recv():
                     if isinstance(msg, m.GatewayHello):
-                        chan.info["gateway_id"] = msg.gateway_id
-                        self.gateways[msg.gateway_id] = chan
+                        self.hello(chan, msg)
                     else:
                         tracks.append(msg)
                 self.track(tracks)
@@ -205,16 +245,46 @@ class TokenReader:
             if gid is not None and self.gateways.get(gid) is chan:
                 del self.gateways[gid]
 
+    def hello(self, chan: ipc.Channel, msg: m.GatewayHello) -> None:
+        """A gateway linked: its tokens go to ``chan``; the streams it names are re-attached."""
+        chan.info["gateway_id"] = msg.gateway_id
+        self.gateways[msg.gateway_id] = chan
+        if msg.resume:
+            self.resume(chan, msg.gateway_id, {r.req_id: r.received for r in msg.resume})
+
+    def resume(self, chan: ipc.Channel, gateway_id: int, received: dict[int, int]) -> None:
+        """Go on with a gateway's streams from the tokens it has: a routed one (its ``Track`` came
+        first) from there, another from its slot in the rings; one in no ring is failed."""
+        left = dict(received)
+        for engine in self.engines:
+            for route in engine.routes.values():
+                if route.track.req_id in left and route.track.gateway_id == gateway_id:
+                    route.sent = left.pop(route.track.req_id)
+                    route.orphan = False  # its gateway is here after all (a cancelled slot ends as abort)
+        for engine in self.engines:
+            if left:
+                engine.check_health()
+                for req_id in engine.adopt(gateway_id, left):
+                    del left[req_id]
+        for req_id in left:
+            chan.send(m.Failed(req_id, 503, NOT_IN_RING))
+        log.info("streams_resumed", gateway=gateway_id, resumed=len(received) - len(left), lost=len(left))
+        self._wake.set()
+
     def track(self, tracks: list[m.Track]) -> None:
         """Route newly published slots; each engine named is checked first, so that a new route
-        belongs to its ring as it is now."""
+        belongs to its ring as it is now. A ``Track`` for a slot already routed with its seq (the
+        tracker re-sends them to a new reader, which may have re-attached the stream) changes nothing."""
         known = [tr for tr in tracks if 0 <= tr.engine < len(self.engines)]
         for tr in (tr for tr in tracks if not 0 <= tr.engine < len(self.engines)):
             log.error("track_for_unknown_engine", engine=tr.engine, req_id=tr.req_id)
         for engine in sorted({tr.engine for tr in known}):
             self.engines[engine].check_health()
         for tr in known:
-            self.engines[tr.engine].routes[tr.slot] = Route(tr)
+            routes = self.engines[tr.engine].routes
+            had = routes.get(tr.slot)
+            if had is None or had.track.seq != tr.seq:
+                routes[tr.slot] = Route(tr)
         if known:
             self._wake.set()
 
@@ -259,8 +329,31 @@ class TokenReader:
         for engine in self.engines:
             engine.watch.close()
 
+    async def hand_over(self) -> None:
+        """Stop serving and leave every stream to the next reader: no stream failed, no slot cancelled;
+        what was queued for the gateways reaches them before their links close (within ``DRAIN_S``)."""
+        streams = sum(len(e.routes) for e in self.engines)
+        for engine in self.engines:
+            engine.leave()
+        links = list(self.gateways.values())
+        self.gateways.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(chan.aclose() for chan in links)), DRAIN_S)
+        log.info("reader_handed_over", streams=streams, gateways=len(links))
+
+
+def clear_own_marker(run_dir: Path) -> None:
+    """Remove the ready marker if it is this process's: a new reader started before this one stopped
+    has written its own."""
+    path = ipc.ready_path(run_dir, "reader")
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        if int(path.read_text().strip()) == os.getpid():
+            path.unlink(missing_ok=True)
+
 
 async def run_reader(cfg: ReaderConfig) -> None:
+    """Serve until cancelled (SIGTERM), then hand over. A new reader may start while this one runs: it
+    takes the socket's name (new links reach it) and this one's links close once it stopped."""
     reader = TokenReader(cfg)
     server = await ipc.serve(cfg.run_dir, "reader", m.ToReader, reader.on_channel)
     ipc.mark_ready(cfg.run_dir, "reader")
@@ -268,6 +361,6 @@ async def run_reader(cfg: ReaderConfig) -> None:
     try:
         await reader.poll_loop()
     finally:
-        ipc.clear_ready(cfg.run_dir, "reader")
+        clear_own_marker(cfg.run_dir)
         server.close()
-        reader.close()
+        await reader.hand_over()

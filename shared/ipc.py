@@ -85,6 +85,13 @@ class Channel:
             self.closed = True
             self._writer.close()
 
+    async def aclose(self) -> None:
+        """Send what is queued, close, and return once the socket has taken every byte."""
+        self._flush()
+        self.close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self._writer.wait_closed()
+
 
 Handler = Callable[[Channel], Awaitable[None]]
 

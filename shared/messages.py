@@ -9,6 +9,11 @@ Links (each a Unix socket in the run directory, see ``shared/ipc.py``):
 Request ids are chosen by the gateway (its id in the high bits) and are the ring's
 ``request_id`` too. The tracker tells the reader who owns a slot when it publishes it
 (``Track``); the reader routes the slot's tokens to that gateway.
+
+A stream outlives the reader that carried it: a gateway whose reader link drops keeps its streams,
+and its ``GatewayHello`` to the next reader names each one with the number of tokens it received
+(``Resume``); that reader finds the slot by request id in the rings (which hold every token) and goes
+on from there. ``Tokens.at`` says where its ids start, so a gateway drops what it already has.
 """
 
 from __future__ import annotations
@@ -102,10 +107,20 @@ FromTracker = Admitted | Rejected
 
 
 # ---------------------------------------------------------------- -> reader -> gateway
+class Resume(msgspec.Struct, array_like=True, frozen=True):
+    """A stream the gateway had on an earlier reader link: ``received`` of its tokens reached it."""
+
+    req_id: int
+    received: int
+
+
 class GatewayHello(_Msg, tag="hello"):
-    """First message of a gateway on the reader link: where its requests' tokens go."""
+    """First message of a gateway on the reader link: where its requests' tokens go, and the streams
+    it already had (``resume``: the reader re-attaches them from the rings and sends the rest). A
+    reader of an earlier build ignores ``resume`` (msgspec drops unknown trailing fields)."""
 
     gateway_id: int
+    resume: list[Resume] = msgspec.field(default_factory=list)
 
 
 class Track(_Msg, tag="track"):
@@ -126,10 +141,14 @@ ToReader = GatewayHello | Track
 
 
 class Tokens(_Msg, tag="tok"):
+    """``ids`` are the request's output tokens from position ``at`` on. ``at`` is -1 from a reader of an
+    earlier build: its ids follow the previous ``Tokens`` of the same link, the first starting at 0."""
+
     req_id: int
     ids: list[int]
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
+    at: int = -1
 
 
 class Finished(_Msg, tag="fin"):
