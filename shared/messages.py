@@ -131,6 +131,7 @@ class Tokens(_Msg, tag="tok"):
     ids: list[int]
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
+    cached_tokens: int | None = None  # with token 0: prompt tokens the engine found in its prefix cache
 
 
 class Finished(_Msg, tag="fin"):
