@@ -29,6 +29,17 @@ prompt is admitted; a preempted partial prefill goes back to the head of its que
 admitted while their tokens fit the budget (the first may exceed it alone), or a decode of the
 running batch; a prompt gets the blocks of its whole context plus one token at admission.
 
+**Prefix caching** (``prefix_caching``, with chunked prefill only: ``--no-enable-prefix-caching`` turns
+it off). A full block of a request's tokens is identified by a hash chained over its tokens from the
+request's salt (``gpu_engine.prefix_cache``); a block is registered when the tokens computed fill it
+(after a chunk or a decode). When a request's first chunk is taken (admission, or resumption after a
+preemption) its leading full blocks are looked up, at most up to the block before the one holding its
+last token (a token must be computed to sample), and the blocks found are shared (their reference counts
+raised): the chunk starts after them, and the request never writes them (it writes only past its cached
+prefix). The chunk's new blocks and the shared idle ones must all be free, else nothing is taken. A block
+whose count drops to 0 (finish, cancellation, preemption) keeps its content and stays findable until an
+allocation evicts it, least recently used first (``gpu_engine.kv_cache.BlockAllocator``).
+
 A step in which no row uses top-k, top-p or min-p runs the sort-free variant of its graph
 (``step_filters``; without chunking, prefill graphs exist in the filtering variant only); its tokens
 are the same as the filtering variant's.
