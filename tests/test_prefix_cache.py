@@ -263,3 +263,18 @@ def test_the_counters_reach_the_metrics(tiny_llama: Path) -> None:  # noqa: F811
     assert 'blink:prefix_cache_hits_total{model_name="m"} 24.0' in text
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 24.0' in text
     assert 'blink:prefix_cache_evictions_total{model_name="m"} 0.0' in text
+
+
+# ------------------------------------------------------------------ flags
+def test_flags_vllm_names_on_by_default_and_off_without_chunking() -> None:
+    from blink.cli import build_parser
+    from shared.config import EngineConfig
+
+    def config(*argv: str) -> EngineConfig:
+        return EngineConfig.from_namespace(build_parser().parse_args(["serve", *argv]))
+
+    assert config().prefix_caching and config("--enable-prefix-caching").prefix_caching
+    off = config("--no-enable-prefix-caching")
+    assert not off.prefix_caching and "--no-enable-prefix-caching" in off.to_argv()
+    assert not config("--no-enable-chunked-prefill").prefix_caching, "a cached prefix needs chunked prefill"
+    assert not Policy(BlockAllocator(8), BS, 2, 8, chunked=False, prefix_caching=True).prefix_caching
