@@ -1,44 +1,41 @@
 """The prefix cache's index: full KV blocks found by a hash chained over their tokens.
 
-A block's hash covers its ``block_size`` tokens and the hash of the block before it, starting from the
-request's cache salt, so equal hashes mean equal token prefixes (up to 64-bit collisions) of requests of
-one salt. ``PrefixCache`` maps hashes to block ids and keeps, least recently used first, the cached blocks
+A block's hash is a BLAKE2b digest (64 bits) of its ``block_size`` tokens and the hash of the block
+before it, the first block's from the request's cache salt, so equal hashes mean equal token prefixes of
+requests of one salt (a collision needs about 2^32 tries, and a salted tenant's blocks are out of another's
+reach). ``PrefixCache`` maps hashes to block ids and keeps, least recently used first, the cached blocks
 no request holds: they keep their content and stay findable until the allocator needs a block and evicts
-the oldest (``gpu_engine.kv_cache.BlockAllocator`` owns the reference counts and calls it). The hash is
-integer arithmetic that the CUDA scheduler computes the same way (``sched_prefix.cuh``).
+the oldest (``gpu_engine.kv_cache.BlockAllocator`` owns the reference counts and calls it).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Sequence
+
+import numpy as np
 
 MASK64 = (1 << 64) - 1
 
 
-def mix64(x: int) -> int:
-    """SplitMix64's finaliser: a bijection of 64-bit words that spreads every input bit."""
-    z = (x + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def chain_hash(prev: int, block: Sequence[int]) -> int:
-    """The hash of a full block of tokens after a block of hash ``prev``."""
-    h = prev
-    for t in block:
-        h = mix64(h ^ (int(t) & 0xFFFFFFFF))
-    return h
+def chain_hash(prev: int, block: bytes) -> int:
+    """The hash of a full block (its tokens as little-endian int32 words) after a block of hash ``prev``."""
+    digest = hashlib.blake2b(prev.to_bytes(8, "little") + block, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def extend_hashes(hashes: list[int], tokens: Sequence[int], block_size: int, salt: int) -> None:
     """Append to ``hashes`` (those of the first ``len(hashes)`` blocks) the hashes of the next full blocks
     of ``tokens``."""
-    prev = hashes[-1] if hashes else mix64(salt & MASK64)
-    for i in range(len(hashes), len(tokens) // block_size):
-        prev = chain_hash(prev, tokens[i * block_size : (i + 1) * block_size])
+    first, full = len(hashes), len(tokens) // block_size
+    if full <= first:
+        return
+    words = np.asarray(tokens[first * block_size : full * block_size], dtype="<i4").tobytes()
+    prev, step = hashes[-1] if hashes else salt & MASK64, 4 * block_size
+    for k in range(full - first):
+        prev = chain_hash(prev, words[k * step : (k + 1) * step])
         hashes.append(prev)
 
 
