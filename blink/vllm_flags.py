@@ -32,8 +32,6 @@ REFUSED = (
     Refused(("--reasoning-parser",), "reasoning output is not parsed; the text comes back as generated"),
     Refused(("--enable-lora", "--lora-modules"), "LoRA adapters are not supported", takes_value=False),
     Refused(("--speculative-config",), "speculative decoding is not supported"),
-    Refused(("--enable-prefix-caching",), "prefix caching is not implemented; every prompt is prefilled",
-            takes_value=False),
     Refused(("--enforce-eager",), "the GPU backends always replay captured graphs (the CPU backend has "
             "none): pick --backend cpu|host|persistent", takes_value=False),
     Refused(("--trust-remote-code",), "Blink never runs a model's own code; it serves its built-in "
@@ -65,6 +63,8 @@ class RefuseAction(argparse.Action):
 # vLLM switches that turn on what Blink does by default: accepted, and they change nothing.
 DEFAULT_ON = (
     ("--enable-chunked-prefill", "chunked prefill is on by default (--no-enable-chunked-prefill turns it off)"),
+    ("--enable-prefix-caching", "prefix caching is on by default on the cpu and host backends "
+     "(--no-enable-prefix-caching turns it off; the persistent backend runs without it)"),
 )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from dpu_gateway.ringwatch import RingWatch
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
-from shared.metrics import ENGINE_COUNTERS, EngineSample, FrontendMetrics
+from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, EngineSample, FrontendMetrics
 from shared.ring import Ring
 
 
@@ -69,6 +69,7 @@ def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> Engi
         return EngineView(engine, False, "no ring: the engine is not running or is restarting", None)
     stats = ring.read_header()["stats"]
     values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
+    values.update({name: ring.header_load64(name) for name in PREFIX_CACHE_COUNTERS})  # header words, minor 4
     state = ring.header_load32("engine_state")
     reason = ""
     if state != L.EngineState.READY:

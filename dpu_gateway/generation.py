@@ -55,6 +55,7 @@ class Generation:
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
         self.detok = codec.detokenizer(plan.stop)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache held (usage.prompt_tokens_details)
         self.finish_reason: str | None = None
         self.first_at: float | None = None
         self.last_at = arrival
@@ -79,6 +80,8 @@ class Generation:
     def _tokens(self, msg: m.Tokens) -> Delta:
         self._observe(len(msg.ids))
         self.completion_tokens += len(msg.ids)
+        if msg.cached_tokens is not None:
+            self.cached_tokens = msg.cached_tokens
         text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
         if self.detok.stopped:
             self.finish_reason = "stop"

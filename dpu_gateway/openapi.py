@@ -73,7 +73,9 @@ _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": Fals
     "name": {"type": ["string", "null"]}}}
 _USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                            "completion_tokens": {"type": "integer"},
-                                           "total_tokens": {"type": "integer"}}}
+                                           "total_tokens": {"type": "integer"},
+                                           "prompt_tokens_details": {"type": "object", "properties": {
+                                               "cached_tokens": {"type": "integer"}}}}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
                "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                               "created": {"type": "integer"}, "model": {"type": "string"},

@@ -9,6 +9,7 @@ header's ``sampling_features``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import msgspec
 
@@ -174,8 +175,16 @@ def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple, g
         stop_ids=tuple(dict.fromkeys(req.stop_token_ids or ())),
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_tokens=req.min_tokens, logit_bias=bias, grammar_id=grammar_id,
+        min_tokens=req.min_tokens, logit_bias=bias, grammar_id=grammar_id, cache_salt=cache_salt(req.cache_salt),
     )
+
+
+def cache_salt(salt: str | None) -> int:
+    """The ring's 64-bit salt of vLLM's ``cache_salt`` field (0: none, so an unsalted request shares with
+    every other unsalted one): the first 8 bytes of its BLAKE2b digest, never 0."""
+    if salt is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") or 1
 
 
 def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo: str = "", grammar_id: int = 0,

@@ -138,12 +138,14 @@ class RingReader:
         if route.orphan or chan is None:
             return
         ids = self.ring.read_output(tr.slot, start, gen).tolist()
+        # written by the engine before token 0 (schema minor 4)
+        cached = self.ring.transport.load32(self.ring.slot_field(tr.slot, "cached_tokens")) if start == 0 else None
         if tr.logprobs or tr.top_logprobs:
             lps, tops = self.ring.read_logprobs(tr.slot, start, gen)
             top = top_pairs(tops, tr.top_logprobs) if tr.top_logprobs else None
-            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start))
+            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start, cached_tokens=cached))
         else:
-            chan.send(m.Tokens(tr.req_id, ids, at=start))
+            chan.send(m.Tokens(tr.req_id, ids, at=start, cached_tokens=cached))
 
     def _finish(self, route: Route, chan: ipc.Channel | None, meta: np.void, gen: int) -> None:
         assert self.writer is not None

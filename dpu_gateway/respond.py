@@ -67,8 +67,9 @@ class Usage:
 
     def total(self) -> dict:
         done = sum(g.completion_tokens for g in self.gens)
+        cached = sum(g.cached_tokens for g in self.gens if g.prompt_tokens)  # each prompt's first choice
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+                "total_tokens": self.prompt_tokens + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def now(self) -> dict | None:
         return self.total() if self.include and self.continuous else None

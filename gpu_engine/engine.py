@@ -86,7 +86,7 @@ class RingEngine:
         rid = int(meta["request_id"])
         spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids, grammar)
         req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
-                      arrival=self.arrivals, sampling=spec)
+                      arrival=self.arrivals, sampling=spec, salt=int(meta["cache_salt"]))
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)
@@ -142,6 +142,8 @@ class RingEngine:
             top = np.zeros((1, k), L.TOPLOGPROB_DTYPE)
             n = min(k, out.top_ids.shape[1])
             top["token"][0, :n], top["logprob"][0, :n] = out.top_ids[b, :n], out.top_logprobs[b, :n]
+        if start == 0:  # before token 0's release: the reader sees it with the first token
+            self.ring.transport.store32(self.ring.slot_field(req.slot, "cached_tokens"), max(req.cached_tokens, 0))
         self.slots.publish(req.slot, start, np.array([tok], np.int32), out.logprobs[b : b + 1], top)
         self.output_tokens += 1
 
@@ -167,6 +169,10 @@ class RingEngine:
         self.ring.stats_store("token_budget", p.token_budget)
         for k, n in enumerate(self.step_fill):
             self.ring.stats_store("step_fill", n, k)
+        cache = p.alloc.cache.stats
+        self.ring.header_store64("prefix_cache_queries", cache.queries)
+        self.ring.header_store64("prefix_cache_hits", cache.hits)
+        self.ring.header_store64("prefix_cache_evictions", cache.evictions)
 
     def cancel_all(self) -> None:
         for req in list(self.by_slot.values()):

@@ -8,6 +8,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpu_engine.prefix_cache import PrefixCache
+
 
 class KVShape(Protocol):
     """What the cache needs to know of a model (``models.config.ModelConfig`` has it): the cache sits
@@ -28,47 +30,83 @@ class NoFreeBlocks(Exception):
 
 
 class BlockAllocator:
-    """Hands out cache block ids ``0 .. num_blocks-1``; all-or-nothing allocation, double frees detected."""
+    """Hands out cache block ids ``0 .. num_blocks-1`` with reference counts; all-or-nothing allocation,
+    double frees detected.
+
+    A block is held (reference count > 0: in some request's block table), idle-cached (count 0, its
+    content registered in ``cache``, the prefix cache's index, and findable until evicted) or unused.
+    ``num_free`` counts the last two: an allocation takes unused blocks first (low ids first), then
+    evicts idle-cached ones, least recently used first. Without registrations (prefix caching off) no
+    block is ever idle-cached and this is a plain free list.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self._total = num_blocks
         # Popped from the end, so low ids go out first.
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._used = [False] * num_blocks
+        self._unused = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self.cache = PrefixCache()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: unused plus idle-cached (evictable)."""
+        return len(self._unused) + self.cache.num_idle
 
     @property
     def num_total(self) -> int:
         return self._total
 
+    @property
+    def num_held(self) -> int:
+        """Blocks with a reference count above 0 (``num_held + num_free == num_total`` always)."""
+        return self._total - self.num_free
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks, or raise ``NoFreeBlocks`` and take none."""
+        """Take ``n`` fresh blocks (count 1 each), or raise ``NoFreeBlocks`` and take none."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise NoFreeBlocks(f"requested {n} blocks, {len(self._free)} free of {self._total}")
-        blocks = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise NoFreeBlocks(f"requested {n} blocks, {self.num_free} free of {self._total}")
+        blocks = [self._unused.pop() if self._unused else self.cache.evict() for _ in range(n)]
         for b in blocks:
-            self._used[b] = True
+            self._refs[b] = 1
         return blocks
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of ``blocks`` (cached blocks found by the prefix cache); an idle one
+        leaves the LRU, so an allocation cannot evict it."""
+        for b in blocks:
+            if not self.cache.holds(b):
+                raise ValueError(f"block {b} is not cached: only cached blocks are shared")
+        for b in blocks:
+            if self._refs[b] == 0:
+                self.cache.unpark(b)
+            self._refs[b] += 1
+
     def free(self, blocks: list[int]) -> None:
-        """Return blocks; raises ``ValueError`` (freeing none of them) on an unknown or already-free id."""
-        seen: set[int] = set()
+        """One holder fewer for each block; raises ``ValueError`` (changing nothing) on an unknown id or
+        one freed more often than it is held. A block whose count reaches 0 keeps its content when it is
+        cached (idle-cached, the tail of ``blocks`` first in the LRU, so a prefix outlives its extensions),
+        else it is unused again."""
+        seen: dict[int, int] = {}
         for b in blocks:
             if not 0 <= b < self._total:
                 raise ValueError(f"block {b} out of range 0..{self._total - 1}")
-            if not self._used[b] or b in seen:
+            seen[b] = seen.get(b, 0) + 1
+            if seen[b] > self._refs[b]:
                 raise ValueError(f"double free of block {b}")
-            seen.add(b)
         for b in blocks:
-            self._used[b] = False
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0 and not self.cache.holds(b):
+                self._unused.append(b)
+        for b in reversed(blocks):
+            if self._refs[b] == 0 and self.cache.holds(b) and not self.cache.is_idle(b):
+                self.cache.park(b)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -29,6 +29,17 @@ prompt is admitted; a preempted partial prefill goes back to the head of its que
 admitted while their tokens fit the budget (the first may exceed it alone), or a decode of the
 running batch; a prompt gets the blocks of its whole context plus one token at admission.
 
+**Prefix caching** (``prefix_caching``, with chunked prefill only: ``--no-enable-prefix-caching`` turns
+it off). A full block of a request's tokens is identified by a hash chained over its tokens from the
+request's salt (``gpu_engine.prefix_cache``); a block is registered when the tokens computed fill it
+(after a chunk or a decode). When a request's first chunk is taken (admission, or resumption after a
+preemption) its leading full blocks are looked up, at most up to the block before the one holding its
+last token (a token must be computed to sample), and the blocks found are shared (their reference counts
+raised): the chunk starts after them, and the request never writes them (it writes only past its cached
+prefix). The chunk's new blocks and the shared idle ones must all be free, else nothing is taken. A block
+whose count drops to 0 (finish, cancellation, preemption) keeps its content and stays findable until an
+allocation evicts it, least recently used first (``gpu_engine.kv_cache.BlockAllocator``).
+
 A step in which no row uses top-k, top-p or min-p runs the sort-free variant of its graph
 (``step_filters``; without chunking, prefill graphs exist in the filtering variant only); its tokens
 are the same as the filtering variant's.
@@ -42,6 +53,7 @@ import enum
 from collections.abc import Callable, Iterable
 
 from gpu_engine.kv_cache import BlockAllocator, NoFreeBlocks
+from gpu_engine.prefix_cache import extend_hashes
 from gpu_engine.sampling import SamplingSpec
 from shared.ring_layout import FinishReason as Finish
 
@@ -68,6 +80,10 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0               # tokens whose KV is in the cache
+    salt: int = 0                     # the prefix cache's salt: requests of different salts share no block
+    hashes: list[int] = dataclasses.field(default_factory=list)  # of the full blocks of ``tokens`` so far
+    num_registered: int = 0           # leading blocks of ``blocks`` that are in the prefix cache
+    cached_tokens: int = -1           # prompt tokens found in the prefix cache at first admission (-1: not yet)
     phase: Phase = Phase.WAITING
     finish: Finish = Finish.NONE
 
@@ -151,7 +167,8 @@ class Policy:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch: int,
                  token_budget: int, window_headroom: Callable[[], bool] | None = None,
-                 prefill_fits: Callable[[int, int], bool] | None = None, chunked: bool = True) -> None:
+                 prefill_fits: Callable[[int, int], bool] | None = None, chunked: bool = True,
+                 prefix_caching: bool = False) -> None:
         if chunked and token_budget < max_batch:
             raise ValueError(f"a token budget of {token_budget} cannot hold the decodes of {max_batch} "
                              "sequences: --max-num-batched-tokens must be >= --max-num-seqs")
@@ -163,6 +180,7 @@ class Policy:
         self.max_batch = max_batch
         self.token_budget = token_budget
         self.chunked = chunked
+        self.prefix_caching = prefix_caching and chunked  # a cached prefix is a prefill starting after it
         self.window_headroom = window_headroom or (lambda: True)
         self.waiting: collections.deque[Request] = collections.deque()
         self.paused: collections.deque[Request] = collections.deque()
@@ -225,26 +243,69 @@ class Policy:
         req = self.partial or (self.paused[0] if self.paused else self.waiting[0] if self.waiting else None)
         if req is None or not self.window_headroom():
             return None
-        todo = req.context_len - req.num_cached
+        first = req is not self.partial
+        hit = self._cached_prefix(req) if first else []
+        start = len(hit) * self.block_size if first else req.num_cached
+        todo = req.context_len - start
         n = min(todo, self.token_budget - tokens)
         last = n == todo
         if not self.prefill_fits(rows + 1, tokens + n):
             return None
-        try:
-            self._grow(req, self.blocks_for(req.num_cached + n + (1 if last else 0)))
-        except NoFreeBlocks:
+        if not self._take_blocks(req, hit, self.blocks_for(start + n + (1 if last else 0))):
             return None
-        if req is not self.partial:
+        if first:
             (self.paused if req.phase == Phase.PAUSED else self.waiting).popleft()
-            req.num_cached = 0
+            req.num_cached, req.num_registered = start, len(hit)
+            self._count_lookup(req, start)
         req.phase = Phase.PREFILL
         self.partial = None if last else req
         return SeqWork(req, req.num_cached, n, prefill=True, samples=last)
 
-    def _grow(self, req: Request, blocks: int) -> None:
-        """All-or-nothing: grow ``req``'s block table to ``blocks`` blocks."""
-        if blocks > len(req.blocks):
-            req.blocks += self.alloc.allocate(blocks - len(req.blocks))
+    def _take_blocks(self, req: Request, hit: list[int], blocks: int) -> bool:
+        """All-or-nothing: share the cached blocks ``hit`` (a request being admitted, holding none) and
+        grow ``req``'s block table to ``blocks`` blocks; False (nothing taken) when they are not free.
+        An idle cached block of ``hit`` counts as taken: sharing it makes it unevictable."""
+        new = blocks - len(req.blocks) - len(hit)
+        idle = sum(1 for b in hit if self.alloc.refcount(b) == 0)
+        if new > self.alloc.num_free - idle:
+            return False
+        if hit:
+            self.alloc.share(hit)
+            req.blocks += hit
+        if new > 0:
+            req.blocks += self.alloc.allocate(new)
+        return True
+
+    # ------------------------------------------------------------------ prefix cache
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s leading full blocks, leaving at least its last token to compute
+        (the step samples from it)."""
+        if not self.prefix_caching:
+            return []
+        tokens = req.tokens
+        extend_hashes(req.hashes, tokens, self.block_size, req.salt)
+        return self.alloc.cache.find(req.hashes[: (len(tokens) - 1) // self.block_size])
+
+    def _count_lookup(self, req: Request, cached: int) -> None:
+        """An admission's lookup in the counters (vLLM's: every admission, resumptions too); the first one
+        of a request is what its usage reports as cached prompt tokens."""
+        if not self.prefix_caching:
+            return
+        stats = self.alloc.cache.stats
+        stats.queries += req.context_len
+        stats.hits += cached
+        if req.cached_tokens < 0:
+            req.cached_tokens = cached
+
+    def _register_full(self, req: Request) -> None:
+        """Register the blocks that ``req``'s computed tokens filled since the last call."""
+        full = req.num_cached // self.block_size
+        if not self.prefix_caching or full <= req.num_registered:
+            return
+        extend_hashes(req.hashes, req.tokens, self.block_size, req.salt)
+        for i in range(req.num_registered, full):
+            self.alloc.cache.register(req.blocks[i], req.hashes[i])
+        req.num_registered = full
 
     def _grow_running(self) -> list[Request]:
         """Blocks for one more token of every running request, oldest first, preempting the youngest
@@ -311,7 +372,7 @@ class Policy:
             self.running.remove(req)
             self._pause(req)
         self.alloc.free(req.blocks)
-        req.blocks, req.num_cached = [], 0
+        req.blocks, req.num_cached, req.num_registered = [], 0, 0
         self.preemptions += 1
 
     def _pause(self, req: Request) -> None:
@@ -331,6 +392,7 @@ class Policy:
         for w, tok in zip(plan.work, tokens, strict=True):
             req = w.req
             req.num_cached = w.num_cached + w.num_new
+            self._register_full(req)
             if not w.samples:
                 out.append((req, tok, Finish.NONE))
                 continue
@@ -357,7 +419,7 @@ class Policy:
             self.partial = None
         if req.blocks:
             self.alloc.free(req.blocks)
-            req.blocks = []
+            req.blocks, req.num_registered = [], 0
         req.phase, req.finish = Phase.FINISHED, reason
 
     def all_requests(self) -> list[Request]:

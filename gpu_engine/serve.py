@@ -78,11 +78,11 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),
-                    chunked=cfg.chunked_prefill)
+                    chunked=cfg.chunked_prefill, prefix_caching=cfg.prefix_caching)
     log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
              weights=f"{cfg.cpu_weights} packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context, chunked_prefill=policy.chunked,
-             token_budget=policy.token_budget)
+             prefix_caching=policy.prefix_caching, token_budget=policy.token_budget)
     runner = with_fault(TorchRunner(model, kv), fault)
     return Backend(runner, policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
 

@@ -124,6 +124,7 @@ CONFIG_GROUPS = (
         Decl("uint32_t", "max_context max_prefill_tokens num_eos claim_with_cas"),
         Decl("uint32_t", "chunked", "chunked prefill: max_prefill_tokens is the step's token budget, decodes included"),
         Decl("uint32_t", "scan_flips", "find new prompts through the header's pending_flips (num_slots <= 4096)"),
+        Decl("uint32_t", "prefix_caching", "share the KV blocks of cached prompt prefixes (with chunked prefill)"),
         Decl("int32_t", "eos_ids", count="BLINK_MAX_EOS"),
     )),
     Group("graphs (device arrays)", (

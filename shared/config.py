@@ -84,6 +84,10 @@ class EngineConfig:
         False, "prefill whole prompts in steps of their own, during which the running decodes wait (chunked "
         "prefill, the default, mixes prompt chunks into the decode steps; vLLM's name)",
         flag="--no-enable-chunked-prefill")
+    no_enable_prefix_caching: bool = _flag(
+        False, "compute every prompt in full (prefix caching, the default, reuses the KV blocks of a prompt's "
+        "leading full blocks that an earlier request of the same cache salt computed; it needs chunked prefill "
+        "and is off on the persistent backend; vLLM's name)", flag="--no-enable-prefix-caching")
     seed: int = _flag(0, "seed of torch and of random weights")
     threads: int = _flag(0, "torch threads of the CPU backend; 0: every core this process may use but one",
                          minimum=0)
@@ -104,6 +108,11 @@ class EngineConfig:
     @property
     def chunked_prefill(self) -> bool:
         return not self.no_enable_chunked_prefill
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the policy caches prefixes: asked for (the default) and possible (chunked prefill)."""
+        return not self.no_enable_prefix_caching and self.chunked_prefill
 
     def token_budget(self, gpu: bool) -> int | None:
         """The policy's step token budget: --max-num-batched-tokens, else with chunked prefill the backend

@@ -75,6 +75,7 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
     grammar_id: int = 0  # a token DFA in the ring's grammar store (shared/token_dfa.py); 0: none
+    cache_salt: int = 0  # the prefix cache's salt (a hash of the request's cache_salt); 0: none
 
 
 class Submit(_Msg, tag="sub"):
@@ -149,6 +150,7 @@ class Tokens(_Msg, tag="tok"):
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
     at: int = -1
+    cached_tokens: int | None = None  # with token 0: prompt tokens the engine found in its prefix cache
 
 
 class Finished(_Msg, tag="fin"):

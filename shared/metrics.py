@@ -41,7 +41,12 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
 # vLLM's names, shown as copies of Blink's series so that vLLM dashboards and endpoint pickers work
 VLLM_ALIASES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
                 "generation_tokens", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success")
+                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success",
+                "prefix_cache_queries", "prefix_cache_hits")
+# the prefix cache's counters (ring header, since schema minor 4), as counters named blink:NAME
+PREFIX_CACHE_COUNTERS = {"prefix_cache_queries": "Prompt tokens looked up in the prefix cache at admissions.",
+                         "prefix_cache_hits": "Prompt tokens found in the prefix cache at admissions.",
+                         "prefix_cache_evictions": "Cached KV blocks evicted from the prefix cache."}
 # the engine's counters in the ring header (EngineStats), as counters named blink:engine_NAME
 ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Prompt tokens the engine prefilled.",
                    "output_tokens": "Tokens the engine generated.", "preemptions": "Requests preempted.",
@@ -176,7 +181,21 @@ def engine_families(model_name: str, stats: Mapping[str, Any] | None) -> list[Me
         gauge = GaugeMetricFamily(f"blink:engine_{name}", doc, labels=["model_name"])
         gauge.add_metric([model_name], float(stats[name]))
         out.append(gauge)
-    return [*out, *step_fill_families(model_name, stats)]
+    return [*out, *step_fill_families(model_name, stats), *prefix_cache_families(model_name, stats)]
+
+
+def prefix_cache_families(model_name: str, stats: Mapping[str, Any]) -> list[Metric]:
+    """The prefix cache's counters, from the ring header's words beside EngineStats (0 when absent)."""
+    out: list[Metric] = []
+    for name, doc in PREFIX_CACHE_COUNTERS.items():
+        try:
+            value = float(stats[name])
+        except (KeyError, ValueError):  # a mapping or an EngineStats record without the header's words
+            value = 0.0
+        family = CounterMetricFamily(f"blink:{name}", doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        out.append(family)
+    return out
 
 
 def step_fill_families(model_name: str, stats: Mapping[str, Any]) -> list[Metric]:

@@ -117,6 +117,7 @@ class SlotWriter:
         meta["max_new_tokens"] = req.sampling.max_new_tokens
         meta["submit_ns"] = time.time_ns()
         meta["sampling"] = req.sampling_record()
+        meta["cache_salt"] = req.sampling.cache_salt & 0xFFFFFFFFFFFFFFFF
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)

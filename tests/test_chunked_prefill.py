@@ -51,10 +51,12 @@ class Harness:
     """A RingEngine over a private ring, stepped by hand, with a frontend-side writer."""
 
     def __init__(self, model: Path | None, kv_blocks: int, budget: int, chunked: bool = True,
-                 geometry: RingGeometry = GEO, max_batch: int = 8, block_size: int = 4, dtype: str = "float32") -> None:
+                 geometry: RingGeometry = GEO, max_batch: int = 8, block_size: int = 4, dtype: str = "float32",
+                 prefix_caching: bool = True) -> None:
         cfg = EngineConfig(ring_name="local", model=None if model is None else str(model), geometry=geometry,
                            kv_blocks=kv_blocks, block_size=block_size, max_batch=max_batch, dtype=dtype,
-                           max_num_batched_tokens=budget, no_enable_chunked_prefill=not chunked)
+                           max_num_batched_tokens=budget, no_enable_chunked_prefill=not chunked,
+                           no_enable_prefix_caching=not prefix_caching)
         self.backend = b = build_cpu_backend(cfg)
         self.ring: Ring = local_ring(geometry)
         self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context, b.vocab_size)

@@ -100,6 +100,9 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->out_len = 0;
   r->num_blocks = 0;
   r->cached = 0;
+  r->salt = sl->cache_salt;
+  r->num_hashed = r->num_registered = 0;
+  r->cached_tokens = -1;
   const blink_sched_config &c = s->cfg;
   uint32_t total = r->prompt_len + r->max_new;
   bool ok = r->prompt_len >= 1 && r->prompt_len <= c.max_prompt && r->max_new >= 1 && r->max_new <= c.max_output &&

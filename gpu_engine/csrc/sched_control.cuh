@@ -44,7 +44,7 @@ __device__ void publish_stats(SchedState *s) {
   h->stats.running = s->running_count;
   h->stats.waiting = s->wait_count + s->paused_count + (s->partial != kNoSlot);
   h->stats.kv_blocks_total = s->cfg.num_blocks;
-  h->stats.kv_blocks_free = s->free_count;
+  h->stats.kv_blocks_free = num_free(s);  // unused plus idle cached (evictable)
   h->stats.steps = s->stats->steps;
   h->stats.prompt_tokens = s->stats->prompt_tokens;
   h->stats.output_tokens = s->stats->output_tokens;
@@ -52,10 +52,13 @@ __device__ void publish_stats(SchedState *s) {
   h->stats.window_relaunches = s->stats->windows;
   h->stats.token_budget = s->cfg.max_prefill_tokens;
   for (uint32_t k = 0; k < 7; ++k) h->stats.step_fill[k] = s->stats->step_fill[k];
+  h->prefix_cache_queries = s->cache_queries;
+  h->prefix_cache_hits = s->cache_hits;
+  h->prefix_cache_evictions = s->cache_evictions;
   s->stats->running = s->running_count;
   s->stats->waiting = s->wait_count;
   s->stats->paused = s->paused_count;
-  s->stats->kv_free = s->free_count;
+  s->stats->kv_free = num_free(s);
   const uint32_t *src = reinterpret_cast<const uint32_t *>(s->stats);
   volatile uint32_t *dst = reinterpret_cast<volatile uint32_t *>(s->host_stats);
   for (uint32_t k = 0; k < offsetof(blink_sched_stats, launch_ns) / 4; ++k) dst[k] = src[k];

@@ -83,6 +83,14 @@ T *carve(uintptr_t base, size_t *cursor, size_t count) {
   return p;
 }
 
+// The prefix cache's table: a power of two at least twice the blocks (each block holds one hash at most),
+// so probe chains stay short; a single entry when caching is off.
+size_t table_size(const blink_sched_config &c) {
+  size_t n = 1;
+  while (c.prefix_caching && n < 2 * static_cast<size_t>(c.num_blocks)) n *= 2;
+  return n;
+}
+
 size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) {
   size_t cur = 0;
   st->stats = carve<blink_sched_stats>(base, &cur, 1);
@@ -93,6 +101,14 @@ size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) 
   st->paused = carve<uint32_t>(base, &cur, c.num_slots);
   st->running = carve<uint32_t>(base, &cur, c.max_batch);
   st->free_blocks = carve<uint32_t>(base, &cur, c.num_blocks);
+  st->refs = carve<uint32_t>(base, &cur, c.num_blocks);
+  st->registered = carve<uint32_t>(base, &cur, c.num_blocks);
+  st->block_hash = carve<uint64_t>(base, &cur, c.num_blocks);
+  st->lru_prev = carve<int32_t>(base, &cur, c.num_blocks);
+  st->lru_next = carve<int32_t>(base, &cur, c.num_blocks);
+  st->table_key = carve<uint64_t>(base, &cur, table_size(c));
+  st->table_block = carve<int32_t>(base, &cur, table_size(c));
+  st->req_hashes = carve<uint64_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_blocks_per_seq);
   st->copy_rr = carve<uint32_t>(base, &cur, c.num_graphs);
   st->plan_slot = carve<uint32_t>(base, &cur, c.max_batch);
   st->plan_cached = carve<uint32_t>(base, &cur, c.max_batch);
@@ -111,6 +127,9 @@ int init_state(const blink_sched_config &c, Handle *h, SchedState *st) {
   for (uint32_t k = 0; k < c.num_blocks; ++k) stack[k] = c.num_blocks - 1 - k;
   BLINK_CHECK(cudaMemcpy(st->free_blocks, stack.data(), sizeof(uint32_t) * c.num_blocks, cudaMemcpyHostToDevice));
   st->free_count = c.num_blocks;
+  BLINK_CHECK(cudaMemset(st->table_block, 0xFF, sizeof(int32_t) * table_size(c)));  // every entry empty (-1)
+  st->table_mask = static_cast<uint32_t>(table_size(c) - 1);
+  st->lru_head = st->lru_tail = -1;
   st->partial = kNoSlot;
   BLINK_CHECK(cudaHostAlloc(&h->host_stats, sizeof(blink_sched_stats), cudaHostAllocMapped));
   memset(h->host_stats, 0, sizeof(blink_sched_stats));

@@ -7,6 +7,7 @@
 
 #include "blink_ring.h"
 #include "sched_memory.cuh"
+#include "sched_prefix.cuh"
 #include "sched_state.cuh"
 
 namespace {
@@ -22,18 +23,18 @@ __device__ bool grow_blocks(SchedState *s, uint32_t i, uint32_t n) {
   ReqInfo *r = &s->req[i];
   if (n <= r->num_blocks) return true;
   uint32_t need = n - r->num_blocks;
-  if (need > s->free_count || n > s->cfg.max_blocks_per_seq) return false;
+  if (need > num_free(s) || n > s->cfg.max_blocks_per_seq) return false;
   int32_t *tab = req_blocks(s, i);
-  for (uint32_t k = 0; k < need; ++k) tab[r->num_blocks + k] = static_cast<int32_t>(s->free_blocks[--s->free_count]);
+  for (uint32_t k = 0; k < need; ++k) tab[r->num_blocks + k] = static_cast<int32_t>(take_block(s));
   r->num_blocks = n;
   return true;
 }
 
 __device__ void free_blocks(SchedState *s, uint32_t i) {
   ReqInfo *r = &s->req[i];
-  int32_t *tab = req_blocks(s, i);
-  for (uint32_t k = 0; k < r->num_blocks; ++k) s->free_blocks[s->free_count++] = static_cast<uint32_t>(tab[k]);
+  release_blocks(s, req_blocks(s, i), r->num_blocks);
   r->num_blocks = 0;
+  r->num_registered = 0;
 }
 
 __device__ void remove_from(uint32_t *arr, uint32_t *count, uint32_t i) {
@@ -200,19 +201,25 @@ __device__ bool next_chunk(SchedState *s, uint32_t row, uint32_t tokens) {
   }
   if (i == kNoSlot) return false;
   ReqInfo *r = &s->req[i];
-  if (s->partial != i) r->cached = 0;
-  uint32_t todo = ctx_len(r) - r->cached, left = s->cfg.max_prefill_tokens - tokens;
+  bool first = s->partial != i;
+  uint32_t ctx = ctx_len(r), hit = first ? cached_prefix(s, i, ctx) : 0;
+  uint32_t start = first ? hit * s->cfg.block_size : r->cached;
+  uint32_t todo = ctx - start, left = s->cfg.max_prefill_tokens - tokens;
   uint32_t n = todo < left ? todo : left;
   bool last = n == todo;
   if (!prefill_fits(s, row + 1, tokens + n)) return false;
-  if (!grow_blocks(s, i, blocks_for(s, r->cached + n + (last ? 1 : 0)))) return false;
-  if (s->partial != i) {
+  uint32_t blocks = blocks_for(s, start + n + (last ? 1 : 0));
+  if (!(first ? take_with_hit(s, i, hit, blocks) : grow_blocks(s, i, blocks))) return false;
+  if (first) {
     if (from_paused) {
       remove_from(s->paused, &s->paused_count, i);
     } else {
       s->wait_head = (s->wait_head + 1) % s->cfg.num_slots;
       s->wait_count--;
     }
+    r->cached = start;
+    r->num_registered = hit;
+    count_lookup(s, r, ctx, start);
   }
   r->phase = kPrefilling;
   s->partial = last ? kNoSlot : i;

@@ -33,7 +33,10 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 struct ReqInfo {
   uint64_t request_id, seed;
   uint32_t seq, phase, arrival, prompt_len, max_new, out_len, num_blocks, flags;
-  uint32_t cached;  // tokens whose KV is in the cache (a chunked prefill's progress)
+  uint32_t cached;                      // tokens whose KV is in the cache (a chunked prefill's progress)
+  uint64_t salt;                        // the prefix cache's salt (Slot.cache_salt)
+  uint32_t num_hashed, num_registered;  // blocks of req_hashes computed; leading blocks in the prefix cache
+  int32_t cached_tokens;                // prompt tokens found at the first admission (-1: not yet)
   uint32_t num_stop, num_top;
   float temp, top_p, min_p;
   int32_t top_k;
@@ -42,15 +45,28 @@ struct ReqInfo {
 
 struct SchedState {
   blink_sched_config cfg;
-  blink_sched_stats *stats;                      // device memory: counters and samples
-  blink_sched_stats *host_stats;                 // host-mapped copy, refreshed at each heartbeat and at exit
-  ReqInfo *req;                                  // [num_slots]
-  int32_t *tokens;                               // [num_slots * max_context]: prompt then outputs
-  int32_t *blocks;                               // [num_slots * max_blocks_per_seq]
-  uint32_t *waiting;                             // FIFO ring [num_slots]
-  uint32_t *paused;                              // sorted by arrival [num_slots]
-  uint32_t *running;                             // [max_batch]
-  uint32_t *free_blocks;                         // stack [num_blocks]
+  blink_sched_stats *stats;       // device memory: counters and samples
+  blink_sched_stats *host_stats;  // host-mapped copy, refreshed at each heartbeat and at exit
+  ReqInfo *req;                   // [num_slots]
+  int32_t *tokens;                // [num_slots * max_context]: prompt then outputs
+  int32_t *blocks;                // [num_slots * max_blocks_per_seq]
+  uint32_t *waiting;              // FIFO ring [num_slots]
+  uint32_t *paused;               // sorted by arrival [num_slots]
+  uint32_t *running;              // [max_batch]
+  uint32_t *free_blocks;          // stack [num_blocks]: unused blocks
+  // The prefix cache (sched_prefix.cuh): reference counts, the hash each registered block holds, the LRU
+  // of idle cached blocks (count 0, still findable; a doubly linked list, oldest at lru_head), the table
+  // hash -> block (linear probing, backward-shift deletion) and each request's block hashes.
+  uint32_t *refs;                // [num_blocks]
+  uint32_t *registered;          // [num_blocks] 1: in the table under block_hash
+  uint64_t *block_hash;          // [num_blocks]
+  int32_t *lru_prev, *lru_next;  // [num_blocks]
+  uint64_t *table_key;           // [table_size]
+  int32_t *table_block;          // [table_size], -1: empty
+  uint64_t *req_hashes;          // [num_slots * max_blocks_per_seq]
+  int32_t lru_head, lru_tail;
+  uint32_t idle_count, table_mask;
+  uint64_t cache_queries, cache_hits, cache_evictions;
   uint32_t *copy_rr;                             // [num_graphs] next executable copy
   uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
@@ -84,6 +100,9 @@ __device__ __forceinline__ int32_t *req_tokens(SchedState *s, uint32_t i) {
 }
 __device__ __forceinline__ int32_t *req_blocks(SchedState *s, uint32_t i) {
   return s->blocks + static_cast<size_t>(i) * s->cfg.max_blocks_per_seq;
+}
+__device__ __forceinline__ uint64_t *req_block_hashes(SchedState *s, uint32_t i) {
+  return s->req_hashes + static_cast<size_t>(i) * s->cfg.max_blocks_per_seq;
 }
 __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t v) {
   uint32_t k = *n;

@@ -238,7 +238,10 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
   }
   blink_slot *sl = slot(s, i);
   uint64_t t = now_ns() + c.clock_offset_ns;
-  if (pos == 0) sl->first_token_ns = t;
+  if (pos == 0) {
+    sl->first_token_ns = t;
+    sl->cached_tokens = q->cached_tokens < 0 ? 0u : static_cast<uint32_t>(q->cached_tokens);
+  }
   sl->last_token_ns = t;
   __threadfence_system();
   st_rel32(&sl->generated, pos + 1);
@@ -283,6 +286,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     uint32_t i = s->plan_slot[r];
     ReqInfo *q = &s->req[i];
     q->cached = s->plan_cached[r] + s->plan_new[r];
+    register_full(s, i);
     if (q->phase == kPrefilling) {
       s->stats->prompt_tokens += s->plan_new[r];
       if (s->partial == i) continue;  // a chunk before the prompt's end: nothing sampled

@@ -38,6 +38,8 @@ typedef struct blink_sched_config {
   uint32_t chunked;
   // find new prompts through the header's pending_flips (num_slots <= 4096)
   uint32_t scan_flips;
+  // share the KV blocks of cached prompt prefixes (with chunked prefill)
+  uint32_t prefix_caching;
   int32_t eos_ids[BLINK_MAX_EOS];
   // ---- graphs (device arrays)
   uint32_t num_graphs, copies, token_grain, prefill_cols;

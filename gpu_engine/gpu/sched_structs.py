@@ -41,6 +41,7 @@ class SchedConfig(C.Structure):
     claim_with_cas: int
     chunked: int
     scan_flips: int
+    prefix_caching: int
     eos_ids: C.Array[C.c_int32]
     num_graphs: int
     copies: int
@@ -103,6 +104,7 @@ class SchedConfig(C.Structure):
         ("claim_with_cas", C.c_uint32),
         ("chunked", C.c_uint32),
         ("scan_flips", C.c_uint32),
+        ("prefix_caching", C.c_uint32),
         ("eos_ids", C.c_int32 * MAX_EOS),
         ("num_graphs", C.c_uint32),
         ("copies", C.c_uint32),

@@ -245,9 +245,13 @@ def check_exit(sched: Watched) -> None:
 
 def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     parts = build_parts(cfg)
+    persistent = cfg.backend == "persistent"
     policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, parts.token_budget,
-                    prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked)
-    if cfg.backend == "persistent":
+                    prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked,
+                    prefix_caching=cfg.prefix_caching and not persistent)
+    log.info("prefix caching", on=policy.prefix_caching,
+             **({"why_off": "the persistent scheduler does not cache prefixes yet"} if persistent else {}))
+    if persistent:
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
                        make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault))
     timeout_s = env.env().step_timeout_s

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 3u
+#define BLINK_RING_SCHEMA_MINOR 4u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -91,7 +91,10 @@ typedef struct __attribute__((aligned(8))) blink_slot {
   uint64_t first_token_ns; /* offset 56 */
   uint64_t last_token_ns; /* offset 64 */
   blink_sampling_params sampling; /* offset 72 */
-  uint64_t reserved[11]; /* offset 168 */
+  uint64_t cache_salt; /* offset 168 */
+  uint32_t cached_tokens; /* offset 176 */
+  uint32_t reserved1; /* offset 180 */
+  uint64_t reserved[9]; /* offset 184 */
 } blink_slot;
 
 typedef struct __attribute__((aligned(8))) blink_engine_stats {
@@ -139,7 +142,10 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint64_t pending_flips[64]; /* offset 232 */
   uint32_t sampling_features; /* offset 744 */
   uint32_t reserved1; /* offset 748 */
-  uint64_t reserved[34]; /* offset 752 */
+  uint64_t prefix_cache_queries; /* offset 752 */
+  uint64_t prefix_cache_hits; /* offset 760 */
+  uint64_t prefix_cache_evictions; /* offset 768 */
+  uint64_t reserved[31]; /* offset 776 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {

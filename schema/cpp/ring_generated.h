@@ -57,7 +57,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 3,
+  SchemaMinor_VALUE = 4,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -490,7 +490,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint64_t first_token_ns_;
   uint64_t last_token_ns_;
   blink::ring::SamplingParams sampling_;
-  uint64_t reserved_[11];
+  uint64_t cache_salt_;
+  uint32_t cached_tokens_;
+  uint32_t reserved1_;
+  uint64_t reserved_[9];
 
  public:
   Slot()
@@ -508,9 +511,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         first_token_ns_(0),
         last_token_ns_(0),
         sampling_(),
+        cache_salt_(0),
+        cached_tokens_(0),
+        reserved1_(0),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _reserved1)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -525,9 +531,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         first_token_ns_(::flatbuffers::EndianScalar(_first_token_ns)),
         last_token_ns_(::flatbuffers::EndianScalar(_last_token_ns)),
         sampling_(_sampling),
+        cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
+        cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, ::flatbuffers::span<const uint64_t, 11> _reserved)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _reserved1, ::flatbuffers::span<const uint64_t, 9> _reserved)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -541,7 +550,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         admit_ns_(::flatbuffers::EndianScalar(_admit_ns)),
         first_token_ns_(::flatbuffers::EndianScalar(_first_token_ns)),
         last_token_ns_(::flatbuffers::EndianScalar(_last_token_ns)),
-        sampling_(_sampling) {
+        sampling_(_sampling),
+        cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
+        cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)) {
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   blink::ring::SlotState state() const {
@@ -586,7 +598,16 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   const blink::ring::SamplingParams &sampling() const {
     return sampling_;
   }
-  const ::flatbuffers::Array<uint64_t, 11> *reserved() const {
+  uint64_t cache_salt() const {
+    return ::flatbuffers::EndianScalar(cache_salt_);
+  }
+  uint32_t cached_tokens() const {
+    return ::flatbuffers::EndianScalar(cached_tokens_);
+  }
+  uint32_t reserved1() const {
+    return ::flatbuffers::EndianScalar(reserved1_);
+  }
+  const ::flatbuffers::Array<uint64_t, 9> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };
@@ -716,7 +737,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint64_t pending_flips_[64];
   uint32_t sampling_features_;
   uint32_t reserved1_;
-  uint64_t reserved_[34];
+  uint64_t prefix_cache_queries_;
+  uint64_t prefix_cache_hits_;
+  uint64_t prefix_cache_evictions_;
+  uint64_t reserved_[31];
 
  public:
   RingHeader()
@@ -750,9 +774,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         pending_flips_(),
         sampling_features_(0),
         reserved1_(0),
+        prefix_cache_queries_(0),
+        prefix_cache_hits_(0),
+        prefix_cache_evictions_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -783,9 +810,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         pending_flips_(),
         sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
         reserved1_(::flatbuffers::EndianScalar(_reserved1)),
+        prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
+        prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
+        prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, ::flatbuffers::span<const uint64_t, 34> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, ::flatbuffers::span<const uint64_t, 31> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -814,7 +844,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         max_context_(::flatbuffers::EndianScalar(_max_context)),
         stats_(_stats),
         sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
-        reserved1_(::flatbuffers::EndianScalar(_reserved1)) {
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
+        prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
+        prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
+        prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)) {
     ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
@@ -908,7 +941,16 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t reserved1() const {
     return ::flatbuffers::EndianScalar(reserved1_);
   }
-  const ::flatbuffers::Array<uint64_t, 34> *reserved() const {
+  uint64_t prefix_cache_queries() const {
+    return ::flatbuffers::EndianScalar(prefix_cache_queries_);
+  }
+  uint64_t prefix_cache_hits() const {
+    return ::flatbuffers::EndianScalar(prefix_cache_hits_);
+  }
+  uint64_t prefix_cache_evictions() const {
+    return ::flatbuffers::EndianScalar(prefix_cache_evictions_);
+  }
+  const ::flatbuffers::Array<uint64_t, 31> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

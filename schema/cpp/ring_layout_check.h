@@ -49,6 +49,9 @@ static_assert(offsetof(blink::ring::Slot, admit_ns_) == offsetof(blink_slot, adm
 static_assert(offsetof(blink::ring::Slot, first_token_ns_) == offsetof(blink_slot, first_token_ns), "Slot.first_token_ns offset differs");
 static_assert(offsetof(blink::ring::Slot, last_token_ns_) == offsetof(blink_slot, last_token_ns), "Slot.last_token_ns offset differs");
 static_assert(offsetof(blink::ring::Slot, sampling_) == offsetof(blink_slot, sampling), "Slot.sampling offset differs");
+static_assert(offsetof(blink::ring::Slot, cache_salt_) == offsetof(blink_slot, cache_salt), "Slot.cache_salt offset differs");
+static_assert(offsetof(blink::ring::Slot, cached_tokens_) == offsetof(blink_slot, cached_tokens), "Slot.cached_tokens offset differs");
+static_assert(offsetof(blink::ring::Slot, reserved1_) == offsetof(blink_slot, reserved1), "Slot.reserved1 offset differs");
 static_assert(offsetof(blink::ring::Slot, reserved_) == offsetof(blink_slot, reserved), "Slot.reserved offset differs");
 static_assert(sizeof(blink::ring::EngineStats) == sizeof(blink_engine_stats), "EngineStats size differs");
 static_assert(alignof(blink::ring::EngineStats) == alignof(blink_engine_stats), "EngineStats alignment differs");
@@ -95,6 +98,9 @@ static_assert(offsetof(blink::ring::RingHeader, stats_) == offsetof(blink_ring_h
 static_assert(offsetof(blink::ring::RingHeader, pending_flips_) == offsetof(blink_ring_header, pending_flips), "RingHeader.pending_flips offset differs");
 static_assert(offsetof(blink::ring::RingHeader, sampling_features_) == offsetof(blink_ring_header, sampling_features), "RingHeader.sampling_features offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved1_) == offsetof(blink_ring_header, reserved1), "RingHeader.reserved1 offset differs");
+static_assert(offsetof(blink::ring::RingHeader, prefix_cache_queries_) == offsetof(blink_ring_header, prefix_cache_queries), "RingHeader.prefix_cache_queries offset differs");
+static_assert(offsetof(blink::ring::RingHeader, prefix_cache_hits_) == offsetof(blink_ring_header, prefix_cache_hits), "RingHeader.prefix_cache_hits offset differs");
+static_assert(offsetof(blink::ring::RingHeader, prefix_cache_evictions_) == offsetof(blink_ring_header, prefix_cache_evictions), "RingHeader.prefix_cache_evictions offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved_) == offsetof(blink_ring_header, reserved), "RingHeader.reserved offset differs");
 static_assert(sizeof(blink::ring::TopLogprob) == sizeof(blink_top_logprob), "TopLogprob size differs");
 static_assert(alignof(blink::ring::TopLogprob) == alignof(blink_top_logprob), "TopLogprob alignment differs");
