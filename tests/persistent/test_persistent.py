@@ -75,6 +75,7 @@ def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str
         header = settled_header(ring)
         stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
                                                        "window_relaunches", "preemptions", "output_tokens")}
+        stats["prefix_cache_hits"] = int(header["prefix_cache_hits"])
         rc = stop_engine(ring, proc)
         stats["exit_code"] = rc
         stats["segment_left"] = (SHM_DIR / name).exists()
@@ -193,3 +194,27 @@ def test_chunked_prefill_matches_whole_prompts(tiny: Path) -> None:
     for st in (hstats, stats):
         assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["exit_code"] == 0 and not st["segment_left"]
         assert st["preemptions"] > 0
+
+
+def shared_prefix_jobs(n: int, seed: int) -> list[Job]:
+    """Requests made of one of four system prompts (37-131 tokens, so around block boundaries of 16)
+    and a tail of their own: most prompts start with blocks another request already computed."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, VOCAB, size=k).astype(np.int32) for k in (37, 64, 80, 131)]
+    jobs = []
+    for rid in range(1, n + 1):
+        tail = rng.integers(3, VOCAB, size=int(rng.integers(1, 60))).astype(np.int32)
+        jobs.append(Job(rid, np.concatenate([systems[rid % 4], tail]), int(rng.integers(1, 32))))
+    return jobs
+
+
+def test_host_driven_prefix_cache_gives_the_uncached_tokens(tiny: Path) -> None:
+    """The host-driven backend with prefix caching on (the default) and off: the same greedy tokens, and
+    the cache reports hits."""
+    jobs = shared_prefix_jobs(400, seed=12)
+    off, _ = serve_jobs(tiny, "host", jobs, window=32, tag="nocache",
+                        engine_args=(*CHUNK_ARGS, "--no-enable-prefix-caching"))
+    on, stats = serve_jobs(tiny, "host", jobs, window=32, tag="cache", engine_args=CHUNK_ARGS)
+    check_against(jobs, on, off, "host-driven, prefix cache on")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
+    assert stats["prefix_cache_hits"] > 16 * len(jobs) // 2, stats  # most requests share at least 2 blocks
