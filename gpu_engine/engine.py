@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from gpu_engine.grammar_mask import GrammarCache
-from gpu_engine.policy import Finish, Policy, Request, StepPlan
+from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
 from gpu_engine.runner import Runner, StepOutput
 from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
@@ -109,8 +109,9 @@ class RingEngine:
         plan = self.policy.schedule()
         if plan is None:
             return False
-        for req in plan.preempted:
-            self.slots.set_state(req.slot, S.DECODE_PAUSED)
+        for req in plan.preempted:  # a partial prefill sent back to `waiting` keeps its PREFILL state
+            if req.phase == Phase.PAUSED:
+                self.slots.set_state(req.slot, S.DECODE_PAUSED)
         if not plan.work:
             return True
         self._in_step = (time.monotonic(), plan.num_tokens)

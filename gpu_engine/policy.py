@@ -47,6 +47,7 @@ are the same as the filtering variant's.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
@@ -401,7 +402,7 @@ class Policy:
                 req.output.append(tok)
             if w.prefill:
                 req.phase = Phase.RUNNING
-                self.running.append(req)
+                bisect.insort(self.running, req, key=lambda r: r.arrival)  # kept in arrival order, as on the device
             if reason != Finish.NONE:
                 self.finish(req, reason)
             out.append((req, tok, reason))

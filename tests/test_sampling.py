@@ -135,7 +135,9 @@ def test_the_two_records_hold_the_same_fields() -> None:
     ``docs/DESIGN.md`` lists the files a new field goes through."""
     renamed = {"logprobs": "want_logprobs", "top_logprobs": "num_top_logprobs",
                "grammar_id": "grammar"}  # the id names the tables the engine loads at claim
-    frontend = {renamed.get(f, f) for f in Sampling.__struct_fields__} - {"max_new_tokens"}
+    # the slot's own words, not SamplingParams: the engine reads them into policy.Request at claim
+    slot_fields = {"max_new_tokens", "cache_salt"}
+    frontend = {renamed.get(f, f) for f in Sampling.__struct_fields__} - slot_fields
     engine_only = {"eos_ids"}  # the model's, resolved at claim
     assert frontend == {f.name for f in dataclasses.fields(SamplingSpec)} - engine_only
 

@@ -56,7 +56,7 @@ __device__ void publish_stats(SchedState *s) {
   h->prefix_cache_hits = s->cache_hits;
   h->prefix_cache_evictions = s->cache_evictions;
   s->stats->running = s->running_count;
-  s->stats->waiting = s->wait_count;
+  s->stats->waiting = s->wait_count + (s->partial != kNoSlot);
   s->stats->paused = s->paused_count;
   s->stats->kv_free = num_free(s);
   const uint32_t *src = reinterpret_cast<const uint32_t *>(s->stats);

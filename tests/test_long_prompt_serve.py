@@ -1,0 +1,71 @@
+"""A 4,096-token prompt (the default prompt limit) on the CPU engine while 4 short streams run, through
+`blink serve` and the official client: no request fails, `/health` stays 200 throughout with the
+default heartbeat timeout, and the short streams keep receiving tokens while the prompt prefills."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.e2e import REAL_ENGINE, async_client
+from helpers.stack import MODEL, Stack, start_stack, stop_stack
+
+LONG = 4096
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("long"), "--num-slots", "8", "--max-prompt-tokens", str(LONG),
+                    "--max-output-tokens", "160", engine_module=REAL_ENGINE, timeout_s=180,
+                    env={"OMP_NUM_THREADS": "1"})
+    yield s
+    stop_stack(s)
+
+
+async def watch_health(stack: Stack, stop: asyncio.Event) -> list[int]:
+    codes = []
+    while not stop.is_set():
+        codes.append((await asyncio.to_thread(stack.get, "/health"))[0])
+        await asyncio.sleep(0.25)
+    return codes
+
+
+async def stream(client, prompt: str, arrivals: list[float]) -> str:
+    out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=160, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+    text, finish = "", None
+    async for chunk in out:
+        arrivals.append(time.monotonic())
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length"
+    return text
+
+
+async def scenario(stack: Stack) -> None:
+    client = async_client(stack)
+    stop, arrivals = asyncio.Event(), [[] for _ in range(4)]
+    health = asyncio.create_task(watch_health(stack, stop))
+    short = [asyncio.create_task(stream(client, f"Count from {i} upwards:", arrivals[i])) for i in range(4)]
+    while min(len(a) for a in arrivals) < 2:
+        await asyncio.sleep(0.05)
+    long_ids = [(17 * k) % 40000 + 100 for k in range(LONG)]
+    t0 = time.monotonic()
+    long = await client.completions.create(model=MODEL, prompt=long_ids, max_tokens=2, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    t1 = time.monotonic()
+    texts = await asyncio.gather(*short)
+    stop.set()
+    codes = await health
+    await client.close()
+    assert long.usage is not None and long.usage.prompt_tokens == LONG and long.choices[0].finish_reason == "length"
+    assert all(texts) and set(codes) == {200}, codes
+    during = [sum(1 for t in a if t0 <= t <= t1) for a in arrivals]
+    assert min(during) >= 4, f"tokens each stream got during the {t1 - t0:.1f} s of the long prompt: {during}"
+
+
+def test_long_prompt_beside_four_streams(stack: Stack, tmp_path: Path) -> None:
+    asyncio.run(scenario(stack))
