@@ -17,9 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpu_tokenizer import fetch_assets
 from shared.transport import SHM_DIR
+
+# Triton kernels run on CPU tensors through the interpreter, which must be on before the first kernel
+# module is imported: any test module may import one while the suite is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ASSETS_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tokenizer-assets"
 

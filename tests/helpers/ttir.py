@@ -1,0 +1,39 @@
+"""Build a Triton kernel's TTIR for sm_90 without a GPU (tests/test_kernels_ttir.py runs this in a process of its
+own: under TRITON_INTERPRET=1 kernels are interpreter objects, which the compiler does not take)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def ttir(fn, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({"num_warps": 4})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    module = ASTSource(fn, sig, constexprs).make_ir(target, options, backend.get_codegen_implementation(options),
+                                                    backend.get_module_map(), ctx)
+    return str(module)
+
+
+def main() -> None:
+    """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}."""
+    import importlib
+
+    module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    fn = getattr(importlib.import_module(module), name)
+    text = ttir(fn, spec["signature"], spec["constexprs"])
+    print("tt.func" in text)
+
+
+if __name__ == "__main__":
+    main()
