@@ -19,7 +19,7 @@ from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
-from shared.ring import Ring, step_fill_bucket
+from shared.ring import STEP_FILL_BOUNDS, Ring, step_fill_bucket
 from shared.slots import MAX_LOGIT_BIAS
 
 S = L.SlotState
@@ -51,7 +51,8 @@ class RingEngine:
         self.by_slot: dict[int, Request] = {}
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
-        self.step_fill = [0] * 7  # EngineStats.step_fill: steps by tokens / the policy's token budget
+        # EngineStats.step_fill: steps by tokens / the policy's token budget (shared.ring.step_fill_bucket)
+        self.step_fill = [0] * len(STEP_FILL_BOUNDS) + [0]
         self.draining = False
         self._loop_seen = 0.0
         self._in_step: tuple[float, int] | None = None  # (started, tokens) while the runner computes a step

@@ -227,7 +227,6 @@ class PersistentScheduler:
         c.max_batch, c.block_size, c.num_blocks = max_batch, kv.block_size, kv.num_blocks  # type: ignore[attr-defined]
         c.max_blocks_per_seq = c.max_graph_blocks = limits.max_blocks_per_seq  # type: ignore[attr-defined]
         c.max_context, c.max_tokens = max_context, limits.max_tokens  # type: ignore[attr-defined]
-        c.max_prefill_tokens = limits.max_tokens  # type: ignore[attr-defined]
         eos = list(eos_ids)[:MAX_EOS]
         c.num_eos = len(eos)
         for k, e in enumerate(eos):

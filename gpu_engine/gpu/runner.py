@@ -180,8 +180,8 @@ class GpuModelRunner:
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True) -> None:
-        """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; one decode split
-        size; cuBLAS and a separate SiLU-and-multiply at every M), kept for comparison."""
+        """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
+        SiLU-and-multiply at every M), kept for comparison."""
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -241,11 +241,10 @@ class GpuModelRunner:
             apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
             write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
+        part = decode_partition(batch, hkv)
         if decode:
-            part = decode_partition(batch, hkv) if self.fused else 256
             out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
-            part = decode_partition(batch, hkv) if self.fused else 256
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
                              partition_size=part)
