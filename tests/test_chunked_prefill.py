@@ -8,21 +8,17 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers.ring_engine import RingHarness
 
-from gpu_engine.engine import RingEngine
 from gpu_engine.kv_cache import BlockAllocator
 from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
-from gpu_engine.serve import build_cpu_backend
 from shared import ring_layout as L
 from shared.config import EngineConfig
-from shared.messages import Sampling
-from shared.ring import Ring, RingGeometry, local_ring
-from shared.slots import SlotRequest, SlotWriter
+from shared.ring import RingGeometry
 
 transformers = pytest.importorskip("transformers")
 S = L.SlotState
@@ -47,23 +43,17 @@ def _fresh_seed() -> Iterator[None]:
     yield
 
 
-class Harness:
-    """A RingEngine over a private ring, stepped by hand, with a frontend-side writer."""
+class Harness(RingHarness):
+    """The CPU engine through a private ring, keeping every plan the policy made."""
 
     def __init__(self, model: Path | None, kv_blocks: int, budget: int, chunked: bool = True,
                  geometry: RingGeometry = GEO, max_batch: int = 8, block_size: int = 4, dtype: str = "float32",
                  prefix_caching: bool = True) -> None:
-        cfg = EngineConfig(ring_name="local", model=None if model is None else str(model), geometry=geometry,
-                           kv_blocks=kv_blocks, block_size=block_size, max_batch=max_batch, dtype=dtype,
-                           max_num_batched_tokens=budget, no_enable_chunked_prefill=not chunked,
-                           no_enable_prefix_caching=not prefix_caching)
-        self.backend = b = build_cpu_backend(cfg)
-        self.ring: Ring = local_ring(geometry)
-        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context, b.vocab_size)
-        self.policy: Policy = b.policy
-        self.writer = SlotWriter(self.ring)
-        self.seqs: dict[int, int] = {}
-        self.free_at_start = self.policy.alloc.num_free
+        super().__init__(EngineConfig(ring_name="local", model=None if model is None else str(model),
+                                      geometry=geometry, kv_blocks=kv_blocks, block_size=block_size,
+                                      max_batch=max_batch, dtype=dtype, max_num_batched_tokens=budget,
+                                      no_enable_chunked_prefill=not chunked,
+                                      no_enable_prefix_caching=not prefix_caching))
         self.plans: list[StepPlan] = []
         schedule = self.policy.schedule
 
@@ -75,27 +65,8 @@ class Harness:
 
         self.policy.schedule = recording  # type: ignore[method-assign]
 
-    def submit(self, idx: int, prompt: list[int], max_new: int, **kw: Any) -> None:
-        seq = self.writer.try_reserve(idx, int(self.ring.slots[idx]["seq"]))
-        assert seq is not None
-        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), Sampling(max_new, **kw)))
-        self.seqs[idx] = seq
-
-    def run(self, max_steps: int = 20_000) -> None:
-        for _ in range(max_steps):
-            if not self.engine.step() and not self.engine.by_slot:
-                return
-        raise AssertionError("engine did not finish")
-
-    def result(self, idx: int) -> tuple[list[int], int]:
-        s = self.ring.slots[idx]
-        assert s["state"] == S.DECODE_COMPLETED
-        out = self.ring.output_tokens[idx, : int(s["generated"])].tolist()
-        assert self.writer.release(idx, self.seqs[idx])
-        return out, int(s["finish_reason"])
-
     def check_blocks_returned(self) -> None:
-        assert self.policy.alloc.num_free == self.free_at_start
+        super().check_blocks_returned()
         assert self.policy.num_unfinished == 0 and self.policy.partial is None
 
 

@@ -9,14 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers.ring_engine import RingHarness
 
-from gpu_engine.engine import RingEngine
-from gpu_engine.serve import build_cpu_backend
 from shared import ring_layout as L
 from shared.config import EngineConfig
-from shared.messages import Sampling
-from shared.ring import Ring, RingGeometry, local_ring
-from shared.slots import SlotRequest, SlotWriter
+from shared.ring import RingGeometry
 
 transformers = pytest.importorskip("transformers")
 S, F = L.SlotState, L.FinishReason
@@ -35,41 +32,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-class Harness:
-    """A RingEngine over a private ring, stepped by hand, with a frontend-side writer."""
+class Harness(RingHarness):
+    """The CPU engine over the tiny model, through a private ring."""
 
     def __init__(self, model: Path, kv_blocks: int, max_batch: int = 16, block_size: int = 4) -> None:
-        cfg = EngineConfig(ring_name="local", model=str(model), geometry=GEO, kv_blocks=kv_blocks,
-                           block_size=block_size, max_batch=max_batch)
-        self.backend = build_cpu_backend(cfg)
-        self.ring: Ring = local_ring(GEO)
-        b = self.backend
-        self.engine = RingEngine(self.ring, b.runner, b.policy, b.eos_ids, b.max_context, b.vocab_size)
-        self.writer = SlotWriter(self.ring)
-        self.seqs: dict[int, int] = {}
-        self.free_at_start = b.policy.alloc.num_free
-
-    def submit(self, idx: int, prompt: list[int], max_new: int, **kw: Any) -> None:
-        seq = self.writer.try_reserve(idx, int(self.ring.slots[idx]["seq"]))
-        assert seq is not None
-        self.writer.publish(idx, seq, SlotRequest(idx + 100, np.array(prompt, np.int32), Sampling(max_new, **kw)))
-        self.seqs[idx] = seq
-
-    def run(self, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.engine.step() and not self.engine.by_slot:
-                return
-        raise AssertionError("engine did not finish")
-
-    def result(self, idx: int) -> tuple[list[int], int]:
-        s = self.ring.slots[idx]
-        assert s["state"] == S.DECODE_COMPLETED
-        out = self.ring.output_tokens[idx, : int(s["generated"])].tolist()
-        assert self.writer.release(idx, self.seqs[idx])
-        return out, int(s["finish_reason"])
-
-    def check_blocks_returned(self) -> None:
-        assert self.backend.policy.alloc.num_free == self.free_at_start
+        super().__init__(EngineConfig(ring_name="local", model=str(model), geometry=GEO, kv_blocks=kv_blocks,
+                                      block_size=block_size, max_batch=max_batch))
 
 
 def run_alone(h: Harness, prompt: list[int], max_new: int, **kw: Any) -> list[int]:
