@@ -85,10 +85,18 @@ peers_run() {  # peers_run SYSTEM
     (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
   fi
   rm -rf /tmp/blink-peers-work
-  # vLLM's command runs under `bash -c`, which first sources $BASH_ENV: the kit's env.sh (its PYTHONPATH, the hub
-  # offline, as nothing can be reached here, no FlashInfer sampler, no usage stats), for vLLM alone
+  # vLLM's command runs under `bash -c`, which first sources $BASH_ENV, for vLLM alone: vLLM as a user runs it,
+  # with lazy CUDA module loading (this script's EAGER, which Blink's device-launched graphs need, would have its
+  # start load every kernel of every library it links) and none of this checkout's packages on its path; then
+  # the kit's env.sh (its PYTHONPATH, the hub offline, no FlashInfer sampler, no usage stats); faulthandler on,
+  # so that a start that hangs says where (the harness sends SIGABRT before it gives up)
   local kit_env=""
-  [ "$1" = vllm ] && kit_env=/tmp/vllm-site/env.sh
+  if [ "$1" = vllm ]; then
+    kit_env=/tmp/blink-peers-vllm.env
+    printf '%s\n' 'unset CUDA_MODULE_LOADING BLINK_GPU_OUT' 'export PYTHONPATH= PYTHONFAULTHANDLER=1 VLLM_HOST_IP=127.0.0.1' \
+      '. /tmp/vllm-site/env.sh' >"$kit_env"
+  fi
+  nvidia-smi >"$OUT/nvidia_smi_$1.log" 2>&1
   BASH_ENV="$kit_env" PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
     --work-dir /tmp/blink-peers-work \
     --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \

@@ -275,7 +275,18 @@ class CommandServer:
                 self.startup_s = round(time.monotonic() - t0, 1)
                 return
             time.sleep(0.5)
+        self.dump_stacks()
         raise RuntimeError(f"peer {self.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def dump_stacks(self, wait_s: float = 3.0) -> None:
+        """Ask every process of a server that never came up where it is: SIGABRT, which a Python process run with
+        ``PYTHONFAULTHANDLER=1`` answers by writing every thread's traceback to its log before it dies."""
+        for pid in self.pids().values():
+            if self.proc is not None and pid == self.proc.pid:
+                continue  # the shell that ran the command
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(wait_s)
 
     def stop(self, grace_s: float = 30.0) -> int:
         """SIGTERM to the process group, SIGKILL (to the group and every process it started) after ``grace_s``;
