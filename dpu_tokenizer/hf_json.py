@@ -10,7 +10,7 @@ import tokenizers
 from dpu_tokenizer.base import ByteTableTokenizer
 from dpu_tokenizer.bytelevel import DIGITS_GPT2_PATTERN, GPT2_PATTERN, token_to_bytes
 from dpu_tokenizer.hf_backend import HFTokenizer
-from dpu_tokenizer.rankbpe import plan_ranks
+from dpu_tokenizer.plan_cache import cached_plan_ranks
 from dpu_tokenizer.sources import read_json, read_json_if_present, token_text
 from dpu_tokenizer.tiktoken_backend import TiktokenTokenizer
 
@@ -148,7 +148,7 @@ def load_tokenizer_json(path: Path) -> ByteTableTokenizer:
     tokens = [""] * size
     for tok, tid in vocab.items():
         tokens[tid] = tok
-    plan = plan_ranks(
+    plan = cached_plan_ranks(
         tokens, model.get("merges", []), set(added.values()), ignore_merges=bool(model.get("ignore_merges"))
     )
     if not plan.exact:

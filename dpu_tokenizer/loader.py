@@ -20,7 +20,7 @@ from dpu_tokenizer.bytelevel import DIGITS_GPT2_PATTERN, GGUF_PRE_PATTERNS, toke
 from dpu_tokenizer.families import RANK_FAMILIES
 from dpu_tokenizer.hf_backend import HFTokenizer, build_bytelevel_bpe, gguf_pre_tokenizer
 from dpu_tokenizer.hf_json import load_tokenizer_json
-from dpu_tokenizer.rankbpe import plan_ranks
+from dpu_tokenizer.plan_cache import cached_plan_ranks
 from dpu_tokenizer.sources import (
     GGUF_CONTROL,
     GGUF_UNKNOWN,
@@ -143,7 +143,7 @@ def _from_gguf(path: Path) -> ByteTableTokenizer:
             wrap_ids=(prefix, suffix),
         )
 
-    plan = plan_ranks(vocab.tokens, vocab.merges, set(added.values()), ignore_merges=ignore)
+    plan = cached_plan_ranks(vocab.tokens, vocab.merges, set(added.values()), ignore_merges=ignore)
     if not plan.exact:
         return _mark(exact(), "rank BPE would differ: " + "; ".join(plan.problems[:3]))
     tok = TiktokenTokenizer(
