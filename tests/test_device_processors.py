@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_tables_are_checked() -> None:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ttir(kernel: str, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+def _ttir(kernel: str, signature: dict[str, str], constexprs: Mapping[str, object]) -> str:
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
@@ -172,3 +173,44 @@ def test_dense_kernel_compiles_for_sm90() -> None:
     signature = ptrs | dict.fromkeys(("V", "s_x", "s_add", "s_out"), "i32")
     out = _ttir("_dense_kernel", signature, {"BLOCK": 1024, "LIBDEVICE": True})
     assert out.startswith("True"), out
+
+
+# ------------------------------------------------------------------ the runner's buffers, as the scheduler fills them
+def test_runner_with_device_tables_samples_the_cpu_engines_tokens() -> None:
+    """A `GpuModelRunner` built for the persistent scheduler (`RunnerLimits.device_tables`): its graphs' sampler
+    reads the rows, history and bias tables from its static buffers; a decode step whose buffers are filled
+    as the scheduler fills them gives the CPU engine's tokens on the step's logits."""
+    from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits  # noqa: PLC0415
+    from gpu_engine.kv_cache import KVCache  # noqa: PLC0415
+    from gpu_engine.models.attention import build_metadata  # noqa: PLC0415
+    from gpu_engine.models.config import ModelConfig  # noqa: PLC0415
+    from gpu_engine.models.loader import build_empty, init_random  # noqa: PLC0415
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": 32,
+                               "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                               "max_position_embeddings": 64})
+    model = build_empty(cfg, torch.float32, DEV)
+    init_random(model, 0)
+    limits = RunnerLimits(4, 8, 4, device_tables=DeviceTables(SLOTS, WIDTH, NBIAS))
+    runner = GpuModelRunner(model, KVCache(cfg, 16, 4, device=DEV), limits)
+    forced = (SamplingSpec(logit_bias=((17, 100.0),), repetition_penalty=1.5), [3, 17], [17])
+    rows = [forced] + [_specs()[k] for k in (2, 0)]  # bias + repetition; frequency / presence + min_tokens; none
+    dp = tables(rows, DEV)
+    buf = runner.buffers
+    for name in ("history", "bias_tokens", "bias_values"):
+        getattr(buf, name).copy_(getattr(dp, name))
+    meta = build_metadata([(len(p) + len(o) - 1, 1, [4 * b, 4 * b + 1]) for b, (_, p, o) in enumerate(rows)], 4,
+                          device=DEV)
+    specs = [s for s, _, _ in rows]
+    sampling = {"temperature": torch.tensor([s.temperature for s in specs]),
+                "seeds": torch.tensor([s.seed for s in specs], dtype=torch.int64),
+                "sample_index": torch.tensor([len(o) for _, _, o in rows], dtype=torch.int64)}
+    runner.stage(torch.tensor([o[-1] if o else p[-1] for _, p, o in rows], device=DEV), meta, sampling)
+    buf.proc_rows[: len(rows)].copy_(dp.rows)
+    buf.proc_penalties[: len(rows)].copy_(dp.penalties)
+    runner.forward(4, 4, True)
+    logits = buf.logits[: len(rows)].cpu()
+    ref = reference_sample(logits, specs, sampling["sample_index"], sampling["seeds"], [(p, o) for _, p, o in rows])
+    assert buf.next_tokens[: len(rows)].cpu().tolist() == ref.tokens.tolist()
+    assert ref.tokens[0] == 17 and not buf.proc_scratch.any()
