@@ -76,9 +76,10 @@ def groups(plain: dict[int, Result], ps: list[np.ndarray], max_new: int) -> list
     for g, p in enumerate(ps):
         out = plain[10 * g].tokens
         banned = max(set(out), key=out.count)
+        boost = VOCAB - 1 if banned != VOCAB - 1 else VOCAB - 3
         m = 3 + g % 5
         fields = {
-            0: (), 1: (("logit_bias", ((banned, -100.0), (VOCAB - 1, 3.0))),),
+            0: (), 1: (("logit_bias", tuple(sorted(((banned, -100.0), (boost, 3.0))))),),
             2: (("logit_bias", ((EOS, 100.0),)), ("min_tokens", m), ("stop_ids", (VOCAB - 2,))),
             3: (("repetition_penalty", 1.8),), 4: (("frequency_penalty", 1.5), ("presence_penalty", 0.5)),
             5: (("repetition_penalty", 1.3), ("frequency_penalty", 0.4), ("presence_penalty", -0.3),
@@ -100,7 +101,7 @@ def check_effects(jobs: list[ProcJob], got: dict[int, Result], what: str) -> Non
     for j in jobs:
         r, k, fields = got[j.rid], j.rid % 10, dict(j.fields)
         if "logit_bias" in fields and k != 2:
-            banned = j.sampling().logit_bias[0][0]
+            banned = next(t for t, b in j.sampling().logit_bias if b < 0)
             assert banned not in r.tokens, f"{what}: request {j.rid} sampled its banned token {banned}"
         if k == 2:
             assert (len(r.tokens), r.reason) == (fields["min_tokens"], F.EOS), f"{what}: request {j.rid}: {r}"
