@@ -110,7 +110,8 @@ def check_effects(jobs: list[ProcJob], got: dict[int, Result], what: str) -> Non
         if k == 3:
             changed += r.tokens != got[j.rid - 3].tokens  # the plain request of the same prompt
     plain = [got[j.rid].tokens for j in jobs if j.rid % 10 == 0]
-    assert sum(len(set(t)) < len(t) for t in plain) > 0.8 * len(plain), "the tiny model should repeat itself"
+    # about half of the tiny model's plain outputs repeat a token within 24 (19 of 40 on the CPU engine)
+    assert sum(len(set(t)) < len(t) for t in plain) > 0.25 * len(plain), "the tiny model should repeat itself"
     assert changed >= 0.8 * len(plain), f"{what}: repetition_penalty changed {changed} of {len(plain)} outputs"
 
 
