@@ -111,6 +111,10 @@ CONSTANTS = (
     Constant("BLINK_FAULT_HANG", "FAULT_HANG", 1, "fault: the completion poll of step fault_at waits for a count "
              "that never comes (debug, BLINK_FAULT)"),
     Constant("BLINK_FAULT_LAUNCH", "FAULT_LAUNCH", 2, "fault: the launch of step fault_at fails (debug, BLINK_FAULT)"),
+    Constant("BLINK_PROC_COLS", "PROC_COLS", 24, "int32 columns of a proc_rows row: slot, prompt_len, hist_len, "
+             "n_bias, n_ban, unused, then the banned ids (gpu_engine/kernels/processors.py)"),
+    Constant("BLINK_PROC_BAN_COL", "PROC_BAN_COL", 8, "the proc_rows column of the first banned id"),
+    Constant("BLINK_PROC_MAX_BAN", "PROC_MAX_BAN", 16, "banned ids per row below min_tokens: the stop ids and EOS"),
 )
 
 CONFIG_GROUPS = (
@@ -149,6 +153,16 @@ CONFIG_GROUPS = (
         Decl("int64_t *", "top_ids"),
         Decl("float *", "top_logprobs"),
         Decl("uint32_t", "num_top_out max_tokens max_graph_blocks vocab_size"),
+    )),
+    Group("logits processors from device state (gpu_engine/kernels/processors.py; null / 0 when off)", (
+        Decl("uint32_t", "processors max_bias",
+             "1: the graphs apply penalties, logit_bias and min_tokens; max_bias: bias entries per slot"),
+        Decl("int32_t *", "history",
+             "[num_slots * max_context] each request's prompt then outputs (the scheduler's token history)"),
+        Decl("int32_t *", "bias_tokens", "[num_slots * max_bias] a request's LogitBias tokens, copied at admission"),
+        Decl("float *", "bias_values", "[num_slots * max_bias] their biases"),
+        Decl("int32_t *", "proc_rows", "[max_batch * BLINK_PROC_COLS] step buffer: each row's processors"),
+        Decl("float *", "proc_penalties", "[max_batch * 3] step buffer: repetition, frequency, presence"),
     )),
     Group("options", (
         Decl("uint64_t", "heartbeat_ns", "beat period"),

@@ -94,6 +94,12 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->num_top = sl->sampling.num_top_logprobs;
   r->num_stop = sl->sampling.num_stop_ids > kMaxStopIds ? kMaxStopIds : sl->sampling.num_stop_ids;
   for (uint32_t k = 0; k < kMaxStopIds; ++k) r->stop_ids[k] = sl->sampling.stop_ids[k];
+  float rep = sl->sampling.repetition_penalty;
+  r->rep = rep == 0.f ? 1.f : rep;
+  r->freq = sl->sampling.frequency_penalty;
+  r->pres = sl->sampling.presence_penalty;
+  r->min_tokens = sl->sampling.min_tokens;
+  r->num_bias = sl->sampling.num_logit_bias;
   uint64_t seed =
       (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
   r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
@@ -122,6 +128,33 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
     int32_t t = src[j];
     dst[j] = t;
     if (t < 0 || static_cast<uint32_t>(t) >= s->cfg.vocab_size) *bad = 1;
+  }
+}
+
+// A claimed request's logit-bias table (the tail of its prompt row) into the device table, checked as the
+// Python engine checks it (at most max_bias entries that fit beside the prompt, tokens in the vocabulary,
+// biases in [-100, 100]) and ascending as the ring promises. `bad`: the request is refused (BAD_PARAMS),
+// as is one whose processors this scheduler does not apply, or one with a grammar (not applied here).
+__device__ void copy_bias(SchedState *s, uint32_t i, uint32_t *bad) {
+  const blink_sched_config &c = s->cfg;
+  const ReqInfo *r = &s->req[i];
+  uint32_t n = r->num_bias;
+  const volatile blink_slot *sl = slot(s, i);
+  bool refuse = (!c.processors && uses_processors(r)) || sl->sampling.grammar_id != 0 || n > c.max_bias ||
+                r->prompt_len + 2 * n > c.max_prompt;
+  if (refuse) {
+    if (threadIdx.x == 0) *bad = 1;
+    return;
+  }
+  const volatile blink_logit_bias *src = reinterpret_cast<const blink_logit_bias *>(
+      reinterpret_cast<const int32_t *>(c.ring + c.prompt_off) + (static_cast<size_t>(i) + 1) * c.max_prompt - 2 * n);
+  for (uint32_t k = threadIdx.x; k < n; k += blockDim.x) {
+    int32_t t = src[k].token;
+    float b = src[k].bias;
+    c.bias_tokens[bias_at(s, i) + k] = t;
+    c.bias_values[bias_at(s, i) + k] = b;
+    bool ascending = k == 0 || src[k - 1].token < t;
+    if (t < 0 || static_cast<uint32_t>(t) >= c.vocab_size || !(fabsf(b) <= 100.f) || !ascending) *bad = 1;
   }
 }
 
@@ -274,8 +307,11 @@ __device__ void admit_claims(SchedState *s, ClaimScratch *sh, uint32_t n) {
     sh->bad[k] = 0;
   }
   __syncthreads();
-  for (uint32_t k = 0; k < n; ++k)
-    if (sh->ok[k]) copy_prompt(s, sh->claimed[k], &sh->bad[k]);
+  for (uint32_t k = 0; k < n; ++k) {
+    if (!sh->ok[k]) continue;
+    copy_prompt(s, sh->claimed[k], &sh->bad[k]);
+    copy_bias(s, sh->claimed[k], &sh->bad[k]);
+  }
   __syncthreads();
   if (threadIdx.x == 0) queue_admitted(s, sh, n);
   __syncthreads();

@@ -95,7 +95,8 @@ size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) 
   size_t cur = 0;
   st->stats = carve<blink_sched_stats>(base, &cur, 1);
   st->req = carve<ReqInfo>(base, &cur, c.num_slots);
-  st->tokens = carve<int32_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_context);
+  // the token history: the graphs' own table when they apply processors from it (config.history)
+  st->tokens = c.history ? c.history : carve<int32_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_context);
   st->blocks = carve<int32_t>(base, &cur, static_cast<size_t>(c.num_slots) * c.max_blocks_per_seq);
   st->waiting = carve<uint32_t>(base, &cur, c.num_slots);
   st->paused = carve<uint32_t>(base, &cur, c.num_slots);
@@ -205,6 +206,11 @@ int blink_clock_offset(int64_t *offset) {
 }
 
 int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
+  if (cfg->processors && !(cfg->history && cfg->bias_tokens && cfg->bias_values && cfg->proc_rows &&
+                           cfg->proc_penalties && cfg->max_bias)) {
+    snprintf(g_error, sizeof(g_error), "invalid scheduler config: processors on without their tables");
+    return -1;
+  }
   if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0 ||
       cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread || (cfg->scan_flips && cfg->num_slots > kFlipWords * 64)) {
     snprintf(g_error, sizeof(g_error),

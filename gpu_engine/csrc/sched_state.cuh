@@ -41,6 +41,8 @@ struct ReqInfo {
   float temp, top_p, min_p;
   int32_t top_k;
   int32_t stop_ids[kMaxStopIds];
+  float rep, freq, pres;          // the penalties (rep 1: off; an older writer's 0 read as 1)
+  uint32_t min_tokens, num_bias;  // num_bias: LogitBias entries, copied to the device bias table at admission
 };
 
 struct SchedState {
@@ -101,8 +103,18 @@ __device__ __forceinline__ int32_t *req_tokens(SchedState *s, uint32_t i) {
 __device__ __forceinline__ int32_t *req_blocks(SchedState *s, uint32_t i) {
   return s->blocks + static_cast<size_t>(i) * s->cfg.max_blocks_per_seq;
 }
+__device__ __forceinline__ size_t bias_at(SchedState *s, uint32_t i) {
+  return static_cast<size_t>(i) * s->cfg.max_bias;
+}
 __device__ __forceinline__ uint64_t *req_block_hashes(SchedState *s, uint32_t i) {
   return s->req_hashes + static_cast<size_t>(i) * s->cfg.max_blocks_per_seq;
+}
+// SamplingSpec.processed without a grammar: a penalty, a bias table or min_tokens.
+__device__ __forceinline__ bool penalized(const ReqInfo *r) {
+  return r->rep != 1.f || r->freq != 0.f || r->pres != 0.f;
+}
+__device__ __forceinline__ bool uses_processors(const ReqInfo *r) {
+  return penalized(r) || r->num_bias > 0 || r->min_tokens > 0;
 }
 __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t v) {
   uint32_t k = *n;

@@ -139,6 +139,40 @@ __device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32
   }
 }
 
+// All threads: each row's logits processors (kernels/processors.py reads them): off (slot -1) for padding, for
+// a row whose token is not used and for a request without any; else its slot, the history the penalties count
+// (prompt then outputs, none without a penalty), its bias entries, and the stop ids and EOS it may not sample
+// below min_tokens (EOS unless ignored), with its penalties.
+static_assert(kMaxStopIds + BLINK_MAX_EOS <= BLINK_PROC_MAX_BAN, "a row's banned ids: its stop ids and EOS");
+static_assert(BLINK_PROC_BAN_COL + BLINK_PROC_MAX_BAN <= BLINK_PROC_COLS, "proc_rows columns");
+
+__device__ void stage_processors(SchedState *s, uint32_t n, uint32_t Bg) {
+  const blink_sched_config &c = s->cfg;
+  for (uint32_t r = threadIdx.x; r < Bg; r += blockDim.x) {
+    int32_t *row = c.proc_rows + static_cast<size_t>(r) * BLINK_PROC_COLS;
+    const ReqInfo *q = r < n && row_samples(s, r) ? &s->req[s->plan_slot[r]] : nullptr;
+    uint32_t nban = 0;
+    if (q && q->out_len < q->min_tokens) {
+      for (uint32_t k = 0; k < q->num_stop; ++k) row[BLINK_PROC_BAN_COL + nban++] = q->stop_ids[k];
+      for (uint32_t k = 0; k < c.num_eos && !(q->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS); ++k)
+        row[BLINK_PROC_BAN_COL + nban++] = c.eos_ids[k];
+    }
+    bool pen = q && penalized(q);
+    if (!(pen || nban || (q && q->num_bias))) {
+      row[0] = -1;
+      continue;
+    }
+    row[0] = static_cast<int32_t>(s->plan_slot[r]);
+    row[1] = static_cast<int32_t>(q->prompt_len);
+    row[2] = pen ? static_cast<int32_t>(ctx_len(q)) : 0;
+    row[3] = static_cast<int32_t>(q->num_bias);
+    row[4] = static_cast<int32_t>(nban);
+    c.proc_penalties[3 * r] = q->rep;
+    c.proc_penalties[3 * r + 1] = q->freq;
+    c.proc_penalties[3 * r + 2] = q->pres;
+  }
+}
+
 // All threads: each row's block table, -1 past its blocks.
 __device__ void stage_block_tables(SchedState *s, uint32_t n, uint32_t Bg) {
   const blink_sched_config &c = s->cfg;
@@ -168,6 +202,7 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
   stage_tokens(s, cu, n, T, Tg);
   stage_rows(s, cu, n, nd, T, Bg);
   stage_block_tables(s, n, Bg);
+  if (c.processors) stage_processors(s, n, Bg);
   __threadfence();
 }
 

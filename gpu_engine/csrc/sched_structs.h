@@ -24,6 +24,13 @@
 #define BLINK_FAULT_HANG 1
 // fault: the launch of step fault_at fails (debug, BLINK_FAULT)
 #define BLINK_FAULT_LAUNCH 2
+// int32 columns of a proc_rows row: slot, prompt_len, hist_len, n_bias, n_ban, unused, then the banned ids
+// (gpu_engine/kernels/processors.py)
+#define BLINK_PROC_COLS 24
+// the proc_rows column of the first banned id
+#define BLINK_PROC_BAN_COL 8
+// banned ids per row below min_tokens: the stop ids and EOS
+#define BLINK_PROC_MAX_BAN 16
 
 // What the host gives the scheduler at creation; never changed after.
 typedef struct blink_sched_config {
@@ -70,6 +77,19 @@ typedef struct blink_sched_config {
   int64_t *top_ids;
   float *top_logprobs;
   uint32_t num_top_out, max_tokens, max_graph_blocks, vocab_size;
+  // ---- logits processors from device state (gpu_engine/kernels/processors.py; null / 0 when off)
+  // 1: the graphs apply penalties, logit_bias and min_tokens; max_bias: bias entries per slot
+  uint32_t processors, max_bias;
+  // [num_slots * max_context] each request's prompt then outputs (the scheduler's token history)
+  int32_t *history;
+  // [num_slots * max_bias] a request's LogitBias tokens, copied at admission
+  int32_t *bias_tokens;
+  // [num_slots * max_bias] their biases
+  float *bias_values;
+  // [max_batch * BLINK_PROC_COLS] step buffer: each row's processors
+  int32_t *proc_rows;
+  // [max_batch * 3] step buffer: repetition, frequency, presence
+  float *proc_penalties;
   // ---- options
   // beat period
   uint64_t heartbeat_ns;

@@ -261,7 +261,22 @@ class PersistentScheduler:
             setattr(c, ours, b[name])
         c.num_top_out = max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
         c.vocab_size = vocab_size
+        self._processor_tables(c, limits.device_tables, b)  # type: ignore[attr-defined]
         return c
+
+    @staticmethod
+    def _processor_tables(c: SchedConfig, tables: object, buffers: dict) -> None:
+        """The logits processors' tables (runner.DeviceTables) when the graphs apply them: the scheduler keeps
+        its token history in the graphs' table, copies each request's bias table at admission and stages each
+        row's processors; without them it refuses a request that uses one."""
+        if tables is None:
+            return
+        if (tables.num_slots, tables.max_context) != (c.num_slots, c.max_context):  # type: ignore[attr-defined]
+            raise SchedulerError(f"processor tables {tables} do not match {c.num_slots} slots of "
+                                 f"{c.max_context} tokens")
+        c.processors, c.max_bias = 1, tables.max_bias  # type: ignore[attr-defined]
+        for name in ("history", "bias_tokens", "bias_values", "proc_rows", "proc_penalties"):
+            setattr(c, name, buffers[name])
 
     def guard_report(self) -> str:
         """After a stop: byte ranges (offsets from the state's start) of the guard bands and of the

@@ -22,11 +22,13 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
 from gpu_engine.kernels.gemv import gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
+from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
@@ -34,12 +36,29 @@ from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
+from shared.slots import MAX_LOGIT_BIAS
 
 # Steps of at most this many tokens use `kernels.gemv` for their projections (fused path). Off (0): a
 # request's tokens must not depend on how many tokens its step carries, and the skinny matmul sums in
 # another order than cuBLAS does for larger steps (on the H200 one of 5,000 fp32 greedy requests then
 # differed between two runs whose steps were batched differently).
 GEMV_ROWS = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTables:
+    """The persistent scheduler's slot-indexed tables that the graphs read (`kernels.processors`): every ring
+    slot's token history (`max_context` wide, the scheduler's own) and logit-bias table (`max_bias` entries)."""
+
+    num_slots: int
+    max_context: int
+    max_bias: int = MAX_LOGIT_BIAS
+
+    def __post_init__(self) -> None:
+        if min(self.num_slots, self.max_context, self.max_bias) <= 0:
+            raise ValueError(f"invalid device tables {self}")
+        if self.max_context > MAX_COUNT or self.max_bias >= BIAS_MASK:
+            raise ValueError(f"device tables {self}: at most {MAX_COUNT} tokens and {BIAS_MASK - 1} bias entries")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +69,12 @@ class RunnerLimits:
     max_tokens: int
     max_blocks_per_seq: int
     num_top_logprobs: int = 5
-    # the logits processors (penalties, logit_bias, min_tokens) in every graph: [max_batch, vocab] x 3 and a few
-    # dense passes per step; only the host-driven backend stages them (the persistent scheduler does not yet)
+    # the logits processors (penalties, logit_bias, min_tokens) in every graph from dense columns the host stages:
+    # [max_batch, vocab] x 3 and a pass over them per step (the host-driven backend)
     processors: bool = False
+    # the same processors from the persistent scheduler's device state (`kernels.processors`), a masked path:
+    # a row without any costs one load; a [max_batch, vocab] int32 scratch and the tables below
+    device_tables: DeviceTables | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_tokens, self.max_blocks_per_seq) <= 0 or self.num_top_logprobs < 0:
@@ -93,11 +115,21 @@ class StepBuffers:
     repetition: torch.Tensor  # [max_batch] f32, 1 = off
     frequency: torch.Tensor  # [max_batch] f32
     presence: torch.Tensor  # [max_batch] f32
+    # logits processors from device state (`kernels.processors.DeviceProcessors`); the tables are [0, ...]
+    # when RunnerLimits.device_tables is off. The rows stay all -1 (off) unless a scheduler stages them.
+    proc_rows: torch.Tensor  # [max_batch, PROC_COLS] int32
+    proc_penalties: torch.Tensor  # [max_batch, 3] f32
+    history: torch.Tensor  # [num_slots, max_context] int32
+    bias_tokens: torch.Tensor  # [num_slots, max_bias] int32
+    bias_values: torch.Tensor  # [num_slots, max_bias] f32
+    proc_scratch: torch.Tensor  # [max_batch, vocab] int32, zero at rest
 
     @classmethod
     def allocate(cls, limits: RunnerLimits, vocab: int, device) -> StepBuffers:
         B, T, K = limits.max_batch, limits.max_tokens, max(1, limits.num_top_logprobs)
         PB = B if limits.processors else 0
+        dt = limits.device_tables
+        slots, width, nbias = (dt.num_slots, dt.max_context, dt.max_bias) if dt else (0, 0, 0)
 
         def z(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -119,11 +151,20 @@ class StepBuffers:
             pen_seen=z(PB, vocab, dtype=torch.float32),
             repetition=torch.ones(B, dtype=torch.float32, device=device), frequency=z(B, dtype=torch.float32),
             presence=z(B, dtype=torch.float32),
+            proc_rows=torch.full((B, PROC_COLS), -1, dtype=torch.int32, device=device),
+            proc_penalties=z(B, 3, dtype=torch.float32),
+            history=z(slots, width, dtype=torch.int32), bias_tokens=z(slots, nbias, dtype=torch.int32),
+            bias_values=z(slots, nbias, dtype=torch.float32),
+            proc_scratch=z(B if dt else 0, vocab, dtype=torch.int32),
         )
 
     def processors(self, batch: int) -> Processors:
         return Processors(self.logit_add[:batch], self.pen_counts[:batch], self.pen_seen[:batch],
                           self.repetition[:batch], self.frequency[:batch], self.presence[:batch])
+
+    def device_processors(self, batch: int) -> DeviceProcessors:
+        return DeviceProcessors(self.proc_rows[:batch], self.proc_penalties[:batch], self.history, self.bias_tokens,
+                                self.bias_values, self.proc_scratch)
 
     def pointers(self) -> dict[str, int]:
         """Device addresses of every buffer, for a C++ scheduler."""
@@ -279,7 +320,8 @@ class GpuModelRunner:
                b.seeds[:batch], b.sample_index[:batch], b.next_tokens[:batch], b.token_logprobs[:batch],
                b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered,
                processors=b.processors(batch) if self.limits.processors else None,
-               want_logprobs=b.want_logprobs[:batch])
+               want_logprobs=b.want_logprobs[:batch],
+               device_procs=b.device_processors(batch) if self.limits.device_tables else None)
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:

@@ -16,6 +16,9 @@ EXIT_STATE_OVERWRITTEN = 5  # BLINK_EXIT_STATE_OVERWRITTEN
 EXIT_STEP_TIMEOUT = 6  # BLINK_EXIT_STEP_TIMEOUT
 FAULT_HANG = 1  # BLINK_FAULT_HANG
 FAULT_LAUNCH = 2  # BLINK_FAULT_LAUNCH
+PROC_COLS = 24  # BLINK_PROC_COLS
+PROC_BAN_COL = 8  # BLINK_PROC_BAN_COL
+PROC_MAX_BAN = 16  # BLINK_PROC_MAX_BAN
 
 
 class SchedConfig(C.Structure):
@@ -77,6 +80,13 @@ class SchedConfig(C.Structure):
     max_tokens: int
     max_graph_blocks: int
     vocab_size: int
+    processors: int
+    max_bias: int
+    history: int | None
+    bias_tokens: int | None
+    bias_values: int | None
+    proc_rows: int | None
+    proc_penalties: int | None
     heartbeat_ns: int
     drain_ns: int
     clock_offset_ns: int
@@ -140,6 +150,13 @@ class SchedConfig(C.Structure):
         ("max_tokens", C.c_uint32),
         ("max_graph_blocks", C.c_uint32),
         ("vocab_size", C.c_uint32),
+        ("processors", C.c_uint32),
+        ("max_bias", C.c_uint32),
+        ("history", C.c_void_p),
+        ("bias_tokens", C.c_void_p),
+        ("bias_values", C.c_void_p),
+        ("proc_rows", C.c_void_p),
+        ("proc_penalties", C.c_void_p),
         ("heartbeat_ns", C.c_uint64),
         ("drain_ns", C.c_uint64),
         ("clock_offset_ns", C.c_int64),

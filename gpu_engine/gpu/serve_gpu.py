@@ -22,7 +22,7 @@ from gpu_engine.gpu import sched_structs as SS
 from gpu_engine.gpu.graph_cache import GraphCache, shape_label
 from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
-from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_model
@@ -46,6 +46,9 @@ FAILED_EXITS: dict[int, tuple[type[DeviceFailure], str]] = {
 }
 DEVICE_FAULTS = {"hang": SS.FAULT_HANG, "launch": SS.FAULT_LAUNCH}
 SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
+# The sampling fields the persistent scheduler applies on the device (RingHeader.sampling_features); grammars
+# are applied by the Python-driven backends only (the scheduler refuses a request with one).
+PERSISTENT_FEATURES = L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -97,9 +100,13 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
+    # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
+    # (persistent: a masked path in every graph, a row without processors costs one load)
+    tables = DeviceTables(g.num_slots, max_context) if cfg.backend == "persistent" else None
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
-                          num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host")
+                          num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
+                          device_tables=tables)
     runner = GpuModelRunner(model, kv, limits)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
@@ -149,6 +156,7 @@ class PersistentEngine:
                                     token_budget=p.token_budget, step_timeout_s=self.step_timeout_s,
                                     fault=self.fault)
         ring.header_store64("heartbeat_ns", time.time_ns())
+        ring.header_store32("sampling_features", int(PERSISTENT_FEATURES))
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()

@@ -12,9 +12,13 @@ processed logits. Log-probs are of the raw logits, computed only for the rows wh
 `want_logprobs` is set (`kernels.logprobs`).
 
 The logits processors (logit bias, min_tokens, repetition / frequency / presence penalties, in
-the reference's order, `gpu_engine.sampling.process_logits`) run as dense elementwise ops over
-per-row columns (`Processors`) that the host stages (`processor_columns`); at their identity
-values (bias 0, no counts, nothing seen, repetition 1) they leave every logit bit for bit as is.
+the reference's order, `gpu_engine.sampling.process_logits`) have one arithmetic
+(`kernels.processors`) fed two ways: dense per-row columns (`Processors`) that the host stages
+(`processor_columns`; at their identity values, bias 0, no counts, nothing seen, repetition 1, they
+leave every logit bit for bit as is), or the device state of the persistent scheduler
+(`DeviceProcessors`: each row's slot, token history and bias table), which edits only the tokens a
+row's processors touch in the temperature-scaled logits, rows without any costing one load.
+Greedy rows take their argmax of those scaled logits too (their temperature divisor is 1, exact).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from triton.language.extra import libdevice
 
 from gpu_engine.kernels._checks import check
 from gpu_engine.kernels.logprobs import token_logprobs
+from gpu_engine.kernels.processors import DeviceProcessors, dense_processors, device_processors
 from gpu_engine.kernels.sampling_select import _key, filter_boundary
 from gpu_engine.sampling import History, SamplingSpec, filter_logits
 
@@ -144,17 +149,14 @@ def processor_columns(specs: list[SamplingSpec], steps: list[int], history: Hist
 
 
 def apply_processors(logits: torch.Tensor, p: Processors) -> torch.Tensor:
-    """The reference's `process_logits` as dense, sync-free ops (capturable); a new tensor."""
-    x = logits + p.logit_add
-    rep = p.repetition[:, None]
-    x = torch.where(p.seen > 0, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - p.frequency[:, None] * p.counts
-    return x - p.presence[:, None] * (p.counts > 0).to(torch.float32)
+    """The reference's `process_logits` over dense columns, sync-free (capturable); a new tensor."""
+    return dense_processors(logits, p.logit_add, p.counts, p.seen, p.repetition, p.frequency, p.presence)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, out_logprobs,
            out_top_ids, out_top_logprobs, filtered: bool = True, processors: Processors | None = None,
-           want_logprobs: torch.Tensor | None = None, sort_free: bool = True) -> None:
+           want_logprobs: torch.Tensor | None = None, sort_free: bool = True,
+           device_procs: DeviceProcessors | None = None) -> None:
     """One token per row of fp32 `logits` [B, V]; every output is written in place, no sync.
 
     temperature/top_p/min_p [B] f32, top_k [B] int32, seeds/steps [B] int64 (the reference's `seeds`
@@ -162,7 +164,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     `filtered=False` ignores top_k/top_p/min_p: only for rows where they are all off
     (`gpu_engine.policy.needs_filter`), for which it gives the same outputs bit for bit.
     `sort_free=False` filters through the reference's sort instead of the boundary search.
-    `processors` (rows [B]) applies the logits processors before the draw and the greedy argmax.
+    `processors` (rows [B]) applies the logits processors before the draw and the greedy argmax;
+    `device_procs` (rows [B]) applies them from the persistent scheduler's device state.
     `want_logprobs` [B] int32 (None: every row) picks the rows whose log-prob outputs are computed;
     the others get zeros.
     """
@@ -186,6 +189,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     proc = logits if processors is None else apply_processors(logits, processors)
     temps = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = proc / temps[:, None]
+    if device_procs is not None:
+        device_processors(proc, scaled, temps, device_procs)
+    unfiltered = scaled  # what greedy rows take the argmax of (their divisor is 1)
     boundary = filtered and sort_free
     if boundary:
         bkey, bcnt = filter_boundary(scaled, temperature, top_k, top_p, min_p)
@@ -193,7 +199,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
         bkey = bcnt = out_tokens  # not read
         if filtered:
             scaled = filter_logits(scaled, top_k.long(), top_p, min_p)
-    _gumbel_argmax_kernel[(B,)](proc, scaled, temperature, seeds, steps, out_tokens, bkey, bcnt, V,
-                                proc.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
+    _gumbel_argmax_kernel[(B,)](unfiltered, scaled, temperature, seeds, steps, out_tokens, bkey, bcnt, V,
+                                unfiltered.stride(0), scaled.stride(0), BLOCK=1024, num_warps=4,
                                 LIBDEVICE=logits.is_cuda, BOUNDARY=boundary)
     token_logprobs(logits, want_logprobs, out_tokens, out_logprobs, out_top_ids, out_top_logprobs)
