@@ -11,7 +11,9 @@ case "$service" in
   engine)
     exec blink engine --ring "$RING" "$@" ;;
   gateway)
-    name=${BLINK_GATEWAY_NAME:-gateway}
+    # Two gateways overlap while one replaces the other (same port, SO_REUSEPORT), each pid 1 of its
+    # own container: the default name, of its ready marker, is made distinct by the PID namespace.
+    name=${BLINK_GATEWAY_NAME:-gateway-$(stat -L -c %i /proc/self/ns/pid)}
     rm -f "$RUN_DIR/$name.ready"
     exec blink gateway --run-dir "$RUN_DIR" --ring "$RING" --name "$name" "$@" ;;
   tokenizer|reader|tracker)

@@ -1,12 +1,16 @@
 #!/opt/blink/bin/python
 """blink-health SERVICE: exit 0 when the service in this container says it serves, else 1 with the reason.
 
-engine: the ring says READY and its beat counter moves; gateway: GET /health answers 200; tokenizer,
-reader, tracker: the ready marker in the run dir names a live process of this container.
+engine: the ring says READY and its beat counter moves; gateway: its own ready marker (it is linked to
+the other services) and GET /health answers 200 (while two gateways share the port, the answer may
+come from the other one: the marker is this container's); tokenizer, reader, tracker: the ready
+marker in the run dir names a live process of this container.
+``blink-health --ring-state`` prints the ring's busy slots and KV blocks as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import urllib.request
@@ -41,6 +45,11 @@ def gateway_problem(port: str) -> str | None:
         return f"/health: {exc}"
 
 
+def gateway_name() -> str:
+    """The gateway's name as the entrypoint gives it (distinct per container: its PID namespace)."""
+    return os.environ.get("BLINK_GATEWAY_NAME") or f"gateway-{os.stat('/proc/self/ns/pid').st_ino}"
+
+
 def marker_problem(run_dir: Path, name: str) -> str | None:
     marker = run_dir / f"{name}.ready"
     try:
@@ -51,13 +60,34 @@ def marker_problem(run_dir: Path, name: str) -> str | None:
     return None
 
 
+def ring_state(ring_name: str) -> dict:
+    """``blink-health --ring-state``: the slots not EMPTY and the engine's KV and queue counts (the
+    rolling upgrade reads them at rest)."""
+    from shared import ring_layout as L
+    from shared.ring import attach_shm_ring
+
+    ring = attach_shm_ring(ring_name)
+    try:
+        stats = ring.read_header()["stats"]
+        busy = int((ring.read_slots()["state"] != L.SlotState.EMPTY).sum())
+        return {"busy_slots": busy, "kv_blocks_free": int(stats["kv_blocks_free"]),
+                "kv_blocks_total": int(stats["kv_blocks_total"]), "running": int(stats["running"]),
+                "waiting": int(stats["waiting"])}
+    finally:
+        ring.close()
+
+
 def main(argv: list[str]) -> int:
     service = argv[0] if argv else ""
+    if service == "--ring-state":
+        print(json.dumps(ring_state(os.environ.get("BLINK_RING", "blink-ring"))))
+        return 0
     run_dir = Path(os.environ.get("BLINK_RUN_DIR", "/run/blink"))
     if service == "engine":
         problem = engine_problem(os.environ.get("BLINK_RING", "blink-ring"))
     elif service == "gateway":
-        problem = gateway_problem(os.environ.get("BLINK_PORT", "8000"))
+        problem = (marker_problem(run_dir, gateway_name())
+                   or gateway_problem(os.environ.get("BLINK_PORT", "8000")))
     elif service in ("tokenizer", "reader", "tracker"):
         problem = marker_problem(run_dir, service)
     else:

@@ -6,9 +6,13 @@ stream starts (they carry Retry-After, and the official SDKs retry them). Once a
 200 it is never retried: it either completes (``[DONE]`` after a finish reason) or counts as failed,
 with the error event the gateway streamed.
 
-Usable as a library (``Load``, by the rolling-upgrade test) and as a script (by
-``docker/rolling_upgrade.sh``): ``python docker/loadgen.py --url http://127.0.0.1:8000 --seconds 60``
-runs until the time is up or SIGTERM/SIGINT, then prints the counts as JSON.
+Usable as a library (``Load``, and the classification of failures by phase, by the rolling-upgrade
+test) and as a script (by ``docker/rolling_upgrade.sh``):
+``python docker/loadgen.py --url http://127.0.0.1:8000 --seconds 60 [--results R.jsonl]`` runs until
+the time is up or SIGTERM/SIGINT, prints the counts as JSON and appends each request to R.jsonl;
+``python docker/loadgen.py --results R.jsonl --report PHASES.jsonl`` reads every request recorded
+there and the replacements (one JSON object a line: name, start, end and, for a replacement that
+starts the new one beside the old, cut and gone; wall-clock seconds) and prints the counts by phase.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import Counter
 
 import aiohttp
 
+ENGINE_ERRORS = ("engine_unavailable",)  # the code a stream lost with its engine ends with
 RETRY_STATUSES = (429, 503)
 RETRY_PAUSE_S = 0.1
 MAX_RETRY_AFTER_S = 1.0
@@ -158,6 +163,23 @@ class Load:
             res.error = {"broken": "stream ended without [DONE]"}
 
 
+def dump(results: list[Result], path: str) -> None:
+    """Append each ended request to ``path`` as one JSON line, its times on the wall clock."""
+    shift = time.time() - time.monotonic()
+    with open(path, "a", encoding="utf-8") as f:
+        for r in results:
+            if r.ended:
+                rec = dataclasses.asdict(r)
+                for key in ("started", "ok_at", "ended"):
+                    rec[key] = None if rec[key] is None else rec[key] + shift
+                f.write(json.dumps(rec) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def summary(results: list[Result]) -> dict:
     """Counts an operator reads: requests sent, completed, failed (by error), retries before a 200."""
     failed = [r for r in results if r.ended and not r.ok]
@@ -165,6 +187,69 @@ def summary(results: list[Result]) -> dict:
                         (r.error or {}).get("broken") or r.finish) for r in failed)
     return {"requests": sum(1 for r in results if r.ended), "completed": sum(1 for r in results if r.ok),
             "failed": len(failed), "failed_by": dict(kinds), "retries_before_200": sum(r.retries for r in results)}
+
+
+# ---------------------------------------------------------------------- failures by phase
+@dataclasses.dataclass(slots=True)
+class Phase:
+    """One replacement, on the clock of the results: started, done, and for one that starts the new
+    one beside the old, when the old was told to stop (``cut``) and when it had exited (``gone``)."""
+
+    name: str
+    start: float
+    end: float = 0.0
+    cut: float = 0.0
+    gone: float = 0.0
+
+
+def phase_of(res: Result, phases: list[Phase]) -> str:
+    """The replacement a failed request died in: the one under way when it ended, else one it overlapped."""
+    for p in phases:
+        if p.start <= res.ended <= p.end:
+            return p.name
+    hit = next((p for p in phases if res.ok_at is not None and res.ok_at <= p.end and res.ended >= p.start), None)
+    return hit.name if hit is not None else "steady load"
+
+
+def classify_failures(results: list[Result], phases: list[Phase]) -> tuple[dict[str, int], list[str]]:
+    """Failed requests counted by phase, and the ones the design does not allow: any failure outside the
+    engine's restart, or one there without the defined error."""
+    per_phase: dict[str, int] = {}
+    wrong: list[str] = []
+    for res in [r for r in results if r.ended and not r.ok]:
+        name = phase_of(res, phases)
+        per_phase[name] = per_phase.get(name, 0) + 1
+        code = (res.error or {}).get("code")
+        if not (name.startswith("engine") and (code in ENGINE_ERRORS or res.finish == "abort")):
+            wrong.append(f"{name}: {res.error or res.finish}")
+    return per_phase, wrong
+
+
+def across_cuts(results: list[Result], phases: list[Phase]) -> dict[str, list[Result]]:
+    """Per replacement with a cut, the streams the old one carried when it was told to stop: their 200
+    came before it had exited, their end after it was told to stop."""
+    return {p.name: [r for r in results if r.ok_at is not None and r.ok_at < p.gone and r.ended > p.cut]
+            for p in phases if p.cut}
+
+
+def wrong_texts(results: list[Result]) -> list[str]:
+    """Completed streams whose text is not the one most of them have (one greedy prompt: one text)."""
+    texts = [r.text for r in results if r.ok]
+    if not texts:
+        return []
+    common = max(set(texts), key=texts.count)
+    return [f"{r.text!r} (expected {common!r})" for r in results if r.ok and r.text != common]
+
+
+def report(results: list[Result], phases: list[Phase]) -> dict:
+    """The counts, failures by phase (and those not allowed), the streams across each cut (and how many
+    of them did not complete), completed streams with another text."""
+    by_phase, not_allowed = classify_failures(results, phases)
+    cuts = across_cuts(results, phases)
+    return {**summary(results), "failed_by_phase": by_phase, "failures_not_allowed": not_allowed,
+            "streams_across_cut": {k: len(v) for k, v in cuts.items()},
+            "lost_across_cut": {k: sum(not r.ok for r in v) for k, v in cuts.items()},
+            "other_text": wrong_texts(results), "phases_s": {p.name: round(p.end - p.start, 2) for p in phases}}
 
 
 async def _main(args: argparse.Namespace) -> dict:
@@ -177,6 +262,8 @@ async def _main(args: argparse.Namespace) -> dict:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), args.seconds)
     await load.stop()
+    if args.results:
+        dump(load.results, args.results)
     return summary(load.results)
 
 
@@ -187,7 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=60.0)
-    counts = asyncio.run(_main(ap.parse_args(argv)))
+    ap.add_argument("--results", help="append each request to this file (JSON lines)")
+    ap.add_argument("--report", metavar="PHASES", help="no load: report on --results by the phases in PHASES")
+    args = ap.parse_args(argv)
+    if args.report:
+        if not args.results:
+            ap.error("--report needs --results")
+        out = report([Result(**r) for r in read_jsonl(args.results)], [Phase(**p) for p in read_jsonl(args.report)])
+        print(json.dumps(out, indent=1), flush=True)
+        return 0 if not out["failures_not_allowed"] and not any(out["lost_across_cut"].values()) else 1
+    counts = asyncio.run(_main(args))
     print(json.dumps(counts), flush=True)
     return 0 if counts["failed"] == 0 else 1
 

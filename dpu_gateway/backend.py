@@ -63,12 +63,23 @@ class RequestStream:
                         msg.top[skip:] if msg.top else msg.top, at=at + skip)
 
 
+def default_gateway_id() -> int:
+    """This process's id among the gateways (the top bits of its request ids): its pid, made distinct
+    across PID namespaces by the namespace's inode, since every container's first process is pid 1
+    (gateways of one namespace keep distinct ids: the mix is a bijection of the pid's low 24 bits)."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return (os.getpid() ^ ns * 0x9E3779B1) & 0xFFFFFF
+
+
 class Backend:
     def __init__(self, run_dir: Path, gateway_id: int | None = None, reattach_s: float = REATTACH_S) -> None:
         self.run_dir = run_dir
         self.reattach_s = reattach_s
         self._reader_links = 0  # reader links made so far: a re-attach timer checks none came since
-        self.gateway_id = (os.getpid() if gateway_id is None else gateway_id) & 0xFFFFFF
+        self.gateway_id = (default_gateway_id() if gateway_id is None else gateway_id) & 0xFFFFFF
         self._ids = itertools.count(1)
         self.links: dict[str, ipc.Channel | None] = {"tokenizer": None, "tracker": None, "reader": None}
         self._linked = {name: asyncio.Event() for name in self.links}

@@ -344,12 +344,21 @@ class TokenReader:
         log.info("reader_handed_over", streams=streams, gateways=len(links))
 
 
-def clear_own_marker(run_dir: Path) -> None:
+def marker_stamp(run_dir: Path) -> tuple[int, int] | None:
+    """The reader's ready marker as written: its inode and modification time, or None if there is none."""
+    with contextlib.suppress(FileNotFoundError):
+        st = ipc.ready_path(run_dir, "reader").stat()
+        return st.st_ino, st.st_mtime_ns
+    return None
+
+
+def clear_own_marker(run_dir: Path, stamp: tuple[int, int] | None = None) -> None:
     """Remove the ready marker if it is this process's: a new reader started before this one stopped
-    has written its own."""
+    has written its own. The pid alone cannot tell in containers (each reader is pid 1 of its own
+    namespace), so with ``stamp`` (``marker_stamp`` when this one wrote it) the file must match it too."""
     path = ipc.ready_path(run_dir, "reader")
     with contextlib.suppress(FileNotFoundError, ValueError):
-        if int(path.read_text().strip()) == os.getpid():
+        if int(path.read_text().strip()) == os.getpid() and (stamp is None or marker_stamp(run_dir) == stamp):
             path.unlink(missing_ok=True)
 
 
@@ -359,10 +368,11 @@ async def run_reader(cfg: ReaderConfig) -> None:
     reader = TokenReader(cfg)
     server = await ipc.serve(cfg.run_dir, "reader", m.ToReader, reader.on_channel)
     ipc.mark_ready(cfg.run_dir, "reader")
+    stamp = marker_stamp(cfg.run_dir)
     log.info("reader_ready", rings=",".join(cfg.ring_names))
     try:
         await reader.poll_loop()
     finally:
-        clear_own_marker(cfg.run_dir)
+        clear_own_marker(cfg.run_dir, stamp)
         server.close()
         await reader.hand_over()

@@ -33,7 +33,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 2.0
-    gateway_id: int | None = None    # default: the process id
+    gateway_id: int | None = None    # default: the pid, distinct per PID namespace (backend.default_gateway_id)
     data_parallel_size: int = 1      # engines, each with its own ring (shared/data_parallel.py names them)
     # connection limits (see dpu_gateway/connguard.py)
     max_connections: int = 1024      # open connections of this gateway; more get a quick 503

@@ -41,7 +41,6 @@ from shared.transport import RingError, ShmTransport
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ("--backend", "cpu", "--num-slots", "8", "--max-prompt-tokens", "128", "--max-output-tokens", "32",
                 "--max-batch", "4", "--block-size", "16", "--kv-blocks", "64", "--threads", "1")
-ENGINE_ERRORS = ("engine_unavailable",)  # the code a stream lost with its engine ends with
 STEADY_S = 1.0
 REST_TIMEOUT_S = 8.0  # the reader releases a finished slot within a poll; the engine frees its blocks at once
 
@@ -243,19 +242,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, ring_name: str) -> Iter
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-@dataclasses.dataclass(slots=True)
-class Phase:
-    name: str
-    start: float
-    end: float = 0.0
-    cut: float = 0.0  # a reader's replacement: when the old one was told to stop
-    gone: float = 0.0  # and when it had exited
-
-
-async def replace(dep: Deployment, phases: list[Phase], service: str, tree: Path) -> None:
+async def replace(dep: Deployment, phases: list[loadgen.Phase], service: str, tree: Path) -> None:
     """Stop one service, start its replacement (a gateway: start the new one first, then drain the old)."""
     await asyncio.sleep(STEADY_S)
-    phase = Phase(f"{service}@{'this build' if tree == ROOT else tree.name}", time.monotonic())
+    phase = loadgen.Phase(f"{service}@{'this build' if tree == ROOT else tree.name}", time.monotonic())
     phases.append(phase)
     if service == "gateway":
         old = next(n for n in dep.running if n.startswith("gateway"))
@@ -273,31 +263,7 @@ async def replace(dep: Deployment, phases: list[Phase], service: str, tree: Path
     phase.end = time.monotonic()
 
 
-def phase_of(res, phases: list[Phase]) -> str:
-    """The replacement a failed request died in: the one under way when it ended, else one it overlapped."""
-    for p in phases:
-        if p.start <= res.ended <= p.end:
-            return p.name
-    hit = next((p for p in phases if res.ok_at is not None and res.ok_at <= p.end and res.ended >= p.start), None)
-    return hit.name if hit is not None else "steady load"
-
-
-def classify_failures(results: list, phases: list[Phase]) -> tuple[dict[str, int], list[str]]:
-    """Failed requests counted by phase, and the ones the design does not allow: any failure outside the
-    engine's restart, or one there without the defined error."""
-    per_phase: dict[str, int] = {}
-    wrong: list[str] = []
-    for res in [r for r in results if r.ended and not r.ok]:
-        name = phase_of(res, phases)
-        per_phase[name] = per_phase.get(name, 0) + 1
-        code = (res.error or {}).get("code")
-        ok = name.startswith("engine") and (code in ENGINE_ERRORS or res.finish == "abort")
-        if not ok:
-            wrong.append(f"{name}: {res.error or res.finish}")
-    return per_phase, wrong
-
-
-async def under_load(dep: Deployment, phases: list[Phase], steps: list[tuple[str, Path]]) -> list:
+async def under_load(dep: Deployment, phases: list[loadgen.Phase], steps: list[tuple[str, Path]]) -> list:
     """Run the load while the services in ``steps`` are replaced in turn; the results once it stopped."""
     load = loadgen.Load(loadgen.LoadConfig(f"http://127.0.0.1:{dep.port}", streams=3, max_tokens=8))
     load.start()
@@ -313,7 +279,7 @@ async def under_load(dep: Deployment, phases: list[Phase], steps: list[tuple[str
 @dataclasses.dataclass(slots=True)
 class Outcome:
     results: list = dataclasses.field(default_factory=list)
-    phases: list[Phase] = dataclasses.field(default_factory=list)
+    phases: list[loadgen.Phase] = dataclasses.field(default_factory=list)
     rests: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
@@ -329,20 +295,6 @@ async def drive(dep: Deployment, old_tree: Path) -> Outcome:
     return out
 
 
-def across_reader_cuts(results: list, phases: list[Phase]) -> dict[str, list]:
-    """Per reader replacement, the streams the old reader carried when it was told to stop: their 200
-    came before it had exited (their slot was routed to it), their end after it was told to stop."""
-    return {p.name: [r for r in results if r.ok_at is not None and r.ok_at < p.gone and r.ended > p.cut]
-            for p in phases if p.cut}
-
-
-def wrong_texts(results: list) -> list[str]:
-    """Completed streams whose text is not the one most of them have (one greedy prompt: one text)."""
-    texts = [r.text for r in results if r.ok]
-    common = max(set(texts), key=texts.count)
-    return [f"{r.text!r} (expected {common!r})" for r in results if r.ok and r.text != common]
-
-
 def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> None:
     commit = previous_minor_commit()
     if commit is None:
@@ -355,8 +307,8 @@ def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> N
         wait_ready(dep, svc)
     out = asyncio.run(drive(dep, old_tree))
     counts = loadgen.summary(out.results)
-    failed_by_phase, wrong = classify_failures(out.results, out.phases)
-    handed_over = across_reader_cuts(out.results, out.phases)
+    failed_by_phase, wrong = loadgen.classify_failures(out.results, out.phases)
+    handed_over = loadgen.across_cuts(out.results, out.phases)
     print("\nrolling upgrade:", json.dumps({
         **counts, "failed_by_phase": failed_by_phase, "previous_minor_build": commit[:12],
         "streams_across_reader_replacement": {k: len(v) for k, v in handed_over.items()},
@@ -367,7 +319,7 @@ def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> N
     for name, streams in handed_over.items():  # the reader's streams were handed over, not lost
         assert streams, f"{name}: no stream was in flight when the old reader stopped"
         assert all(r.ok for r in streams), [(r.error, r.finish) for r in streams if not r.ok]
-    assert not (bad := wrong_texts(out.results)), bad  # no token lost or repeated
+    assert not (bad := loadgen.wrong_texts(out.results)), bad  # no token lost or repeated
     for label, rest in out.rests.items():
         assert settled(rest), (label, out.rests)
 
@@ -388,3 +340,39 @@ def test_ring_of_another_major_is_refused_naming_both_versions(ring_name: str) -
     finally:
         ring.close()
         ShmTransport.unlink_name(ring_name)
+
+
+# ---------------------------------------------------------------------- every service pid 1 of its container
+def test_gateways_that_are_each_pid_1_of_their_container_get_distinct_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two gateways overlap while one replaces the other: their request ids must not collide, and the
+    reader keys its gateway links by this id."""
+    from dpu_gateway import backend
+
+    real_stat = os.stat
+    ids = []
+    monkeypatch.setattr(backend.os, "getpid", lambda: 1)
+    for ns_inode in (4026532301, 4026532377):
+        monkeypatch.setattr(backend.os, "stat", lambda path, ino=ns_inode: (
+            os.stat_result((0, ino, 0, 0, 0, 0, 0, 0, 0, 0)) if path == "/proc/self/ns/pid" else real_stat(path)))
+        ids.append(backend.default_gateway_id())
+    assert ids[0] != ids[1], ids
+    monkeypatch.setattr(backend.os, "stat", real_stat)
+    pids = range(1, 5000)
+    monkeypatch.setattr(backend.os, "getpid", iter(pids).__next__)
+    assert len({backend.default_gateway_id() for _ in pids}) == len(pids)  # one namespace: one id per pid
+
+
+def test_a_stopping_reader_leaves_the_marker_of_a_new_reader_with_the_same_pid(tmp_path: Path) -> None:
+    """In containers the old and the new reader are both pid 1: the old one, stopping after the new one
+    marked itself ready, must not remove the new one's marker (its container would turn unhealthy)."""
+    from dpu_gateway.reader import clear_own_marker, marker_stamp
+
+    ipc.mark_ready(tmp_path, "reader")
+    old = marker_stamp(tmp_path)
+    ipc.clear_ready(tmp_path, "reader")  # the new container's entrypoint clears the stale marker
+    time.sleep(0.05)  # a new modification time even on a coarse file-system clock
+    ipc.mark_ready(tmp_path, "reader")  # the new reader, same pid
+    clear_own_marker(tmp_path, old)
+    assert ipc.ready_path(tmp_path, "reader").exists()
+    clear_own_marker(tmp_path, marker_stamp(tmp_path))
+    assert not ipc.ready_path(tmp_path, "reader").exists()
