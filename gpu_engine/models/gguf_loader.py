@@ -8,23 +8,57 @@ the HF checkpoints do.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_weights import map_gguf_weights
+from shared.gguf_meta import GgufMeta, TensorInfo, read_meta
 
 FAMILY_BY_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}  # stored as plain arrays; the others as blocks of bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """One tensor of the file: its GGUF entry and its stored bytes (a view of the mapped file), shaped as the
+    ``gguf`` package's reader shapes them (reversed dimensions; quantized rows as bytes)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the fastest-varying dimension first
+    data: np.ndarray
+
+
+def raw_tensor(mapped: np.ndarray, info: TensorInfo, path: Path) -> RawTensor:
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise ModelLoadError(f"{path}: tensor {info.name} has unknown type {info.ggml_type}") from None
+    dims = tuple(reversed(info.shape))
+    if qtype in FLOAT_TYPES:
+        dtype, shape = np.dtype(FLOAT_TYPES[qtype]), dims
+    elif qtype in GGML_QUANT_SIZES:
+        dtype, shape = np.dtype(np.uint8), quant_shape_to_byte_shape(dims, qtype)
+    else:
+        raise ModelLoadError(f"{path}: tensor {info.name} has unsupported quantization type {qtype.name}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if info.offset + nbytes > mapped.size:
+        raise ModelLoadError(f"{path}: tensor {info.name} runs past the end of the file (truncated?)")
+    return RawTensor(info.name, qtype, info.shape,
+                     mapped[info.offset:info.offset + nbytes].view(dtype).reshape(shape))
 
 
 class GGUFSource:
@@ -33,10 +67,11 @@ class GGUFSource:
     def __init__(self, path: Path) -> None:
         self.location = path
         try:
-            self._reader = GGUFReader(path)
-        except Exception as exc:  # the reader raises assorted errors on bad input
+            self._meta: GgufMeta = read_meta(path)
+            mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: not a valid GGUF file: {exc}") from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: raw_tensor(mapped, t, path) for t in self._meta.tensors}
         self.arch = str(self._field("general.architecture"))
         if self.arch not in FAMILY_BY_ARCH:
             supported = ", ".join(FAMILY_BY_ARCH)
@@ -44,12 +79,11 @@ class GGUFSource:
         self.config = self._build_config()
 
     def _field(self, key: str, default: Any = ...) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if key not in self._meta.fields:
             if default is ...:
                 raise ModelLoadError(f"{self.location}: missing metadata key {key}")
             return default
-        return field.contents()
+        return self._meta.fields[key]
 
     def _build_config(self) -> ModelConfig:
         a = self.arch
@@ -58,7 +92,7 @@ class GGUFSource:
         head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
         vocab = self._field(f"{a}.vocab_size", None)
         if vocab is None:
-            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+            vocab = len(self._field("tokenizer.ggml.tokens"))
         eos = [self._field(k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         fields: dict[str, Any] = {
             "family": FAMILY_BY_ARCH[a],
@@ -122,7 +156,7 @@ class GGUFSource:
         return map_gguf_weights(config, self.tensor, self.has, permuted_qk=self.arch == "llama")
 
 
-def _dequantize(t: ReaderTensor, path: Path) -> torch.Tensor:
+def _dequantize(t: RawTensor, path: Path) -> torch.Tensor:
     qtype = t.tensor_type
     if qtype not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quantization type {qtype.name}")
