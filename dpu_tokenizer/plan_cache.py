@@ -7,7 +7,7 @@ everything it depends on: the tokens, the merges, the special ids, the ``ignore_
 of ``rankbpe.py`` itself, so a changed planner never reads an old plan. Plans are written with ``marshal``
 (plain data only: no code is loaded), in a directory only the user can write, atomically (write, then
 rename). Any problem with the cache (no home, a read-only disk, a damaged file) only costs the computation.
-``BLINK_RANK_PLAN_CACHE=0`` turns it off.
+``BLINK_RANK_PLAN_CACHE=0`` turns it off (``shared.env``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 
 from dpu_tokenizer import rankbpe
 from dpu_tokenizer.rankbpe import RankPlan, plan_ranks
+from shared.env import env
 
 _SOURCE_DIGEST = hashlib.sha256(Path(rankbpe.__file__).read_bytes()).hexdigest()
 
 
 def cache_dir() -> Path | None:
-    if os.environ.get("BLINK_RANK_PLAN_CACHE", "1") == "0":
+    if not env().rank_plan_cache:
         return None
     base = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.path.expanduser("~"), ".cache"))
     return None if base.startswith("~") else Path(base) / "blink" / "rank-plans"

@@ -10,6 +10,7 @@ import pytest
 from dpu_tokenizer import plan_cache
 from dpu_tokenizer.rankbpe import plan_ranks
 from dpu_tokenizer.sources import default_model_path, read_gguf_vocab
+from shared import env
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_a_damaged_or_foreign_file_is_recomputed(vocab, tmp_path: Path, monkeypa
 
 def test_off_switch(vocab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("BLINK_RANK_PLAN_CACHE", "0")
+    monkeypatch.setattr(env, "_ENV", env.Env.from_environ({"BLINK_RANK_PLAN_CACHE": "0"}))
     tokens, merges = vocab
     assert plan_cache.cached_plan_ranks(tokens, merges, set()).exact
     assert not (tmp_path / "blink").exists()
