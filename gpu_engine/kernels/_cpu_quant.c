@@ -1,0 +1,331 @@
+/* Matrix products over quantized weights on the CPU, fp32 activations and fp32 arithmetic (AVX2 + FMA).
+ *
+ * Weights stay in their GGUF form; every weight the kernel multiplies is exactly the fp32 value the
+ * GGUF dequantizer gives, so only the order of the fp32 sums differs from a dense fp32 matmul:
+ *   q4 (Q4_1): per row, groups of 32 along K, each 16 bytes of 4-bit codes (byte j: element j in the
+ *              low nibble, element j + 16 in the high one, as GGUF stores them) with an fp32 scale d
+ *              and minimum m: w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
+ *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
+ * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
+ * x (up to 4) share each decoded group of weights, and several weight rows are in flight at once so
+ * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of spinning
+ * workers (the caller's thread is one of them).
+ *
+ * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), and
+ * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define MAX_THREADS 8
+#define MR_MAX 4
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+
+typedef struct {
+  float *y;
+  const float *x;
+  const uint8_t *codes;
+  const float *d, *m;
+  const float *xsum; /* [M, G] sums of x per group (q4 only) */
+  int64_t M, N, K;
+  int accumulate, kind; /* kind 4: q4, 8: q8 */
+} Job;
+
+/* ------------------------------------------------------------------ kernels */
+
+TARGET static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+TARGET static inline void decode_q4(const uint8_t *p, __m256 q[4]) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128((const __m128i *)p);
+  __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
+  for (int i = 0; i < 4; i++)
+    q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+}
+
+/* NR weight rows from n0 against MR rows of x from m0: the fully unrolled tile (KIND, MR, NR constants).
+ * Per group and pair (row of W, row of x): t = q . x over the 32 lanes, acc += d * t (+ m * sum x, q4). */
+TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t n0, const int KIND,
+                                                              const int MR, const int NR) {
+  const int64_t K = j->K, G = K / GROUP;
+  const int gbytes = KIND == 4 ? 16 : 32;
+  const uint8_t *codes = j->codes + n0 * G * gbytes;
+  const float *x = j->x + m0 * K, *d = j->d + n0 * G, *m = KIND == 4 ? j->m + n0 * G : NULL;
+  __m256 acc[4][MR_MAX];
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m256 xv[MR_MAX][4];
+    for (int i = 0; i < MR; i++)
+      for (int c = 0; c < 4; c++) xv[i][c] = _mm256_loadu_ps(x + i * K + g * GROUP + 8 * c);
+    for (int r = 0; r < NR; r++) {
+      __m256 q[4];
+      const uint8_t *p = codes + (r * G + g) * gbytes;
+      if (KIND == 4) decode_q4(p, q); else decode_q8(p, q);
+      const __m256 dg = _mm256_broadcast_ss(d + r * G + g);
+      for (int i = 0; i < MR; i++) {
+        __m256 t = _mm256_mul_ps(q[0], xv[i][0]);
+        t = _mm256_fmadd_ps(q[1], xv[i][1], t);
+        t = _mm256_fmadd_ps(q[2], xv[i][2], t);
+        t = _mm256_fmadd_ps(q[3], xv[i][3], t);
+        acc[r][i] = _mm256_fmadd_ps(t, dg, acc[r][i]);
+      }
+    }
+  }
+  if (KIND == 4) /* + sum over groups of m * sum(x), eight groups at a time */
+    for (int r = 0; r < NR; r++)
+      for (int i = 0; i < MR; i++) {
+        const float *xs = j->xsum + (m0 + i) * G;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+          acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * G + g), _mm256_loadu_ps(xs + g), acc[r][i]);
+        for (; g < G; g++) {
+          __m256 one = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m[r * G + g] * xs[g]);
+          acc[r][i] = _mm256_add_ps(acc[r][i], one);
+        }
+      }
+  float *y = j->y + m0 * j->N + n0;
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) {
+      float s = hsum(acc[r][i]);
+      y[i * j->N + r] = j->accumulate ? y[i * j->N + r] + s : s;
+    }
+}
+
+#define TILES(KIND, MR) \
+  TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
+    int64_t n = n_begin; \
+    for (; n + 4 <= n_end && (MR) <= 2; n += 4) tile(j, m0, n, KIND, MR, 4); \
+    for (; n + 2 <= n_end; n += 2) tile(j, m0, n, KIND, MR, 2); \
+    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
+  }
+TILES(4, 1)
+TILES(4, 2)
+TILES(4, 3)
+TILES(4, 4)
+TILES(8, 1)
+TILES(8, 2)
+TILES(8, 3)
+TILES(8, 4)
+
+static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  for (int64_t m0 = 0; m0 < j->M; m0 += MR_MAX) {
+    int64_t mr = j->M - m0 < MR_MAX ? j->M - m0 : MR_MAX;
+    if (j->kind == 4) {
+      switch (mr) {
+        case 1: rows_4_1(j, m0, n_begin, n_end); break;
+        case 2: rows_4_2(j, m0, n_begin, n_end); break;
+        case 3: rows_4_3(j, m0, n_begin, n_end); break;
+        default: rows_4_4(j, m0, n_begin, n_end); break;
+      }
+    } else {
+      switch (mr) {
+        case 1: rows_8_1(j, m0, n_begin, n_end); break;
+        case 2: rows_8_2(j, m0, n_begin, n_end); break;
+        case 3: rows_8_3(j, m0, n_begin, n_end); break;
+        default: rows_8_4(j, m0, n_begin, n_end); break;
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ the worker pool */
+
+typedef struct {
+  pthread_t tid;
+  atomic_uint_fast64_t go; /* generation the worker should run */
+  atomic_uint_fast64_t done;
+  int index;
+} Worker;
+
+static Worker workers[MAX_THREADS];
+static int num_workers = 0; /* started, besides the caller's thread */
+static const Job *current;
+static int current_parts;
+static atomic_uint_fast64_t generation;
+
+static void part_bounds(const Job *j, int part, int parts, int64_t *b, int64_t *e) {
+  int64_t units = (j->N + 3) / 4; /* whole tiles of 4 rows per part */
+  *b = units * part / parts * 4;
+  *e = units * (part + 1) / parts * 4;
+  if (*e > j->N) *e = j->N;
+  if (*b > j->N) *b = j->N;
+}
+
+static void *worker_main(void *arg) {
+  Worker *w = (Worker *)arg;
+  uint64_t seen = 0;
+  for (;;) {
+    uint64_t g;
+    unsigned spins = 0;
+    while ((g = atomic_load_explicit(&w->go, memory_order_acquire)) == seen) {
+      if (++spins > 20000) sched_yield(); else _mm_pause();
+    }
+    seen = g;
+    int64_t b, e;
+    part_bounds(current, w->index + 1, current_parts, &b, &e);
+    if (b < e) run_rows(current, b, e);
+    atomic_store_explicit(&w->done, g, memory_order_release);
+  }
+  return NULL;
+}
+
+static int ensure_workers(int wanted) {
+  while (num_workers < wanted) {
+    Worker *w = &workers[num_workers];
+    w->index = num_workers;
+    atomic_store(&w->go, 0);
+    atomic_store(&w->done, 0);
+    if (pthread_create(&w->tid, NULL, worker_main, w) != 0) return -1;
+    pthread_detach(w->tid);
+    num_workers++;
+  }
+  return 0;
+}
+
+static void run_job(const Job *j, int threads) {
+  if (threads <= 1 || j->N < 64) {
+    run_rows(j, 0, j->N);
+    return;
+  }
+  int helpers = threads - 1;
+  current = j;
+  current_parts = threads;
+  uint64_t g = atomic_fetch_add(&generation, 1) + 1;
+  for (int i = 0; i < helpers; i++) atomic_store_explicit(&workers[i].go, g, memory_order_release);
+  int64_t b, e;
+  part_bounds(j, 0, threads, &b, &e);
+  run_rows(j, b, e);
+  for (int i = 0; i < helpers; i++) {
+    unsigned spins = 0;
+    while (atomic_load_explicit(&workers[i].done, memory_order_acquire) != g) {
+      if (++spins > 20000) sched_yield(); else _mm_pause();
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ Python entry points */
+
+static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int64_t *out, const char *name) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) {
+    out[i] = PyLong_AsLongLong(args[i]);
+    if (out[i] == -1 && PyErr_Occurred()) return -1;
+  }
+  return 0;
+}
+
+static int check_shape(int64_t M, int64_t N, int64_t K, int64_t threads) {
+  if (M < 1 || N < 1 || K < GROUP || K % GROUP || threads < 1 || threads > MAX_THREADS) {
+    PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld (K a multiple of 32) or threads=%lld (1..8)",
+                 (long long)M, (long long)N, (long long)K, (long long)threads);
+    return -1;
+  }
+  if (ensure_workers((int)threads - 1) != 0) {
+    PyErr_SetString(PyExc_OSError, "cannot start a worker thread");
+    return -1;
+  }
+  return 0;
+}
+
+TARGET static void group_sums(const float *x, int64_t M, int64_t K, float *xsum) {
+  for (int64_t i = 0; i < M * (K / GROUP); i++) {
+    const float *p = x + i * GROUP;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+    xsum[i] = hsum(s);
+  }
+}
+
+#define STACK_SUMS 4096
+
+/* q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads): pointers as ints (tensor.data_ptr()). */
+static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[10];
+  if (parse_ints(args, nargs, 10, a, "q4_matmul") || check_shape(a[5], a[6], a[7], a[9])) return NULL;
+  int64_t M = a[5], K = a[7];
+  float stack_sums[STACK_SUMS];
+  float *xsum = M * (K / GROUP) <= STACK_SUMS ? stack_sums : PyMem_RawMalloc(sizeof(float) * M * (K / GROUP));
+  if (xsum == NULL) return PyErr_NoMemory();
+  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], (const float *)a[4],
+           xsum, M, a[6], K, (int)a[8], 4};
+  group_sums(j.x, M, K, xsum);
+  run_job(&j, (int)a[9]); /* the GIL stays held: one caller at a time owns the pool */
+  if (xsum != stack_sums) PyMem_RawFree(xsum);
+  Py_RETURN_NONE;
+}
+
+/* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads) */
+static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[9];
+  if (parse_ints(args, nargs, 9, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
+  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL, NULL,
+           a[4], a[5], a[6], (int)a[7], 8};
+  run_job(&j, (int)a[8]);
+  Py_RETURN_NONE;
+}
+
+TARGET static void dequant_rows(float *out, const uint8_t *codes, const float *d, const float *m, int64_t N,
+                                int64_t K) {
+  int64_t G = K / GROUP;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t g = 0; g < G; g++) {
+      __m256 q[4];
+      decode_q4(codes + (n * G + g) * 16, q);
+      __m256 dg = _mm256_set1_ps(d[n * G + g]), mg = _mm256_set1_ps(m[n * G + g]);
+      for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + n * K + g * GROUP + 8 * c, _mm256_fmadd_ps(q[c], dg, mg));
+    }
+}
+
+/* q4_dequant(out, codes, d, m, N, K): the weight as fp32 [N, K], each value fl(d * q + m) as GGUF's. */
+static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[6];
+  if (parse_ints(args, nargs, 6, a, "q4_dequant") || check_shape(1, a[4], a[5], 1)) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  dequant_rows((float *)a[0], (const uint8_t *)a[1], (const float *)a[2], (const float *)a[3], a[4], a[5]);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *available(PyObject *self, PyObject *unused) {
+  __builtin_cpu_init();
+  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c"));
+}
+
+static PyMethodDef methods[] = {
+    {"q4_matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
+     "q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads): y (+)= x @ W.T, W in Q4_1 groups"},
+    {"q8_matmul", (PyCFunction)(void (*)(void))q8_matmul, METH_FASTCALL,
+     "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads): y (+)= x @ W.T, W in Q8_0 groups"},
+    {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
+     "q4_dequant(out, codes, d, m, N, K): the Q4_1 weight as fp32 [N, K]"},
+    {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_quant", "Quantized-weight CPU matmuls.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__cpu_quant(void) { return PyModule_Create(&module); }
