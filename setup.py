@@ -7,6 +7,7 @@ setup(
     ext_modules=[
         Extension("shared._atomics", ["shared/_atomics.c"], extra_compile_args=["-O2"]),
         Extension("dpu_tokenizer._fastbpe", ["dpu_tokenizer/_fastbpe.c"], extra_compile_args=["-O2"]),
-        Extension("gpu_engine.kernels._cpu_quant", ["gpu_engine/kernels/_cpu_quant.c"], extra_compile_args=["-O3"]),
+        Extension("gpu_engine.kernels._cpu_quant", ["gpu_engine/kernels/_cpu_quant.c"],
+                  extra_compile_args=["-O3", "-ffp-contract=off"]),
     ]
 )

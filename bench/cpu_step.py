@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpu_engine.engine import RingEngine
+from gpu_engine.models.cpu_pack import fuse_small_ops
 from gpu_engine.serve import build_cpu_backend
 from shared.config import EngineConfig
 from shared.messages import Sampling
@@ -43,17 +44,22 @@ class Variant:
     prefill_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-def parse_variant(spec: str) -> tuple[str, EngineConfig]:
+def parse_variant(spec: str) -> tuple[str, EngineConfig, bool]:
+    """``NAME:key=value,...``: engine config fields, and ``unfused=1`` for the small ops in torch."""
     name, _, rest = spec.partition(":")
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         fields[key] = int(value) if value.isdigit() else value
-    return name, EngineConfig(ring_name=f"step-{name}", geometry=GEOMETRY, kv_blocks=2048, max_batch=16, **fields)
+    unfused = bool(fields.pop("unfused", 0))
+    cfg = EngineConfig(ring_name=f"step-{name}", geometry=GEOMETRY, kv_blocks=2048, max_batch=16, **fields)
+    return name, cfg, unfused
 
 
-def build(name: str, cfg: EngineConfig) -> Variant:
+def build(name: str, cfg: EngineConfig, unfused: bool) -> Variant:
     backend = build_cpu_backend(cfg)
+    if unfused:
+        fuse_small_ops(backend.runner.model, on=False)  # type: ignore[union-attr]
     ring = local_ring(GEOMETRY)
     assert backend.runner is not None
     engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,

@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -308,6 +309,146 @@ static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t na
   Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the small ops of a layer, fused */
+
+/* rms_norm(out, x, w, T, N, eps): out = w * (x * (1 / sqrt(mean(x^2) + eps))) per row, fp32. */
+static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[5];
+  if (nargs != 6 || parse_ints(args, 5, 5, a, "rms_norm")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "rms_norm takes 6 arguments");
+    return NULL;
+  }
+  double eps = PyFloat_AsDouble(args[5]);
+  if (eps == -1.0 && PyErr_Occurred()) return NULL;
+  float *out = (float *)a[0];
+  const float *x = (const float *)a[1], *w = (const float *)a[2];
+  int64_t T = a[3], N = a[4];
+  for (int64_t t = 0; t < T; t++) {
+    const float *xr = x + t * N;
+    float *o = out + t * N;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
+    float r = 1.0f / sqrtf(ss / (float)N + (float)eps);
+    for (int64_t i = 0; i < N; i++) o[i] = w[i] * (xr[i] * r);
+  }
+  Py_RETURN_NONE;
+}
+
+/* rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, T, H, Hkv, D, row):
+ * rotates the q and k heads of each packed row of qkv [T, row] in place (half-split pairs, cos/sin [T, D])
+ * and stores the rotated k and the v heads at their cache slots as fp16 (round to nearest even). */
+TARGET static void rope_rows(float *qkv, const float *cos, const float *sin, uint16_t *kc, uint16_t *vc,
+                             const int64_t *slots, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t row) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++) {
+    float *r = qkv + t * row;
+    const float *c = cos + t * D, *s = sin + t * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+      float *x = r + h * D;
+      for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        float lo = a * c[i] - b * s[i];
+        float hi = b * c[i + half] + a * s[i + half];
+        x[i] = lo;
+        x[i + half] = hi;
+      }
+    }
+    uint16_t *kd = kc + slots[t] * Hkv * D, *vd = vc + slots[t] * Hkv * D;
+    const float *k = r + H * D, *v = r + (H + Hkv) * D;
+    for (int64_t i = 0; i < Hkv * D; i += 8) {
+      _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+}
+
+static PyObject *rope_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[11];
+  if (parse_ints(args, nargs, 11, a, "rope_write_kv")) return NULL;
+  if (a[9] % 16 || a[9] < 16) {
+    PyErr_SetString(PyExc_ValueError, "rope_write_kv: head_dim must be a multiple of 16");
+    return NULL;
+  }
+  rope_rows((float *)a[0], (const float *)a[1], (const float *)a[2], (uint16_t *)a[3], (uint16_t *)a[4],
+            (const int64_t *)a[5], a[6], a[7], a[8], a[9], a[10]);
+  Py_RETURN_NONE;
+}
+
+TARGET static inline __m256 load_ph(const uint16_t *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* One sequence's decode attention: its G query heads of KV head hk over cache positions [start, ctx). */
+TARGET static void attend_one(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *table,
+                              int64_t start, int64_t ctx, int64_t hk, int64_t G, int64_t Hkv, int64_t D,
+                              int64_t bs, float scale, float *scores) {
+  const int64_t L = ctx - start;
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
+    for (int64_t g = 0; g < G; g++) {
+      const float *qh = q + g * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_ph(k + i), acc);
+      scores[g * L + p - start] = hsum(acc) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float *sc = scores + g * L, mx = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < L; i++) mx = sc[i] > mx ? sc[i] : mx;
+    for (int64_t i = 0; i < L; i++) {
+      sc[i] = expf(sc[i] - mx);
+      sum += sc[i];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < L; i++) sc[i] *= inv;
+    memset(out + g * D, 0, sizeof(float) * D);
+  }
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 vv = load_ph(v + i);
+      for (int64_t g = 0; g < G; g++) {
+        float *o = out + g * D + i;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * L + p - start]), vv, _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+/* attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, scale):
+ * one query per sequence (at position ctx - 1) over its cached keys (the last `window` with window > 0);
+ * q rows of q_row floats (the heads first), out [B, H * D]; the fp16 cache [blocks, block_size, Hkv, D]. */
+static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[14];
+  if (nargs != 15 || parse_ints(args, 14, 14, a, "attend_decode")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend_decode takes 15 arguments");
+    return NULL;
+  }
+  double scale = PyFloat_AsDouble(args[14]);
+  if (scale == -1.0 && PyErr_Occurred()) return NULL;
+  int64_t B = a[6], H = a[7], Hkv = a[8], D = a[9], bs = a[10], width = a[11], q_row = a[12], window = a[13];
+  if (D % 8 || H % Hkv || bs < 1) {
+    PyErr_SetString(PyExc_ValueError, "attend_decode: head_dim a multiple of 8 and heads a multiple of KV heads");
+    return NULL;
+  }
+  const int32_t *tables = (const int32_t *)a[4], *ctx_lens = (const int32_t *)a[5];
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
+  float *scores = PyMem_RawMalloc(sizeof(float) * (H / Hkv) * longest);
+  if (scores == NULL) return PyErr_NoMemory();
+  for (int64_t b = 0; b < B; b++) {
+    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
+    for (int64_t hk = 0; hk < Hkv; hk++) {
+      int64_t G = H / Hkv;
+      attend_one((float *)a[0] + b * H * D + hk * G * D, (const float *)a[1] + b * q_row + hk * G * D,
+                 (const uint16_t *)a[2], (const uint16_t *)a[3], tables + b * width, start, ctx, hk, G, Hkv, D, bs,
+                 (float)scale, scores);
+    }
+  }
+  PyMem_RawFree(scores);
+  Py_RETURN_NONE;
+}
+
 static PyObject *available(PyObject *self, PyObject *unused) {
   __builtin_cpu_init();
   return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -321,6 +462,13 @@ static PyMethodDef methods[] = {
      "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads): y (+)= x @ W.T, W in Q8_0 groups"},
     {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
      "q4_dequant(out, codes, d, m, N, K): the Q4_1 weight as fp32 [N, K]"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
+     "rms_norm(out, x, w, T, N, eps): out = w * (x / sqrt(mean(x^2) + eps)) per row"},
+    {"rope_write_kv", (PyCFunction)(void (*)(void))rope_write_kv, METH_FASTCALL,
+     "rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, T, H, Hkv, D, row): RoPE in place, K/V to the cache"},
+    {"attend_decode", (PyCFunction)(void (*)(void))attend_decode, METH_FASTCALL,
+     "attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, "
+     "scale)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},
 };

@@ -44,11 +44,13 @@ class PackedLinear(nn.Module):
             bias = bias.to(torch.float32).contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight.to(torch.float32).contiguous(), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out]) adds into it."""
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear: expected float32 [..., {self.in_features}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+        y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+        return y if out is None else out.add_(y.view_as(out))
 
     def reference_weight(self) -> torch.Tensor:
         """The stored weight as float32 [out, in] (its fp16 values), for tests and references."""
@@ -112,11 +114,14 @@ class Int4Linear(nn.Module):
         zero = low + 8 * step
         self.scale_zero = nn.Buffer(torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out]) adds into it."""
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
             raise ValueError(f"Int4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        if out is not None:
+            return out.add_(y.view_as(out))
         return y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:

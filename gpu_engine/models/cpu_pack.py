@@ -7,7 +7,8 @@ exact), any other a ``PackedLinear`` (fp16 weights, fp32 arithmetic); ``int4_lay
 layers' linears ``Int4Linear`` instead (bf16 activations). The embedding becomes a ``GroupInt8Embedding``;
 a tied ``lm_head`` multiplies over that table's own int8 codes (``Q8Head``) when the table holds them
 losslessly (a Q8_0 GGUF table), else gets a packed fp16 copy. Norms, RoPE tables and MoE expert tensors
-stay float32. Without the quantized kernels (``quant_kernels_available``) everything packs as fp16.
+stay float32. Without the quantized kernels (``quant_kernels_available``) everything packs as fp16. With
+them, the layers' small ops run fused in C (``fuse_small_ops``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from gpu_engine.kernels.cpu_linear import (
     Q8Head,
     quant_kernels_available,
 )
-from gpu_engine.models.decoder import CausalLM
+from gpu_engine.models.decoder import CausalLM, DecoderLayer
+from gpu_engine.models.layers import GatedMLP
 
 
 def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: bool = True) -> CausalLM:
@@ -45,8 +47,24 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
             _replace(model, name, _packed_linear(module, int4_layers and name.startswith("layers."),
                                                      keep_quantized))
     model.embed = embed  # type: ignore[assignment]
+    if quant_kernels_available():
+        fuse_small_ops(model)
     _release_freed_memory()
     return model
+
+
+def fuse_small_ops(model: CausalLM, on: bool = True) -> None:
+    """Switch the packed model's fused C forms (``kernels.cpu_fused``) on or off: RMSNorm, RoPE with the
+    cache write and decode attention where the layer has no QK norm and rotates whole heads, and the output
+    projections adding into the residual stream."""
+    cfg = model.config
+    attention_ok = not cfg.qk_norm and cfg.rotary_dim == cfg.head_dim and cfg.head_dim % 16 == 0
+    model.norm.fused = on
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        layer.attn_norm.fused = layer.mlp_norm.fused = on
+        layer.attn.fused = on and attention_ok
+        layer.residual_in_place = on and isinstance(layer.mlp, GatedMLP)
 
 
 def _packed_linear(module: nn.Linear, int4: bool, keep_quantized: bool) -> nn.Module:
