@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpu_engine.engine import RingEngine
+from gpu_engine.kernels.cpu_linear import KernelThreads
 from gpu_engine.models.cpu_pack import fuse_small_ops
 from gpu_engine.serve import build_cpu_backend
 from shared.config import EngineConfig
@@ -38,25 +39,28 @@ class Variant:
     cfg: EngineConfig
     engine: RingEngine
     writer: SlotWriter
+    kthreads: int = 0
     next_slot: int = 0
     decode_ms: list[float] = dataclasses.field(default_factory=list)
     decode_cpu_ms: list[float] = dataclasses.field(default_factory=list)
     prefill_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-def parse_variant(spec: str) -> tuple[str, EngineConfig, bool]:
-    """``NAME:key=value,...``: engine config fields, and ``unfused=1`` for the small ops in torch."""
+def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int]:
+    """``NAME:key=value,...``: engine config fields, ``unfused=1`` for the small ops in torch, ``kthreads=N``
+    for the quantized kernels' threads apart from torch's."""
     name, _, rest = spec.partition(":")
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         fields[key] = int(value) if value.isdigit() else value
     unfused = bool(fields.pop("unfused", 0))
+    kthreads = int(fields.pop("kthreads", 0))  # type: ignore[call-overload]
     cfg = EngineConfig(ring_name=f"step-{name}", geometry=GEOMETRY, kv_blocks=2048, max_batch=16, **fields)
-    return name, cfg, unfused
+    return name, cfg, unfused, kthreads
 
 
-def build(name: str, cfg: EngineConfig, unfused: bool) -> Variant:
+def build(name: str, cfg: EngineConfig, unfused: bool, kthreads: int) -> Variant:
     backend = build_cpu_backend(cfg)
     if unfused:
         fuse_small_ops(backend.runner.model, on=False)  # type: ignore[union-attr]
@@ -64,7 +68,7 @@ def build(name: str, cfg: EngineConfig, unfused: bool) -> Variant:
     assert backend.runner is not None
     engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,
                         backend.vocab_size)
-    return Variant(name, cfg, engine, SlotWriter(ring))
+    return Variant(name, cfg, engine, SlotWriter(ring), kthreads)
 
 
 def submit(v: Variant, prompt: np.ndarray, max_new: int) -> None:
@@ -81,16 +85,21 @@ def prompt_of(n: int, seed: int) -> np.ndarray:
 
 def start_decodes(v: Variant, batch: int, prompt: int) -> None:
     """``batch`` requests, prefilled, so that every later step is a decode step of ``batch`` rows."""
-    torch.set_num_threads(v.cfg.cpu_threads)
+    use_threads(v)
     for b in range(batch):
         submit(v, prompt_of(prompt, b), GEOMETRY.max_output_tokens - 1)
     while any(len(r.output) == 0 for r in v.engine.by_slot.values()) or len(v.engine.by_slot) < batch:
         v.engine.step()
 
 
+def use_threads(v: Variant) -> None:
+    torch.set_num_threads(v.cfg.cpu_threads)
+    KernelThreads.count = v.kthreads
+
+
 def timed_steps(v: Variant, steps: int) -> tuple[float, float]:
     """Wall and process CPU milliseconds per step (CPU time: what a loaded machine disturbs least)."""
-    torch.set_num_threads(v.cfg.cpu_threads)
+    use_threads(v)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         v.engine.step()
@@ -99,7 +108,7 @@ def timed_steps(v: Variant, steps: int) -> tuple[float, float]:
 
 def timed_prefill(v: Variant, tokens: int, seed: int) -> float:
     """One step that prefills a ``tokens``-token prompt alone (the running decodes paused)."""
-    torch.set_num_threads(v.cfg.cpu_threads)
+    use_threads(v)
     saved = list(v.engine.policy.running)
     v.engine.policy.running.clear()
     submit(v, prompt_of(tokens, 1000 + seed), 1)

@@ -8,8 +8,9 @@
  *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
  * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
  * x (up to 4) share each decoded group of weights, and several weight rows are in flight at once so
- * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of spinning
- * workers (the caller's thread is one of them).
+ * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of workers (the
+ * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
+ * then sleep on a futex.
  *
  * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), and
  * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
@@ -17,11 +18,13 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <math.h>
+#include <linux/futex.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define GROUP 32
 #define MAX_THREADS 8
@@ -150,41 +153,71 @@ static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
 
 /* ------------------------------------------------------------------ the worker pool */
 
+/* The pool: the caller publishes a job and takes chunks of its weight rows like any worker; a worker that the
+ * OS has descheduled (a busy core) holds the caller up by the chunk it is in, at most: one it has not started
+ * when the rows run out is never waited for. `work` packs the job's generation (high half) and its next free
+ * row (low half), so a late worker cannot take rows of a job that has ended. Each worker spins a while for
+ * the next job (the next linear of a step comes within microseconds), then sleeps on a futex, so an idle
+ * engine leaves the core to the frontend. */
+#define SPIN_ROUNDS 4000
+
 typedef struct {
   pthread_t tid;
-  atomic_uint_fast64_t go; /* generation the worker should run */
-  atomic_uint_fast64_t done;
-  int index;
+  atomic_int sleeping;
 } Worker;
 
 static Worker workers[MAX_THREADS];
 static int num_workers = 0; /* started, besides the caller's thread */
-static const Job *current;
-static int current_parts;
-static atomic_uint_fast64_t generation;
+static atomic_uint go;      /* the generation of the newest job */
+static const Job *_Atomic current;
+static atomic_llong current_chunk;
+static atomic_ullong work;
+static atomic_int busy; /* threads that may be inside a chunk */
+static unsigned generation;
 
-static void part_bounds(const Job *j, int part, int parts, int64_t *b, int64_t *e) {
-  int64_t units = (j->N + 3) / 4; /* whole tiles of 4 rows per part */
-  *b = units * part / parts * 4;
-  *e = units * (part + 1) / parts * 4;
-  if (*e > j->N) *e = j->N;
-  if (*b > j->N) *b = j->N;
+static void futex_wait(atomic_uint *addr, unsigned expected) {
+  syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake_all(atomic_uint *addr) {
+  syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+}
+
+static void take_chunks(unsigned gen, const Job *j, int64_t chunk) {
+  for (;;) {
+    atomic_fetch_add(&busy, 1);
+    unsigned long long w = atomic_load(&work);
+    do {
+      if ((unsigned)(w >> 32) != gen || (int64_t)(w & 0xFFFFFFFFu) >= j->N) {
+        atomic_fetch_sub(&busy, 1);
+        return;
+      }
+    } while (!atomic_compare_exchange_weak(&work, &w, w + (unsigned long long)chunk));
+    int64_t b = (int64_t)(w & 0xFFFFFFFFu);
+    run_rows(j, b, b + chunk < j->N ? b + chunk : j->N);
+    atomic_fetch_sub(&busy, 1);
+  }
+}
+
+static unsigned wait_for_job(Worker *w, unsigned seen) {
+  for (;;) {
+    for (int i = 0; i < SPIN_ROUNDS; i++) {
+      unsigned g = atomic_load_explicit(&go, memory_order_acquire);
+      if (g != seen) return g;
+      _mm_pause();
+    }
+    atomic_store(&w->sleeping, 1);
+    if (atomic_load(&go) == seen) futex_wait(&go, seen);
+    atomic_store(&w->sleeping, 0);
+  }
 }
 
 static void *worker_main(void *arg) {
   Worker *w = (Worker *)arg;
-  uint64_t seen = 0;
+  unsigned seen = 0;
   for (;;) {
-    uint64_t g;
-    unsigned spins = 0;
-    while ((g = atomic_load_explicit(&w->go, memory_order_acquire)) == seen) {
-      if (++spins > 20000) sched_yield(); else _mm_pause();
-    }
-    seen = g;
-    int64_t b, e;
-    part_bounds(current, w->index + 1, current_parts, &b, &e);
-    if (b < e) run_rows(current, b, e);
-    atomic_store_explicit(&w->done, g, memory_order_release);
+    seen = wait_for_job(w, seen);
+    take_chunks(seen, atomic_load(&current), atomic_load(&current_chunk));
   }
   return NULL;
 }
@@ -192,9 +225,7 @@ static void *worker_main(void *arg) {
 static int ensure_workers(int wanted) {
   while (num_workers < wanted) {
     Worker *w = &workers[num_workers];
-    w->index = num_workers;
-    atomic_store(&w->go, 0);
-    atomic_store(&w->done, 0);
+    atomic_store(&w->sleeping, 0);
     if (pthread_create(&w->tid, NULL, worker_main, w) != 0) return -1;
     pthread_detach(w->tid);
     num_workers++;
@@ -207,20 +238,20 @@ static void run_job(const Job *j, int threads) {
     run_rows(j, 0, j->N);
     return;
   }
-  int helpers = threads - 1;
-  current = j;
-  current_parts = threads;
-  uint64_t g = atomic_fetch_add(&generation, 1) + 1;
-  for (int i = 0; i < helpers; i++) atomic_store_explicit(&workers[i].go, g, memory_order_release);
-  int64_t b, e;
-  part_bounds(j, 0, threads, &b, &e);
-  run_rows(j, b, e);
-  for (int i = 0; i < helpers; i++) {
-    unsigned spins = 0;
-    while (atomic_load_explicit(&workers[i].done, memory_order_acquire) != g) {
-      if (++spins > 20000) sched_yield(); else _mm_pause();
+  int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
+  if (chunk < 16) chunk = 16;
+  unsigned g = ++generation;
+  atomic_store(&current, j);
+  atomic_store(&current_chunk, chunk);
+  atomic_store(&work, (unsigned long long)g << 32);
+  atomic_store(&go, g);
+  for (int i = 0; i < threads - 1 && i < num_workers; i++)
+    if (atomic_load(&workers[i].sleeping)) {
+      futex_wake_all(&go);
+      break;
     }
-  }
+  take_chunks(g, j, chunk);
+  while (atomic_load(&busy) > 0) _mm_pause();
 }
 
 /* ------------------------------------------------------------------ Python entry points */

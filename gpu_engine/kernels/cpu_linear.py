@@ -32,6 +32,16 @@ Q_GROUP = 32
 DENSE_ROWS = 24
 
 
+class KernelThreads:
+    """Threads of the quantized kernels' own pool: ``count`` when set (> 0), else torch's thread count."""
+
+    count = 0
+
+    @classmethod
+    def get(cls) -> int:
+        return cls.count or torch.get_num_threads()
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` [out, in] stored as packed fp16 (``b`` float32); x, y float32 [..., in]."""
 
@@ -215,10 +225,12 @@ class Q4Linear(nn.Module):
             if out is None:
                 return (flat @ w.t()).reshape(*x.shape[:-1], self.out_features)
             return out.addmm_(flat, w.t())
+        if out is not None and not (out.is_contiguous() and out.shape == (rows, self.out_features)):
+            raise ValueError(f"Q4Linear: out must be contiguous [{rows}, {self.out_features}]")
         y = torch.empty(rows, self.out_features) if out is None else out
         _cpu_quant.q4_matmul(y.data_ptr(), flat.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(),
                              self.m.data_ptr(), rows, self.out_features, self.in_features, out is not None,
-                             torch.get_num_threads())
+                             KernelThreads.get())
         return y if out is not None else y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:
@@ -248,7 +260,7 @@ class Q8Head(nn.Module):
         y = torch.empty(flat.shape[0], self.out_features)
         e = self.embed[0]
         _cpu_quant.q8_matmul(y.data_ptr(), flat.data_ptr(), e.codes.data_ptr(), e.scales.data_ptr(), flat.shape[0],
-                             self.out_features, self.in_features, False, torch.get_num_threads())
+                             self.out_features, self.in_features, False, KernelThreads.get())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:
