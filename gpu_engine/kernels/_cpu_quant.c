@@ -28,7 +28,7 @@
 
 #define GROUP 32
 #define MAX_THREADS 8
-#define MR_MAX 4
+#define MR_MAX 8
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
 typedef struct {
@@ -73,23 +73,22 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
   const int gbytes = KIND == 4 ? 16 : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
   const float *x = j->x + m0 * K, *d = j->d + n0 * G, *m = KIND == 4 ? j->m + n0 * G : NULL;
-  __m256 acc[4][MR_MAX];
+  __m256 acc[NR][MR];
   for (int r = 0; r < NR; r++)
     for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
-    __m256 xv[MR_MAX][4];
-    for (int i = 0; i < MR; i++)
-      for (int c = 0; c < 4; c++) xv[i][c] = _mm256_loadu_ps(x + i * K + g * GROUP + 8 * c);
+    const float *xg = x + g * GROUP;
     for (int r = 0; r < NR; r++) {
       __m256 q[4];
       const uint8_t *p = codes + (r * G + g) * gbytes;
       if (KIND == 4) decode_q4(p, q); else decode_q8(p, q);
       const __m256 dg = _mm256_broadcast_ss(d + r * G + g);
-      for (int i = 0; i < MR; i++) {
-        __m256 t = _mm256_mul_ps(q[0], xv[i][0]);
-        t = _mm256_fmadd_ps(q[1], xv[i][1], t);
-        t = _mm256_fmadd_ps(q[2], xv[i][2], t);
-        t = _mm256_fmadd_ps(q[3], xv[i][3], t);
+      for (int i = 0; i < MR; i++) { /* x from L1: the registers hold the accumulators and the codes */
+        const float *xi = xg + i * K;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xi));
+        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xi + 8), t);
+        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xi + 16), t);
+        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xi + 24), t);
         acc[r][i] = _mm256_fmadd_ps(t, dg, acc[r][i]);
       }
     }
@@ -114,40 +113,27 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     }
 }
 
+/* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
 #define TILES(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
+    enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
     int64_t n = n_begin; \
-    for (; n + 4 <= n_end && (MR) <= 2; n += 4) tile(j, m0, n, KIND, MR, 4); \
-    for (; n + 2 <= n_end; n += 2) tile(j, m0, n, KIND, MR, 2); \
+    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR); \
     for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
   }
-TILES(4, 1)
-TILES(4, 2)
-TILES(4, 3)
-TILES(4, 4)
-TILES(8, 1)
-TILES(8, 2)
-TILES(8, 3)
-TILES(8, 4)
+#define KIND_TILES(KIND) TILES(KIND, 1) TILES(KIND, 2) TILES(KIND, 3) TILES(KIND, 4) TILES(KIND, 5) TILES(KIND, 6) \
+  TILES(KIND, 7) TILES(KIND, 8)
+KIND_TILES(4)
+KIND_TILES(8)
+
+typedef void (*RowsFn)(const Job *, int64_t, int64_t, int64_t);
+static const RowsFn rows_q4[MR_MAX] = {rows_4_1, rows_4_2, rows_4_3, rows_4_4, rows_4_5, rows_4_6, rows_4_7, rows_4_8};
+static const RowsFn rows_q8[MR_MAX] = {rows_8_1, rows_8_2, rows_8_3, rows_8_4, rows_8_5, rows_8_6, rows_8_7, rows_8_8};
 
 static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
   for (int64_t m0 = 0; m0 < j->M; m0 += MR_MAX) {
     int64_t mr = j->M - m0 < MR_MAX ? j->M - m0 : MR_MAX;
-    if (j->kind == 4) {
-      switch (mr) {
-        case 1: rows_4_1(j, m0, n_begin, n_end); break;
-        case 2: rows_4_2(j, m0, n_begin, n_end); break;
-        case 3: rows_4_3(j, m0, n_begin, n_end); break;
-        default: rows_4_4(j, m0, n_begin, n_end); break;
-      }
-    } else {
-      switch (mr) {
-        case 1: rows_8_1(j, m0, n_begin, n_end); break;
-        case 2: rows_8_2(j, m0, n_begin, n_end); break;
-        case 3: rows_8_3(j, m0, n_begin, n_end); break;
-        default: rows_8_4(j, m0, n_begin, n_end); break;
-      }
-    }
+    (j->kind == 4 ? rows_q4 : rows_q8)[mr - 1](j, m0, n_begin, n_end);
   }
 }
 
@@ -173,7 +159,7 @@ static const Job *_Atomic current;
 static atomic_llong current_chunk;
 static atomic_ullong work;
 static atomic_int busy; /* threads that may be inside a chunk */
-static unsigned generation;
+static unsigned generation; /* of the caller's jobs, from 1 (0 marks a closed job in `work`) */
 
 static void futex_wait(atomic_uint *addr, unsigned expected) {
   syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
@@ -240,7 +226,7 @@ static void run_job(const Job *j, int threads) {
   }
   int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
   if (chunk < 16) chunk = 16;
-  unsigned g = ++generation;
+  unsigned g = ++generation ? generation : ++generation;
   atomic_store(&current, j);
   atomic_store(&current_chunk, chunk);
   atomic_store(&work, (unsigned long long)g << 32);
@@ -251,6 +237,9 @@ static void run_job(const Job *j, int threads) {
       break;
     }
   take_chunks(g, j, chunk);
+  /* Close the job before the last wait: a worker arriving later sees generation 0 and never reads *j (which
+   * lives in the caller's frame); one already inside a chunk is waited for. */
+  atomic_store(&work, 0);
   while (atomic_load(&busy) > 0) _mm_pause();
 }
 

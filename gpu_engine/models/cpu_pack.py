@@ -8,7 +8,7 @@ layers' linears ``Int4Linear`` instead (bf16 activations). The embedding becomes
 a tied ``lm_head`` multiplies over that table's own int8 codes (``Q8Head``) when the table holds them
 losslessly (a Q8_0 GGUF table), else gets a packed fp16 copy. Norms, RoPE tables and MoE expert tensors
 stay float32. Without the quantized kernels (``quant_kernels_available``) everything packs as fp16. With
-them, the layers' small ops run fused in C (``fuse_small_ops``).
+them, the layers' small ops run fused in C (``fuse_small_ops``), except with ``int4_layers``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
             _replace(model, name, _packed_linear(module, int4_layers and name.startswith("layers."),
                                                      keep_quantized))
     model.embed = embed  # type: ignore[assignment]
-    if quant_kernels_available():
+    if quant_kernels_available() and not int4_layers:  # int4 keeps the torch forms its stated bound was measured on
         fuse_small_ops(model)
     _release_freed_memory()
     return model
