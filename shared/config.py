@@ -21,7 +21,7 @@ from shared.ring import RingGeometry
 
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
-CPU_WEIGHTS = ("auto", "fp16", "int4")
+CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a step of 2,048 tokens keeps the matrix units busy (BENCHMARKS.md, chunked prefill) while a decode
@@ -61,9 +61,11 @@ class EngineConfig:
     cpu_weights: str = _flag("auto", "CPU backend with --dtype auto: the linears' weights. auto: a GGUF's Q4_1 "
                              "tensors kept as their Q4_1 groups (fp32 arithmetic on the exact weights) and a Q8_0 "
                              "token table shared with the LM head, fp16 (packed, fp32 arithmetic) for the rest; "
-                             "fp16: every linear fp16; int4: the decoder layers' linears as int4 (groups of 32 "
-                             "with a scale and a minimum, bf16 activations: greedy tokens within the bound "
-                             "BENCHMARKS.md states)", choices=CPU_WEIGHTS)
+                             "int8act: auto with each quantized product's input quantized to int8 per group of 32 "
+                             "first (llama.cpp's arithmetic: faster, greedy tokens within the bound "
+                             "tests/test_cpu_q4.py states); fp16: every linear fp16; int4: the decoder layers' "
+                             "linears as int4 (groups of 32 with a scale and a minimum, bf16 activations: greedy "
+                             "tokens within the bound BENCHMARKS.md states)", choices=CPU_WEIGHTS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)

@@ -38,7 +38,9 @@ typedef struct {
   const float *d, *m;
   const float *xsum; /* [M, G] sums of x per group (q4 only) */
   int64_t M, N, K;
-  int accumulate, kind; /* kind 4: q4, 8: q8 */
+  int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations */
+  const int8_t *xq;     /* kinds 5, 9: x as int8 codes [M, K] with one scale per group, xd [M, G] */
+  const float *xd;
 } Job;
 
 /* ------------------------------------------------------------------ kernels */
@@ -113,6 +115,57 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     }
 }
 
+/* The int8-activation tile (kinds 5, 9): x quantized per group of 32 (code * xd), the integer dot of a group
+ * with maddubs (unsigned codes times signed ones, pairs summed in int16 without saturation: 2 * 15 * 127 and
+ * 2 * 127 * 127 fit), then fp32: acc += (d * xd) * dot, and for q4 + m * sum(x) as in the fp32 tile. */
+TARGET static inline __m256i codes_u8_q4(const uint8_t *p) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, int64_t m0, int64_t n0, const int KIND,
+                                                                 const int MR, const int NR) {
+  const int64_t K = j->K, G = K / GROUP;
+  const int gbytes = KIND == 5 ? 16 : 32;
+  const uint8_t *codes = j->codes + n0 * G * gbytes;
+  const int8_t *x = j->xq + m0 * K;
+  const float *d = j->d + n0 * G, *xd = j->xd + m0 * G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    for (int r = 0; r < NR; r++) {
+      const uint8_t *p = codes + (r * G + g) * gbytes;
+      __m256i w = KIND == 5 ? codes_u8_q4(p) : _mm256_loadu_si256((const __m256i *)p);
+      __m256i wa = KIND == 5 ? w : _mm256_sign_epi8(w, w);
+      const float dg = d[r * G + g];
+      for (int i = 0; i < MR; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * K + g * GROUP));
+        if (KIND == 9) xv = _mm256_sign_epi8(xv, w);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dg * xd[i * G + g]), acc[r][i]);
+      }
+    }
+  }
+  const float *m = KIND == 5 ? j->m + n0 * G : NULL;
+  float *y = j->y + m0 * j->N + n0;
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) {
+      if (KIND == 5) {
+        const float *xs = j->xsum + (m0 + i) * G;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+          acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * G + g), _mm256_loadu_ps(xs + g), acc[r][i]);
+        for (; g < G; g++)
+          acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m[r * G + g] * xs[g]));
+      }
+      float sum = hsum(acc[r][i]);
+      y[i * j->N + r] = j->accumulate ? y[i * j->N + r] + sum : sum;
+    }
+}
+
 /* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
 #define TILES(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
@@ -121,6 +174,17 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR); \
     for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
   }
+#define TILES_I8(KIND, MR) \
+  TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
+    enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    int64_t n = n_begin; \
+    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR); \
+    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1); \
+  }
+#define KIND_TILES_I8(KIND) TILES_I8(KIND, 1) TILES_I8(KIND, 2) TILES_I8(KIND, 3) TILES_I8(KIND, 4) \
+  TILES_I8(KIND, 5) TILES_I8(KIND, 6) TILES_I8(KIND, 7) TILES_I8(KIND, 8)
+KIND_TILES_I8(5)
+KIND_TILES_I8(9)
 #define KIND_TILES(KIND) TILES(KIND, 1) TILES(KIND, 2) TILES(KIND, 3) TILES(KIND, 4) TILES(KIND, 5) TILES(KIND, 6) \
   TILES(KIND, 7) TILES(KIND, 8)
 KIND_TILES(4)
@@ -129,11 +193,16 @@ KIND_TILES(8)
 typedef void (*RowsFn)(const Job *, int64_t, int64_t, int64_t);
 static const RowsFn rows_q4[MR_MAX] = {rows_4_1, rows_4_2, rows_4_3, rows_4_4, rows_4_5, rows_4_6, rows_4_7, rows_4_8};
 static const RowsFn rows_q8[MR_MAX] = {rows_8_1, rows_8_2, rows_8_3, rows_8_4, rows_8_5, rows_8_6, rows_8_7, rows_8_8};
+static const RowsFn rows_q4i8[MR_MAX] = {rows_5_1, rows_5_2, rows_5_3, rows_5_4, rows_5_5, rows_5_6, rows_5_7,
+                                          rows_5_8};
+static const RowsFn rows_q8i8[MR_MAX] = {rows_9_1, rows_9_2, rows_9_3, rows_9_4, rows_9_5, rows_9_6, rows_9_7,
+                                          rows_9_8};
 
 static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
   for (int64_t m0 = 0; m0 < j->M; m0 += MR_MAX) {
     int64_t mr = j->M - m0 < MR_MAX ? j->M - m0 : MR_MAX;
-    (j->kind == 4 ? rows_q4 : rows_q8)[mr - 1](j, m0, n_begin, n_end);
+    const RowsFn *fns = j->kind == 4 ? rows_q4 : j->kind == 8 ? rows_q8 : j->kind == 5 ? rows_q4i8 : rows_q8i8;
+    fns[mr - 1](j, m0, n_begin, n_end);
   }
 }
 
@@ -279,31 +348,68 @@ TARGET static void group_sums(const float *x, int64_t M, int64_t K, float *xsum)
   }
 }
 
+/* x as int8 per group of 32: xd = max|x| / 127, code = round(x / xd) (0 for an all-zero group). */
+static int quantize_x(Job *j, int8_t **xq, float **xd) {
+  int64_t n = j->M * j->K, G = j->K / GROUP;
+  *xq = PyMem_RawMalloc((size_t)n);
+  *xd = PyMem_RawMalloc(sizeof(float) * (size_t)(j->M * G));
+  if (*xq == NULL || *xd == NULL) {
+    PyMem_RawFree(*xq);
+    PyMem_RawFree(*xd);
+    return -1;
+  }
+  for (int64_t gi = 0; gi < j->M * G; gi++) {
+    const float *p = j->x + gi * GROUP;
+    float mx = 0.0f;
+    for (int i = 0; i < GROUP; i++) mx = fabsf(p[i]) > mx ? fabsf(p[i]) : mx;
+    float scale = mx / 127.0f, inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+    (*xd)[gi] = scale;
+    for (int i = 0; i < GROUP; i++) (*xq)[gi * GROUP + i] = (int8_t)lrintf(p[i] * inv);
+  }
+  j->xq = *xq;
+  j->xd = *xd;
+  return 0;
+}
+
 #define STACK_SUMS 4096
 
-/* q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads): pointers as ints (tensor.data_ptr()). */
+/* q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): pointers as ints (tensor.data_ptr());
+ * int8_x: x quantized to int8 per group of 32 first (llama.cpp's arithmetic for Q4_1 weights, not exact). */
 static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  int64_t a[10];
-  if (parse_ints(args, nargs, 10, a, "q4_matmul") || check_shape(a[5], a[6], a[7], a[9])) return NULL;
+  int64_t a[11];
+  if (parse_ints(args, nargs, 11, a, "q4_matmul") || check_shape(a[5], a[6], a[7], a[9])) return NULL;
   int64_t M = a[5], K = a[7];
   float stack_sums[STACK_SUMS];
   float *xsum = M * (K / GROUP) <= STACK_SUMS ? stack_sums : PyMem_RawMalloc(sizeof(float) * M * (K / GROUP));
   if (xsum == NULL) return PyErr_NoMemory();
+  int8_t *xq = NULL;
+  float *xd = NULL;
   Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], (const float *)a[4],
-           xsum, M, a[6], K, (int)a[8], 4};
+           xsum, M, a[6], K, (int)a[8], a[10] ? 5 : 4, NULL, NULL};
   group_sums(j.x, M, K, xsum);
+  if (a[10] && quantize_x(&j, &xq, &xd) != 0) {
+    if (xsum != stack_sums) PyMem_RawFree(xsum);
+    return PyErr_NoMemory();
+  }
   run_job(&j, (int)a[9]); /* the GIL stays held: one caller at a time owns the pool */
   if (xsum != stack_sums) PyMem_RawFree(xsum);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
   Py_RETURN_NONE;
 }
 
-/* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads) */
+/* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x) */
 static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  int64_t a[9];
-  if (parse_ints(args, nargs, 9, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
+  int64_t a[10];
+  if (parse_ints(args, nargs, 10, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
+  int8_t *xq = NULL;
+  float *xd = NULL;
   Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL, NULL,
-           a[4], a[5], a[6], (int)a[7], 8};
+           a[4], a[5], a[6], (int)a[7], a[9] ? 9 : 8, NULL, NULL};
+  if (a[9] && quantize_x(&j, &xq, &xd) != 0) return PyErr_NoMemory();
   run_job(&j, (int)a[8]);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
   Py_RETURN_NONE;
 }
 
@@ -477,9 +583,9 @@ static PyObject *available(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"q4_matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
-     "q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads): y (+)= x @ W.T, W in Q4_1 groups"},
+     "q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q4_1 groups"},
     {"q8_matmul", (PyCFunction)(void (*)(void))q8_matmul, METH_FASTCALL,
-     "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads): y (+)= x @ W.T, W in Q8_0 groups"},
+     "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q8_0 groups"},
     {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
      "q4_dequant(out, codes, d, m, N, K): the Q4_1 weight as fp32 [N, K]"},
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,

@@ -203,6 +203,8 @@ class Q4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = int(codes.shape[0]), int(codes.shape[1]) * 2
         self.codes, self.d, self.m = nn.Buffer(codes), nn.Buffer(d), nn.Buffer(m)
+        # x quantized to int8 per group of 32 before the product (llama.cpp's arithmetic): ~2x faster, not exact
+        self.int8_activations = False
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Q4Linear | None:
@@ -230,7 +232,7 @@ class Q4Linear(nn.Module):
         y = torch.empty(rows, self.out_features) if out is None else out
         _cpu_quant.q4_matmul(y.data_ptr(), flat.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(),
                              self.m.data_ptr(), rows, self.out_features, self.in_features, out is not None,
-                             KernelThreads.get())
+                             KernelThreads.get(), self.int8_activations)
         return y if out is not None else y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:
@@ -252,6 +254,7 @@ class Q8Head(nn.Module):
         super().__init__()
         self.embed = [embed]  # not a submodule: the embedding owns the buffers
         self.out_features, self.in_features = embed.num_embeddings, embed.embedding_dim
+        self.int8_activations = False  # as Q4Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -260,7 +263,7 @@ class Q8Head(nn.Module):
         y = torch.empty(flat.shape[0], self.out_features)
         e = self.embed[0]
         _cpu_quant.q8_matmul(y.data_ptr(), flat.data_ptr(), e.codes.data_ptr(), e.scales.data_ptr(), flat.shape[0],
-                             self.out_features, self.in_features, False, KernelThreads.get())
+                             self.out_features, self.in_features, False, KernelThreads.get(), self.int8_activations)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:

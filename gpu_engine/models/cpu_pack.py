@@ -31,9 +31,11 @@ from gpu_engine.models.decoder import CausalLM, DecoderLayer
 from gpu_engine.models.layers import GatedMLP
 
 
-def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: bool = True) -> CausalLM:
+def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: bool = True,
+                 int8_activations: bool = False) -> CausalLM:
     """Replace the float32 linears and embedding of ``model`` by their packed CPU forms; returns it.
-    ``keep_quantized=False``: no ``Q4Linear`` or ``Q8Head``, every other linear fp16-packed."""
+    ``keep_quantized=False``: no ``Q4Linear`` or ``Q8Head``, every other linear fp16-packed;
+    ``int8_activations``: those two quantize their input to int8 per group of 32 (llama.cpp's arithmetic)."""
     keep_quantized = keep_quantized and quant_kernels_available()
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
@@ -47,6 +49,9 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
             _replace(model, name, _packed_linear(module, int4_layers and name.startswith("layers."),
                                                      keep_quantized))
     model.embed = embed  # type: ignore[assignment]
+    for module in model.modules():
+        if isinstance(module, (Q4Linear, Q8Head)):
+            module.int8_activations = int8_activations
     if quant_kernels_available() and not int4_layers:  # int4 keeps the torch forms its stated bound was measured on
         fuse_small_ops(model)
     _release_freed_memory()
