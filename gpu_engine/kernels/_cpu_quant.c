@@ -12,7 +12,11 @@
  * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
  * then sleep on a futex.
  *
- * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), and
+ * With `int8_x` the input is first quantized to int8 per group of 32 and the group dots are integer
+ * (maddubs), llama.cpp's arithmetic: faster, and no longer exact (--cpu-weights int8act).
+ *
+ * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), a layer's small
+ * ops (rms_norm, rope_write_kv, attend_decode: see kernels/cpu_fused.py), and
  * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
