@@ -7,7 +7,7 @@
  *              and minimum m: w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
  *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
  * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
- * x (up to 4) share each decoded group of weights, and several weight rows are in flight at once so
+ * x (up to 8) share each decoded group of weights, and several weight rows are in flight at once so
  * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of workers (the
  * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
  * then sleep on a futex.
