@@ -55,8 +55,8 @@ class EngineConfig:
     backend: str = _flag("auto", "cpu: PyTorch on the CPU; host: host-driven GPU loop; persistent: the "
                          "persistent GPU scheduler; auto: persistent on an sm_90 GPU with nvcc, host on another "
                          "CUDA GPU, cpu without one (resolved once by the engine, and logged)", choices=BACKENDS)
-    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: on the CPU, fp16-packed linears "
-                       "with fp32 arithmetic and an fp16 KV cache (float32: everything fp32), bfloat16 on a GPU",
+    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: on the CPU, the packed linears "
+                       "--cpu-weights chooses and an fp16 KV cache (float32: everything fp32), bfloat16 on a GPU",
                        choices=DTYPES)
     cpu_weights: str = _flag("auto", "CPU backend with --dtype auto: the linears' weights. auto: a GGUF's Q4_1 "
                              "tensors kept as their Q4_1 groups (fp32 arithmetic on the exact weights) and a Q8_0 "
