@@ -6,13 +6,15 @@ The two servers run one at a time, each spoken to by the same client with the sa
 (streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
 prompt's prefill tokens/s, and the resident memory of all the server's processes. ``transformers``
-``generate`` runs in-process on the same weights dequantized to fp32. Blink runs twice: its default
-(fp16-packed linears) and ``--cpu-weights int4`` (the decoder layers' linears as group-int4), the
-``blink_int4`` column.
+``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
+(``blink``: the GGUF's Q4_1 linears kept as Q4_1 groups, fp32 arithmetic, one engine thread), with
+``--cpu-weights int8act`` (``blink_int8act``: the same weights times int8-quantized activations), with
+``--threads 2`` (``blink_threads2``: the default on both cores, the frontend sharing them) and, on
+request, with ``--cpu-weights int4`` (``blink_int4``).
 
     python -m bench.cpu_peer                      # build (once), run all four, write the JSON
     python -m bench.cpu_peer --only blink         # one side (the others' columns stay null)
-    python -m bench.cpu_peer --only blink_int4 --smoke   # a few tokens per row: checks the run, not the speed
+    python -m bench.cpu_peer --only blink_int8act --smoke   # a few tokens per row: checks the run, not the speed
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def start_blink(port: int, run_dir: Path, *flags: str) -> subprocess.Popen[bytes
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-BLINK_SIDES = {"blink": (), "blink_int4": ("--cpu-weights", "int4")}  # column -> extra `blink serve` flags
+BLINK_SIDES = {"blink": (), "blink_int8act": ("--cpu-weights", "int8act"), "blink_threads2": ("--threads", "2"),
+               "blink_int4": ("--cpu-weights", "int4")}  # column -> extra `blink serve` flags
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -241,7 +244,8 @@ def make_prompts(vocab: int = 49152) -> dict[str, list[int]]:
     return out
 
 
-SIDES = ("blink", "blink_int4", "llama_cpp", "transformers")
+SIDES = ("blink", "blink_int8act", "blink_threads2", "blink_int4", "llama_cpp", "transformers")
+DEFAULT_SIDES = ("blink", "blink_int8act", "blink_threads2", "llama_cpp", "transformers")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         global DECODE_TOKENS, LONG_PROMPT
         DECODE_TOKENS, LONG_PROMPT = 4, 65
-    gguf, prompts, sides = default_model_path(), make_prompts(), args.only or list(SIDES)
+    gguf, prompts, sides = default_model_path(), make_prompts(), args.only or list(DEFAULT_SIDES)
     results: dict[str, dict[str, float] | None] = dict.fromkeys(SIDES)
     if "llama_cpp" in sides:
         binary, port = build_llama_server(), free_port()

@@ -74,7 +74,8 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed)
     if fmt.packed:
-        pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4")
+        pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
+                     int8_activations=cfg.cpu_weights == "int8act")
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),

@@ -21,7 +21,7 @@ from shared.ring import RingGeometry
 
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
-CPU_WEIGHTS = ("fp16", "int4")
+CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a step of 2,048 tokens keeps the matrix units busy (BENCHMARKS.md, chunked prefill) while a decode
@@ -55,13 +55,17 @@ class EngineConfig:
     backend: str = _flag("auto", "cpu: PyTorch on the CPU; host: host-driven GPU loop; persistent: the "
                          "persistent GPU scheduler; auto: persistent on an sm_90 GPU with nvcc, host on another "
                          "CUDA GPU, cpu without one (resolved once by the engine, and logged)", choices=BACKENDS)
-    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: on the CPU, fp16-packed linears "
-                       "with fp32 arithmetic and an fp16 KV cache (float32: everything fp32), bfloat16 on a GPU",
+    dtype: str = _flag("auto", "weights and KV cache (half = float16); auto: on the CPU, the packed linears "
+                       "--cpu-weights chooses and an fp16 KV cache (float32: everything fp32), bfloat16 on a GPU",
                        choices=DTYPES)
-    cpu_weights: str = _flag("fp16", "CPU backend with --dtype auto: the decoder layers' linears as fp16 (packed, "
-                             "fp32 arithmetic) or int4 (groups of 32 with a scale and a minimum, the GGUF Q4_1 "
-                             "layout, bf16 activations: a third of fp16's bytes, greedy tokens within the bound "
-                             "BENCHMARKS.md states)", choices=CPU_WEIGHTS)
+    cpu_weights: str = _flag("auto", "CPU backend with --dtype auto: the linears' weights. auto: a GGUF's Q4_1 "
+                             "tensors kept as their Q4_1 groups (fp32 arithmetic on the exact weights) and a Q8_0 "
+                             "token table shared with the LM head, fp16 (packed, fp32 arithmetic) for the rest; "
+                             "int8act: auto with each quantized product's input quantized to int8 per group of 32 "
+                             "first (llama.cpp's arithmetic: faster, greedy tokens within the bound "
+                             "tests/test_cpu_q4.py states); fp16: every linear fp16; int4: the decoder layers' "
+                             "linears as int4 (groups of 32 with a scale and a minimum, bf16 activations: greedy "
+                             "tokens within the bound BENCHMARKS.md states)", choices=CPU_WEIGHTS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
@@ -157,7 +161,7 @@ class EngineConfig:
         if self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_batch:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one decode token "
                              f"for each of --max-num-seqs {self.max_batch} sequences: give at least {self.max_batch}")
-        if self.cpu_weights != "fp16" and (self.backend not in ("auto", "cpu") or self.dtype != "auto"):
+        if self.cpu_weights != "auto" and (self.backend not in ("auto", "cpu") or self.dtype != "auto"):
             raise ValueError(f"--cpu-weights {self.cpu_weights} applies to the CPU backend with --dtype auto "
                              f"(got --backend {self.backend}, --dtype {self.dtype})")
         if self.max_model_len == 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_engine.kernels.cpu_linear import Int4Linear, PackedLinear
+from gpu_engine.kernels.cpu_linear import Int4Linear, Q8Head
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.cpu_pack import pack_for_cpu
 from gpu_engine.models.errors import ModelLoadError
@@ -28,7 +28,7 @@ LOGIT_BOUND = 0.5
 
 
 def test_the_flag_selects_int4_and_refuses_where_it_does_not_apply() -> None:
-    assert parse_args([]).cpu_weights == "fp16"
+    assert parse_args([]).cpu_weights == "auto"
     assert parse_args(["--cpu-weights", "int4", "--backend", "cpu"]).cpu_weights == "int4"
     with pytest.raises(SystemExit):
         parse_args(["--cpu-weights", "int8"])
@@ -55,7 +55,7 @@ def test_embedded_model_int4_greedy_within_the_stated_bound() -> None:
     int4 = pack_for_cpu(model, int4_layers=True)
     linears = [m for name, m in int4.named_modules() if name.startswith("layers.") and hasattr(m, "in_features")]
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
-    assert isinstance(int4.lm_head, PackedLinear)
+    assert isinstance(int4.lm_head, Q8Head)  # the lossless Q8_0 table, shared with the embedding
     got = greedy_generate(int4, KVCache(cfg, 64, 16, dtype=torch.float16), prompts, STEPS)
     same = [agreeing_steps(w, g) for w, g in zip(want.tokens, got.tokens, strict=True)]
     assert min(same) >= 3 and sum(s == STEPS for s in same) >= len(PROMPTS) - 1, same

@@ -1,4 +1,6 @@
-"""CPU weight formats that keep a quantized checkpoint small: packed fp16 linears and group-int8 embeddings.
+"""CPU weight formats that keep a quantized checkpoint small: Q4_1 linears and the Q8_0 head kept as their GGUF
+groups (``Q4Linear``, ``Q8Head``: C kernels, exact weights, fp32 arithmetic), packed fp16 linears for other
+weights, group-int8 embeddings.
 
 ``PackedLinear`` holds its weight as fp16 in fbgemm's packed GEMM layout (``quantized.linear_prepack_fp16``)
 and multiplies fp32 activations with fp32 accumulation: a GGUF Q4_1/Q8_0 weight (``d * q + m`` with fp16
@@ -20,7 +22,26 @@ from torch import nn
 
 from gpu_engine.kernels._checks import check
 
+try:
+    from gpu_engine.kernels import _cpu_quant  # type: ignore[attr-defined]
+except ImportError:  # not built (a source tree without its C extensions): the packed fp16 forms serve
+    _cpu_quant = None
+
 EMBED_GROUP = 32
+Q_GROUP = 32
+# Above this many rows of x a quantized linear dequantizes its weight into a scratch buffer and runs the
+# BLAS (a prefill chunk); at or below it, the quantized kernel reads the 4-bit codes directly (decode).
+DENSE_ROWS = 24
+
+
+class KernelThreads:
+    """Threads of the quantized kernels' own pool: ``count`` when set (> 0), else torch's thread count."""
+
+    count = 0
+
+    @classmethod
+    def get(cls) -> int:
+        return cls.count or torch.get_num_threads()
 
 
 class PackedLinear(nn.Module):
@@ -35,11 +56,13 @@ class PackedLinear(nn.Module):
             bias = bias.to(torch.float32).contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight.to(torch.float32).contiguous(), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out]) adds into it."""
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear: expected float32 [..., {self.in_features}], "
                              f"got {x.dtype} {tuple(x.shape)}")
-        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+        y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self._packed)
+        return y if out is None else out.add_(y.view_as(out))
 
     def reference_weight(self) -> torch.Tensor:
         """The stored weight as float32 [out, in] (its fp16 values), for tests and references."""
@@ -103,11 +126,14 @@ class Int4Linear(nn.Module):
         zero = low + 8 * step
         self.scale_zero = nn.Buffer(torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out]) adds into it."""
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
             raise ValueError(f"Int4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        if out is not None:
+            return out.add_(y.view_as(out))
         return y.to(torch.float32).reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:
@@ -115,3 +141,132 @@ class Int4Linear(nn.Module):
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         sz = self.scale_zero.to(torch.float32)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye.float(), self.packed, INT4_GROUP, sz).t()
+
+
+def quant_kernels_available() -> bool:
+    """Whether the quantized-weight kernels (``_cpu_quant``: AVX2 + FMA) are built and run on this CPU."""
+    return _cpu_quant is not None and bool(_cpu_quant.available())
+
+
+def q4_1_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight`` [N, K] as GGUF Q4_1 groups when every value is exactly ``fl(d * q + m)`` for codes q in
+    0..15 and fp16 ``d``, ``m`` per group of 32 (what GGUF's dequantizer gives): (codes uint8 [N, K / 2], d
+    [N, G], m [N, G] float32), else None. A group's minimum is its code 0 and its maximum its code 15 (the
+    Q4_1 quantizer's construction); ``d`` is tried at that fp16 value and one fp16 step either side."""
+    n, k = int(weight.shape[0]), int(weight.shape[1])
+    if k % Q_GROUP or weight.dtype != torch.float32:
+        return None
+    groups = weight.reshape(-1, Q_GROUP)
+    low = groups.amin(-1)
+    if not bool((low.half().float() == low).all()):
+        return None
+    base = ((groups.amax(-1) - low) / 15).half().view(torch.int16)
+    codes, d = _q4_codes(groups, low, base.view(torch.float16).float())
+    todo = (d < 0).nonzero().squeeze(1)
+    for delta in (1, -1):  # the few groups whose step is one fp16 ulp off the recomputed one
+        if todo.numel():
+            c, dd = _q4_codes(groups[todo], low[todo], (base[todo] + delta).view(torch.float16).float())
+            codes[todo], d[todo] = c, dd
+            todo = todo[dd < 0]
+    if todo.numel():
+        return None
+    codes = codes.reshape(n, k // Q_GROUP, Q_GROUP)
+    d, low = d.reshape(n, -1), low.reshape(n, -1)
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8).reshape(n, k // 2)
+    return packed.contiguous(), d.contiguous(), low.contiguous()
+
+
+def _q4_codes(groups: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int32 [G, 32]) and steps of groups [G, 32] at the given minimum and step; the step is -1 where
+    ``step * q + low`` is not exactly the group."""
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round((groups - low[:, None]) / safe[:, None]).clamp_(0, 15)
+    exact = ((step[:, None] * q + low[:, None]) == groups).all(-1) & (step >= 0)
+    return q.to(torch.int32), torch.where(exact, step, -torch.ones_like(step))
+
+
+class _Scratch:
+    """One fp32 buffer shared by every quantized linear for its dequantized weight (prefill steps)."""
+
+    buf = torch.empty(0)
+
+    @classmethod
+    def get(cls, numel: int) -> torch.Tensor:
+        if cls.buf.numel() < numel:
+            cls.buf = torch.empty(numel)
+        return cls.buf[:numel]
+
+
+class Q4Linear(nn.Module):
+    """``y = x @ W.T`` with ``W`` [out, in] kept as its GGUF Q4_1 groups (``q4_1_codes``): 0.625 bytes per
+    weight, every weight exactly its fp32 dequantized value, fp32 arithmetic. Build with ``from_weight``."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(codes.shape[0]), int(codes.shape[1]) * 2
+        self.codes, self.d, self.m = nn.Buffer(codes), nn.Buffer(d), nn.Buffer(m)
+        # x quantized to int8 per group of 32 before the product (llama.cpp's arithmetic): ~2x faster, not exact
+        self.int8_activations = False
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Q4Linear | None:
+        """The Q4 form of ``weight``, or None when it is not exactly Q4_1 (or the kernels cannot run)."""
+        if not quant_kernels_available():
+            return None
+        found = q4_1_codes(weight.detach())
+        return None if found is None else cls(*found)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out], contiguous) adds into it."""
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Q4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        rows = flat.shape[0]
+        if rows > DENSE_ROWS:
+            w = _Scratch.get(self.out_features * self.in_features).view(self.out_features, self.in_features)
+            _cpu_quant.q4_dequant(w.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                                  self.out_features, self.in_features)
+            if out is None:
+                return (flat @ w.t()).reshape(*x.shape[:-1], self.out_features)
+            return out.addmm_(flat, w.t())
+        if out is not None and not (out.is_contiguous() and out.shape == (rows, self.out_features)):
+            raise ValueError(f"Q4Linear: out must be contiguous [{rows}, {self.out_features}]")
+        y = torch.empty(rows, self.out_features) if out is None else out
+        _cpu_quant.q4_matmul(y.data_ptr(), flat.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(),
+                             self.m.data_ptr(), rows, self.out_features, self.in_features, out is not None,
+                             KernelThreads.get(), self.int8_activations)
+        return y if out is not None else y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference_weight(self) -> torch.Tensor:
+        """The weight as float32 [out, in]."""
+        w = torch.empty(self.out_features, self.in_features)
+        _cpu_quant.q4_dequant(w.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                              self.out_features, self.in_features)
+        return w
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=Q4_1 groups"
+
+
+class Q8Head(nn.Module):
+    """``y = x @ E.T`` over a ``GroupInt8Embedding``'s own codes and scales (a tied LM head: no second copy),
+    fp32 arithmetic, each weight exactly the table's dequantized value."""
+
+    def __init__(self, embed: GroupInt8Embedding) -> None:
+        super().__init__()
+        self.embed = [embed]  # not a submodule: the embedding owns the buffers
+        self.out_features, self.in_features = embed.num_embeddings, embed.embedding_dim
+        self.int8_activations = False  # as Q4Linear's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Q8Head: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(flat.shape[0], self.out_features)
+        e = self.embed[0]
+        _cpu_quant.q8_matmul(y.data_ptr(), flat.data_ptr(), e.codes.data_ptr(), e.scales.data_ptr(), flat.shape[0],
+                             self.out_features, self.in_features, False, KernelThreads.get(), self.int8_activations)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference_weight(self) -> torch.Tensor:
+        return self.embed[0].reference_weight()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from gpu_engine.kernels import cpu_fused
 from gpu_engine.kernels.cpu_attention import paged_attention_cpu
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.layers import RMSNorm
@@ -109,9 +110,20 @@ class Attention(nn.Module):
         self.o = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # The CPU serving form (``cpu_pack`` sets it where it applies: no QK norm, RoPE over whole heads):
+        # RoPE and the cache write in one C call, a decode step's attention in another.
+        self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: KVCache, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output of x [T, hidden]; with ``residual`` (the CPU serving form's linears only)
+        ``residual += output`` in place, returned."""
+        k_cache = kv_cache.k[self.layer_idx]
+        if self.fused and k_cache.dtype == torch.float16:
+            out = self._fused(x, cos, sin, meta, kv_cache)
+            return self.o(out) if residual is None else self.o(out, out=residual)
+        if residual is not None:
+            return residual.add_(self.forward(x, cos, sin, meta, kv_cache))
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x)
@@ -127,3 +139,15 @@ class Attention(nn.Module):
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)
         return self.o(out.reshape(t, q_size))
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: KVCache) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
+        qkv = self.qkv(x)
+        cpu_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, self.num_kv_heads)
+        if t == meta.context_lens.numel():  # one new token per sequence: a decode step
+            return cpu_fused.attend_decode(qkv, k_cache, v_cache, meta.block_tables, meta.context_lens, h,
+                                           d**-0.5, self.window)
+        q = qkv[:, : h * d].reshape(t, h, d)
+        return paged_attention(q, k_cache, v_cache, meta, d**-0.5, self.window).reshape(t, h * d)

@@ -37,9 +37,14 @@ class DecoderLayer(nn.Module):
                               config.num_experts_per_tok, config.norm_topk_prob)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        # The CPU serving form (``cpu_pack``): the output projections add into the residual stream in place.
+        self.residual_in_place = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
+        if self.residual_in_place:
+            x = self.attn(self.attn_norm(x), cos, sin, meta, kv_cache, residual=x)
+            return self.mlp(self.mlp_norm(x), residual=x)
         x = x + self.attn(self.attn_norm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_engine.kernels import cpu_fused
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, normalised in float32 and cast back before the scale."""
@@ -14,8 +16,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False  # the CPU serving form (``cpu_pack``): one C call on float32 [T, size] rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return cpu_fused.rms_norm(x, self.weight, self.eps)
         x32 = x.to(torch.float32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -35,5 +40,8 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x; with ``residual`` (the CPU serving form's linears only) ``residual += mlp(x)`` in place,
+        returned."""
+        act = silu_mul(self.gate_up(x))
+        return self.down(act) if residual is None else self.down(act, out=residual)

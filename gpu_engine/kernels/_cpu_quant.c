@@ -1,0 +1,609 @@
+/* Matrix products over quantized weights on the CPU, fp32 activations and fp32 arithmetic (AVX2 + FMA).
+ *
+ * Weights stay in their GGUF form; every weight the kernel multiplies is exactly the fp32 value the
+ * GGUF dequantizer gives, so only the order of the fp32 sums differs from a dense fp32 matmul:
+ *   q4 (Q4_1): per row, groups of 32 along K, each 16 bytes of 4-bit codes (byte j: element j in the
+ *              low nibble, element j + 16 in the high one, as GGUF stores them) with an fp32 scale d
+ *              and minimum m: w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
+ *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
+ * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
+ * x (up to 8) share each decoded group of weights, and several weight rows are in flight at once so
+ * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of workers (the
+ * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
+ * then sleep on a futex.
+ *
+ * With `int8_x` the input is first quantized to int8 per group of 32 and the group dots are integer
+ * (maddubs), llama.cpp's arithmetic: faster, and no longer exact (--cpu-weights int8act).
+ *
+ * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), a layer's small
+ * ops (rms_norm, rope_write_kv, attend_decode: see kernels/cpu_fused.py), and
+ * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <math.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define GROUP 32
+#define MAX_THREADS 8
+#define MR_MAX 8
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+
+typedef struct {
+  float *y;
+  const float *x;
+  const uint8_t *codes;
+  const float *d, *m;
+  const float *xsum; /* [M, G] sums of x per group (q4 only) */
+  int64_t M, N, K;
+  int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations */
+  const int8_t *xq;     /* kinds 5, 9: x as int8 codes [M, K] with one scale per group, xd [M, G] */
+  const float *xd;
+} Job;
+
+/* ------------------------------------------------------------------ kernels */
+
+TARGET static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+TARGET static inline void decode_q4(const uint8_t *p, __m256 q[4]) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128((const __m128i *)p);
+  __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
+  for (int i = 0; i < 4; i++)
+    q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+}
+
+/* NR weight rows from n0 against MR rows of x from m0: the fully unrolled tile (KIND, MR, NR constants).
+ * Per group and pair (row of W, row of x): t = q . x over the 32 lanes, acc += d * t (+ m * sum x, q4). */
+TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t n0, const int KIND,
+                                                              const int MR, const int NR) {
+  const int64_t K = j->K, G = K / GROUP;
+  const int gbytes = KIND == 4 ? 16 : 32;
+  const uint8_t *codes = j->codes + n0 * G * gbytes;
+  const float *x = j->x + m0 * K, *d = j->d + n0 * G, *m = KIND == 4 ? j->m + n0 * G : NULL;
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    const float *xg = x + g * GROUP;
+    for (int r = 0; r < NR; r++) {
+      __m256 q[4];
+      const uint8_t *p = codes + (r * G + g) * gbytes;
+      if (KIND == 4) decode_q4(p, q); else decode_q8(p, q);
+      const __m256 dg = _mm256_broadcast_ss(d + r * G + g);
+      for (int i = 0; i < MR; i++) { /* x from L1: the registers hold the accumulators and the codes */
+        const float *xi = xg + i * K;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xi));
+        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xi + 8), t);
+        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xi + 16), t);
+        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xi + 24), t);
+        acc[r][i] = _mm256_fmadd_ps(t, dg, acc[r][i]);
+      }
+    }
+  }
+  if (KIND == 4) /* + sum over groups of m * sum(x), eight groups at a time */
+    for (int r = 0; r < NR; r++)
+      for (int i = 0; i < MR; i++) {
+        const float *xs = j->xsum + (m0 + i) * G;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+          acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * G + g), _mm256_loadu_ps(xs + g), acc[r][i]);
+        for (; g < G; g++) {
+          __m256 one = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m[r * G + g] * xs[g]);
+          acc[r][i] = _mm256_add_ps(acc[r][i], one);
+        }
+      }
+  float *y = j->y + m0 * j->N + n0;
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) {
+      float s = hsum(acc[r][i]);
+      y[i * j->N + r] = j->accumulate ? y[i * j->N + r] + s : s;
+    }
+}
+
+/* The int8-activation tile (kinds 5, 9): x quantized per group of 32 (code * xd), the integer dot of a group
+ * with maddubs (unsigned codes times signed ones, pairs summed in int16 without saturation: 2 * 15 * 127 and
+ * 2 * 127 * 127 fit), then fp32: acc += (d * xd) * dot, and for q4 + m * sum(x) as in the fp32 tile. */
+TARGET static inline __m256i codes_u8_q4(const uint8_t *p) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128((const __m128i *)p);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, int64_t m0, int64_t n0, const int KIND,
+                                                                 const int MR, const int NR) {
+  const int64_t K = j->K, G = K / GROUP;
+  const int gbytes = KIND == 5 ? 16 : 32;
+  const uint8_t *codes = j->codes + n0 * G * gbytes;
+  const int8_t *x = j->xq + m0 * K;
+  const float *d = j->d + n0 * G, *xd = j->xd + m0 * G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][MR];
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    for (int r = 0; r < NR; r++) {
+      const uint8_t *p = codes + (r * G + g) * gbytes;
+      __m256i w = KIND == 5 ? codes_u8_q4(p) : _mm256_loadu_si256((const __m256i *)p);
+      __m256i wa = KIND == 5 ? w : _mm256_sign_epi8(w, w);
+      const float dg = d[r * G + g];
+      for (int i = 0; i < MR; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * K + g * GROUP));
+        if (KIND == 9) xv = _mm256_sign_epi8(xv, w);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dg * xd[i * G + g]), acc[r][i]);
+      }
+    }
+  }
+  const float *m = KIND == 5 ? j->m + n0 * G : NULL;
+  float *y = j->y + m0 * j->N + n0;
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MR; i++) {
+      if (KIND == 5) {
+        const float *xs = j->xsum + (m0 + i) * G;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+          acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * G + g), _mm256_loadu_ps(xs + g), acc[r][i]);
+        for (; g < G; g++)
+          acc[r][i] = _mm256_add_ps(acc[r][i], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, m[r * G + g] * xs[g]));
+      }
+      float sum = hsum(acc[r][i]);
+      y[i * j->N + r] = j->accumulate ? y[i * j->N + r] + sum : sum;
+    }
+}
+
+/* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
+#define TILES(KIND, MR) \
+  TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
+    enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    int64_t n = n_begin; \
+    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR); \
+    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
+  }
+#define TILES_I8(KIND, MR) \
+  TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
+    enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    int64_t n = n_begin; \
+    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR); \
+    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1); \
+  }
+#define KIND_TILES_I8(KIND) TILES_I8(KIND, 1) TILES_I8(KIND, 2) TILES_I8(KIND, 3) TILES_I8(KIND, 4) \
+  TILES_I8(KIND, 5) TILES_I8(KIND, 6) TILES_I8(KIND, 7) TILES_I8(KIND, 8)
+KIND_TILES_I8(5)
+KIND_TILES_I8(9)
+#define KIND_TILES(KIND) TILES(KIND, 1) TILES(KIND, 2) TILES(KIND, 3) TILES(KIND, 4) TILES(KIND, 5) TILES(KIND, 6) \
+  TILES(KIND, 7) TILES(KIND, 8)
+KIND_TILES(4)
+KIND_TILES(8)
+
+typedef void (*RowsFn)(const Job *, int64_t, int64_t, int64_t);
+static const RowsFn rows_q4[MR_MAX] = {rows_4_1, rows_4_2, rows_4_3, rows_4_4, rows_4_5, rows_4_6, rows_4_7, rows_4_8};
+static const RowsFn rows_q8[MR_MAX] = {rows_8_1, rows_8_2, rows_8_3, rows_8_4, rows_8_5, rows_8_6, rows_8_7, rows_8_8};
+static const RowsFn rows_q4i8[MR_MAX] = {rows_5_1, rows_5_2, rows_5_3, rows_5_4, rows_5_5, rows_5_6, rows_5_7,
+                                          rows_5_8};
+static const RowsFn rows_q8i8[MR_MAX] = {rows_9_1, rows_9_2, rows_9_3, rows_9_4, rows_9_5, rows_9_6, rows_9_7,
+                                          rows_9_8};
+
+static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  for (int64_t m0 = 0; m0 < j->M; m0 += MR_MAX) {
+    int64_t mr = j->M - m0 < MR_MAX ? j->M - m0 : MR_MAX;
+    const RowsFn *fns = j->kind == 4 ? rows_q4 : j->kind == 8 ? rows_q8 : j->kind == 5 ? rows_q4i8 : rows_q8i8;
+    fns[mr - 1](j, m0, n_begin, n_end);
+  }
+}
+
+/* ------------------------------------------------------------------ the worker pool */
+
+/* The pool: the caller publishes a job and takes chunks of its weight rows like any worker; a worker that the
+ * OS has descheduled (a busy core) holds the caller up by the chunk it is in, at most: one it has not started
+ * when the rows run out is never waited for. `work` packs the job's generation (high half) and its next free
+ * row (low half), so a late worker cannot take rows of a job that has ended. Each worker spins a while for
+ * the next job (the next linear of a step comes within microseconds), then sleeps on a futex, so an idle
+ * engine leaves the core to the frontend. */
+#define SPIN_ROUNDS 4000
+
+typedef struct {
+  pthread_t tid;
+  atomic_int sleeping;
+} Worker;
+
+static Worker workers[MAX_THREADS];
+static int num_workers = 0; /* started, besides the caller's thread */
+static atomic_uint go;      /* the generation of the newest job */
+static const Job *_Atomic current;
+static atomic_llong current_chunk;
+static atomic_ullong work;
+static atomic_int busy; /* threads that may be inside a chunk */
+static unsigned generation; /* of the caller's jobs, from 1 (0 marks a closed job in `work`) */
+
+static void futex_wait(atomic_uint *addr, unsigned expected) {
+  syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake_all(atomic_uint *addr) {
+  syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+}
+
+static void take_chunks(unsigned gen, const Job *j, int64_t chunk) {
+  for (;;) {
+    atomic_fetch_add(&busy, 1);
+    unsigned long long w = atomic_load(&work);
+    do {
+      if ((unsigned)(w >> 32) != gen || (int64_t)(w & 0xFFFFFFFFu) >= j->N) {
+        atomic_fetch_sub(&busy, 1);
+        return;
+      }
+    } while (!atomic_compare_exchange_weak(&work, &w, w + (unsigned long long)chunk));
+    int64_t b = (int64_t)(w & 0xFFFFFFFFu);
+    run_rows(j, b, b + chunk < j->N ? b + chunk : j->N);
+    atomic_fetch_sub(&busy, 1);
+  }
+}
+
+static unsigned wait_for_job(Worker *w, unsigned seen) {
+  for (;;) {
+    for (int i = 0; i < SPIN_ROUNDS; i++) {
+      unsigned g = atomic_load_explicit(&go, memory_order_acquire);
+      if (g != seen) return g;
+      _mm_pause();
+    }
+    atomic_store(&w->sleeping, 1);
+    if (atomic_load(&go) == seen) futex_wait(&go, seen);
+    atomic_store(&w->sleeping, 0);
+  }
+}
+
+static void *worker_main(void *arg) {
+  Worker *w = (Worker *)arg;
+  unsigned seen = 0;
+  for (;;) {
+    seen = wait_for_job(w, seen);
+    take_chunks(seen, atomic_load(&current), atomic_load(&current_chunk));
+  }
+  return NULL;
+}
+
+static int ensure_workers(int wanted) {
+  while (num_workers < wanted) {
+    Worker *w = &workers[num_workers];
+    atomic_store(&w->sleeping, 0);
+    if (pthread_create(&w->tid, NULL, worker_main, w) != 0) return -1;
+    pthread_detach(w->tid);
+    num_workers++;
+  }
+  return 0;
+}
+
+static void run_job(const Job *j, int threads) {
+  if (threads <= 1 || j->N < 64) {
+    run_rows(j, 0, j->N);
+    return;
+  }
+  int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
+  if (chunk < 16) chunk = 16;
+  unsigned g = ++generation ? generation : ++generation;
+  atomic_store(&current, j);
+  atomic_store(&current_chunk, chunk);
+  atomic_store(&work, (unsigned long long)g << 32);
+  atomic_store(&go, g);
+  for (int i = 0; i < threads - 1 && i < num_workers; i++)
+    if (atomic_load(&workers[i].sleeping)) {
+      futex_wake_all(&go);
+      break;
+    }
+  take_chunks(g, j, chunk);
+  /* Close the job before the last wait: a worker arriving later sees generation 0 and never reads *j (which
+   * lives in the caller's frame); one already inside a chunk is waited for. */
+  atomic_store(&work, 0);
+  while (atomic_load(&busy) > 0) _mm_pause();
+}
+
+/* ------------------------------------------------------------------ Python entry points */
+
+static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int64_t *out, const char *name) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) {
+    out[i] = PyLong_AsLongLong(args[i]);
+    if (out[i] == -1 && PyErr_Occurred()) return -1;
+  }
+  return 0;
+}
+
+static int check_shape(int64_t M, int64_t N, int64_t K, int64_t threads) {
+  if (M < 1 || N < 1 || K < GROUP || K % GROUP || threads < 1 || threads > MAX_THREADS) {
+    PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld (K a multiple of 32) or threads=%lld (1..8)",
+                 (long long)M, (long long)N, (long long)K, (long long)threads);
+    return -1;
+  }
+  if (ensure_workers((int)threads - 1) != 0) {
+    PyErr_SetString(PyExc_OSError, "cannot start a worker thread");
+    return -1;
+  }
+  return 0;
+}
+
+TARGET static void group_sums(const float *x, int64_t M, int64_t K, float *xsum) {
+  for (int64_t i = 0; i < M * (K / GROUP); i++) {
+    const float *p = x + i * GROUP;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+    xsum[i] = hsum(s);
+  }
+}
+
+/* x as int8 per group of 32: xd = max|x| / 127, code = round(x / xd) (0 for an all-zero group). */
+static int quantize_x(Job *j, int8_t **xq, float **xd) {
+  int64_t n = j->M * j->K, G = j->K / GROUP;
+  *xq = PyMem_RawMalloc((size_t)n);
+  *xd = PyMem_RawMalloc(sizeof(float) * (size_t)(j->M * G));
+  if (*xq == NULL || *xd == NULL) {
+    PyMem_RawFree(*xq);
+    PyMem_RawFree(*xd);
+    return -1;
+  }
+  for (int64_t gi = 0; gi < j->M * G; gi++) {
+    const float *p = j->x + gi * GROUP;
+    float mx = 0.0f;
+    for (int i = 0; i < GROUP; i++) mx = fabsf(p[i]) > mx ? fabsf(p[i]) : mx;
+    float scale = mx / 127.0f, inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+    (*xd)[gi] = scale;
+    for (int i = 0; i < GROUP; i++) (*xq)[gi * GROUP + i] = (int8_t)lrintf(p[i] * inv);
+  }
+  j->xq = *xq;
+  j->xd = *xd;
+  return 0;
+}
+
+#define STACK_SUMS 4096
+
+/* q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): pointers as ints (tensor.data_ptr());
+ * int8_x: x quantized to int8 per group of 32 first (llama.cpp's arithmetic for Q4_1 weights, not exact). */
+static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[11];
+  if (parse_ints(args, nargs, 11, a, "q4_matmul") || check_shape(a[5], a[6], a[7], a[9])) return NULL;
+  int64_t M = a[5], K = a[7];
+  float stack_sums[STACK_SUMS];
+  float *xsum = M * (K / GROUP) <= STACK_SUMS ? stack_sums : PyMem_RawMalloc(sizeof(float) * M * (K / GROUP));
+  if (xsum == NULL) return PyErr_NoMemory();
+  int8_t *xq = NULL;
+  float *xd = NULL;
+  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], (const float *)a[4],
+           xsum, M, a[6], K, (int)a[8], a[10] ? 5 : 4, NULL, NULL};
+  group_sums(j.x, M, K, xsum);
+  if (a[10] && quantize_x(&j, &xq, &xd) != 0) {
+    if (xsum != stack_sums) PyMem_RawFree(xsum);
+    return PyErr_NoMemory();
+  }
+  run_job(&j, (int)a[9]); /* the GIL stays held: one caller at a time owns the pool */
+  if (xsum != stack_sums) PyMem_RawFree(xsum);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
+  Py_RETURN_NONE;
+}
+
+/* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x) */
+static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[10];
+  if (parse_ints(args, nargs, 10, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
+  int8_t *xq = NULL;
+  float *xd = NULL;
+  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL, NULL,
+           a[4], a[5], a[6], (int)a[7], a[9] ? 9 : 8, NULL, NULL};
+  if (a[9] && quantize_x(&j, &xq, &xd) != 0) return PyErr_NoMemory();
+  run_job(&j, (int)a[8]);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
+  Py_RETURN_NONE;
+}
+
+TARGET static void dequant_rows(float *out, const uint8_t *codes, const float *d, const float *m, int64_t N,
+                                int64_t K) {
+  int64_t G = K / GROUP;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t g = 0; g < G; g++) {
+      __m256 q[4];
+      decode_q4(codes + (n * G + g) * 16, q);
+      __m256 dg = _mm256_set1_ps(d[n * G + g]), mg = _mm256_set1_ps(m[n * G + g]);
+      for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + n * K + g * GROUP + 8 * c, _mm256_fmadd_ps(q[c], dg, mg));
+    }
+}
+
+/* q4_dequant(out, codes, d, m, N, K): the weight as fp32 [N, K], each value fl(d * q + m) as GGUF's. */
+static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[6];
+  if (parse_ints(args, nargs, 6, a, "q4_dequant") || check_shape(1, a[4], a[5], 1)) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  dequant_rows((float *)a[0], (const uint8_t *)a[1], (const float *)a[2], (const float *)a[3], a[4], a[5]);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ the small ops of a layer, fused */
+
+/* rms_norm(out, x, w, T, N, eps): out = w * (x * (1 / sqrt(mean(x^2) + eps))) per row, fp32. */
+static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[5];
+  if (nargs != 6 || parse_ints(args, 5, 5, a, "rms_norm")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "rms_norm takes 6 arguments");
+    return NULL;
+  }
+  double eps = PyFloat_AsDouble(args[5]);
+  if (eps == -1.0 && PyErr_Occurred()) return NULL;
+  float *out = (float *)a[0];
+  const float *x = (const float *)a[1], *w = (const float *)a[2];
+  int64_t T = a[3], N = a[4];
+  for (int64_t t = 0; t < T; t++) {
+    const float *xr = x + t * N;
+    float *o = out + t * N;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
+    float r = 1.0f / sqrtf(ss / (float)N + (float)eps);
+    for (int64_t i = 0; i < N; i++) o[i] = w[i] * (xr[i] * r);
+  }
+  Py_RETURN_NONE;
+}
+
+/* rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, T, H, Hkv, D, row):
+ * rotates the q and k heads of each packed row of qkv [T, row] in place (half-split pairs, cos/sin [T, D])
+ * and stores the rotated k and the v heads at their cache slots as fp16 (round to nearest even). */
+TARGET static void rope_rows(float *qkv, const float *cos, const float *sin, uint16_t *kc, uint16_t *vc,
+                             const int64_t *slots, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t row) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++) {
+    float *r = qkv + t * row;
+    const float *c = cos + t * D, *s = sin + t * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+      float *x = r + h * D;
+      for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        float lo = a * c[i] - b * s[i];
+        float hi = b * c[i + half] + a * s[i + half];
+        x[i] = lo;
+        x[i + half] = hi;
+      }
+    }
+    uint16_t *kd = kc + slots[t] * Hkv * D, *vd = vc + slots[t] * Hkv * D;
+    const float *k = r + H * D, *v = r + (H + Hkv) * D;
+    for (int64_t i = 0; i < Hkv * D; i += 8) {
+      _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+}
+
+static PyObject *rope_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[11];
+  if (parse_ints(args, nargs, 11, a, "rope_write_kv")) return NULL;
+  if (a[9] % 16 || a[9] < 16) {
+    PyErr_SetString(PyExc_ValueError, "rope_write_kv: head_dim must be a multiple of 16");
+    return NULL;
+  }
+  rope_rows((float *)a[0], (const float *)a[1], (const float *)a[2], (uint16_t *)a[3], (uint16_t *)a[4],
+            (const int64_t *)a[5], a[6], a[7], a[8], a[9], a[10]);
+  Py_RETURN_NONE;
+}
+
+TARGET static inline __m256 load_ph(const uint16_t *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* One sequence's decode attention: its G query heads of KV head hk over cache positions [start, ctx). */
+TARGET static void attend_one(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *table,
+                              int64_t start, int64_t ctx, int64_t hk, int64_t G, int64_t Hkv, int64_t D,
+                              int64_t bs, float scale, float *scores) {
+  const int64_t L = ctx - start;
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
+    for (int64_t g = 0; g < G; g++) {
+      const float *qh = q + g * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_ph(k + i), acc);
+      scores[g * L + p - start] = hsum(acc) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float *sc = scores + g * L, mx = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < L; i++) mx = sc[i] > mx ? sc[i] : mx;
+    for (int64_t i = 0; i < L; i++) {
+      sc[i] = expf(sc[i] - mx);
+      sum += sc[i];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < L; i++) sc[i] *= inv;
+    memset(out + g * D, 0, sizeof(float) * D);
+  }
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 vv = load_ph(v + i);
+      for (int64_t g = 0; g < G; g++) {
+        float *o = out + g * D + i;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * L + p - start]), vv, _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+/* attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, scale):
+ * one query per sequence (at position ctx - 1) over its cached keys (the last `window` with window > 0);
+ * q rows of q_row floats (the heads first), out [B, H * D]; the fp16 cache [blocks, block_size, Hkv, D]. */
+static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[14];
+  if (nargs != 15 || parse_ints(args, 14, 14, a, "attend_decode")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend_decode takes 15 arguments");
+    return NULL;
+  }
+  double scale = PyFloat_AsDouble(args[14]);
+  if (scale == -1.0 && PyErr_Occurred()) return NULL;
+  int64_t B = a[6], H = a[7], Hkv = a[8], D = a[9], bs = a[10], width = a[11], q_row = a[12], window = a[13];
+  if (D % 8 || H % Hkv || bs < 1) {
+    PyErr_SetString(PyExc_ValueError, "attend_decode: head_dim a multiple of 8 and heads a multiple of KV heads");
+    return NULL;
+  }
+  const int32_t *tables = (const int32_t *)a[4], *ctx_lens = (const int32_t *)a[5];
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
+  float *scores = PyMem_RawMalloc(sizeof(float) * (H / Hkv) * longest);
+  if (scores == NULL) return PyErr_NoMemory();
+  for (int64_t b = 0; b < B; b++) {
+    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
+    for (int64_t hk = 0; hk < Hkv; hk++) {
+      int64_t G = H / Hkv;
+      attend_one((float *)a[0] + b * H * D + hk * G * D, (const float *)a[1] + b * q_row + hk * G * D,
+                 (const uint16_t *)a[2], (const uint16_t *)a[3], tables + b * width, start, ctx, hk, G, Hkv, D, bs,
+                 (float)scale, scores);
+    }
+  }
+  PyMem_RawFree(scores);
+  Py_RETURN_NONE;
+}
+
+static PyObject *available(PyObject *self, PyObject *unused) {
+  __builtin_cpu_init();
+  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c"));
+}
+
+static PyMethodDef methods[] = {
+    {"q4_matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
+     "q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q4_1 groups"},
+    {"q8_matmul", (PyCFunction)(void (*)(void))q8_matmul, METH_FASTCALL,
+     "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q8_0 groups"},
+    {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
+     "q4_dequant(out, codes, d, m, N, K): the Q4_1 weight as fp32 [N, K]"},
+    {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
+     "rms_norm(out, x, w, T, N, eps): out = w * (x / sqrt(mean(x^2) + eps)) per row"},
+    {"rope_write_kv", (PyCFunction)(void (*)(void))rope_write_kv, METH_FASTCALL,
+     "rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, T, H, Hkv, D, row): RoPE in place, K/V to the cache"},
+    {"attend_decode", (PyCFunction)(void (*)(void))attend_decode, METH_FASTCALL,
+     "attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, "
+     "scale)"},
+    {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_quant", "Quantized-weight CPU matmuls.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__cpu_quant(void) { return PyModule_Create(&module); }

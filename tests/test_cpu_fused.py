@@ -1,0 +1,87 @@
+"""The fused small ops of the CPU serving form (``kernels.cpu_fused``) against the torch forms they replace, and
+the packed model with them on against it with them off."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_engine.kernels import cpu_fused
+from gpu_engine.kernels.cpu_attention import paged_attention_ref
+from gpu_engine.kernels.cpu_linear import quant_kernels_available
+from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.attention import build_metadata, write_kv
+from gpu_engine.models.cpu_pack import fuse_small_ops, pack_for_cpu
+from gpu_engine.models.layers import RMSNorm
+from gpu_engine.models.loader import load_model
+from gpu_engine.models.reference import greedy_generate
+from gpu_engine.models.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no AVX2/FMA, or _cpu_quant not built")
+
+
+def test_rms_norm_is_the_module_s_arithmetic() -> None:
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.rand(96) + 0.5
+    x = torch.randn(7, 96) * 3
+    want = norm(x)
+    norm.fused = True
+    torch.testing.assert_close(norm(x), want, rtol=2e-7, atol=1e-6)
+
+
+def test_rope_and_cache_write_match_the_torch_forms() -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, heads, kv_heads, dim, bs = 5, 6, 2, 32, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(t, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    slots = torch.tensor([3, 9, 0, 17, 30])
+    k_want, v_want = torch.zeros(8, bs, kv_heads, dim, dtype=torch.float16), torch.zeros(8, bs, kv_heads, dim,
+                                                                                         dtype=torch.float16)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].reshape(t, -1, dim), cos, sin)
+    write_kv(k_want, v_want, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].reshape(t, kv_heads, dim), slots)
+    k_got, v_got = torch.zeros_like(k_want), torch.zeros_like(v_want)
+    got = qkv.clone()
+    cpu_fused.rope_write_kv(got, cos, sin, k_got, v_got, slots, heads, kv_heads)
+    torch.testing.assert_close(got[:, : (heads + kv_heads) * dim], qk.reshape(t, -1), rtol=0, atol=0)
+    torch.testing.assert_close(k_got, k_want, rtol=0, atol=0)
+    torch.testing.assert_close(v_got, v_want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fp16 cache"):
+        cpu_fused.rope_write_kv(got, cos, sin, k_got.float(), v_got.float(), slots, heads, kv_heads)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_the_per_sequence_loop(window: int | None) -> None:
+    gen = torch.Generator().manual_seed(3)
+    bs, heads, kv_heads, dim = 4, 6, 2, 16
+    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).half()
+    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).half()
+    meta = build_metadata([(13, 1, [7, 3, 9, 30]), (2, 1, [20]), (0, 1, [5])], bs)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, : heads * dim].reshape(3, heads, dim)
+    want = paged_attention_ref(q, k_cache, v_cache, meta.positions, meta.cu_seqlens_q, meta.context_lens,
+                               meta.block_tables, dim**-0.5, window)
+    got = cpu_fused.attend_decode(qkv, k_cache, v_cache, meta.block_tables, meta.context_lens, heads, dim**-0.5,
+                                  window)
+    torch.testing.assert_close(got, want.reshape(3, -1), rtol=2e-5, atol=2e-5)
+
+
+def test_packed_tiny_model_fused_equals_unfused(tmp_path: Path) -> None:
+    tiny = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+            "tie_word_embeddings": True, "eos_token_id": [2], "bos_token_id": 1}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    model, cfg = load_model(tmp_path, random_weights=True, seed=5)
+    fused = pack_for_cpu(model)
+    assert fused.layers[0].attn.fused and fused.layers[0].residual_in_place and fused.norm.fused
+    plain = copy.deepcopy(fused)
+    fuse_small_ops(plain, on=False)
+    prompts = [[1, 5, 9, 200, 33], [1, 77], [1]]
+    want = greedy_generate(plain, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 6)
+    got = greedy_generate(fused, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 6)
+    assert float((got.logits - want.logits).abs().max()) < 1e-4 * float(want.logits.abs().max())
