@@ -55,8 +55,12 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rope = RotaryEmbedding(config)
+        # given a weight, nn.Embedding skips its initialiser, whose first call imports torch._dynamo (seconds of
+        # every engine start); build_empty makes this a meta tensor and the loader fills it
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size,
+                                  _weight=torch.empty(config.vocab_size, config.hidden_size))
+        with torch.device("cpu"):  # real tables even under build_empty's meta device: ops on meta tensors run
+            self.rope = RotaryEmbedding(config)  # torch's Python reference kernels, which import torch._dynamo
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
