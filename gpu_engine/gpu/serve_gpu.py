@@ -101,8 +101,10 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
-    # (persistent: a masked path in every graph, a row without processors costs one load)
-    tables = DeviceTables(g.num_slots, max_context) if cfg.backend == "persistent" else None
+    # (persistent: a masked path in every graph, a row without processors costs one load). The device path is
+    # built and checked on the CPU but has not run on a GPU yet: it stays off unless BLINK_DEVICE_PROCESSORS=1.
+    device_procs = cfg.backend == "persistent" and env.env().device_processors
+    tables = DeviceTables(g.num_slots, max_context) if device_procs else None
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
@@ -156,7 +158,8 @@ class PersistentEngine:
                                     token_budget=p.token_budget, step_timeout_s=self.step_timeout_s,
                                     fault=self.fault)
         ring.header_store64("heartbeat_ns", time.time_ns())
-        ring.header_store32("sampling_features", int(PERSISTENT_FEATURES))
+        if p.limits.device_tables is not None:  # else the gateway refuses those fields with a 400
+            ring.header_store32("sampling_features", int(PERSISTENT_FEATURES))
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()

@@ -21,6 +21,14 @@ from persistent.test_persistent import CHUNK_ARGS, OUT, VOCAB, settled_header, t
 from shared import ring_layout as L
 from shared.messages import Sampling
 
+
+@pytest.fixture(autouse=True)
+def device_processors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The persistent scheduler's device processors are off by default until this file has passed on a GPU;
+    the engines these tests start inherit the switch."""
+    monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
+
+
 pytestmark = pytest.mark.gpu
 F = L.FinishReason
 EOS = 2  # the tiny model's
