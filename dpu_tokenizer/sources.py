@@ -53,24 +53,21 @@ def read_gguf_vocab(path: str) -> GgufVocab:
     except (OSError, ValueError) as exc:
         raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
 
-    def _field(key: str, default: Any = None) -> Any:
-        return fields.get(key, default)
-
-    model = _field("tokenizer.ggml.model")
+    model = fields.get("tokenizer.ggml.model")
     if model is None:
         raise TokenizerError(f"GGUF file {path} embeds no tokenizer")
-    eos = [_field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return GgufVocab(
         model=str(model),
-        pre=str(_field("tokenizer.ggml.pre", "default")),
-        tokens=list(_field("tokenizer.ggml.tokens", [])),
-        token_types=[int(t) for t in _field("tokenizer.ggml.token_type", [])],
-        merges=list(_field("tokenizer.ggml.merges", [])),
-        bos_token_id=_field("tokenizer.ggml.bos_token_id"),
+        pre=str(fields.get("tokenizer.ggml.pre", "default")),
+        tokens=list(fields.get("tokenizer.ggml.tokens", [])),
+        token_types=[int(t) for t in fields.get("tokenizer.ggml.token_type", [])],
+        merges=list(fields.get("tokenizer.ggml.merges", [])),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos if e is not None),
-        add_bos=bool(_field("tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(_field("tokenizer.ggml.add_eos_token", False)),
-        chat_template=_field("tokenizer.chat_template"),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=fields.get("tokenizer.chat_template"),
     )
 
 

@@ -118,12 +118,15 @@ class Attention(nn.Module):
                 kv_cache: KVCache, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output of x [T, hidden]; with ``residual`` (the CPU serving form's linears only)
         ``residual += output`` in place, returned."""
-        k_cache = kv_cache.k[self.layer_idx]
+        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         if self.fused and k_cache.dtype == torch.float16:
-            out = self._fused(x, cos, sin, meta, kv_cache)
+            out = self._fused(x, cos, sin, meta, k_cache, v_cache)
             return self.o(out) if residual is None else self.o(out, out=residual)
-        if residual is not None:
-            return residual.add_(self.forward(x, cos, sin, meta, kv_cache))
+        y = self._attend(x, cos, sin, meta, k_cache, v_cache)
+        return y if residual is None else residual.add_(y)
+
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x)
@@ -135,15 +138,13 @@ class Attention(nn.Module):
         else:  # one rotation for the query and key heads together
             qk = apply_rotary(qkv[:, : q_size + kv_size].reshape(t, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5, self.window)
         return self.o(out.reshape(t, q_size))
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-               kv_cache: KVCache) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        k_cache, v_cache = kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx]
         qkv = self.qkv(x)
         cpu_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, self.num_kv_heads)
         if t == meta.context_lens.numel():  # one new token per sequence: a decode step
