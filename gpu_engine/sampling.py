@@ -119,7 +119,7 @@ class SamplingSpec:
 @dataclass(frozen=True, slots=True)
 class SampleResult:
     tokens: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32, log-softmax of the raw logits at the chosen token
+    logprobs: torch.Tensor  # [B] float32, log-softmax of the raw logits at the chosen token (0 where no row asked)
     top_ids: torch.Tensor  # [B, K] int64, K = max num_top_logprobs in the batch
     top_logprobs: torch.Tensor  # [B, K] float32
 
@@ -245,7 +245,11 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
         )
         u = uniform_noise(seeds.to(dev)[rows], steps.to(dev)[rows], logits.shape[-1])
         tokens[rows] = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1)
-    return _with_logprobs(raw, tokens, max((s.num_top_logprobs for s in specs), default=0))
+    k = max((s.num_top_logprobs for s in specs), default=0)
+    if k == 0 and not any(s.want_logprobs for s in specs):  # no row asked: the log-softmax is skipped, zeros
+        empty = torch.zeros(len(specs), 0)
+        return SampleResult(tokens, torch.zeros(len(specs)), empty.long(), empty)
+    return _with_logprobs(raw, tokens, k)
 
 
 def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleResult:

@@ -4,6 +4,7 @@ the packed model with them on against it with them off."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from gpu_engine.models.layers import RMSNorm
 from gpu_engine.models.loader import load_model
 from gpu_engine.models.reference import greedy_generate
 from gpu_engine.models.rope import apply_rotary
+from tests.helpers.q4 import q4_1_weight
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no AVX2/FMA, or _cpu_quant not built")
 
@@ -70,12 +72,14 @@ def test_decode_attention_matches_the_per_sequence_loop(window: int | None) -> N
     torch.testing.assert_close(got, want.reshape(3, -1), rtol=2e-5, atol=2e-5)
 
 
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "eos_token_id": [2], "bos_token_id": 1}
+
+
 def test_packed_tiny_model_fused_equals_unfused(tmp_path: Path) -> None:
-    tiny = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
-            "tie_word_embeddings": True, "eos_token_id": [2], "bos_token_id": 1}
-    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
     model, cfg = load_model(tmp_path, random_weights=True, seed=5)
     fused = pack_for_cpu(model)
     assert fused.layers[0].attn.fused and fused.layers[0].residual_in_place and fused.norm.fused
@@ -85,3 +89,41 @@ def test_packed_tiny_model_fused_equals_unfused(tmp_path: Path) -> None:
     want = greedy_generate(plain, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 6)
     got = greedy_generate(fused, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 6)
     assert float((got.logits - want.logits).abs().max()) < 1e-4 * float(want.logits.abs().max())
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_decode_stack_equals_the_layers_fused_forms(tmp_path: Path, int8_activations: bool) -> None:
+    """With every linear a Q4_1 tensor, a decode step runs as one C call over all layers: its logits are the
+    layer-by-layer fused forms' (the same ops; SiLU's exp may differ by an ulp, which with int8 activations can
+    move an input across a rounding boundary of its int8 code: a looser bound there), and the same tokens."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    model, cfg = load_model(tmp_path, random_weights=True, seed=6)
+    for i, (name, mod) in enumerate(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+            mod.weight.data = q4_1_weight(mod.out_features, mod.in_features, 100 + i)
+    stacked = pack_for_cpu(model, int8_activations=int8_activations)
+    assert stacked.decode_stack is not None
+    layered = copy.deepcopy(stacked)
+    layered.decode_stack = None
+    prompts = [[1, 5, 9, 200, 33], [1, 77], [1, 250, 3]]
+    want = greedy_generate(layered, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 8)
+    got = greedy_generate(stacked, KVCache(cfg, 16, 4, dtype=torch.float16), prompts, 8)
+    assert got.tokens == want.tokens
+    bound = 5e-3 if int8_activations else 1e-5
+    assert float((got.logits - want.logits).abs().max()) < bound * float(want.logits.abs().max())
+    fuse_small_ops(stacked, on=False)
+    assert stacked.decode_stack is None
+
+
+def test_decode_stack_refuses_bad_input() -> None:
+    shape = cpu_fused.StackShape(64, 96, 4, 2, 16, 4, 0, 1e-6)
+    plan = torch.zeros(2, 8, dtype=torch.int64)
+    cos = sin = torch.zeros(1, 16)
+    args = (cos, sin, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1, False)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_fused.decode_stack(torch.zeros(1, 32), plan, shape, *args)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_fused.decode_stack(torch.zeros(1, 64), plan[:, :7].contiguous(), shape, *args)
+    with pytest.raises(ValueError, match="bad shape"):
+        cpu_fused.decode_stack(torch.zeros(1, 64), plan, dataclasses.replace(shape, head_dim=8), *args)

@@ -19,18 +19,9 @@ from gpu_engine.kernels.cpu_linear import (
 from gpu_engine.models.cpu_pack import pack_for_cpu
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.loader import default_model_path, load_model
+from tests.helpers.q4 import q4_1_weight
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no AVX2/FMA, or _cpu_quant not built")
-
-
-def q4_1_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Values as GGUF's Q4_1 dequantizer gives them: fl(d * q + m), fp16 d and m, each group using 0 and 15."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (rows, cols // 32, 32), generator=gen).float()
-    codes[..., 3], codes[..., 17] = 0, 15
-    d = (torch.rand(rows, cols // 32, 1, generator=gen) * 0.02).half().float()
-    m = (-torch.rand(rows, cols // 32, 1, generator=gen) * 0.15).half().float()
-    return (d * codes + m).reshape(rows, cols)
 
 
 def test_q4_1_codes_are_recovered_exactly_or_refused() -> None:

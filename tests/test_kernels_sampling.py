@@ -104,8 +104,8 @@ def test_logprobs_only_where_asked_and_tokens_unchanged():
     torch.testing.assert_close(some[1], lp, rtol=1e-5, atol=1e-5)
     assert torch.equal(some[2], ids)
     torch.testing.assert_close(some[3], tlp, rtol=1e-5, atol=1e-5)
-    full = ref.sample(logits, [ref.SamplingSpec(s.temperature, s.top_p, s.top_k, s.min_p, int(seeds[i]))
-                               for i, s in enumerate(SPECS)], steps, seeds)
+    full = ref.sample(logits, [ref.SamplingSpec(s.temperature, s.top_p, s.top_k, s.min_p, int(seeds[i]),
+                                                want_logprobs=True) for i, s in enumerate(SPECS)], steps, seeds)
     torch.testing.assert_close(every[1], full.logprobs, rtol=1e-5, atol=1e-5)
     assert bool((none[1] == 0).all() and (none[2] == 0).all())
 

@@ -219,3 +219,16 @@ def test_prefill_never_holds_more_than_a_captured_graph() -> None:
         for w in plan.work:
             policy.running.append(w.req)
     assert sizes == [4, 4, 2]
+
+
+def test_no_log_softmax_where_no_row_asks() -> None:
+    """A batch where no request wants logprobs skips the log-softmax (a CPU decode step's cost): the tokens are
+    those of the full path, the logprobs zero, and no top entries."""
+    logits = _logits(3, seed=4)
+    specs = [SamplingSpec(), SamplingSpec(temperature=0.7, seed=3), SamplingSpec(temperature=1.5, top_p=0.5, seed=9)]
+    steps, seeds = torch.zeros(3, dtype=torch.int64), torch.tensor([0, 3, 9])
+    quick = sample(logits, specs, steps, seeds)
+    full = sample(logits, [dataclasses.replace(s, want_logprobs=True) for s in specs], steps, seeds)
+    assert torch.equal(quick.tokens, full.tokens)
+    assert torch.equal(quick.logprobs, torch.zeros(3)) and quick.top_ids.shape == (3, 0)
+    assert bool((full.logprobs < 0).all())

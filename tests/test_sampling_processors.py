@@ -37,7 +37,7 @@ def test_process_row_by_hand() -> None:
 
 def test_rows_without_processors_are_untouched_and_logprobs_stay_raw() -> None:
     logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(0))
-    specs = [SamplingSpec(), SamplingSpec(logit_bias=((5, 100.0),))]
+    specs = [SamplingSpec(), SamplingSpec(logit_bias=((5, 100.0),), want_logprobs=True)]
     res = sample(logits, specs, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                  [([1], []), ([1], [])])
     assert res.tokens.tolist() == [int(logits[0].argmax()), 5]

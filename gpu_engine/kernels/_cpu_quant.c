@@ -2,13 +2,14 @@
  *
  * Weights stay in their GGUF form; every weight the kernel multiplies is exactly the fp32 value the
  * GGUF dequantizer gives, so only the order of the fp32 sums differs from a dense fp32 matmul:
- *   q4 (Q4_1): per row, groups of 32 along K, each 16 bytes of 4-bit codes (byte j: element j in the
- *              low nibble, element j + 16 in the high one, as GGUF stores them) with an fp32 scale d
- *              and minimum m: w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
+ *   q4 (Q4_1): per row, groups of 32 along K, each a 20-byte block as GGUF stores it: the fp16 scale d,
+ *              the fp16 minimum m, then 16 bytes of 4-bit codes (byte j: element j in the low nibble,
+ *              element j + 16 in the high one): w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
  *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
  * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
  * x (up to 8) share each decoded group of weights, and several weight rows are in flight at once so
- * that the FMA chains overlap. `threads` > 1 splits the weight rows over a small pool of workers (the
+ * that the FMA chains overlap; the codes a few tiles ahead are prefetched (the weights stream from memory
+ * once per step: the hardware prefetcher alone left half the bandwidth unused). `threads` > 1 splits the weight rows over a small pool of workers (the
  * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
  * then sleep on a futex.
  *
@@ -33,13 +34,16 @@
 #define GROUP 32
 #define MAX_THREADS 8
 #define MR_MAX 8
+#define Q4_BLOCK 20      /* bytes of a Q4_1 block: fp16 d, fp16 m, 16 bytes of codes */
+#define MAX_K 65536      /* the q4 tile keeps a row tile's minima on its stack: 4 * K / 32 floats at most */
+#define PREFETCH_TILES 8 /* how far ahead of a tile its weight rows are prefetched, in tiles */
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
 typedef struct {
   float *y;
   const float *x;
-  const uint8_t *codes;
-  const float *d, *m;
+  const uint8_t *codes; /* q4: the blocks [N, K / 32] (20 bytes each); q8: the codes [N, K] */
+  const float *d;       /* q8: the scales [N, K / 32] */
   const float *xsum; /* [M, G] sums of x per group (q4 only) */
   int64_t M, N, K;
   int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations */
@@ -66,6 +70,12 @@ TARGET static inline void decode_q4(const uint8_t *p, __m256 q[4]) {
   q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
+TARGET static inline float half_at(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
 TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
   for (int i = 0; i < 4; i++)
     q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
@@ -76,9 +86,10 @@ TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
 TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t n0, const int KIND,
                                                               const int MR, const int NR) {
   const int64_t K = j->K, G = K / GROUP;
-  const int gbytes = KIND == 4 ? 16 : 32;
+  const int gbytes = KIND == 4 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
-  const float *x = j->x + m0 * K, *d = j->d + n0 * G, *m = KIND == 4 ? j->m + n0 * G : NULL;
+  const float *x = j->x + m0 * K, *d = KIND == 4 ? NULL : j->d + n0 * G;
+  float m[KIND == 4 ? NR * G : 1]; /* q4: the rows' minima as fp32, for the sum(x) term after the groups */
   __m256 acc[NR][MR];
   for (int r = 0; r < NR; r++)
     for (int i = 0; i < MR; i++) acc[r][i] = _mm256_setzero_ps();
@@ -87,8 +98,17 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     for (int r = 0; r < NR; r++) {
       __m256 q[4];
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      if (KIND == 4) decode_q4(p, q); else decode_q8(p, q);
-      const __m256 dg = _mm256_broadcast_ss(d + r * G + g);
+      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      __m256 dg;
+      if (KIND == 4) {
+        decode_q4(p + 4, q);
+        dg = _mm256_set1_ps(half_at(p));
+        m[r * G + g] = half_at(p + 2);
+      } else {
+        decode_q8(p, q);
+        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        dg = _mm256_broadcast_ss(d + r * G + g);
+      }
       for (int i = 0; i < MR; i++) { /* x from L1: the registers hold the accumulators and the codes */
         const float *xi = xg + i * K;
         __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xi));
@@ -131,10 +151,11 @@ TARGET static inline __m256i codes_u8_q4(const uint8_t *p) {
 TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, int64_t m0, int64_t n0, const int KIND,
                                                                  const int MR, const int NR) {
   const int64_t K = j->K, G = K / GROUP;
-  const int gbytes = KIND == 5 ? 16 : 32;
+  const int gbytes = KIND == 5 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
   const int8_t *x = j->xq + m0 * K;
-  const float *d = j->d + n0 * G, *xd = j->xd + m0 * G;
+  const float *d = KIND == 5 ? NULL : j->d + n0 * G, *xd = j->xd + m0 * G;
+  float m[KIND == 5 ? NR * G : 1];
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NR][MR];
   for (int r = 0; r < NR; r++)
@@ -142,9 +163,17 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
   for (int64_t g = 0; g < G; g++) {
     for (int r = 0; r < NR; r++) {
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      __m256i w = KIND == 5 ? codes_u8_q4(p) : _mm256_loadu_si256((const __m256i *)p);
+      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      __m256i w = KIND == 5 ? codes_u8_q4(p + 4) : _mm256_loadu_si256((const __m256i *)p);
       __m256i wa = KIND == 5 ? w : _mm256_sign_epi8(w, w);
-      const float dg = d[r * G + g];
+      float dg;
+      if (KIND == 5) {
+        dg = half_at(p);
+        m[r * G + g] = half_at(p + 2);
+      } else {
+        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        dg = d[r * G + g];
+      }
       for (int i = 0; i < MR; i++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * K + g * GROUP));
         if (KIND == 9) xv = _mm256_sign_epi8(xv, w);
@@ -153,7 +182,6 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
       }
     }
   }
-  const float *m = KIND == 5 ? j->m + n0 * G : NULL;
   float *y = j->y + m0 * j->N + n0;
   for (int r = 0; r < NR; r++)
     for (int i = 0; i < MR; i++) {
@@ -331,8 +359,9 @@ static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, 
 }
 
 static int check_shape(int64_t M, int64_t N, int64_t K, int64_t threads) {
-  if (M < 1 || N < 1 || K < GROUP || K % GROUP || threads < 1 || threads > MAX_THREADS) {
-    PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld (K a multiple of 32) or threads=%lld (1..8)",
+  if (M < 1 || N < 1 || K < GROUP || K > MAX_K || K % GROUP || threads < 1 || threads > MAX_THREADS) {
+    PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld (K a multiple of 32, at most 65536) or "
+                 "threads=%lld (1..8)",
                  (long long)M, (long long)N, (long long)K, (long long)threads);
     return -1;
   }
@@ -377,28 +406,32 @@ static int quantize_x(Job *j, int8_t **xq, float **xd) {
 
 #define STACK_SUMS 4096
 
-/* q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): pointers as ints (tensor.data_ptr());
+/* q4_matmul(y, x, blocks, M, N, K, accumulate, threads, int8_x): pointers as ints (tensor.data_ptr());
  * int8_x: x quantized to int8 per group of 32 first (llama.cpp's arithmetic for Q4_1 weights, not exact). */
-static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  int64_t a[11];
-  if (parse_ints(args, nargs, 11, a, "q4_matmul") || check_shape(a[5], a[6], a[7], a[9])) return NULL;
-  int64_t M = a[5], K = a[7];
+/* y (+)= x @ W.T over Q4_1 blocks (shapes checked by the caller): 0, or -1 when out of memory. */
+static int q4_product(float *y, const float *x, const uint8_t *blocks, int64_t M, int64_t N, int64_t K,
+                      int accumulate, int threads, int int8_x) {
   float stack_sums[STACK_SUMS];
   float *xsum = M * (K / GROUP) <= STACK_SUMS ? stack_sums : PyMem_RawMalloc(sizeof(float) * M * (K / GROUP));
-  if (xsum == NULL) return PyErr_NoMemory();
+  if (xsum == NULL) return -1;
   int8_t *xq = NULL;
   float *xd = NULL;
-  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], (const float *)a[4],
-           xsum, M, a[6], K, (int)a[8], a[10] ? 5 : 4, NULL, NULL};
-  group_sums(j.x, M, K, xsum);
-  if (a[10] && quantize_x(&j, &xq, &xd) != 0) {
-    if (xsum != stack_sums) PyMem_RawFree(xsum);
-    return PyErr_NoMemory();
-  }
-  run_job(&j, (int)a[9]); /* the GIL stays held: one caller at a time owns the pool */
+  Job j = {y, x, blocks, NULL, xsum, M, N, K, accumulate, int8_x ? 5 : 4, NULL, NULL};
+  group_sums(x, M, K, xsum);
+  int rc = int8_x ? quantize_x(&j, &xq, &xd) : 0;
+  if (rc == 0) run_job(&j, threads); /* the GIL stays held: one caller at a time owns the pool */
   if (xsum != stack_sums) PyMem_RawFree(xsum);
   PyMem_RawFree(xq);
   PyMem_RawFree(xd);
+  return rc;
+}
+
+static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[9];
+  if (parse_ints(args, nargs, 9, a, "q4_matmul") || check_shape(a[3], a[4], a[5], a[7])) return NULL;
+  if (q4_product((float *)a[0], (const float *)a[1], (const uint8_t *)a[2], a[3], a[4], a[5], (int)a[6], (int)a[7],
+                 (int)a[8]) != 0)
+    return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -408,7 +441,7 @@ static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
   if (parse_ints(args, nargs, 10, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
   int8_t *xq = NULL;
   float *xd = NULL;
-  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL, NULL,
+  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL,
            a[4], a[5], a[6], (int)a[7], a[9] ? 9 : 8, NULL, NULL};
   if (a[9] && quantize_x(&j, &xq, &xd) != 0) return PyErr_NoMemory();
   run_job(&j, (int)a[8]);
@@ -417,24 +450,24 @@ static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
   Py_RETURN_NONE;
 }
 
-TARGET static void dequant_rows(float *out, const uint8_t *codes, const float *d, const float *m, int64_t N,
-                                int64_t K) {
+TARGET static void dequant_rows(float *out, const uint8_t *blocks, int64_t N, int64_t K) {
   int64_t G = K / GROUP;
   for (int64_t n = 0; n < N; n++)
     for (int64_t g = 0; g < G; g++) {
       __m256 q[4];
-      decode_q4(codes + (n * G + g) * 16, q);
-      __m256 dg = _mm256_set1_ps(d[n * G + g]), mg = _mm256_set1_ps(m[n * G + g]);
+      const uint8_t *p = blocks + (n * G + g) * Q4_BLOCK;
+      decode_q4(p + 4, q);
+      __m256 dg = _mm256_set1_ps(half_at(p)), mg = _mm256_set1_ps(half_at(p + 2));
       for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + n * K + g * GROUP + 8 * c, _mm256_fmadd_ps(q[c], dg, mg));
     }
 }
 
-/* q4_dequant(out, codes, d, m, N, K): the weight as fp32 [N, K], each value fl(d * q + m) as GGUF's. */
+/* q4_dequant(out, blocks, N, K): the weight as fp32 [N, K], each value fl(d * q + m) as GGUF's. */
 static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  int64_t a[6];
-  if (parse_ints(args, nargs, 6, a, "q4_dequant") || check_shape(1, a[4], a[5], 1)) return NULL;
+  int64_t a[4];
+  if (parse_ints(args, nargs, 4, a, "q4_dequant") || check_shape(1, a[2], a[3], 1)) return NULL;
   Py_BEGIN_ALLOW_THREADS
-  dequant_rows((float *)a[0], (const uint8_t *)a[1], (const float *)a[2], (const float *)a[3], a[4], a[5]);
+  dequant_rows((float *)a[0], (const uint8_t *)a[1], a[2], a[3]);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -442,6 +475,17 @@ static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t na
 /* ------------------------------------------------------------------ the small ops of a layer, fused */
 
 /* rms_norm(out, x, w, T, N, eps): out = w * (x * (1 / sqrt(mean(x^2) + eps))) per row, fp32. */
+static void rms_rows(float *out, const float *x, const float *w, int64_t T, int64_t N, float eps) {
+  for (int64_t t = 0; t < T; t++) {
+    const float *xr = x + t * N;
+    float *o = out + t * N;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
+    float r = 1.0f / sqrtf(ss / (float)N + eps);
+    for (int64_t i = 0; i < N; i++) o[i] = w[i] * (xr[i] * r);
+  }
+}
+
 static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   int64_t a[5];
   if (nargs != 6 || parse_ints(args, 5, 5, a, "rms_norm")) {
@@ -450,17 +494,7 @@ static PyObject *rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t narg
   }
   double eps = PyFloat_AsDouble(args[5]);
   if (eps == -1.0 && PyErr_Occurred()) return NULL;
-  float *out = (float *)a[0];
-  const float *x = (const float *)a[1], *w = (const float *)a[2];
-  int64_t T = a[3], N = a[4];
-  for (int64_t t = 0; t < T; t++) {
-    const float *xr = x + t * N;
-    float *o = out + t * N;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
-    float r = 1.0f / sqrtf(ss / (float)N + (float)eps);
-    for (int64_t i = 0; i < N; i++) o[i] = w[i] * (xr[i] * r);
-  }
+  rms_rows((float *)a[0], (const float *)a[1], (const float *)a[2], a[3], a[4], (float)eps);
   Py_RETURN_NONE;
 }
 
@@ -545,6 +579,24 @@ TARGET static void attend_one(float *out, const float *q, const uint16_t *kc, co
   }
 }
 
+/* Every sequence's decode attention (see attend_decode): 0, or -1 when out of memory. */
+static int attend_rows(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
+                       const int32_t *ctx_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                       int64_t width, int64_t q_row, int64_t window, float scale) {
+  int64_t longest = 1, G = H / Hkv;
+  for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
+  float *scores = PyMem_RawMalloc(sizeof(float) * G * longest);
+  if (scores == NULL) return -1;
+  for (int64_t b = 0; b < B; b++) {
+    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
+    for (int64_t hk = 0; hk < Hkv; hk++)
+      attend_one(out + b * H * D + hk * G * D, q + b * q_row + hk * G * D, kc, vc, tables + b * width, start, ctx,
+                 hk, G, Hkv, D, bs, scale, scores);
+  }
+  PyMem_RawFree(scores);
+  return 0;
+}
+
 /* attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, scale):
  * one query per sequence (at position ctx - 1) over its cached keys (the last `window` with window > 0);
  * q rows of q_row floats (the heads first), out [B, H * D]; the fp16 cache [blocks, block_size, Hkv, D]. */
@@ -556,26 +608,88 @@ static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t
   }
   double scale = PyFloat_AsDouble(args[14]);
   if (scale == -1.0 && PyErr_Occurred()) return NULL;
-  int64_t B = a[6], H = a[7], Hkv = a[8], D = a[9], bs = a[10], width = a[11], q_row = a[12], window = a[13];
+  int64_t H = a[7], Hkv = a[8], D = a[9], bs = a[10];
   if (D % 8 || H % Hkv || bs < 1) {
     PyErr_SetString(PyExc_ValueError, "attend_decode: head_dim a multiple of 8 and heads a multiple of KV heads");
     return NULL;
   }
-  const int32_t *tables = (const int32_t *)a[4], *ctx_lens = (const int32_t *)a[5];
-  int64_t longest = 1;
-  for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
-  float *scores = PyMem_RawMalloc(sizeof(float) * (H / Hkv) * longest);
-  if (scores == NULL) return PyErr_NoMemory();
-  for (int64_t b = 0; b < B; b++) {
-    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
-    for (int64_t hk = 0; hk < Hkv; hk++) {
-      int64_t G = H / Hkv;
-      attend_one((float *)a[0] + b * H * D + hk * G * D, (const float *)a[1] + b * q_row + hk * G * D,
-                 (const uint16_t *)a[2], (const uint16_t *)a[3], tables + b * width, start, ctx, hk, G, Hkv, D, bs,
-                 (float)scale, scores);
+  if (attend_rows((float *)a[0], (const float *)a[1], (const uint16_t *)a[2], (const uint16_t *)a[3],
+                  (const int32_t *)a[4], (const int32_t *)a[5], a[6], H, Hkv, D, bs, a[11], a[12], a[13],
+                  (float)scale) != 0)
+    return PyErr_NoMemory();
+  Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ a decode step's whole layer stack */
+
+/* silu(gate) * up per row of gu [B, 2I] ([gate | up]) into out [B, I]: silu(g) = g / (1 + exp(-g)) rounded to
+ * fp32, then the product, as torch's silu and mul compute them (exp within an ulp of torch's). */
+static void silu_mul_rows(float *out, const float *gu, int64_t B, int64_t I) {
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t i = 0; i < I; i++) {
+      float g = gu[b * 2 * I + i], act = g / (1.0f + expf(-g));
+      out[b * I + i] = act * gu[b * 2 * I + I + i];
     }
+}
+
+enum { P_ATTN_NORM, P_QKV, P_O, P_MLP_NORM, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_FIELDS };
+
+typedef struct {
+  int64_t L, B, H, I, heads, kv_heads, D, width, block_size, window, threads, int8_x;
+  float eps, scale;
+} StackShape;
+
+/* The layers of a decode step, each: x += o(attend(rope(qkv(norm(x))))), x += down(silu_mul(gate_up(norm(x)))),
+ * over the plan's pointers (a layer's row of P_FIELDS). 0, or -1 when out of memory. */
+static int run_stack(float *x, const int64_t *plan, const StackShape *s, const float *cos, const float *sin,
+                     const int64_t *slots, const int32_t *tables, const int32_t *ctx_lens) {
+  const int64_t B = s->B, H = s->H, I = s->I, D = s->D, row = (s->heads + 2 * s->kv_heads) * D;
+  float *h = PyMem_RawMalloc(sizeof(float) * B * (H + row + s->heads * D + 3 * I));
+  if (h == NULL) return -1;
+  float *qkv = h + B * H, *att = qkv + B * row, *gu = att + B * s->heads * D, *act = gu + B * 2 * I;
+  int rc = 0;
+  for (int64_t l = 0; l < s->L && rc == 0; l++) {
+    const int64_t *p = plan + l * P_FIELDS;
+    uint16_t *kc = (uint16_t *)p[P_K_CACHE], *vc = (uint16_t *)p[P_V_CACHE];
+    rms_rows(h, x, (const float *)p[P_ATTN_NORM], B, H, s->eps);
+    rc |= q4_product(qkv, h, (const uint8_t *)p[P_QKV], B, row, H, 0, (int)s->threads, (int)s->int8_x);
+    rope_rows(qkv, cos, sin, kc, vc, slots, B, s->heads, s->kv_heads, D, row);
+    rc |= attend_rows(att, qkv, kc, vc, tables, ctx_lens, B, s->heads, s->kv_heads, D, s->block_size, s->width, row,
+                      s->window, s->scale);
+    rc |= q4_product(x, att, (const uint8_t *)p[P_O], B, H, s->heads * D, 1, (int)s->threads, (int)s->int8_x);
+    rms_rows(h, x, (const float *)p[P_MLP_NORM], B, H, s->eps);
+    rc |= q4_product(gu, h, (const uint8_t *)p[P_GATE_UP], B, 2 * I, H, 0, (int)s->threads, (int)s->int8_x);
+    silu_mul_rows(act, gu, B, I);
+    rc |= q4_product(x, act, (const uint8_t *)p[P_DOWN], B, H, I, 1, (int)s->threads, (int)s->int8_x);
   }
-  PyMem_RawFree(scores);
+  PyMem_RawFree(h);
+  return rc;
+}
+
+/* decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size,
+ *              window, threads, int8_x, eps, scale): x [B, H] float32 (the residual stream, updated in place),
+ * plan int64 [L, 8] of pointers (attn norm, qkv, o, mlp norm, gate_up, down: Q4_1 blocks and fp32 norms; the
+ * layer's fp16 K and V caches), cos/sin [B, D], slots int64 [B], tables int32 [B, width], ctx_lens int32 [B]. */
+static PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[19];
+  if (nargs != 21 || parse_ints(args, 19, 19, a, "decode_stack")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "decode_stack takes 21 arguments");
+    return NULL;
+  }
+  double eps = PyFloat_AsDouble(args[19]), scale = PyFloat_AsDouble(args[20]);
+  if (PyErr_Occurred()) return NULL;
+  StackShape s = {a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[14], a[15], a[16], a[17], a[18], (float)eps,
+                  (float)scale};
+  int64_t row = (s.heads + 2 * s.kv_heads) * s.D;
+  if (s.L < 1 || s.D % 16 || s.D < 16 || s.kv_heads < 1 || s.heads % s.kv_heads || s.block_size < 1 ||
+      check_shape(s.B, row, s.H, s.threads) || check_shape(s.B, s.H, s.heads * s.D, s.threads) ||
+      check_shape(s.B, 2 * s.I, s.H, s.threads) || check_shape(s.B, s.H, s.I, s.threads)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "decode_stack: bad shape");
+    return NULL;
+  }
+  if (run_stack((float *)a[0], (const int64_t *)a[1], &s, (const float *)a[9], (const float *)a[10],
+                (const int64_t *)a[11], (const int32_t *)a[12], (const int32_t *)a[13]) != 0)
+    return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -587,11 +701,11 @@ static PyObject *available(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"q4_matmul", (PyCFunction)(void (*)(void))q4_matmul, METH_FASTCALL,
-     "q4_matmul(y, x, codes, d, m, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q4_1 groups"},
+     "q4_matmul(y, x, blocks, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q4_1 blocks"},
     {"q8_matmul", (PyCFunction)(void (*)(void))q8_matmul, METH_FASTCALL,
      "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q8_0 groups"},
     {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
-     "q4_dequant(out, codes, d, m, N, K): the Q4_1 weight as fp32 [N, K]"},
+     "q4_dequant(out, blocks, N, K): the Q4_1 weight as fp32 [N, K]"},
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(out, x, w, T, N, eps): out = w * (x / sqrt(mean(x^2) + eps)) per row"},
     {"rope_write_kv", (PyCFunction)(void (*)(void))rope_write_kv, METH_FASTCALL,
@@ -599,6 +713,9 @@ static PyMethodDef methods[] = {
     {"attend_decode", (PyCFunction)(void (*)(void))attend_decode, METH_FASTCALL,
      "attend_decode(out, q, k_cache, v_cache, tables, ctx_lens, B, H, Hkv, D, block_size, width, q_row, window, "
      "scale)"},
+    {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
+     "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
+     "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},
 };

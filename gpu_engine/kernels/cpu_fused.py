@@ -7,16 +7,38 @@ write, the gather, mask and SDPA of attention), which a 135M model's decode step
 - ``rope_write_kv``: half-split RoPE of the q and k heads of a fused QKV output, in place, and the rotated k
   and the v heads stored at their cache slots as fp16 (round to nearest even, as ``Tensor.to`` does);
 - ``attend_decode``: one query per sequence (a decode step) against its paged fp16 context, fp32 softmax and
-  sums, GQA, optional sliding window: ``kernels.cpu_attention`` with Q = 1, without the gather and the mask.
+  sums, GQA, optional sliding window: ``kernels.cpu_attention`` with Q = 1, without the gather and the mask;
+- ``decode_stack``: a decode step's every layer in one call (the ops above, the Q4_1 products and SiLU-mul),
+  for a stack whose linears are all ``Q4Linear`` (``models.cpu_pack.DecodeStack``): no Python between the
+  layers.
 
-Only the order of the fp32 sums differs from the torch forms (no FMA contraction where torch has none).
+Only the order of the fp32 sums differs from the torch forms (no FMA contraction where torch has none), and
+in ``decode_stack`` SiLU's exp (the C library's, within an ulp of torch's vectorised one).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gpu_engine.kernels.cpu_linear import _cpu_quant
+
+STACK_FIELDS = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down", "k_cache", "v_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackShape:
+    """The dimensions ``decode_stack`` needs beside its plan."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    window: int  # 0: none
+    eps: float
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,3 +72,19 @@ def attend_decode(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              ctx.data_ptr(), b, heads, kv_heads, dim, block_size, tables.shape[1], qkv.shape[1],
                              window or 0, scale)
     return out
+
+
+def decode_stack(x: torch.Tensor, plan: torch.Tensor, shape: StackShape, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, threads: int, int8_x: bool) -> None:
+    """A decode step's whole layer stack in one C call: x float32 [B, H] (the residual stream) updated in place.
+    ``plan`` int64 [L, 8]: per layer the pointers of the attention norm's weight, the qkv and o Q4_1 blocks, the
+    MLP norm's weight, the gate_up and down Q4_1 blocks, the fp16 K and V caches (``STACK_FIELDS``)."""
+    b = x.shape[0]
+    if not (x.is_contiguous() and x.dtype == torch.float32 and x.shape == (b, shape.hidden)):
+        raise ValueError(f"decode_stack: x must be contiguous float32 [B, {shape.hidden}]")
+    if plan.dtype != torch.int64 or plan.shape[1] != len(STACK_FIELDS) or not plan.is_contiguous():
+        raise ValueError("decode_stack: plan must be contiguous int64 [layers, 8]")
+    _cpu_quant.decode_stack(x.data_ptr(), plan.data_ptr(), plan.shape[0], b, shape.hidden, shape.intermediate,
+                            shape.heads, shape.kv_heads, shape.head_dim, cos.data_ptr(), sin.data_ptr(),
+                            slots.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], shape.block_size,
+                            shape.window, threads, int8_x, shape.eps, shape.head_dim**-0.5)

@@ -197,14 +197,27 @@ class _Scratch:
         return cls.buf[:numel]
 
 
+Q4_BLOCK = 20  # bytes of a GGUF Q4_1 block: fp16 scale, fp16 minimum, 16 bytes of 4-bit codes
+
+
+def q4_1_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``q4_1_codes``'s parts as GGUF's own Q4_1 blocks, uint8 [N, K / 32 * 20] (``d``, ``m`` hold fp16 values)."""
+    n, groups = int(d.shape[0]), int(d.shape[1])
+    scales = torch.stack([d.half(), m.half()], -1).view(torch.uint8).reshape(n, groups, 4)
+    return torch.cat([scales, codes.reshape(n, groups, 16)], -1).reshape(n, groups * Q4_BLOCK).contiguous()
+
+
 class Q4Linear(nn.Module):
-    """``y = x @ W.T`` with ``W`` [out, in] kept as its GGUF Q4_1 groups (``q4_1_codes``): 0.625 bytes per
+    """``y = x @ W.T`` with ``W`` [out, in] kept as its GGUF Q4_1 blocks (``q4_1_blocks``): 0.625 bytes per
     weight, every weight exactly its fp32 dequantized value, fp32 arithmetic. Build with ``from_weight``."""
 
-    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    def __init__(self, blocks: torch.Tensor) -> None:
         super().__init__()
-        self.out_features, self.in_features = int(codes.shape[0]), int(codes.shape[1]) * 2
-        self.codes, self.d, self.m = nn.Buffer(codes), nn.Buffer(d), nn.Buffer(m)
+        check("blocks", blocks, dtype=torch.uint8, shape=(None, None))
+        if blocks.shape[1] % Q4_BLOCK:
+            raise ValueError(f"Q4Linear: {blocks.shape[1]} bytes per row is not a whole number of Q4_1 blocks")
+        self.out_features, self.in_features = int(blocks.shape[0]), int(blocks.shape[1]) // Q4_BLOCK * Q_GROUP
+        self.blocks = nn.Buffer(blocks.contiguous())
         # x quantized to int8 per group of 32 before the product (llama.cpp's arithmetic): ~2x faster, not exact
         self.int8_activations = False
 
@@ -214,7 +227,7 @@ class Q4Linear(nn.Module):
         if not quant_kernels_available():
             return None
         found = q4_1_codes(weight.detach())
-        return None if found is None else cls(*found)
+        return None if found is None else cls(q4_1_blocks(*found))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out], contiguous) adds into it."""
@@ -224,28 +237,25 @@ class Q4Linear(nn.Module):
         rows = flat.shape[0]
         if rows > DENSE_ROWS:
             w = _Scratch.get(self.out_features * self.in_features).view(self.out_features, self.in_features)
-            _cpu_quant.q4_dequant(w.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                                  self.out_features, self.in_features)
+            _cpu_quant.q4_dequant(w.data_ptr(), self.blocks.data_ptr(), self.out_features, self.in_features)
             if out is None:
                 return (flat @ w.t()).reshape(*x.shape[:-1], self.out_features)
             return out.addmm_(flat, w.t())
         if out is not None and not (out.is_contiguous() and out.shape == (rows, self.out_features)):
             raise ValueError(f"Q4Linear: out must be contiguous [{rows}, {self.out_features}]")
         y = torch.empty(rows, self.out_features) if out is None else out
-        _cpu_quant.q4_matmul(y.data_ptr(), flat.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(),
-                             self.m.data_ptr(), rows, self.out_features, self.in_features, out is not None,
-                             KernelThreads.get(), self.int8_activations)
+        _cpu_quant.q4_matmul(y.data_ptr(), flat.data_ptr(), self.blocks.data_ptr(), rows, self.out_features,
+                             self.in_features, out is not None, KernelThreads.get(), self.int8_activations)
         return y if out is not None else y.reshape(*x.shape[:-1], self.out_features)
 
     def reference_weight(self) -> torch.Tensor:
         """The weight as float32 [out, in]."""
         w = torch.empty(self.out_features, self.in_features)
-        _cpu_quant.q4_dequant(w.data_ptr(), self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
-                              self.out_features, self.in_features)
+        _cpu_quant.q4_dequant(w.data_ptr(), self.blocks.data_ptr(), self.out_features, self.in_features)
         return w
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=Q4_1 groups"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=Q4_1 blocks"
 
 
 class Q8Head(nn.Module):

@@ -8,27 +8,38 @@ layers' linears ``Int4Linear`` instead (bf16 activations). The embedding becomes
 a tied ``lm_head`` multiplies over that table's own int8 codes (``Q8Head``) when the table holds them
 losslessly (a Q8_0 GGUF table), else gets a packed fp16 copy. Norms, RoPE tables and MoE expert tensors
 stay float32. Without the quantized kernels (``quant_kernels_available``) everything packs as fp16. With
-them, the layers' small ops run fused in C (``fuse_small_ops``), except with ``int4_layers``.
+them, the layers' small ops run fused in C (``fuse_small_ops``), except with ``int4_layers``; where every
+layer's linears are ``Q4Linear`` (a Q4_1 GGUF), a decode step runs the whole layer stack in one C call
+(``DecodeStack``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
+from gpu_engine.kernels import cpu_fused
 from gpu_engine.kernels.cpu_linear import (
     GroupInt8Embedding,
     Int4Linear,
+    KernelThreads,
     PackedLinear,
     Q4Linear,
     Q8Head,
     quant_kernels_available,
 )
+from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM, DecoderLayer
 from gpu_engine.models.layers import GatedMLP
+
+if TYPE_CHECKING:
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.attention import AttentionMetadata
 
 
 def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: bool = True,
@@ -61,7 +72,7 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
 def fuse_small_ops(model: CausalLM, on: bool = True) -> None:
     """Switch the packed model's fused C forms (``kernels.cpu_fused``) on or off: RMSNorm, RoPE with the
     cache write and decode attention where the layer has no QK norm and rotates whole heads, and the output
-    projections adding into the residual stream."""
+    projections adding into the residual stream; and the ``DecodeStack`` where it applies."""
     cfg = model.config
     attention_ok = not cfg.qk_norm and cfg.rotary_dim == cfg.head_dim and cfg.head_dim % 16 == 0
     model.norm.fused = on
@@ -70,6 +81,71 @@ def fuse_small_ops(model: CausalLM, on: bool = True) -> None:
         layer.attn_norm.fused = layer.mlp_norm.fused = on
         layer.attn.fused = on and attention_ok
         layer.residual_in_place = on and isinstance(layer.mlp, GatedMLP)
+    model.decode_stack = DecodeStack.build(model) if on and attention_ok else None
+
+
+class DecodeStack:
+    """A decode step's layers as one C call (``cpu_fused.decode_stack``) for a packed model whose every layer is
+    a dense gated MLP and attention with all four linears ``Q4Linear``: the same ops as the layers' fused forms,
+    in the same order, without Python between them. ``CausalLM.forward`` calls it for decode steps over an fp16
+    cache."""
+
+    def __init__(self, config: ModelConfig, layers: list[StackLayer]) -> None:
+        self.layers = layers
+        self.shape = cpu_fused.StackShape(config.hidden_size, config.intermediate_size, config.num_heads,
+                                          config.num_kv_heads, config.head_dim, 0, config.sliding_window or 0,
+                                          config.rms_norm_eps)
+        self._plan: tuple[int, torch.Tensor] | None = None  # (the cache it points into, the plan)
+
+    @classmethod
+    def build(cls, model: CausalLM) -> DecodeStack | None:
+        """The stack of ``model``, or None where a layer is not of that form."""
+        layers = [_stack_layer(layer) for layer in model.layers]
+        found = [layer for layer in layers if layer is not None]
+        return cls(model.config, found) if len(found) == len(layers) else None
+
+    def runs(self, meta: AttentionMetadata, kv_cache: KVCache, tokens: int) -> bool:
+        """Whether this step is one the stack computes: one new token per sequence, an fp16 cache."""
+        return tokens == meta.context_lens.numel() and kv_cache.dtype == torch.float16
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: KVCache) -> torch.Tensor:
+        """The residual stream x [B, hidden] after every layer (x itself, updated in place)."""
+        shape = dataclasses.replace(self.shape, block_size=kv_cache.block_size)
+        int8_x = self.layers[0].linears[0].int8_activations
+        cpu_fused.decode_stack(x, self._plan_for(kv_cache), shape, cos.contiguous(), sin.contiguous(),
+                               meta.slot_mapping.contiguous(), meta.block_tables.to(torch.int32).contiguous(),
+                               meta.context_lens.to(torch.int32).contiguous(), KernelThreads.get(), int8_x)
+        return x
+
+    def _plan_for(self, kv_cache: KVCache) -> torch.Tensor:
+        key = kv_cache.k[0].data_ptr()
+        if self._plan is None or self._plan[0] != key:
+            rows = []
+            for i, layer in enumerate(self.layers):
+                qkv, o, gate_up, down = layer.linears
+                rows.append([layer.attn_norm.data_ptr(), qkv.blocks.data_ptr(), o.blocks.data_ptr(),
+                             layer.mlp_norm.data_ptr(), gate_up.blocks.data_ptr(), down.blocks.data_ptr(),
+                             kv_cache.k[i].data_ptr(), kv_cache.v[i].data_ptr()])
+            self._plan = (key, torch.tensor(rows, dtype=torch.int64))
+        return self._plan[1]
+
+
+class StackLayer(NamedTuple):
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    linears: tuple[Q4Linear, Q4Linear, Q4Linear, Q4Linear]  # qkv, o, gate_up, down
+
+
+def _stack_layer(layer: nn.Module) -> StackLayer | None:
+    """A layer's parts for the stack, when it is a dense layer whose four linears are ``Q4Linear``."""
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
+        return None
+    qkv, o, gate_up, down = layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down
+    if not (isinstance(qkv, Q4Linear) and isinstance(o, Q4Linear) and isinstance(gate_up, Q4Linear)
+            and isinstance(down, Q4Linear)):
+        return None
+    return StackLayer(layer.attn_norm.weight, layer.mlp_norm.weight, (qkv, o, gate_up, down))
 
 
 def _packed_linear(module: nn.Linear, int4: bool, keep_quantized: bool) -> nn.Module:

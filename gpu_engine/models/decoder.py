@@ -21,6 +21,7 @@ from gpu_engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.cpu_pack import DecodeStack
 
 
 class DecoderLayer(nn.Module):
@@ -66,12 +67,18 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        # The CPU serving form's whole layer stack in one call for decode steps (``cpu_pack.DecodeStack``).
+        self.decode_stack: DecodeStack | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(meta.positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv_cache)
+        stack = self.decode_stack
+        if stack is not None and stack.runs(meta, kv_cache, input_ids.numel()):
+            x = stack(x.contiguous(), cos, sin, meta, kv_cache)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta, kv_cache)
         last = meta.cu_seqlens_q[1:].long() - 1
         return self.lm_head(self.norm(x[last])).to(torch.float32)
