@@ -4,6 +4,7 @@ sampler against the reference (on CUDA, and through Triton's interpreter on the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -187,7 +188,8 @@ def device_vs_reference(device: str) -> None:
     logits, specs, history, steps = _case()
     B, V = logits.shape
     seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
-    ref = sample(logits, specs, torch.tensor(steps), seeds, history)
+    ref = sample(logits, [dataclasses.replace(s, want_logprobs=True) for s in specs], torch.tensor(steps), seeds,
+                 history)  # the device kernel below computes every row's log-prob
     cols = processor_columns(specs, steps, history, V)
     procs = Processors(**{k: v.to(device) for k, v in cols.items()})
     d = torch.device(device)
