@@ -1,9 +1,8 @@
 """The gateway app factory: typed state, start-up and clean-up hooks, draining shutdown.
 
 Before any handler runs, the body middleware reads a request's body against ``body_timeout_s``
-(408 and the connection closed when it comes too slowly) and checks that a body for ``/v1/`` is
-text a JSON decoder can take: valid UTF-8 (400 naming the byte) and nested no deeper than the
-decoder's recursion limit (400), so neither reaches a handler as an unexpected exception.
+(408 and the connection closed when it comes too slowly). The handler's decoder parses it once
+(``protocol._decode``): invalid UTF-8 and nesting past the recursion limit are 400s from there.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import hmac
 import time
 import uuid
 
-import msgspec
 from aiohttp import web
 
 from dpu_gateway.backend import Backend
@@ -61,30 +59,6 @@ def auth_middleware(api_key: str):
     return check
 
 
-class _AnyObject(msgspec.Struct):
-    """Decodes any JSON object by skipping every field: a cheap pass that meets the nesting depth."""
-
-
-_DEPTH_PROBE = msgspec.json.Decoder(_AnyObject)
-
-
-def check_json_text(body: bytes) -> None:
-    """400 for a body no JSON decoder should be handed: invalid UTF-8, or nesting past the recursion limit.
-    Everything else (syntax, types, values) is the handler's decoder's to report."""
-    if not body.isascii():
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})",
-                           code="invalid_json") from None
-    try:
-        _DEPTH_PROBE.decode(body)
-    except RecursionError:
-        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
-    except msgspec.DecodeError:
-        pass
-
-
 QUIET_PATHS = ("/metrics", "/health")  # scraped and probed often: their successes log at debug level
 
 
@@ -129,13 +103,11 @@ def body_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
         if request.body_exists:
             try:
                 async with asyncio.timeout(cfg.body_timeout_s):
-                    body = await request.read()  # aiohttp keeps it: the handler's read() returns it
+                    await request.read()  # aiohttp keeps it: the handler's read() returns it
             except TimeoutError:
                 metrics.timed_out("body")
                 raise APIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s",
                                code="request_timeout", close=True) from None
-            if request.path.startswith("/v1/"):
-                check_json_text(body)
         return await handler(request)
 
     return read_body

@@ -20,11 +20,11 @@ from dpu_gateway.tools import Format
 from shared import messages as m
 from shared import ring_layout as L
 from shared.ring import MAX_STOP_IDS
+from shared.seeds import SEED_STEP
 from shared.slots import MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this much text
-_SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * this
 Feature = L.SamplingFeatures
 
 
@@ -58,7 +58,7 @@ class Plan:
         if s.seed is None:
             return [s] * self.n  # each slot's seed comes from its own request id
         mask = 0xFFFFFFFFFFFFFFFF
-        return [msgspec.structs.replace(s, seed=(s.seed + i * _SEED_STEP) & mask) for i in range(self.n)]
+        return [msgspec.structs.replace(s, seed=(s.seed + i * SEED_STEP) & mask) for i in range(self.n)]
 
 
 def check_common(req: _Common, limits: Limits) -> list[str]:

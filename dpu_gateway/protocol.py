@@ -263,11 +263,38 @@ def _check_message(i: int, msg: ChatMessage) -> None:
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
+class _AnyObject(msgspec.Struct):
+    """Decodes any JSON object by skipping every field: a cheap pass that meets the nesting depth."""
+
+
+_DEPTH_PROBE = msgspec.json.Decoder(_AnyObject)
+
+
+def check_json_text(body: bytes) -> None:
+    """400 for a body no JSON decoder should be handed: invalid UTF-8, or nesting past the recursion limit."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})",
+                           code="invalid_json") from None
+    try:
+        _DEPTH_PROBE.decode(body)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    except msgspec.DecodeError:
+        pass
+
+
 def _decode(decoder: msgspec.json.Decoder, body: bytes, refused: bool = True) -> Any:
+    """One parse. A body that decodes is valid UTF-8 nested within the limit (msgspec checks every
+    string it keeps, and every struct here refuses unknown fields rather than skip them), so
+    `check_json_text` runs only when decoding failed; its 400s then come before the decoder's."""
     try:
         req = decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        match = _UNKNOWN.search(str(exc))
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        check_json_text(body)
+        match = _UNKNOWN.search(str(exc)) if isinstance(exc, msgspec.ValidationError) else None
         if match is None:
             raise
         where = match.group(2) or ""

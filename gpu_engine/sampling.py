@@ -37,6 +37,7 @@ import torch
 
 from gpu_engine.grammar_mask import allowed_tokens
 from shared import ring_layout as L
+from shared.seeds import SEED_STEP
 from shared.token_dfa import TokenDFA
 
 MASK32 = 0xFFFFFFFF
@@ -44,7 +45,7 @@ MASK32 = 0xFFFFFFFF
 
 def request_seed(request_id: int) -> int:
     """The seed of a request that gave none: derived from its id, as the CUDA scheduler does at claim."""
-    return (request_id * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+    return (request_id * SEED_STEP) & 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)

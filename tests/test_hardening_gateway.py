@@ -16,10 +16,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 from helpers.stack import MODEL
 
+from dpu_gateway import protocol
+from dpu_gateway.errors import APIError
+from dpu_gateway.protocol import decode_chat, decode_completion
 from harness.serve_proc import ROOT, free_port, http_get
 
 KEY = "k3y-for-tests"
@@ -128,17 +133,18 @@ BAD_UTF8 = [
     ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
      % MODEL.encode()),
     ("/v1/completions", b'{"model": "Smol\xe9", "prompt": "hi"}'),
+    ("/tokenize", b'{"prompt": "caf\xc3"}'),
 ]
 
 
-@pytest.mark.parametrize(("path", "body"), BAD_UTF8, ids=["prompt", "chat-content", "model"])
+@pytest.mark.parametrize(("path", "body"), BAD_UTF8, ids=["prompt", "chat-content", "model", "tokenize"])
 def test_invalid_utf8_in_a_string_is_400(gateway: Gateway, path: str, body: bytes) -> None:
     status, payload = post(gateway, path, body)
     assert status == 400, payload
     assert "UTF-8" in assert_openai_error(payload, "invalid_request_error")["message"]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_deep_nesting_in_an_unknown_field_is_400(gateway: Gateway, path: str) -> None:
     depth = 100_000
     body = b'{"model": "%s", "prompt": "hi", "messages": [], "extra": ' % MODEL.encode() + b"[" * depth \
@@ -146,6 +152,37 @@ def test_deep_nesting_in_an_unknown_field_is_400(gateway: Gateway, path: str) ->
     status, payload = post(gateway, path, body)
     assert status == 400, payload
     assert "nested" in assert_openai_error(payload, "invalid_request_error")["message"]
+
+
+def test_deep_nesting_in_a_known_field_is_400(gateway: Gateway) -> None:
+    depth = 100_000
+    body = (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "guided_json": ' % MODEL.encode()
+            + b"[" * depth + b"]" * depth + b"}")
+    status, payload = post(gateway, "/v1/chat/completions", body)
+    assert status == 400, payload
+    assert "nested" in assert_openai_error(payload, "invalid_request_error")["message"]
+
+
+def test_undecodable_text_is_named_before_what_the_decoder_says() -> None:
+    """Invalid UTF-8 (at its offset in the body) wins over an unknown field; a sound body gets the decoder's own 400."""
+    with pytest.raises(APIError, match=r"not valid UTF-8 \(byte 15: invalid continuation byte\)"):
+        decode_completion(b'{"model": "Smol\xe9", "bogus": 1, "prompt": "hi"}')
+    with pytest.raises(APIError, match="Unknown field `bogus`"):
+        decode_completion('{"model": "Smolé", "bogus": 1, "prompt": "hi"}'.encode())
+    with pytest.raises(msgspec.DecodeError, match="truncated"):
+        decode_completion(b'{"model": "x", "prompt": "hi"')
+
+
+def test_a_sound_body_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nesting probe runs only after a decode failed: a body that decodes costs one parse."""
+    calls = []
+    probe = protocol._DEPTH_PROBE
+    monkeypatch.setattr(protocol, "_DEPTH_PROBE", SimpleNamespace(decode=lambda b: calls.append(b) or probe.decode(b)))
+    req = decode_chat('{"model": "m", "messages": [{"role": "user", "content": "café"}]}'.encode())
+    assert req.messages[0].content == "café" and calls == []
+    with pytest.raises(APIError, match="nested"):
+        decode_chat(b'{"model": "m", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("auth", [b"Bearer cl\xe9", b"Bearer \xff\xfe", "Bearer ключ".encode()],

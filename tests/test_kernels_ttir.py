@@ -38,3 +38,20 @@ def test_fused_qkv_kernel_compiles_for_sm90(norm: bool, hq: int, hk: int) -> Non
               "BLOCK_D": 128}
     out = compiles("gpu_engine.kernels.qkv_prep", "_prep_kernel", signature, consts)
     assert out.startswith("True"), out
+
+
+ROW_KERNELS = {
+    "logprobs": ("_logprob_kernel", "x_ptr:*fp32 s_x:i32 want_ptr:*i32 tok_ptr:*i64 lp_ptr:*fp32 ids_ptr:*i64 "
+                 "tlp_ptr:*fp32 V:i32 K:i32 s_top:i32", {"BLOCK": 1024}),
+    "sampling_select": ("_threshold_kernel", "x_ptr:*fp32 s_x:i32 temp_ptr:*fp32 k_ptr:*i32 p_ptr:*fp32 "
+                        "minp_ptr:*fp32 key_ptr:*i32 cnt_ptr:*i32 V:i32", {"BLOCK": 1024, "NCAND": 8}),
+}
+
+
+@pytest.mark.parametrize("module", sorted(ROW_KERNELS))
+def test_row_softmax_kernels_compile_for_sm90(module: str) -> None:
+    """Both users of the shared softmax_stats helper (with and without its min-p cut) build for the GPU."""
+    kernel, sig, consts = ROW_KERNELS[module]
+    signature = dict(item.split(":") for item in sig.split())
+    out = compiles(f"gpu_engine.kernels.{module}", kernel, signature, consts)
+    assert out.startswith("True"), out

@@ -17,6 +17,30 @@ from gpu_engine.kernels._checks import check
 
 
 @triton.jit
+def softmax_stats(row, V, min_p, BLOCK: tl.constexpr, CUT: tl.constexpr):
+    """A row's max m, its softmax sum (of exp(x - m)) and, with CUT, the smallest x with exp(x - m) >= min_p.
+
+    Two passes over the row: the max, then the sum. The log-sum-exp is m + log(sum); the sampler's
+    filters (sampling_select) take the min-p cut from the second pass as well (without CUT it is +inf).
+    """
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(row + idx, mask=idx < V, other=float("-inf")))
+    m = tl.max(top, axis=0)
+    z = tl.zeros([BLOCK], tl.float32)
+    low = tl.full([BLOCK], float("inf"), tl.float32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + tl.arange(0, BLOCK)
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf"))
+        e = tl.exp(x - m)
+        z += e
+        if CUT:
+            low = tl.where((e >= min_p) & (idx < V), tl.minimum(low, x), low)
+    return m, tl.sum(z, axis=0), tl.min(low, axis=0)
+
+
+@triton.jit
 def _next_best(row, V, prev_val, prev_idx, BLOCK: tl.constexpr):
     """The best (value, lowest index) strictly after (prev_val, prev_idx) in descending order."""
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -40,16 +64,8 @@ def _logprob_kernel(x_ptr, s_x, want_ptr, tok_ptr, lp_ptr, ids_ptr, tlp_ptr, V, 
     b = tl.program_id(0)
     row = x_ptr + b.to(tl.int64) * s_x
     if tl.load(want_ptr + b) != 0:
-        top = tl.full([BLOCK], float("-inf"), tl.float32)
-        for v0 in range(0, V, BLOCK):
-            idx = v0 + tl.arange(0, BLOCK)
-            top = tl.maximum(top, tl.load(row + idx, mask=idx < V, other=float("-inf")))
-        m = tl.max(top, axis=0)
-        z = tl.zeros([BLOCK], tl.float32)
-        for v0 in range(0, V, BLOCK):
-            idx = v0 + tl.arange(0, BLOCK)
-            z += tl.exp(tl.load(row + idx, mask=idx < V, other=float("-inf")) - m)
-        lse = m + tl.log(tl.sum(z, axis=0))
+        m, z, _ = softmax_stats(row, V, 0.0, BLOCK, False)
+        lse = m + tl.log(z)
         tl.store(lp_ptr + b, tl.load(row + tl.load(tok_ptr + b)) - lse)
         prev_val = tl.full([], float("inf"), tl.float32)
         prev_idx = tl.full([], -1, tl.int32)

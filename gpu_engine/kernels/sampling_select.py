@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import check
+from gpu_engine.kernels.logprobs import softmax_stats
 
 INT32_MIN = -(2**31)
 IMIN: tl.constexpr = tl.constexpr(INT32_MIN)
@@ -43,25 +44,6 @@ def _key(x):
 def _unkey(k):
     b = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
     return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _row_stats(row, V, min_p, BLOCK: tl.constexpr):
-    """The row's max, its softmax sum and the smallest value whose softmax ratio is >= min_p."""
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        idx = v0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.load(row + idx, mask=idx < V, other=float("-inf")))
-    m = tl.max(top, axis=0)
-    z = tl.zeros([BLOCK], tl.float32)
-    low = tl.full([BLOCK], float("inf"), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        idx = v0 + tl.arange(0, BLOCK)
-        x = tl.load(row + idx, mask=idx < V, other=float("-inf"))
-        e = tl.exp(x - m)
-        z += e
-        low = tl.where((e >= min_p) & (idx < V), tl.minimum(low, x), low)
-    return m, tl.sum(z, axis=0), tl.min(low, axis=0)
 
 
 @triton.jit
@@ -154,7 +136,7 @@ def _threshold_kernel(x_ptr, s_x, temp_ptr, k_ptr, p_ptr, minp_ptr, key_ptr, cnt
     out_key = tl.full([], IMIN, tl.int32)
     out_cnt = tl.full([], 0, tl.int32)
     if (tl.load(temp_ptr + b) > 0) & (use_k | use_p | use_min):
-        m, z, low = _row_stats(row, V, tl.where(use_min, min_p, 0.0), BLOCK)
+        m, z, low = softmax_stats(row, V, tl.where(use_min, min_p, 0.0), BLOCK, True)
         top = _key(m)
         if use_min:
             out_key, out_cnt = _tighter(out_key, out_cnt, tl.where(low <= m, _key(low), top),
