@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_engine.kernels.cpu_linear import (
-    DENSE_ROWS,
+    GEMM_ROWS,
     GroupInt8Embedding,
     PackedLinear,
     Q4Linear,
@@ -36,21 +36,23 @@ def test_q4_1_codes_are_recovered_exactly_or_refused() -> None:
     assert q4_1_codes(w[:, :80]) is None  # columns not a whole number of groups
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, DENSE_ROWS, DENSE_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, GEMM_ROWS + 1, GEMM_ROWS + 2, 13, 40])
 def test_q4_linear_is_the_fp32_product(rows: int) -> None:
-    w = q4_1_weight(136, 192, 1)
+    """Row counts on both sides of the many-row product and every remainder of its tiles (3 rows of x, 4 of W:
+    137 weight rows leave one)."""
+    w = q4_1_weight(137, 192, 1)
     lin = Q4Linear.from_weight(w)
     assert lin is not None
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     want = (x.double() @ w.double().T)
     got = lin(x)
-    assert got.shape == (rows, 136) and got.dtype == torch.float32
+    assert got.shape == (rows, 137) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
-    base = torch.randn(rows, 136)
+    base = torch.randn(rows, 137)
     into = base.clone()
     assert lin(x, out=into) is into
     torch.testing.assert_close(into.double(), base.double() + want, rtol=0, atol=2e-5)
-    torch.testing.assert_close(lin(x.reshape(rows, 1, 192)), got.reshape(rows, 1, 136), rtol=0, atol=0)
+    torch.testing.assert_close(lin(x.reshape(rows, 1, 192)), got.reshape(rows, 1, 137), rtol=0, atol=0)
     with pytest.raises(ValueError, match="float32"):
         lin(x.half())
 
@@ -59,16 +61,17 @@ def test_q4_linear_threads_split_rows_not_sums() -> None:
     w = q4_1_weight(520, 128, 2)
     lin = Q4Linear.from_weight(w)
     assert lin is not None
-    x = torch.randn(3, 128)
     saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = lin(x)
-        torch.set_num_threads(2)
-        two = lin(x)
-    finally:
-        torch.set_num_threads(saved)
-    torch.testing.assert_close(one, two, rtol=0, atol=0)  # each output's arithmetic is the same
+    for rows in (3, 20):  # the decode tiles and the many-row product
+        x = torch.randn(rows, 128)
+        try:
+            torch.set_num_threads(1)
+            one = lin(x)
+            torch.set_num_threads(2)
+            two = lin(x)
+        finally:
+            torch.set_num_threads(saved)
+        torch.testing.assert_close(one, two, rtol=0, atol=0)  # each output's arithmetic is the same
 
 
 def test_q8_head_multiplies_over_the_embedding_codes() -> None:

@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -46,7 +47,7 @@ typedef struct {
   const float *d;       /* q8: the scales [N, K / 32] */
   const float *xsum; /* [M, G] sums of x per group (q4 only) */
   int64_t M, N, K;
-  int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations */
+  int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations; 6: q4, many rows */
   const int8_t *xq;     /* kinds 5, 9: x as int8 codes [M, K] with one scale per group, xd [M, G] */
   const float *xd;
 } Job;
@@ -230,7 +231,78 @@ static const RowsFn rows_q4i8[MR_MAX] = {rows_5_1, rows_5_2, rows_5_3, rows_5_4,
 static const RowsFn rows_q8i8[MR_MAX] = {rows_9_1, rows_9_2, rows_9_3, rows_9_4, rows_9_5, rows_9_6, rows_9_7,
                                           rows_9_8};
 
+/* ------------------------------------------------------------------ the many-row product (prefill)
+ *
+ * Above GEMM_ROWS rows of x (kind 6) the weight rows are taken four at a time: dequantized into a panel of fp32
+ * rows (each value exactly GGUF's), then dotted with x three rows at a time: twelve accumulators of eight
+ * lanes along K, summed across their lanes at the end. Each weight is decoded once per call however many rows
+ * x has, and the FMAs run at the core's rate (the BLAS reached two thirds of it on these shapes). */
+#define GEMM_ROWS 8
+#define PANEL 4
+#define TILE_M 3
+
+static _Thread_local float *panel_buf;
+static _Thread_local int64_t panel_cap;
+
+TARGET static void dequant_rows(float *out, const uint8_t *blocks, int64_t N, int64_t K);
+
+/* Rows [m0, m0 + mr) of y (mr <= 3) for the panel's weight rows [n0, n0 + nr) (nr <= 4; rows of the panel past
+ * nr, and of x past mr, repeat its first and are dropped). */
+TARGET static void gemm_tile(const Job *j, const float *panel, int64_t m0, int64_t mr, int64_t n0, int64_t nr) {
+  const int64_t K = j->K;
+  const float *x0 = j->x + m0 * K, *x1 = mr > 1 ? x0 + K : x0, *x2 = mr > 2 ? x0 + 2 * K : x0;
+  const float *w0 = panel, *w1 = nr > 1 ? w0 + K : w0, *w2 = nr > 2 ? w0 + 2 * K : w0, *w3 = nr > 3 ? w0 + 3 * K : w0;
+  __m256 c[TILE_M][PANEL];
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00,
+         c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 a0 = _mm256_loadu_ps(x0 + k), a1 = _mm256_loadu_ps(x1 + k), a2 = _mm256_loadu_ps(x2 + k);
+    __m256 b = _mm256_loadu_ps(w0 + k);
+    c00 = _mm256_fmadd_ps(a0, b, c00), c10 = _mm256_fmadd_ps(a1, b, c10), c20 = _mm256_fmadd_ps(a2, b, c20);
+    b = _mm256_loadu_ps(w1 + k);
+    c01 = _mm256_fmadd_ps(a0, b, c01), c11 = _mm256_fmadd_ps(a1, b, c11), c21 = _mm256_fmadd_ps(a2, b, c21);
+    b = _mm256_loadu_ps(w2 + k);
+    c02 = _mm256_fmadd_ps(a0, b, c02), c12 = _mm256_fmadd_ps(a1, b, c12), c22 = _mm256_fmadd_ps(a2, b, c22);
+    b = _mm256_loadu_ps(w3 + k);
+    c03 = _mm256_fmadd_ps(a0, b, c03), c13 = _mm256_fmadd_ps(a1, b, c13), c23 = _mm256_fmadd_ps(a2, b, c23);
+  }
+  c[0][0] = c00, c[0][1] = c01, c[0][2] = c02, c[0][3] = c03, c[1][0] = c10, c[1][1] = c11, c[1][2] = c12;
+  c[1][3] = c13, c[2][0] = c20, c[2][1] = c21, c[2][2] = c22, c[2][3] = c23;
+  for (int64_t i = 0; i < mr; i++) {
+    float *y = j->y + (m0 + i) * j->N + n0;
+    for (int64_t r = 0; r < nr; r++) y[r] = j->accumulate ? y[r] + hsum(c[i][r]) : hsum(c[i][r]);
+  }
+}
+
+/* Weight rows [n_begin, n_end) against every row of x. */
+static void gemm_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  if (panel_cap < j->K * PANEL) {
+    free(panel_buf);
+    panel_buf = aligned_alloc(64, sizeof(float) * (size_t)(j->K * PANEL));
+    panel_cap = panel_buf == NULL ? 0 : j->K * PANEL;
+    if (panel_buf == NULL) abort(); /* a few hundred KB at most: nothing sensible is left to do without it */
+  }
+  const int64_t G = j->K / GROUP;
+  /* x in blocks of rows that stay in L2 (256 KB) while every panel passes them; a panel is dequantized again
+   * for each block (a few percent of the block's FMAs) */
+  int64_t mblock = (65536 / j->K) / TILE_M * TILE_M;
+  if (mblock < TILE_M) mblock = TILE_M;
+  for (int64_t mb = 0; mb < j->M; mb += mblock) {
+    const int64_t m_end = j->M - mb < mblock ? j->M : mb + mblock;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += PANEL) {
+      int64_t nr = n_end - n0 < PANEL ? n_end - n0 : PANEL;
+      dequant_rows(panel_buf, j->codes + n0 * G * Q4_BLOCK, nr, j->K);
+      for (int64_t m0 = mb; m0 < m_end; m0 += TILE_M)
+        gemm_tile(j, panel_buf, m0, m_end - m0 < TILE_M ? m_end - m0 : TILE_M, n0, nr);
+    }
+  }
+}
+
 static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  if (j->kind == 6) {
+    gemm_rows(j, n_begin, n_end);
+    return;
+  }
   for (int64_t m0 = 0; m0 < j->M; m0 += MR_MAX) {
     int64_t mr = j->M - m0 < MR_MAX ? j->M - m0 : MR_MAX;
     const RowsFn *fns = j->kind == 4 ? rows_q4 : j->kind == 8 ? rows_q8 : j->kind == 5 ? rows_q4i8 : rows_q8i8;
@@ -411,6 +483,11 @@ static int quantize_x(Job *j, int8_t **xq, float **xd) {
 /* y (+)= x @ W.T over Q4_1 blocks (shapes checked by the caller): 0, or -1 when out of memory. */
 static int q4_product(float *y, const float *x, const uint8_t *blocks, int64_t M, int64_t N, int64_t K,
                       int accumulate, int threads, int int8_x) {
+  if (M > GEMM_ROWS) { /* many rows: the panel product, in fp32 whatever int8_x says */
+    Job g = {y, x, blocks, NULL, NULL, M, N, K, accumulate, 6, NULL, NULL};
+    run_job(&g, threads);
+    return 0;
+  }
   float stack_sums[STACK_SUMS];
   float *xsum = M * (K / GROUP) <= STACK_SUMS ? stack_sums : PyMem_RawMalloc(sizeof(float) * M * (K / GROUP));
   if (xsum == NULL) return -1;

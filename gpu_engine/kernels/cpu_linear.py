@@ -29,9 +29,9 @@ except ImportError:  # not built (a source tree without its C extensions): the p
 
 EMBED_GROUP = 32
 Q_GROUP = 32
-# Above this many rows of x a quantized linear dequantizes its weight into a scratch buffer and runs the
-# BLAS (a prefill chunk); at or below it, the quantized kernel reads the 4-bit codes directly (decode).
-DENSE_ROWS = 24
+# Above this many rows of x (a prefill chunk) the Q4 kernel dequantizes four weight rows at a time into a panel
+# and multiplies every row of x by it; at or below it, it reads the 4-bit codes directly (decode). As the C's.
+GEMM_ROWS = 8
 
 
 class KernelThreads:
@@ -185,18 +185,6 @@ def _q4_codes(groups: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> tu
     return q.to(torch.int32), torch.where(exact, step, -torch.ones_like(step))
 
 
-class _Scratch:
-    """One fp32 buffer shared by every quantized linear for its dequantized weight (prefill steps)."""
-
-    buf = torch.empty(0)
-
-    @classmethod
-    def get(cls, numel: int) -> torch.Tensor:
-        if cls.buf.numel() < numel:
-            cls.buf = torch.empty(numel)
-        return cls.buf[:numel]
-
-
 Q4_BLOCK = 20  # bytes of a GGUF Q4_1 block: fp16 scale, fp16 minimum, 16 bytes of 4-bit codes
 
 
@@ -235,12 +223,6 @@ class Q4Linear(nn.Module):
             raise ValueError(f"Q4Linear: expected float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if rows > DENSE_ROWS:
-            w = _Scratch.get(self.out_features * self.in_features).view(self.out_features, self.in_features)
-            _cpu_quant.q4_dequant(w.data_ptr(), self.blocks.data_ptr(), self.out_features, self.in_features)
-            if out is None:
-                return (flat @ w.t()).reshape(*x.shape[:-1], self.out_features)
-            return out.addmm_(flat, w.t())
         if out is not None and not (out.is_contiguous() and out.shape == (rows, self.out_features)):
             raise ValueError(f"Q4Linear: out must be contiguous [{rows}, {self.out_features}]")
         y = torch.empty(rows, self.out_features) if out is None else out
