@@ -31,7 +31,7 @@ EMBED_GROUP = 32
 Q_GROUP = 32
 # Above this many rows of x (a prefill chunk) the Q4 kernel dequantizes four weight rows at a time into a panel
 # and multiplies every row of x by it; at or below it, it reads the 4-bit codes directly (decode). As the C's.
-GEMM_ROWS = 8
+GEMM_ROWS = 5
 
 
 class KernelThreads:
