@@ -164,7 +164,16 @@ async def test_exact_sse_bytes(api_stack: Stack, text) -> None:
     assert raw.decode() == expected
 
 
+def failures_by_status(stack: Stack) -> dict[str, float]:
+    _, text = stack.get("/metrics")
+    found = re.findall(r'^blink:request_failures_total\{[^}]*status="(\d+)"[^}]*\} (\S+)$', text.decode(), re.M)
+    return {status: float(value) for status, value in found}
+
+
 async def test_disconnect_frees_the_slot(api_stack: Stack) -> None:
+    """A client that closes its stream mid-way: the slot is freed within a second, and the request is counted
+    (and logged) as 499, the client's doing, never as a 500."""
+    before = failures_by_status(api_stack)
     body = {"model": MODEL, "messages": USER, "max_tokens": 1000, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
         resp = await session.post(api_stack.url + "/v1/chat/completions", json=body)
@@ -176,6 +185,10 @@ async def test_disconnect_frees_the_slot(api_stack: Stack) -> None:
     while api_stack.metric("blink:slots_in_use") > 0:
         assert time.monotonic() - t0 < 1.0, "slot not freed within 1 s of the disconnect"
         await asyncio.sleep(0.05)
+    while failures_by_status(api_stack).get("499", 0) == before.get("499", 0):
+        assert time.monotonic() - t0 < 5.0, f"no 499 counted: {failures_by_status(api_stack)}"
+        await asyncio.sleep(0.05)
+    assert failures_by_status(api_stack).get("500", 0) == before.get("500", 0)
 
 
 def test_health_metrics_openapi(api_stack: Stack) -> None:
