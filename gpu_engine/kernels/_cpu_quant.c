@@ -6,19 +6,21 @@
  *              the fp16 minimum m, then 16 bytes of 4-bit codes (byte j: element j in the low nibble,
  *              element j + 16 in the high one): w = d * q + m. Per group, x . w = d * (x . q) + m * sum(x).
  *   q8 (Q8_0): int8 codes [N, K] with an fp32 scale per group of 32: w = d * q.
- * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free). Row tiles of
- * x (up to 8) share each decoded group of weights, and several weight rows are in flight at once so
- * that the FMA chains overlap; the codes a few tiles ahead are prefetched (the weights stream from memory
- * once per step: the hardware prefetcher alone left half the bandwidth unused). `threads` > 1 splits the weight rows over a small pool of workers (the
- * caller's thread is one of them) that take chunks of rows as they come free, spin briefly between jobs and
- * then sleep on a futex.
+ * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free).
  *
- * With `int8_x` the input is first quantized to int8 per group of 32 and the group dots are integer
- * (maddubs), llama.cpp's arithmetic: faster, and no longer exact (--cpu-weights int8act).
+ * Decode (a few rows of x): row tiles of x (up to 8) share each decoded group of weights, and several weight
+ * rows are in flight at once so that the FMA chains overlap; the weights a few tiles ahead are prefetched
+ * (they stream from memory once per step: the hardware prefetcher alone left half the bandwidth unused).
+ * Prefill (more than GEMM_ROWS rows, q4): the panel product below. `threads` > 1 splits the weight rows over
+ * a small pool of workers (the caller's thread is one of them) that take chunks of rows as they come free,
+ * spin briefly between jobs and then sleep on a futex.
  *
- * Also: q4_dequant (the whole weight as fp32, for prefill steps, which go to the BLAS), a layer's small
- * ops (rms_norm, rope_write_kv, attend_decode: see kernels/cpu_fused.py), and
- * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
+ * With `int8_x` the input of a decode product is first quantized to int8 per group of 32 and the group dots
+ * are integer (maddubs), llama.cpp's arithmetic: faster, and no longer exact (--cpu-weights int8act).
+ *
+ * Also: q4_dequant (the whole weight as fp32, for references), a layer's small ops (rms_norm,
+ * rope_write_kv, attend_decode: see kernels/cpu_fused.py), decode_stack (a decode step's every layer in
+ * one call), and `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>

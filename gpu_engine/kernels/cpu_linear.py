@@ -1,6 +1,6 @@
-"""CPU weight formats that keep a quantized checkpoint small: Q4_1 linears and the Q8_0 head kept as their GGUF
-groups (``Q4Linear``, ``Q8Head``: C kernels, exact weights, fp32 arithmetic), packed fp16 linears for other
-weights, group-int8 embeddings.
+"""CPU weight formats that keep a quantized checkpoint small: Q4_1 linears as GGUF's own blocks and the Q8_0
+head over the embedding's codes (``Q4Linear``, ``Q8Head``: C kernels, exact weights, fp32 arithmetic, decode
+and prefill alike), packed fp16 linears for other weights, group-int8 embeddings.
 
 ``PackedLinear`` holds its weight as fp16 in fbgemm's packed GEMM layout (``quantized.linear_prepack_fp16``)
 and multiplies fp32 activations with fp32 accumulation: a GGUF Q4_1/Q8_0 weight (``d * q + m`` with fp16
