@@ -23,6 +23,7 @@ from gpu_engine.faults import EXIT_ENGINE_FAILURE, DeviceFailure, Fault, FaultyR
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.cpu_pack import pack_for_cpu
 from gpu_engine.models.errors import ModelLoadError
+from gpu_engine.models.gguf_loader import GGUFSource
 from gpu_engine.models.loader import default_model_path, load_model
 from gpu_engine.policy import Policy
 from gpu_engine.runner import Runner, TorchRunner
@@ -74,8 +75,11 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed)
     if fmt.packed:
+        blocks = None  # a Q4_1 GGUF's linears: its own blocks, not recovered from the dequantized weights
+        if path.suffix == ".gguf" and not cfg.random_weights and cfg.cpu_weights in ("auto", "int8act"):
+            blocks = GGUFSource(path).q4_1_linears(mcfg)
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
-                     int8_activations=cfg.cpu_weights == "int8act")
+                     int8_activations=cfg.cpu_weights == "int8act", blocks=blocks)
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),

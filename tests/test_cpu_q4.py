@@ -148,3 +148,34 @@ def test_embedded_model_int8_activations_within_the_stated_bound() -> None:
     for p, s in enumerate(same):
         n = min(s + 1, STEPS)
         assert float((got.logits[:n, p] - want.logits[:n, p]).abs().max()) < INT8ACT_LOGIT_BOUND, PROMPTS[p]
+
+
+def test_the_file_s_own_blocks_are_the_recovered_ones() -> None:
+    """A Q4_1 GGUF's linears taken as the file's blocks (fused, Q and K rows unpermuted, as the dequantized
+    weights are) are byte for byte the blocks recovered from the dequantized weights, and the C dequantizer
+    gives the ``gguf`` package's values."""
+    try:
+        path = default_model_path()
+    except ModelLoadError:
+        pytest.skip("embedded model not installed")
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from gpu_engine.models.gguf_loader import GGUFSource
+
+    source = GGUFSource(path)
+    model, cfg = load_model(path)
+    given = source.q4_1_linears(cfg)
+    assert len(given) == 4 * cfg.num_layers
+    for name in ("layers.0.attn.qkv.weight", "layers.7.mlp.gate_up.weight", "layers.29.mlp.down.weight"):
+        recovered = Q4Linear.from_weight(model.get_parameter(name))
+        assert recovered is not None and torch.equal(given[name], recovered.blocks), name
+    for gguf_name in ("blk.3.ffn_down.weight", "token_embd.weight"):
+        raw = source._tensors[gguf_name]
+        want = np.asarray(dequantize(raw.data, raw.tensor_type), dtype=np.float32)
+        assert np.array_equal(source.tensor(gguf_name).numpy().reshape(want.shape), want), gguf_name
+    packed = pack_for_cpu(model, blocks=given)
+    assert packed.decode_stack is not None
+    with pytest.raises(ValueError, match="blocks of layers.0.attn.o"):
+        other, _ = load_model(path)
+        pack_for_cpu(other, blocks={"layers.0.attn.o.weight": given["layers.0.attn.qkv.weight"]})

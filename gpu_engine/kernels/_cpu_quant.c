@@ -551,6 +551,26 @@ static PyObject *q4_dequant(PyObject *self, PyObject *const *args, Py_ssize_t na
   Py_RETURN_NONE;
 }
 
+/* q8_dequant(out, blocks, N, K): GGUF Q8_0 blocks (fp16 scale d, 32 int8 codes: 34 bytes) [N, K / 32] as fp32
+ * [N, K], each value fl(d * q) as GGUF's (the loader's, for the file's Q8_0 tensors). */
+TARGET static void q8_dequant_rows(float *out, const uint8_t *blocks, int64_t N, int64_t K) {
+  for (int64_t i = 0; i < N * (K / GROUP); i++) {
+    const uint8_t *p = blocks + i * 34;
+    __m256 q[4], dg = _mm256_set1_ps(half_at(p));
+    decode_q8(p + 2, q);
+    for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + i * GROUP + 8 * c, _mm256_mul_ps(q[c], dg));
+  }
+}
+
+static PyObject *q8_dequant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[4];
+  if (parse_ints(args, nargs, 4, a, "q8_dequant") || check_shape(1, a[2], a[3], 1)) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  q8_dequant_rows((float *)a[0], (const uint8_t *)a[1], a[2], a[3]);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ the small ops of a layer, fused */
 
 /* rms_norm(out, x, w, T, N, eps): out = w * (x * (1 / sqrt(mean(x^2) + eps))) per row, fp32. */
@@ -785,6 +805,8 @@ static PyMethodDef methods[] = {
      "q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x): y (+)= x @ W.T, W in Q8_0 groups"},
     {"q4_dequant", (PyCFunction)(void (*)(void))q4_dequant, METH_FASTCALL,
      "q4_dequant(out, blocks, N, K): the Q4_1 weight as fp32 [N, K]"},
+    {"q8_dequant", (PyCFunction)(void (*)(void))q8_dequant, METH_FASTCALL,
+     "q8_dequant(out, blocks, N, K): GGUF Q8_0 blocks as fp32 [N, K]"},
     {"rms_norm", (PyCFunction)(void (*)(void))rms_norm, METH_FASTCALL,
      "rms_norm(out, x, w, T, N, eps): out = w * (x / sqrt(mean(x^2) + eps)) per row"},
     {"rope_write_kv", (PyCFunction)(void (*)(void))rope_write_kv, METH_FASTCALL,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -43,10 +44,12 @@ if TYPE_CHECKING:
 
 
 def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: bool = True,
-                 int8_activations: bool = False) -> CausalLM:
+                 int8_activations: bool = False, blocks: Mapping[str, torch.Tensor] | None = None) -> CausalLM:
     """Replace the float32 linears and embedding of ``model`` by their packed CPU forms; returns it.
     ``keep_quantized=False``: no ``Q4Linear`` or ``Q8Head``, every other linear fp16-packed;
-    ``int8_activations``: those two quantize their input to int8 per group of 32 (llama.cpp's arithmetic)."""
+    ``int8_activations``: those two quantize their input to int8 per group of 32 (llama.cpp's arithmetic);
+    ``blocks``: the file's own Q4_1 blocks of linears by parameter name (``GGUFSource.q4_1_linears``), taken as
+    they are instead of recovered from the dequantized weights (the same blocks, without the search)."""
     keep_quantized = keep_quantized and quant_kernels_available()
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
@@ -57,8 +60,13 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
         model.lm_head = Q8Head(embed) if lossless else PackedLinear(model.embed.weight)  # type: ignore[assignment]
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not isinstance(module, PackedLinear):
-            _replace(model, name, _packed_linear(module, int4_layers and name.startswith("layers."),
-                                                     keep_quantized))
+            int4 = int4_layers and name.startswith("layers.")
+            given = (blocks or {}).get(f"{name}.weight") if keep_quantized and not int4 else None
+            packed = Q4Linear(given) if given is not None and module.bias is None else None
+            if packed is not None and (packed.out_features, packed.in_features) != tuple(module.weight.shape):
+                raise ValueError(f"pack_for_cpu: the blocks of {name} are {packed.out_features} x "
+                                 f"{packed.in_features}, the weight {tuple(module.weight.shape)}")
+            _replace(model, name, packed or _packed_linear(module, int4, keep_quantized))
     model.embed = embed  # type: ignore[assignment]
     for module in model.modules():
         if isinstance(module, (Q4Linear, Q8Head)):

@@ -76,3 +76,44 @@ def _layer(config: ModelConfig, i: int, get: Getter, permuted_qk: bool) -> Mappe
         names = [f"{blk}ffn_gate.weight", f"{blk}ffn_up.weight"]
         yield f"{ours}mlp.gate_up.weight", *_cat([get(n) for n in names], names)
     yield f"{ours}mlp.down.weight", get(f"{blk}ffn_down.weight"), f"{blk}ffn_down.weight"
+
+
+class NotBlocks(Exception):
+    """A GGUF part of a linear is not of the block type asked for."""
+
+
+def map_gguf_q4_1(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor | None], *,
+                  permuted_qk: bool) -> dict[str, torch.Tensor]:
+    """The dense layers' linear weights whose every GGUF part is stored as Q4_1, as block rows (``get_blocks``:
+    uint8 [rows, bytes], None for another type), fused, unpermuted and named as ``map_gguf_weights`` does
+    with the dequantized tensors (whole rows move, so the blocks move with them)."""
+
+    def blocks(name: str) -> torch.Tensor:
+        found = get_blocks(name)
+        if found is None:
+            raise NotBlocks(name)
+        return found
+
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_layers):
+        if not config.is_moe_layer(i) and config.family != "phi3":
+            out.update(_q4_1_layer(config, i, blocks, permuted_qk))
+    return out
+
+
+def _q4_1_layer(config: ModelConfig, i: int, blocks: Getter, permuted_qk: bool) -> dict[str, torch.Tensor]:
+    blk, ours = f"blk.{i}.", f"layers.{i}."
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        "attn.qkv": lambda: _attention(config, blk, blocks, permuted_qk)[0],
+        "attn.o": lambda: blocks(f"{blk}attn_output.weight"),
+        "mlp.gate_up": lambda: _cat([blocks(f"{blk}ffn_gate.weight"), blocks(f"{blk}ffn_up.weight")],
+                                    [f"{blk}ffn_gate.weight", f"{blk}ffn_up.weight"])[0],
+        "mlp.down": lambda: blocks(f"{blk}ffn_down.weight"),
+    }
+    out = {}
+    for name, make in makers.items():
+        try:
+            out[f"{ours}{name}.weight"] = make()
+        except NotBlocks:
+            continue
+    return out
