@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu_engine.engine import RingEngine
-from gpu_engine.kernels.cpu_linear import KernelThreads
+from gpu_engine.kernels.cpu_linear import KernelThreads, _cpu_quant
 from gpu_engine.models.cpu_pack import fuse_small_ops
 from gpu_engine.serve import build_cpu_backend
 from shared.config import EngineConfig
@@ -143,6 +143,8 @@ def report(variants: list[Variant]) -> None:
             p = v.prefill_ms
             line += f"   prefill min {min(p):8.1f} median {statistics.median(p):8.1f} ms"
         print(line, flush=True)
+    if _cpu_quant is not None:  # (late jobs in a row, jobs left on the caller alone): the pool saw contention
+        print(f"kernel pool state after the rounds: {_cpu_quant.pool_state()}", flush=True)
 
 
 def main() -> None:

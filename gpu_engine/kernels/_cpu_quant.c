@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define GROUP 32
@@ -394,11 +395,27 @@ static int ensure_workers(int wanted) {
   return 0;
 }
 
+/* Workers that the OS keeps descheduled (another tenant on the cores) make the caller wait for their chunks a
+ * time slice at a time: a job whose caller waited more than a quarter of it for the workers is late, and after
+ * LATE_JOBS late jobs in a row the next SOLO_JOBS jobs run on the caller alone (about twenty decode steps of a
+ * small model), then the workers are tried again. On a quiet machine no job is late. */
+#define LATE_JOBS 8
+#define SOLO_JOBS 4096
+static int late_streak, solo_left;
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static void run_job(const Job *j, int threads) {
-  if (threads <= 1 || j->N < 64) {
+  if (threads <= 1 || j->N < 64 || solo_left > 0) {
+    solo_left -= solo_left > 0 && threads > 1 && j->N >= 64;
     run_rows(j, 0, j->N);
     return;
   }
+  const int64_t start = now_ns();
   int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
   if (chunk < 16) chunk = 16;
   unsigned g = ++generation ? generation : ++generation;
@@ -415,7 +432,19 @@ static void run_job(const Job *j, int threads) {
   /* Close the job before the last wait: a worker arriving later sees generation 0 and never reads *j (which
    * lives in the caller's frame); one already inside a chunk is waited for. */
   atomic_store(&work, 0);
+  const int64_t waited_from = now_ns();
   while (atomic_load(&busy) > 0) _mm_pause();
+  const int64_t end = now_ns();
+  late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
+  if (late_streak >= LATE_JOBS) {
+    solo_left = SOLO_JOBS;
+    late_streak = 0;
+  }
+}
+
+/* pool_state(): (late jobs in a row, jobs left to run on the caller alone), for tests and benchmarks. */
+static PyObject *pool_state(PyObject *self, PyObject *unused) {
+  return Py_BuildValue("(ii)", late_streak, solo_left);
 }
 
 /* ------------------------------------------------------------------ Python entry points */
@@ -817,6 +846,7 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
+    {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},
 };
