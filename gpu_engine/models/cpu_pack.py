@@ -103,7 +103,8 @@ class DecodeStack:
         self.shape = cpu_fused.StackShape(config.hidden_size, config.intermediate_size, config.num_heads,
                                           config.num_kv_heads, config.head_dim, 0, config.sliding_window or 0,
                                           config.rms_norm_eps)
-        self._plan: tuple[int, torch.Tensor] | None = None  # (the cache it points into, the plan)
+        # (the cache it points into, held so that no other cache can take its place at its addresses; the plan)
+        self._plan: tuple[KVCache, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, model: CausalLM) -> DecodeStack | None:
@@ -127,15 +128,14 @@ class DecodeStack:
         return x
 
     def _plan_for(self, kv_cache: KVCache) -> torch.Tensor:
-        key = kv_cache.k[0].data_ptr()
-        if self._plan is None or self._plan[0] != key:
+        if self._plan is None or self._plan[0] is not kv_cache:
             rows = []
             for i, layer in enumerate(self.layers):
                 qkv, o, gate_up, down = layer.linears
                 rows.append([layer.attn_norm.data_ptr(), qkv.blocks.data_ptr(), o.blocks.data_ptr(),
                              layer.mlp_norm.data_ptr(), gate_up.blocks.data_ptr(), down.blocks.data_ptr(),
                              kv_cache.k[i].data_ptr(), kv_cache.v[i].data_ptr()])
-            self._plan = (key, torch.tensor(rows, dtype=torch.int64))
+            self._plan = (kv_cache, torch.tensor(rows, dtype=torch.int64))
         return self._plan[1]
 
 
