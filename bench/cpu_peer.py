@@ -7,10 +7,10 @@ The two servers run one at a time, each spoken to by the same client with the sa
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
 prompt's prefill tokens/s, and the resident memory of all the server's processes. ``transformers``
 ``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
-(``blink``: the GGUF's Q4_1 linears kept as Q4_1 groups, fp32 arithmetic, one engine thread), with
-``--cpu-weights int8act`` (``blink_int8act``: the same weights times int8-quantized activations), with
-``--threads 2`` (``blink_threads2``: the default on both cores, the frontend sharing them) and, on
-request, with ``--cpu-weights int4`` (``blink_int4``).
+(``blink``: the GGUF's Q4_1 linears kept as its Q4_1 blocks, fp32 arithmetic, the kernels' pool on every
+core, the frontend sharing them), with ``--cpu-weights int8act`` (``blink_int8act``: the same weights times
+int8-quantized activations), with ``--threads 1`` (``blink_threads1``: one engine thread, a core left to the
+frontend) and, on request, with ``--cpu-weights int4`` (``blink_int4``).
 
     python -m bench.cpu_peer                      # build (once), run all four, write the JSON
     python -m bench.cpu_peer --only blink         # one side (the others' columns stay null)
@@ -103,7 +103,7 @@ def start_blink(port: int, run_dir: Path, *flags: str) -> subprocess.Popen[bytes
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-BLINK_SIDES = {"blink": (), "blink_int8act": ("--cpu-weights", "int8act"), "blink_threads2": ("--threads", "2"),
+BLINK_SIDES = {"blink": (), "blink_int8act": ("--cpu-weights", "int8act"), "blink_threads1": ("--threads", "1"),
                "blink_int4": ("--cpu-weights", "int4")}  # column -> extra `blink serve` flags
 
 
@@ -244,8 +244,8 @@ def make_prompts(vocab: int = 49152) -> dict[str, list[int]]:
     return out
 
 
-SIDES = ("blink", "blink_int8act", "blink_threads2", "blink_int4", "llama_cpp", "transformers")
-DEFAULT_SIDES = ("blink", "blink_int8act", "blink_threads2", "llama_cpp", "transformers")
+SIDES = ("blink", "blink_int8act", "blink_threads1", "blink_int4", "llama_cpp", "transformers")
+DEFAULT_SIDES = ("blink", "blink_int8act", "blink_threads1", "llama_cpp", "transformers")
 
 
 def table(result: dict[str, Any]) -> str:

@@ -72,11 +72,14 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     path = Path(cfg.model) if cfg.model else default_model_path()
     torch.manual_seed(cfg.seed)
     own_pool = fmt.packed and cfg.cpu_weights in ("auto", "int8act") and quant_kernels_available()
-    # the quantized kernels split their products over their own pool; torch keeps one thread then, since its
-    # OpenMP workers, spinning after every op, took the second core from that pool (measured: a decode step
-    # of 21.6 ms with both on two threads, 17.6 ms with the pool alone)
-    KernelThreads.count = cfg.cpu_threads if own_pool else 0
-    torch.set_num_threads(1 if own_pool else cfg.cpu_threads)
+    # The quantized kernels split their products over their own pool, by default on every core: its workers
+    # sleep while the engine idles, and it runs on one thread while the cores are contended (measured on 2
+    # cores beside llama.cpp: every speed row better than one thread, BENCHMARKS.md). torch keeps one thread
+    # then: its OpenMP workers, spinning after every op, took the pool's core (a decode step of 21.6 ms with
+    # both on two threads, 17.6 ms with the pool alone).
+    threads = (cfg.threads or len(os.sched_getaffinity(0))) if own_pool else cfg.cpu_threads
+    KernelThreads.count = threads if own_pool else 0
+    torch.set_num_threads(1 if own_pool else threads)
     log.info("loading weights", model=str(path), dtype=cfg.dtype, device="cpu")
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed)
@@ -90,7 +93,7 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),
                     chunked=cfg.chunked_prefill, prefix_caching=cfg.prefix_caching)
-    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=cfg.cpu_threads,
+    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=threads,
              weights=f"{cfg.cpu_weights} packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context, chunked_prefill=policy.chunked,
              prefix_caching=policy.prefix_caching, token_budget=policy.token_budget)

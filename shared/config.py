@@ -93,8 +93,9 @@ class EngineConfig:
         "leading full blocks that an earlier request of the same cache salt computed; it needs chunked prefill "
         "and is off on the persistent backend; vLLM's name)", flag="--no-enable-prefix-caching")
     seed: int = _flag(0, "seed of torch and of random weights")
-    threads: int = _flag(0, "threads of the CPU backend (the quantized kernels' own pool with --cpu-weights auto "
-                         "or int8act, else torch's); 0: every core this process may use but one", minimum=0)
+    threads: int = _flag(0, "threads of the CPU backend: the quantized kernels' own pool with --cpu-weights auto "
+                         "or int8act (0: every core this process may use; it runs on one while the cores are "
+                         "contended), else torch's (0: every core but one)", minimum=0)
 
     @property
     def cpu_threads(self) -> int:
