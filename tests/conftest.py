@@ -15,8 +15,10 @@ on one worker (its module fixtures, such as a server stack, start once), and ``a
 on a host without CUDA that has two cores or more, else none (one process: the GPU tests share a single
 device, and the persistent scheduler's kernel wants all of it). ``-n N`` on the command line overrides
 it, ``-n 0`` runs in one process. The files that take longest are sent first (``LONGEST_FIRST``) so
-that the last file to finish is a short one. Nothing else needs arranging between workers: ring names
-are random, server ports come from the kernel, run dirs live under each worker's own ``tmp_path``.
+that the last file to finish is a short one. mypy, the longest single check, starts in the background
+as the session starts (``helpers.background``) and its test collects the result. Nothing else needs
+arranging between workers: ring names are random, server ports come from the kernel, run dirs live
+under each worker's own ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.background import CHECKS, Background
 from helpers.fixtures import api_stack, text  # noqa: F401  (declared here, not in each module: one stack a process)
 
 from dpu_tokenizer import fetch_assets
@@ -103,3 +106,17 @@ def ring_name() -> Iterator[str]:
     name = f"blink-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield name
     (SHM_DIR / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_checks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    """The run's background checks, started here for the selected tests that own them; an xdist worker's
+    temporary folder is one of the run's, whose parent all workers share."""
+    base = tmp_path_factory.getbasetemp()
+    checks = Background((base.parent if hasattr(request.config, "workerinput") else base) / "background")
+    selected = {item.nodeid for item in request.session.items}
+    for nodeid, check in CHECKS.items():
+        if nodeid in selected:
+            checks.start(check)
+    yield checks
+    checks.close()
