@@ -15,10 +15,10 @@ on one worker (its module fixtures, such as a server stack, start once), and ``a
 on a host without CUDA that has two cores or more, else none (one process: the GPU tests share a single
 device, and the persistent scheduler's kernel wants all of it). ``-n N`` on the command line overrides
 it, ``-n 0`` runs in one process. The files that take longest are sent first (``LONGEST_FIRST``) so
-that the last file to finish is a short one. mypy, the longest single check, starts in the background
-as the session starts (``helpers.background``) and its test collects the result. Nothing else needs
-arranging between workers: ring names are random, server ports come from the kernel, run dirs live
-under each worker's own ``tmp_path``.
+that the last file to finish is a short one, and ``test_lint.py`` last of all: mypy, the longest single
+check, starts in the background as the session starts (``helpers.background``) and its test, at the
+end, only collects the result. Nothing else needs arranging between workers: ring names are random,
+server ports come from the kernel, run dirs live under each worker's own ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ MAX_WORKERS = 2
 # Test files by wall time in a serial run of this 2-core CI host, longest first (others keep their
 # order after these); only the order of the files changes, for the workers' balance.
 LONGEST_FIRST = (
-    "test_soak.py", "test_fuzz_openapi.py", "test_lint.py", "test_peers.py", "test_chunked_prefill.py",
+    "test_soak.py", "test_fuzz_openapi.py", "test_peers.py", "test_chunked_prefill.py",
     "test_long_prompt_serve.py", "test_data_parallel.py", "test_rolling_upgrade.py", "test_serving_study.py",
     "test_e2e_real_engine.py", "test_sched_library.py", "test_frontend_jobs.py", "test_device_watchdog_stack.py",
     "test_cpu_q4.py", "test_faults.py", "test_sched_csrc.py", "test_kernels_runner.py", "test_kernels_sampling.py",
     "test_hardening_engine_kill.py", "test_fastbpe.py", "test_tools.py", "test_prefix_cache_api.py",
     "test_ring_stress.py", "test_cpu_int4.py", "test_prefix_cache.py", "test_response_format.py",
 )
+LAST = ("test_lint.py",)  # its mypy test waits for the background run: by the end that has long finished
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,8 +87,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def _longest_first(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)} | {name: len(LONGEST_FIRST) + 1 for name in LAST}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
