@@ -13,7 +13,6 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import fixtures
 from helpers.e2e import (
     FRANCE,
     MAX_CONTEXT,
@@ -30,7 +29,6 @@ from openai.types.chat import ChatCompletionChunk
 
 from dpu_tokenizer.chat import render_chat
 
-text = fixtures.text  # the real tokenizer and chat template of the default model, used by name
 _OPEN: list[openai.AsyncOpenAI] = []
 
 

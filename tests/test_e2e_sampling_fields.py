@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from helpers import fixtures
 from helpers.e2e import FRANCE, start_real_stack, sync_client
 from helpers.stack import MODEL, Stack, stop_stack
 
-text = fixtures.text  # the real tokenizer of the default model, used by name
 REPEAT = "hello " * 12
 
 

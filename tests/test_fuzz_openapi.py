@@ -3,8 +3,12 @@
 The server's limits keep generation short (at most 4 output tokens, 64 prompt tokens), so a
 schema-valid request costs a few engine steps. Checks: no 5xx, responses conform to the document,
 schema-violating requests get a 4xx, and every error is ``{"error": {"message", "type", "param",
-"code"}}``; afterwards the server still answers. The CI run draws >= 1,000 requests; the long one
+"code"}}``; afterwards the server still answers. The CI run draws >= 500 requests; the long one
 (``-m slow``) >= 20,000.
+
+The CI run's 128 cases per operation and mode still put every check on every operation, in both modes,
+positive and negative, in about a minute; it draws fewer random bodies, and the long run (another seed,
+5,000 per operation and mode) many more. Its time grows with the count of cases.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def test_default_max_tokens_within_the_limit(fuzz_stack: Stack) -> None:
 
 
 def test_fuzz_openapi(fuzz_stack: Stack) -> None:
-    run_fuzz(fuzz_stack, per_mode=255, seed=1, minimum=1000)
+    run_fuzz(fuzz_stack, per_mode=128, seed=1, minimum=500)
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ from helpers import fixtures
 from helpers.stack import MODEL, Stack, sse_events
 
 API_KEY = fixtures.API_KEY
-api_stack, text = fixtures.api_stack, fixtures.text  # the shared fixtures, used by name
 USER = [{"role": "user", "content": "Tell me about the sea, in one line."}]
 
 
@@ -160,8 +159,10 @@ async def test_exact_sse_bytes(api_stack: Stack, text) -> None:
         return (f'data: {{"id":"{cid}","object":"text_completion","created":{created},"model":"{MODEL}",'
                 f'"choices":[{{"index":0,"text":"{txt}","logprobs":null,"finish_reason":{finish}}}]}}\n\n')
 
-    expected = chunk(t1, "null") + chunk(t2, "null") + chunk("", '"length"') + "data: [DONE]\n\n"
-    assert raw.decode() == expected
+    # One event carries what the reader found since its last poll: on a busy host both tokens arrive
+    # together. Either split, every byte must be OpenAI's framing.
+    end = chunk("", '"length"') + "data: [DONE]\n\n"
+    assert raw.decode() in (chunk(t1, "null") + chunk(t2, "null") + end, chunk(t1 + t2, "null") + end)
 
 
 def failures_by_status(stack: Stack) -> dict[str, float]:

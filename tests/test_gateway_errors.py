@@ -10,7 +10,6 @@ import pytest
 from helpers import fixtures
 from helpers.stack import MODEL, Stack
 
-api_stack = fixtures.api_stack  # the shared fixture, used by name
 AUTH = {"Authorization": f"Bearer {fixtures.API_KEY}"}
 MSGS = [{"role": "user", "content": "hi"}]
 

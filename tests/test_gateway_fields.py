@@ -11,7 +11,6 @@ import pytest
 from helpers import fixtures
 from helpers.stack import MODEL, Stack
 
-api_stack, text = fixtures.api_stack, fixtures.text  # the shared fixtures, used by name
 AUTH = {"Authorization": f"Bearer {fixtures.API_KEY}"}
 MSGS = [{"role": "user", "content": "hello there"}]
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"

@@ -1,4 +1,4 @@
-"""Style gates that run with the test suite: ruff, mypy and clang-format."""
+"""Style gates that run with the test suite: ruff, mypy (started in the background: conftest) and clang-format."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.background import MYPY, Background
 
 ROOT = Path(__file__).resolve().parent.parent
 CPP_DIRS = ("gpu_engine/csrc", "tests/cpp")
@@ -25,9 +26,11 @@ def test_ruff() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_mypy() -> None:
-    out = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_mypy(background_checks: Background) -> None:
+    """The same ``mypy`` run as ever, started in the background when the session began (it takes minutes
+    and needs nothing from the other tests): this test waits for its exit status and output."""
+    code, out = background_checks.result(MYPY)
+    assert code == 0, out
 
 
 def test_clang_format() -> None:

@@ -6,6 +6,7 @@ salt, cached_tokens in the slot and the counters in /metrics."""
 
 from __future__ import annotations
 
+import collections
 import random
 from pathlib import Path
 
@@ -141,9 +142,9 @@ def test_policy_over_5000_random_requests_with_shared_prefixes() -> None:
             oracle.step(plan, alloc)
             policy.commit(plan, [next_token(w.req) for w in plan.work], eos_ids=())
         live = [r for r in live if r.phase != Phase.FINISHED]
-        held = [b for r in live for b in r.blocks]
-        assert all(alloc.refcount(b) == held.count(b) for b in set(held))
-        assert alloc.num_held == len(set(held)) and alloc.num_held + alloc.num_free == total
+        held = collections.Counter(b for r in live for b in r.blocks)
+        assert all(alloc.refcount(b) == n for b, n in held.items())
+        assert alloc.num_held == len(held) and alloc.num_held + alloc.num_free == total
     stats = alloc.cache.stats
     assert policy.num_unfinished == 0 and alloc.num_free == total
     assert all(alloc.refcount(b) == 0 for b in range(total))

@@ -24,7 +24,6 @@ from dpu_gateway import app as gateway_app
 from dpu_gateway.errors import APIError
 from dpu_gateway.params import MAX_STOP_CHARS
 
-api_stack = fixtures.api_stack  # the shared fixture (fake engine, API key), used by name
 AUTH = {"Authorization": f"Bearer {fixtures.API_KEY}"}
 MSGS = [{"role": "user", "content": "hi"}]
 

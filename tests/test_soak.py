@@ -3,8 +3,16 @@
 Every completed request must equal its greedy reference run alone (text and token strings), slot,
 running and KV gauges must return to their start, no process may restart, and the resident memory of
 every process must stay flat after warm-up. The logic and the figures are ``bench/soak.py``; the CI
-version loads the server for about two minutes, the ``slow`` one for twenty (its recorded summary is
+version loads the server for 45 s, the ``slow`` one for twenty minutes (its recorded summary is
 ``bench/results/soak_cpu_20min.json``, from ``python -m bench.soak --duration-s 1200 --level-s 8``).
+
+The CI version (about a minute and a half in all) checks the same invariants as the long one over fewer
+requests: 8-token answers instead of 16 (half the decode per request, so about twice the requests in
+the window) and 45 s of load with the memory baseline at 15 s, which still leaves six resident-memory
+samples under load and at least 50 completed requests that must all equal their references. It runs
+beside the other tests (two workers), so the host's free CPU changes while it runs; its hang-ups fall
+within 1.5 x the latency of a request alone, which every loaded request outlives, so that some clients
+do hang up mid-request however far the saturation ladder climbed.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ def check(summary: dict, clients: int) -> None:
     assert len(cpu["load_processes"]) == clients and all(c > 0 for c in cpu["load_processes"]), cpu
 
 
-def test_soak_two_minutes(tmp_path: Path) -> None:
-    check(run_soak(SoakConfig(duration_s=80, level_s=3, warmup_s=20, clients=2), tmp_path), 2)  # two load processes
+def test_soak_short(tmp_path: Path) -> None:
+    cfg = SoakConfig(duration_s=45, level_s=3, warmup_s=15, max_tokens=8, clients=2, hang_up_alone=True)
+    check(run_soak(cfg, tmp_path), 2)  # two load processes
 
 
 @pytest.mark.slow
