@@ -248,8 +248,8 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], steps: torch.Tensor,
         tokens[rows] = torch.argmax(scaled - torch.log(-torch.log(u)), dim=-1)
     k = max((s.num_top_logprobs for s in specs), default=0)
     if k == 0 and not any(s.want_logprobs for s in specs):  # no row asked: the log-softmax is skipped, zeros
-        empty = torch.zeros(len(specs), 0)
-        return SampleResult(tokens, torch.zeros(len(specs)), empty.long(), empty)
+        empty = torch.zeros(len(specs), 0, device=dev)
+        return SampleResult(tokens, torch.zeros(len(specs), device=dev), empty.long(), empty)
     return _with_logprobs(raw, tokens, k)
 
 
