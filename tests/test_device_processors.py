@@ -7,6 +7,7 @@ length and its bias entries past the count (a reused slot), which must never cou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -95,7 +96,8 @@ def test_sampled_tokens_are_the_cpu_engines() -> None:
     history = [(p, o) for _, p, o in rows]
     steps = torch.tensor([len(o) for _, _, o in rows])
     seeds = torch.tensor([s.seed for s in specs], dtype=torch.int64)
-    ref = reference_sample(logits, specs, steps, seeds, history)
+    asked = [dataclasses.replace(s, want_logprobs=True) for s in specs]  # the device sampler computes every row's
+    ref = reference_sample(logits, asked, steps, seeds, history)
     dp = tables(rows, DEV)
     d = torch.device(DEV)
     B = len(rows)

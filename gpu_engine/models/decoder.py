@@ -8,7 +8,7 @@ are the loaders' business: the modules always hold the fused form.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +21,15 @@ from gpu_engine.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from gpu_engine.kv_cache import KVCache
-    from gpu_engine.models.cpu_pack import DecodeStack
+
+
+class StackRunner(Protocol):
+    """A serving form's whole layer stack for the steps it ``runs`` (``cpu_pack.DecodeStack``)."""
+
+    def runs(self, meta: AttentionMetadata, kv_cache: KVCache, tokens: int) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: KVCache) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
@@ -68,7 +76,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         # The CPU serving form's whole layer stack in one call for decode steps (``cpu_pack.DecodeStack``).
-        self.decode_stack: DecodeStack | None = None
+        self.decode_stack: StackRunner | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
