@@ -854,4 +854,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_quant", "Quantized-weight CPU matmuls.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__cpu_quant(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_quant(void) {
+  PyObject *mod = PyModule_Create(&module);
+  if (mod != NULL && PyModule_AddIntConstant(mod, "GEMM_ROWS", GEMM_ROWS) != 0) Py_CLEAR(mod);
+  return mod;
+}

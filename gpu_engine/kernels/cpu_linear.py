@@ -30,8 +30,8 @@ except ImportError:  # not built (a source tree without its C extensions): the p
 EMBED_GROUP = 32
 Q_GROUP = 32
 # Above this many rows of x (a prefill chunk) the Q4 kernel dequantizes four weight rows at a time into a panel
-# and multiplies every row of x by it; at or below it, it reads the 4-bit codes directly (decode). As the C's.
-GEMM_ROWS = 5
+# and multiplies every row of x by it; at or below it, it reads the 4-bit codes directly (decode). The C's own.
+GEMM_ROWS: int = getattr(_cpu_quant, "GEMM_ROWS", 0)
 
 
 class KernelThreads:
