@@ -71,6 +71,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(pytest.PytestWarning(f"{msg}; their tests skip"), stacklevel=2)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the GPU host (BLINK_GPU_OUT set by scripts/gpu_run.sh), each failure's report is written as it
+    happens: a step cut by its time limit loses pytest's summary, not the failures already seen."""
+    out = os.environ.get("BLINK_GPU_OUT")
+    if out and report.failed:
+        with open(Path(out) / "failures_now.log", "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -210,11 +210,40 @@ def test_device_sampler_matches_the_reference_on_cuda() -> None:
     device_vs_reference("cuda")
 
 
+INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def count(n, BLOCK: tl.constexpr):
+    c = 0
+    for _ in range(0, n, BLOCK):
+        c += 1
+    return c
+@triton.jit
+def probe(out, n, BLOCK: tl.constexpr):
+    tl.store(out, count(n, BLOCK))
+o = torch.zeros(1, dtype=torch.int32)
+try:
+    probe[(1,)](o, 40, 16)
+except Exception as e:
+    raise SystemExit(f"UNSUPPORTED {type(e).__name__}: {e}")
+"""
+
+
 def test_device_sampler_matches_the_reference_in_the_triton_interpreter() -> None:
+    """The device sampler's kernels, interpreted on the CPU, against the reference. Some Triton releases'
+    interpreters hand a device function its int arguments as 1-element arrays, which `range` cannot take
+    under NumPy 2 (the helpers loop over the vocabulary); a probe says so, and the test skips there: the
+    CUDA test above compares the compiled kernels with the same reference."""
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); import test_sampling_processors as t; t.device_vs_reference('cpu')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
+    probe = subprocess.run([sys.executable, "-c", INTERPRETER_PROBE], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=120)
+    if "UNSUPPORTED" in probe.stderr:
+        pytest.skip(f"this Triton's interpreter cannot loop over a device function's int argument: "
+                    f"{probe.stderr.strip()[-200:]}")
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    code = "import sys; sys.path.insert(0, 'tests'); import test_sampling_processors as t; t.device_vs_reference('cpu')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

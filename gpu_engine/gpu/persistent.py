@@ -185,7 +185,7 @@ class PersistentScheduler:
                  claim_with_cas: bool = True, scan_flips: bool = True, heartbeat_ms: float = 5.0,
                  drain_s: float = 5.0,
                  yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False,
-                 chunked: bool = False, token_budget: int | None = None,
+                 chunked: bool = False, token_budget: int | None = None, prefix_caching: bool = False,
                  step_timeout_s: float = 0.0, fault: tuple[int, int] = (0, 0)) -> None:
         self.lib = library(phase_clocks)
         self.ring_addr = ring_addr
@@ -196,6 +196,7 @@ class PersistentScheduler:
         cfg.claim_with_cas = int(claim_with_cas)
         # the policy's token budget (Policy.token_budget): the largest prefill graph without chunking
         cfg.chunked = int(chunked)
+        cfg.prefix_caching = int(prefix_caching and chunked)  # a cached prefix is a prefill starting after it
         cfg.max_prefill_tokens = token_budget or limits.max_tokens  # type: ignore[attr-defined]
         if chunked and cfg.max_prefill_tokens < max_batch:
             raise SchedulerError(f"token budget {cfg.max_prefill_tokens} < max batch {max_batch}")

@@ -102,7 +102,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
     # (persistent: a masked path in every graph, a row without processors costs one load). The device path is
-    # built and checked on the CPU but has not run on a GPU yet: it stays off unless BLINK_DEVICE_PROCESSORS=1.
+    # on with BLINK_DEVICE_PROCESSORS=1 (shared/env.py says why not yet by default).
     device_procs = cfg.backend == "persistent" and env.env().device_processors
     tables = DeviceTables(g.num_slots, max_context) if device_procs else None
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
@@ -140,6 +140,7 @@ class PersistentEngine:
         self.ring, self.parts, self.cfg = ring, parts, cfg
         self.fault = (DEVICE_FAULTS[fault.kind], fault.at_step) if fault is not None else (0, 0)
         self.step_timeout_s = env.env().step_timeout_s
+        self.prefix_caching = device_prefix_cache(cfg) and parts.chunked  # as the Policy decides it
 
     def flips_usable(self) -> bool:
         """Find new prompts through the header's flip bits: the ring's writer keeps them (minor >= 1), they
@@ -155,7 +156,8 @@ class PersistentEngine:
                                     p.max_context, p.vocab_size, yield_graphs=yielding,
                                     claim_with_cas=not env.env().sched_plain_claim,
                                     scan_flips=self.flips_usable(), chunked=p.chunked,
-                                    token_budget=p.token_budget, step_timeout_s=self.step_timeout_s,
+                                    token_budget=p.token_budget, prefix_caching=self.prefix_caching,
+                                    step_timeout_s=self.step_timeout_s,
                                     fault=self.fault)
         ring.header_store64("heartbeat_ns", time.time_ns())
         if p.limits.device_tables is not None:  # else the gateway refuses those fields with a 400
@@ -254,14 +256,20 @@ def check_exit(sched: Watched) -> None:
     sched.wait()
 
 
+def device_prefix_cache(cfg: EngineConfig) -> bool:
+    """The persistent scheduler's prefix cache: asked for (the default) and switched on in the environment."""
+    return cfg.prefix_caching and env.env().device_prefix_cache
+
+
 def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     parts = build_parts(cfg)
     persistent = cfg.backend == "persistent"
     policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, parts.token_budget,
                     prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked,
-                    prefix_caching=cfg.prefix_caching and not persistent)
-    log.info("prefix caching", on=policy.prefix_caching,
-             **({"why_off": "the persistent scheduler does not cache prefixes yet"} if persistent else {}))
+                    prefix_caching=device_prefix_cache(cfg) if persistent else cfg.prefix_caching)
+    log.info("prefix caching", on=policy.prefix_caching, where="device" if persistent else "host",
+             **({"why_off": "BLINK_DEVICE_PREFIX_CACHE is not 1"} if persistent and cfg.prefix_caching
+                and not policy.prefix_caching and parts.chunked else {}))
     if persistent:
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
                        make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault))

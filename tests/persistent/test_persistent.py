@@ -96,14 +96,22 @@ def test_host_driven_matches_cpu_engine(tiny: Path) -> None:
     assert stats["exit_code"] == 0 and not stats["segment_left"]
 
 
-def test_persistent_5000_requests_with_cancellations(tiny: Path) -> None:
+@pytest.mark.parametrize("switches", ["defaults", "device_features"])
+def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """5,000 requests, a tenth hung up, and one crossing many launch windows: the host-driven mode's tokens.
+    Run with the defaults and with the device processors and the device prefix cache switched on (the form
+    whose pass lets those switches default to on)."""
+    if switches == "device_features":
+        monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
+        monkeypatch.setenv("BLINK_DEVICE_PREFIX_CACHE", "1")
     jobs = random_jobs(5000, VOCAB, seed=2, max_prompt=160, max_new=96, cancel_frac=0.1)
     jobs.append(Job(10_000, jobs[0].prompt[:8], 4096))  # crosses many launch windows
     reference = [Job(j.rid, j.prompt, j.max_new) for j in jobs]  # host-driven, nothing cancelled
-    host, _ = serve_jobs(tiny, "host", reference, window=16, tag="5k")
-    pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag="5k")
+    host, _ = serve_jobs(tiny, "host", reference, window=16, tag=f"5k-{switches}")
+    pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag=f"5k-{switches}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "persistent_5k.json").write_text(json.dumps(stats))
+    (OUT / f"persistent_5k_{switches}.json").write_text(json.dumps(stats))
     assert set(pers) == {j.rid for j in jobs}
     cancelled = [j for j in jobs if pers[j.rid].reason == F.CANCELLED]
     assert all(j.cancel_after is not None for j in cancelled)
@@ -218,3 +226,17 @@ def test_host_driven_prefix_cache_gives_the_uncached_tokens(tiny: Path) -> None:
     check_against(jobs, on, off, "host-driven, prefix cache on")
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
     assert stats["prefix_cache_hits"] > 16 * len(jobs) // 2, stats  # most requests share at least 2 blocks
+
+
+def test_persistent_prefix_cache_gives_the_uncached_tokens(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's prefix cache (sched_prefix.cuh) on, against the host-driven backend with it off: the
+    same greedy tokens, hits counted, every block back (held, idle-cached or unused) at the end."""
+    monkeypatch.setenv("BLINK_DEVICE_PREFIX_CACHE", "1")
+    jobs = shared_prefix_jobs(400, seed=13)
+    off, _ = serve_jobs(tiny, "host", jobs, window=32, tag="nocache-ref",
+                        engine_args=(*CHUNK_ARGS, "--no-enable-prefix-caching"))
+    on, stats = serve_jobs(tiny, "persistent", jobs, window=32, tag="cache", engine_args=CHUNK_ARGS)
+    (OUT / "persistent_prefix_cache.json").write_text(json.dumps(stats))
+    check_against(jobs, on, off, "persistent, prefix cache on")
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0, stats
+    assert stats["prefix_cache_hits"] > 16 * len(jobs) // 2, stats

@@ -24,8 +24,8 @@ from shared.messages import Sampling
 
 @pytest.fixture(autouse=True)
 def device_processors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent scheduler's device processors are off by default until this file has passed on a GPU;
-    the engines these tests start inherit the switch."""
+    """The persistent scheduler's device processors are off by default (shared/env.py says until when); the
+    engines these tests start inherit the switch."""
     monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
 
 
@@ -125,14 +125,18 @@ def check_effects(jobs: list[ProcJob], got: dict[int, Result], what: str) -> Non
 
 def same_tokens(jobs: list[ProcJob], got: dict[int, Result], ref: dict[int, Result], what: str,
                 greedy_only: bool) -> None:
-    """Tokens equal to the reference's (a cancelled request's are a prefix of them)."""
+    """Tokens equal to the reference's. Where either side was cancelled (the two runs hang up at moments of
+    their own), the shorter output is a prefix of the longer."""
     diff = []
     for j in jobs:
         if greedy_only and j.temperature > 0:
             continue
         g, r = got[j.rid], ref[j.rid]
-        ok = g.tokens == r.tokens[: len(g.tokens)] if g.reason == F.CANCELLED else (g.tokens, g.reason) == (
-            r.tokens, r.reason)
+        if F.CANCELLED in (g.reason, r.reason):
+            n = min(len(g.tokens), len(r.tokens))
+            ok = g.tokens[:n] == r.tokens[:n] and (g.reason == F.CANCELLED or len(g.tokens) >= len(r.tokens))
+        else:
+            ok = (g.tokens, g.reason) == (r.tokens, r.reason)
         if not ok:
             diff.append(j.rid)
     assert not diff, f"{what}: {len(diff)} of {len(jobs)} requests differ, e.g. {diff[:8]}"
