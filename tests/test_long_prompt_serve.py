@@ -54,8 +54,10 @@ async def scenario(stack: Stack) -> None:
         await asyncio.sleep(0.05)
     long_ids = [(17 * k) % 40000 + 100 for k in range(LONG)]
     t0 = time.monotonic()
+    # its prefill alone takes 25-30 s on one quiet core and twice that beside a busy neighbour: the bound
+    # is a hang detector, not a speed target (bench/cpu_peer.py measures prefill speed)
     long = await client.completions.create(model=MODEL, prompt=long_ids, max_tokens=2, temperature=0,
-                                           extra_body={"ignore_eos": True})
+                                           extra_body={"ignore_eos": True}, timeout=300)
     t1 = time.monotonic()
     texts = await asyncio.gather(*short)
     stop.set()
