@@ -22,6 +22,7 @@ from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.routes import add_routes
 from dpu_gateway.state import (
     BACKEND,
+    BEATS,
     CODEC,
     CONFIG,
     GRAMMARS,
@@ -123,6 +124,7 @@ async def on_startup(app: web.Application) -> None:
     cfg = app[CONFIG]
     app[BACKEND] = Backend(cfg.run_dir, cfg.gateway_id)
     app[BACKEND].start()
+    app[BEATS] = asyncio.create_task(app[RING].follow_beats(), name="engine beats")
 
 
 async def on_shutdown(app: web.Application) -> None:
@@ -138,6 +140,7 @@ async def on_shutdown(app: web.Application) -> None:
 
 
 async def on_cleanup(app: web.Application) -> None:
+    app[BEATS].cancel()
     await app[BACKEND].close()
     app[RING].close()
 

@@ -11,6 +11,7 @@ to the others); 503 only when none serves.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -45,6 +46,18 @@ class RingSet:
 
     def alive(self) -> bool:
         return any(w.alive() for w in self.watches)
+
+    async def follow_beats(self) -> None:
+        """Look at every engine's beat counter at an eighth of the heartbeat timeout, for ever.
+
+        Liveness is what this process saw (``shared.ring.Liveness``): a gateway that looked only when a
+        request came would see the counter's last move at its next look, however long ago the engine
+        stopped, and call a hung engine alive for another timeout. Sampled here, /health turns 503 within
+        an eighth of the timeout of the moment the reader ends the streams."""
+        while True:
+            for watch in self.watches:
+                watch.alive()
+            await asyncio.sleep(self.timeout_s / 8)
 
     def close(self) -> None:
         for watch in self.watches:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -68,6 +69,7 @@ RING = web.AppKey("ring", RingSet)  # every engine's ring (one without --data-pa
 METRICS = web.AppKey("metrics", FrontendMetrics)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
+BEATS = web.AppKey("beats", asyncio.Task)  # RingSet.follow_beats
 
 
 @dataclasses.dataclass(slots=True)
