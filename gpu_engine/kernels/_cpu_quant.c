@@ -775,20 +775,25 @@ static int run_stack(float *x, const int64_t *plan, const StackShape *s, const f
   float *h = PyMem_RawMalloc(sizeof(float) * B * (H + row + s->heads * D + 3 * I));
   if (h == NULL) return -1;
   float *qkv = h + B * H, *att = qkv + B * row, *gu = att + B * s->heads * D, *act = gu + B * 2 * I;
+  /* each product or attention that fails (out of memory) ends the stack at once: nothing after it runs, so
+   * no K or V row computed from a half-made step reaches the cache */
   int rc = 0;
-  for (int64_t l = 0; l < s->L && rc == 0; l++) {
+  for (int64_t l = 0; l < s->L; l++) {
     const int64_t *p = plan + l * P_FIELDS;
     uint16_t *kc = (uint16_t *)p[P_K_CACHE], *vc = (uint16_t *)p[P_V_CACHE];
     rms_rows(h, x, (const float *)p[P_ATTN_NORM], B, H, s->eps);
-    rc |= q4_product(qkv, h, (const uint8_t *)p[P_QKV], B, row, H, 0, (int)s->threads, (int)s->int8_x);
+    if ((rc = q4_product(qkv, h, (const uint8_t *)p[P_QKV], B, row, H, 0, (int)s->threads, (int)s->int8_x))) break;
     rope_rows(qkv, cos, sin, kc, vc, slots, B, s->heads, s->kv_heads, D, row);
-    rc |= attend_rows(att, qkv, kc, vc, tables, ctx_lens, B, s->heads, s->kv_heads, D, s->block_size, s->width, row,
-                      s->window, s->scale);
-    rc |= q4_product(x, att, (const uint8_t *)p[P_O], B, H, s->heads * D, 1, (int)s->threads, (int)s->int8_x);
+    if ((rc = attend_rows(att, qkv, kc, vc, tables, ctx_lens, B, s->heads, s->kv_heads, D, s->block_size, s->width,
+                          row, s->window, s->scale)))
+      break;
+    if ((rc = q4_product(x, att, (const uint8_t *)p[P_O], B, H, s->heads * D, 1, (int)s->threads, (int)s->int8_x)))
+      break;
     rms_rows(h, x, (const float *)p[P_MLP_NORM], B, H, s->eps);
-    rc |= q4_product(gu, h, (const uint8_t *)p[P_GATE_UP], B, 2 * I, H, 0, (int)s->threads, (int)s->int8_x);
+    if ((rc = q4_product(gu, h, (const uint8_t *)p[P_GATE_UP], B, 2 * I, H, 0, (int)s->threads, (int)s->int8_x)))
+      break;
     silu_mul_rows(act, gu, B, I);
-    rc |= q4_product(x, act, (const uint8_t *)p[P_DOWN], B, H, I, 1, (int)s->threads, (int)s->int8_x);
+    if ((rc = q4_product(x, act, (const uint8_t *)p[P_DOWN], B, H, I, 1, (int)s->threads, (int)s->int8_x))) break;
   }
   PyMem_RawFree(h);
   return rc;
