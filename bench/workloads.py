@@ -8,6 +8,12 @@ Workloads (token counts; the server's limits clip every draw):
 - ``vllm``: log-normal, means 200 / 180, sigma 0.6 for both: the shorter, tighter request mix that
   vLLM's own serving benchmark runs on ShareGPT after its filtering.
 - ``fixed``: every request 1024 prompt / 512 output tokens (sigma 0).
+- ``shared``: chat traffic that repeats itself (``Conversations``): one 1,000-token system prompt starts every
+  request, and each conversation of 2-5 turns re-sends its whole history (the system prompt, the earlier user
+  turns and replies) with a new user turn; the prefix caches of both servers get the same repeats. Replies
+  are corpus text of the drawn reply length, not the server's own output, and each request asks for that many
+  tokens; conversations are interleaved in groups, turn by turn, so a turn arrives seconds after the one
+  before it. ``--prompt-mean`` / ``--output-mean`` do not apply.
 
 A log-normal with mean ``m`` and spread ``s`` has ``mu = ln(m) - s**2 / 2``. After clipping and rounding,
 the mean of the drawn set drifts from ``m``; ``sample_lengths`` shifts ``mu`` by bisection until the drawn
@@ -75,8 +81,22 @@ surprised each time by how many there are and how slowly, patiently, the whole s
 
 
 @dataclass(frozen=True)
+class Conversations:
+    """The ``shared`` workload's traffic (module docstring): lengths in tokens, log-normal with these means."""
+
+    system_len: int = 1000
+    min_turns: int = 2
+    max_turns: int = 5
+    user_mean: float = 120.0
+    reply_mean: float = 150.0
+    sigma: float = 0.6
+    group: int = 16  # conversations interleaved turn by turn
+
+
+@dataclass(frozen=True)
 class Workload:
-    """Length distributions of one workload: log-normal means and spreads (sigma 0: fixed lengths)."""
+    """Length distributions of one workload: log-normal means and spreads (sigma 0: fixed lengths), or
+    conversations sharing a system prompt."""
 
     name: str
     prompt_mean: float
@@ -84,17 +104,22 @@ class Workload:
     prompt_sigma: float
     output_sigma: float
     doc: str
+    conversations: Conversations | None = None
 
     def scaled(self, prompt_mean: float | None = None, output_mean: float | None = None) -> Workload:
         """The same shape with other means (e.g. a shorter mix for a slow CPU engine)."""
+        if self.conversations is not None and (prompt_mean or output_mean):
+            raise ValueError(f"the {self.name} workload's lengths come from its conversations, not from means")
         return Workload(self.name, prompt_mean or self.prompt_mean, output_mean or self.output_mean,
-                        self.prompt_sigma, self.output_sigma, self.doc)
+                        self.prompt_sigma, self.output_sigma, self.doc, self.conversations)
 
 
 WORKLOADS = {
     "paper": Workload("paper", 1019, 463, 1.0, 0.8, "ShareGPT-like means from the paper, heavy-tailed"),
     "vllm": Workload("vllm", 200, 180, 0.6, 0.6, "vLLM's filtered ShareGPT mix, shorter and tighter"),
     "fixed": Workload("fixed", 1024, 512, 0.0, 0.0, "every request the same length"),
+    "shared": Workload("shared", 0, 150, 0.0, 0.6, "a shared system prompt and multi-turn conversations "
+                       "re-sending their history", Conversations()),
 }
 
 
@@ -198,9 +223,45 @@ class PromptMaker:
 
 def build_requests(workload: Workload, n: int, tokenizer: Any, limits: Limits = Limits(), seed: int = 0,
                    as_text: bool = False) -> list[RequestSpec]:
-    """``n`` requests of ``workload``: lengths from ``draw_lengths``, prompts from the real-text corpus."""
+    """``n`` requests of ``workload``: lengths from ``draw_lengths``, prompts from the real-text corpus (or the
+    ``shared`` workload's conversations, always as token ids: a prefix must be a prefix token for token)."""
+    if workload.conversations is not None:
+        return conversation_requests(workload.conversations, n, tokenizer, limits, seed)
     maker = PromptMaker(tokenizer, seed)
     return [maker.request(p, o, as_text) for p, o in draw_lengths(workload, n, limits, seed)]
+
+
+SYSTEM_PROMPT_SEED = 7  # one system prompt for every rate and run: a deployment's does not change
+
+
+def conversation_requests(conv: Conversations, n: int, tokenizer: Any, limits: Limits = Limits(),
+                          seed: int = 0) -> list[RequestSpec]:
+    """``n`` requests of interleaved conversations (the ``shared`` workload): every prompt starts with the one
+    system prompt; turn k of a conversation is turn k-1's prompt, its reply and a new user turn. A
+    conversation ends early where its next turn would pass the server's limits."""
+    system = PromptMaker(tokenizer, SYSTEM_PROMPT_SEED).ids_of_length(min(conv.system_len, limits.max_prompt - 1))
+    maker, rng = PromptMaker(tokenizer, seed), np.random.default_rng(seed)
+
+    def length(mean: float) -> int:
+        mu = math.log(mean) - conv.sigma * conv.sigma / 2
+        return int(_clipped(rng.standard_normal(1), mu, conv.sigma, 1 << 20)[0])
+
+    out: list[RequestSpec] = []
+    while len(out) < n:
+        histories = [list(system) for _ in range(conv.group)]
+        turns = rng.integers(conv.min_turns, conv.max_turns + 1, size=conv.group).tolist()
+        for turn in range(max(turns)):
+            for c in range(conv.group):
+                if turn >= turns[c] or len(out) >= n:
+                    continue
+                prompt = histories[c] + maker.ids_of_length(length(conv.user_mean))
+                reply = length(conv.reply_mean)
+                if len(prompt) > limits.max_prompt or len(prompt) + reply > limits.max_context:
+                    turns[c] = turn  # the conversation ends here
+                    continue
+                out.append(RequestSpec(prompt, len(prompt), min(reply, limits.max_output)))
+                histories[c] = prompt + maker.ids_of_length(reply)
+    return out
 
 
 def summary(requests: Sequence[RequestSpec]) -> dict[str, float]:

@@ -24,9 +24,9 @@ from helpers.procfs import processes
 
 from bench.peers import report
 from bench.peers.load import Outcome, Schedule, Window
-from bench.peers.measure import keeps_up, queue_growth, window_counts
+from bench.peers.measure import cache_window, keeps_up, queue_growth, window_counts
 from bench.peers.systems import Peer, parse_peer, parse_vllm_log, write_tokenizer_config
-from bench.workloads import RequestSpec
+from bench.workloads import WORKLOADS, Limits, RequestSpec, build_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_KEYS = ("system", "version", "cotenant", "rate", "window_s", "arrived", "completed", "failed", "unfinished",
@@ -75,6 +75,8 @@ def check_record(rec: dict[str, Any], served: bool = True) -> None:
     assert rec["queue_start"] is not None and rec["queue_end"] is not None  # Blink's waiting gauge is read
     assert rec["version"] and rec["window_s"] == 3.0 and rec["rate"] == 1.0
     assert len(rec["client_cpu_s_per_min"]) == 2 and rec["cores"]["client"] == sorted(os.sched_getaffinity(0))[:1]
+    cache = rec["prefix_cache"]  # Blink's counters, read at the window's start and end
+    assert cache is not None and cache["hits"] <= cache["queries"], cache
 
 
 @pytest.mark.timeout(900)
@@ -257,7 +259,55 @@ def test_table_ratios() -> None:
                     rec("vllm", "heavy", 10.0, tpot_ms={"p50": 25.0, "p99": 40.0})],
         "systems": {}, "errors": {}, "skipped": []})
     table = report.format_table(doc)
-    assert "| none | 10 | blink-persistent / vllm | 0.80x | 0.60x | 1.00x | 1.00x | 1.00x | |" in table
+    assert "| none | 10 | blink-persistent / vllm | 0.80x | 0.60x | 1.00x | 1.00x | 1.00x | - | |" in table
     assert "| heavy | 10 | blink-persistent / vllm | 0.40x | 0.50x |" in table
     assert "| vllm | 10 | 2.50x | 2.00x | 1.00x |" in table  # heavy over none
     assert "| none | >= 10 | >= 10 | 1.00x |" in table  # plateaus: not bracketed from above
+
+
+class CountingServer:
+    """A system whose prefix-cache counters move by fixed steps each reading (queries 1,000, hits 600)."""
+
+    def __init__(self, counters: bool = True) -> None:
+        self.readings = 0
+        self.counters = counters
+
+    def cache_counters(self) -> tuple[float | None, float | None]:
+        self.readings += 1
+        return (1000.0 * self.readings, 600.0 * self.readings) if self.counters else (None, None)
+
+
+def test_cache_window_is_the_counters_difference_over_the_window() -> None:
+    import asyncio
+    import time as clock
+
+    sched = Schedule(1.0, (), (), Window(0.0, 0.2, 0.0))
+    server = CountingServer()
+    got = asyncio.run(cache_window(server, clock.perf_counter(), sched))  # type: ignore[arg-type]
+    assert got == {"queries": 1000.0, "hits": 600.0, "hit_rate": 0.6} and server.readings == 2
+    assert asyncio.run(cache_window(CountingServer(False), clock.perf_counter(), sched)) is None  # type: ignore[arg-type]
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_shared_workload_repeats_a_system_prompt_and_each_conversations_history() -> None:
+    """Every prompt starts with the one system prompt (the same at every rate's seed); a conversation's next
+    turn starts with its previous turn's prompt; the server's limits hold; most prompt tokens repeat."""
+    limits = Limits(max_prompt=3000, max_output=512, max_context=3200)
+    reqs = build_requests(WORKLOADS["shared"], 300, CharTokenizer(), limits, seed=5)
+    other = build_requests(WORKLOADS["shared"], 10, CharTokenizer(), limits, seed=6)
+    system = reqs[0].prompt[:1000]
+    assert len(reqs) == 300 and all(r.prompt[:1000] == system for r in reqs + other)
+    assert reqs[1].prompt != reqs[0].prompt
+    assert all(r.prompt_len == len(r.prompt) <= 3000 and r.prompt_len + r.output_len <= 3200 for r in reqs)
+    prompts = {tuple(r.prompt) for r in reqs}
+    continued = sum(any(tuple(r.prompt[:k]) in prompts for k in range(1001, len(r.prompt))) for r in reqs)
+    assert continued > len(reqs) // 2, continued  # turns 2-5 re-send an earlier prompt whole
+    with pytest.raises(ValueError):
+        WORKLOADS["shared"].scaled(prompt_mean=100)

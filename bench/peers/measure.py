@@ -13,7 +13,9 @@ A record (one per system, co-tenant level and offered rate in ``peers.json``):
 - ``queue_start``, ``queue_end``, ``queue_max``, ``queue_growth`` (a line fitted through readings every
   second): the server's waiting-requests gauge over the window; ``keeps_up`` and ``keeps_up_why``: the
   plateau's test;
-- ``server_cpu_s_per_min`` (by process), ``client_cpu_s_per_min`` (per client process), ``client_busy``.
+- ``server_cpu_s_per_min`` (by process), ``client_cpu_s_per_min`` (per client process), ``client_busy``;
+- ``prefix_cache``: prompt tokens the server looked up in its prefix cache over the window, those it found,
+  and ``hit_rate`` (its own counters, read at the window's start and end; None without them).
 """
 
 from __future__ import annotations
@@ -126,21 +128,36 @@ async def meter_window(meter: CpuMeter, t0: float, schedule: Schedule) -> dict[s
     return per_min
 
 
+async def cache_window(system: System, t0: float, schedule: Schedule) -> dict[str, Any] | None:
+    """The prefix cache over the window, from the server's own counters read at its start and end: prompt
+    tokens looked up, found, and their ratio (None where the server has no such counters)."""
+    w = schedule.window
+    await asyncio.sleep(max(0.0, t0 + w.start - time.perf_counter()))
+    q0, h0 = await asyncio.to_thread(system.cache_counters)
+    await asyncio.sleep(max(0.0, t0 + w.end - time.perf_counter()))
+    q1, h1 = await asyncio.to_thread(system.cache_counters)
+    if None in (q0, h0, q1, h1):
+        return None
+    queries, hits = q1 - q0, h1 - h0  # type: ignore[operator]
+    return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+
+
 async def measure(system: System, clients: Clients, model: str, schedule: Schedule) -> dict[str, Any]:
     """Send one rate's stream to ``system`` and return its record (without system and co-tenant labels)."""
     t0 = time.perf_counter() + START_LEAD_S
     meter = CpuMeter(system.pids)
     queue_task = asyncio.create_task(watch_queue(system, t0, schedule))
     cpu_task = asyncio.create_task(meter_window(meter, t0, schedule))
+    cache_task = asyncio.create_task(cache_window(system, t0, schedule))
     outs, client_cpu = await clients.send(f"{system.url}/v1/completions", model, schedule, t0)
-    samples, server_cpu = await queue_task, await cpu_task
+    samples, server_cpu, cache = await queue_task, await cpu_task, await cache_task
     w = schedule.window
     rec: dict[str, Any] = {"rate": schedule.rate, "window_s": w.window_s, "warmup_s": w.warmup_s,
                            "drain_s": w.drain_s, **window_counts(schedule, outs)}
     rec.update(queue_start=samples[0][1] if samples else None, queue_end=samples[-1][1] if samples else None,
                queue_max=max(q for _, q in samples) if samples else None,
                queue_growth=queue_growth(samples, w.window_s), queue_readings=len(samples),
-               server_cpu_s_per_min=server_cpu, client_cpu_s_per_min=client_cpu,
+               server_cpu_s_per_min=server_cpu, client_cpu_s_per_min=client_cpu, prefix_cache=cache,
                client_busy=bool(client_cpu) and max(client_cpu) >= CLIENT_BUSY_S_PER_MIN)
     rec["keeps_up"], rec["keeps_up_why"] = keeps_up(rec)
     return rec

@@ -20,7 +20,8 @@ LEVEL_ORDER = {"none": 0, "moderate": 1, "heavy": 2}
 RESOLUTION = 1.0  # req/s: the plateau is bracketed this tightly
 METRICS = (("TPOT p50 (ms)", ("tpot_ms", "p50"), ".1f"), ("TPOT p99 (ms)", ("tpot_ms", "p99"), ".1f"),
            ("TTFT p99 (ms)", ("ttft_ms", "p99"), ".0f"), ("sustained req/s", ("sustained_req_s",), ".2f"),
-           ("sustained tok/s", ("sustained_out_tok_s",), ".0f"))
+           ("sustained tok/s", ("sustained_out_tok_s",), ".0f"),
+           ("prefix hit rate", ("prefix_cache", "hit_rate"), ".3f"))
 
 
 # ---------------------------------------------------------------------- records and plateaus

@@ -79,14 +79,20 @@ def parse_vllm_log(text: str) -> dict[str, Any]:
 
 
 def parse_blink_log(text: str) -> dict[str, Any]:
-    """Blink's settings from its JSON log: the engine's ``model loaded`` event."""
+    """Blink's settings from its JSON log: the CPU engine's ``model loaded`` event, and whether the engine
+    caches prefixes (the GPU engines' ``prefix caching`` event; the CPU engine's ``model loaded`` says too)."""
+    out: dict[str, Any] = {}
     for line in text.splitlines():
-        if line.startswith("{") and '"model loaded"' in line:
-            with contextlib.suppress(json.JSONDecodeError):
-                event = json.loads(line)
-                return {k: event[k] for k in ("kv_blocks", "block_size", "max_context", "threads", "family")
-                        if k in event}
-    return {}
+        if not line.startswith("{") or ('"model loaded"' not in line and '"prefix caching"' not in line):
+            continue
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if event.get("event") == "prefix caching":
+                out["prefix_caching"] = bool(event.get("on"))
+            elif event.get("event") == "model loaded" and "kv_blocks" not in out:
+                out.update({k: event[k] for k in ("kv_blocks", "block_size", "max_context", "threads", "family",
+                                                  "prefix_caching") if k in event})
+    return out
 
 
 def blink_version() -> str:
@@ -111,16 +117,19 @@ class PeerKind:
     running_gauge: str | None
     parse_log: Callable[[str], dict[str, Any]]
     default_command: str | None = None
+    cache_counters: tuple[str, str] | None = None  # prompt tokens looked up in / found in the prefix cache
 
 
 def _no_settings(text: str) -> dict[str, Any]:
     return {}
 
 
+BLINK_CACHE_COUNTERS = ("blink:prefix_cache_queries_total", "blink:prefix_cache_hits_total")
 PEER_KINDS = {
     "vllm": PeerKind("/health", "vllm:num_requests_waiting", "vllm:num_requests_running", parse_vllm_log,
-                     VLLM_COMMAND),
-    "blink": PeerKind("/health", "blink:num_requests_waiting", "blink:num_requests_running", parse_blink_log),
+                     VLLM_COMMAND, ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")),
+    "blink": PeerKind("/health", "blink:num_requests_waiting", "blink:num_requests_running", parse_blink_log,
+                      cache_counters=BLINK_CACHE_COUNTERS),
     "openai": PeerKind("/v1/models", None, None, _no_settings),
 }
 
@@ -193,6 +202,7 @@ class System(Protocol):
     def start(self, timeout_s: float) -> None: ...
     def stop(self) -> int: ...
     def gauges(self) -> tuple[float | None, float | None]: ...
+    def cache_counters(self) -> tuple[float | None, float | None]: ...
     def pids(self) -> dict[str, int]: ...
     def describe(self) -> dict[str, Any]: ...
     def log_tail(self, n: int = 3000) -> str: ...
@@ -247,6 +257,11 @@ def read_gauges(url: str, waiting: str | None, running: str | None) -> tuple[flo
     status, body = http_get(url + "/metrics")
     values = parse_metrics(body.decode(errors="replace")) if status == 200 else {}
     return (values.get(waiting) if waiting else None), (values.get(running) if running else None)
+
+
+def read_cache_counters(url: str, names: tuple[str, str] | None) -> tuple[float | None, float | None]:
+    """The prefix cache's (queries, hits) counters in prompt tokens, as the server reports them."""
+    return read_gauges(url, *names) if names is not None else (None, None)
 
 
 class CommandServer:
@@ -313,6 +328,9 @@ class CommandServer:
         obs = self.peer.observer
         return read_gauges(self.url, obs.waiting_gauge, obs.running_gauge)
 
+    def cache_counters(self) -> tuple[float | None, float | None]:
+        return read_cache_counters(self.url, self.peer.observer.cache_counters)
+
     def pids(self) -> dict[str, int]:
         """The command's process group and every process it started."""
         if self.proc is None:
@@ -351,6 +369,9 @@ class BlinkServer:
 
     def gauges(self) -> tuple[float | None, float | None]:
         return read_gauges(self.url, "blink:num_requests_waiting", "blink:num_requests_running")
+
+    def cache_counters(self) -> tuple[float | None, float | None]:
+        return read_cache_counters(self.url, BLINK_CACHE_COUNTERS)
 
     def pids(self) -> dict[str, int]:
         return self.serve.pids() if self.serve.proc is not None else {}
