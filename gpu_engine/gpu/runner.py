@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
-from gpu_engine.kernels.gemv import gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
@@ -37,12 +36,6 @@ from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
 from shared.slots import MAX_LOGIT_BIAS
-
-# Steps of at most this many tokens use `kernels.gemv` for their projections (fused path). Off (0): a
-# request's tokens must not depend on how many tokens its step carries, and the skinny matmul sums in
-# another order than cuBLAS does for larger steps (on the H200 one of 5,000 fp32 greedy requests then
-# differed between two runs whose steps were batched differently).
-GEMV_ROWS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,10 +293,8 @@ class GpuModelRunner:
         return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """F.linear(x, w) (of silu(gate) * up when `silu_mul`); a decode-sized step (fused, at most
-        GEMV_ROWS rows) takes the skinny matmul, with the SiLU-and-multiply applied as it loads x."""
-        if self.fused and x.shape[0] <= GEMV_ROWS:
-            return gemv(x, w, act="silu_mul" if silu_mul else None)
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size: `kernels.gemv` is
+        not used here (its module docstring says why)."""
         return F.linear(silu_and_mul(x) if silu_mul else x, w)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
