@@ -341,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
     serve.add_argument("--startup-timeout", type=float, default=600.0,
                        help="seconds the engine and services may take to become ready")
+    serve.add_argument("--service-nice", type=int, default=0, metavar="N",
+                       help="nice value (-20..19) of every process blink serve starts; below 0 needs CAP_SYS_NICE "
+                            "and keeps the frontend's share of the cores beside CPU-bound neighbours")
     add_refused_flags(serve)
     serve.set_defaults(func=cmd_serve)
     gw = sub.add_parser("gateway", help="one HTTP gateway process", formatter_class=HELP)

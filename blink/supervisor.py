@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import multiprocess
@@ -63,10 +65,13 @@ class ServeConfig:
     startup_timeout_s: float = 600.0
     api_key: str | None = dataclasses.field(default=None, repr=False)  # to the gateways' environment only
     engine_env: tuple[dict[str, str], ...] = ()  # each engine's extra environment (its GPU); () for none
+    service_nice: int = 0  # every child's nice value (Child.nice)
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
             raise ValueError(f"--gateways must be >= 1, got {self.gateways}")
+        if not -20 <= self.service_nice <= 19:
+            raise ValueError(f"--service-nice must be within -20..19, got {self.service_nice}")
         if self.engine_env and len(self.engine_env) != len(self.engine_args):
             raise ValueError("one environment per engine")
 
@@ -82,7 +87,7 @@ class ServeConfig:
         dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
                    tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
-                   a.startup_timeout, a.api_key, engine_envs(engine, dp))
+                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice)
 
 
 def engine_argvs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[tuple[str, ...], ...]:
@@ -128,6 +133,20 @@ def _die_with_parent() -> None:
     os.setpgid(0, 0)
 
 
+def _before_exec(nice: int) -> Callable[[], None]:
+    """The child's set-up before exec: ``_die_with_parent``, then its nice value (every thread it starts
+    inherits it). A value it may not take (below 0 without CAP_SYS_NICE) is left for ``Child.spawn`` to
+    report: an exception here would fail the spawn."""
+
+    def run() -> None:
+        _die_with_parent()
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+    return run
+
+
 @dataclasses.dataclass(slots=True)
 class Child:
     name: str
@@ -137,11 +156,19 @@ class Child:
     retired: bool = False             # an engine left stopped after too many restarts
     proc: subprocess.Popen | None = None
     starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+    nice: int = 0  # --service-nice: below 0 keeps the child's share of the cores beside CPU-bound neighbours
 
     def spawn(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_before_exec(self.nice),
+                                     stdin=subprocess.DEVNULL)
         self.starts.append(time.monotonic())
         log.info("started", child=self.name, pid=self.proc.pid)
+        if self.nice:
+            with contextlib.suppress(OSError):  # an exited child: its exit is handled where it is seen
+                got = os.getpriority(os.PRIO_PROCESS, self.proc.pid)
+                if got != self.nice:
+                    log.warning("nice value not taken", child=self.name, wanted=self.nice, got=got,
+                                why="below 0 needs CAP_SYS_NICE (root, or the capability granted to the container)")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -171,16 +198,16 @@ class Supervisor:
         keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
         envs = cfg.engine_env or tuple({} for _ in cfg.engine_args)
         self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
-                              {**keyless, **envs[i]}, ring=name)
+                              {**keyless, **envs[i]}, ring=name, nice=cfg.service_nice)
                         for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
         self.services = [
-            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
-            Child("reader", [*py, "reader", *common], keyless),
-            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args], keyless),
+            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless, nice=cfg.service_nice),
+            Child("reader", [*py, "reader", *common], keyless, nice=cfg.service_nice),
+            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args], keyless, nice=cfg.service_nice),
         ]
         self.gateways = [
             Child(f"gateway-{i}", [*py, "gateway", *common, *cfg.frontend_args, *cfg.gateway_args,
-                                   "--name", f"gateway-{i}"], keyed)
+                                   "--name", f"gateway-{i}"], keyed, nice=cfg.service_nice)
             for i in range(cfg.gateways)
         ]
 

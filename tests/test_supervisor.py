@@ -83,3 +83,46 @@ def test_a_run_dir_too_long_for_unix_sockets_is_refused(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "too long for Unix sockets" in out.stderr and "--run-dir" in out.stderr
+
+
+def nice_of(pid: int) -> set[int]:
+    """The nice values of every thread of a process (field 19 of /proc/PID/task/TID/stat)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.add(int(task.joinpath("stat").read_text().rpartition(")")[2].split()[16]))
+    return out
+
+
+def test_service_nice_reaches_every_child_and_its_threads(tmp_path: Path) -> None:
+    """--service-nice: every process blink serve starts (engine, tokenizer, reader, tracker, gateway) and every
+    thread they start run at it; the supervisor itself does not. Below 0 where this test may (root)."""
+    want = -3 if os.geteuid() == 0 else 4
+    stack = start_stack(tmp_path, "--service-nice", str(want))
+    try:
+        assert ask(stack.url) in ("stop", "length")
+        assert stack.proc is not None
+        children = [pid for pid in processes_of(stack) if pid != stack.proc.pid]
+        assert len(children) >= 5, children
+        assert {pid: nice_of(pid) for pid in children} == {pid: {want} for pid in children}
+        assert nice_of(stack.proc.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
+    finally:
+        assert stop_stack(stack) == 0, stack.log()
+
+
+def test_a_nice_value_the_user_may_not_take_is_reported_and_the_child_runs(tmp_path: Path) -> None:
+    """Below 0 without CAP_SYS_NICE: the child still starts (at the nice it inherits) and the supervisor logs
+    that the value was not taken. Run as an unprivileged user, which a root test process becomes first."""
+    if os.geteuid() != 0:
+        import pytest  # noqa: PLC0415
+
+        pytest.skip("needs root to become an unprivileged user")
+    # everything imported before the user changes (the interpreter's files may be closed to that user)
+    code = ("import os, sys; from blink.supervisor import Child, log; log.info('probe'); os.setgid(65534); "
+            "os.setuid(65534); c = Child('probe', ['sleep', '5'], None, nice=-3); c.spawn(); "
+            "print(os.getpriority(os.PRIO_PROCESS, c.proc.pid)); c.proc.kill(); c.proc.wait()")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(root), "BLINK_LOG_JSON": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(os.getpriority(os.PRIO_PROCESS, 0))
+    assert "nice value not taken" in proc.stderr and "CAP_SYS_NICE" in proc.stderr, proc.stderr[-2000:]
