@@ -111,10 +111,12 @@ async def test_metrics_match_known_delays(server: FakeServer) -> None:
     run = runs[0]
     assert (run["completed"], run["failed"]) == (6, 0)
     assert (info["model"], info["max_model_len"]) == ("ok", 4096)
-    assert 48 <= run["ttft_p50_ms"] <= 75 and run["ttft_p99_ms"] <= 100
-    assert 19.5 <= run["tpot_p50_ms"] <= 24 and run["tpot_p99_ms"] <= 30
-    assert 19.5 <= run["itl_p50_ms"] <= 24
-    assert 50 + 9 * 20 <= run["e2e_p50_ms"] <= 50 + 9 * 20 + 60
+    # the server's delays (50 ms to the first token, 20 ms between tokens) bound each metric from below
+    # exactly; from above by what a loaded 2-core machine adds to them (TTFT p50 89 ms seen beside a test worker)
+    assert 48 <= run["ttft_p50_ms"] <= 150 and run["ttft_p99_ms"] <= 250
+    assert 19.5 <= run["tpot_p50_ms"] <= 35 and run["tpot_p99_ms"] <= 60
+    assert 19.5 <= run["itl_p50_ms"] <= 35
+    assert 50 + 9 * 20 <= run["e2e_p50_ms"] <= 50 + 9 * 20 + 200
     assert run["output_tokens"] == 60
     assert run["out_tok_per_s"] == pytest.approx(60 / run["duration_s"])
     body = server.bodies[0]
