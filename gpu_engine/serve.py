@@ -81,12 +81,16 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     KernelThreads.count = threads if own_pool else 0
     torch.set_num_threads(1 if own_pool else threads)
     log.info("loading weights", model=str(path), dtype=cfg.dtype, device="cpu")
+    # A Q4_1 GGUF's packed linears are its own blocks: the file is opened once, and those weights are neither
+    # dequantized nor written (their parameters stay untouched memory until the packed forms replace them).
+    gguf = GGUFSource(path) if path.suffix == ".gguf" and path.is_file() else None
+    blocks = None
+    if gguf is not None and fmt.packed and not cfg.random_weights and cfg.cpu_weights in ("auto", "int8act") \
+            and quant_kernels_available():
+        blocks = gguf.q4_1_linears(gguf.config)
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
-                             seed=cfg.seed)
+                             seed=cfg.seed, gguf=gguf, placeholders=blocks or ())
     if fmt.packed:
-        blocks = None  # a Q4_1 GGUF's linears: its own blocks, not recovered from the dequantized weights
-        if path.suffix == ".gguf" and not cfg.random_weights and cfg.cpu_weights in ("auto", "int8act"):
-            blocks = GGUFSource(path).q4_1_linears(mcfg)
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
                      int8_activations=cfg.cpu_weights == "int8act", blocks=blocks)
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")

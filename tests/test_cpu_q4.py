@@ -179,3 +179,35 @@ def test_the_file_s_own_blocks_are_the_recovered_ones() -> None:
     with pytest.raises(ValueError, match="blocks of layers.0.attn.o"):
         other, _ = load_model(path)
         pack_for_cpu(other, blocks={"layers.0.attn.o.weight": given["layers.0.attn.qkv.weight"]})
+
+
+def test_placeholders_leave_the_q4_linears_unread_and_pack_the_same_model() -> None:
+    """The engine's load of a Q4_1 GGUF (the file opened once; its Q4_1 linears neither dequantized nor
+    written, the blocks packed in their place) gives the model the full load and packing give: every tensor
+    of the packed modules equal, and the same logits."""
+    try:
+        path = default_model_path()
+    except ModelLoadError:
+        pytest.skip("embedded model not installed")
+    from gpu_engine.models.gguf_loader import GGUFSource
+
+    source = GGUFSource(path)
+    given = source.q4_1_linears(source.config)
+    meta = {name for name, t, _ in source.named_weights(source.config, placeholders=set(given)) if t.is_meta}
+    assert meta == set(given)
+    read: list[str] = []
+    source.tensor = lambda name, real=source.tensor: read.append(name) or real(name)  # type: ignore[method-assign]
+    lean, cfg = load_model(path, gguf=source, placeholders=set(given))
+    assert read and not any(n.startswith("blk.0.attn_q.") or "ffn_down" in n for n in read), read
+    pack_for_cpu(lean, blocks=given)
+    full, _ = load_model(path)
+    pack_for_cpu(full, blocks=source.q4_1_linears(cfg))
+    a, b = lean.state_dict(), full.state_dict()
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    for module_a, module_b in zip(lean.modules(), full.modules(), strict=True):
+        if isinstance(module_a, Q4Linear):
+            assert torch.equal(module_a.blocks, module_b.blocks)
+    from gpu_engine.models.loader import assign_weights, build_empty
+
+    with pytest.raises(ModelLoadError, match="no data"):  # a shape without data only where the caller leaves it
+        assign_weights(build_empty(cfg, torch.float32, "cpu"), source.named_weights(cfg, set(given)), "f")

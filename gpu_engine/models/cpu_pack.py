@@ -49,7 +49,8 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
     ``keep_quantized=False``: no ``Q4Linear`` or ``Q8Head``, every other linear fp16-packed;
     ``int8_activations``: those two quantize their input to int8 per group of 32 (llama.cpp's arithmetic);
     ``blocks``: the file's own Q4_1 blocks of linears by parameter name (``GGUFSource.q4_1_linears``), taken as
-    they are instead of recovered from the dequantized weights (the same blocks, without the search)."""
+    they are instead of recovered from the dequantized weights (the same blocks, without the search); those
+    linears' weights are not read (``load_model``'s placeholders leave them unset)."""
     keep_quantized = keep_quantized and quant_kernels_available()
     for p in model.parameters():
         if p.device.type != "cpu" or p.dtype != torch.float32:
@@ -62,7 +63,9 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
         if isinstance(module, nn.Linear) and not isinstance(module, PackedLinear):
             int4 = int4_layers and name.startswith("layers.")
             given = (blocks or {}).get(f"{name}.weight") if keep_quantized and not int4 else None
-            packed = Q4Linear(given) if given is not None and module.bias is None else None
+            if given is not None and module.bias is not None:  # its weight may be a loader's placeholder
+                raise ValueError(f"pack_for_cpu: {name} has a bias, which Q4Linear blocks cannot carry")
+            packed = Q4Linear(given) if given is not None else None
             if packed is not None and (packed.out_features, packed.in_features) != tuple(module.weight.shape):
                 raise ValueError(f"pack_for_cpu: the blocks of {name} are {packed.out_features} x "
                                  f"{packed.in_features}, the weight {tuple(module.weight.shape)}")

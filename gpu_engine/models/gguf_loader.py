@@ -9,7 +9,7 @@ the HF checkpoints do.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +153,24 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def named_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
-        return map_gguf_weights(config, self.tensor, self.has, permuted_qk=self.arch == "llama")
+    def named_weights(self, config: ModelConfig,
+                      placeholders: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """Every parameter's tensor, dequantized; those named in ``placeholders`` (whose values the caller has
+        in another form, e.g. ``q4_1_linears``' blocks) as meta tensors of their shape, nothing read."""
+        permuted = self.arch == "llama"
+        if not placeholders:
+            return map_gguf_weights(config, self.tensor, self.has, permuted_qk=permuted)
+        skip = {part for ours, _, origin in map_gguf_weights(config, self._meta_tensor, self.has, permuted_qk=permuted)
+                if ours in placeholders for part in origin.split("+")}
+        return map_gguf_weights(config, lambda n: self._meta_tensor(n) if n in skip else self.tensor(n), self.has,
+                                permuted_qk=permuted)
+
+    def _meta_tensor(self, name: str) -> torch.Tensor:
+        """A tensor's shape as ``tensor`` gives it, on the meta device (no data)."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.location}: missing tensor {name}")
+        return torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta")
 
     def q4_1_blocks(self, name: str) -> torch.Tensor | None:
         """A Q4_1 tensor's stored blocks as uint8 [rows, cols / 32 * 20] (a copy), or None for another type."""

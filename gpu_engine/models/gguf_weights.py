@@ -27,6 +27,13 @@ def _unpermute(w: torch.Tensor, n_heads: int, name: str) -> torch.Tensor:
 
 def _cat(parts: list[torch.Tensor], names: list[str], dim: int = 0) -> tuple[torch.Tensor, str]:
     joined = "+".join(names)
+    if all(p.is_meta for p in parts):  # shapes only (GGUFSource's placeholders): torch.cat on meta tensors
+        shapes = [list(p.shape) for p in parts]  # would import the compiler stack for nothing
+        if any(len(sh) != len(shapes[0]) or sh[:dim] + sh[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
+               for sh in shapes):
+            raise ModelLoadError(f"shape mismatch joining {joined}: {shapes}")
+        out = shapes[0][:dim] + [sum(sh[dim] for sh in shapes)] + shapes[0][dim + 1:]
+        return torch.empty(out, device="meta"), joined
     try:
         return torch.cat(parts, dim=dim), joined
     except RuntimeError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,18 +45,21 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               random_weights: bool = False, seed: int = 0) -> tuple[CausalLM, ModelConfig]:
+               random_weights: bool = False, seed: int = 0, gguf: GGUFSource | None = None,
+               placeholders: Collection[str] = ()) -> tuple[CausalLM, ModelConfig]:
     """Load a model from an HF directory (single or sharded safetensors) or a ``.gguf`` file.
 
     With ``random_weights`` the architecture comes from the same config but every weight is drawn
-    from N(0, 0.02) with ``seed`` (norm weights are ones); nothing else changes.
+    from N(0, 0.02) with ``seed`` (norm weights are ones); nothing else changes. ``gguf``: the file already
+    opened (it is read once); ``placeholders``: parameters of a GGUF file left unset, neither dequantized nor
+    written (the caller replaces them, e.g. by ``GGUFSource.q4_1_linears``' blocks).
     """
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: file not found")
     source: WeightSource | None
     if path.is_file() and path.suffix == ".gguf":
-        source = GGUFSource(path)
+        source = gguf if gguf is not None else GGUFSource(path)
         config = source.config
     elif path.is_dir():
         config = ModelConfig.from_file(path / "config.json")
@@ -67,7 +70,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     if source is None or random_weights:
         init_random(model, seed)
     else:
-        assign_weights(model, source.named_weights(config), str(source.location))
+        given = source.named_weights(config, placeholders) if isinstance(source, GGUFSource) and placeholders \
+            else source.named_weights(config)
+        assign_weights(model, given, str(source.location), placeholders)
     return model, config
 
 
@@ -93,8 +98,10 @@ def init_random(model: CausalLM, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
 
 
-def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, str]], location: str) -> None:
-    """Copy named tensors into the model, checking every parameter is given once with the right shape."""
+def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, str]], location: str,
+                   placeholders: Collection[str] = ()) -> None:
+    """Copy named tensors into the model, checking every parameter is given once with the right shape; a
+    meta tensor (shape only) leaves a parameter named in ``placeholders`` as it is."""
     params = dict(model.named_parameters())
     done: set[str] = set()
     with torch.no_grad():
@@ -108,7 +115,10 @@ def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, s
                         f"{location}: shape mismatch for {origin}: expected {tuple(param.shape)}, "
                         f"got {tuple(tensor.shape)}"
                     )
-                param.copy_(tensor)
+                if tensor.is_meta and name not in placeholders:
+                    raise ModelLoadError(f"{location}: no data for {origin}")
+                if not tensor.is_meta:
+                    param.copy_(tensor)
                 done.add(name)
         except ModelLoadError as exc:
             msg = str(exc)
