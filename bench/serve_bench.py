@@ -356,7 +356,7 @@ async def sweep(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str
                 runs.append(run)
         finally:
             ticker.cancel()
-    return runs, {"model": model, "max_model_len": max_len, "limits": asdict(limits), "workload": asdict(workload)}
+    return runs, {"model": model, "max_model_len": max_len, "limits": asdict(limits), "workload": workload.record()}
 
 
 # ---------------------------------------------------------------------- output

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     table = args.table or args.out.with_suffix(".md")
     workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
     header = {"model": model_description(args.model_config),
-              "workload": {**asdict(workload), "max_prompt": args.max_prompt_tokens,
+              "workload": {**workload.record(), "max_prompt": args.max_prompt_tokens,
                            "max_output": args.max_output_tokens, "arrivals": "poisson"}}
     old = None
     if args.out.exists() and not args.replace:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,14 @@ class Workload:
     output_sigma: float
     doc: str
     conversations: Conversations | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The workload as results files record it (no ``conversations`` key for a length workload: the files
+        written before that field stay comparable)."""
+        out = asdict(self)
+        if self.conversations is None:
+            del out["conversations"]
+        return out
 
     def scaled(self, prompt_mean: float | None = None, output_mean: float | None = None) -> Workload:
         """The same shape with other means (e.g. a shorter mix for a slow CPU engine)."""
@@ -248,6 +256,7 @@ def conversation_requests(conv: Conversations, n: int, tokenizer: Any, limits: L
 
     out: list[RequestSpec] = []
     while len(out) < n:
+        before = len(out)
         histories = [list(system) for _ in range(conv.group)]
         turns = rng.integers(conv.min_turns, conv.max_turns + 1, size=conv.group).tolist()
         for turn in range(max(turns)):
@@ -261,6 +270,9 @@ def conversation_requests(conv: Conversations, n: int, tokenizer: Any, limits: L
                     continue
                 out.append(RequestSpec(prompt, len(prompt), min(reply, limits.max_output)))
                 histories[c] = prompt + maker.ids_of_length(reply)
+        if len(out) == before:
+            raise ValueError(f"no first turn of {conv.group} conversations fits the limits ({limits}) after the "
+                             f"{len(system)}-token system prompt")
     return out
 
 

@@ -8,6 +8,7 @@ Before any handler runs, the body middleware reads a request's body against ``bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
@@ -141,6 +142,8 @@ async def on_shutdown(app: web.Application) -> None:
 
 async def on_cleanup(app: web.Application) -> None:
     app[BEATS].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await app[BEATS]
     await app[BACKEND].close()
     app[RING].close()
 

@@ -20,8 +20,11 @@ import numpy as np
 from dpu_gateway.ringwatch import RingWatch
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
+from shared.log import get_logger
 from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, EngineSample, FrontendMetrics
 from shared.ring import Ring
+
+log = get_logger("gateway")
 
 
 class RingSet:
@@ -53,11 +56,19 @@ class RingSet:
         Liveness is what this process saw (``shared.ring.Liveness``): a gateway that looked only when a
         request came would see the counter's last move at its next look, however long ago the engine
         stopped, and call a hung engine alive for another timeout. Sampled here, /health turns 503 within
-        an eighth of the timeout of the moment the reader ends the streams."""
+        an eighth of the timeout of the moment the reader ends the streams. A look that fails (a ring being
+        replaced, no file descriptor left) is logged and the next one comes as usual."""
+        every_s, failing = max(self.timeout_s / 8, 0.01), False
         while True:
-            for watch in self.watches:
-                watch.alive()
-            await asyncio.sleep(self.timeout_s / 8)
+            try:
+                for watch in self.watches:
+                    watch.alive()
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - the sampler must outlive any one look
+                if not failing:
+                    log.warning("engine beat not read", error=repr(exc))
+                failing = True
+            await asyncio.sleep(every_s)
 
     def close(self) -> None:
         for watch in self.watches:

@@ -130,7 +130,7 @@ run_step() {
     kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
     faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
-    persistent) step persistent "${T_PERSISTENT:-420}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
+    persistent) step persistent "${T_PERSISTENT:-560}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;

@@ -183,8 +183,8 @@ def test_the_file_s_own_blocks_are_the_recovered_ones() -> None:
 
 def test_placeholders_leave_the_q4_linears_unread_and_pack_the_same_model() -> None:
     """The engine's load of a Q4_1 GGUF (the file opened once; its Q4_1 linears neither dequantized nor
-    written, the blocks packed in their place) gives the model the full load and packing give: every tensor
-    of the packed modules equal, and the same logits."""
+    written, the blocks packed in their place) gives the model the full load and packing give: every
+    parameter and buffer equal, the Q4 blocks included."""
     try:
         path = default_model_path()
     except ModelLoadError:

@@ -4,6 +4,7 @@ hung one."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -137,3 +138,26 @@ def test_a_one_shot_probe_waits_for_a_beat(beating: tuple[Ring, threading.Event]
         assert time.monotonic() - t0 >= 0.2
     finally:
         probe.close()
+
+
+async def test_the_gateways_beat_sampler_outlives_a_failed_look() -> None:
+    """RingSet.follow_beats keeps looking after one look raises (a ring being replaced, no descriptor left):
+    a sampler that died would leave /health calling a hung engine alive for one more timeout."""
+    import asyncio
+
+    from dpu_gateway.engines import RingSet
+
+    rings = RingSet(f"blink-no-such-ring-{os.getpid()}", 1, 0.08)
+    looks: list[int] = []
+
+    def alive() -> bool:
+        looks.append(1)
+        if len(looks) == 1:
+            raise OSError(24, "Too many open files")
+        return False
+
+    rings.watches[0].alive = alive  # type: ignore[method-assign]
+    task = asyncio.create_task(rings.follow_beats())
+    await asyncio.sleep(0.1)  # looks every 10 ms (an eighth of 80 ms)
+    assert not task.done() and len(looks) >= 4, looks
+    task.cancel()

@@ -311,3 +311,16 @@ def test_shared_workload_repeats_a_system_prompt_and_each_conversations_history(
     assert continued > len(reqs) // 2, continued  # turns 2-5 re-send an earlier prompt whole
     with pytest.raises(ValueError):
         WORKLOADS["shared"].scaled(prompt_mean=100)
+    with pytest.raises(ValueError, match="no first turn"):  # limits no conversation fits: refused, not a hang
+        build_requests(WORKLOADS["shared"], 10, CharTokenizer(), Limits(512, 64, 600), seed=1)
+
+
+def test_the_committed_results_take_a_default_run() -> None:
+    """A run with the GPU script's defaults records the workload as the committed peers.json does, so its
+    records merge into that file instead of being refused as another setup."""
+    from bench.peers.cli import build_parser, header_of
+
+    committed = json.loads((ROOT / "bench/results/peers.json").read_text())
+    args = build_parser().parse_args(["--seed", str(committed["workload"]["seed"])])
+    assert header_of(args)["workload"] == committed["workload"]
+    assert report.compatible(committed, {**committed, "workload": header_of(args)["workload"]}) is None

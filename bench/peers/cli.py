@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +137,7 @@ def device(backend: str | None) -> str:
 def header_of(args: argparse.Namespace) -> dict[str, Any]:
     workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
     return {"model": ss.model_description(args.model_config),
-            "workload": {**asdict(workload), "max_prompt": args.max_prompt_tokens,
+            "workload": {**workload.record(), "max_prompt": args.max_prompt_tokens,
                          "max_output": args.max_output_tokens, "arrivals": "poisson", "seed": args.seed},
             "device": device(args.backend_override), "host_cpu": ss.device_name("cpu"),
             "window": {"window_s": args.window_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s}}

@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -96,18 +97,45 @@ def test_host_driven_matches_cpu_engine(tiny: Path) -> None:
     assert stats["exit_code"] == 0 and not stats["segment_left"]
 
 
+@dataclasses.dataclass(frozen=True)
+class FieldJob(Job):
+    """A driver job with more sampling fields (penalties, logit_bias, min_tokens)."""
+
+    fields: tuple[tuple[str, object], ...] = ()
+
+    def sampling(self):  # noqa: ANN201
+        return msgspec.structs.replace(super().sampling(), **dict(self.fields))
+
+
+def with_device_features(jobs: list[Job], seed: int) -> list[Job]:
+    """Every third job behind one of four shared system prompts (the prefix cache's hits), every fifth with a
+    processor (repetition, frequency + presence, a logit_bias ban)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, VOCAB, size=k).astype(np.int32) for k in (33, 64, 80, 100)]
+    kinds = ((("repetition_penalty", 1.5),), (("frequency_penalty", 0.8), ("presence_penalty", 0.3)),
+             (("logit_bias", ((7, -100.0),)),))
+    out: list[Job] = []
+    for k, j in enumerate(jobs):
+        prompt = np.concatenate([systems[k % 4], j.prompt[:120]]) if k % 3 == 0 else j.prompt
+        fields = kinds[k % 3] if k % 5 == 0 else ()
+        out.append(FieldJob(j.rid, prompt, j.max_new, j.cancel_after, fields=fields))
+    return out
+
+
 @pytest.mark.parametrize("switches", ["defaults", "device_features"])
 def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """5,000 requests, a tenth hung up, and one crossing many launch windows: the host-driven mode's tokens.
-    Run with the defaults and with the device processors and the device prefix cache switched on (the form
-    whose pass lets those switches default to on)."""
+    ``device_features``: the device processors and the device prefix cache switched on, a third of the
+    requests behind shared system prompts and a fifth with a processor (the form whose pass lets those
+    switches default to on)."""
+    jobs = random_jobs(5000, VOCAB, seed=2, max_prompt=160, max_new=96, cancel_frac=0.1)
     if switches == "device_features":
         monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
         monkeypatch.setenv("BLINK_DEVICE_PREFIX_CACHE", "1")
-    jobs = random_jobs(5000, VOCAB, seed=2, max_prompt=160, max_new=96, cancel_frac=0.1)
+        jobs = with_device_features(jobs, seed=3)
     jobs.append(Job(10_000, jobs[0].prompt[:8], 4096))  # crosses many launch windows
-    reference = [Job(j.rid, j.prompt, j.max_new) for j in jobs]  # host-driven, nothing cancelled
+    reference = [dataclasses.replace(j, cancel_after=None) for j in jobs]  # host-driven, nothing cancelled
     host, _ = serve_jobs(tiny, "host", reference, window=16, tag=f"5k-{switches}")
     pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag=f"5k-{switches}")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -125,6 +153,8 @@ def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["window_relaunches"] > 100
     assert stats["exit_code"] == 0 and not stats["segment_left"]
+    if switches == "device_features":
+        assert stats["prefix_cache_hits"] > 1000 * 32, stats  # ~1,667 requests behind 33-100 shared tokens
 
 
 def check_against(jobs: list[Job], got: dict[int, Result], ref: dict[int, Result], what: str) -> None:
