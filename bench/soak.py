@@ -400,8 +400,10 @@ def judge(outs: list[Outcome], refs: list[Answer], cfg: SoakConfig) -> tuple[dic
 async def soak_phase(serve: ServeProc, load: Load, rate: float,
                      window_s: float) -> tuple[list[Outcome], Sampler, dict, dict[str, float]]:
     """The loaded phase: (outcomes, samples, gauges at start and end, CPU seconds per minute of each
-    server process under the load)."""
-    start_gauges = serve.gauges()
+    server process under the load). The start is read once the server is idle: requests of the phase before
+    (the saturation steps' last ones, hung up or not) may still be finishing."""
+    start_gauges = await asyncio.to_thread(serve.wait_gauges, {"slots_in_use": 0.0, "num_requests_running": 0.0},
+                                           30.0)
     sampler = Sampler(serve, time.monotonic())
     sampling = asyncio.create_task(sampler.run(load.cfg.sample_s))
     meter = CpuMeter(serve.pids)

@@ -171,6 +171,8 @@ def sample_lengths(mean: float, sigma: float, n: int, hi: int, rng: np.random.Ge
 
 def draw_lengths(workload: Workload, n: int, limits: Limits, seed: int = 0) -> list[tuple[int, int]]:
     """``n`` (prompt, output) length pairs; a pair longer than the context gives up prompt tokens first."""
+    if workload.conversations is not None:
+        raise ValueError(f"the {workload.name} workload's lengths come from its conversations")
     rng = np.random.default_rng(seed)
     prompts = sample_lengths(workload.prompt_mean, workload.prompt_sigma, n, limits.max_prompt, rng)
     outputs = sample_lengths(workload.output_mean, workload.output_sigma, n, limits.max_output, rng)
