@@ -165,6 +165,24 @@ def test_vllm_settings_from_its_log() -> None:
     assert parse_vllm_log("nothing") == {"log_lines": []}
 
 
+def test_blink_settings_from_its_log() -> None:
+    """The GPU engines say whether they cache prefixes in an event of their own; the CPU engine in ``model
+    loaded``; both land in the record's settings."""
+    from bench.peers.systems import parse_blink_log
+
+    gpu = "\n".join([
+        json.dumps({"on": False, "where": "device", "why_off": "BLINK_DEVICE_PREFIX_CACHE is not 1",
+                    "event": "prefix caching"}),
+        "[W1201 a warning line]",
+        json.dumps({"count": 126, "event": "graphs captured"})])
+    assert parse_blink_log(gpu) == {"prefix_caching": False}
+    cpu = json.dumps({"event": "model loaded", "kv_blocks": 2912, "block_size": 16, "max_context": 6144,
+                      "threads": 2, "family": "llama", "prefix_caching": True, "weights": "auto packed"})
+    assert parse_blink_log(cpu) == {"kv_blocks": 2912, "block_size": 16, "max_context": 6144, "threads": 2,
+                                    "family": "llama", "prefix_caching": True}
+    assert parse_blink_log("nothing") == {}
+
+
 def test_tokenizer_config_for_vllm(tmp_path: Path) -> None:
     path = write_tokenizer_config(tmp_path)
     assert json.loads(path.read_text())["eos_token"] == "<|eot_id|>"
