@@ -198,18 +198,20 @@ class Supervisor:
         keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
         envs = cfg.engine_env or tuple({} for _ in cfg.engine_args)
         self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
-                              {**keyless, **envs[i]}, ring=name, nice=cfg.service_nice)
+                              {**keyless, **envs[i]}, ring=name)
                         for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
         self.services = [
-            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless, nice=cfg.service_nice),
-            Child("reader", [*py, "reader", *common], keyless, nice=cfg.service_nice),
-            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args], keyless, nice=cfg.service_nice),
+            Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
+            Child("reader", [*py, "reader", *common], keyless),
+            Child("tracker", [*py, "tracker", *common, *cfg.tracker_args], keyless),
         ]
         self.gateways = [
             Child(f"gateway-{i}", [*py, "gateway", *common, *cfg.frontend_args, *cfg.gateway_args,
-                                   "--name", f"gateway-{i}"], keyed, nice=cfg.service_nice)
+                                   "--name", f"gateway-{i}"], keyed)
             for i in range(cfg.gateways)
         ]
+        for child in self.children:
+            child.nice = cfg.service_nice
 
     @property
     def metrics_dir(self) -> Path:

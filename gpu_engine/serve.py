@@ -85,8 +85,7 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     # dequantized nor written (their parameters stay untouched memory until the packed forms replace them).
     gguf = GGUFSource(path) if path.suffix == ".gguf" and path.is_file() else None
     blocks = None
-    if gguf is not None and fmt.packed and not cfg.random_weights and cfg.cpu_weights in ("auto", "int8act") \
-            and quant_kernels_available():
+    if gguf is not None and own_pool and not cfg.random_weights:  # own_pool: the forms that take Q4_1 blocks
         blocks = gguf.q4_1_linears(gguf.config)
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed, gguf=gguf, placeholders=blocks or ())

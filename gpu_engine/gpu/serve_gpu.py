@@ -136,11 +136,12 @@ def capture_progress(k: int, n: int) -> None:
 class PersistentEngine:
     """The engine host process of the persistent mode: launch once, then only sleep and watch."""
 
-    def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig, fault: Fault | None = None) -> None:
+    def __init__(self, ring: Ring, parts: GpuParts, cfg: EngineConfig, fault: Fault | None = None,
+                 prefix_caching: bool = False) -> None:
         self.ring, self.parts, self.cfg = ring, parts, cfg
         self.fault = (DEVICE_FAULTS[fault.kind], fault.at_step) if fault is not None else (0, 0)
         self.step_timeout_s = env.env().step_timeout_s
-        self.prefix_caching = device_prefix_cache(cfg) and parts.chunked  # as the Policy decides it
+        self.prefix_caching = prefix_caching  # the Policy's decision, taken once in build_gpu_backend
 
     def flips_usable(self) -> bool:
         """Find new prompts through the header's flip bits: the ring's writer keeps them (minor >= 1), they
@@ -256,23 +257,18 @@ def check_exit(sched: Watched) -> None:
     sched.wait()
 
 
-def device_prefix_cache(cfg: EngineConfig) -> bool:
-    """The persistent scheduler's prefix cache: asked for (the default) and switched on in the environment."""
-    return cfg.prefix_caching and env.env().device_prefix_cache
-
-
 def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     parts = build_parts(cfg)
     persistent = cfg.backend == "persistent"
     policy = Policy(parts.kv.allocator, cfg.block_size, cfg.max_batch, parts.token_budget,
                     prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked,
-                    prefix_caching=device_prefix_cache(cfg) if persistent else cfg.prefix_caching)
+                    prefix_caching=cfg.prefix_caching and (not persistent or env.env().device_prefix_cache))
     log.info("prefix caching", on=policy.prefix_caching, where="device" if persistent else "host",
              **({"why_off": "BLINK_DEVICE_PREFIX_CACHE is not 1"} if persistent and cfg.prefix_caching
-                and not policy.prefix_caching and parts.chunked else {}))
+                and not policy.prefix_caching else {}))
     if persistent:
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
-                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault))
+                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault, policy.prefix_caching))
     timeout_s = env.env().step_timeout_s
     runner = HostGraphRunner(parts.runner, parts.cache, timeout_s)
     served = runner if fault is None else FaultyRunner(runner, fault, timeout_s)

@@ -158,10 +158,8 @@ class GGUFSource:
         """Every parameter's tensor, dequantized; those named in ``placeholders`` (whose values the caller has
         in another form, e.g. ``q4_1_linears``' blocks) as meta tensors of their shape, nothing read."""
         permuted = self.arch == "llama"
-        if not placeholders:
-            return map_gguf_weights(config, self.tensor, self.has, permuted_qk=permuted)
-        skip = {part for ours, _, origin in map_gguf_weights(config, self._meta_tensor, self.has, permuted_qk=permuted)
-                if ours in placeholders for part in origin.split("+")}
+        shapes = map_gguf_weights(config, self._meta_tensor, self.has, permuted_qk=permuted) if placeholders else ()
+        skip = {part for ours, _, origin in shapes if ours in placeholders for part in origin.split("+")}
         return map_gguf_weights(config, lambda n: self._meta_tensor(n) if n in skip else self.tensor(n), self.has,
                                 permuted_qk=permuted)
 

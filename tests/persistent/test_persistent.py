@@ -20,6 +20,7 @@ import torch
 
 from harness.ring_driver import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
 from shared import ring_layout as L
+from shared.messages import Sampling
 from shared.ring import Ring
 from shared.transport import SHM_DIR
 
@@ -103,7 +104,7 @@ class FieldJob(Job):
 
     fields: tuple[tuple[str, object], ...] = ()
 
-    def sampling(self):  # noqa: ANN201
+    def sampling(self) -> Sampling:
         return msgspec.structs.replace(super().sampling(), **dict(self.fields))
 
 

@@ -13,11 +13,12 @@ import dataclasses
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
-from harness.ring_driver import Driver, Job, Result, start_engine, stop_engine, wait_ready
-from persistent.test_persistent import CHUNK_ARGS, OUT, VOCAB, settled_header, tiny  # noqa: F401
+from harness.ring_driver import Driver, Result, start_engine, stop_engine, wait_ready
+from persistent.test_persistent import CHUNK_ARGS, OUT, VOCAB, FieldJob, settled_header, tiny  # noqa: F401
 from shared import ring_layout as L
 from shared.messages import Sampling
 
@@ -39,15 +40,13 @@ FEW_SLOTS = ("--dtype", "float32", "--num-slots", "32", "--max-prompt-tokens", "
 
 
 @dataclasses.dataclass(frozen=True)
-class ProcJob(Job):
-    """A driver job with the processor fields (and EOS honoured unless `ignore_eos`)."""
+class ProcJob(FieldJob):
+    """A driver job with the processor fields, EOS honoured unless `ignore_eos`."""
 
     ignore_eos: bool = True
-    fields: tuple[tuple[str, object], ...] = ()
 
     def sampling(self) -> Sampling:
-        return Sampling(self.max_new, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        seed=self.seed, ignore_eos=self.ignore_eos, **dict(self.fields))  # type: ignore[arg-type]
+        return msgspec.structs.replace(super().sampling(), ignore_eos=self.ignore_eos)
 
 
 def serve(model: Path, backend: str, jobs: list[ProcJob], args: tuple[str, ...], tag: str,
