@@ -124,12 +124,11 @@ def _no_settings(text: str) -> dict[str, Any]:
     return {}
 
 
-BLINK_CACHE_COUNTERS = ("blink:prefix_cache_queries_total", "blink:prefix_cache_hits_total")
 PEER_KINDS = {
     "vllm": PeerKind("/health", "vllm:num_requests_waiting", "vllm:num_requests_running", parse_vllm_log,
                      VLLM_COMMAND, ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")),
     "blink": PeerKind("/health", "blink:num_requests_waiting", "blink:num_requests_running", parse_blink_log,
-                      cache_counters=BLINK_CACHE_COUNTERS),
+                      cache_counters=("blink:prefix_cache_queries_total", "blink:prefix_cache_hits_total")),
     "openai": PeerKind("/v1/models", None, None, _no_settings),
 }
 
@@ -368,10 +367,11 @@ class BlinkServer:
         return self.serve.stop(timeout_s=45)
 
     def gauges(self) -> tuple[float | None, float | None]:
-        return read_gauges(self.url, "blink:num_requests_waiting", "blink:num_requests_running")
+        obs = PEER_KINDS["blink"]
+        return read_gauges(self.url, obs.waiting_gauge, obs.running_gauge)
 
     def cache_counters(self) -> tuple[float | None, float | None]:
-        return read_cache_counters(self.url, BLINK_CACHE_COUNTERS)
+        return read_cache_counters(self.url, PEER_KINDS["blink"].cache_counters)
 
     def pids(self) -> dict[str, int]:
         return self.serve.pids() if self.serve.proc is not None else {}
