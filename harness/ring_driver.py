@@ -34,11 +34,13 @@ class Job:
     seed: int | None = None
     top_p: float = 1.0
     top_k: int = 0
+    top_logprobs: int = 0  # alternatives read back per token (Result.tops)
 
     def sampling(self) -> Sampling:
         """The job's sampling record: it always runs to ``max_new`` tokens (EOS ignored)."""
         return Sampling(self.max_new, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        seed=self.seed, ignore_eos=True)
+                        seed=self.seed, ignore_eos=True, logprobs=self.top_logprobs > 0,
+                        top_logprobs=self.top_logprobs)
 
 
 @dataclasses.dataclass
@@ -48,6 +50,7 @@ class Result:
     submit_s: float = 0.0
     first_s: float = 0.0
     done_s: float = 0.0
+    tops: np.ndarray | None = None  # [tokens, k] (token, logprob) alternatives, where the job asked
 
 
 def start_engine(ring: str, model: Path | None, backend: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
@@ -124,7 +127,9 @@ class Driver:
             gen = self.t.load32(self.ring.slot_field(idx, "generated"))
             reason = self.t.load32(self.ring.slot_field(idx, "finish_reason"))
             toks = self.ring.read_output(idx, 0, gen).tolist()
-            self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter())
+            tops = self.ring.read_logprobs(idx, 0, gen)[1] if job.top_logprobs else None
+            self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter(),
+                                           tops)
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 

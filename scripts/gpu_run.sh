@@ -79,8 +79,8 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #   PEERS_RATES=22 PEERS_ARGS="--plateau-search 8:32 --max-probes 2" bash scripts/gpu_run.sh OUT peers_vllm
 #   PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_blink
 #   PEERS_RATES=16 bash scripts/gpu_run.sh OUT peers_host
-# The shared-prefix workload (bench/workloads.py `shared`) goes to a file of its own, the device prefix cache on:
-#   BLINK_DEVICE_PREFIX_CACHE=1 PEERS_RATES=10,16 PEERS_ARGS="--workload shared --out bench/results/peers_shared.json --plot bench/results/peers_shared" bash scripts/gpu_run.sh OUT peers_blink
+# The shared-prefix workload (bench/workloads.py `shared`) goes to a file of its own (vLLM: peers_vllm, the same args):
+#   PEERS_RATES=10,16 PEERS_ARGS="--workload shared --out bench/results/peers_shared.json --plot bench/results/peers_shared" bash scripts/gpu_run.sh OUT peers_blink
 # The step's token budget swept (one call per budget; the default is 2,048), each to a file of its own:
 #   PEERS_RATES=16,22 PEERS_COTENANTS=none PEERS_ARGS="--serve-args=--max-num-batched-tokens=8192 --out bench/results/peers_budget_8192.json --no-plot" bash scripts/gpu_run.sh OUT peers_blink
 # Blink with its services at a higher CPU priority (blink serve --service-nice), to a file of its own:

@@ -90,8 +90,8 @@ class EngineConfig:
         flag="--no-enable-chunked-prefill")
     no_enable_prefix_caching: bool = _flag(
         False, "compute every prompt in full (prefix caching, the default, reuses the KV blocks of a prompt's "
-        "leading full blocks that an earlier request of the same cache salt computed; it needs chunked prefill "
-        "and, on the persistent backend, BLINK_DEVICE_PREFIX_CACHE=1; vLLM's name)", flag="--no-enable-prefix-caching")
+        "leading full blocks that an earlier request of the same cache salt computed; it needs chunked prefill; "
+        "vLLM's name)", flag="--no-enable-prefix-caching")
     seed: int = _flag(0, "seed of torch and of random weights")
     threads: int = _flag(0, "threads of the CPU backend: the quantized kernels' own pool with --cpu-weights auto "
                          "or int8act (0: every core this process may use; it runs on one while the cores are "

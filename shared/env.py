@@ -74,13 +74,12 @@ class Env:
                                        "where the scheduler library is built (default: gpu_engine/csrc/build)", Path)
     metrics_dir: Path | None = _var("PROMETHEUS_MULTIPROC_DIR", None, "folder where every gateway's metrics are "
                                     "summed (blink serve sets it to RUN_DIR/metrics)", Path)
-    device_processors: bool = _var("BLINK_DEVICE_PROCESSORS", False, "1: the persistent scheduler applies the "
-                                   "penalties, logit_bias and min_tokens on the device (default: left out of its "
-                                   "graphs and those fields refused with a 400 there, until the GPU stack tests "
-                                   "pass with it on)", _bool)
-    device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", False, "1: the persistent scheduler caches "
-                                     "prefixes on the device where the policy does (default: off there, until the "
-                                     "GPU stack tests pass with it on)", _bool)
+    device_processors: bool = _var("BLINK_DEVICE_PROCESSORS", True, "the persistent scheduler applies the "
+                                   "penalties, logit_bias and min_tokens on the device (0: left out of its graphs, "
+                                   "and those fields refused with a 400 on that backend)", _bool)
+    device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", True, "the persistent scheduler caches prefixes "
+                                     "on the device where the policy does (0: not on that backend, whatever "
+                                     "--enable-prefix-caching says)", _bool)
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "

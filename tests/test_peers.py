@@ -23,7 +23,7 @@ import pytest
 from helpers.procfs import processes
 
 from bench.peers import report
-from bench.peers.load import Outcome, Schedule, Window
+from bench.peers.load import Outcome, Schedule, Window, build_schedule
 from bench.peers.measure import cache_window, keeps_up, queue_growth, window_counts
 from bench.peers.systems import Peer, parse_peer, parse_vllm_log, write_tokenizer_config
 from bench.workloads import WORKLOADS, Limits, RequestSpec, build_requests
@@ -171,7 +171,7 @@ def test_blink_settings_from_its_log() -> None:
     from bench.peers.systems import parse_blink_log
 
     gpu = "\n".join([
-        json.dumps({"on": False, "where": "device", "why_off": "BLINK_DEVICE_PREFIX_CACHE is not 1",
+        json.dumps({"on": False, "where": "device", "why_off": "BLINK_DEVICE_PREFIX_CACHE=0",
                     "event": "prefix caching"}),
         "[W1201 a warning line]",
         json.dumps({"count": 126, "event": "graphs captured"})])
@@ -331,6 +331,22 @@ def test_shared_workload_repeats_a_system_prompt_and_each_conversations_history(
         WORKLOADS["shared"].scaled(prompt_mean=100)
     with pytest.raises(ValueError, match="no first turn"):  # limits no conversation fits: refused, not a hang
         build_requests(WORKLOADS["shared"], 10, CharTokenizer(), Limits(512, 64, 600), seed=1)
+
+
+def test_each_level_of_the_shared_workload_has_conversations_of_its_own() -> None:
+    """One server serves every co-tenant level in turn: the shared workload draws each level's conversations
+    anew (a cache holding the last level's would find whole prompts), keeping the one system prompt and the
+    arrivals; a length workload sends the very same requests at every level."""
+    limits, window = Limits(max_prompt=3000, max_output=512, max_context=3200), Window(0.0, 20.0, 5.0)
+    none, heavy = (build_schedule(2.0, window, WORKLOADS["shared"], limits, CharTokenizer(), 0, lvl)
+                   for lvl in ("none", "heavy"))
+    assert none.offsets == heavy.offsets and len(none.specs) > 20
+    assert all(a.prompt[:1000] == b.prompt[:1000] for a, b in zip(none.specs, heavy.specs, strict=True))
+    seen = {tuple(r.prompt[1000:1064]) for r in none.specs}
+    assert not any(tuple(r.prompt[1000:1064]) in seen for r in heavy.specs)
+    plain = [build_schedule(2.0, window, WORKLOADS["paper"], limits, CharTokenizer(), 0, lvl)
+             for lvl in ("none", "heavy")]
+    assert [r.prompt for r in plain[0].specs] == [r.prompt for r in plain[1].specs]
 
 
 def test_the_committed_results_take_a_default_run() -> None:

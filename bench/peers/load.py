@@ -22,6 +22,7 @@ import math
 import multiprocessing
 import os
 import time
+import zlib
 from typing import Any
 
 import aiohttp
@@ -85,12 +86,16 @@ def rate_seed(seed: int, rate: float) -> int:
 
 
 def build_schedule(rate: float, window: Window, workload: Workload, limits: Limits, tokenizer: Any,
-                   seed: int) -> Schedule:
+                   seed: int, level: str = "") -> Schedule:
+    """One (rate, co-tenant level) point's arrivals and requests. Conversations (the ``shared`` workload)
+    are drawn per level too: a server serves every level in turn, and one whose cache still held an earlier
+    level's conversations would find them all cached (only the system prompt is meant to be shared)."""
     if not rate > 0 or math.isinf(rate):
         raise ValueError(f"a steady-state rate must be positive and finite, got {rate}")
     s = rate_seed(seed, rate)
     offsets = sb.arrival_offsets(rate, np.random.default_rng(s), None, window.hard_end)
-    specs = build_requests(workload, max(1, len(offsets)), tokenizer, limits, s)
+    rs = s + zlib.crc32(level.encode()) if workload.conversations is not None else s
+    specs = build_requests(workload, max(1, len(offsets)), tokenizer, limits, rs)
     return Schedule(rate, tuple(offsets), tuple(specs[:len(offsets)]), window)
 
 

@@ -211,7 +211,8 @@ async def run_level(system: System, model: str, level: Level, ctx: Context) -> N
                 say(f"[{system.name} {level.name}] rate {rate:g}: skipped (time budget)")
                 continue
             await settle(system)
-            schedule = build_schedule(rate, ctx.window, ctx.workload, ctx.limits, ctx.tokenizer, ctx.args.seed)
+            schedule = build_schedule(rate, ctx.window, ctx.workload, ctx.limits, ctx.tokenizer, ctx.args.seed,
+                                      level.name)
             assert ctx.clients is not None
             rec = await measure(system, ctx.clients, model, schedule)
             rec = {"system": system.name, "version": ctx.new["systems"][system.name]["version"],

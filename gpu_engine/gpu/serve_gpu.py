@@ -101,8 +101,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
-    # (persistent: a masked path in every graph, a row without processors costs one load). The device path is
-    # on with BLINK_DEVICE_PROCESSORS=1 (shared/env.py says why not yet by default).
+    # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
+    # leaves it out).
     device_procs = cfg.backend == "persistent" and env.env().device_processors
     tables = DeviceTables(g.num_slots, max_context) if device_procs else None
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
@@ -264,7 +264,7 @@ def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
                     prefill_fits=lambda n, t: parts.cache.lookup(False, n, t)[1], chunked=parts.chunked,
                     prefix_caching=cfg.prefix_caching and (not persistent or env.env().device_prefix_cache))
     log.info("prefix caching", on=policy.prefix_caching, where="device" if persistent else "host",
-             **({"why_off": "BLINK_DEVICE_PREFIX_CACHE is not 1"} if persistent and cfg.prefix_caching
+             **({"why_off": "BLINK_DEVICE_PREFIX_CACHE=0"} if persistent and cfg.prefix_caching
                 and not policy.prefix_caching else {}))
     if persistent:
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,

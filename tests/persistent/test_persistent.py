@@ -123,33 +123,61 @@ def with_device_features(jobs: list[Job], seed: int) -> list[Job]:
     return out
 
 
-@pytest.mark.parametrize("switches", ["defaults", "device_features"])
+# Two candidates whose log-probs are this close are a tie that fp32 GEMMs of another shape may break the
+# other way (cuBLAS picks its kernel, and so its summation order, by the step's size); a greedy run
+# that takes the other branch there differs from then on.
+TIE_NATS = 1e-3
+
+
+def tie_at(got: list[int], ref: Result) -> int | None:
+    """Where ``got`` first leaves the reference's tokens, if the reference had a tie there between its own
+    token and ``got``'s (from its top-2 log-probs); None where they agree or differ otherwise."""
+    i = next((k for k, (a, b) in enumerate(zip(got, ref.tokens, strict=False)) if a != b), None)
+    if i is None or ref.tops is None:
+        return None
+    (t0, lp0), (t1, lp1) = (tuple(x) for x in ref.tops[i][:2])
+    return i if (t0, t1) == (ref.tokens[i], got[i]) and lp0 - lp1 <= TIE_NATS else None
+
+
+@pytest.mark.parametrize("switches", ["device_features", "defaults"])
 def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """5,000 requests, a tenth hung up, and one crossing many launch windows: the host-driven mode's tokens.
-    ``device_features``: the device processors and the device prefix cache switched on, a third of the
-    requests behind shared system prompts and a fifth with a processor (the form whose pass lets those
-    switches default to on)."""
+    """5,000 requests, a tenth hung up, and one crossing many launch windows: the host-driven mode's tokens,
+    up to a near-tie (``TIE_NATS``) broken the other way in at most 3 of them (the steps batch requests
+    differently and fp32 GEMMs are not batch-invariant; every request reads back its top-2 log-probs).
+    ``defaults``: random prompts, no processors, the switches as the environment has them (both on by
+    default); ``device_features``: the device processors and the device prefix cache set on, a third of the
+    requests behind shared system prompts and a fifth with a processor, so that the pass exercises both."""
     jobs = random_jobs(5000, VOCAB, seed=2, max_prompt=160, max_new=96, cancel_frac=0.1)
     if switches == "device_features":
         monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
         monkeypatch.setenv("BLINK_DEVICE_PREFIX_CACHE", "1")
         jobs = with_device_features(jobs, seed=3)
+    jobs = [dataclasses.replace(j, top_logprobs=2) for j in jobs]
     jobs.append(Job(10_000, jobs[0].prompt[:8], 4096))  # crosses many launch windows
     reference = [dataclasses.replace(j, cancel_after=None) for j in jobs]  # host-driven, nothing cancelled
     host, _ = serve_jobs(tiny, "host", reference, window=16, tag=f"5k-{switches}")
     pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag=f"5k-{switches}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"persistent_5k_{switches}.json").write_text(json.dumps(stats))
     assert set(pers) == {j.rid for j in jobs}
     cancelled = [j for j in jobs if pers[j.rid].reason == F.CANCELLED]
     assert all(j.cancel_after is not None for j in cancelled)
+    ties: dict[int, int] = {}
     for j in jobs:
-        got, ref = pers[j.rid], host[j.rid].tokens
+        got, ref = pers[j.rid], host[j.rid]
+        if got.reason != F.CANCELLED:
+            assert got.reason == F.LENGTH and len(got.tokens) == len(ref.tokens), f"request {j.rid}: {got.reason}"
+        at = tie_at(got.tokens, ref)
+        if at is not None:
+            ties[j.rid] = at
+            continue
         if got.reason == F.CANCELLED:
-            assert got.tokens == ref[: len(got.tokens)], f"request {j.rid}: cancelled output not a prefix"
+            assert got.tokens == ref.tokens[: len(got.tokens)], f"request {j.rid}: cancelled output not a prefix"
         else:
-            assert got.reason == F.LENGTH and got.tokens == ref, f"request {j.rid} differs from host-driven"
+            assert got.tokens == ref.tokens, f"request {j.rid} differs from host-driven"
+    stats["ties"] = {str(k): v for k, v in ties.items()}
+    (OUT / f"persistent_5k_{switches}.json").write_text(json.dumps(stats))
+    assert len(ties) <= 3, f"near-ties broken the other way in {len(ties)} requests: {ties}"
     assert len(pers[10_000].tokens) == 4096
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["window_relaunches"] > 100

@@ -25,7 +25,7 @@ from shared.messages import Sampling
 
 @pytest.fixture(autouse=True)
 def device_processors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent scheduler's device processors are off by default (shared/env.py says until when); the
+    """The persistent scheduler's device processors (on by default) on whatever the environment says: the
     engines these tests start inherit the switch."""
     monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
 
