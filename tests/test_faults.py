@@ -37,7 +37,7 @@ TOKENS = 64
 STREAM = {"model": MODEL, "prompt": [1, 504, 3287, 314, 260, 1345, 30], "max_tokens": TOKENS, "ignore_eos": True,
           "temperature": 0, "stream": True}
 SHORT = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}  # text: the tokenizer is needed
-PROCESSES = 1 + 1 + 3 + 2  # supervisor, engine, tokenizer/reader/tracker, two gateways
+PROCESSES = 1 + 2 + 3 + 2  # supervisor, engine and standby engine, tokenizer/reader/tracker, two gateways
 RESULTS: dict[str, dict] = {}
 
 
