@@ -8,7 +8,7 @@ would. The pipe closing without a go (the supervisor stopped or died) ends the s
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import IO
 
 import msgspec
 
@@ -18,7 +18,7 @@ class Go(msgspec.Struct, frozen=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)  # the replaced engine's extra environment
 
 
-def send_go(pipe: BinaryIO, go: Go) -> None:
+def send_go(pipe: IO[bytes], go: Go) -> None:
     """Write the go and close the pipe (BrokenPipeError: the spare is gone)."""
     try:
         pipe.write(msgspec.json.encode(go) + b"\n")
@@ -27,7 +27,7 @@ def send_go(pipe: BinaryIO, go: Go) -> None:
         pipe.close()
 
 
-def wait_for_go(pipe: BinaryIO) -> Go | None:
+def wait_for_go(pipe: IO[bytes]) -> Go | None:
     """Block until the go; None when the pipe closed without one."""
     line = pipe.readline()
     return msgspec.json.decode(line, type=Go) if line.strip() else None
