@@ -3,7 +3,8 @@ for the go and takes a dead engine's place (the restart itself: ``tests/test_dev
 
 With the real CPU engine: the spare holds no shared-memory segment and no key, one that dies is replaced, and
 it dies with a SIGKILLed supervisor; without a live spare at a fault the engine restarts cold. With the fake
-engine: the spare stops with the supervisor on SIGTERM and SIGINT, and ``--no-standby-engine`` starts none.
+engine: the spare stops with the supervisor on SIGTERM and SIGINT, one that keeps dying is given up, and
+``--no-standby-engine`` starts none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from helpers.http_jobs import engine_events
 from helpers.procfs import fd_targets
 from helpers.stack import MODEL, Stack, processes_of, segment_exists, start_stack, stop_stack
 
+from blink.supervisor import RESTARTS_PER_MINUTE
 from harness.serve_proc import http_get
 from shared import ring_layout as L
 from shared.ring import attach_shm_ring
@@ -164,6 +166,30 @@ def test_no_standby_engine_starts_none_and_restarts_cold(tmp_path: Path) -> None
         time.sleep(1.0)
         assert "standby-engine" not in stack.children()
         assert engine_events(stack.log_path, "standby engine took over") == []
+    finally:
+        assert stop_stack(stack) == 0, stack.log()
+    assert processes_of(stack) == []
+
+
+def test_a_spare_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
+    """Replaced at most RESTARTS_PER_MINUTE times a minute, then given up: engines restart cold from there."""
+    stack = start_stack(tmp_path)
+    killed: set[int] = set()
+
+    def new_spare() -> int | None:
+        pid = stack.children().get("standby-engine")
+        return pid if pid not in killed else None
+
+    try:
+        for _ in range(RESTARTS_PER_MINUTE + 1):
+            spare = wait_until("a new spare", new_spare, stack, 30)
+            os.kill(spare, signal.SIGKILL)
+            killed.add(spare)
+        wait_until("given up", lambda: engine_events(stack.log_path, "standby engine given up: engines restart cold"),
+                   stack, 10)
+        time.sleep(1.0)
+        assert "standby-engine" not in stack.children()
+        assert {e["pid"] for e in engine_events(stack.log_path, "standby engine exited")} == killed
     finally:
         assert stop_stack(stack) == 0, stack.log()
     assert processes_of(stack) == []
