@@ -344,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--service-nice", type=int, default=0, metavar="N",
                        help="nice value (-20..19) of every process blink serve starts; below 0 needs CAP_SYS_NICE "
                             "and keeps the frontend's share of the cores beside CPU-bound neighbours")
+    serve.add_argument("--standby-engine", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep a spare engine process beside the live one, started and (on the CPU) loaded, that "
+                            "takes a failed engine's place at once; --no-standby-engine: restart engines cold "
+                            "(RELIABILITY.md)")
     add_refused_flags(serve)
     serve.set_defaults(func=cmd_serve)
     gw = sub.add_parser("gateway", help="one HTTP gateway process", formatter_class=HELP)

@@ -15,6 +15,14 @@ segment, sockets and markers are removed, so nothing is left behind.
 device; the frontend services are told N and serve every ring. An engine that dies is restarted on
 its own (its ring retired first, so only its requests fail); the others are not touched. An engine
 that restarts too often is left stopped while another still serves.
+
+The standby engine (on unless ``--no-standby-engine``): a spare engine process (``--standby``, started
+once every engine is READY) that has done what needs neither a ring nor a GPU and waits on its stdin,
+a pipe from here. When an engine dies, the spare gets the go (``shared.standby``: that engine's ring and
+its GPU) and becomes it, so the restart skips the interpreter, the imports and, on the CPU, the weights;
+a new spare starts once the engines are READY again. Without a live spare the restart is a cold start.
+A spare that dies is logged and replaced (given up after ``RESTARTS_PER_MINUTE`` in a minute); it dies
+with the supervisor like every child (PR_SET_PDEATHSIG, and its pipe closing ends its wait).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from shared.config import EngineConfig
 from shared.data_parallel import DataParallelConfig, engine_devices
 from shared.log import get_logger
 from shared.ring import attach_shm_ring
+from shared.standby import Go, send_go
 from shared.token_dfa import remove_store
 from shared.transport import RingError, ShmTransport
 
@@ -66,6 +75,7 @@ class ServeConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # to the gateways' environment only
     engine_env: tuple[dict[str, str], ...] = ()  # each engine's extra environment (its GPU); () for none
     service_nice: int = 0  # every child's nice value (Child.nice)
+    standby_engine: bool = True  # keep a spare engine for restarts (--no-standby-engine: cold restarts)
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -87,7 +97,7 @@ class ServeConfig:
         dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
                    tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
-                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice)
+                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice, a.standby_engine)
 
 
 def engine_argvs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[tuple[str, ...], ...]:
@@ -157,10 +167,11 @@ class Child:
     proc: subprocess.Popen | None = None
     starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
     nice: int = 0  # --service-nice: below 0 keeps the child's share of the cores beside CPU-bound neighbours
+    go_pipe: bool = False  # a spare engine: its stdin is a pipe from the supervisor, for the go
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_before_exec(self.nice),
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE if self.go_pipe else subprocess.DEVNULL)
         self.starts.append(time.monotonic())
         log.info("started", child=self.name, pid=self.proc.pid)
         if self.nice:
@@ -200,6 +211,10 @@ class Supervisor:
         self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
                               {**keyless, **envs[i]}, ring=name)
                         for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
+        self.engine_envs = {e.name: envs[i] for i, e in enumerate(self.engines)}  # what a spare learns at the go
+        # The spare takes the first engine's flags: the engines differ only in their ring and GPU, told at the go.
+        self.standby = Child("standby-engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args[0],
+                                                "--standby"], keyless, go_pipe=True) if cfg.standby_engine else None
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
             Child("reader", [*py, "reader", *common], keyless),
@@ -210,7 +225,7 @@ class Supervisor:
                                    "--name", f"gateway-{i}"], keyed)
             for i in range(cfg.gateways)
         ]
-        for child in self.children:
+        for child in [*self.children, *self.spares]:
             child.nice = cfg.service_nice
 
     @property
@@ -230,6 +245,11 @@ class Supervisor:
     @property
     def children(self) -> list[Child]:
         return [*self.engines, *self.services, *self.gateways]
+
+    @property
+    def spares(self) -> list[Child]:
+        """The standby engine, when there is one."""
+        return [self.standby] if self.standby is not None else []
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if not self.stopping:
@@ -302,6 +322,7 @@ class Supervisor:
                     continue
                 if not self._restart(child):
                     return 1
+            self._keep_standby()
             time.sleep(0.2)
         return 0
 
@@ -319,8 +340,41 @@ class Supervisor:
                 child.retired = True  # the other engines keep serving
                 return True
             return False
-        child.spawn()
+        if not (child in self.engines and self._take_over(child)):
+            child.spawn()
         return True
+
+    def _take_over(self, engine: Child) -> bool:
+        """The spare becomes the dead engine: it gets the go with that engine's ring and GPU. False when
+        there is no live spare (the engine is then started cold)."""
+        spare = self.standby
+        if spare is None or not spare.alive():
+            return False
+        assert spare.proc is not None and spare.proc.stdin is not None and engine.ring is not None
+        try:
+            send_go(spare.proc.stdin, Go(engine.ring, self.engine_envs[engine.name]))
+        except OSError:  # it died just now: seen by _keep_standby
+            return False
+        engine.proc, spare.proc = spare.proc, None
+        engine.starts.append(time.monotonic())
+        log.info("standby engine took over", child=engine.name, pid=engine.proc.pid, ring=engine.ring)
+        return True
+
+    def _keep_standby(self) -> None:
+        """Start a spare where there is none, once every serving engine is READY (not beside a loading one,
+        whose cores it would take). One that died is logged and replaced; after too many in a minute, given up."""
+        spare = self.standby
+        if spare is None or spare.alive():
+            return
+        if spare.proc is not None:
+            log.warning("standby engine exited", pid=spare.proc.pid, code=spare.proc.returncode)
+            spare.proc = None
+            if spare.too_many_restarts():
+                log.error("standby engine given up: engines restart cold", restarts_per_minute=RESTARTS_PER_MINUTE)
+                self.standby = None
+                return
+        if all(self._engine_ready(e) for e in self.engines if not e.retired):
+            spare.spawn()
 
     def _retire_dead_ring(self, engine: Child, dead_pid: int) -> None:
         """The engine died: mark its ring FAILED and remove the segment, so every service sees it gone
@@ -342,6 +396,7 @@ class Supervisor:
     # ------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
         self.stopping = True
+        self._stop(self.spares, signal.SIGTERM, 10)
         self._stop(self.gateways, signal.SIGTERM, self.cfg.drain_timeout_s + 10)
         self._stop(self.services, signal.SIGTERM, 10)
         for engine in self.engines:

@@ -4,11 +4,17 @@ The engine process owns the ring segment: it creates it (replacing one left by a
 serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks it. An engine that
 fails (a device hang or launch failure, or any error while serving) first ends every request the ring
 holds for it with ``ENGINE_FAILURE``, then unlinks the ring and exits non-zero, for a restart.
+
+``--standby`` makes a spare, which ``blink serve`` keeps beside the live engine so that a restart skips
+the interpreter, the imports and (on the CPU) the weights: it does that much, then waits for the go on
+stdin; from there it is the engine it replaces, started the same way (same ring creation, owner checks
+and environment).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -22,7 +28,9 @@ from gpu_engine.engine import RingEngine
 from gpu_engine.faults import EXIT_ENGINE_FAILURE, DeviceFailure, Fault, FaultyRunner, arm, parse_faults
 from gpu_engine.kernels.cpu_linear import KernelThreads, quant_kernels_available
 from gpu_engine.kv_cache import KVCache
+from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.cpu_pack import pack_for_cpu
+from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_loader import GGUFSource
 from gpu_engine.models.loader import default_model_path, load_model
@@ -34,6 +42,7 @@ from shared.config import EngineConfig, add_engine_arguments, engine_config_from
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger, setup_logging
 from shared.ring import Ring, create_shm_ring
+from shared.standby import wait_for_go
 from shared.transport import SegmentTaken
 
 log = get_logger("engine")
@@ -41,9 +50,12 @@ COLLECT_S = 2.0  # after a failure: how long the engine waits for the frontend t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The engine's command line, derived from ``shared.config.EngineConfig``."""
+    """The engine's command line, derived from ``shared.config.EngineConfig``, and ``--standby``."""
     ap = argparse.ArgumentParser(prog="blink engine", description=__doc__.splitlines()[0])
     add_engine_arguments(ap)
+    ap.add_argument("--standby", action="store_true",
+                    help="a spare engine (blink serve keeps one): do what touches neither the ring nor a GPU, then "
+                    "wait for the go on stdin (the ring of the engine it replaces) and go on as that engine")
     return ap
 
 
@@ -66,8 +78,19 @@ def armed_fault() -> Fault | None:
     return fault
 
 
-def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
-    """Load the model and build KV cache, policy and runner on the CPU."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class CpuWeights:
+    """The CPU backend's model, loaded and packed: what a spare engine holds before its go."""
+
+    model: CausalLM
+    config: ModelConfig
+    formats: CpuFormats
+    threads: int
+    path: Path
+
+
+def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
+    """Load the model for the CPU backend (and its kernels' threads): the ring and the KV cache come after."""
     fmt = CpuFormats.for_dtype(cfg.dtype)
     path = Path(cfg.model) if cfg.model else default_model_path()
     torch.manual_seed(cfg.seed)
@@ -92,21 +115,28 @@ def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
     if fmt.packed:
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
                      int8_activations=cfg.cpu_weights == "int8act", blocks=blocks)
+    return CpuWeights(model, mcfg, fmt, threads, path)
+
+
+def build_cpu_backend(cfg: EngineConfig, fault: Fault | None = None, weights: CpuWeights | None = None) -> Backend:
+    """KV cache, policy and runner on the CPU, around ``weights`` (loaded here when not given)."""
+    w = weights or load_cpu_weights(cfg)
+    mcfg, fmt = w.config, w.formats
     kv = KVCache(mcfg, kv_blocks_for(cfg, mcfg, fmt.kv_dtype), cfg.block_size, dtype=fmt.kv_dtype, device="cpu")
     max_context = cfg.context_limit(mcfg.max_position_embeddings)
     policy = Policy(kv.allocator, cfg.block_size, cfg.max_batch, cfg.token_budget(gpu=False) or max(2048, max_context),
                     chunked=cfg.chunked_prefill, prefix_caching=cfg.prefix_caching)
-    log.info("model loaded", model=str(path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=threads,
+    log.info("model loaded", model=str(w.path), family=mcfg.family, kv_blocks=kv.num_blocks, threads=w.threads,
              weights=f"{cfg.cpu_weights} packed" if fmt.packed else str(fmt.weight_dtype), kv_dtype=str(fmt.kv_dtype),
              block_size=cfg.block_size, max_context=max_context, chunked_prefill=policy.chunked,
              prefix_caching=policy.prefix_caching, token_budget=policy.token_budget)
-    runner = with_fault(TorchRunner(model, kv), fault)
+    runner = with_fault(TorchRunner(w.model, kv), fault)
     return Backend(runner, policy, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size)
 
 
-def build_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
+def build_backend(cfg: EngineConfig, fault: Fault | None = None, weights: CpuWeights | None = None) -> Backend:
     if cfg.backend == "cpu":
-        return build_cpu_backend(cfg, fault)
+        return build_cpu_backend(cfg, fault, weights)
     from gpu_engine.gpu.serve_gpu import build_gpu_backend  # noqa: PLC0415 - needs CUDA
 
     return build_gpu_backend(cfg, fault)
@@ -153,15 +183,47 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
         ring.close()
 
 
+def runs_on_cpu(cfg: EngineConfig) -> bool:
+    """Whether the engine runs on the CPU, known without a CUDA call: --backend cpu, or auto with a torch built
+    without CUDA. A spare may load weights only then: beside a live GPU engine it must not make a CUDA context."""
+    return cfg.backend == "cpu" or (cfg.backend == "auto" and not torch.backends.cuda.is_built())
+
+
+def stand_by(cfg: EngineConfig) -> tuple[EngineConfig, CpuWeights | None] | None:
+    """A spare engine: load what needs neither the ring nor a GPU (the CPU backend's weights; the GPU backends'
+    modules), then block until blink serve's go (``shared.standby``). The replaced engine's config and the
+    weights; None when the pipe closed first (the supervisor stopped or died)."""
+    weights = None
+    if runs_on_cpu(cfg):
+        cfg = resolve_backend(cfg)
+        weights = load_cpu_weights(cfg)
+    else:
+        import gpu_engine.gpu.serve_gpu  # noqa: F401, PLC0415 - its imports only: no CUDA call before the go
+    rss_mib = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    log.info("standby engine ready", pid=os.getpid(), weights_loaded=weights is not None, rss_mib=rss_mib)
+    go = wait_for_go(sys.stdin.buffer)
+    if go is None:
+        return None
+    os.environ.update(go.env)  # before any CUDA call: the replaced engine's GPU
+    return dataclasses.replace(cfg, ring_name=go.ring), weights
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging("engine")
-    cfg = parse_args(argv)
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    cfg = engine_config_from(ap, ns)
     if cfg.backend != "cpu":
         # Load every CUDA module up front: lazy loading stalls while the persistent kernel runs.
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
+        weights = None
+        if ns.standby:
+            if (taken := stand_by(cfg)) is None:
+                return 0
+            cfg, weights = taken
         cfg = resolve_backend(cfg)
-        backend = build_backend(cfg, armed_fault())
+        backend = build_backend(cfg, armed_fault(), weights)
     except ValueError as exc:  # a flag the resolved backend cannot honour (--max-model-len, ...)
         log.error("engine config refused", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shared.ipc import run_dir_problem
+from shared.ring import attach_shm_ring
+from shared.transport import RingError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's served name, its Hugging Face id
@@ -219,16 +221,30 @@ class ServeProc:
         return {"supervisor": self.proc.pid, **self.children()}
 
     def children(self) -> dict[str, int]:
-        """{role: pid} of the supervisor's children now."""
+        """{role: pid} of the supervisor's children now. A spare engine (``--standby``) is ``standby-engine``
+        until the ring names it its engine (its command line stays the same when it takes over)."""
         assert self.proc is not None
+        live = self.ring_engine_pid()
         out = {}
         for pid in children_of(self.proc.pid):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            out[role_of([a for a in argv if a])] = pid
+            role = role_of([a for a in argv if a])
+            out["standby-engine" if role == "engine" and "--standby" in argv and pid != live else role] = pid
         return out
+
+    def ring_engine_pid(self) -> int | None:
+        """The engine the ring's header names; None while there is no ring."""
+        try:
+            ring = attach_shm_ring(self.ring)
+        except (RingError, ValueError):
+            return None
+        try:
+            return ring.header_load32("engine_pid")
+        finally:
+            ring.close()
 
     def rss(self, pids: dict[str, int] | None = None) -> dict[str, int]:
         """{role: VmRSS in KiB} of ``pids`` (default: the supervisor and its children now)."""

@@ -3,8 +3,10 @@
 The first engine's launch fails at a step, the restarted engine's step hangs (its completion is never
 seen; the poll runs to ``BLINK_STEP_TIMEOUT_S``), the third serves. For each fault: every in-flight
 stream ends with an OpenAI-shaped ``engine_error`` event naming ENGINE_FAILURE and ``[DONE]``, soon
-after the engine detected the fault; the engine exits with code 3 and is restarted; a new request
-succeeds; the slot, running and KV gauges return to 0; no engine process or ring segment is left over.
+after the engine detected the fault; the engine exits with code 3 and the standby engine, ready before
+the fault, takes its place (on the CPU READY within 10 s of the detection); a new spare starts once it is
+READY; a new request succeeds; the slot, running and KV gauges return to 0; no engine process or ring
+segment is left over.
 
 The CPU test runs in CI. ``test_persistent_scheduler_faults`` is the same run on the persistent CUDA
 scheduler (marked gpu; its figures go to ``$BLINK_GPU_OUT/faults_gpu.json``).
@@ -22,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from helpers.http_jobs import engine_events
+from helpers.procfs import processes
 
 from harness.serve_proc import MODEL, ServeProc
 from shared.transport import SHM_DIR
@@ -29,6 +32,7 @@ from shared.transport import SHM_DIR
 STREAMS = 4
 FAULTS = ("launch", "hang")
 OUT = Path(os.environ.get("BLINK_GPU_OUT", "/tmp/blink-gpu-out"))
+SPARE_READY_S = 60.0  # a standby engine's start (interpreter, imports, on the CPU the weights), beside the live one
 
 
 def body(model: str, max_tokens: int) -> dict:
@@ -107,7 +111,8 @@ def engine_ready(serve: ServeProc, old_pid: int, limit_s: float) -> int:
 
 
 async def one_fault(serve: ServeProc, model: str, max_tokens: int, k: int, restart_s: float) -> dict:
-    """Streams through fault number ``k``; what happened, in figures."""
+    """Streams through fault number ``k``, once a spare is ready; what happened, in figures."""
+    spare = logged(serve, "standby engine ready", k + 1, SPARE_READY_S)[k]["pid"]
     old = serve.children()
     async with aiohttp.ClientSession() as session:
         ends = await asyncio.gather(*(read_stream(session, serve.url, body(model, max_tokens)) for _ in range(STREAMS)))
@@ -118,14 +123,19 @@ async def one_fault(serve: ServeProc, model: str, max_tokens: int, k: int, resta
         success_s = await first_success(session, serve.url, model, 30)
     gauges = serve.wait_gauges({"slots_in_use": 0, "num_requests_running": 0, "kv_cache_usage_perc": 0}, 10)
     exits = [e for e in logged(serve, "child_exited", k + 1) if e.get("child") == "engine"]
+    next_spare = logged(serve, "standby engine ready", k + 2, SPARE_READY_S)[k + 1]["pid"]
+    spare_starts = [e for e in engine_events(serve.log_path, "started") if e.get("child") == "standby-engine"]
     return {"streams": ends, "detected_wall": detected, "failure": failed[k], "exit_code": exits[k]["code"],
             "old_engine_alive": Path(f"/proc/{old['engine']}").exists(), "new_engine": new_pid,
+            "spare": spare, "took_over": logged(serve, "standby engine took over", k + 1)[k]["pid"],
+            "next_spare": next_spare, "next_spare_started_after_ready_s":
+                round(wall(spare_starts[k + 1]) - wall(logged(serve, "engine ready", k + 2)[k + 1]), 3),
             "restart_ready_s": round(ready_at - detected, 2), "first_success_after_ready_s": round(success_s, 2),
             "gauges": gauges, "roles_before": sorted(old), "roles_after": sorted(serve.children()),
             "segments": sorted(p.name for p in SHM_DIR.iterdir() if serve.ring in p.name)}
 
 
-def check(run: dict, ring: str, kind: str) -> None:
+def check(run: dict, ring: str, kind: str, ready_within_s: float | None) -> None:
     for end in run["streams"]:
         assert end["done"] and end["error"] is not None, end
         assert end["error"]["code"] == "engine_error" and "ENGINE_FAILURE" in end["error"]["message"], end
@@ -135,6 +145,11 @@ def check(run: dict, ring: str, kind: str) -> None:
     assert run["exit_code"] == 3 and not run["old_engine_alive"]
     assert all(v == 0 for v in run["gauges"].values()), run["gauges"]
     assert run["roles_after"] == run["roles_before"] and run["segments"] == [ring]
+    assert "standby-engine" in run["roles_before"]
+    assert run["took_over"] == run["spare"] == run["new_engine"] != run["next_spare"], run
+    assert run["next_spare_started_after_ready_s"] >= 0, run  # not beside the restarting engine
+    if ready_within_s is not None:
+        assert run["restart_ready_s"] < ready_within_s, run["restart_ready_s"]
 
 
 def summary(run: dict) -> dict:
@@ -142,12 +157,14 @@ def summary(run: dict) -> dict:
     ends = [round(e["ended"] - run["detected_wall"], 3) for e in run["streams"]]
     return {"streams_failed": sum(e["error"] is not None for e in run["streams"]),
             "tokens_before": [e["tokens"] for e in run["streams"]], "stream_end_after_detection_s": ends,
-            "exit_code": run["exit_code"], "restart_ready_s": run["restart_ready_s"],
-            "first_success_after_ready_s": run["first_success_after_ready_s"], "gauges": run["gauges"]}
+            "exit_code": run["exit_code"], "standby_took_over": run["took_over"] == run["new_engine"],
+            "restart_ready_s": run["restart_ready_s"],
+            "first_success_after_ready_s": run["first_success_after_ready_s"],
+            "next_spare_started_after_ready_s": run["next_spare_started_after_ready_s"], "gauges": run["gauges"]}
 
 
 def fault_run(args: tuple[str, ...], root: Path, model: str, max_tokens: int, at_step: int,
-              restart_s: float) -> list[dict]:
+              restart_s: float, ready_within_s: float | None) -> list[dict]:
     env = {"BLINK_FAULT": ",".join(f"{k}@{at_step}" for k in FAULTS), "BLINK_FAULT_ONCE_DIR": str(root / "once"),
            "BLINK_STEP_TIMEOUT_S": "1", "BLINK_HEARTBEAT_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1"}
     serve = ServeProc(args, root, env=env).start(timeout_s=restart_s)
@@ -157,15 +174,16 @@ def fault_run(args: tuple[str, ...], root: Path, model: str, max_tokens: int, at
         code = serve.stop()
     for run, kind in zip(runs, FAULTS, strict=True):
         print(f"\n{kind}: {summary(run)}")
-        check(run, serve.ring, kind)
+        check(run, serve.ring, kind, ready_within_s)
     assert code == 0
     assert not any(serve.ring in p.name for p in SHM_DIR.iterdir())
+    assert [p.pid for p in processes() if serve.ring in p.cmdline] == []  # the spare is gone too
     return runs
 
 
 def test_cpu_engine_faults_fail_streams_and_restart(tmp_path: Path) -> None:
     args = ("--num-slots", "8", "--max-prompt-tokens", "64", "--max-output-tokens", "256", "--drain-timeout", "2")
-    runs = fault_run(args, tmp_path, MODEL, max_tokens=256, at_step=40, restart_s=240)
+    runs = fault_run(args, tmp_path, MODEL, max_tokens=256, at_step=40, restart_s=240, ready_within_s=10.0)
     if os.environ.get("BLINK_FAULTS_OUT"):
         Path(os.environ["BLINK_FAULTS_OUT"]).write_text(json.dumps([summary(r) for r in runs], indent=1))
 
@@ -185,6 +203,7 @@ def test_persistent_scheduler_faults(tmp_path: Path) -> None:
     args = ("--backend", "persistent", "--model", str(model), "--random-weights", "--dtype", "float32",
             "--served-model-name", "tiny", "--num-slots", "64", "--max-prompt-tokens", "64",
             "--max-output-tokens", "2048", "--max-batch", "8", "--kv-blocks", "2048", "--block-size", "16")
-    runs = fault_run(args, tmp_path, "tiny", max_tokens=2048, at_step=300, restart_s=150)
+    # READY after detection recorded, not bounded: the H200 figure with the standby engine is yet to be measured
+    runs = fault_run(args, tmp_path, "tiny", max_tokens=2048, at_step=300, restart_s=150, ready_within_s=None)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "faults_gpu.json").write_text(json.dumps([summary(r) for r in runs], indent=1))

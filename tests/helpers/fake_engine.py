@@ -4,7 +4,8 @@ It takes the flags of ``python -m gpu_engine.serve`` (ignoring those it has no u
 serves the ring the same way: READY plus a heartbeat every 100 ms, shutdown flag or SIGTERM
 to drain and exit, the segment unlinked at exit. Its "model" echoes the prompt (without the
 first token) one token per step, then stops with EOS; with ``ignore_eos`` it keeps echoing
-until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers.
+until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
+``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import sys
 import time
 
 import numpy as np
@@ -19,6 +21,7 @@ import numpy as np
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.ring import Ring, RingGeometry, create_shm_ring
+from shared.standby import wait_for_go
 from shared.transport import ShmTransport
 
 S, F, E = L.SlotState, L.FinishReason, L.ErrorCode
@@ -118,12 +121,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-context", type=int, default=1536)
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--vocab-size", type=int, default=49152)
+    ap.add_argument("--standby", action="store_true")
     args, _ = ap.parse_known_args(argv)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.standby:
+        if (go := wait_for_go(sys.stdin.buffer)) is None:
+            return
+        args.ring = go.ring
     geo = RingGeometry(args.num_slots, args.max_prompt_tokens, args.max_output_tokens, top_logprobs=5)
     ring = create_shm_ring(args.ring, geo)
     fake = FakeEngine(ring, args.max_context, args.step_ms / 1000)
