@@ -101,9 +101,7 @@ class Generation:
         self.completion_tokens += len(msg.ids)
         if msg.cached_tokens is not None:
             self.cached_tokens = msg.cached_tokens
-        if msg.prompt is not None:
-            self.prompt_entries = [PromptEntry(t, lp, rank, list(top))
-                                   for t, (lp, rank, top) in zip(self.prompt[1:], msg.prompt, strict=True)]
+        self._take_prompt(msg.prompt)
         if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
             return Delta("")
         text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
@@ -117,16 +115,31 @@ class Generation:
     def _finished(self, msg: m.Finished) -> Delta:
         if msg.reason == F.ERROR:
             raise engine_error(msg)
+        self._take_prompt(msg.prompt)
         self.completion_tokens = max(self.completion_tokens, msg.generated)
         self.finish_reason = _REASONS.get(F(msg.reason), "stop")
         self._account()
         return Delta(self.detok.finish())
 
-    def _echo_logprobs(self) -> list[TokenLogprob]:
+    def _take_prompt(self, entries: list[tuple[float, int, list[tuple[int, float]]]] | None) -> None:
+        """The prompt log-probs the reader sent (with token 0, or with a finish that came before any token)."""
+        if entries is not None:
+            self.prompt_entries = [PromptEntry(t, lp, rank, list(top))
+                                   for t, (lp, rank, top) in zip(self.prompt[1:], entries, strict=True)]
+
+    def check_prompt_entries(self) -> bool:
+        """Whether the prompt log-probs came; False for a request cancelled before its prompt was computed
+        (finish ``abort``), a 500 for any other without them."""
+        if self.prompt_entries is None and self.finish_reason != "abort":
+            raise APIError(500, "the engine returned no prompt log-probs", code="engine_error")
+        return self.prompt_entries is not None
+
+    def _echo_logprobs(self) -> list[TokenLogprob] | None:
         """The echoed prompt's entries (completions' logprobs): none for its first token, then each
         position's with ``echo_logprobs`` alternatives."""
-        if self.prompt_entries is None:
-            raise APIError(500, "the engine returned no prompt log-probs", code="engine_error")
+        if not self.check_prompt_entries():
+            return None
+        assert self.prompt_entries is not None
         k = self.plan.echo_logprobs
         rest = [TokenLogprob(e.token, e.logprob, e.top[:k]) for e in self.prompt_entries]
         return [TokenLogprob(self.prompt[0], None, None), *rest]

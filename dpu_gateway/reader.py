@@ -42,7 +42,7 @@ from shared.ring import Ring
 from shared.slots import SlotWriter
 
 log = get_logger("reader")
-S = L.SlotState
+S, F = L.SlotState, L.FinishReason
 RESTARTED = "the engine restarted; the request was lost"
 NOT_IN_RING = "the request is in no ring any more (its engine restarted); it was lost"
 DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gateways
@@ -166,7 +166,10 @@ class RingReader:
             t = ring.transport
             reason = t.load32(ring.slot_field(tr.slot, "finish_reason"))
             error = t.load32(ring.slot_field(tr.slot, "error_code"))
-            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"])))
+            # a prompt computed whole whose first token ended it: its log-probs came with no token
+            ended = gen == 0 and reason in (F.EOS, F.STOP_ID) and tr.prompt_logprobs >= 0
+            prompt = self._prompt_logprobs(tr) if ended else None
+            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt))
         self.writer.release(tr.slot, tr.seq)
         del self.routes[tr.slot]
 

@@ -108,10 +108,11 @@ async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
                            [c.openai() for c in calls])
 
 
-def asked_prompt_logprobs(gen: Generation, codec: TextCodec) -> list[dict | None]:
+def asked_prompt_logprobs(gen: Generation, codec: TextCodec) -> list[dict | None] | None:
     """The ``prompt_logprobs`` field of a choice that asked, with the alternatives it asked for."""
-    if gen.prompt_entries is None:
-        raise APIError(500, "the engine returned no prompt log-probs", code="engine_error")
+    if not gen.check_prompt_entries():
+        return None
+    assert gen.prompt_entries is not None
     k = gen.plan.prompt_logprobs
     return fmt.prompt_logprobs(codec, [dataclasses.replace(e, top=e.top[:k]) for e in gen.prompt_entries])
 

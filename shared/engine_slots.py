@@ -119,7 +119,8 @@ class SlotEngine:
 
     def write_prompt_logprobs(self, idx: int, start: int, entries: np.ndarray, top: np.ndarray) -> None:
         """Prompt positions ``start ..`` of the slot's prompt-logprob rows (``PromptLogprob`` entries and
-        ``TopLogprob`` rows); published by the release of token 0 (``publish`` at 0), which must follow."""
+        ``TopLogprob`` rows); published by the release of token 0 (``publish`` at 0), or of the completion when
+        that token ended the request, which must follow."""
         self.t.write(self.ring.prompt_logprob_offset(idx, start), np.ascontiguousarray(entries))
         self.t.write(self.ring.prompt_top_logprob_offset(idx, start), np.ascontiguousarray(top))
 

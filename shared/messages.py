@@ -158,13 +158,15 @@ class Tokens(_Msg, tag="tok"):
 
 
 class Finished(_Msg, tag="fin"):
-    """The slot completed and every token was sent; ``reason``/``error`` are ring enums."""
+    """The slot completed and every token was sent; ``reason``/``error`` are ring enums. ``prompt``: the prompt
+    log-probs (as in ``Tokens``) of a request that asked and ended before any output token (EOS or a stop id)."""
 
     req_id: int
     reason: int
     error: int
     generated: int
     prompt_len: int
+    prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Failed(_Msg, tag="fail"):

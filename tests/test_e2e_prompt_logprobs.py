@@ -95,6 +95,17 @@ def test_echo_with_max_tokens_0_is_the_prompt_only(real: Stack, text) -> None:
     assert bare.choices[0].text == PROMPT and bare.choices[0].logprobs is None
 
 
+def test_prompt_logprobs_of_a_request_whose_first_token_ends_it(real: Stack, text) -> None:
+    """No output token: the prompt's log-probs come with the finish."""
+    ids, stop = text.ids(PROMPT), 7
+    out = complete(real, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1,
+                   logit_bias={str(stop): 100}, extra_body={"stop_token_ids": [stop], "prompt_logprobs": 0})
+    choice = out.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "stop" and out.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.model_extra["prompt_logprobs"]) == len(ids)
+
+
 def test_streamed_echo_carries_the_prompt_logprobs_first(real: Stack, text) -> None:
     ids = text.ids(PROMPT)
     chunks = list(sync_client(real).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
