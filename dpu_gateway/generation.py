@@ -27,7 +27,17 @@ _REASONS = {F.EOS: "stop", F.STOP_ID: "stop", F.LENGTH: "length", F.CANCELLED: "
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token: int
+    logprob: float | None  # None: the first prompt token (echo), which has no distribution
+    top: list[tuple[int, float]] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptEntry:
+    """One prompt position's log-prob (vLLM's ``prompt_logprobs``): its token's, with its rank, and the top k."""
+
+    token: int
     logprob: float
+    rank: int
     top: list[tuple[int, float]]
 
 
@@ -49,8 +59,12 @@ def engine_error(msg: m.Finished) -> APIError:
 
 class Generation:
     def __init__(self, codec: TextCodec, plan: Plan, backend: Backend, stream: RequestStream,
-                 metrics: FrontendMetrics, arrival: float, prompt_tokens: int, index: int = 0) -> None:
+                 metrics: FrontendMetrics, arrival: float, prompt_tokens: int, index: int = 0,
+                 prompt: list[int] | None = None) -> None:
         self.codec, self.plan, self.backend, self.stream = codec, plan, backend, stream
+        self.prompt = prompt or []  # the prompt's token ids: what its log-probs are of
+        # positions 1.. of the prompt (position 0 has none), once token 0 brought them
+        self.prompt_entries: list[PromptEntry] | None = None
         self.index = index  # of the choice in the response
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
         self.detok = codec.detokenizer(plan.stop)
@@ -62,8 +76,10 @@ class Generation:
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         try:
-            if self.plan.echo:
+            echo_pending = bool(self.plan.echo)  # with logprobs the echo waits for token 0, which brings them
+            if echo_pending and self.plan.echo_logprobs < 0:
                 yield Delta(self.plan.echo)
+                echo_pending = False
             while self.finish_reason is None:
                 msg = await self.stream.events.get()
                 if isinstance(msg, m.Tokens):
@@ -72,6 +88,9 @@ class Generation:
                     delta = self._finished(msg)
                 else:
                     raise APIError(msg.status, msg.message, code="engine_unavailable")
+                if echo_pending:
+                    yield Delta(self.plan.echo, self._echo_logprobs())
+                    echo_pending = False
                 if delta.text or delta.logprobs:
                     yield delta
         finally:
@@ -82,6 +101,9 @@ class Generation:
         self.completion_tokens += len(msg.ids)
         if msg.cached_tokens is not None:
             self.cached_tokens = msg.cached_tokens
+        self._take_prompt(msg.prompt)
+        if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
+            return Delta("")
         text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
         if self.detok.stopped:
             self.finish_reason = "stop"
@@ -93,10 +115,34 @@ class Generation:
     def _finished(self, msg: m.Finished) -> Delta:
         if msg.reason == F.ERROR:
             raise engine_error(msg)
+        self._take_prompt(msg.prompt)
         self.completion_tokens = max(self.completion_tokens, msg.generated)
         self.finish_reason = _REASONS.get(F(msg.reason), "stop")
         self._account()
         return Delta(self.detok.finish())
+
+    def _take_prompt(self, entries: list[tuple[float, int, list[tuple[int, float]]]] | None) -> None:
+        """The prompt log-probs the reader sent (with token 0, or with a finish that came before any token)."""
+        if entries is not None:
+            self.prompt_entries = [PromptEntry(t, lp, rank, list(top))
+                                   for t, (lp, rank, top) in zip(self.prompt[1:], entries, strict=True)]
+
+    def check_prompt_entries(self) -> bool:
+        """Whether the prompt log-probs came; False for a request cancelled before its prompt was computed
+        (finish ``abort``), a 500 for any other without them."""
+        if self.prompt_entries is None and self.finish_reason != "abort":
+            raise APIError(500, "the engine returned no prompt log-probs", code="engine_error")
+        return self.prompt_entries is not None
+
+    def _echo_logprobs(self) -> list[TokenLogprob] | None:
+        """The echoed prompt's entries (completions' logprobs): none for its first token, then each
+        position's with ``echo_logprobs`` alternatives."""
+        if not self.check_prompt_entries():
+            return None
+        assert self.prompt_entries is not None
+        k = self.plan.echo_logprobs
+        rest = [TokenLogprob(e.token, e.logprob, e.top[:k]) for e in self.prompt_entries]
+        return [TokenLogprob(self.prompt[0], None, None), *rest]
 
     def _logprobs(self, msg: m.Tokens) -> list[TokenLogprob]:
         lps = msg.logprobs or [0.0] * len(msg.ids)

@@ -9,7 +9,7 @@ import dataclasses
 import time
 import uuid
 
-from dpu_gateway.generation import TokenLogprob
+from dpu_gateway.generation import PromptEntry, TokenLogprob
 from dpu_gateway.textio import TextCodec
 
 
@@ -27,12 +27,12 @@ class Envelope:
 
 
 def chat_logprobs(codec: TextCodec, entries: list[TokenLogprob]) -> dict:
-    def one(token: int, logprob: float) -> dict:
+    def one(token: int, logprob: float | None) -> dict:
         raw = codec.token_bytes(token)
         return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [
-        {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+        {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top or ()]} for e in entries
     ]}
 
 
@@ -45,9 +45,24 @@ def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: i
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{codec.token_text(t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [None if e.top is None else {codec.token_text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(codec: TextCodec, entries: list[PromptEntry]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per position its token and the top k,
+    token id -> ``{logprob, rank, decoded_token}`` (the prompt's token first; the others ranked by position)."""
+    def one(token: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": codec.token_text(token)}
+
+    out: list[dict | None] = [None]
+    for e in entries:
+        step = {str(e.token): one(e.token, e.logprob, e.rank)}
+        for r, (t, lp) in enumerate(e.top, 1):
+            step.setdefault(str(t), one(t, lp, r))
+        out.append(step)
+    return out
 
 
 def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None,

@@ -3,7 +3,7 @@
 Checks that msgspec types cannot express live here and raise 400 ``APIError`` naming the
 parameter: too many or too long stop strings, a prompt beyond the model's context, logit_bias
 keys that are not token ids, a field the serving engine backend does not implement (the ring
-header's ``sampling_features``).
+header's ``sampling_features``), prompt log-probs of a prompt longer than the ring's rows hold.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class Limits:
     max_output_tokens: int
     vocab_size: int = 0  # 0: not known (no check)
     features: int = 0  # SamplingFeatures the serving engine implements
+    max_prompt_logprobs_tokens: int = 0  # longest prompt whose log-probs a slot returns
+    top_logprobs: int = 20  # alternatives per position a slot returns
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +53,9 @@ class Plan:
     echo: str = ""  # text the answer starts with (echo)
     tool_format: Format | None = None  # read tool calls out of the answer in this format
     parallel_tool_calls: bool = True   # False: only the first call is answered
+    echo_logprobs: int = -1  # completions' echo with logprobs: alternatives of the prompt's entries (-1: none)
+    echo_only: bool = False  # max_tokens 0 with echo: the answer is the prompt (the one token sampled is dropped)
+    prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
 
     def choices(self) -> list[m.Sampling]:
         """One sampling record per choice: a seeded request's choices draw from seeds derived from it."""
@@ -111,6 +116,33 @@ def check_constraint(c: Constraint, req: _Common, limits: Limits) -> None:
                        param="ignore_eos", code="unsupported_value")
 
 
+def check_prompt_logprobs(param: str, prompt_len: int, k: int, limits: Limits) -> None:
+    """400 naming ``param`` when the engine cannot return the prompt's log-probs with ``k`` alternatives."""
+    if not limits.features & Feature.PROMPT_LOGPROBS:
+        raise APIError(400, f"{param}: the engine backend serving this model does not compute prompt log-probs",
+                       param=param, code="unsupported_parameter")
+    if k > limits.top_logprobs:
+        raise APIError(400, f"{param}: at most {limits.top_logprobs} alternatives per prompt token are returned "
+                       f"by this server, got {k}", param=param, code="invalid_value")
+    if prompt_len > limits.max_prompt_logprobs_tokens:
+        raise APIError(400, f"{param}: prompt log-probs are returned for prompts of at most "
+                       f"{limits.max_prompt_logprobs_tokens} tokens (--max-prompt-logprobs-tokens); this prompt has "
+                       f"{prompt_len}", param=param, code="context_length_exceeded")
+
+
+def prompt_logprobs(req: _Common, prompt_len: int, limits: Limits, echo_k: int = -1) -> int:
+    """Alternatives per prompt position the engine computes (-1: none): for ``prompt_logprobs``, and for
+    ``echo_k`` (completions' echo with logprobs)."""
+    asked = -1 if req.prompt_logprobs is None else req.prompt_logprobs
+    if asked >= 0 and req.stream:
+        raise APIError(400, "prompt_logprobs are not returned when streaming (as vLLM); use echo with logprobs",
+                       param="prompt_logprobs", code="unsupported_value")
+    k = max(asked, echo_k)
+    if k >= 0:
+        check_prompt_logprobs("prompt_logprobs" if asked >= 0 else "echo", prompt_len, k, limits)
+    return k
+
+
 def logit_bias(req: _Common, limits: Limits) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``{"token id": bias}`` as (id, bias) pairs, ids ascending."""
     raw = req.logit_bias or {}
@@ -160,7 +192,8 @@ def top_k(requested: int | None) -> int:
     return requested if requested is not None and 0 < requested < 2**31 else 0
 
 
-def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple, grammar_id: int = 0) -> m.Sampling:
+def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple, grammar_id: int = 0,
+             prompt_k: int = -1) -> m.Sampling:
     """The request's sampling record, OpenAI's defaults filled in."""
     if req.min_tokens > budget:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed the output budget ({budget})",
@@ -176,6 +209,7 @@ def sampling(req: _Common, budget: int, logprobs: bool, top: int, bias: tuple, g
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens, logit_bias=bias, grammar_id=grammar_id, cache_salt=cache_salt(req.cache_salt),
+        prompt_logprobs=prompt_k,
     )
 
 
@@ -202,23 +236,30 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     budget = max_new_tokens(asked, prompt_len, limits, param)
     bias = logit_bias(req, limits)
     check_bias_room(bias, prompt_len, limits)
-    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id), stop,
-                req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False)
+    prompt_k = prompt_logprobs(req, prompt_len, limits)
+    return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id, prompt_k), stop,
+                req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False,
+                prompt_logprobs=prompt_k)
 
 
 def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "",
                     grammar_id: int = 0) -> Plan:
     stop = check_common(req, limits)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
-                       param="echo", code="unsupported_value")
-    budget = max_new_tokens(req.max_tokens, prompt_len, limits, "max_tokens")
+    echo_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 is served with echo: the prompt only)",
+                       param="max_tokens", code="invalid_value")
+    # echo without generation still samples one token (the ring's least), dropped from the answer, as vLLM
+    budget = max_new_tokens(1 if echo_only else req.max_tokens, prompt_len, limits, "max_tokens")
     if req.max_tokens is None:  # OpenAI's default of 16, within what the server allows
         budget = min(16, budget)
     bias = logit_bias(req, limits)
     check_bias_room(bias, prompt_len, limits)
-    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias, grammar_id), stop,
-                req.include_stop_str_in_output, req.n, echo)
+    echo_k = req.logprobs if req.echo and req.logprobs is not None else -1
+    prompt_k = prompt_logprobs(req, prompt_len, limits, echo_k)
+    return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias, grammar_id, prompt_k), stop,
+                req.include_stop_str_in_output, req.n, echo, echo_logprobs=echo_k, echo_only=echo_only,
+                prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

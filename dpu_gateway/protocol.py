@@ -100,11 +100,11 @@ class _Common(_Body, kw_only=True):
     ignore_eos: bool = False
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # not vLLM's -1 (the whole vocabulary)
     # declared so that they are refused by name (REFUSED says which values are a no-op)
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    prompt_logprobs: int | None = None
     allowed_token_ids: list | None = None
     bad_words: list | None = None
     logits_processors: list | None = None
@@ -164,6 +164,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[int | str | list[int]]  # one array type per union (msgspec)
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0: with echo, the prompt only (as vLLM)
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -197,7 +198,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "use_beam_search": (_off, "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1.0), "length_penalty applies to beam search, which is not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not supported"),
     "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported (use logit_bias)"),
     "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (_off, "custom logits processors are not supported"),

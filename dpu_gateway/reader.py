@@ -42,7 +42,7 @@ from shared.ring import Ring
 from shared.slots import SlotWriter
 
 log = get_logger("reader")
-S = L.SlotState
+S, F = L.SlotState, L.FinishReason
 RESTARTED = "the engine restarted; the request was lost"
 NOT_IN_RING = "the request is in no ring any more (its engine restarted); it was lost"
 DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gateways
@@ -140,12 +140,21 @@ class RingReader:
         ids = self.ring.read_output(tr.slot, start, gen).tolist()
         # written by the engine before token 0 (schema minor 4)
         cached = self.ring.transport.load32(self.ring.slot_field(tr.slot, "cached_tokens")) if start == 0 else None
+        prompt = self._prompt_logprobs(tr) if start == 0 and tr.prompt_logprobs >= 0 else None
         if tr.logprobs or tr.top_logprobs:
             lps, tops = self.ring.read_logprobs(tr.slot, start, gen)
             top = top_pairs(tops, tr.top_logprobs) if tr.top_logprobs else None
-            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start, cached_tokens=cached))
+            chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start, cached_tokens=cached, prompt=prompt))
         else:
-            chan.send(m.Tokens(tr.req_id, ids, at=start, cached_tokens=cached))
+            chan.send(m.Tokens(tr.req_id, ids, at=start, cached_tokens=cached, prompt=prompt))
+
+    def _prompt_logprobs(self, tr: m.Track) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """The slot's prompt log-probs, positions 1.. (the engine wrote them before token 0's release)."""
+        assert self.ring is not None
+        plen = self.ring.transport.load32(self.ring.slot_field(tr.slot, "prompt_len"))
+        entries, tops = self.ring.read_prompt_logprobs(tr.slot, 1, max(plen, 1))
+        pairs = top_pairs(tops, tr.prompt_logprobs)
+        return [(float(e["logprob"]), int(e["rank"]), p) for e, p in zip(entries, pairs, strict=True)]
 
     def _finish(self, route: Route, chan: ipc.Channel | None, meta: np.void, gen: int) -> None:
         assert self.writer is not None
@@ -157,7 +166,10 @@ class RingReader:
             t = ring.transport
             reason = t.load32(ring.slot_field(tr.slot, "finish_reason"))
             error = t.load32(ring.slot_field(tr.slot, "error_code"))
-            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"])))
+            # a prompt computed whole whose first token ended it: its log-probs came with no token
+            ended = gen == 0 and reason in (F.EOS, F.STOP_ID) and tr.prompt_logprobs >= 0
+            prompt = self._prompt_logprobs(tr) if ended else None
+            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt))
         self.writer.release(tr.slot, tr.seq)
         del self.routes[tr.slot]
 
@@ -185,9 +197,10 @@ class RingReader:
         for idx in np.flatnonzero(live):
             meta = snap[idx]
             req_id, sampling = int(meta["request_id"]), meta["sampling"]
-            track = m.Track(req_id, gateway_id, int(idx), int(meta["seq"]),
-                            bool(int(sampling["flags"]) & L.SamplingFlags.WANT_LOGPROBS),
-                            int(sampling["num_top_logprobs"]), self.index)
+            flags = int(sampling["flags"])
+            track = m.Track(req_id, gateway_id, int(idx), int(meta["seq"]), bool(flags & L.SamplingFlags.WANT_LOGPROBS),
+                            int(sampling["num_top_logprobs"]), self.index,
+                            int(meta["num_prompt_logprobs"]) if flags & L.SamplingFlags.WANT_PROMPT_LOGPROBS else -1)
             self.routes[int(idx)] = Route(track, sent=received[req_id])
             adopted.add(req_id)
         return adopted

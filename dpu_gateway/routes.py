@@ -200,7 +200,7 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
                 app[LIVE].add(handle)
                 prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
                 gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
-                                       p * plan.n + i))
+                                       p * plan.n + i, ids))
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
         if stream:

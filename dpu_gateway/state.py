@@ -106,4 +106,5 @@ def engine_limits(app: web.Application) -> Limits:
         raise APIError(503, "frontend services are starting", code="service_unavailable", retry_after_s=1)
     g = ring.geometry
     ctx = ring.header_load32("max_context") or g.max_prompt_tokens + g.max_output_tokens
-    return Limits(ctx, min(g.max_prompt_tokens, ctx), g.max_output_tokens)
+    return Limits(ctx, min(g.max_prompt_tokens, ctx), g.max_output_tokens,
+                  max_prompt_logprobs_tokens=g.prompt_logprob_rows, top_logprobs=g.top_logprobs)

@@ -72,7 +72,7 @@ class Live:
     def track(self) -> m.Track:
         s = self.submit
         return m.Track(s.req_id, s.gateway_id, self.slot, self.seq, s.sampling.logprobs, s.sampling.top_logprobs,
-                       self.engine)
+                       self.engine, s.sampling.prompt_logprobs)
 
 
 class Lane:

@@ -14,6 +14,7 @@ import numpy as np
 
 from gpu_engine.grammar_mask import GrammarCache
 from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
+from gpu_engine.prompt_logprobs import PromptLogprobs
 from gpu_engine.runner import Runner, StepOutput
 from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
@@ -25,7 +26,7 @@ from shared.slots import MAX_LOGIT_BIAS
 S = L.SlotState
 log = get_logger("engine")
 FEATURES = (L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
-            | L.SamplingFeatures.GRAMMAR)
+            | L.SamplingFeatures.GRAMMAR | L.SamplingFeatures.PROMPT_LOGPROBS)
 # When the heartbeat thread stops beating (the frontend then takes the engine for dead): the loop has not
 # come round for STALL_S outside a step, or one step has run for longer than STALL_S plus STALL_PER_TOKEN_S
 # for each token it computes. A 4,096-token prefill on a loaded CPU takes minutes and is progress, not a
@@ -85,12 +86,21 @@ class RingEngine:
             self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
             return
         rid = int(meta["request_id"])
-        spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids, grammar)
+        spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids, grammar,
+                                      int(meta["num_prompt_logprobs"]))
+        if spec.prompt_logprobs >= 0 and not self._prompt_logprobs_fit(plen, spec.prompt_logprobs):
+            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            return
         req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
                       arrival=self.arrivals, sampling=spec, salt=int(meta["cache_salt"]))
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)
+
+    def _prompt_logprobs_fit(self, plen: int, k: int) -> bool:
+        """Whether the slot's prompt-logprob rows hold a prompt of ``plen`` tokens with ``k`` alternatives."""
+        g = self.ring.geometry
+        return plen <= g.prompt_logprob_rows and k <= g.top_logprobs
 
     def _logit_bias(self, idx: int, plen: int, sp: np.void) -> np.ndarray | None:
         """The slot's ``LogitBias`` entries (the tail of its prompt row); None when they are malformed."""
@@ -129,6 +139,8 @@ class RingEngine:
         self.steps += 1
         self.prompt_tokens += plan.prompt_tokens
         self.step_fill[step_fill_bucket(plan.num_tokens, self.policy.token_budget)] += 1
+        for entries in out.prompt:  # before token 0's release, which publishes them
+            self._write_prompt_logprobs(plan.work[entries.row].req, entries)
         for b, ((req, tok, reason), start, w) in enumerate(zip(results, starts, plan.work, strict=True)):
             if len(req.output) > start:
                 self._publish(req, b, start, tok, out)
@@ -136,6 +148,15 @@ class RingEngine:
                 self.slots.set_state(req.slot, S.DECODE_PROCESSING)
             if reason != Finish.NONE:
                 self._complete(req, reason)
+
+    def _write_prompt_logprobs(self, req: Request, e: PromptLogprobs) -> None:
+        n, k = len(e.logprobs), max(self.ring.geometry.top_logprobs, 1)
+        entries = np.zeros(n, L.PROMPTLOGPROB_DTYPE)
+        entries["logprob"], entries["rank"] = e.logprobs, e.ranks
+        top = np.zeros((n, k), L.TOPLOGPROB_DTYPE)
+        m = min(k, e.top_ids.shape[1])
+        top["token"][:, :m], top["logprob"][:, :m] = e.top_ids[:, :m], e.top_logprobs[:, :m]
+        self.slots.write_prompt_logprobs(req.slot, e.start, entries, top)
 
     def _publish(self, req: Request, b: int, start: int, tok: int, out: StepOutput) -> None:
         k = max(self.ring.geometry.top_logprobs, 1)

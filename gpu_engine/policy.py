@@ -38,7 +38,9 @@ last token (a token must be computed to sample), and the blocks found are shared
 raised): the chunk starts after them, and the request never writes them (it writes only past its cached
 prefix). The chunk's new blocks and the shared idle ones must all be free, else nothing is taken. A block
 whose count drops to 0 (finish, cancellation, preemption) keeps its content and stays findable until an
-allocation evicts it, least recently used first (``gpu_engine.kv_cache.BlockAllocator``).
+allocation evicts it, least recently used first (``gpu_engine.kv_cache.BlockAllocator``). A request that
+asks for prompt log-probs looks nothing up (every prompt position's logits must be computed); its blocks
+are registered as any other's.
 
 A step in which no row uses top-k, top-p or min-p runs the sort-free variant of its graph
 (``step_filters``; without chunking, prefill graphs exist in the filtering variant only); its tokens
@@ -281,7 +283,7 @@ class Policy:
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks of ``req``'s leading full blocks, leaving at least its last token to compute
         (the step samples from it)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or req.sampling.prompt_logprobs >= 0:  # prompt log-probs need every position
             return []
         tokens = req.tokens
         extend_hashes(req.hashes, tokens, self.block_size, req.salt)

@@ -10,7 +10,9 @@ import torch
 
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import SeqStep, build_metadata
+from gpu_engine.models.decoder import CausalLM
 from gpu_engine.policy import StepPlan
+from gpu_engine.prompt_logprobs import PromptLogprobs, prompt_spans, score_spans
 from gpu_engine.sampling import sample
 
 
@@ -20,6 +22,7 @@ class StepOutput:
     logprobs: np.ndarray        # [B] float32, chosen token
     top_ids: np.ndarray         # [B, K] int32
     top_logprobs: np.ndarray    # [B, K] float32
+    prompt: list[PromptLogprobs] = dataclasses.field(default_factory=list)  # of the rows that asked
 
 
 class Runner(Protocol):
@@ -40,7 +43,7 @@ def step_inputs(plan: StepPlan) -> tuple[list[SeqStep], list[int]]:
 class TorchRunner:
     """Packs a plan into one forward pass (prefills packed without padding, or a decode batch)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, top_k_max: int = 20) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, top_k_max: int = 20) -> None:
         self.model = model
         self.kv = kv_cache
         self.device = next(model.parameters()).device
@@ -50,7 +53,8 @@ class TorchRunner:
     def run(self, plan: StepPlan) -> StepOutput:
         steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.kv.block_size, self.device)
-        logits = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
+        hidden = self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
+        logits = self.model.logits_at(hidden, meta.cu_seqlens_q[1:].long() - 1)
         rows = [b for b, w in enumerate(plan.work) if w.samples]  # a chunk short of its prompt's end samples nothing
         work = [plan.work[b] for b in rows]
         specs = [w.req.sampling for w in work]
@@ -66,4 +70,5 @@ class TorchRunner:
         out.logprobs[rows] = res.logprobs.float().cpu().numpy()
         out.top_ids[rows] = res.top_ids.to(torch.int32).cpu().numpy()
         out.top_logprobs[rows] = res.top_logprobs.float().cpu().numpy()
+        out.prompt = score_spans(prompt_spans(plan), lambda idx: self.model.logits_at(hidden, idx.to(self.device)))
         return out

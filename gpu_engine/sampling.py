@@ -71,6 +71,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     eos_ids: frozenset[int] = frozenset()  # the model's, resolved at claim: min_tokens suppresses them
     grammar: TokenDFA | None = None  # the tables of the slot's grammar_id, loaded at claim
+    prompt_logprobs: int = -1  # alternatives per prompt position (gpu_engine/prompt_logprobs.py); -1: off
 
     @property
     def penalized(self) -> bool:
@@ -89,10 +90,11 @@ class SamplingSpec:
 
     @classmethod
     def from_ring(cls, sp: np.void, request_id: int, logit_bias: np.ndarray | None = None,
-                  eos_ids: frozenset[int] = frozenset(), grammar: TokenDFA | None = None) -> SamplingSpec:
+                  eos_ids: frozenset[int] = frozenset(), grammar: TokenDFA | None = None,
+                  num_prompt_logprobs: int = 0) -> SamplingSpec:
         """Decode a slot's ``SamplingParams`` (``shared/ring_layout.SAMPLINGPARAMS_DTYPE``); ``logit_bias``
         holds its ``LogitBias`` entries (the prompt row's tail), ``eos_ids`` the model's EOS ids, ``grammar``
-        the tables its ``grammar_id`` names."""
+        the tables its ``grammar_id`` names, ``num_prompt_logprobs`` the slot's field of that name."""
         flags = int(sp["flags"])
         has_seed = flags & L.SamplingFlags.HAS_SEED
         bias = () if logit_bias is None else tuple((int(e["token"]), float(e["bias"])) for e in logit_bias)
@@ -114,6 +116,7 @@ class SamplingSpec:
             logit_bias=bias,
             eos_ids=frozenset() if ignore_eos else frozenset(eos_ids),
             grammar=grammar,
+            prompt_logprobs=num_prompt_logprobs if flags & L.SamplingFlags.WANT_PROMPT_LOGPROBS else -1,
         )
 
 

@@ -155,7 +155,10 @@ def fail_requests(ring: Ring, exc: BaseException) -> None:
 
 def serve(cfg: EngineConfig, backend: Backend) -> None:
     """Create the ring, serve it until shutdown, unlink it."""
-    ring = create_shm_ring(cfg.ring_name, cfg.geometry)
+    geometry = cfg.geometry
+    if backend.make_engine is not None:  # the persistent scheduler computes no prompt log-probs: no arenas
+        geometry = dataclasses.replace(geometry, max_prompt_logprobs_tokens=0)
+    ring = create_shm_ring(cfg.ring_name, geometry)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         ring.header_store32("shutdown", 1)

@@ -117,6 +117,13 @@ class SlotEngine:
         t.fence()
         t.store32(ring.slot_field(idx, "generated"), start + len(tokens))
 
+    def write_prompt_logprobs(self, idx: int, start: int, entries: np.ndarray, top: np.ndarray) -> None:
+        """Prompt positions ``start ..`` of the slot's prompt-logprob rows (``PromptLogprob`` entries and
+        ``TopLogprob`` rows); published by the release of token 0 (``publish`` at 0), or of the completion when
+        that token ended the request, which must follow."""
+        self.t.write(self.ring.prompt_logprob_offset(idx, start), np.ascontiguousarray(entries))
+        self.t.write(self.ring.prompt_top_logprob_offset(idx, start), np.ascontiguousarray(top))
+
     def set_state(self, idx: int, state: int) -> None:
         """Engine-owned moves among PREFILL_PROCESSING, DECODE_PROCESSING and DECODE_PAUSED."""
         self.t.store32(self.ring.slot_field(idx, "state"), state)

@@ -76,6 +76,7 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
     grammar_id: int = 0  # a token DFA in the ring's grammar store (shared/token_dfa.py); 0: none
     cache_salt: int = 0  # the prefix cache's salt (a hash of the request's cache_salt); 0: none
+    prompt_logprobs: int = -1  # alternatives per prompt position with each prompt token's log-prob; -1: none
 
 
 class Submit(_Msg, tag="sub"):
@@ -127,7 +128,7 @@ class GatewayHello(_Msg, tag="hello"):
 class Track(_Msg, tag="track"):
     """Sent by the tracker right after it publishes ``slot`` with ``seq`` in the ring of engine
     ``engine`` (its index under ``--data-parallel-size``; 0 for a single engine); the logprob fields
-    are the request's ``Sampling.logprobs`` / ``Sampling.top_logprobs``."""
+    are the request's ``Sampling.logprobs`` / ``Sampling.top_logprobs`` / ``Sampling.prompt_logprobs``."""
 
     req_id: int
     gateway_id: int
@@ -136,6 +137,7 @@ class Track(_Msg, tag="track"):
     logprobs: bool = False
     top_logprobs: int = 0
     engine: int = 0
+    prompt_logprobs: int = -1
 
 
 ToReader = GatewayHello | Track
@@ -151,16 +153,20 @@ class Tokens(_Msg, tag="tok"):
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) best first
     at: int = -1
     cached_tokens: int | None = None  # with token 0: prompt tokens the engine found in its prefix cache
+    # with token 0, when the request asked: per prompt position from 1, (log-prob, rank, alternatives best first)
+    prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Finished(_Msg, tag="fin"):
-    """The slot completed and every token was sent; ``reason``/``error`` are ring enums."""
+    """The slot completed and every token was sent; ``reason``/``error`` are ring enums. ``prompt``: the prompt
+    log-probs (as in ``Tokens``) of a request that asked and ended before any output token (EOS or a stop id)."""
 
     req_id: int
     reason: int
     error: int
     generated: int
     prompt_len: int
+    prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Failed(_Msg, tag="fail"):

@@ -57,6 +57,10 @@ class RingGeometry:
     max_output_tokens: int = dataclasses.field(default=2048, metadata={"help": "output tokens a slot holds"})
     top_logprobs: int = dataclasses.field(
         default=20, metadata={"help": "alternatives per token a slot can return (top_logprobs, 0..20)"})
+    # Since schema minor 5: a slot's prompt-logprob rows; each position costs 8 * (1 + top_logprobs) bytes a slot.
+    max_prompt_logprobs_tokens: int = dataclasses.field(default=1024, metadata={
+        "help": "longest prompt (tokens) a slot can return prompt log-probs for (echo with logprobs, "
+                "prompt_logprobs); 0: none"})
 
     def __post_init__(self) -> None:
         for field in ("num_slots", "max_prompt_tokens", "max_output_tokens"):
@@ -64,6 +68,14 @@ class RingGeometry:
                 raise ValueError(f"ring geometry: {field} must be >= 1, got {getattr(self, field)}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"ring geometry: top_logprobs must be in 0..20, got {self.top_logprobs}")
+        if self.max_prompt_logprobs_tokens < 0:
+            raise ValueError(f"ring geometry: max_prompt_logprobs_tokens must be >= 0, got "
+                             f"{self.max_prompt_logprobs_tokens}")
+
+    @property
+    def prompt_logprob_rows(self) -> int:
+        """Entries of a slot's prompt-logprob rows: no prompt is longer than ``max_prompt_tokens``."""
+        return min(self.max_prompt_logprobs_tokens, self.max_prompt_tokens)
 
     @property
     def slots_offset(self) -> int:
@@ -87,8 +99,24 @@ class RingGeometry:
 
     @property
     def total_bytes(self) -> int:
+        """The end of the arenas of schema minor 4 (the header's ``total_bytes``, which every reader checks)."""
         per_slot = self.max_output_tokens * max(self.top_logprobs, 1) * L.TOPLOGPROB_DTYPE.itemsize
         return _align(self.top_logprob_arena_offset + self.num_slots * per_slot)
+
+    @property
+    def prompt_logprob_arena_offset(self) -> int:
+        return self.total_bytes
+
+    @property
+    def prompt_top_logprob_arena_offset(self) -> int:
+        rows = self.num_slots * self.prompt_logprob_rows * L.PROMPTLOGPROB_DTYPE.itemsize
+        return _align(self.prompt_logprob_arena_offset + rows)
+
+    @property
+    def segment_bytes(self) -> int:
+        """The whole segment: ``total_bytes`` plus the prompt-logprob arenas of minor 5."""
+        per_slot = self.prompt_logprob_rows * max(self.top_logprobs, 1) * L.TOPLOGPROB_DTYPE.itemsize
+        return _align(self.prompt_top_logprob_arena_offset + self.num_slots * per_slot)
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,6 +167,11 @@ class Ring:
         self.top_logprobs = np.frombuffer(
             view, L.TOPLOGPROB_DTYPE, n * o * k, g.top_logprob_arena_offset
         ).reshape(n, o, k)
+        q = g.prompt_logprob_rows
+        self.prompt_logprobs = np.frombuffer(view, L.PROMPTLOGPROB_DTYPE, n * q, g.prompt_logprob_arena_offset
+                                             ).reshape(n, q)
+        self.prompt_top_logprobs = np.frombuffer(
+            view, L.TOPLOGPROB_DTYPE, n * q * k, g.prompt_top_logprob_arena_offset).reshape(n, q, k)
 
     # ------------------------------------------------------------------ offsets
     def slot_offset(self, idx: int) -> int:
@@ -159,6 +192,15 @@ class Ring:
     def top_logprob_offset(self, idx: int, pos: int = 0) -> int:
         k = max(self.geometry.top_logprobs, 1)
         return self.geometry.top_logprob_arena_offset + (idx * self.geometry.max_output_tokens + pos) * k * 8
+
+    def prompt_logprob_offset(self, idx: int, pos: int = 0) -> int:
+        g = self.geometry
+        return g.prompt_logprob_arena_offset + (idx * g.prompt_logprob_rows + pos) * 8
+
+    def prompt_top_logprob_offset(self, idx: int, pos: int = 0) -> int:
+        g = self.geometry
+        k = max(g.top_logprobs, 1)
+        return g.prompt_top_logprob_arena_offset + (idx * g.prompt_logprob_rows + pos) * k * 8
 
     # ------------------------------------------------------------------ bulk reads
     def read_slots(self, out: np.ndarray | None = None) -> np.ndarray:
@@ -189,6 +231,14 @@ class Ring:
         tops = np.empty((stop - start, max(self.geometry.top_logprobs, 1)), L.TOPLOGPROB_DTYPE)
         self.transport.read_into(self.top_logprob_offset(idx, start), tops)
         return lps, tops
+
+    def read_prompt_logprobs(self, idx: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt positions ``[start, stop)`` of a slot: ``PromptLogprob`` entries and their alternatives."""
+        entries = np.empty(stop - start, L.PROMPTLOGPROB_DTYPE)
+        self.transport.read_into(self.prompt_logprob_offset(idx, start), entries)
+        tops = np.empty((stop - start, max(self.geometry.top_logprobs, 1)), L.TOPLOGPROB_DTYPE)
+        self.transport.read_into(self.prompt_top_logprob_offset(idx, start), tops)
+        return entries, tops
 
     # ------------------------------------------------------------------ header words
     def header_load32(self, field: str) -> int:
@@ -230,7 +280,8 @@ class Ring:
         return True
 
     def close(self) -> None:
-        for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs"):
+        for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+                     "prompt_top_logprobs"):
             self.__dict__.pop(attr, None)
         self.transport.close()
 
@@ -249,6 +300,9 @@ def _header_bytes(geometry: RingGeometry) -> bytes:
     h["slots_offset"], h["prompt_arena_offset"] = g.slots_offset, g.prompt_arena_offset
     h["output_arena_offset"], h["logprob_arena_offset"] = g.output_arena_offset, g.logprob_arena_offset
     h["top_logprob_arena_offset"], h["total_bytes"] = g.top_logprob_arena_offset, g.total_bytes
+    h["prompt_logprob_tokens"], h["prompt_logprob_bytes"] = g.max_prompt_logprobs_tokens, L.PROMPTLOGPROB_DTYPE.itemsize
+    h["prompt_logprob_arena_offset"] = g.prompt_logprob_arena_offset
+    h["prompt_top_logprob_arena_offset"], h["segment_bytes"] = g.prompt_top_logprob_arena_offset, g.segment_bytes
     h["engine_state"] = L.EngineState.STARTING
     h["engine_pid"] = os.getpid()
     h["created_ns"] = time.time_ns()
@@ -258,8 +312,8 @@ def _header_bytes(geometry: RingGeometry) -> bytes:
 
 def init_ring(transport: Transport, geometry: RingGeometry, name: str = "") -> Ring:
     """Write a fresh header into zeroed memory and return the ring (engine side)."""
-    if transport.size < geometry.total_bytes:
-        raise RingError(f"ring {name}: segment of {transport.size} bytes < {geometry.total_bytes} needed")
+    if transport.size < geometry.segment_bytes:
+        raise RingError(f"ring {name}: segment of {transport.size} bytes < {geometry.segment_bytes} needed")
     transport.write(0, _header_bytes(geometry))
     transport.fence()
     return Ring(transport, geometry, name)
@@ -283,15 +337,19 @@ def validate_header(h: np.void, size: int, name: str) -> RingGeometry:
             f"ring {name}: corrupt header: slot_bytes={int(h['slot_bytes'])} header_bytes="
             f"{int(h['header_bytes'])}, expected {L.SLOT_DTYPE.itemsize} and {L.RINGHEADER_DTYPE.itemsize}"
         )
+    prompt_rows = int(h["prompt_logprob_tokens"]) if minor >= 5 else 0  # reserved (zero) before minor 5
     try:
         g = RingGeometry(int(h["num_slots"]), int(h["max_prompt_tokens"]),
-                         int(h["max_output_tokens"]), int(h["top_logprobs"]))
+                         int(h["max_output_tokens"]), int(h["top_logprobs"]), prompt_rows)
     except ValueError as exc:
         raise RingError(f"ring {name}: corrupt header: {exc}") from None
     if g.total_bytes != int(h["total_bytes"]) or g.slots_offset != int(h["slots_offset"]):
         raise RingError(f"ring {name}: corrupt header: offsets do not match geometry")
-    if size < g.total_bytes:
-        raise RingError(f"ring {name}: segment is {size} bytes but its header says {g.total_bytes}")
+    if minor >= 5 and (g.segment_bytes != int(h["segment_bytes"])
+                       or int(h["prompt_logprob_bytes"]) != L.PROMPTLOGPROB_DTYPE.itemsize):
+        raise RingError(f"ring {name}: corrupt header: the prompt-logprob arenas do not match geometry")
+    if size < g.segment_bytes:
+        raise RingError(f"ring {name}: segment is {size} bytes but its header says {g.segment_bytes}")
     return g
 
 
@@ -319,12 +377,12 @@ def create_shm_ring(name: str, geometry: RingGeometry, *, replace_stale: bool = 
     """Create the engine's segment; a segment left by a dead engine of this user is replaced, one of
     another user is refused (``SegmentTaken``: it is neither mapped nor removed)."""
     try:
-        transport = ShmTransport.create(name, geometry.total_bytes)
+        transport = ShmTransport.create(name, geometry.segment_bytes)
     except FileExistsError:
         if not replace_stale:
             raise RingError(f"ring {name}: segment already exists") from None
         remove_stale_segment(name)
-        transport = ShmTransport.create(name, geometry.total_bytes)
+        transport = ShmTransport.create(name, geometry.segment_bytes)
     return init_ring(transport, geometry, name)
 
 
@@ -371,4 +429,4 @@ def attach_shm_ring(name: str) -> Ring:
 
 def local_ring(geometry: RingGeometry) -> Ring:
     """A ring in private memory (tests and in-process tools)."""
-    return init_ring(MemoryTransport(bytearray(geometry.total_bytes)), geometry, "local")
+    return init_ring(MemoryTransport(bytearray(geometry.segment_bytes)), geometry, "local")

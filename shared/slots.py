@@ -49,6 +49,7 @@ class SlotRequest:
             rec["seed"] = s.seed & 0xFFFFFFFFFFFFFFFF
         flags |= L.SamplingFlags.IGNORE_EOS if s.ignore_eos else 0
         flags |= L.SamplingFlags.WANT_LOGPROBS if s.logprobs or s.top_logprobs > 0 else 0
+        flags |= L.SamplingFlags.WANT_PROMPT_LOGPROBS if s.prompt_logprobs >= 0 else 0
         rec["flags"] = int(flags)
         rec["num_top_logprobs"] = s.top_logprobs
         rec["num_stop_ids"] = len(s.stop_ids)
@@ -75,6 +76,7 @@ class SlotWriter:
         self.t = ring.transport
         g = ring.geometry
         self.max_prompt, self.max_output, self.max_top = g.max_prompt_tokens, g.max_output_tokens, g.top_logprobs
+        self.max_prompt_logprobs = g.prompt_logprob_rows
         # Flip the header's pending_flips at each publication: rings of schema minor >= 1 have them. A
         # writer without flips (an older frontend) is still served: the engine counts flips against
         # the doorbell and reads every slot when they fall short (schema/OWNERSHIP.md).
@@ -95,6 +97,11 @@ class SlotWriter:
             raise ValueError(f"max_new_tokens is {s.max_new_tokens}; this ring carries 1..{self.max_output}")
         if s.top_logprobs > self.max_top:
             raise ValueError(f"top_logprobs is {s.top_logprobs}; this ring carries at most {self.max_top}")
+        if s.prompt_logprobs > self.max_top:
+            raise ValueError(f"prompt_logprobs is {s.prompt_logprobs}; this ring carries at most {self.max_top}")
+        if s.prompt_logprobs >= 0 and len(req.prompt) > self.max_prompt_logprobs:
+            raise ValueError(f"prompt log-probs of {len(req.prompt)} tokens; this ring carries them for at most "
+                             f"{self.max_prompt_logprobs}")
         if len(s.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(s.stop_ids)} stop token ids; at most {MAX_STOP_IDS}")
         if len(s.logit_bias) > MAX_LOGIT_BIAS:
@@ -118,6 +125,7 @@ class SlotWriter:
         meta["submit_ns"] = time.time_ns()
         meta["sampling"] = req.sampling_record()
         meta["cache_salt"] = req.sampling.cache_salt & 0xFFFFFFFFFFFFFFFF
+        meta["num_prompt_logprobs"] = max(req.sampling.prompt_logprobs, 0)
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)

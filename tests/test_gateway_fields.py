@@ -64,6 +64,28 @@ async def test_refused_fields_name_themselves(api_stack: Stack, path: str, body:
     assert payload["error"]["param"] == param and payload["error"]["message"]
 
 
+PROMPT_LOGPROBS = [
+    (COMP, {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    (COMP, {"model": MODEL, "prompt": "hi", "prompt_logprobs": 0}, "prompt_logprobs"),
+    (CHAT, chat(prompt_logprobs=2), "prompt_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), PROMPT_LOGPROBS, ids=[f"{p}-{x}" for p, _, x in PROMPT_LOGPROBS])
+async def test_prompt_logprobs_need_an_engine_that_computes_them(api_stack: Stack, path: str, body: dict,
+                                                                 param: str) -> None:
+    status, payload = await call(api_stack, "POST", path, body)  # the fake engine advertises no sampling feature
+    assert status == 400 and payload["error"]["param"] == param, payload
+    assert "does not compute prompt log-probs" in payload["error"]["message"]
+
+
+async def test_echo_without_generation_needs_no_prompt_logprobs(api_stack: Stack) -> None:
+    status, payload = await call(api_stack, "POST", COMP, {"model": MODEL, "prompt": "Say it", "echo": True,
+                                                            "max_tokens": 0})
+    assert status == 200 and payload["choices"][0]["text"] == "Say it", payload
+    assert payload["choices"][0]["finish_reason"] == "length"
+
+
 NOOPS = [chat(tools=[], tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False,
               stream_options={"include_usage": True, "include_obfuscation": False}, presence_penalty=0,
               frequency_penalty=0.0, repetition_penalty=1.0, best_of=1, metadata={"k": "v"}, store=False,

@@ -61,6 +61,20 @@ def test_runner_matches_reference_model(family):
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
 
 
+def test_kept_hidden_states_give_every_token_s_logits():
+    """The host-driven backend's prompt log-probs: `forward(keep_hidden=True)` then `logits_at` over every token
+    of a prefill step equals the reference model's logits of those tokens."""
+    cfg, model, runner = _setup("llama")
+    meta = build_metadata([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], 4)
+    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(2))
+    rows = torch.arange(14)
+    want = model.logits_at(model.hidden_states(ids, meta, KVCache(cfg, 16, 4)), rows)
+    runner.stage(ids, meta)
+    runner.forward(2, 14, False, keep_hidden=True)
+    torch.testing.assert_close(runner.logits_at(rows), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.buffers.logits[:2], want[[4, 13]], rtol=1e-4, atol=1e-4)
+
+
 def test_graph_cache_lookup_table():
     _, _, runner = _setup("llama")
     gc = GraphCache(runner, decode_batches=[1, 2, 4], prefill_buckets=[(1, 16), (4, 32)])

@@ -184,10 +184,10 @@ def test_a_slot_publication_posts_payload_then_fenced_state_then_flip_then_doorb
     """schema/OWNERSHIP.md over RDMA: the payload's WRITEs, the state word in its own fenced WRITE after
     them, the pending_flips XOR (CAS) after the state, the doorbell's atomic add last."""
     g = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
-    local = bytearray(g.total_bytes)
+    local = bytearray(g.segment_bytes)
     init_ring(MemoryTransport(local), g, "rdma-test")
     poster = MemoryPoster(local)
-    ring = attach_ring(rdma.RdmaTransport(poster, g.total_bytes), "rdma-test")
+    ring = attach_ring(rdma.RdmaTransport(poster, g.segment_bytes), "rdma-test")
     writer = SlotWriter(ring)
     slot = 2
     seq = writer.try_reserve(slot, 0)
@@ -221,7 +221,7 @@ needs_device = pytest.mark.skipif(
 @needs_device
 def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - needs a device
     g = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
-    local = MemoryTransport(bytearray(g.total_bytes))
+    local = MemoryTransport(bytearray(g.segment_bytes))
     init_ring(local, g, "rdma-loopback")
     export = rdma.RingExport(local)
     a, b = socket.socketpair()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import subprocess
@@ -40,10 +41,11 @@ def test_major_mismatch_refused_naming_both_versions(ring_name: str) -> None:
 
 def test_newer_and_older_minor_accepted(ring_name: str) -> None:
     ring = create_shm_ring(ring_name, GEO)
-    for minor in (L.SCHEMA_MINOR + 4, 0):
+    older = dataclasses.replace(GEO, max_prompt_logprobs_tokens=0)  # before minor 5: no prompt-logprob arenas
+    for minor, geometry in ((L.SCHEMA_MINOR + 4, GEO), (0, older)):
         ring.header["schema_minor"] = minor
         view = attach_shm_ring(ring_name)
-        assert view.geometry == GEO
+        assert view.geometry == geometry
         view.close()
     ring.close()
 

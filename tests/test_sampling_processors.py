@@ -102,7 +102,7 @@ def test_engine_advertises_its_sampling_features() -> None:
     ring = local_ring(GEO)
     assert ring.header_load32("sampling_features") == 0  # a ring no engine has served
     assert FEATURES == (L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
-                        | L.SamplingFeatures.GRAMMAR)
+                        | L.SamplingFeatures.GRAMMAR | L.SamplingFeatures.PROMPT_LOGPROBS)
 
 
 # ------------------------------------------------------------------ the CPU engine, end to end

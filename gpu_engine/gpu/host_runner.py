@@ -5,7 +5,10 @@ host bookkeeping (policy, metadata), staging copies, ``replay`` of the captured 
 stream synchronization and a copy of the sampled tokens back. A decode step with no row that uses
 top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``). A step
 with a row that uses penalties, logit_bias or min_tokens stages the processor columns (dense
-[batch, vocab] tensors built on the host from each row's prompt and output).
+[batch, vocab] tensors built on the host from each row's prompt and output). A step with a prompt chunk of a
+request that asks for prompt log-probs runs the same forward eagerly instead of replaying its graph, keeping
+every token's final hidden state, and scores the chunk's positions as the CPU backend does
+(``gpu_engine/prompt_logprobs.py``); other steps are unchanged.
 
 The wait is bounded: a step not complete within ``step_timeout_s`` is a ``DeviceHang``, and a CUDA error
 from the replay or from the step itself a ``LaunchFailure`` / ``DeviceFailure`` (``gpu_engine/faults.py``);
@@ -23,6 +26,7 @@ from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.kernels.sampling import processor_columns
 from gpu_engine.models.attention import build_metadata
 from gpu_engine.policy import StepPlan, step_filters
+from gpu_engine.prompt_logprobs import prompt_spans, score_spans
 from gpu_engine.runner import StepOutput, step_inputs
 
 
@@ -58,20 +62,27 @@ class HostGraphRunner:
         meta = build_metadata(steps, self.block_size, "cpu")
         self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
         b, t = len(plan.work), len(ids)
-        self._replay_and_wait(plan, b, t)
+        spans = prompt_spans(plan)
+        self._replay_and_wait(plan, b, t, eager=bool(spans))
         buf = self.runner.buffers
         return StepOutput(
             tokens=buf.next_tokens[:b].cpu().tolist(),
             logprobs=buf.token_logprobs[:b].float().cpu().numpy(),
             top_ids=buf.top_ids[:b].to(torch.int32).cpu().numpy(),
             top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
+            prompt=score_spans(spans, self.runner.logits_at) if spans else [],
         )
 
-    def _replay_and_wait(self, plan: StepPlan, b: int, t: int) -> None:
-        """Replay the step's graph and wait, within ``step_timeout_s``, for it to complete."""
+    def _replay_and_wait(self, plan: StepPlan, b: int, t: int, eager: bool = False) -> None:
+        """Replay the step's graph (``eager``: run its forward, keeping the hidden states) and wait, within
+        ``step_timeout_s``, for it to complete."""
         what = f"the {plan.kind} step of {b} rows and {t} tokens"
+        decode, filtered = plan.kind == "decode", step_filters(plan)
         try:
-            self.cache.replay((plan.kind == "decode", b, t), filtered=step_filters(plan))
+            if eager:
+                self.runner.forward(b, t, decode, filtered, keep_hidden=True)
+            else:
+                self.cache.replay((decode, b, t), filtered=filtered)
             done = torch.cuda.Event()
             done.record()
         except RuntimeError as exc:  # torch raises CUDA errors as RuntimeError

@@ -232,13 +232,15 @@ class GpuModelRunner:
         self.scale = cfg.head_dim ** -0.5
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
+        self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
 
     # One step: the whole device-side work, capturable.
-    def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True) -> None:
+    def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True, keep_hidden: bool = False) -> None:
         """Run the model on the first `tokens` tokens / `batch` sequences and sample one token per sequence.
 
         `filtered=False` skips the sampling filter; use it only when no row needs it
-        (`gpu_engine.policy.needs_filter`), the tokens are then the same.
+        (`gpu_engine.policy.needs_filter`), the tokens are then the same. `keep_hidden` (not for capture: it
+        allocates) keeps every token's final hidden state in `kept_hidden`, for `logits_at` (prompt log-probs).
         """
         if decode and batch != tokens:
             raise ValueError("a decode step has exactly one token per sequence")
@@ -253,8 +255,14 @@ class GpuModelRunner:
             h = self._mlp(w, x)
             if i + 1 < len(self.layers):
                 x = rms_norm(h, self.layers[i + 1].attn_norm, self.config.rms_norm_eps, residual=residual)
+        if keep_hidden:
+            self.kept_hidden = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual.clone())
         self._head(h, residual, batch, tokens, decode)
         self._sample(batch, filtered)
+
+    def logits_at(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of the tokens `rows` of the last `forward(keep_hidden=True)`."""
+        return self._linear(self.kept_hidden[rows.to(self.device)], self.lm_head).float()
 
     def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: int, tokens: int,
                    decode: bool) -> torch.Tensor:

@@ -80,13 +80,21 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        return self.logits_at(self.hidden_states(input_ids, meta, kv_cache), meta.cu_seqlens_q[1:].long() - 1)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """The last layer's output [T, hidden] of every token (before the final norm)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(meta.positions)
         stack = self.decode_stack
         if stack is not None and stack.runs(meta, kv_cache, input_ids.numel()):
-            x = stack(x.contiguous(), cos, sin, meta, kv_cache)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, meta, kv_cache)
-        last = meta.cu_seqlens_q[1:].long() - 1
-        return self.lm_head(self.norm(x[last])).to(torch.float32)
+            return stack(x.contiguous(), cos, sin, meta, kv_cache)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv_cache)
+        return x
+
+    @torch.inference_mode()
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of the tokens ``rows`` of ``hidden_states``' output."""
+        return self.lm_head(self.norm(hidden[rows])).to(torch.float32)

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 4u
+#define BLINK_RING_SCHEMA_MINOR 5u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -46,12 +46,14 @@
 #define BLINK_SAMPLING_FLAGS_HAS_SEED 1u
 #define BLINK_SAMPLING_FLAGS_IGNORE_EOS 2u
 #define BLINK_SAMPLING_FLAGS_WANT_LOGPROBS 4u
+#define BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS 8u
 
 /* enum SamplingFeatures : uint32 */
 #define BLINK_SAMPLING_FEATURES_PENALTIES 1u
 #define BLINK_SAMPLING_FEATURES_LOGIT_BIAS 2u
 #define BLINK_SAMPLING_FEATURES_MIN_TOKENS 4u
 #define BLINK_SAMPLING_FEATURES_GRAMMAR 8u
+#define BLINK_SAMPLING_FEATURES_PROMPT_LOGPROBS 16u
 
 typedef struct __attribute__((aligned(8))) blink_sampling_params {
   float temperature; /* offset 0 */
@@ -93,7 +95,7 @@ typedef struct __attribute__((aligned(8))) blink_slot {
   blink_sampling_params sampling; /* offset 72 */
   uint64_t cache_salt; /* offset 168 */
   uint32_t cached_tokens; /* offset 176 */
-  uint32_t reserved1; /* offset 180 */
+  uint32_t num_prompt_logprobs; /* offset 180 */
   uint64_t reserved[9]; /* offset 184 */
 } blink_slot;
 
@@ -145,13 +147,23 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint64_t prefix_cache_queries; /* offset 752 */
   uint64_t prefix_cache_hits; /* offset 760 */
   uint64_t prefix_cache_evictions; /* offset 768 */
-  uint64_t reserved[31]; /* offset 776 */
+  uint32_t prompt_logprob_tokens; /* offset 776 */
+  uint32_t prompt_logprob_bytes; /* offset 780 */
+  uint64_t prompt_logprob_arena_offset; /* offset 784 */
+  uint64_t prompt_top_logprob_arena_offset; /* offset 792 */
+  uint64_t segment_bytes; /* offset 800 */
+  uint64_t reserved[27]; /* offset 808 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {
   int32_t token; /* offset 0 */
   float logprob; /* offset 4 */
 } blink_top_logprob;
+
+typedef struct __attribute__((aligned(4))) blink_prompt_logprob {
+  float logprob; /* offset 0 */
+  uint32_t rank; /* offset 4 */
+} blink_prompt_logprob;
 
 #ifdef __cplusplus
 static_assert(sizeof(blink_sampling_params) == 96, "SamplingParams size");
@@ -166,6 +178,8 @@ static_assert(sizeof(blink_ring_header) == 1024, "RingHeader size");
 static_assert(alignof(blink_ring_header) == 8, "RingHeader alignment");
 static_assert(sizeof(blink_top_logprob) == 8, "TopLogprob size");
 static_assert(alignof(blink_top_logprob) == 4, "TopLogprob alignment");
+static_assert(sizeof(blink_prompt_logprob) == 8, "PromptLogprob size");
+static_assert(alignof(blink_prompt_logprob) == 4, "PromptLogprob alignment");
 #endif
 
 #endif  /* BLINK_RING_H_ */

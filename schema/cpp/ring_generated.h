@@ -28,6 +28,8 @@ struct RingHeader;
 
 struct TopLogprob;
 
+struct PromptLogprob;
+
 /// Schema version. Major: incompatible layout. Minor: fields appended into reserved space.
 enum SchemaMajor : uint16_t {
   SchemaMajor_VALUE = 1,
@@ -57,7 +59,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 4,
+  SchemaMinor_VALUE = 5,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -258,32 +260,38 @@ enum SamplingFlags : uint32_t {
   SamplingFlags_HAS_SEED = 1,
   SamplingFlags_IGNORE_EOS = 2,
   SamplingFlags_WANT_LOGPROBS = 4,
+  SamplingFlags_WANT_PROMPT_LOGPROBS = 8,
   SamplingFlags_NONE = 0,
-  SamplingFlags_ANY = 7
+  SamplingFlags_ANY = 15
 };
 
-inline const SamplingFlags (&EnumValuesSamplingFlags())[3] {
+inline const SamplingFlags (&EnumValuesSamplingFlags())[4] {
   static const SamplingFlags values[] = {
     SamplingFlags_HAS_SEED,
     SamplingFlags_IGNORE_EOS,
-    SamplingFlags_WANT_LOGPROBS
+    SamplingFlags_WANT_LOGPROBS,
+    SamplingFlags_WANT_PROMPT_LOGPROBS
   };
   return values;
 }
 
 inline const char * const *EnumNamesSamplingFlags() {
-  static const char * const names[5] = {
+  static const char * const names[9] = {
     "HAS_SEED",
     "IGNORE_EOS",
     "",
     "WANT_LOGPROBS",
+    "",
+    "",
+    "",
+    "WANT_PROMPT_LOGPROBS",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameSamplingFlags(SamplingFlags e) {
-  if (::flatbuffers::IsOutRange(e, SamplingFlags_HAS_SEED, SamplingFlags_WANT_LOGPROBS)) return "";
+  if (::flatbuffers::IsOutRange(e, SamplingFlags_HAS_SEED, SamplingFlags_WANT_PROMPT_LOGPROBS)) return "";
   const size_t index = static_cast<size_t>(e) - static_cast<size_t>(SamplingFlags_HAS_SEED);
   return EnumNamesSamplingFlags()[index];
 }
@@ -296,22 +304,24 @@ enum SamplingFeatures : uint32_t {
   SamplingFeatures_LOGIT_BIAS = 2,
   SamplingFeatures_MIN_TOKENS = 4,
   SamplingFeatures_GRAMMAR = 8,
+  SamplingFeatures_PROMPT_LOGPROBS = 16,
   SamplingFeatures_NONE = 0,
-  SamplingFeatures_ANY = 15
+  SamplingFeatures_ANY = 31
 };
 
-inline const SamplingFeatures (&EnumValuesSamplingFeatures())[4] {
+inline const SamplingFeatures (&EnumValuesSamplingFeatures())[5] {
   static const SamplingFeatures values[] = {
     SamplingFeatures_PENALTIES,
     SamplingFeatures_LOGIT_BIAS,
     SamplingFeatures_MIN_TOKENS,
-    SamplingFeatures_GRAMMAR
+    SamplingFeatures_GRAMMAR,
+    SamplingFeatures_PROMPT_LOGPROBS
   };
   return values;
 }
 
 inline const char * const *EnumNamesSamplingFeatures() {
-  static const char * const names[9] = {
+  static const char * const names[17] = {
     "PENALTIES",
     "LOGIT_BIAS",
     "",
@@ -320,13 +330,21 @@ inline const char * const *EnumNamesSamplingFeatures() {
     "",
     "",
     "GRAMMAR",
+    "",
+    "",
+    "",
+    "",
+    "",
+    "",
+    "",
+    "PROMPT_LOGPROBS",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameSamplingFeatures(SamplingFeatures e) {
-  if (::flatbuffers::IsOutRange(e, SamplingFeatures_PENALTIES, SamplingFeatures_GRAMMAR)) return "";
+  if (::flatbuffers::IsOutRange(e, SamplingFeatures_PENALTIES, SamplingFeatures_PROMPT_LOGPROBS)) return "";
   const size_t index = static_cast<size_t>(e) - static_cast<size_t>(SamplingFeatures_PENALTIES);
   return EnumNamesSamplingFeatures()[index];
 }
@@ -492,7 +510,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   blink::ring::SamplingParams sampling_;
   uint64_t cache_salt_;
   uint32_t cached_tokens_;
-  uint32_t reserved1_;
+  uint32_t num_prompt_logprobs_;
   uint64_t reserved_[9];
 
  public:
@@ -513,10 +531,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         sampling_(),
         cache_salt_(0),
         cached_tokens_(0),
-        reserved1_(0),
+        num_prompt_logprobs_(0),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _reserved1)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -533,10 +551,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         sampling_(_sampling),
         cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
-        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
+        num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _reserved1, ::flatbuffers::span<const uint64_t, 9> _reserved)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, ::flatbuffers::span<const uint64_t, 9> _reserved)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -553,7 +571,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         sampling_(_sampling),
         cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
-        reserved1_(::flatbuffers::EndianScalar(_reserved1)) {
+        num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)) {
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   blink::ring::SlotState state() const {
@@ -604,8 +622,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint32_t cached_tokens() const {
     return ::flatbuffers::EndianScalar(cached_tokens_);
   }
-  uint32_t reserved1() const {
-    return ::flatbuffers::EndianScalar(reserved1_);
+  uint32_t num_prompt_logprobs() const {
+    return ::flatbuffers::EndianScalar(num_prompt_logprobs_);
   }
   const ::flatbuffers::Array<uint64_t, 9> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
@@ -740,7 +758,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint64_t prefix_cache_queries_;
   uint64_t prefix_cache_hits_;
   uint64_t prefix_cache_evictions_;
-  uint64_t reserved_[31];
+  uint32_t prompt_logprob_tokens_;
+  uint32_t prompt_logprob_bytes_;
+  uint64_t prompt_logprob_arena_offset_;
+  uint64_t prompt_top_logprob_arena_offset_;
+  uint64_t segment_bytes_;
+  uint64_t reserved_[27];
 
  public:
   RingHeader()
@@ -777,9 +800,14 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prefix_cache_queries_(0),
         prefix_cache_hits_(0),
         prefix_cache_evictions_(0),
+        prompt_logprob_tokens_(0),
+        prompt_logprob_bytes_(0),
+        prompt_logprob_arena_offset_(0),
+        prompt_top_logprob_arena_offset_(0),
+        segment_bytes_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -813,9 +841,14 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
         prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
         prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)),
+        prompt_logprob_tokens_(::flatbuffers::EndianScalar(_prompt_logprob_tokens)),
+        prompt_logprob_bytes_(::flatbuffers::EndianScalar(_prompt_logprob_bytes)),
+        prompt_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_logprob_arena_offset)),
+        prompt_top_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_top_logprob_arena_offset)),
+        segment_bytes_(::flatbuffers::EndianScalar(_segment_bytes)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, ::flatbuffers::span<const uint64_t, 31> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, ::flatbuffers::span<const uint64_t, 27> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -847,7 +880,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         reserved1_(::flatbuffers::EndianScalar(_reserved1)),
         prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
         prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
-        prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)) {
+        prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)),
+        prompt_logprob_tokens_(::flatbuffers::EndianScalar(_prompt_logprob_tokens)),
+        prompt_logprob_bytes_(::flatbuffers::EndianScalar(_prompt_logprob_bytes)),
+        prompt_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_logprob_arena_offset)),
+        prompt_top_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_top_logprob_arena_offset)),
+        segment_bytes_(::flatbuffers::EndianScalar(_segment_bytes)) {
     ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
@@ -950,7 +988,22 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint64_t prefix_cache_evictions() const {
     return ::flatbuffers::EndianScalar(prefix_cache_evictions_);
   }
-  const ::flatbuffers::Array<uint64_t, 31> *reserved() const {
+  uint32_t prompt_logprob_tokens() const {
+    return ::flatbuffers::EndianScalar(prompt_logprob_tokens_);
+  }
+  uint32_t prompt_logprob_bytes() const {
+    return ::flatbuffers::EndianScalar(prompt_logprob_bytes_);
+  }
+  uint64_t prompt_logprob_arena_offset() const {
+    return ::flatbuffers::EndianScalar(prompt_logprob_arena_offset_);
+  }
+  uint64_t prompt_top_logprob_arena_offset() const {
+    return ::flatbuffers::EndianScalar(prompt_top_logprob_arena_offset_);
+  }
+  uint64_t segment_bytes() const {
+    return ::flatbuffers::EndianScalar(segment_bytes_);
+  }
+  const ::flatbuffers::Array<uint64_t, 27> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };
@@ -978,6 +1031,31 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) TopLogprob FLATBUFFERS_FINAL_CLASS {
   }
 };
 FLATBUFFERS_STRUCT_END(TopLogprob, 8);
+
+/// One prompt position's entry (since minor 5): its token's log-prob under the raw distribution and
+/// its rank there (1: the most likely; ties share the better rank).
+FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) PromptLogprob FLATBUFFERS_FINAL_CLASS {
+ private:
+  float logprob_;
+  uint32_t rank_;
+
+ public:
+  PromptLogprob()
+      : logprob_(0),
+        rank_(0) {
+  }
+  PromptLogprob(float _logprob, uint32_t _rank)
+      : logprob_(::flatbuffers::EndianScalar(_logprob)),
+        rank_(::flatbuffers::EndianScalar(_rank)) {
+  }
+  float logprob() const {
+    return ::flatbuffers::EndianScalar(logprob_);
+  }
+  uint32_t rank() const {
+    return ::flatbuffers::EndianScalar(rank_);
+  }
+};
+FLATBUFFERS_STRUCT_END(PromptLogprob, 8);
 
 }  // namespace ring
 }  // namespace blink

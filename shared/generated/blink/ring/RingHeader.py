@@ -107,31 +107,46 @@ class RingHeader(object):
     # RingHeader
     def PrefixCacheEvictions(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(768))
     # RingHeader
+    def PromptLogprobTokens(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(776))
+    # RingHeader
+    def PromptLogprobBytes(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(780))
+    # RingHeader
+    def PromptLogprobArenaOffset(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(784))
+    # RingHeader
+    def PromptTopLogprobArenaOffset(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(792))
+    # RingHeader
+    def SegmentBytes(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(800))
+    # RingHeader
     def Reserved(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(776 + i * 8)) for i in range(self.ReservedLength())]
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(808 + i * 8)) for i in range(self.ReservedLength())]
         elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(776 + j * 8))
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(808 + j * 8))
         else:
             return None
 
     # RingHeader
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 776, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 808, self.ReservedLength())
 
     # RingHeader
     def ReservedLength(self):
-        return 31
+        return 27
 
     # RingHeader
     def ReservedIsNone(self):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, promptLogprobTokens, promptLogprobBytes, promptLogprobArenaOffset, promptTopLogprobArenaOffset, segmentBytes, reserved):
     builder.Prep(8, 1024)
-    for _idx0 in range(31 , 0, -1):
+    for _idx0 in range(27 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
+    builder.PrependUint64(segmentBytes)
+    builder.PrependUint64(promptTopLogprobArenaOffset)
+    builder.PrependUint64(promptLogprobArenaOffset)
+    builder.PrependUint32(promptLogprobBytes)
+    builder.PrependUint32(promptLogprobTokens)
     builder.PrependUint64(prefixCacheEvictions)
     builder.PrependUint64(prefixCacheHits)
     builder.PrependUint64(prefixCacheQueries)

@@ -10,3 +10,4 @@ class SamplingFeatures(object):
     LOGIT_BIAS = 2
     MIN_TOKENS = 4
     GRAMMAR = 8
+    PROMPT_LOGPROBS = 16

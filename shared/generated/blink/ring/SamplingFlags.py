@@ -7,3 +7,4 @@ class SamplingFlags(object):
     HAS_SEED = 1
     IGNORE_EOS = 2
     WANT_LOGPROBS = 4
+    WANT_PROMPT_LOGPROBS = 8

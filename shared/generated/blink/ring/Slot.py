@@ -54,7 +54,7 @@ class Slot(object):
     # Slot
     def CachedTokens(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(176))
     # Slot
-    def Reserved1(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(180))
+    def NumPromptLogprobs(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(180))
     # Slot
     def Reserved(self, j = None):
         if j is None:
@@ -77,11 +77,11 @@ class Slot(object):
         return False
 
 
-def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, sampling_grammarId, cacheSalt, cachedTokens, reserved1, reserved):
+def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, sampling_grammarId, cacheSalt, cachedTokens, numPromptLogprobs, reserved):
     builder.Prep(8, 256)
     for _idx0 in range(9 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
-    builder.PrependUint32(reserved1)
+    builder.PrependUint32(numPromptLogprobs)
     builder.PrependUint32(cachedTokens)
     builder.PrependUint64(cacheSalt)
     builder.Prep(8, 96)
