@@ -132,6 +132,14 @@ def test_env_reads_every_variable_typed() -> None:
         Env.from_environ({"BLINK_HEARTBEAT_TIMEOUT_S": "soon"})
 
 
+def test_the_device_switches_are_on_unless_set_to_0() -> None:
+    """The persistent backend's device processors and prefix cache are on by default; 0 turns each off."""
+    on = Env.from_environ({})
+    assert on.device_processors and on.device_prefix_cache
+    off = Env.from_environ({"BLINK_DEVICE_PROCESSORS": "0", "BLINK_DEVICE_PREFIX_CACHE": "off"})
+    assert not off.device_processors and not off.device_prefix_cache
+
+
 def test_the_readme_lists_every_variable() -> None:
     readme = (ROOT / "README.md").read_text()
     for var in Env.variables():

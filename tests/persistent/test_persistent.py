@@ -144,7 +144,8 @@ def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """5,000 requests, a tenth hung up, and one crossing many launch windows: the host-driven mode's tokens,
     up to a near-tie (``TIE_NATS``) broken the other way in at most 3 of them (the steps batch requests
-    differently and fp32 GEMMs are not batch-invariant; every request reads back its top-2 log-probs).
+    differently and fp32 GEMMs are not batch-invariant; the reference reads back every request's top-2
+    log-probs, the persistent run half of them, so both of its sampling paths run).
     ``defaults``: random prompts, no processors, the switches as the environment has them (both on by
     default); ``device_features``: the device processors and the device prefix cache set on, a third of the
     requests behind shared system prompts and a fifth with a processor, so that the pass exercises both."""
@@ -153,12 +154,14 @@ def test_persistent_5000_requests_with_cancellations(tiny: Path, switches: str,
         monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
         monkeypatch.setenv("BLINK_DEVICE_PREFIX_CACHE", "1")
         jobs = with_device_features(jobs, seed=3)
-    jobs = [dataclasses.replace(j, top_logprobs=2) for j in jobs]
+    jobs = [dataclasses.replace(j, top_logprobs=2 * (k % 2)) for k, j in enumerate(jobs)]  # half ask
     jobs.append(Job(10_000, jobs[0].prompt[:8], 4096))  # crosses many launch windows
-    reference = [dataclasses.replace(j, cancel_after=None) for j in jobs]  # host-driven, nothing cancelled
+    # host-driven, nothing cancelled, every request's top-2 log-probs (the ties)
+    reference = [dataclasses.replace(j, cancel_after=None, top_logprobs=2) for j in jobs]
     host, _ = serve_jobs(tiny, "host", reference, window=16, tag=f"5k-{switches}")
     pers, stats = serve_jobs(tiny, "persistent", jobs, window=16, tag=f"5k-{switches}")
     OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"persistent_5k_{switches}.json").write_text(json.dumps(stats))
     assert set(pers) == {j.rid for j in jobs}
     cancelled = [j for j in jobs if pers[j.rid].reason == F.CANCELLED]
     assert all(j.cancel_after is not None for j in cancelled)

@@ -25,8 +25,8 @@ from shared.messages import Sampling
 
 @pytest.fixture(autouse=True)
 def device_processors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent scheduler's device processors (on by default) on whatever the environment says: the
-    engines these tests start inherit the switch."""
+    """The persistent scheduler's device processors on (the default) even where the environment turned them
+    off: the engines these tests start inherit the switch."""
     monkeypatch.setenv("BLINK_DEVICE_PROCESSORS", "1")
 
 
