@@ -17,12 +17,13 @@ its own (its ring retired first, so only its requests fail); the others are not 
 that restarts too often is left stopped while another still serves.
 
 The standby engine (on unless ``--no-standby-engine``): a spare engine process (``--standby``, started
-once every engine is READY) that has done what needs neither a ring nor a GPU and waits on its stdin,
-a pipe from here. When an engine dies, the spare gets the go (``shared.standby``: that engine's ring and
-its GPU) and becomes it, so the restart skips the interpreter, the imports and, on the CPU, the weights;
-a new spare starts once the engines are READY again. Without a live spare the restart is a cold start.
-A spare that dies is logged and replaced (given up after ``RESTARTS_PER_MINUTE`` in a minute); it dies
-with the supervisor like every child (PR_SET_PDEATHSIG, and its pipe closing ends its wait).
+once every engine has been READY and idle for ``STANDBY_IDLE_S``, or ``STANDBY_DEADLINE_S`` after READY) that
+has done what needs neither a ring nor a GPU and waits on its stdin, a pipe from here. When an engine dies, the
+spare gets the go (``shared.standby``: that engine's ring and its GPU) and becomes it, so the restart skips the
+interpreter, the imports and, on the CPU, the weights; a new spare starts the same way once the engines are
+READY again. Without a live spare the restart is a cold start. A spare that dies, or cannot be started, is
+logged and replaced (given up after ``RESTARTS_PER_MINUTE`` in a minute); it dies with the supervisor like
+every child (PR_SET_PDEATHSIG, and its pipe closing ends its wait).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ from shared.transport import RingError, ShmTransport
 
 log = get_logger("supervisor")
 RESTARTS_PER_MINUTE = 5
+# A spare starts once every serving engine has been READY with no request running or waiting for STANDBY_IDLE_S:
+# on the CPU it loads the weights on a core for about 6 s, which a restarted engine facing its backlog, or a
+# first request, needs. STANDBY_DEADLINE_S after READY it starts whatever the load, so a busy server gets one.
+STANDBY_IDLE_S = 2.0
+STANDBY_DEADLINE_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -194,6 +200,28 @@ class Child:
             self.proc.send_signal(sig)
 
 
+@dataclasses.dataclass(slots=True)
+class SpareClock:
+    """When a spare may start (``STANDBY_IDLE_S``, ``STANDBY_DEADLINE_S``), from what each look at the engines saw."""
+
+    ready_since: float | None = None  # every serving engine READY since then
+    idle_since: float | None = None   # ... and idle since then
+
+    def due(self, now: float, ready: bool, idle: bool) -> bool:
+        """One look: ``ready``, every serving engine READY; ``idle``, none with a request running or waiting."""
+        if not ready:
+            self.ready_since = self.idle_since = None
+            return False
+        if self.ready_since is None:
+            self.ready_since = now
+        if not idle:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        idle_long = self.idle_since is not None and now - self.idle_since >= STANDBY_IDLE_S
+        return idle_long or now - self.ready_since >= STANDBY_DEADLINE_S
+
+
 class Supervisor:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -215,6 +243,7 @@ class Supervisor:
         # The spare takes the first engine's flags: the engines differ only in their ring and GPU, told at the go.
         self.standby = Child("standby-engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args[0],
                                                 "--standby"], keyless, go_pipe=True) if cfg.standby_engine else None
+        self.spare_clock = SpareClock()
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
             Child("reader", [*py, "reader", *common], keyless),
@@ -278,17 +307,23 @@ class Supervisor:
 
     # ------------------------------------------------------------ readiness
     def _engine_ready(self, engine: Child) -> bool:
+        return self._engine_status(engine)[0]
+
+    def _engine_status(self, engine: Child) -> tuple[bool, bool]:
+        """(READY as this engine's process, READY and idle: its stats show no request running or waiting)."""
         assert engine.ring is not None
         try:
             ring = attach_shm_ring(engine.ring)
         except (RingError, ValueError):
-            return False
+            return False, False
         try:
-            pid = ring.header_load32("engine_pid")
-            state = ring.header_load32("engine_state")
-            return engine.proc is not None and pid == engine.proc.pid and state == L.EngineState.READY
+            header = ring.read_header()
         finally:
             ring.close()
+        ready = (engine.proc is not None and int(header["engine_pid"]) == engine.proc.pid
+                 and int(header["engine_state"]) == L.EngineState.READY)
+        stats = header["stats"]
+        return ready, ready and int(stats["running"]) == 0 and int(stats["waiting"]) == 0
 
     def _service_ready(self, child: Child) -> bool:
         path = ipc.ready_path(self.cfg.run_dir, child.name)
@@ -332,6 +367,7 @@ class Supervisor:
         log.warning("child_exited", child=child.name, code=child.proc.returncode)
         if child in self.engines:
             self._retire_dead_ring(child, child.proc.pid)
+            self.spare_clock = SpareClock()  # the next spare waits for this engine READY (and idle) again
         if child in self.gateways:  # its counters stay in the totals; its live gauges go
             multiprocess.mark_process_dead(child.proc.pid, str(self.metrics_dir))
         if child.too_many_restarts():
@@ -361,20 +397,35 @@ class Supervisor:
         return True
 
     def _keep_standby(self) -> None:
-        """Start a spare where there is none, once every serving engine is READY (not beside a loading one,
-        whose cores it would take). One that died is logged and replaced; after too many in a minute, given up."""
+        """Start a spare where there is none, when ``SpareClock`` says (not beside a loading engine or a backlog,
+        whose cores it would take). One that died or could not be started is logged and replaced; after too many
+        in a minute, given up."""
         spare = self.standby
         if spare is None or spare.alive():
             return
         if spare.proc is not None:
             log.warning("standby engine exited", pid=spare.proc.pid, code=spare.proc.returncode)
             spare.proc = None
-            if spare.too_many_restarts():
-                log.error("standby engine given up: engines restart cold", restarts_per_minute=RESTARTS_PER_MINUTE)
-                self.standby = None
+            if self._give_up_standby(spare):
                 return
-        if all(self._engine_ready(e) for e in self.engines if not e.retired):
+        looks = [self._engine_status(e) for e in self.engines if not e.retired]
+        if not self.spare_clock.due(time.monotonic(), all(r for r, _ in looks), all(i for _, i in looks)):
+            return
+        self.spare_clock.idle_since = None  # a replacement waits for the engines idle anew
+        try:
             spare.spawn()
+        except OSError as exc:  # no process (EAGAIN, ENOMEM, the interpreter gone): counted as a spare that died
+            log.error("standby engine not started", error=str(exc), errno=exc.errno)
+            spare.starts.append(time.monotonic())
+            self._give_up_standby(spare)
+
+    def _give_up_standby(self, spare: Child) -> bool:
+        """After too many spares in a minute, keep none (engines restart cold); whether it was given up."""
+        if not spare.too_many_restarts():
+            return False
+        log.error("standby engine given up: engines restart cold", restarts_per_minute=RESTARTS_PER_MINUTE)
+        self.standby = None
+        return True
 
     def _retire_dead_ring(self, engine: Child, dead_pid: int) -> None:
         """The engine died: mark its ring FAILED and remove the segment, so every service sees it gone

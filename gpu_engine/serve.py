@@ -42,7 +42,7 @@ from shared.config import EngineConfig, add_engine_arguments, engine_config_from
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger, setup_logging
 from shared.ring import Ring, create_shm_ring
-from shared.standby import wait_for_go
+from shared.standby import BadGo, wait_for_go
 from shared.transport import SegmentTaken
 
 log = get_logger("engine")
@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg, weights = taken
         cfg = resolve_backend(cfg)
         backend = build_backend(cfg, armed_fault(), weights)
+    except BadGo as exc:
+        log.error("standby go refused", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:  # a flag the resolved backend cannot honour (--max-model-len, ...)
         log.error("engine config refused", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ operator would read it: HTTP (``/health``, ``/metrics``) and ``/proc`` (the supe
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from shared.data_parallel import DataParallelConfig
 from shared.ipc import run_dir_problem
 from shared.ring import attach_shm_ring
 from shared.transport import RingError
@@ -67,6 +69,24 @@ def role_of(cmdline: list[str]) -> str:
     if "--name" in cmdline:
         return cmdline[cmdline.index("--name") + 1]
     return next((r for r in SERVICE_ROLES if r in cmdline), " ".join(cmdline[1:3]))
+
+
+def ring_engine_pid(ring_name: str) -> int | None:
+    """The engine a ring's header names; None while there is no such ring."""
+    try:
+        ring = attach_shm_ring(ring_name)
+    except (RingError, ValueError):
+        return None
+    try:
+        return ring.header_load32("engine_pid")
+    finally:
+        ring.close()
+
+
+def started_for(argv: list[str], dp: DataParallelConfig) -> str:
+    """The supervisor's name of a cold-started engine, from the ``--ring`` on its command line."""
+    ring = argv[argv.index("--ring") + 1] if "--ring" in argv[:-1] else None
+    return dp.engine_name(dp.ring_names.index(ring)) if ring in dp.ring_names else "engine"
 
 
 def children_of(pid: int) -> list[int]:
@@ -220,31 +240,33 @@ class ServeProc:
         assert self.proc is not None
         return {"supervisor": self.proc.pid, **self.children()}
 
+    @property
+    def data_parallel(self) -> DataParallelConfig:
+        """The engines' number (``--data-parallel-size`` in ``args``) and rings."""
+        ap = argparse.ArgumentParser(add_help=False)
+        ap.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+        return DataParallelConfig(ap.parse_known_args(list(self.args))[0].data_parallel_size, self.ring)
+
     def children(self) -> dict[str, int]:
-        """{role: pid} of the supervisor's children now. A spare engine (``--standby``) is ``standby-engine``
-        until the ring names it its engine (its command line stays the same when it takes over)."""
+        """{role: pid} of the supervisor's children now. An engine has the supervisor's name for it (``engine``,
+        ``engine-I`` with several): that of the ring whose header names it (a spare that took over keeps
+        ``--standby`` on its command line), else that of the ring it was started for. A spare is
+        ``standby-engine`` until a ring names it, so also from its go until it has created its ring."""
         assert self.proc is not None
-        live = self.ring_engine_pid()
+        dp = self.data_parallel
+        serving = {pid: dp.engine_name(i) for i, ring in enumerate(dp.ring_names)
+                   if (pid := ring_engine_pid(ring)) is not None}
         out = {}
         for pid in children_of(self.proc.pid):
             try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
             except OSError:
                 continue
-            role = role_of([a for a in argv if a])
-            out["standby-engine" if role == "engine" and "--standby" in argv and pid != live else role] = pid
+            role = role_of(argv)
+            if role == "engine":
+                role = serving.get(pid) or ("standby-engine" if "--standby" in argv else started_for(argv, dp))
+            out[role] = pid
         return out
-
-    def ring_engine_pid(self) -> int | None:
-        """The engine the ring's header names; None while there is no ring."""
-        try:
-            ring = attach_shm_ring(self.ring)
-        except (RingError, ValueError):
-            return None
-        try:
-            return ring.header_load32("engine_pid")
-        finally:
-            ring.close()
 
     def rss(self, pids: dict[str, int] | None = None) -> dict[str, int]:
         """{role: VmRSS in KiB} of ``pids`` (default: the supervisor and its children now)."""

@@ -27,7 +27,17 @@ def send_go(pipe: IO[bytes], go: Go) -> None:
         pipe.close()
 
 
+class BadGo(ValueError):
+    """A line on the spare's stdin that is not a go: someone typed at a spare started by hand."""
+
+
 def wait_for_go(pipe: IO[bytes]) -> Go | None:
-    """Block until the go; None when the pipe closed without one."""
+    """Block until the go; None when the pipe closed without one; BadGo for any other line."""
     line = pipe.readline()
-    return msgspec.json.decode(line, type=Go) if line.strip() else None
+    if not line:
+        return None
+    try:
+        return msgspec.json.decode(line, type=Go)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        got = line[:60].decode(errors="replace").strip()
+        raise BadGo(f"--standby waits for blink serve's go on stdin, not {got!r}: {exc}") from None

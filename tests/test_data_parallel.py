@@ -34,8 +34,10 @@ SERIES = re.compile(r'^(blink:dp_[a-z_]+)\{([^}]*)\} (\S+)$')
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # No standby engine: a killed engine restarts cold, so it stays down while the other one serves (a spare
+    # would take its place within the test's requests; tests/test_standby_engine.py covers it under -dp 2).
     stack = start_stack(tmp_path_factory.mktemp("dp"), *FLAGS, engine_module=REAL_ENGINE, timeout_s=300,
-                        env=ENGINE_ENV)
+                        env=ENGINE_ENV, standby_engine=False)
     yield stack
     assert stop_stack(stack) == 0, stack.log()
     assert processes_of(stack) == []

@@ -4,9 +4,9 @@ The first engine's launch fails at a step, the restarted engine's step hangs (it
 seen; the poll runs to ``BLINK_STEP_TIMEOUT_S``), the third serves. For each fault: every in-flight
 stream ends with an OpenAI-shaped ``engine_error`` event naming ENGINE_FAILURE and ``[DONE]``, soon
 after the engine detected the fault; the engine exits with code 3 and the standby engine, ready before
-the fault, takes its place (on the CPU READY within 10 s of the detection); a new spare starts once it is
-READY; a new request succeeds; the slot, running and KV gauges return to 0; no engine process or ring
-segment is left over.
+the fault, takes its place (on the CPU READY within 10 s of the detection); a new spare starts once it has
+been READY and idle for ``STANDBY_IDLE_S``; a new request succeeds; the slot, running and KV gauges return
+to 0; no engine process or ring segment is left over.
 
 The CPU test runs in CI. ``test_persistent_scheduler_faults`` is the same run on the persistent CUDA
 scheduler (marked gpu; its figures go to ``$BLINK_GPU_OUT/faults_gpu.json``).
@@ -26,6 +26,7 @@ import pytest
 from helpers.http_jobs import engine_events
 from helpers.procfs import processes
 
+from blink.supervisor import STANDBY_IDLE_S
 from harness.serve_proc import MODEL, ServeProc
 from shared.transport import SHM_DIR
 
@@ -147,7 +148,7 @@ def check(run: dict, ring: str, kind: str, ready_within_s: float | None) -> None
     assert run["roles_after"] == run["roles_before"] and run["segments"] == [ring]
     assert "standby-engine" in run["roles_before"]
     assert run["took_over"] == run["spare"] == run["new_engine"] != run["next_spare"], run
-    assert run["next_spare_started_after_ready_s"] >= 0, run  # not beside the restarting engine
+    assert run["next_spare_started_after_ready_s"] >= STANDBY_IDLE_S, run  # not beside the restarting engine
     if ready_within_s is not None:
         assert run["restart_ready_s"] < ready_within_s, run["restart_ready_s"]
 

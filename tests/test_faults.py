@@ -4,8 +4,8 @@ For every part: the in-flight stream ends (an error event then ``[DONE]`` when i
 the part, a closed connection for its own gateway, a normal end when it did not need the part or,
 for the token reader, when the restarted reader took the stream over)
 and none hangs; ``/health`` says 503 while a part the whole server needs is down (the engine's is too short to
-be seen: the standby engine takes its place); the supervisor
-restarts it; new requests succeed; no process is left over; slots return to zero. A dead
+be seen: the standby engine, ready before the faults, takes its place); the supervisor
+restarts it; new requests succeed; no process is left over (a new spare follows); slots return to zero. A dead
 engine's ring segment is replaced by the restarted engine's. Recovery times are printed, and
 written as JSON to ``$BLINK_FAULTS_OUT`` when set.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+from helpers.http_jobs import engine_events
 from helpers.procfs import fd_targets, tcp_sockets
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
@@ -46,7 +47,11 @@ RESULTS: dict[str, dict] = {}
 def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("faults"), "--gateways", "2", "--num-slots", "16",
                         "--max-prompt-tokens", "64", "--max-output-tokens", "128", engine_module=REAL_ENGINE,
-                        env={"BLINK_HEARTBEAT_TIMEOUT_S": "5"}, timeout_s=300)
+                        env={"BLINK_HEARTBEAT_TIMEOUT_S": "5"}, timeout_s=300, standby_engine=True)
+    deadline = time.monotonic() + 120  # the restart figures are the standby engine's
+    while not engine_events(stack.log_path, "standby engine ready"):
+        assert time.monotonic() < deadline, f"no standby engine:\n{stack.log()}"
+        time.sleep(0.2)
     yield stack
     code = stop_stack(stack)
     out = os.environ.get("BLINK_FAULTS_OUT")
@@ -220,7 +225,10 @@ async def test_kill_mid_stream(fault_stack: Stack, part: str) -> None:
     await settle(stack)
     await all_gateways_linked(stack)
     assert not Path(f"/proc/{victim}").exists()
-    assert len(processes_of(stack)) == PROCESSES, processes_of(stack)
+    deadline = time.monotonic() + 30  # after the engine's: the new spare, once the engine has been idle a while
+    while len(processes_of(stack)) != PROCESSES:
+        assert time.monotonic() < deadline, processes_of(stack)
+        await asyncio.sleep(0.1)
     if part == "engine":
         assert segment_identity(stack) != segment and stack.engine_pid() != victim
     RESULTS[part] = {"stream_end_s": round(end["ended_s"], 3), "stream": "error event" if end["error"] else

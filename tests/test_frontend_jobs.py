@@ -14,7 +14,7 @@ from helpers.http_jobs import HttpJob, HttpResult, compare, http_jobs, run_jobs,
 
 from harness.serve_proc import MODEL, ServeProc
 
-ARGS = ("--max-output-tokens", "64", "--max-prompt-tokens", "32", "--num-slots", "16")
+ARGS = ("--max-output-tokens", "64", "--max-prompt-tokens", "32", "--num-slots", "16", "--no-standby-engine")
 
 
 def test_jobs_with_hang_ups_match_their_references(tmp_path: Path) -> None:

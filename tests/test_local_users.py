@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from helpers.procfs import processes
+from helpers.procfs import environ_of, processes
 from helpers.stack import MODEL, Stack, start_stack, stop_stack
 
 from blink.cli import argv_without_key
@@ -193,11 +193,6 @@ def test_the_key_is_taken_off_serves_command_line() -> None:
     assert argv_without_key(["blink", "serve", "--api-k", "K1"], "K1") == ["blink", "serve"]
     assert argv_without_key(["blink", "serve"], "K1") is None  # from BLINK_API_KEY: nothing to hide
     assert argv_without_key(["-m", "blink.cli", "serve", "--api-key", "blink"], "blink") == ["-m", "blink.cli", "serve"]
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if kv)
 
 
 async def status_of(stack: Stack, headers: dict[str, str]) -> int:

@@ -85,7 +85,7 @@ def test_blink_and_a_command_line_peer_in_one_file(tmp_path: Path) -> None:
     ring = f"blink-peer-{uuid.uuid4().hex[:8]}"
     command = (f"BLINK_LOG_JSON=1 BLINK_HEARTBEAT_TIMEOUT_S=10 exec {{python}} -m blink.cli serve --backend cpu "
                f"--port {{port}} --ring {ring} --run-dir {tmp_path / 'peer-run'} --max-batch {{max_num_seqs}} "
-               "--max-prompt-tokens 64 --max-output-tokens 16 --drain-timeout 5")
+               "--max-prompt-tokens 64 --max-output-tokens 16 --drain-timeout 5 --no-standby-engine")
     first, log = invoke(tmp_path, "cpupeer", "none,moderate", ["--peer", f"cpupeer:blink={command}"])
     assert not wait_none(ring), "the peer outlived the study"
     assert [(r["system"], r["cotenant"]) for r in first["records"]] == [

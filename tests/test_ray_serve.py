@@ -30,7 +30,7 @@ ray_serve = pytest.importorskip("blink.ray_serve")
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_ARGS = ("--backend", "cpu", "--threads", "1", "--num-slots", "8", "--max-prompt-tokens", "128",
-              "--max-output-tokens", "64", "--kv-blocks", "256")
+              "--max-output-tokens", "64", "--kv-blocks", "256", "--no-standby-engine")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 APP = "blink"
 

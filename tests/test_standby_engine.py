@@ -1,31 +1,42 @@
-"""The standby engine of ``blink serve``: a spare engine process, started once the engine is READY, that waits
-for the go and takes a dead engine's place (the restart itself: ``tests/test_device_watchdog_stack.py``).
+"""The standby engine of ``blink serve``: a spare engine process, started once the engines are READY and idle,
+that waits for the go and takes a dead engine's place (the restart itself: ``tests/test_device_watchdog_stack.py``).
 
 With the real CPU engine: the spare holds no shared-memory segment and no key, one that dies is replaced, and
 it dies with a SIGKILLed supervisor; without a live spare at a fault the engine restarts cold. With the fake
-engine: the spare stops with the supervisor on SIGTERM and SIGINT, one that keeps dying is given up, and
-``--no-standby-engine`` starts none.
+engine: the spare waits for the engines idle, stops with the supervisor on SIGTERM and SIGINT, one that keeps
+dying is given up, under ``-dp 2`` the harness names the engine that was a spare by its ring, and
+``--no-standby-engine`` starts none. Without processes: when a spare is due (the deadline under load), a spare
+that cannot be spawned, and a go that is not one.
 """
 
 from __future__ import annotations
 
+import datetime
+import io
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 from helpers.http_jobs import engine_events
-from helpers.procfs import fd_targets
+from helpers.procfs import environ_of, fd_targets
 from helpers.stack import MODEL, Stack, processes_of, segment_exists, start_stack, stop_stack
 
-from blink.supervisor import RESTARTS_PER_MINUTE
-from harness.serve_proc import http_get
+from blink import supervisor
+from blink.supervisor import RESTARTS_PER_MINUTE, STANDBY_DEADLINE_S, STANDBY_IDLE_S, ServeConfig, SpareClock
+from harness.serve_proc import ROOT, http_get
 from shared import ring_layout as L
+from shared.data_parallel import engine_ring_names
 from shared.ring import attach_shm_ring
+from shared.standby import BadGo, wait_for_go
 from shared.transport import RingError
 
 REAL_ENGINE = "gpu_engine.serve"
@@ -49,10 +60,10 @@ def spares_ready(stack: Stack, count: int) -> list[int]:
     return pids[:count] if len(pids) >= count else []
 
 
-def new_engine(stack: Stack, old: int) -> int | None:
+def new_engine(ring_name: str, old: int) -> int | None:
     """The pid the ring names its engine, once that is READY and not ``old``."""
     try:
-        ring = attach_shm_ring(stack.ring)
+        ring = attach_shm_ring(ring_name)
     except (RingError, ValueError):
         return None
     try:
@@ -68,11 +79,6 @@ def shm_held(pid: int) -> list[str]:
     return maps + [t for t in fd_targets(pid) if t.startswith("/dev/shm/")]
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
-
-
 def exited(pid: int) -> bool:
     """A zombie whose every thread has ended: only then can its parent reap it (a leader that took SIGKILL shows
     Z while its other threads still unmap the process's memory)."""
@@ -80,19 +86,29 @@ def exited(pid: int) -> bool:
     return status["State"].split()[0] == "Z" and status["Threads"].strip() == "1"
 
 
-def completion(stack: Stack, key: str | None = None) -> int:
+def completion(stack: Stack, key: str | None = None, max_tokens: int = 2) -> int:
     import openai
 
     c = openai.OpenAI(base_url=stack.url + "/v1", api_key=key or "unused", max_retries=0, timeout=30)
-    out = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
+    out = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=max_tokens,
+                               extra_body={"ignore_eos": True})
     return len(out.choices)
+
+
+def wall(record: dict) -> float:
+    """A log record's time (its ISO timestamp), in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(record["timestamp"]).timestamp()
+
+
+def spare_starts(stack: Stack) -> list[dict]:
+    return [e for e in engine_events(stack.log_path, "started") if e.get("child") == "standby-engine"]
 
 
 def test_the_spare_holds_no_segment_nor_key_is_replaced_when_it_dies_and_dies_with_the_supervisor(
         tmp_path: Path) -> None:
     key = f"key-{uuid.uuid4().hex}"
     stack = start_stack(tmp_path, *ENGINE_FLAGS, api_key=key, engine_module=REAL_ENGINE, env=ENGINE_ENV,
-                        timeout_s=LIMIT_S)
+                        timeout_s=LIMIT_S, standby_engine=True)
     try:
         (spare,) = wait_until("standby engine ready", lambda: spares_ready(stack, 1), stack)
         assert stack.children()["standby-engine"] == spare and stack.engine_pid() != spare
@@ -116,7 +132,8 @@ def test_the_spare_holds_no_segment_nor_key_is_replaced_when_it_dies_and_dies_wi
 
 def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> None:
     """The spare and the engine die while the supervisor is stopped, so it finds both dead at once."""
-    stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, env=ENGINE_ENV, timeout_s=LIMIT_S)
+    stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, env=ENGINE_ENV, timeout_s=LIMIT_S,
+                        standby_engine=True)
     try:
         (spare,) = wait_until("standby engine ready", lambda: spares_ready(stack, 1), stack)
         engine = stack.engine_pid()
@@ -128,7 +145,7 @@ def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> Non
             wait_until("both dead", lambda: exited(spare) and exited(engine), stack, 10)
         finally:
             os.kill(stack.proc.pid, signal.SIGCONT)
-        cold = wait_until("a restarted engine", lambda: new_engine(stack, engine), stack)
+        cold = wait_until("a restarted engine", lambda: new_engine(stack.ring, engine), stack)
         assert "--standby" not in Path(f"/proc/{cold}/cmdline").read_text().split("\0")
         assert engine_events(stack.log_path, "standby engine took over") == []
         assert [e["child"] for e in engine_events(stack.log_path, "started")].count("engine") == 2
@@ -143,7 +160,7 @@ def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_spare_stops_with_the_supervisor(tmp_path: Path, sig: signal.Signals) -> None:
-    stack = start_stack(tmp_path)
+    stack = start_stack(tmp_path, standby_engine=True)
     assert stack.proc is not None
     try:
         spare = wait_until("a spare", lambda: stack.children().get("standby-engine"), stack, 30)
@@ -156,14 +173,15 @@ def test_the_spare_stops_with_the_supervisor(tmp_path: Path, sig: signal.Signals
 
 
 def test_no_standby_engine_starts_none_and_restarts_cold(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, "--no-standby-engine")
+    stack = start_stack(tmp_path)  # the harness's default: --no-standby-engine
+    assert "--no-standby-engine" in stack.args
     try:
         engine = stack.engine_pid()
-        time.sleep(1.0)  # a spare would be started within the supervisor's next look (0.2 s)
+        time.sleep(STANDBY_IDLE_S + 1.0)  # a spare would be started once the idle engine had been so that long
         assert sorted(stack.children()) == ["engine", "gateway-0", "reader", "tokenizer", "tracker"]
         os.kill(engine, signal.SIGKILL)
-        wait_until("a restarted engine", lambda: new_engine(stack, engine), stack, 30)
-        time.sleep(1.0)
+        wait_until("a restarted engine", lambda: new_engine(stack.ring, engine), stack, 30)
+        time.sleep(STANDBY_IDLE_S + 1.0)
         assert "standby-engine" not in stack.children()
         assert engine_events(stack.log_path, "standby engine took over") == []
     finally:
@@ -173,7 +191,7 @@ def test_no_standby_engine_starts_none_and_restarts_cold(tmp_path: Path) -> None
 
 def test_a_spare_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
     """Replaced at most RESTARTS_PER_MINUTE times a minute, then given up: engines restart cold from there."""
-    stack = start_stack(tmp_path)
+    stack = start_stack(tmp_path, standby_engine=True)
     killed: set[int] = set()
 
     def new_spare() -> int | None:
@@ -190,6 +208,110 @@ def test_a_spare_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
         time.sleep(1.0)
         assert "standby-engine" not in stack.children()
         assert {e["pid"] for e in engine_events(stack.log_path, "standby engine exited")} == killed
+    finally:
+        assert stop_stack(stack) == 0, stack.log()
+    assert processes_of(stack) == []
+
+
+def test_a_spare_waits_for_the_engines_idle(tmp_path: Path) -> None:
+    """STANDBY_IDLE_S after READY with no request; a spare that died under load is replaced only once the load
+    ended and the engine was idle that long (the deadline under load: ``test_a_spare_is_due``)."""
+    stack = start_stack(tmp_path, standby_engine=True)
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            completion(stack, max_tokens=200)  # about 0.5 s on the fake engine
+
+    try:
+        first = wait_until("a spare", lambda: stack.children().get("standby-engine"), stack, 30)
+        (ready,) = [e for e in engine_events(stack.log_path, "ready") if e.get("service") == "serve"]
+        assert wall(spare_starts(stack)[0]) - wall(ready) >= STANDBY_IDLE_S
+        with ThreadPoolExecutor(2) as pool:  # two clients: a request always runs
+            clients = [pool.submit(load) for _ in range(2)]
+            wait_until("requests running", lambda: stack.gauges()["num_requests_running"], stack, 10)
+            os.kill(first, signal.SIGKILL)
+            wait_until("the spare's exit", lambda: engine_events(stack.log_path, "standby engine exited"), stack, 10)
+            time.sleep(2 * STANDBY_IDLE_S)
+            stop.set()
+            for c in clients:
+                c.result()
+        idle_from = time.time()
+        assert len(spare_starts(stack)) == 1, "a spare was started under load"
+        wait_until("a new spare", lambda: len(spare_starts(stack)) == 2, stack, 30)
+        assert wall(spare_starts(stack)[1]) - idle_from >= STANDBY_IDLE_S - 0.5  # the last answer's delivery
+    finally:
+        stop.set()
+        assert stop_stack(stack) == 0, stack.log()
+    assert processes_of(stack) == []
+
+
+def test_a_spare_is_due() -> None:
+    """Every serving engine READY and idle STANDBY_IDLE_S, or READY STANDBY_DEADLINE_S whatever the load; an
+    engine not READY starts both clocks again."""
+    clock = SpareClock()
+    assert not clock.due(0.0, ready=False, idle=False)
+    assert not clock.due(1.0, ready=True, idle=True)
+    assert not clock.due(1.0 + STANDBY_IDLE_S - 0.1, ready=True, idle=True)
+    assert clock.due(1.0 + STANDBY_IDLE_S, ready=True, idle=True)
+    busy = SpareClock()
+    t = 10.0
+    assert not busy.due(t, ready=True, idle=False)
+    for k in range(1, int(STANDBY_DEADLINE_S)):  # a request always running, an idle look now and then
+        assert not busy.due(t + k, ready=True, idle=k % 2 == 0)
+    assert busy.due(t + STANDBY_DEADLINE_S, ready=True, idle=False)
+    assert not busy.due(t + STANDBY_DEADLINE_S + 1, ready=False, idle=False)  # an engine restarting
+    assert not busy.due(t + STANDBY_DEADLINE_S + 2, ready=True, idle=False)
+
+
+def test_a_spare_that_cannot_be_spawned_counts_as_one_that_died(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Spawning the spare raises OSError (here exec of an interpreter that is gone): logged, the server goes
+    on, and after RESTARTS_PER_MINUTE + 1 in a minute the spare is given up, as one that keeps dying."""
+    sup = supervisor.Supervisor(ServeConfig(tmp_path, "blink-test-spawn", "127.0.0.1", 0, 1, (("--ring", "r"),),
+                                            (), (), ()))
+    assert sup.standby is not None
+    sup.standby.argv = [str(tmp_path / "gone" / "python"), *sup.standby.argv[1:]]
+    monkeypatch.setattr(sup, "_engine_status", lambda _engine: (True, True))  # READY and idle
+    monkeypatch.setattr(supervisor, "STANDBY_IDLE_S", 0.0)  # due at every look
+    for _ in range(RESTARTS_PER_MINUTE + 1):
+        sup._keep_standby()
+    assert sup.standby is None
+    err = capsys.readouterr().err
+    assert err.count("standby engine not started") == RESTARTS_PER_MINUTE + 1, err
+    assert "No such file or directory" in err and err.count("standby engine given up") == 1, err
+
+
+@pytest.mark.parametrize("line", [b"go\n", b"\n", b'{"ring": 3}\n', b'{"env": {}}\n'])
+def test_a_line_that_is_not_a_go_is_refused(line: bytes) -> None:
+    with pytest.raises(BadGo, match="--standby waits for blink serve's go on stdin"):
+        wait_for_go(io.BytesIO(line))
+    assert wait_for_go(io.BytesIO(b"")) is None
+
+
+def test_a_spare_typed_at_says_so_and_exits_2(tmp_path: Path) -> None:
+    """``blink engine --standby`` from a terminal, and a line typed: one error line, no traceback. (A GPU backend
+    only imports before the go, which takes the CPU backend's weight loading out of the test.)"""
+    out = subprocess.run([sys.executable, "-m", "gpu_engine.serve", "--standby", "--backend", "host", "--ring",
+                          f"blink-test-{uuid.uuid4().hex[:10]}"], cwd=ROOT, input="hello\n", capture_output=True,
+                         text=True, timeout=LIMIT_S, env={**os.environ, "BLINK_LOG_JSON": "1"})
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1].startswith("error: --standby waits for blink serve's go on stdin, not 'hello'")
+
+
+def test_under_dp_the_engine_that_was_a_spare_is_named_by_its_ring(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--data-parallel-size", "2", standby_engine=True)
+    try:
+        spare = wait_until("a spare", lambda: stack.children().get("standby-engine"), stack, 30)
+        children = stack.children()
+        assert {"engine-0", "engine-1", "standby-engine"} <= set(children) and "engine" not in children
+        ring1 = engine_ring_names(stack.ring, 2)[1]
+        os.kill(children["engine-1"], signal.SIGKILL)
+        assert wait_until("the spare serving ring 1", lambda: new_engine(ring1, children["engine-1"]), stack) == spare
+        assert stack.children()["engine-1"] == spare and stack.children()["engine-0"] == children["engine-0"]
+        second = wait_until("a new spare", lambda: stack.children().get("standby-engine"), stack, 30)
+        assert second != spare and stack.children()["engine-1"] == spare
     finally:
         assert stop_stack(stack) == 0, stack.log()
     assert processes_of(stack) == []

@@ -1,5 +1,5 @@
 """What the tests read from /proc: processes (pid, parent, state, command line), a process's open
-files, and the kernel's TCP socket tables."""
+files and environment, and the kernel's TCP socket tables."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def fd_targets(pid: int) -> Iterator[str]:
             yield os.readlink(fd)
         except OSError:
             continue
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """A process's environment as it was started."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
 
 
 @dataclasses.dataclass(frozen=True)

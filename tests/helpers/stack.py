@@ -1,7 +1,8 @@
 """Run a whole Blink stack (``blink serve``) as real processes for frontend tests.
 
 The engine is ``tests.helpers.fake_engine`` unless ``engine_module`` names another (the real one is
-``gpu_engine.serve``).
+``gpu_engine.serve``). No standby engine unless a test asks for one (``standby_engine=True``): on the CPU a
+spare loads the weights on a core, beside the tests sharing the machine.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class Stack(ServeProc):
 
 
 def start_stack(tmp: Path, *args: str, api_key: str | None = None, env: dict[str, str] | None = None,
-                engine_module: str = FAKE_ENGINE, timeout_s: float = 90.0) -> Stack:
-    flags = ("--drain-timeout", "2", *args, *(("--api-key", api_key) if api_key else ()))
+                engine_module: str = FAKE_ENGINE, timeout_s: float = 90.0, standby_engine: bool = False) -> Stack:
+    flags = ("--drain-timeout", "2", *(() if standby_engine else ("--no-standby-engine",)), *args,
+             *(("--api-key", api_key) if api_key else ()))
     stack = Stack(flags, tmp, env=env or {}, engine_module=engine_module, api_key=api_key)
     stack.start(timeout_s)
     return stack

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 SERVED = "tiny"
 ARGS = ("--dtype", "float32", "--num-slots", "256", "--max-prompt-tokens", "256", "--max-output-tokens", "4352",
         "--max-batch", "64", "--kv-blocks", "6000", "--block-size", "16", "--served-model-name", SERVED,
-        "--random-weights")
+        "--random-weights", "--no-standby-engine")
 OUT = Path(os.environ.get("BLINK_GPU_OUT", "/tmp/blink-gpu-out"))
 
 
