@@ -8,6 +8,7 @@ count set. Engine errors and lost streams raise ``APIError``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator
@@ -53,6 +54,9 @@ def engine_error(msg: m.Finished) -> APIError:
                         code="context_length_exceeded")
     if msg.error == E.BAD_PARAMS:
         return APIError(400, "the engine refused the sampling parameters", code="invalid_value")
+    if msg.error == E.OUT_OF_MEMORY:
+        return APIError(503, "the engine ran out of device memory computing this prompt's log-probs; retry later "
+                        "or with a shorter prompt", code="out_of_memory")
     name = E(msg.error).name if msg.error in E._value2member_map_ else str(msg.error)
     return APIError(500, f"the engine failed this request ({name})", code="engine_error")
 
@@ -60,11 +64,14 @@ def engine_error(msg: m.Finished) -> APIError:
 class Generation:
     def __init__(self, codec: TextCodec, plan: Plan, backend: Backend, stream: RequestStream,
                  metrics: FrontendMetrics, arrival: float, prompt_tokens: int, index: int = 0,
-                 prompt: list[int] | None = None) -> None:
+                 prompt: list[int] | None = None, source: Generation | None = None) -> None:
         self.codec, self.plan, self.backend, self.stream = codec, plan, backend, stream
         self.prompt = prompt or []  # the prompt's token ids: what its log-probs are of
         # positions 1.. of the prompt (position 0 has none), once token 0 brought them
         self.prompt_entries: list[PromptEntry] | None = None
+        # the first choice of this prompt (n > 1): only its slot computes the prompt log-probs this one shows
+        self.source = source
+        self.prompt_settled = asyncio.Event()  # the entries came, or this choice ended without them
         self.index = index  # of the choice in the response
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
         self.detok = codec.detokenizer(plan.stop)
@@ -89,11 +96,12 @@ class Generation:
                 else:
                     raise APIError(msg.status, msg.message, code="engine_unavailable")
                 if echo_pending:
-                    yield Delta(self.plan.echo, self._echo_logprobs())
+                    yield Delta(self.plan.echo, await self._echo_logprobs())
                     echo_pending = False
                 if delta.text or delta.logprobs:
                     yield delta
         finally:
+            self.prompt_settled.set()
             self.backend.forget(self.stream, cancel=True)  # a no-op once the engine finished it
 
     def _tokens(self, msg: m.Tokens) -> Delta:
@@ -126,22 +134,26 @@ class Generation:
         if entries is not None:
             self.prompt_entries = [PromptEntry(t, lp, rank, list(top))
                                    for t, (lp, rank, top) in zip(self.prompt[1:], entries, strict=True)]
+            self.prompt_settled.set()
 
-    def check_prompt_entries(self) -> bool:
-        """Whether the prompt log-probs came; False for a request cancelled before its prompt was computed
-        (finish ``abort``), a 500 for any other without them."""
-        if self.prompt_entries is None and self.finish_reason != "abort":
+    async def asked_prompt_entries(self) -> list[PromptEntry] | None:
+        """The prompt log-probs this choice shows: its own, or its source's once they came. None for a request
+        cancelled before its prompt was computed (finish ``abort``), a 500 for any other without them."""
+        gen = self.source or self
+        if gen is not self:
+            await gen.prompt_settled.wait()
+        if gen.prompt_entries is None and gen.finish_reason != "abort":
             raise APIError(500, "the engine returned no prompt log-probs", code="engine_error")
-        return self.prompt_entries is not None
+        return gen.prompt_entries
 
-    def _echo_logprobs(self) -> list[TokenLogprob] | None:
+    async def _echo_logprobs(self) -> list[TokenLogprob] | None:
         """The echoed prompt's entries (completions' logprobs): none for its first token, then each
         position's with ``echo_logprobs`` alternatives."""
-        if not self.check_prompt_entries():
+        entries = await self.asked_prompt_entries()
+        if entries is None:
             return None
-        assert self.prompt_entries is not None
         k = self.plan.echo_logprobs
-        rest = [TokenLogprob(e.token, e.logprob, e.top[:k]) for e in self.prompt_entries]
+        rest = [TokenLogprob(e.token, e.logprob, e.top[:k]) for e in entries]
         return [TokenLogprob(self.prompt[0], None, None), *rest]
 
     def _logprobs(self, msg: m.Tokens) -> list[TokenLogprob]:

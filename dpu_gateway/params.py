@@ -58,12 +58,15 @@ class Plan:
     prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
 
     def choices(self) -> list[m.Sampling]:
-        """One sampling record per choice: a seeded request's choices draw from seeds derived from it."""
-        s = self.sampling
+        """One sampling record per choice: a seeded request's choices draw from seeds derived from it. Only the
+        first asks for prompt log-probs: its siblings, of the same prompt, show its entries (and may reuse the
+        prefix cache, which a request that asks does not)."""
+        s, mask = self.sampling, 0xFFFFFFFFFFFFFFFF
+        sibling = msgspec.structs.replace(s, prompt_logprobs=-1)
         if s.seed is None:
-            return [s] * self.n  # each slot's seed comes from its own request id
-        mask = 0xFFFFFFFFFFFFFFFF
-        return [msgspec.structs.replace(s, seed=(s.seed + i * SEED_STEP) & mask) for i in range(self.n)]
+            return [s, *[sibling] * (self.n - 1)]  # each slot's seed comes from its own request id
+        return [msgspec.structs.replace(s if i == 0 else sibling, seed=(s.seed + i * SEED_STEP) & mask)
+                for i in range(self.n)]
 
 
 def check_common(req: _Common, limits: Limits) -> list[str]:

@@ -100,7 +100,7 @@ async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
     if fmt_ is None:
         choice = shape.choice(gen.index, "".join(texts), gen.finish_reason, logprobs)
         if gen.plan.prompt_logprobs >= 0 and not shape.chat:  # chat's are the response's (one prompt)
-            choice["prompt_logprobs"] = asked_prompt_logprobs(gen, codec)
+            choice["prompt_logprobs"] = await asked_prompt_logprobs(gen, codec)
         return choice
     content, calls = parse_all(fmt_, "".join(texts))
     calls = calls if gen.plan.parallel_tool_calls else calls[:1]
@@ -108,13 +108,13 @@ async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
                            [c.openai() for c in calls])
 
 
-def asked_prompt_logprobs(gen: Generation, codec: TextCodec) -> list[dict | None] | None:
+async def asked_prompt_logprobs(gen: Generation, codec: TextCodec) -> list[dict | None] | None:
     """The ``prompt_logprobs`` field of a choice that asked, with the alternatives it asked for."""
-    if not gen.check_prompt_entries():
+    entries = await gen.asked_prompt_entries()
+    if entries is None:
         return None
-    assert gen.prompt_entries is not None
     k = gen.plan.prompt_logprobs
-    return fmt.prompt_logprobs(codec, [dataclasses.replace(e, top=e.top[:k]) for e in gen.prompt_entries])
+    return fmt.prompt_logprobs(codec, [dataclasses.replace(e, top=e.top[:k]) for e in entries])
 
 
 def tool_finish(gen: Generation, called: bool) -> str | None:
@@ -128,7 +128,7 @@ async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, m
     choices = await asyncio.gather(*(_collect(g, shape, codec) for g in gens))
     body = shape.whole(env, list(choices), usage.total())
     if shape.chat and gens and gens[0].plan.prompt_logprobs >= 0:  # vLLM: one list for the one prompt
-        body["prompt_logprobs"] = asked_prompt_logprobs(gens[0], codec)
+        body["prompt_logprobs"] = await asked_prompt_logprobs(gens[0], codec)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 

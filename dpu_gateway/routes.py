@@ -199,8 +199,9 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
                 handles.append(handle)
                 app[LIVE].add(handle)
                 prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
+                source = gens[-i] if i else None  # the prompt's first choice: its slot alone asks for prompt log-probs
                 gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
-                                       p * plan.n + i, ids))
+                                       p * plan.n + i, ids, source))
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
         if stream:

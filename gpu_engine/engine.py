@@ -36,6 +36,14 @@ STALL_S = 60.0
 STALL_PER_TOKEN_S = 0.1
 
 
+def features(ring: Ring) -> int:
+    """The ``SamplingFeatures`` this engine serves on ``ring``: PROMPT_LOGPROBS only where the ring has
+    prompt-logprob rows (``--max-prompt-logprobs-tokens 0`` leaves none), so the gateway says the backend does
+    not compute them rather than that a prompt is too long."""
+    rows = ring.geometry.prompt_logprob_rows
+    return int(FEATURES if rows else FEATURES & ~L.SamplingFeatures.PROMPT_LOGPROBS)
+
+
 class RingEngine:
     """Drives a runner from the ring under the shared policy."""
 
@@ -142,6 +150,11 @@ class RingEngine:
         for entries in out.prompt:  # before token 0's release, which publishes them
             self._write_prompt_logprobs(plan.work[entries.row].req, entries)
         for b, ((req, tok, reason), start, w) in enumerate(zip(results, starts, plan.work, strict=True)):
+            if b in out.failed:  # its token is not published: the request ends with the error alone
+                self.policy.finish(req, Finish.ERROR)
+                self.slots.complete(req.slot, L.FinishReason.ERROR, L.ErrorCode.OUT_OF_MEMORY)
+                self.by_slot.pop(req.slot, None)
+                continue
             if len(req.output) > start:
                 self._publish(req, b, start, tok, out)
             if w.prefill and w.samples and reason == Finish.NONE:
@@ -220,7 +233,7 @@ class RingEngine:
     def serve(self, beat_every_s: float = 0.1, drain_timeout_s: float = 5.0, stall_s: float = STALL_S,
               stall_per_token_s: float = STALL_PER_TOKEN_S) -> None:
         """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
-        self.ring.header_store32("sampling_features", int(FEATURES))
+        self.ring.header_store32("sampling_features", int(features(self.ring)))
         self.ring.header_store32("engine_state", L.EngineState.READY)
         self.slots.beat()
         self._loop_seen, self._stopped = time.monotonic(), threading.Event()

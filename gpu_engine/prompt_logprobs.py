@@ -2,14 +2,17 @@
 distribution the model gave at the position before it, and that distribution's top k.
 
 Written once for the Python-driven backends: ``prompt_spans`` says which packed tokens of a step predict a
-prompt token of such a request, ``score_spans`` turns their logits into entries. Each runner only says how
-to get the logits of given packed tokens (the CPU model's hidden states, or the host-driven GPU runner's
-kept final hidden states) and computes nothing for a step without such a request.
+prompt token of such a request, ``score_spans`` turns their logits into entries on the logits' device without
+waiting for them (the host-driven GPU runner enqueues them inside its bounded step wait), ``fetch`` copies
+them to the host. Each runner only says how to get the logits of given packed tokens (the CPU model's hidden
+states, or the host-driven GPU runner's kept final hidden states) and computes nothing for a step without
+such a request.
 
 The log-probs are those of the raw logits, before temperature, penalties, bias and grammar, as vLLM's
-default ``logprobs_mode``. The rank is 1 plus the number of tokens strictly more likely (ties share the
-better rank). Entries are written only until the request's first output token is published (``not
-req.output``): a chunk computed again after a preemption rewrites what no reader has seen yet.
+default ``logprobs_mode``. The rank is vLLM's: the number of vocabulary tokens at least as likely as the
+prompt token, itself included (1: no other token is as likely; a tie counts against it). Entries are written
+only until the request's first output token is published (``not req.output``): a chunk computed again after
+a preemption rewrites what no reader has seen yet.
 """
 
 from __future__ import annotations
@@ -66,22 +69,40 @@ def score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Te
     """(log-prob, rank, top ids, top log-probs) of ``targets`` [n] under ``logits`` [n, V]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     actual = logp.gather(1, targets[:, None])
-    ranks = (logp > actual).sum(dim=1) + 1
+    ranks = (logp >= actual).sum(dim=1)  # vLLM's batched_count_greater_than: ties count against the token
     top_logprobs, top_ids = torch.topk(logp, k, dim=-1)
     return actual.squeeze(1), ranks, top_ids, top_logprobs
 
 
-def score_spans(spans: list[PromptSpan], logits_of: Callable[[torch.Tensor], torch.Tensor]) -> list[PromptLogprobs]:
-    """Every span's entries; ``logits_of(packed token indices [n])`` gives those tokens' logits [n, V]."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scored:
+    """One span's entries as ``score`` left them, on the logits' device, perhaps not computed yet."""
+
+    row: int
+    start: int
+    columns: tuple[torch.Tensor, ...]  # log-probs, ranks, top ids, top log-probs
+
+
+def score_spans(spans: list[PromptSpan], logits_of: Callable[[int, int], torch.Tensor]) -> list[Scored]:
+    """Every span's entries, enqueued without a synchronization; ``logits_of(first, n)`` gives the logits
+    [n, V] of packed tokens ``first .. first + n``, asked PIECE positions at a time."""
     out = []
     for s in spans:
         parts = []
         for a in range(0, len(s.targets), PIECE):
             n = min(PIECE, len(s.targets) - a)
-            logits = logits_of(torch.arange(s.first + a, s.first + a + n))
-            targets = torch.tensor(s.targets[a : a + n], dtype=torch.int64, device=logits.device)
-            parts.append([t.cpu() for t in score(logits, targets, s.k)])
-        lp, rank, ids, top = (torch.cat(col) for col in zip(*parts, strict=True))
-        out.append(PromptLogprobs(s.row, s.start, lp.numpy().astype(np.float32), rank.numpy().astype(np.int32),
-                                  ids.numpy().astype(np.int32), top.numpy().astype(np.float32)))
+            logits = logits_of(s.first + a, n)
+            targets = torch.tensor(s.targets[a : a + n], dtype=torch.int64).to(logits.device, non_blocking=True)
+            parts.append(score(logits, targets, s.k))
+        out.append(Scored(s.row, s.start, tuple(torch.cat(col) for col in zip(*parts, strict=True))))
+    return out
+
+
+def fetch(scored: list[Scored]) -> list[PromptLogprobs]:
+    """The entries on the host (a device's once its step completed)."""
+    out = []
+    for s in scored:
+        lp, rank, ids, top = (c.cpu().numpy() for c in s.columns)
+        out.append(PromptLogprobs(s.row, s.start, lp.astype(np.float32), rank.astype(np.int32), ids.astype(np.int32),
+                                  top.astype(np.float32)))
     return out

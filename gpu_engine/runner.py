@@ -12,7 +12,7 @@ from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import SeqStep, build_metadata
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.policy import StepPlan
-from gpu_engine.prompt_logprobs import PromptLogprobs, prompt_spans, score_spans
+from gpu_engine.prompt_logprobs import PromptLogprobs, fetch, prompt_spans, score_spans
 from gpu_engine.sampling import sample
 
 
@@ -23,6 +23,8 @@ class StepOutput:
     top_ids: np.ndarray         # [B, K] int32
     top_logprobs: np.ndarray    # [B, K] float32
     prompt: list[PromptLogprobs] = dataclasses.field(default_factory=list)  # of the rows that asked
+    # rows whose request failed alone (the device ran out of memory for its prompt log-probs): the engine ends them
+    failed: tuple[int, ...] = ()
 
 
 class Runner(Protocol):
@@ -70,5 +72,9 @@ class TorchRunner:
         out.logprobs[rows] = res.logprobs.float().cpu().numpy()
         out.top_ids[rows] = res.top_ids.to(torch.int32).cpu().numpy()
         out.top_logprobs[rows] = res.top_logprobs.float().cpu().numpy()
-        out.prompt = score_spans(prompt_spans(plan), lambda idx: self.model.logits_at(hidden, idx.to(self.device)))
+
+        def logits_of(first: int, n: int) -> torch.Tensor:
+            return self.model.logits_at(hidden, torch.arange(first, first + n, device=self.device))
+
+        out.prompt = fetch(score_spans(prompt_spans(plan), logits_of))
         return out

@@ -167,11 +167,6 @@ class Ring:
         self.top_logprobs = np.frombuffer(
             view, L.TOPLOGPROB_DTYPE, n * o * k, g.top_logprob_arena_offset
         ).reshape(n, o, k)
-        q = g.prompt_logprob_rows
-        self.prompt_logprobs = np.frombuffer(view, L.PROMPTLOGPROB_DTYPE, n * q, g.prompt_logprob_arena_offset
-                                             ).reshape(n, q)
-        self.prompt_top_logprobs = np.frombuffer(
-            view, L.TOPLOGPROB_DTYPE, n * q * k, g.prompt_top_logprob_arena_offset).reshape(n, q, k)
 
     # ------------------------------------------------------------------ offsets
     def slot_offset(self, idx: int) -> int:
@@ -280,8 +275,7 @@ class Ring:
         return True
 
     def close(self) -> None:
-        for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
-                     "prompt_top_logprobs"):
+        for attr in ("header", "slots", "prompt_tokens", "output_tokens", "logprobs", "top_logprobs"):
             self.__dict__.pop(attr, None)
         self.transport.close()
 
@@ -300,7 +294,7 @@ def _header_bytes(geometry: RingGeometry) -> bytes:
     h["slots_offset"], h["prompt_arena_offset"] = g.slots_offset, g.prompt_arena_offset
     h["output_arena_offset"], h["logprob_arena_offset"] = g.output_arena_offset, g.logprob_arena_offset
     h["top_logprob_arena_offset"], h["total_bytes"] = g.top_logprob_arena_offset, g.total_bytes
-    h["prompt_logprob_tokens"], h["prompt_logprob_bytes"] = g.max_prompt_logprobs_tokens, L.PROMPTLOGPROB_DTYPE.itemsize
+    h["prompt_logprob_tokens"], h["prompt_logprob_bytes"] = g.prompt_logprob_rows, L.PROMPTLOGPROB_DTYPE.itemsize
     h["prompt_logprob_arena_offset"] = g.prompt_logprob_arena_offset
     h["prompt_top_logprob_arena_offset"], h["segment_bytes"] = g.prompt_top_logprob_arena_offset, g.segment_bytes
     h["engine_state"] = L.EngineState.STARTING
@@ -338,6 +332,9 @@ def validate_header(h: np.void, size: int, name: str) -> RingGeometry:
             f"{int(h['header_bytes'])}, expected {L.SLOT_DTYPE.itemsize} and {L.RINGHEADER_DTYPE.itemsize}"
         )
     prompt_rows = int(h["prompt_logprob_tokens"]) if minor >= 5 else 0  # reserved (zero) before minor 5
+    if prompt_rows > int(h["max_prompt_tokens"]):
+        raise RingError(f"ring {name}: corrupt header: prompt_logprob_tokens={prompt_rows} exceeds "
+                        f"max_prompt_tokens={int(h['max_prompt_tokens'])}")
     try:
         g = RingGeometry(int(h["num_slots"]), int(h["max_prompt_tokens"]),
                          int(h["max_output_tokens"]), int(h["top_logprobs"]), prompt_rows)
@@ -345,9 +342,13 @@ def validate_header(h: np.void, size: int, name: str) -> RingGeometry:
         raise RingError(f"ring {name}: corrupt header: {exc}") from None
     if g.total_bytes != int(h["total_bytes"]) or g.slots_offset != int(h["slots_offset"]):
         raise RingError(f"ring {name}: corrupt header: offsets do not match geometry")
-    if minor >= 5 and (g.segment_bytes != int(h["segment_bytes"])
-                       or int(h["prompt_logprob_bytes"]) != L.PROMPTLOGPROB_DTYPE.itemsize):
-        raise RingError(f"ring {name}: corrupt header: the prompt-logprob arenas do not match geometry")
+    arenas = (g.prompt_logprob_arena_offset, g.prompt_top_logprob_arena_offset, g.segment_bytes,
+              L.PROMPTLOGPROB_DTYPE.itemsize)
+    found = tuple(int(h[f]) for f in ("prompt_logprob_arena_offset", "prompt_top_logprob_arena_offset", "segment_bytes",
+                                      "prompt_logprob_bytes"))
+    if minor >= 5 and found != arenas:
+        raise RingError(f"ring {name}: corrupt header: the prompt-logprob arenas (offsets, end, entry size) are "
+                        f"{found}, the geometry's {arenas}")
     if size < g.segment_bytes:
         raise RingError(f"ring {name}: segment is {size} bytes but its header says {g.segment_bytes}")
     return g

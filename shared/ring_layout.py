@@ -35,6 +35,7 @@ class ErrorCode(enum.IntEnum):
     BAD_PARAMS = 2
     ENGINE_FAILURE = 3
     NO_CAPACITY = 4
+    OUT_OF_MEMORY = 5
 
 
 class EngineState(enum.IntEnum):

@@ -1,15 +1,18 @@
 """Prompt log-probs end to end: the official ``openai`` client against ``blink serve`` with the real CPU engine
 on the embedded model's weights in float32, checked against ``transformers`` in float32 on the same GGUF
-(completions' echo with logprobs, echo with max_tokens 0, vLLM's prompt_logprobs on both endpoints, the 400s)."""
+(completions' echo with logprobs, echo with max_tokens 0, vLLM's prompt_logprobs on both endpoints, n > 1, the
+400s)."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
-from helpers.e2e import ENGINE_ENV, ENGINE_FLAGS, FRANCE, REAL_ENGINE, sync_client
+from helpers.e2e import ENGINE_ENV, ENGINE_FLAGS, FRANCE, REAL_ENGINE, sync_client, wait_for
 from helpers.stack import MODEL, Stack, start_stack, stop_stack
 
 from gpu_engine.models.loader import default_model_path
@@ -18,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 MAX_PL = 48  # --max-prompt-logprobs-tokens of this server
+BLOCK = 16  # the engine's default --block-size
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
@@ -125,6 +129,34 @@ def test_each_choice_echoes_its_own_prompt(real: Stack, text) -> None:
         prompt = prompts[c.index // 2]
         assert c.text.startswith(prompt)
         assert len(c.logprobs.tokens) == len(text.ids(prompt)) + 2 and c.logprobs.token_logprobs[0] is None
+
+
+def cache_hits(stack: Stack) -> float:
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("blink:prefix_cache_hits_total{"))
+
+
+def test_n_choices_share_one_computation_of_the_prompt_logprobs(real: Stack, text) -> None:
+    """n=2: both choices carry the prompt's entries, but only the first slot asked for them: the second looks its
+    prompt up in the prefix cache (a slot that asks never does) and finds the blocks a plain run left there."""
+    prompt = ("Rivers flow from the mountains to the sea, carrying water, stones and the stories of every valley. "
+              "Forests hold the rain and feed the springs.")
+    ids = text.ids(prompt)
+    cached = (len(ids) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
+    assert cached and len(ids) <= MAX_PL  # a block to find, rows enough for the prompt log-probs
+    complete(real, prompt=ids, max_tokens=1)  # leaves the prompt's full blocks in the cache
+    time.sleep(0.3)  # the engine publishes its counters every 0.1 s
+    before = cache_hits(real)
+    out = complete(real, prompt=ids, max_tokens=2, n=2, echo=True, logprobs=1, extra_body={"prompt_logprobs": 2})
+    first, second = sorted(out.choices, key=lambda c: c.index)
+    assert first.model_extra["prompt_logprobs"] == second.model_extra["prompt_logprobs"]
+    assert len(first.model_extra["prompt_logprobs"]) == len(ids)
+    n = len(ids)
+    for c in (first, second):
+        assert c.logprobs.token_logprobs[0] is None and all(x is not None for x in c.logprobs.token_logprobs[1:n])
+    assert first.logprobs.token_logprobs[:n] == second.logprobs.token_logprobs[:n]
+    wait_for(lambda: cache_hits(real) - before >= cached, 5, 0.1)  # the second choice's lookup found them
 
 
 def test_chat_prompt_logprobs_are_the_response_s(real: Stack) -> None:

@@ -71,7 +71,7 @@ def test_kept_hidden_states_give_every_token_s_logits():
     want = model.logits_at(model.hidden_states(ids, meta, KVCache(cfg, 16, 4)), rows)
     runner.stage(ids, meta)
     runner.forward(2, 14, False, keep_hidden=True)
-    torch.testing.assert_close(runner.logits_at(rows), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.logits_at(0, 14), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.buffers.logits[:2], want[[4, 13]], rtol=1e-4, atol=1e-4)
 
 

@@ -1,6 +1,7 @@
 """Prompt log-probs in the engine and the ring: the CPU engine's entries against ``transformers`` on the same
-tiny random weights (whole prompts and prompts cut into chunks), the ring's minor-5 arenas, and what a ring
-of minor 4 says."""
+tiny random weights (whole prompts and prompts cut into chunks), vLLM's ranks, the feature bit, the ring's
+minor-5 arenas (and a corrupt header's), what a ring of minor 4 says, and the gateway's part (n > 1, the
+out-of-memory error)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine.engine import FEATURES, RingEngine
+from dpu_gateway.generation import engine_error
+from dpu_gateway.params import Plan
+from gpu_engine.engine import FEATURES, RingEngine, features
 from gpu_engine.prompt_logprobs import score
 from shared import ring_layout as L
-from shared.messages import Sampling
-from shared.ring import RingGeometry, attach_ring, local_ring, validate_header
+from shared.messages import Finished, Sampling
+from shared.ring import RingError, RingGeometry, attach_ring, local_ring, validate_header
 from shared.slots import SlotRequest, SlotWriter
 
 transformers = pytest.importorskip("transformers")
@@ -103,15 +106,19 @@ def test_no_prefix_cache_lookup_for_prompt_logprobs(tiny) -> None:
 
 
 def test_score_ranks_and_top_k() -> None:
-    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, 0.0, 1.0]])
-    lp, rank, ids, top = score(logits, torch.tensor([2, 0]), 2)
-    assert rank.tolist() == [3, 1]  # ties share the better rank: two tokens above token 2
-    assert ids[1].tolist() == [0, 3] and torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1], [2, 0]])
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, 0.0, 1.0], [0.0, 3.0, 1.0, 3.0]])
+    lp, rank, ids, top = score(logits, torch.tensor([2, 0, 1]), 2)
+    # vLLM's rank: the tokens at least as likely, the token itself included (a tie counts against it)
+    assert rank.tolist() == [3, 1, 2]
+    assert ids[1].tolist() == [0, 3] and torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1, 2], [2, 0, 1]])
     assert (top[:, 0] >= top[:, 1]).all()
 
 
-def test_the_engine_advertises_prompt_logprobs() -> None:
-    assert FEATURES & L.SamplingFeatures.PROMPT_LOGPROBS
+def test_prompt_logprobs_are_advertised_only_where_the_ring_has_rows() -> None:
+    assert features(local_ring(GEO)) & L.SamplingFeatures.PROMPT_LOGPROBS
+    assert features(local_ring(GEO)) == FEATURES
+    none = features(local_ring(RingGeometry(4, 48, 8, 4, 0)))  # --max-prompt-logprobs-tokens 0
+    assert none == FEATURES & ~L.SamplingFeatures.PROMPT_LOGPROBS
 
 
 def test_ring_arenas_follow_the_minor_4_segment() -> None:
@@ -122,6 +129,30 @@ def test_ring_arenas_follow_the_minor_4_segment() -> None:
     assert attach_ring(ring.transport).geometry == GEO
     none = RingGeometry(4, 48, 8, 4, 0)
     assert none.segment_bytes == none.total_bytes  # no arenas: the segment of minor 4
+
+
+def test_the_header_holds_the_rows_a_slot_has() -> None:
+    """--max-prompt-logprobs-tokens above max_prompt_tokens: the header says R = max_prompt_tokens, as ring.fbs."""
+    wide = RingGeometry(4, 48, 8, 4, 1024)
+    ring = local_ring(wide)
+    assert int(ring.read_header()["prompt_logprob_tokens"]) == 48 == wide.prompt_logprob_rows
+    seen = attach_ring(ring.transport).geometry
+    assert seen.prompt_logprob_rows == 48 and seen.segment_bytes == wide.segment_bytes
+
+
+@pytest.mark.parametrize(("field", "delta", "message"), [
+    ("prompt_logprob_arena_offset", 64, "prompt-logprob arenas"),
+    ("prompt_top_logprob_arena_offset", -64, "prompt-logprob arenas"),
+    ("segment_bytes", 64, "prompt-logprob arenas"),
+    ("prompt_logprob_bytes", 4, "prompt-logprob arenas"),
+    ("prompt_logprob_tokens", 9, "exceeds max_prompt_tokens"),  # 40 + 9 rows > the prompt row's 48
+])
+def test_a_corrupt_prompt_logprob_header_is_refused(field: str, delta: int, message: str) -> None:
+    ring = local_ring(GEO)
+    h = ring.read_header()
+    h[field] = int(h[field]) + delta
+    with pytest.raises(RingError, match=f"corrupt header: .*{message}"):
+        validate_header(h, ring.transport.size, "bad")
 
 
 def test_a_minor_4_header_has_no_prompt_logprob_rows() -> None:
@@ -138,3 +169,16 @@ def test_the_writer_refuses_what_the_rows_cannot_hold() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs is 5"):
         writer.check(SlotRequest(1, np.arange(4, dtype=np.int32), Sampling(2, prompt_logprobs=5)))
     writer.check(SlotRequest(1, np.arange(41, dtype=np.int32), Sampling(2)))  # without them: the prompt row's 48
+
+
+def test_only_the_first_choice_asks_for_prompt_logprobs() -> None:
+    """n > 1: the siblings show the first choice's entries (dpu_gateway/generation.py) instead of computing them."""
+    for seed in (None, 7):
+        plan = Plan(Sampling(4, seed=seed, prompt_logprobs=2), [], n=3, prompt_logprobs=2)
+        assert [c.prompt_logprobs for c in plan.choices()] == [2, -1, -1]
+        assert [c.seed for c in plan.choices()][0] == seed
+
+
+def test_out_of_memory_is_a_clear_error() -> None:
+    err = engine_error(Finished(1, L.FinishReason.ERROR, L.ErrorCode.OUT_OF_MEMORY, 0, 5))
+    assert err.status == 503 and err.code == "out_of_memory" and "prompt's log-probs" in err.message

@@ -42,7 +42,8 @@ def test_major_mismatch_refused_naming_both_versions(ring_name: str) -> None:
 def test_newer_and_older_minor_accepted(ring_name: str) -> None:
     ring = create_shm_ring(ring_name, GEO)
     older = dataclasses.replace(GEO, max_prompt_logprobs_tokens=0)  # before minor 5: no prompt-logprob arenas
-    for minor, geometry in ((L.SCHEMA_MINOR + 4, GEO), (0, older)):
+    rows = dataclasses.replace(GEO, max_prompt_logprobs_tokens=GEO.prompt_logprob_rows)  # what the header holds
+    for minor, geometry in ((L.SCHEMA_MINOR + 4, rows), (0, older)):
         ring.header["schema_minor"] = minor
         view = attach_shm_ring(ring_name)
         assert view.geometry == geometry

@@ -134,13 +134,15 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
 // A claimed request's logit-bias table (the tail of its prompt row) into the device table, checked as the
 // Python engine checks it (at most max_bias entries that fit beside the prompt, tokens in the vocabulary,
 // biases in [-100, 100]) and ascending as the ring promises. `bad`: the request is refused (BAD_PARAMS),
-// as is one whose processors this scheduler does not apply, or one with a grammar (not applied here).
+// as is one whose processors this scheduler does not apply, one with a grammar, or one that asks for prompt
+// log-probs (neither is computed here; its ring has no prompt-logprob arenas).
 __device__ void copy_bias(SchedState *s, uint32_t i, uint32_t *bad) {
   const blink_sched_config &c = s->cfg;
   const ReqInfo *r = &s->req[i];
   uint32_t n = r->num_bias;
   const volatile blink_slot *sl = slot(s, i);
-  bool refuse = (!c.processors && uses_processors(r)) || sl->sampling.grammar_id != 0 || n > c.max_bias ||
+  bool refuse = (!c.processors && uses_processors(r)) || sl->sampling.grammar_id != 0 ||
+                (r->flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS) || n > c.max_bias ||
                 r->prompt_len + 2 * n > c.max_prompt;
   if (refuse) {
     if (threadIdx.x == 0) *bad = 1;

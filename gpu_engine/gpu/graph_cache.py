@@ -156,6 +156,13 @@ class GraphCache:
         s = self.shapes[idx]
         return idx, s.batch >= batch and s.tokens >= tokens
 
+    def captured(self, decode: bool, batch: int, tokens: int, filtered: bool = True) -> int:
+        """The index of the graph that runs a step; ValueError when the step is larger than every one."""
+        idx, fits = self.lookup(decode, batch, tokens, filtered)
+        if not fits:
+            raise ValueError(f"step {(decode, batch, tokens)} is larger than every captured graph")
+        return idx
+
     # ---- capture ------------------------------------------------------------------------------
     def capture(self, progress: bool = True,
                 on_graph: Callable[[int, int], None] | None = None) -> list[CapturedGraph]:
@@ -216,9 +223,7 @@ class GraphCache:
         decode, batch, tokens = shape[:3]
         if decode and len(shape) > 3 and bool(shape[3]) != bool(filtered):
             raise ValueError(f"shape {tuple(shape)} disagrees with filtered={filtered}")
-        idx, fits = self.lookup(decode, batch, tokens, filtered)
-        if not fits:
-            raise ValueError(f"step {tuple(shape[:3])} is larger than every captured graph")
+        idx = self.captured(decode, batch, tokens, filtered)
         g = self.graphs[idx]
         if g is None:
             raise RuntimeError("graphs not captured yet (call capture())")

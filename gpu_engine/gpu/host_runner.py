@@ -6,13 +6,18 @@ stream synchronization and a copy of the sampled tokens back. A decode step with
 top-k / top-p / min-p replays the sort-free variant of the decode graph (``step_filters``). A step
 with a row that uses penalties, logit_bias or min_tokens stages the processor columns (dense
 [batch, vocab] tensors built on the host from each row's prompt and output). A step with a prompt chunk of a
-request that asks for prompt log-probs runs the same forward eagerly instead of replaying its graph, keeping
-every token's final hidden state, and scores the chunk's positions as the CPU backend does
-(``gpu_engine/prompt_logprobs.py``); other steps are unchanged.
+request that asks for prompt log-probs runs the same forward eagerly instead of replaying its graph (every
+request of the step pays for it), keeping every token's final hidden state, and scores the chunk's positions
+as the CPU backend does (``gpu_engine/prompt_logprobs.py``); other steps are unchanged. The eager forward runs
+at the shape of the graph it replaces (the kernels were compiled there at capture). That eager path
+allocates outside the graph pool (its activations, the kept hidden states, the [256, vocab] float32 scoring
+temporaries), memory the KV cache's sizing did not count: when it runs out, the step is replayed from its
+graph as any other and only the requests that asked fail (``StepOutput.failed``, OUT_OF_MEMORY).
 
 The wait is bounded: a step not complete within ``step_timeout_s`` is a ``DeviceHang``, and a CUDA error
-from the replay or from the step itself a ``LaunchFailure`` / ``DeviceFailure`` (``gpu_engine/faults.py``);
-either ends the engine's requests with ENGINE_FAILURE and restarts the engine.
+from the replay or from the step itself (its prompt scoring included) a ``LaunchFailure`` /
+``DeviceFailure`` (``gpu_engine/faults.py``); either ends the engine's requests with ENGINE_FAILURE and
+restarts the engine.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.kernels.sampling import processor_columns
 from gpu_engine.models.attention import build_metadata
 from gpu_engine.policy import StepPlan, step_filters
-from gpu_engine.prompt_logprobs import prompt_spans, score_spans
+from gpu_engine.prompt_logprobs import PromptSpan, Scored, fetch, prompt_spans, score_spans
 from gpu_engine.runner import StepOutput, step_inputs
+from shared.log import get_logger
+
+log = get_logger("host_runner")
 
 
 class HostGraphRunner:
@@ -63,28 +71,45 @@ class HostGraphRunner:
         self.runner.stage(torch.tensor(ids, dtype=torch.int64), meta, self._sampling(plan))
         b, t = len(plan.work), len(ids)
         spans = prompt_spans(plan)
-        self._replay_and_wait(plan, b, t, eager=bool(spans))
+        failed: tuple[int, ...] = ()
+        try:
+            scored = self._replay_and_wait(plan, b, t, spans)
+        except torch.cuda.OutOfMemoryError as exc:  # only the eager path allocates: the graph needs nothing more
+            failed = tuple(s.row for s in spans)
+            log.warning("out of device memory computing prompt log-probs; those requests fail", rows=len(failed),
+                        tokens=t, error=str(exc).splitlines()[0])
+            scored = self._replay_and_wait(plan, b, t, [])
         buf = self.runner.buffers
         return StepOutput(
             tokens=buf.next_tokens[:b].cpu().tolist(),
             logprobs=buf.token_logprobs[:b].float().cpu().numpy(),
             top_ids=buf.top_ids[:b].to(torch.int32).cpu().numpy(),
             top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
-            prompt=score_spans(spans, self.runner.logits_at) if spans else [],
+            prompt=fetch(scored),
+            failed=failed,
         )
 
-    def _replay_and_wait(self, plan: StepPlan, b: int, t: int, eager: bool = False) -> None:
-        """Replay the step's graph (``eager``: run its forward, keeping the hidden states) and wait, within
-        ``step_timeout_s``, for it to complete."""
+    def _replay_and_wait(self, plan: StepPlan, b: int, t: int, spans: list[PromptSpan]) -> list[Scored]:
+        """Replay the step's graph (with ``spans``: run its forward eagerly, keeping the hidden states, and
+        score them) and wait, within ``step_timeout_s``, for it to complete. An out-of-memory of the eager
+        path is raised as it is, before anything is waited for."""
         what = f"the {plan.kind} step of {b} rows and {t} tokens"
         decode, filtered = plan.kind == "decode", step_filters(plan)
+        scored: list[Scored] = []
         try:
-            if eager:
-                self.runner.forward(b, t, decode, filtered, keep_hidden=True)
+            if spans:  # at the shape of the graph it replaces: kernels compiled at capture, padding staged
+                shape = self.cache.shapes[self.cache.captured(decode, b, t, filtered)]
+                try:
+                    self.runner.forward(shape.batch, shape.tokens, decode, shape.filtered, keep_hidden=True)
+                    scored = score_spans(spans, self.runner.logits_at)
+                finally:
+                    self.runner.drop_hidden()
             else:
                 self.cache.replay((decode, b, t), filtered=filtered)
             done = torch.cuda.Event()
             done.record()
+        except torch.cuda.OutOfMemoryError:
+            raise
         except RuntimeError as exc:  # torch raises CUDA errors as RuntimeError
             raise LaunchFailure(f"{what}: launch failed: {exc}") from exc
 
@@ -95,3 +120,4 @@ class HostGraphRunner:
                 raise DeviceFailure(f"{what} failed on the device: {exc}") from exc
 
         poll_until(complete, self.step_timeout_s, what)
+        return scored

@@ -240,7 +240,8 @@ class GpuModelRunner:
 
         `filtered=False` skips the sampling filter; use it only when no row needs it
         (`gpu_engine.policy.needs_filter`), the tokens are then the same. `keep_hidden` (not for capture: it
-        allocates) keeps every token's final hidden state in `kept_hidden`, for `logits_at` (prompt log-probs).
+        allocates) keeps every token's final hidden state in `kept_hidden`, for `logits_at` (prompt log-probs),
+        until `drop_hidden`.
         """
         if decode and batch != tokens:
             raise ValueError("a decode step has exactly one token per sequence")
@@ -260,9 +261,15 @@ class GpuModelRunner:
         self._head(h, residual, batch, tokens, decode)
         self._sample(batch, filtered)
 
-    def logits_at(self, rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits [len(rows), vocab] of the tokens `rows` of the last `forward(keep_hidden=True)`."""
-        return self._linear(self.kept_hidden[rows.to(self.device)], self.lm_head).float()
+    def logits_at(self, first: int, n: int) -> torch.Tensor:
+        """float32 logits [n, vocab] of tokens `first .. first + n` of the last `forward(keep_hidden=True)`
+        (a slice: no index tensor to copy to the device, so no synchronization)."""
+        return self._linear(self.kept_hidden[first : first + n], self.lm_head).float()
+
+    def drop_hidden(self) -> None:
+        """Free the kept hidden states ([tokens, hidden], outside the graph pool) once the step's scoring is
+        enqueued: the allocator reuses them in stream order."""
+        self.kept_hidden = self.kept_hidden.new_empty(0, self.config.hidden_size)  # not a view: the storage goes
 
     def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: int, tokens: int,
                    decode: bool) -> torch.Tensor:

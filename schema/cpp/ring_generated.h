@@ -180,35 +180,38 @@ enum ErrorCode : uint32_t {
   ErrorCode_BAD_PARAMS = 2,
   ErrorCode_ENGINE_FAILURE = 3,
   ErrorCode_NO_CAPACITY = 4,
+  ErrorCode_OUT_OF_MEMORY = 5,
   ErrorCode_MIN = ErrorCode_OK,
-  ErrorCode_MAX = ErrorCode_NO_CAPACITY
+  ErrorCode_MAX = ErrorCode_OUT_OF_MEMORY
 };
 
-inline const ErrorCode (&EnumValuesErrorCode())[5] {
+inline const ErrorCode (&EnumValuesErrorCode())[6] {
   static const ErrorCode values[] = {
     ErrorCode_OK,
     ErrorCode_PROMPT_TOO_LONG,
     ErrorCode_BAD_PARAMS,
     ErrorCode_ENGINE_FAILURE,
-    ErrorCode_NO_CAPACITY
+    ErrorCode_NO_CAPACITY,
+    ErrorCode_OUT_OF_MEMORY
   };
   return values;
 }
 
 inline const char * const *EnumNamesErrorCode() {
-  static const char * const names[6] = {
+  static const char * const names[7] = {
     "OK",
     "PROMPT_TOO_LONG",
     "BAD_PARAMS",
     "ENGINE_FAILURE",
     "NO_CAPACITY",
+    "OUT_OF_MEMORY",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameErrorCode(ErrorCode e) {
-  if (::flatbuffers::IsOutRange(e, ErrorCode_OK, ErrorCode_NO_CAPACITY)) return "";
+  if (::flatbuffers::IsOutRange(e, ErrorCode_OK, ErrorCode_OUT_OF_MEMORY)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesErrorCode()[index];
 }
@@ -1033,7 +1036,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) TopLogprob FLATBUFFERS_FINAL_CLASS {
 FLATBUFFERS_STRUCT_END(TopLogprob, 8);
 
 /// One prompt position's entry (since minor 5): its token's log-prob under the raw distribution and
-/// its rank there (1: the most likely; ties share the better rank).
+/// its rank there, vLLM's: the number of tokens at least as likely, itself included (1: no other is).
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(4) PromptLogprob FLATBUFFERS_FINAL_CLASS {
  private:
   float logprob_;

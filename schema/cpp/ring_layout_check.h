@@ -133,6 +133,7 @@ static_assert(static_cast<uint32_t>(blink::ring::ErrorCode_PROMPT_TOO_LONG) == B
 static_assert(static_cast<uint32_t>(blink::ring::ErrorCode_BAD_PARAMS) == BLINK_ERROR_CODE_BAD_PARAMS, "ErrorCode::BAD_PARAMS differs");
 static_assert(static_cast<uint32_t>(blink::ring::ErrorCode_ENGINE_FAILURE) == BLINK_ERROR_CODE_ENGINE_FAILURE, "ErrorCode::ENGINE_FAILURE differs");
 static_assert(static_cast<uint32_t>(blink::ring::ErrorCode_NO_CAPACITY) == BLINK_ERROR_CODE_NO_CAPACITY, "ErrorCode::NO_CAPACITY differs");
+static_assert(static_cast<uint32_t>(blink::ring::ErrorCode_OUT_OF_MEMORY) == BLINK_ERROR_CODE_OUT_OF_MEMORY, "ErrorCode::OUT_OF_MEMORY differs");
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_ABSENT) == BLINK_ENGINE_STATE_ABSENT, "EngineState::ABSENT differs");
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_STARTING) == BLINK_ENGINE_STATE_STARTING, "EngineState::STARTING differs");
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_READY) == BLINK_ENGINE_STATE_READY, "EngineState::READY differs");

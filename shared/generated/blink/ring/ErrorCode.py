@@ -8,3 +8,4 @@ class ErrorCode(object):
     BAD_PARAMS = 2
     ENGINE_FAILURE = 3
     NO_CAPACITY = 4
+    OUT_OF_MEMORY = 5

@@ -7,7 +7,7 @@ from flatbuffers.compat import import_numpy
 np = import_numpy()
 
 # One prompt position's entry (since minor 5): its token's log-prob under the raw distribution and
-# its rank there (1: the most likely; ties share the better rank).
+# its rank there, vLLM's: the number of tokens at least as likely, itself included (1: no other is).
 class PromptLogprob(object):
     __slots__ = ['_tab']
 
