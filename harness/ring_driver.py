@@ -51,6 +51,7 @@ class Result:
     first_s: float = 0.0
     done_s: float = 0.0
     tops: np.ndarray | None = None  # [tokens, k] (token, logprob) alternatives, where the job asked
+    prompt: tuple[np.ndarray, np.ndarray] | None = None  # prompt positions' (entries, alternatives), where asked
 
 
 def start_engine(ring: str, model: Path | None, backend: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
@@ -128,8 +129,10 @@ class Driver:
             reason = self.t.load32(self.ring.slot_field(idx, "finish_reason"))
             toks = self.ring.read_output(idx, 0, gen).tolist()
             tops = self.ring.read_logprobs(idx, 0, gen)[1] if job.top_logprobs else None
+            asked = job.sampling().prompt_logprobs >= 0
+            prompt = self.ring.read_prompt_logprobs(idx, 0, len(job.prompt)) if asked else None
             self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter(),
-                                           tops)
+                                           tops, prompt)
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 

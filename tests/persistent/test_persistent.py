@@ -278,6 +278,36 @@ def shared_prefix_jobs(n: int, seed: int) -> list[Job]:
     return jobs
 
 
+def test_host_driven_prompt_logprobs_equal_transformers(tiny: Path) -> None:
+    """Prompt log-probs on the host-driven backend (its eager forward at the captured graph's shape, the
+    scoring inside the step's bounded wait), prompts chunked by a 96-token budget and preempted on a 64-block
+    cache: each position's log-prob, rank and top-2 as transformers computes them in fp32; the requests that
+    did not ask, beside them, keep their tokens."""
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, VOCAB, size=int(rng.integers(2, 200))).astype(np.int32) for _ in range(40)]
+    jobs = [FieldJob(k + 1, p, 4, fields=(("prompt_logprobs", 2),) if k % 2 == 0 else ()) for k, p in
+            enumerate(prompts)]
+    plain, _ = serve_jobs(tiny, "host", [Job(j.rid, j.prompt, 4) for j in jobs], window=8, tag="plp-ref",
+                          engine_args=CHUNK_ARGS)
+    got, stats = serve_jobs(tiny, "host", jobs, window=8, tag="plp", engine_args=CHUNK_ARGS)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    for j in jobs:
+        assert got[j.rid].tokens == plain[j.rid].tokens, f"request {j.rid}: tokens moved"
+        if not j.fields:
+            assert got[j.rid].prompt is None
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([j.prompt.tolist()])).logits[0, :-1].float(), dim=-1)
+        entries, tops = got[j.rid].prompt  # type: ignore[misc]
+        for p in range(1, len(j.prompt)):
+            want = float(ref[p - 1, j.prompt[p]])
+            assert abs(float(entries["logprob"][p]) - want) < 1e-3, f"request {j.rid} position {p}"
+            assert abs(int(entries["rank"][p]) - int((ref[p - 1] >= want).sum())) <= 1  # vLLM's rank, near-ties
+            top = torch.topk(ref[p - 1], 2)
+            assert np.allclose(tops["logprob"][p, :2], top.values.numpy(), atol=1e-3)
+
+
 def test_host_driven_prefix_cache_gives_the_uncached_tokens(tiny: Path) -> None:
     """The host-driven backend with prefix caching on (the default) and off: the same greedy tokens, and
     the cache reports hits."""
