@@ -1,10 +1,10 @@
 """Each decode-path kernel against its own floor: achieved GB/s beside the measured device-copy rate.
 
 Every kernel is timed inside a captured CUDA graph of repeated launches (so launch gaps do not
-count), at Llama-3-8B shapes in bf16 (its correctness is tests/gpu's). Where an old path is kept
-for comparison (the sort-based filter, log-probs for every row, the unfused QK-norm / RoPE / KV
-write, one decode split size, cuBLAS and a separate SiLU-and-multiply at M <= 8), it is timed
-beside the new one.
+count), at Llama-3-8B shapes in bf16 (the MoE experts at Qwen3-30B-A3B's; correctness is tests/gpu's).
+Where an old path is kept for comparison (the sort-based filter, log-probs for every row, the unfused
+QK-norm / RoPE / KV write, one decode split size, cuBLAS and a separate SiLU-and-multiply at M <= 8,
+the sorted MoE path at small batches), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json]
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
 (bench/roofline.py prints it for every decode row).
@@ -13,6 +13,7 @@ Usage: python -m bench.kernels [--out bench/results/kernels.json]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -238,6 +239,50 @@ def silu_rows(gbps: float) -> list[dict]:
     return rows
 
 
+MOE_SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}  # Qwen3-30B-A3B
+
+
+def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gbps: float) -> list[dict]:
+    from gpu_engine.kernels import moe
+
+    E, H, I, k = (MOE_SHAPE[n] for n in ("experts", "hidden", "inter", "top_k"))
+    layers = len(gate_up)
+    xs = [torch.randn(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    routes = [moe.moe_route(torch.randn(B, E, device="cuda"), k, True) for _ in range(layers)]
+    active = sum(ids.unique().numel() for _, ids in routes) / layers
+    acts = [torch.randn(B * k, I, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    outs = [torch.empty(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    expert_bytes = (2 * I * H + H * I) * 2
+    cases: dict[str, tuple[Callable[[int], object], float]] = {
+        "small": (lambda i: moe.moe_experts_small(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
+        "sorted": (lambda i: moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes)}
+    for bn in (2, 4, 8, 16):
+        cases[f"small_gate_up bn={bn}"] = (lambda i, bn=bn: moe.moe_gate_up_silu(
+            xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=bn), active * 2 * I * H * 2)
+    for bn in (1, 2, 4, 8):
+        cases[f"small_down bn={bn}"] = (lambda i, bn=bn: moe.moe_down_sum(
+            acts[i], down[i], routes[i][1], routes[i][0], out=outs[i], block_n=bn), active * H * I * 2)
+    rows = []
+    for name, (fn, nbytes) in cases.items():
+        order = itertools.cycle(range(layers))
+        ms = graph_ms(lambda fn=fn, order=order: fn(next(order)))
+        rows.append({"kernel": "moe_experts", "case": name, "batch": B, "experts": round(active, 1),
+                     "small_path": moe.small_path(B, k), **entry(ms, nbytes, gbps)})
+    return rows
+
+
+def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
+    """The Qwen3-30B-A3B experts in bf16: the sort-free path beside the sorted one at batch 1-64 (the
+    runner takes the sort-free one up to `kernels.moe.SMALL_PAIRS` pairs, batch 8), and each sort-free
+    kernel over a few column-tile widths, all against the weight bytes of the experts their routing
+    activates (the floor). The repeats of a graph take `layers` weight sets in turn, so one repeat's
+    experts are not in L2 for the next."""
+    E, H, I = MOE_SHAPE["experts"], MOE_SHAPE["hidden"], MOE_SHAPE["inter"]
+    gate_up = [torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
+    down = [torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
+    return [r for B in (1, 8, 16, 64) for r in _moe_batch(B, gate_up, down, gbps)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
@@ -247,11 +292,11 @@ def main() -> None:
     gbps = copy_gbps()
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
-    for fn in (sampling_rows, prep_rows, attention_rows, gemv_rows, silu_rows):
+    for fn in (sampling_rows, prep_rows, attention_rows, gemv_rows, silu_rows, moe_rows):
         for r in fn(gbps):
             rows.append(r)
-            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab") if k in r)
-            print(f"{r['kernel']:17} {r['case']:20} {where:26} {r['ms'] * 1e3:9.1f} us {r['gbps']:7.0f} GB/s "
+            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab", "experts") if k in r)
+            print(f"{r['kernel']:17} {r['case']:21} {where:26} {r['ms'] * 1e3:9.1f} us {r['gbps']:7.0f} GB/s "
                   f"({r['gbps'] / gbps:5.1%} of copy)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": gbps, "rows": rows},

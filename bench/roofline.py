@@ -9,6 +9,8 @@ rate. Decode rows are greedy without log-probs, so `ms` is the unfiltered decode
 steps run; `ms_filtered` the same step through the filtering variant (top-k / top-p / min-p),
 `ms_logprobs` with every row asking for log-probs. `breakdown` is each component's time in one step
 (each timed alone, in a captured graph of repeats) and `kernel_floor_ms` its own bytes / bandwidth.
+MoE rows name the expert path their steps take (`moe_path`: the sort-free one up to
+`kernels.moe.SMALL_PAIRS` token-expert pairs, batch 8 at top-8, else the sorted one).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense|moe|dense,moe]
 (rows of the models run replace that model's rows in an existing `--out`, the others stay)
 """
@@ -149,7 +151,10 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx: int, per_seq: int,
     row = {"model": name, "phase": "decode", "batch": b, "context": ctx, "tokens": b, "ms": ms, "floor_ms": floor,
            "sample_ms": sample_ms, "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
     if cfg.num_experts:
+        from gpu_engine.kernels.moe import small_path
+
         row["active_experts"] = active_experts(cfg, b)
+        row["moe_path"] = "small" if small_path(b, cfg.num_experts_per_tok) else "sorted"
     return row
 
 
@@ -198,7 +203,8 @@ def print_table(result: dict) -> None:
               f"{r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:7.2f}"
               + (f"  (filtered {r['ms_filtered']:.3f} ms)" if "ms_filtered" in r else "")
               + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else "")
-              + (f"  (log-probs {r['ms_logprobs']:.3f} ms)" if "ms_logprobs" in r else ""))
+              + (f"  (log-probs {r['ms_logprobs']:.3f} ms)" if "ms_logprobs" in r else "")
+              + (f"  (MoE {r['moe_path']} path)" if "moe_path" in r else ""))
         for part, v in r.get("breakdown", {}).items():
             print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {v['gbps']:7.0f} GB/s")
 

@@ -147,8 +147,70 @@ def test_fused_moe(normalize):
     router = torch.randn(6, 32, generator=g).to(DEV)
     gate_up = (torch.randn(6, 2 * 24, 32, generator=g) * 0.2).to(DEV)
     down = (torch.randn(6, 32, 24, generator=g) * 0.2).to(DEV)
-    got = moe.fused_moe(x, router, gate_up, down, 2, normalize, block_m=16)
-    _close(got, moe.fused_moe_ref(x, router, gate_up, down, 2, normalize), 1e-4)
+    want = moe.fused_moe_ref(x, router, gate_up, down, 2, normalize)
+    _close(moe.fused_moe(x, router, gate_up, down, 2, normalize), want, 1e-4)  # 10 pairs: the sort-free path
+    weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), 2, normalize)
+    _close(moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16), want, 1e-4)
+
+
+def _moe_weights(T, E, H, I, dtype, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    router = torch.randn(E, H, generator=g).to(DEV, dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(DEV, dtype)
+    down = (torch.randn(E, H, I, generator=g) * 0.2).to(DEV, dtype)
+    return x, router, gate_up, down
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("T,E,H,I,top_k,blocks", [
+    (1, 6, 40, 22, 2, {}),  # non-power-of-two H and I: one masked tile each way
+    (3, 8, 33, 24, 3, {"gate_up": (8, 16), "down": (4, 16)}),  # 3 slots padded to 4; K loops of 3 and 2 steps
+    (5, 4, 64, 16, 4, {"gate_up": (16, 32), "down": (1, 32)}),  # more pairs than experts: shared experts
+])
+def test_moe_small_path(T, E, H, I, top_k, blocks, dtype, tol):
+    """The sort-free kernels against the reference and against the sorted path on the same routing."""
+    x, router, gate_up, down = _moe_weights(T, E, H, I, dtype)
+    weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), top_k, True)
+    gn, gk = blocks.get("gate_up", (4, 512))
+    dn, dk = blocks.get("down", (2, 256))
+    act = moe.moe_gate_up_silu(x, gate_up, ids, block_n=gn, block_k=gk)
+    got = moe.moe_down_sum(act, down, ids, weights, block_n=dn, block_k=dk)
+    _close(got, moe.fused_moe_ref(x, router, gate_up, down, top_k, True), tol)
+    if dtype == torch.float32 or DEV == "cuda":  # the interpreter's tl.dot (the sorted path's) is wrong on bf16
+        _close(got, moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16), tol)
+    assert torch.equal(moe.moe_down_sum(act, down, ids, weights, block_n=dn, block_k=dk), got)  # deterministic
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_fused_moe_small_path_threshold(extra):
+    """T * top_k at SMALL_PAIRS takes the sort-free path, one token more the sorted one; both match the reference."""
+    top_k = 2
+    T = moe.SMALL_PAIRS // top_k + extra
+    x, router, gate_up, down = _moe_weights(T, 4, 16, 8, torch.float32)
+    assert moe.small_path(T, top_k) == (extra == 0)
+    got = moe.fused_moe(x, router, gate_up, down, top_k, False)
+    weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), top_k, False)
+    path = moe.moe_experts_small if extra == 0 else moe.moe_experts_sorted
+    assert torch.equal(got, path(x, gate_up, down, weights, ids))
+    _close(got, moe.fused_moe_ref(x, router, gate_up, down, top_k, False), 1e-4)
+
+
+def test_moe_small_launchers_reject_bad_inputs():
+    x, _, gate_up, down = _moe_weights(2, 4, 16, 8, torch.float32)
+    ids = torch.zeros(2, 2, dtype=torch.int64, device=DEV)
+    weights = torch.full((2, 2), 0.5, device=DEV)
+    act = moe.moe_gate_up_silu(x, gate_up, ids)
+    with pytest.raises(ValueError, match="expert_ids"):
+        moe.moe_gate_up_silu(x, gate_up, ids.int())
+    with pytest.raises(ValueError, match="gate_up"):
+        moe.moe_gate_up_silu(x, gate_up.transpose(1, 2), ids)
+    with pytest.raises(ValueError, match="down"):
+        moe.moe_down_sum(act, down.bfloat16(), ids, weights)
+    with pytest.raises(ValueError, match="act"):
+        moe.moe_down_sum(act[:3], down, ids, weights)
+    with pytest.raises(ValueError, match="route_weights"):
+        moe.moe_down_sum(act, down, ids, weights.t())
 
 
 def test_launchers_reject_bad_inputs():
@@ -267,7 +329,7 @@ def test_gpu_prefill_attention_real_sizes():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 96])
+@pytest.mark.parametrize("tokens", [1, 8, 9, 96])  # 8 and 9: at and past SMALL_PAIRS (top-8)
 def test_gpu_fused_moe_real_sizes(tokens):
     g = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(tokens, 2048, device=DEV, generator=g).bfloat16()
@@ -277,6 +339,9 @@ def test_gpu_fused_moe_real_sizes(tokens):
     got = moe.fused_moe(x, router, gate_up, down, 8, True)
     want = moe.fused_moe_ref(x, router, gate_up, down, 8, True)
     assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), 8, True)
+    small = moe.moe_experts_small(x, gate_up, down, weights, ids)
+    assert ((small.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
 
 @gpu

@@ -1,9 +1,16 @@
-"""Mixture of experts without a host sync: routing, token sort by expert, grouped expert GEMMs.
+"""Mixture of experts without a host sync: routing, then one of two expert paths. Pair p = token * top_k + slot.
 
-`moe_align` sorts the (token, slot) pairs by expert with torch ops whose output sizes depend only
-on static shapes, padding each expert's run to a multiple of `block_m`; the grouped GEMM then
-gives each block of `block_m` sorted pairs to one expert. Blocks past the end read expert id E and
-exit. Pair p = token * top_k + slot.
+Large steps: `moe_align` sorts the (token, slot) pairs by expert with torch ops whose output sizes
+depend only on static shapes, padding each expert's run to a multiple of `block_m`; the grouped GEMM
+then gives each block of `block_m` sorted pairs to one expert. Blocks past the end read expert id E
+and exit.
+
+Small steps (T * top_k <= SMALL_PAIRS, decode): no sort. A decode step reads a few experts' weights
+for one row each, so its time is the weight read; the sorted path's grid there is mostly empty
+blocks (one valid row in 16) and the 8 experts of a batch-1 step stream through a few hundred
+programs. `moe_gate_up_silu` gives every (pair, column tile) a program that writes silu(gate) * up,
+and `moe_down_sum` every (token, column tile) one that sums the token's top_k experts in registers,
+so a step is four launches (router GEMM, routing, the two kernels) with thousands of programs.
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ import triton.language as tl
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.models.moe import route as route_ref
+
+# Steps of at most this many (token, slot) pairs take the sort-free path. 64 = batch 8 of a top-8
+# model: the Qwen3-30B-A3B decode up to there reads a distinct expert for most pairs, where the
+# per-pair programs cost little; a first value, to be tuned on the GPU with `bench/kernels.py`.
+SMALL_PAIRS = 64
 
 
 @triton.jit
@@ -135,20 +147,171 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
     return out
 
 
-def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None):
-    """x [T, H] -> [T, H]: route, sort, gate_up GEMM, SiLU*mul, down GEMM (route-weighted), sum over k."""
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, s_x, s_we, s_wn, s_o, TOPK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    kk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (p // TOPK).to(tl.int64) * s_x
+    gate = w_ptr + tl.load(ids_ptr + p) * s_we + n[:, None].to(tl.int64) * s_wn  # ids are int64
+    up = gate + I * s_wn  # I * H < 2^31: half of one expert's matrix
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        kmask = k < K
+        xk = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        wmask = nmask[:, None] & kmask[None, :]
+        acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+        acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+    g = tl.sum(acc_g, axis=1)
+    y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
+    tl.store(out_ptr + p.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> None:
+    check("expert_ids", ids, dtype=torch.int64, shape=(T, None), device=device)
+    check_contiguous("expert_ids", ids)
+
+
+def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor | None = None,
+                     block_n: int = 4, block_k: int = 512) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H] (gate rows first), expert_ids [T, k] -> out [T * k, I] =
+    silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s).
+
+    Grid (pair, I / block_n): 4 columns give 1,536 programs for the 8 pairs of a Qwen3-30B-A3B
+    batch-1 step (I = 768), about 12 per SM, where 16 would give 384, under three: the time is the
+    weight read, and what keeps HBM busy is how many loads are in flight. Each program streams its
+    2 x block_n contiguous weight rows (gate and up) in block_k chunks (8 KiB a step at the defaults
+    in bf16; 72 registers a thread for sm_90, no spills: 7 programs resident per SM), loaded at their
+    own width, accumulated in fp32. Pairs vary fastest in the grid, so
+    pairs that share an expert read its tile at about the same time (from L2 for all but the
+    first). Expert ids must lie in [0, E) (`moe_route` guarantees it).
+    """
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
     T, H = x.shape
+    E, I2, _ = gate_up.shape
+    check("gate_up", gate_up, dtype=x.dtype, shape=(E, I2, H), device=x.device)
+    check_contiguous("gate_up", gate_up)
+    if I2 % 2:
+        raise ValueError(f"gate_up: expected [E, 2I, H], got {tuple(gate_up.shape)}")
+    _check_routing(expert_ids, T, x.device)
+    top_k, I = expert_ids.shape[1], I2 // 2
+    if out is None:
+        out = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
+    check("out", out, dtype=x.dtype, shape=(T * top_k, I), device=x.device)
+    if out.shape[0] == 0:
+        return out
+    _gate_up_silu_kernel[(T * top_k, triton.cdiv(I, block_n))](
+        x, gate_up, expert_ids, out, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
+        TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_wn, s_o, TOPK: tl.constexpr,
+                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    s = tl.arange(0, SLOTS)
+    smask = s < TOPK
+    pair = t.to(tl.int64) * TOPK + s
+    rw = tl.load(rw_ptr + pair, mask=smask, other=0.0)
+    e = tl.load(ids_ptr + pair, mask=smask, other=0)
+    rows = w_ptr + e[:, None, None] * s_we + n[None, :, None].to(tl.int64) * s_wn  # [SLOTS, BLOCK_N, 1]
+    acts = a_ptr + pair[:, None] * s_a  # [SLOTS, 1]
+    rmask = smask[:, None, None] & nmask[None, :, None]
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        kmask = k < K
+        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
+                 out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256) -> torch.Tensor:
+    """act [T * k, I], down [E, H, I], expert_ids / route_weights [T, k] -> out [T, H] =
+    sum over s of route_weights[t, s] * act[t * k + s] @ down[ids[t, s]].T, in registers: no
+    [T * k, H] intermediate, no atomics (deterministic).
+
+    Grid (token, H / block_n): 2 columns give 1,024 programs at batch 1 (H = 2048); each program
+    loads all top_k experts' [block_n, block_k] tiles in one [slots, block_n, block_k] tile per step
+    (slots = top_k rounded up to a power of two), so its loads in flight are top_k times a single
+    expert's (8 KiB a step in bf16; 128 registers a thread for sm_90, no spills: 4 programs per SM)
+    and the loop is I / block_k steps long (3 at I = 768), not top_k times that. Tokens vary fastest
+    in the grid, as pairs do in `moe_gate_up_silu`.
+    """
+    check("act", act, dtype=FLOAT_DTYPES, shape=(None, None))
+    E, H, I = down.shape
+    check("down", down, dtype=act.dtype, shape=(E, H, act.shape[1]), device=act.device)
+    check_contiguous("down", down)
+    _check_routing(expert_ids, None, act.device)
+    T, top_k = expert_ids.shape
+    check("route_weights", route_weights, dtype=torch.float32, shape=(T, top_k), device=act.device)
+    check_contiguous("route_weights", route_weights)
+    if act.shape[0] != T * top_k:
+        raise ValueError(f"act: {act.shape[0]} rows, expected T * top_k = {T * top_k}")
+    if out is None:
+        out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+    check("out", out, dtype=act.dtype, shape=(T, H), device=act.device)
+    if T == 0:
+        return out
+    _down_sum_kernel[(T, triton.cdiv(H, block_n))](
+        act, down, expert_ids, route_weights, out, H, I, act.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), TOPK=top_k, SLOTS=next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(I)),
+        num_warps=4,
+    )
+    return out
+
+
+def small_path(tokens: int, top_k: int) -> bool:
+    """Whether `fused_moe` takes the sort-free path for a step of `tokens` rows (a static shape, so
+    a captured graph always holds one path)."""
+    return tokens * top_k <= SMALL_PAIRS
+
+
+def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
+    per token. It sums in another order than `moe_experts_sorted` (each output rounded once, from
+    fp32, where the sorted path rounds each pair's product before the sum over k), so an MoE
+    request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
+    GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance)."""
+    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids), down, ids, weights)
+
+
+def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """The sorted expert path: align, gate_up GEMM, SiLU*mul, down GEMM (route-weighted), sum over k."""
+    T, top_k = ids.shape
     E = gate_up.shape[0]
-    weights, ids = moe_route(F.linear(x, router_w), top_k, normalize)
     bm = block_m or (16 if T * top_k <= 4 * E else 64)
     sorted_pairs, block_expert = moe_align(ids, E, bm)
     inter = torch.empty((T * top_k, gate_up.shape[1]), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
     moe_gemm(x, gate_up, inter, sorted_pairs, block_expert, flat_w, a_div=top_k, block_m=bm)
     act = silu_and_mul(inter)
-    y = torch.empty((T * top_k, H), dtype=x.dtype, device=x.device)
+    y = torch.empty((T * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
     moe_gemm(act, down, y, sorted_pairs, block_expert, flat_w, a_div=1, block_m=bm)
-    return y.view(T, top_k, H).sum(dim=1)
+    return y.view(T, top_k, x.shape[1]).sum(dim=1)
+
+
+def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None):
+    """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
+    sorted one (`block_m` is the sorted path's)."""
+    weights, ids = moe_route(F.linear(x, router_w), top_k, normalize)
+    if small_path(x.shape[0], top_k):
+        return moe_experts_small(x, gate_up, down, weights, ids)
+    return moe_experts_sorted(x, gate_up, down, weights, ids, block_m)
 
 
 def fused_moe_ref(x, router_w, gate_up, down, top_k: int, normalize: bool) -> torch.Tensor:
