@@ -46,12 +46,13 @@ MAX_WORKERS = 2
 # Test files by wall time in a serial run of this 2-core CI host, longest first (others keep their
 # order after these); only the order of the files changes, for the workers' balance.
 LONGEST_FIRST = (
-    "test_soak.py", "test_fuzz_openapi.py", "test_peers.py", "test_chunked_prefill.py",
+    "test_soak.py", "test_fuzz_openapi.py", "test_peers.py", "test_standby_engine.py", "test_chunked_prefill.py",
     "test_long_prompt_serve.py", "test_data_parallel.py", "test_rolling_upgrade.py", "test_serving_study.py",
-    "test_e2e_real_engine.py", "test_sched_library.py", "test_frontend_jobs.py", "test_device_watchdog_stack.py",
-    "test_cpu_q4.py", "test_faults.py", "test_sched_csrc.py", "test_kernels_runner.py", "test_kernels_sampling.py",
-    "test_hardening_engine_kill.py", "test_fastbpe.py", "test_tools.py", "test_prefix_cache_api.py",
-    "test_ring_stress.py", "test_cpu_int4.py", "test_prefix_cache.py", "test_response_format.py",
+    "test_e2e_real_engine.py", "test_e2e_prompt_logprobs.py", "test_sched_library.py", "test_frontend_jobs.py",
+    "test_device_watchdog_stack.py", "test_cpu_q4.py", "test_faults.py", "test_sched_csrc.py",
+    "test_kernels_runner.py", "test_kernels_sampling.py", "test_hardening_engine_kill.py", "test_fastbpe.py",
+    "test_tools.py", "test_prefix_cache_api.py", "test_ring_stress.py", "test_cpu_int4.py", "test_prefix_cache.py",
+    "test_response_format.py",
 )
 LAST = ("test_lint.py",)  # its mypy test waits for the background run: by the end that has long finished
 
