@@ -180,6 +180,9 @@ class ServeProc:
         return self.run_root / "serve.log"
 
     def start(self, timeout_s: float = 300.0) -> ServeProc:
+        """Start ``blink serve`` and return once it is ready and, unless ``--no-standby-engine``, its standby
+        engine is too: a spare still loading its weights takes a core, and measurements taken meanwhile (the
+        soak's saturation steps) would see a slower server than the one that runs afterwards."""
         self.run_root.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", str(self.port), "--ring", self.ring,
                "--run-dir", str(self.run_dir), "--engine-module", self.engine_module, *self.args]
@@ -190,7 +193,9 @@ class ServeProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"blink serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if b'"event": "ready"' in self.log_path.read_bytes():
+            text = self.log_path.read_bytes()
+            if b'"event": "ready"' in text and ("--no-standby-engine" in self.args
+                                                 or b'"event": "standby engine ready"' in text):
                 return self
             time.sleep(0.2)
         self.stop()
