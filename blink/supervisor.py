@@ -411,11 +411,13 @@ class Supervisor:
         looks = [self._engine_status(e) for e in self.engines if not e.retired]
         if not self.spare_clock.due(time.monotonic(), all(r for r, _ in looks), all(i for _, i in looks)):
             return
-        self.spare_clock.idle_since = None  # a replacement waits for the engines idle anew
+        # a replacement waits for the engines idle anew, or for the deadline counted from now
+        self.spare_clock = SpareClock(ready_since=time.monotonic())
         try:
             spare.spawn()
-        except OSError as exc:  # no process (EAGAIN, ENOMEM, the interpreter gone): counted as a spare that died
-            log.error("standby engine not started", error=str(exc), errno=exc.errno)
+        except (OSError, subprocess.SubprocessError) as exc:  # no process (EAGAIN, ENOMEM, the interpreter gone, a
+            # failed preexec): counted as a spare that died
+            log.error("standby engine not started", error=str(exc), errno=getattr(exc, "errno", None))
             spare.starts.append(time.monotonic())
             self._give_up_standby(spare)
 

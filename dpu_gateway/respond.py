@@ -125,7 +125,13 @@ def tool_finish(gen: Generation, called: bool) -> str | None:
 async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
                        usage: Usage) -> web.Response:
     env = fmt.Envelope.new(shape.prefix, model)
-    choices = await asyncio.gather(*(_collect(g, shape, codec) for g in gens))
+    tasks = [asyncio.create_task(_collect(g, shape, codec)) for g in gens]
+    try:  # a choice that fails (its engine error) must not leave its siblings waiting on forgotten streams
+        choices = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     body = shape.whole(env, list(choices), usage.total())
     if shape.chat and gens and gens[0].plan.prompt_logprobs >= 0:  # vLLM: one list for the one prompt
         body["prompt_logprobs"] = await asked_prompt_logprobs(gens[0], codec)

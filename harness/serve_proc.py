@@ -194,6 +194,9 @@ class ServeProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"blink serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             text = self.log_path.read_bytes()
+            if b'"event": "standby engine given up' in text:
+                self.stop()
+                raise RuntimeError(f"blink serve gave its standby engine up:\n{self.log_tail()}")
             if b'"event": "ready"' in text and ("--no-standby-engine" in self.args
                                                  or b'"event": "standby engine ready"' in text):
                 return self

@@ -331,10 +331,9 @@ def validate_header(h: np.void, size: int, name: str) -> RingGeometry:
             f"ring {name}: corrupt header: slot_bytes={int(h['slot_bytes'])} header_bytes="
             f"{int(h['header_bytes'])}, expected {L.SLOT_DTYPE.itemsize} and {L.RINGHEADER_DTYPE.itemsize}"
         )
-    prompt_rows = int(h["prompt_logprob_tokens"]) if minor >= 5 else 0  # reserved (zero) before minor 5
-    if prompt_rows > int(h["max_prompt_tokens"]):
-        raise RingError(f"ring {name}: corrupt header: prompt_logprob_tokens={prompt_rows} exceeds "
-                        f"max_prompt_tokens={int(h['max_prompt_tokens'])}")
+    # reserved (zero) before minor 5; a writer may have put the configured limit there, of which the rows
+    # are the part a prompt can use (RingGeometry.prompt_logprob_rows): the same offsets
+    prompt_rows = int(h["prompt_logprob_tokens"]) if minor >= 5 else 0
     try:
         g = RingGeometry(int(h["num_slots"]), int(h["max_prompt_tokens"]),
                          int(h["max_output_tokens"]), int(h["top_logprobs"]), prompt_rows)

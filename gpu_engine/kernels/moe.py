@@ -282,8 +282,9 @@ def small_path(tokens: int, top_k: int) -> bool:
 def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
-    per token. It sums in another order than `moe_experts_sorted` (each output rounded once, from
-    fp32, where the sorted path rounds each pair's product before the sum over k), so an MoE
+    per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
+    token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
+    product before that sum), so an MoE
     request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
     GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance)."""
     return moe_down_sum(moe_gate_up_silu(x, gate_up, ids), down, ids, weights)

@@ -287,13 +287,14 @@ def test_host_driven_prompt_logprobs_equal_transformers(tiny: Path) -> None:
     prompts = [rng.integers(3, VOCAB, size=int(rng.integers(2, 200))).astype(np.int32) for _ in range(40)]
     jobs = [FieldJob(k + 1, p, 4, fields=(("prompt_logprobs", 2),) if k % 2 == 0 else ()) for k, p in
             enumerate(prompts)]
-    plain, _ = serve_jobs(tiny, "host", [Job(j.rid, j.prompt, 4) for j in jobs], window=8, tag="plp-ref",
-                          engine_args=CHUNK_ARGS)
+    plain, _ = serve_jobs(tiny, "host", [Job(j.rid, j.prompt, 4, top_logprobs=2) for j in jobs], window=8,
+                          tag="plp-ref", engine_args=CHUNK_ARGS)
     got, stats = serve_jobs(tiny, "host", jobs, window=8, tag="plp", engine_args=CHUNK_ARGS)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
     model = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     for j in jobs:
-        assert got[j.rid].tokens == plain[j.rid].tokens, f"request {j.rid}: tokens moved"
+        same = got[j.rid].tokens == plain[j.rid].tokens or tie_at(got[j.rid].tokens, plain[j.rid]) is not None
+        assert same, f"request {j.rid}: tokens moved"  # up to a near-tie (the two runs batch differently)
         if not j.fields:
             assert got[j.rid].prompt is None
             continue
