@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ import numpy as np
 
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
+from shared.log import get_logger, setup_logging
 from shared.ring import Ring, RingGeometry, create_shm_ring
 from shared.standby import wait_for_go
 from shared.transport import ShmTransport
@@ -129,6 +131,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.standby:
+        setup_logging("engine")
+        get_logger("engine").info("standby engine ready", pid=os.getpid())  # what the real spare says
         if (go := wait_for_go(sys.stdin.buffer)) is None:
             return
         args.ring = go.ring
