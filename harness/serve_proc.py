@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from shared import ring_layout as L
 from shared.data_parallel import DataParallelConfig
 from shared.ipc import run_dir_problem
 from shared.ring import attach_shm_ring
@@ -71,16 +72,28 @@ def role_of(cmdline: list[str]) -> str:
     return next((r for r in SERVICE_ROLES if r in cmdline), " ".join(cmdline[1:3]))
 
 
-def ring_engine_pid(ring_name: str) -> int | None:
-    """The engine a ring's header names; None while there is no such ring."""
+def ring_engine(ring_name: str) -> tuple[int, int] | None:
+    """The engine a ring's header names and its state (``EngineState``); None while there is no such ring."""
     try:
         ring = attach_shm_ring(ring_name)
     except (RingError, ValueError):
         return None
     try:
-        return ring.header_load32("engine_pid")
+        return ring.header_load32("engine_pid"), ring.header_load32("engine_state")
     finally:
         ring.close()
+
+
+def ring_engine_pid(ring_name: str) -> int | None:
+    """The engine a ring's header names; None while there is no such ring."""
+    seen = ring_engine(ring_name)
+    return None if seen is None else seen[0]
+
+
+def new_ready_engine(ring_name: str, old: int) -> int | None:
+    """The pid a ring names its engine, once that is READY and not ``old`` (a restart's)."""
+    seen = ring_engine(ring_name)
+    return seen[0] if seen is not None and seen[0] != old and seen[1] == L.EngineState.READY else None
 
 
 def started_for(argv: list[str], dp: DataParallelConfig) -> str:

@@ -27,7 +27,7 @@ from helpers.http_jobs import engine_events
 from helpers.procfs import processes
 
 from blink.supervisor import STANDBY_IDLE_S
-from harness.serve_proc import MODEL, ServeProc
+from harness.serve_proc import MODEL, ServeProc, new_ready_engine
 from shared.transport import SHM_DIR
 
 STREAMS = 4
@@ -90,22 +90,9 @@ def wall(record: dict) -> float:
 
 def engine_ready(serve: ServeProc, old_pid: int, limit_s: float) -> int:
     """The restarted engine's pid, once the ring it created says READY."""
-    from shared import ring_layout as L
-    from shared.ring import attach_shm_ring
-    from shared.transport import RingError
-
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
-        try:
-            ring = attach_shm_ring(serve.ring)
-        except (RingError, ValueError):
-            time.sleep(0.05)
-            continue
-        try:
-            pid, state = ring.header_load32("engine_pid"), ring.header_load32("engine_state")
-        finally:
-            ring.close()
-        if pid != old_pid and state == L.EngineState.READY:
+        if (pid := new_ready_engine(serve.ring, old_pid)) is not None:
             return pid
         time.sleep(0.05)
     raise AssertionError(f"no restarted engine READY within {limit_s} s:\n{serve.log_tail()}")

@@ -32,12 +32,9 @@ from helpers.stack import MODEL, Stack, processes_of, segment_exists, start_stac
 
 from blink import supervisor
 from blink.supervisor import RESTARTS_PER_MINUTE, STANDBY_DEADLINE_S, STANDBY_IDLE_S, ServeConfig, SpareClock
-from harness.serve_proc import ROOT, http_get
-from shared import ring_layout as L
+from harness.serve_proc import ROOT, http_get, new_ready_engine
 from shared.data_parallel import engine_ring_names
-from shared.ring import attach_shm_ring
 from shared.standby import BadGo, wait_for_go
-from shared.transport import RingError
 
 REAL_ENGINE = "gpu_engine.serve"
 ENGINE_FLAGS = ("--num-slots", "8", "--max-prompt-tokens", "64", "--max-output-tokens", "64")
@@ -58,19 +55,6 @@ def spares_ready(stack: Stack, count: int) -> list[int]:
     """The pids of the first ``count`` spares that logged ready, once that many did."""
     pids = [e["pid"] for e in engine_events(stack.log_path, "standby engine ready")]
     return pids[:count] if len(pids) >= count else []
-
-
-def new_engine(ring_name: str, old: int) -> int | None:
-    """The pid the ring names its engine, once that is READY and not ``old``."""
-    try:
-        ring = attach_shm_ring(ring_name)
-    except (RingError, ValueError):
-        return None
-    try:
-        pid, state = ring.header_load32("engine_pid"), ring.header_load32("engine_state")
-    finally:
-        ring.close()
-    return pid if pid != old and state == L.EngineState.READY else None
 
 
 def shm_held(pid: int) -> list[str]:
@@ -145,7 +129,7 @@ def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> Non
             wait_until("both dead", lambda: exited(spare) and exited(engine), stack, 10)
         finally:
             os.kill(stack.proc.pid, signal.SIGCONT)
-        cold = wait_until("a restarted engine", lambda: new_engine(stack.ring, engine), stack)
+        cold = wait_until("a restarted engine", lambda: new_ready_engine(stack.ring, engine), stack)
         assert "--standby" not in Path(f"/proc/{cold}/cmdline").read_text().split("\0")
         assert engine_events(stack.log_path, "standby engine took over") == []
         assert [e["child"] for e in engine_events(stack.log_path, "started")].count("engine") == 2
@@ -180,7 +164,7 @@ def test_no_standby_engine_starts_none_and_restarts_cold(tmp_path: Path) -> None
         time.sleep(STANDBY_IDLE_S + 1.0)  # a spare would be started once the idle engine had been so that long
         assert sorted(stack.children()) == ["engine", "gateway-0", "reader", "tokenizer", "tracker"]
         os.kill(engine, signal.SIGKILL)
-        wait_until("a restarted engine", lambda: new_engine(stack.ring, engine), stack, 30)
+        wait_until("a restarted engine", lambda: new_ready_engine(stack.ring, engine), stack, 30)
         time.sleep(STANDBY_IDLE_S + 1.0)
         assert "standby-engine" not in stack.children()
         assert engine_events(stack.log_path, "standby engine took over") == []
@@ -308,7 +292,8 @@ def test_under_dp_the_engine_that_was_a_spare_is_named_by_its_ring(tmp_path: Pat
         assert {"engine-0", "engine-1", "standby-engine"} <= set(children) and "engine" not in children
         ring1 = engine_ring_names(stack.ring, 2)[1]
         os.kill(children["engine-1"], signal.SIGKILL)
-        assert wait_until("the spare serving ring 1", lambda: new_engine(ring1, children["engine-1"]), stack) == spare
+        took = wait_until("the spare serving ring 1", lambda: new_ready_engine(ring1, children["engine-1"]), stack)
+        assert took == spare
         assert stack.children()["engine-1"] == spare and stack.children()["engine-0"] == children["engine-0"]
         second = wait_until("a new spare", lambda: stack.children().get("standby-engine"), stack, 30)
         assert second != spare and stack.children()["engine-1"] == spare
