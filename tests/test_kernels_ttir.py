@@ -57,10 +57,10 @@ def test_row_softmax_kernels_compile_for_sm90(module: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("top_k", [8, 6])
+@pytest.mark.parametrize(("dtype", "top_k"), [("bf16", 8), ("fp32", 6)])
 def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
-    """The sort-free MoE kernels at the launchers' default blocks; top_k 6 pads the down kernel's slots to 8."""
+    """The sort-free MoE kernels at the launchers' default blocks, each dtype once; top_k 6 pads the down
+    kernel's slots to 8."""
     scalars = "I:i32 K:i32 s_x:i32 s_we:i32 s_wn:i32 s_o:i32"
     sig = f"x_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 out_ptr:*{dtype} {scalars}"
     out = compiles("gpu_engine.kernels.moe", "_gate_up_silu_kernel", dict(item.split(":") for item in sig.split()),
