@@ -11,8 +11,13 @@ steps run; `ms_filtered` the same step through the filtering variant (top-k / to
 (each timed alone, in a captured graph of repeats) and `kernel_floor_ms` its own bytes / bandwidth.
 MoE rows name the expert path their steps take (`moe_path`: the sort-free one up to
 `kernels.moe.SMALL_PAIRS` token-expert pairs, batch 8 at top-8, else the sorted one).
-Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense|moe|dense,moe]
-(rows of the models run replace that model's rows in an existing `--out`, the others stay)
+`mixed` (Llama-3-8B shape): the chunked-prefill steps the engines run under load, `decodes` running
+requests at `context` tokens each plus one prompt chunk that fills the step's token budget, through
+the mixed graphs the engines capture (`serve_gpu.mixed_buckets`, the unfiltered variant); beside each,
+the same decode rows alone and a prompt of the budget's tokens alone. Floor: the larger of the step's
+bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
+Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
+(rows of the models and phases run replace those rows in an existing `--out`, the others stay)
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ DECODE_BATCHES = (1, 8, 32, 64, 128)
 MOE_BATCHES = (1, 8, 64, 128)
 CONTEXTS = (512, 2048)
 PREFILL_TOKENS = (512, 2048, 8192)
+MIXED_BUDGETS = (2048, 8192)  # the default step budget and vLLM's
+MIXED_DECODES = (32, 128)
+MIXED_CONTEXT = 1024  # the decode rows' context, about the peer study's mean prompt
 
 
 def _time_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -176,19 +184,93 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
     return rows
 
 
+def mixed_seqs(decodes: int, ctx: int, chunk: int, cached: int = 0,
+               block: int = BLOCK) -> list[tuple[int, int, list[int]]]:
+    """One chunked-prefill step as (cached, new, block table) rows: `decodes` rows with `ctx` tokens after
+    the step (one new each), then a prompt chunk of `chunk` tokens after `cached`; disjoint blocks."""
+    per_row = -(-ctx // block)
+    seqs = [(ctx - 1, 1, list(range(b * per_row, (b + 1) * per_row))) for b in range(decodes)]
+    first = decodes * per_row
+    return seqs + [(cached, chunk, list(range(first, first + -(-(cached + chunk) // block))))]
+
+
+def stage_seqs(runner, seqs, device: str = "cuda", block: int = BLOCK) -> torch.Tensor:
+    """Stage a step of the given rows with random token ids, greedy, no log-probs; returns the ids."""
+    from gpu_engine.models.attention import build_metadata
+
+    meta = build_metadata(seqs, block, device=device)
+    ids = torch.randint(0, runner.config.vocab_size, (int(meta.positions.shape[0]),), device=device)
+    runner.stage(ids, meta, {"want_logprobs": torch.zeros(len(seqs), dtype=torch.int32)})
+    return ids
+
+
+def mixed_floor_ms(cfg, model, decodes: int, ctx: int, chunk: int, gbps: float, tflops: float) -> float:
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    bytes_read = weight_bytes(model, decodes + 1) + decodes * ctx * kv_per_token
+    flops = prefill_flops(cfg, model, chunk) + 2.0 * decodes * layer_params
+    return max(bytes_read / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
+
+
+def run_mixed(gbps: float, tflops: float, iters: int) -> list[dict]:
+    from gpu_engine.gpu.graph_cache import GraphCache
+    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.loader import build_empty
+
+    name, top = "llama3-8b-shape", max(MIXED_BUDGETS)
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    model = build_empty(cfg, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.fill_(1.0) if pname.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    blocks = max(MIXED_DECODES) * -(-MIXED_CONTEXT // BLOCK) + -(-top // BLOCK)
+    kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    limits = RunnerLimits(max(MIXED_DECODES) + 1, top, max(-(-MIXED_CONTEXT // BLOCK), -(-top // BLOCK)))
+    runner = GpuModelRunner(model, kv, limits)
+    buckets = [(d + 1, t) for t in MIXED_BUDGETS for d in MIXED_DECODES] + [(1, t) for t in MIXED_BUDGETS]
+    graphs = GraphCache(runner, list(MIXED_DECODES), buckets, prefill_variants=True)
+    t0 = time.perf_counter()
+    captured = graphs.capture(progress=True)
+    print(f"{name} mixed: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows, reps = [], max(3, iters // 4)
+    for t in MIXED_BUDGETS:
+        stage_seqs(runner, [(0, t, list(range(-(-t // BLOCK))))])
+        prompt_ms = _time_ms(lambda t=t: graphs.replay((False, 1, t), filtered=False), reps)
+        for d in MIXED_DECODES:
+            stage_seqs(runner, mixed_seqs(d, MIXED_CONTEXT, 1)[:d])
+            decode_ms = _time_ms(lambda d=d: graphs.replay((True, d, d), filtered=False), iters)
+            stage_seqs(runner, mixed_seqs(d, MIXED_CONTEXT, t - d))
+            ms = _time_ms(lambda d=d, t=t: graphs.replay((False, d + 1, t), filtered=False), reps)
+            rows.append({"model": name, "phase": "mixed", "batch": d + 1, "decodes": d, "context": MIXED_CONTEXT,
+                         "tokens": t, "ms": ms, "floor_ms": mixed_floor_ms(cfg, model, d, MIXED_CONTEXT, t - d,
+                                                                           gbps, tflops),
+                         "decode_alone_ms": decode_ms, "prompt_alone_ms": prompt_ms})
+    graphs.close()
+    return rows
+
+
 MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
           "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
+KINDS = (*MODELS, "mixed")
+
+
+def replaced(row: dict, kinds) -> bool:
+    """Whether a row of an existing result is one that a run of `kinds` measures again."""
+    if row.get("phase") == "mixed":
+        return "mixed" in kinds
+    return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
 def run(out: Path, iters: int, models=("dense", "moe")) -> dict:
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
-    names = {MODELS[m][0] for m in models}
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    rows = [r for r in old.get("rows", []) if r.get("model") not in names]
+    rows = [r for r in old.get("rows", []) if not replaced(r, models)]
     for m in models:
-        rows += run_model(*MODELS[m], gbps, tflops, iters)
-        torch.cuda.empty_cache()  # the model is gone with run_model's frame
+        rows += run_mixed(gbps, tflops, iters) if m == "mixed" else run_model(*MODELS[m], gbps, tflops, iters)
+        torch.cuda.empty_cache()  # the model is gone with the run's frame
     result = {"device": torch.cuda.get_device_name(), "hbm_gbps_measured": gbps,
               "matmul_tflops_measured": tflops, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +286,9 @@ def print_table(result: dict) -> None:
               + (f"  (filtered {r['ms_filtered']:.3f} ms)" if "ms_filtered" in r else "")
               + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else "")
               + (f"  (log-probs {r['ms_logprobs']:.3f} ms)" if "ms_logprobs" in r else "")
-              + (f"  (MoE {r['moe_path']} path)" if "moe_path" in r else ""))
+              + (f"  (MoE {r['moe_path']} path)" if "moe_path" in r else "")
+              + (f"  ({r['decodes']} decodes alone {r['decode_alone_ms']:.3f} ms, a {r['tokens']}-token prompt alone "
+                 f"{r['prompt_alone_ms']:.3f} ms)" if r.get("phase") == "mixed" else ""))
         for part, v in r.get("breakdown", {}).items():
             print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {v['gbps']:7.0f} GB/s")
 
@@ -213,11 +297,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode_roofline.json"))
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(MODELS))
+    parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(KINDS))
     args = parser.parse_args()
     models = tuple(m for m in args.models.split(",") if m)
-    if not models or any(m not in MODELS for m in models):
-        raise SystemExit(f"--models: pick from {', '.join(MODELS)}")
+    if not models or any(m not in KINDS for m in models):
+        raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
     print_table(run(args.out, args.iters, models))

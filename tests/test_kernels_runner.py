@@ -105,3 +105,25 @@ def test_graph_cache_lookup_table():
         gc.replay(gc.shapes[0], filtered=False)
     with pytest.raises(ValueError):
         GraphCache(runner, decode_batches=[8], prefill_buckets=[])
+
+
+def test_the_roofline_s_mixed_step_is_a_valid_step():
+    """`bench/roofline.py`'s mixed rows: decode rows over a cached context plus a prompt chunk, staged by
+    `stage_seqs` and run at the mixed graph's shape (rows + 1, the budget), give the reference model's
+    logits for every row (its decode rows' and the chunk's last token)."""
+    from bench.roofline import mixed_seqs, stage_seqs
+    from gpu_engine.models.attention import build_metadata
+
+    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
+    model = build_empty(cfg, torch.float32, "cpu")
+    init_random(model, 0)
+    runner = GpuModelRunner(model, KVCache(cfg, 16, 16), RunnerLimits(4, 32, 8))
+    seqs = mixed_seqs(3, 20, 13, block=16)  # 3 decode rows + 13 prompt tokens = 16 tokens, 4 rows
+    assert [(c, n) for c, n, _ in seqs] == [(19, 1)] * 3 + [(0, 13)]
+    assert len({b for _, _, table in seqs for b in table}) == sum(len(t) for _, _, t in seqs) == 7
+    torch.manual_seed(3)
+    ids = stage_seqs(runner, seqs, device="cpu", block=16)
+    want = model(ids, build_metadata(seqs, 16), KVCache(cfg, 16, 16))
+    runner.buffers.logits.fill_(float("nan"))
+    runner.forward(4, 16, False, False)
+    torch.testing.assert_close(runner.buffers.logits[:4], want, rtol=1e-4, atol=1e-4)
