@@ -24,8 +24,8 @@ FAMILIES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 16, "tie_word_embeddings": True},
-    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 6,
-                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "hidden_size": 32, "num_experts": 6,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5},
 }
 
