@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from gpu_engine.kernels.q8_linear import Q8Weight, q8_linear, q8_linear_ref  # noqa: E402
+from gpu_engine.kernels.q8_linear import q8_linear, q8_linear_ref  # noqa: E402
+from gpu_engine.models.q8_weight import Q8Weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

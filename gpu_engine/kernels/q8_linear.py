@@ -17,7 +17,6 @@ GPU yet).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -26,8 +25,8 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check
+from gpu_engine.models.q8_weight import GROUP, q8_dequantize
 
-GROUP = 32  # K values per scale (Q8_0's block)
 # Triton's CPU interpreter multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16 casts:
 # there the bf16 tiles go to the dot as fp32 rounded as a GPU rounds them (the same products and sums); a GPU
 # build takes the bf16 dot.
@@ -72,13 +71,6 @@ def _q8_linear_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, sx, sq, ss, so, BLO
              mask=m_ok & (n[None, :] < N))
 
 
-def q8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense [N, K] weight: codes * scales per group of 32 in fp32, rounded to ``dtype``."""
-    n, k = codes.shape
-    w = codes.float().view(n, k // GROUP, GROUP) * scales.float().unsqueeze(-1)
-    return w.view(n, k).to(dtype)
-
-
 def q8_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Plain PyTorch: the weight dequantized to x's dtype, then F.linear (fp32 accumulation for half inputs)."""
     w = q8_dequantize(codes, scales, x.dtype)
@@ -120,55 +112,3 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     )
     return out
 
-
-BLOCK_BYTES = 2 + GROUP  # a Q8_0 block in a GGUF file: its fp16 scale, then 32 int8 codes
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Q8Weight:
-    """A linear weight kept as Q8_0: ``codes`` int8 [N, K], ``scales`` fp16 [N, K / 32] (``q8_linear``'s form)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-    def __post_init__(self) -> None:
-        check("codes", self.codes, dtype=torch.int8, shape=(None, None))
-        n, k = self.codes.shape
-        if k % GROUP:
-            raise ValueError(f"codes: K = {k} is not a multiple of {GROUP} (Q8_0 blocks)")
-        check("scales", self.scales, dtype=torch.float16, shape=(n, k // GROUP), device=self.codes.device)
-
-    @classmethod
-    def from_blocks(cls, blocks: torch.Tensor) -> Q8Weight:
-        """From a GGUF Q8_0 tensor's stored rows, uint8 [N, K / 32 * 34]: the same codes and scales, no rounding."""
-        check("blocks", blocks, dtype=torch.uint8, shape=(None, None))
-        n, width = blocks.shape
-        if width % BLOCK_BYTES:
-            raise ValueError(f"blocks: {width} bytes a row is not a whole number of {BLOCK_BYTES}-byte Q8_0 blocks")
-        b = blocks.contiguous().view(n, width // BLOCK_BYTES, BLOCK_BYTES)
-        scales = b[:, :, :2].contiguous().view(torch.float16).view(n, -1)
-        codes = b[:, :, 2:].contiguous().view(torch.int8).view(n, -1)
-        return cls(codes, scales)
-
-    @classmethod
-    def cat(cls, parts: list[Q8Weight]) -> Q8Weight:
-        """Weights stacked along N (the runner's fused q/k/v and gate/up): codes and scales alike."""
-        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
-    def to(self, device: torch.device | str) -> Q8Weight:
-        return Q8Weight(self.codes.to(device), self.scales.to(device))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return q8_dequantize(self.codes, self.scales, dtype)
