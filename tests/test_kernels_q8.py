@@ -87,3 +87,14 @@ def test_q8_linear_on_gpu_at_serving_sizes() -> None:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(q8_linear(x, qw.codes, qw.scales), q8_linear_ref(x, qw.codes, qw.scales),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_q8_linear_rows_do_not_depend_on_the_step_size() -> None:
+    """A row's output is the same bits whatever else its step carries (decode and prefill blocks alike), so a
+    request's tokens do not depend on how it was batched."""
+    qw, _ = _weight(4096, 4096)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    first = q8_linear(x[:1], qw.codes, qw.scales)
+    for m in (2, 16, 17, 64, 65, 2048):
+        assert torch.equal(q8_linear(x[:m], qw.codes, qw.scales)[:1], first), m

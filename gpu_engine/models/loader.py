@@ -136,8 +136,10 @@ def _summary(model: CausalLM, quantized: dict[str, Q8Weight], gguf: GGUFSource |
         if name not in kept_parts and qtype not in DENSE_GGUF_TYPES:
             dequantized[qtype] = dequantized.get(qtype, 0) + 1
     itemsize = model.embed.weight.element_size()
+    kinds = sorted({name.removesuffix(".weight").split(".", 2)[-1] for name in quantized})
     return {
         "q8_0_linears": len(quantized),
+        "q8_0_kinds": ",".join(kinds),
         "q8_0_bytes": sum(w.nbytes for w in quantized.values()),
         "q8_0_as_dense_bytes": sum(w.shape[0] * w.shape[1] * itemsize for w in quantized.values()),
         "dense_bytes": sum(p.nbytes for p in model.parameters()),
