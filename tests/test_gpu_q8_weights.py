@@ -82,7 +82,8 @@ def test_loader_keeps_q8_0_linears(q8_file) -> None:
         # the same values as the dequantized model: fused and unpermuted the same way, nothing rounded
         assert torch.equal(w.dequantize(), dict(dense.named_parameters())[name]), name
     s = got.summary
-    assert s["q8_0_kinds"] == "attn.o,attn.qkv,mlp.down,mlp.gate_up" + ("" if tied else ",lm_head")
+    assert s["q8_0_kinds"] == ("attn.o,attn.qkv,mlp.down,mlp.gate_up" if tied else
+                               "attn.o,attn.qkv,lm_head,mlp.down,mlp.gate_up")
     assert s["q8_0_linears"] == len(names) and s["q8_0_bytes"] == sum(w.nbytes for w in got.quantized.values())
     assert s["q8_0_as_dense_bytes"] == sum(w.shape[0] * w.shape[1] * 4 for w in got.quantized.values())
     assert s["dequantized_gguf_tensors"] == {"Q8_0": 1}  # the token table, kept dense for the lookup
