@@ -160,3 +160,20 @@ def test_q8_0_gguf_on_cuda_keeps_int8(q8_file) -> None:
     runner.stage(ids, meta)
     runner.forward(4, 32, False)
     torch.testing.assert_close(runner.buffers.logits[:2], want.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_q8_0_gguf_takes_less_gpu_memory(q8_file) -> None:
+    """What the device holds after loading: the Q8_0 linears at 34 bytes a block of 32 instead of bf16."""
+    path, _ = q8_file
+    held = {}
+    for weights in ("auto", "dense"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        got = load_gpu_weights(path, dtype=torch.bfloat16, device="cuda", weights=weights)
+        torch.cuda.synchronize()
+        held[weights] = (torch.cuda.memory_allocated() - before, got.summary)
+        del got
+    (auto, s), (dense, _) = held["auto"], held["dense"]
+    assert auto < dense
+    assert dense - auto >= (s["q8_0_as_dense_bytes"] - s["q8_0_bytes"]) * 0.9
