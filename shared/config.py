@@ -67,10 +67,11 @@ class EngineConfig:
                              "tests/test_cpu_q4.py states); fp16: every linear fp16; int4: the decoder layers' "
                              "linears as int4 (groups of 32 with a scale and a minimum, bf16 activations: greedy "
                              "tokens within the bound BENCHMARKS.md states)", choices=CPU_WEIGHTS)
-    gpu_weights: str = _flag("auto", "GPU backends: the linears' weights. auto: a GGUF's Q8_0 linears (the decoder "
-                             "layers' dense projections and an untied LM head) kept as int8 codes with their fp16 "
-                             "scales and multiplied by the Q8_0 Triton kernel (8.5 bits a weight), every other tensor "
-                             "dequantized to --dtype; dense: every tensor dequantized to --dtype",
+    gpu_weights: str = _flag("auto", "GPU backends: the weights' form. auto: a GGUF's Q8_0 linears (the decoder "
+                             "layers' dense projections and an untied LM head) and Q8_0 token table kept as int8 "
+                             "codes with their fp16 scales (8.5 bits a weight), the linears multiplied by the Q8_0 "
+                             "Triton kernel, every other tensor dequantized to --dtype; dense: every tensor "
+                             "dequantized to --dtype",
                              choices=GPU_WEIGHTS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "

@@ -1,6 +1,7 @@
 """A Q8_0 GGUF on the GPU backends' path (``loader.load_gpu_weights``, ``GpuModelRunner`` with ``Q8Weight``
-linears through ``kernels.q8_linear``), on CPU tensors in the interpreter: the file's codes and scales kept,
-nothing dense allocated for them, and the same logits as the reference model on the dequantized weights."""
+linears through ``kernels.q8_linear`` and a Q8_0 token table), on CPU tensors in the interpreter: the file's
+codes and scales kept, nothing dense allocated for them, and the same logits as the reference model on the
+dequantized weights."""
 
 import os
 from pathlib import Path
@@ -71,7 +72,8 @@ def test_loader_keeps_q8_0_linears(q8_file) -> None:
     path, tied = q8_file
     dense, _ = load_model(path)  # every tensor dequantized to fp32: the reference
     got = load_gpu_weights(path, dtype=torch.float32, device="cpu")
-    names = {f"layers.{i}.{p}.weight" for i in range(LAYERS) for p in LINEARS} | (set() if tied else {"lm_head.weight"})
+    names = {f"layers.{i}.{p}.weight" for i in range(LAYERS) for p in LINEARS} | {"embed.weight"}
+    names |= set() if tied else {"lm_head.weight"}
     assert set(got.quantized) == names
     params = dict(got.model.named_parameters())
     for name, w in got.quantized.items():
@@ -82,13 +84,12 @@ def test_loader_keeps_q8_0_linears(q8_file) -> None:
         # the same values as the dequantized model: fused and unpermuted the same way, nothing rounded
         assert torch.equal(w.dequantize(), dict(dense.named_parameters())[name]), name
     s = got.summary
-    assert s["q8_0_kinds"] == ("attn.o,attn.qkv,mlp.down,mlp.gate_up" if tied else
-                               "attn.o,attn.qkv,lm_head,mlp.down,mlp.gate_up")
+    assert s["q8_0_kinds"] == ("attn.o,attn.qkv,embed,mlp.down,mlp.gate_up" if tied else
+                               "attn.o,attn.qkv,embed,lm_head,mlp.down,mlp.gate_up")
     assert s["q8_0_linears"] == len(names) and s["q8_0_bytes"] == sum(w.nbytes for w in got.quantized.values())
     assert s["q8_0_as_dense_bytes"] == sum(w.shape[0] * w.shape[1] * 4 for w in got.quantized.values())
-    assert s["dequantized_gguf_tensors"] == {"Q8_0": 1}  # the token table, kept dense for the lookup
-    assert s["dense_bytes"] == sum(p.nbytes for p in got.model.parameters())
-    assert torch.equal(got.model.embed.weight, dense.embed.weight)
+    assert s["dequantized_gguf_tensors"] == {}  # the norms are F32
+    assert s["dense_bytes"] == sum(p.nbytes for p in got.model.parameters()) == (2 * LAYERS + 1) * HIDDEN * 4
 
     old = load_gpu_weights(path, dtype=torch.float32, device="cpu", weights="dense")  # the switch: as before
     assert old.quantized == {} and old.summary["q8_0_bytes"] == 0
@@ -110,7 +111,8 @@ def test_runner_on_q8_0_weights_matches_reference(q8_file) -> None:
     reference, cfg = load_model(path)
     got = load_gpu_weights(path, dtype=torch.float32, device="cpu")
     runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), quantized=got.quantized)
-    assert isinstance(runner.layers[1].gate_up, Q8Weight)
+    assert isinstance(runner.layers[1].gate_up, Q8Weight) and isinstance(runner.embed, Q8Weight)
+    assert isinstance(runner.lm_head, Q8Weight)
     ref_kv = KVCache(cfg, 16, 4)
     g = torch.Generator().manual_seed(1)
     steps = [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),  # prefill, padded to 4 seqs / 32 tokens

@@ -37,7 +37,7 @@ from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
-from gpu_engine.models.q8_weight import Q8Weight
+from gpu_engine.models.q8_weight import GROUP, Q8Weight
 from shared.slots import MAX_LOGIT_BIAS
 
 
@@ -241,8 +241,10 @@ class GpuModelRunner:
         for name, w in q.items():
             if w.device != self.device:
                 raise ValueError(f"{name}: Q8_0 weight on {w.device}, model on {self.device}")
-        self.embed, self.final_norm = model.embed.weight, model.norm.weight
-        self.lm_head: Linear = q.pop("lm_head.weight", None) or model.lm_head.weight
+        self.final_norm = model.norm.weight
+        self.embed: Linear = q.pop("embed.weight", None) or model.embed.weight
+        tied = model.lm_head.weight is model.embed.weight
+        self.lm_head: Linear = q.pop("lm_head.weight", None) or (self.embed if tied else model.lm_head.weight)
         self.layers = layer_weights(model, q)
         dense_mlp = ("mlp.gate_up", "mlp.down")
         paths = {f"layers.{i}.{p}.weight" for i, layer in enumerate(model.layers)
@@ -272,7 +274,7 @@ class GpuModelRunner:
         if batch > self.limits.max_batch or tokens > self.limits.max_tokens:
             raise ValueError(f"step ({batch}, {tokens}) exceeds limits {self.limits}")
         buf = self.buffers
-        residual = F.embedding(buf.input_ids[:tokens], self.embed)
+        residual = self._embedding(buf.input_ids[:tokens])
         x = rms_norm(residual, self.layers[0].attn_norm, self.config.rms_norm_eps)
         for i, w in enumerate(self.layers):
             h = self._attention(i, w, x, batch, tokens, decode)
@@ -330,6 +332,15 @@ class GpuModelRunner:
             cfg = self.config
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
+
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
+        as the dense load rounds them)."""
+        if not isinstance(self.embed, Q8Weight):
+            return F.embedding(ids, self.embed)
+        codes, scales = self.embed.codes.index_select(0, ids), self.embed.scales.index_select(0, ids)
+        rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
+        return rows.view(len(ids), -1).to(self.dtype)
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size: `kernels.gemv` is

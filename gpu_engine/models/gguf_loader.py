@@ -185,10 +185,11 @@ class GGUFSource:
         return self.blocks(name, Q.Q4_1)
 
     def q8_0_linears(self, config: ModelConfig) -> dict[str, Q8Weight]:
-        """Our linear weights (the decoder layers' dense ones and an untied LM head) whose every GGUF part is
-        Q8_0, as ``Q8Weight`` (the file's codes and scales, nothing rounded), by parameter name."""
+        """Our linear weights (the decoder layers' dense ones and an untied LM head) and the token table whose
+        every GGUF part is Q8_0, as ``Q8Weight`` (the file's codes and scales, nothing rounded), by parameter
+        name."""
         found = map_gguf_blocks(config, lambda n: self.blocks(n, Q.Q8_0), permuted_qk=self.arch == "llama",
-                                lm_head=True)
+                                lm_head=True, embedding=True)
         return {name: Q8Weight.from_blocks(b) for name, b in found.items()}
 
     def tensor_types(self) -> dict[str, str]:

@@ -90,11 +90,11 @@ class NotBlocks(Exception):
 
 
 def map_gguf_blocks(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor | None], *,
-                    permuted_qk: bool, lm_head: bool = False) -> dict[str, torch.Tensor]:
+                    permuted_qk: bool, lm_head: bool = False, embedding: bool = False) -> dict[str, torch.Tensor]:
     """The dense layers' linear weights whose every GGUF part is stored in one block type, as block rows
     (``get_blocks``: uint8 [rows, bytes], None for another type), fused, unpermuted and named as
     ``map_gguf_weights`` does with the dequantized tensors (whole rows move, so the blocks move with them);
-    with ``lm_head``, an untied ``output.weight`` too."""
+    with ``lm_head``, an untied ``output.weight`` too, and with ``embedding`` the token table."""
 
     def blocks(name: str) -> torch.Tensor:
         found = get_blocks(name)
@@ -103,6 +103,10 @@ def map_gguf_blocks(config: ModelConfig, get_blocks: Callable[[str], torch.Tenso
         return found
 
     out: dict[str, torch.Tensor] = {}
+    if embedding:
+        table = get_blocks("token_embd.weight")
+        if table is not None:
+            out["embed.weight"] = table
     if lm_head and not config.tie_word_embeddings:
         found = get_blocks("output.weight")
         if found is not None:

@@ -106,10 +106,10 @@ DENSE_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})
 def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.device | str, weights: str = "auto",
                      random_weights: bool = False, seed: int = 0) -> GpuWeights:
     """``load_model`` for the GPU backends. ``weights`` (``--gpu-weights``) auto: a GGUF's Q8_0 linears (the
-    dense decoder layers' projections, fused as the runner holds them, and an untied LM head) stay as the
-    file's codes and scales (``Q8Weight``), never allocated dense; every other tensor (the token table, norms,
-    MoE experts, Phi-3's layers, and every Q4_x / Q5_x / K-quant tensor) is dequantized to ``dtype``.
-    dense: everything dequantized, as before."""
+    dense decoder layers' projections, fused as the runner holds them, and an untied LM head) and Q8_0 token
+    table (a tied LM head reads it) stay as the file's codes and scales (``Q8Weight``), never allocated
+    dense; every other tensor (norms, MoE experts, Phi-3's layers, and every Q4_x / Q5_x / K-quant tensor)
+    is dequantized to ``dtype``. dense: everything dequantized, as before."""
     if weights not in ("auto", "dense"):
         raise ValueError(f"weights: {weights!r} is not 'auto' or 'dense'")
     path = Path(path)
@@ -126,8 +126,8 @@ def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.devi
 def _summary(model: CausalLM, quantized: dict[str, Q8Weight], gguf: GGUFSource | None) -> dict[str, Any]:
     kept_parts = set()
     for name in quantized:
-        if name == "lm_head.weight":
-            kept_parts.add("output.weight")
+        if name in ("lm_head.weight", "embed.weight"):
+            kept_parts.add("output.weight" if name == "lm_head.weight" else "token_embd.weight")
             continue
         _, i, *rest = name.split(".")
         kept_parts.update(f"blk.{i}.{part}.weight" for part in GGUF_PARTS[".".join(rest[:-1])])
@@ -135,7 +135,7 @@ def _summary(model: CausalLM, quantized: dict[str, Q8Weight], gguf: GGUFSource |
     for name, qtype in (gguf.tensor_types() if gguf is not None else {}).items():
         if name not in kept_parts and qtype not in DENSE_GGUF_TYPES:
             dequantized[qtype] = dequantized.get(qtype, 0) + 1
-    itemsize = model.embed.weight.element_size()
+    itemsize = torch.empty(0, dtype=model.norm.weight.dtype).element_size()
     kinds = sorted({name.removesuffix(".weight").split(".", 2)[-1] for name in quantized})
     return {
         "q8_0_linears": len(quantized),
