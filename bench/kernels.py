@@ -227,6 +227,30 @@ def gemv_rows(gbps: float) -> list[dict]:
     return rows
 
 
+def q8_rows(gbps: float) -> list[dict]:
+    """The Q8_0 linear (int8 codes + fp16 scales, `kernels.q8_linear`) against cuBLAS on the same weights in bf16,
+    at the Llama-3-8B projections: decode batches (bytes: the weight read) and prefill chunks."""
+    from gpu_engine.kernels.q8_linear import q8_linear
+    from gpu_engine.models.q8_weight import GROUP
+
+    rows = []
+    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                       ("lm_head", 128256, 4096)):
+        codes = torch.randint(-127, 128, (N, K), device="cuda", dtype=torch.int8)
+        scales = (torch.rand(N, K // GROUP, device="cuda") * 1e-3).half()
+        dense = (codes.float().view(N, -1, GROUP) * scales.float().unsqueeze(-1)).view(N, K).bfloat16()
+        for M in (1, 8, 64, 256, 2048):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            cases = {"q8_0": (lambda x=x, c=codes, s=scales: q8_linear(x, c, s), _nbytes(codes, scales, x)),
+                     "cublas_bf16": (lambda x=x, w=dense: F.linear(x, w), _nbytes(dense, x))}
+            for case, (fn, nbytes) in cases.items():
+                ms = graph_ms(fn)
+                rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
+                             "tflops": round(2 * M * N * K / (ms * 1e-3) / 1e12, 1), **entry(ms, nbytes, gbps)})
+        del codes, scales, dense
+    return rows
+
+
 def silu_rows(gbps: float) -> list[dict]:
     from gpu_engine.kernels.activation import silu_and_mul
 
@@ -286,13 +310,20 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
+    parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
+                        "silu, moe, q8); default: all but q8")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
     gbps = copy_gbps()
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
-    for fn in (sampling_rows, prep_rows, attention_rows, gemv_rows, silu_rows, moe_rows):
+    sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
+            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows}
+    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n != "q8"]
+    if set(chosen) - set(sets):
+        raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
+    for fn in (sets[n] for n in chosen):
         for r in fn(gbps):
             rows.append(r)
             where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab", "experts") if k in r)

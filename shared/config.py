@@ -22,6 +22,7 @@ from shared.ring import RingGeometry
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
 CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
+GPU_WEIGHTS = ("auto", "dense")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a step of 2,048 tokens keeps the matrix units busy (BENCHMARKS.md, chunked prefill) while a decode
@@ -66,6 +67,12 @@ class EngineConfig:
                              "tests/test_cpu_q4.py states); fp16: every linear fp16; int4: the decoder layers' "
                              "linears as int4 (groups of 32 with a scale and a minimum, bf16 activations: greedy "
                              "tokens within the bound BENCHMARKS.md states)", choices=CPU_WEIGHTS)
+    gpu_weights: str = _flag("auto", "GPU backends: the weights' form. auto: a GGUF's Q8_0 linears (the decoder "
+                             "layers' dense projections and an untied LM head) and Q8_0 token table kept as int8 "
+                             "codes with their fp16 scales (8.5 bits a weight), the linears multiplied by the Q8_0 "
+                             "Triton kernel, every other tensor dequantized to --dtype; dense: every tensor "
+                             "dequantized to --dtype",
+                             choices=GPU_WEIGHTS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
@@ -165,6 +172,8 @@ class EngineConfig:
         if self.cpu_weights != "auto" and (self.backend not in ("auto", "cpu") or self.dtype != "auto"):
             raise ValueError(f"--cpu-weights {self.cpu_weights} applies to the CPU backend with --dtype auto "
                              f"(got --backend {self.backend}, --dtype {self.dtype})")
+        if self.gpu_weights != "auto" and self.backend == "cpu":
+            raise ValueError(f"--gpu-weights {self.gpu_weights} applies to the GPU backends (got --backend cpu)")
         if self.max_model_len == 1:
             raise ValueError("--max-model-len must be >= 2 (one prompt token and one output token)")
         if self.model is not None and not Path(self.model).exists():

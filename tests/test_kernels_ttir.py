@@ -71,3 +71,15 @@ def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
     out = compiles("gpu_engine.kernels.moe", "_down_sum_kernel", dict(item.split(":") for item in sig.split()),
                    {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256})
     assert out.startswith("True"), out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (64, 64), (128, 128)])
+def test_q8_linear_kernel_compiles_for_sm90(dtype: str, block_m: int, block_n: int) -> None:
+    """The Q8_0 linear at each of the launcher's block sizes (decode and prefill tiles)."""
+    sig = f"x_ptr:*{dtype} q_ptr:*i8 s_ptr:*fp16 out_ptr:*{dtype} M:i32 N:i32 K:i32 sx:i32 sq:i32 ss:i32 so:i32"
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP": 32,
+              "PREC": "ieee" if dtype == "fp32" else "tf32", "UPCAST": False}
+    out = compiles("gpu_engine.kernels.q8_linear", "_q8_linear_kernel", dict(item.split(":") for item in sig.split()),
+                   consts)
+    assert out.startswith("True"), out

@@ -17,6 +17,7 @@ a mixed step as in a decode step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,6 +29,7 @@ from gpu_engine.kernels.attention import decode_attention, decode_partition, pre
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
+from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
@@ -35,6 +37,7 @@ from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
+from gpu_engine.models.q8_weight import GROUP, Q8Weight
 from shared.slots import MAX_LOGIT_BIAS
 
 
@@ -164,16 +167,19 @@ class StepBuffers:
         return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)}
 
 
+Linear = torch.Tensor | Q8Weight  # a dense weight [N, K] or one kept as Q8_0 (`kernels.q8_linear`)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # dense [2I, H] or experts [E, 2I, H]
-    down: torch.Tensor  # dense [H, I] or experts [E, H, I]
+    gate_up: Linear  # dense [2I, H] or experts [E, 2I, H]
+    down: Linear  # dense [H, I] or experts [E, H, I]
     router: torch.Tensor | None  # [E, H] for MoE layers
 
 
@@ -192,18 +198,24 @@ def _optional_weight(module: object, name: str) -> torch.Tensor | None:
     return None if getattr(module, name) is None else _tensor(module, name, "weight")
 
 
-def layer_weights(model: CausalLM) -> list[LayerWeights]:
-    """Views of the model's parameters, per layer (no copies)."""
+def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = None) -> list[LayerWeights]:
+    """Views of the model's parameters, per layer (no copies); a linear named in ``quantized`` (by parameter
+    name, e.g. ``layers.0.attn.qkv.weight``) is taken from there instead."""
+    q = quantized or {}
+
+    def linear(i: int, module: object, *path: str) -> Linear:
+        return q.get(f"layers.{i}.{'.'.join(path)}.weight") or _tensor(module, *path[1:], "weight")
+
     out = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
         moe = hasattr(mlp, "router")
         out.append(LayerWeights(
-            attn_norm=_tensor(layer, "attn_norm", "weight"), qkv=_tensor(attn, "qkv", "weight"),
+            attn_norm=_tensor(layer, "attn_norm", "weight"), qkv=linear(i, attn, "attn", "qkv"),
             q_norm=_optional_weight(attn, "q_norm"), k_norm=_optional_weight(attn, "k_norm"),
-            o=_tensor(attn, "o", "weight"), mlp_norm=_tensor(layer, "mlp_norm", "weight"),
-            gate_up=_tensor(mlp, "gate_up") if moe else _tensor(mlp, "gate_up", "weight"),
-            down=_tensor(mlp, "down") if moe else _tensor(mlp, "down", "weight"),
+            o=linear(i, attn, "attn", "o"), mlp_norm=_tensor(layer, "mlp_norm", "weight"),
+            gate_up=_tensor(mlp, "gate_up") if moe else linear(i, mlp, "mlp", "gate_up"),
+            down=_tensor(mlp, "down") if moe else linear(i, mlp, "mlp", "down"),
             router=_tensor(mlp, "router", "weight") if moe else None,
         ))
     return out
@@ -213,9 +225,11 @@ class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
-                 max_positions: int | None = None, fused: bool = True) -> None:
+                 max_positions: int | None = None, fused: bool = True,
+                 quantized: Mapping[str, Q8Weight] | None = None) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
-        SiLU-and-multiply at every M), kept for comparison."""
+        SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
+        name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones."""
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -223,8 +237,20 @@ class GpuModelRunner:
         if kv_cache.dtype != self.dtype or kv_cache.k[0].device != self.device:
             raise ValueError(f"KV cache is {kv_cache.dtype} on {kv_cache.k[0].device}, "
                              f"model is {self.dtype} on {self.device}")
-        self.embed, self.final_norm, self.lm_head = model.embed.weight, model.norm.weight, model.lm_head.weight
-        self.layers = layer_weights(model)
+        q = dict(quantized or {})
+        for name, w in q.items():
+            if w.device != self.device:
+                raise ValueError(f"{name}: Q8_0 weight on {w.device}, model on {self.device}")
+        self.final_norm = model.norm.weight
+        self.embed: Linear = q.pop("embed.weight", None) or model.embed.weight
+        tied = model.lm_head.weight is model.embed.weight
+        self.lm_head: Linear = q.pop("lm_head.weight", None) or (self.embed if tied else model.lm_head.weight)
+        self.layers = layer_weights(model, q)
+        dense_mlp = ("mlp.gate_up", "mlp.down")
+        paths = {f"layers.{i}.{p}.weight" for i, layer in enumerate(model.layers)
+                 for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
+        if set(q) - paths:
+            raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -248,7 +274,7 @@ class GpuModelRunner:
         if batch > self.limits.max_batch or tokens > self.limits.max_tokens:
             raise ValueError(f"step ({batch}, {tokens}) exceeds limits {self.limits}")
         buf = self.buffers
-        residual = F.embedding(buf.input_ids[:tokens], self.embed)
+        residual = self._embedding(buf.input_ids[:tokens])
         x = rms_norm(residual, self.layers[0].attn_norm, self.config.rms_norm_eps)
         for i, w in enumerate(self.layers):
             h = self._attention(i, w, x, batch, tokens, decode)
@@ -307,10 +333,22 @@ class GpuModelRunner:
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
+        as the dense load rounds them)."""
+        if not isinstance(self.embed, Q8Weight):
+            return F.embedding(ids, self.embed)
+        codes, scales = self.embed.codes.index_select(0, ids), self.embed.scales.index_select(0, ids)
+        rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
+        return rows.view(len(ids), -1).to(self.dtype)
+
+    def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size: `kernels.gemv` is
-        not used here (its module docstring says why)."""
-        return F.linear(silu_and_mul(x) if silu_mul else x, w)
+        not used here (its module docstring says why); a Q8_0 weight through `kernels.q8_linear`."""
+        x = silu_and_mul(x) if silu_mul else x
+        if isinstance(w, Q8Weight):
+            return q8_linear(x, w.codes, w.scales)
+        return F.linear(x, w)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
         """Final residual add + norm on each sequence's last token only, then the LM head."""

@@ -1,6 +1,7 @@
 """GPU backends of ``blink engine``: host-driven (``--backend host``) and persistent
-(``--backend persistent``). Both load the model in bf16, size the paged KV cache from free
-memory, capture the graph cache, and serve the same ring with the same policy.
+(``--backend persistent``). Both load the model in bf16 (a GGUF's Q8_0 linears kept as Q8_0 with
+``--gpu-weights auto``: ``loader.load_gpu_weights``), size the paged KV cache from free memory, capture the
+graph cache, and serve the same ring with the same policy.
 
 Both bound every wait for the device (``BLINK_STEP_TIMEOUT_S``): a step that does not complete, a launch
 that fails or a scheduler that stops raises a ``DeviceFailure`` (``gpu_engine/faults.py``), on which the
@@ -25,7 +26,7 @@ from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresiden
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kv_cache import KVCache
-from gpu_engine.models.loader import default_model_path, load_model
+from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
 from shared import env
 from shared import ring_layout as L
@@ -91,8 +92,12 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
     dtype = getattr(torch, cfg.gpu_torch_dtype_name())
     path = Path(cfg.model) if cfg.model else default_model_path()
-    log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda")
-    model, mcfg = load_model(path, dtype=dtype, device="cuda", random_weights=cfg.random_weights, seed=cfg.seed)
+    log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
+             gpu_weights=cfg.gpu_weights)
+    loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
+                              random_weights=cfg.random_weights, seed=cfg.seed)
+    model, mcfg = loaded.model, loaded.config
+    log.info("weights loaded", **loaded.summary)
     g = cfg.geometry
     max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=MAX_GRAPH_TOKENS)
     budget = cfg.token_budget(gpu=True)
@@ -109,7 +114,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables)
-    runner = GpuModelRunner(model, kv, limits)
+    runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

@@ -22,7 +22,8 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from gpu_engine.kernels.cpu_linear import _cpu_quant, quant_kernels_available
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.errors import ModelLoadError
-from gpu_engine.models.gguf_weights import map_gguf_q4_1, map_gguf_weights
+from gpu_engine.models.gguf_weights import map_gguf_blocks, map_gguf_q4_1, map_gguf_weights
+from gpu_engine.models.q8_weight import Q8Weight
 from shared.gguf_meta import GgufMeta, TensorInfo, read_meta
 
 FAMILY_BY_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
@@ -170,14 +171,30 @@ class GGUFSource:
             raise ModelLoadError(f"{self.location}: missing tensor {name}")
         return torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta")
 
-    def q4_1_blocks(self, name: str) -> torch.Tensor | None:
-        """A Q4_1 tensor's stored blocks as uint8 [rows, cols / 32 * 20] (a copy), or None for another type."""
+    def blocks(self, name: str, qtype: GGMLQuantizationType) -> torch.Tensor | None:
+        """A 2-D tensor's stored blocks as uint8 [rows, row bytes] (a copy) when it is of ``qtype``, else None."""
         t = self._tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.location}: missing tensor {name}")
-        if t.tensor_type != Q.Q4_1 or t.data.ndim != 2:
+        if t.tensor_type != qtype or t.data.ndim != 2:
             return None
         return torch.from_numpy(np.array(t.data, copy=True))
+
+    def q4_1_blocks(self, name: str) -> torch.Tensor | None:
+        """A Q4_1 tensor's stored blocks as uint8 [rows, cols / 32 * 20] (a copy), or None for another type."""
+        return self.blocks(name, Q.Q4_1)
+
+    def q8_0_linears(self, config: ModelConfig) -> dict[str, Q8Weight]:
+        """Our linear weights (the decoder layers' dense ones and an untied LM head) and the token table whose
+        every GGUF part is Q8_0, as ``Q8Weight`` (the file's codes and scales, nothing rounded), by parameter
+        name."""
+        found = map_gguf_blocks(config, lambda n: self.blocks(n, Q.Q8_0), permuted_qk=self.arch == "llama",
+                                lm_head=True, embedding=True)
+        return {name: Q8Weight.from_blocks(b) for name, b in found.items()}
+
+    def tensor_types(self) -> dict[str, str]:
+        """Each tensor's GGUF type name, by GGUF tensor name."""
+        return {name: t.tensor_type.name for name, t in self._tensors.items()}
 
     def q4_1_linears(self, config: ModelConfig) -> dict[str, torch.Tensor]:
         """Our linear weights whose every GGUF part is Q4_1, as those blocks (``Q4Linear``'s form), by name."""

@@ -89,11 +89,12 @@ class NotBlocks(Exception):
     """A GGUF part of a linear is not of the block type asked for."""
 
 
-def map_gguf_q4_1(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor | None], *,
-                  permuted_qk: bool) -> dict[str, torch.Tensor]:
-    """The dense layers' linear weights whose every GGUF part is stored as Q4_1, as block rows (``get_blocks``:
-    uint8 [rows, bytes], None for another type), fused, unpermuted and named as ``map_gguf_weights`` does
-    with the dequantized tensors (whole rows move, so the blocks move with them)."""
+def map_gguf_blocks(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor | None], *,
+                    permuted_qk: bool, lm_head: bool = False, embedding: bool = False) -> dict[str, torch.Tensor]:
+    """The dense layers' linear weights whose every GGUF part is stored in one block type, as block rows
+    (``get_blocks``: uint8 [rows, bytes], None for another type), fused, unpermuted and named as
+    ``map_gguf_weights`` does with the dequantized tensors (whole rows move, so the blocks move with them);
+    with ``lm_head``, an untied ``output.weight`` too, and with ``embedding`` the token table."""
 
     def blocks(name: str) -> torch.Tensor:
         found = get_blocks(name)
@@ -102,13 +103,27 @@ def map_gguf_q4_1(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor 
         return found
 
     out: dict[str, torch.Tensor] = {}
+    if embedding:
+        table = get_blocks("token_embd.weight")
+        if table is not None:
+            out["embed.weight"] = table
+    if lm_head and not config.tie_word_embeddings:
+        found = get_blocks("output.weight")
+        if found is not None:
+            out["lm_head.weight"] = found
     for i in range(config.num_layers):
         if not config.is_moe_layer(i) and config.family != "phi3":
-            out.update(_q4_1_layer(config, i, blocks, permuted_qk))
+            out.update(_blocks_layer(config, i, blocks, permuted_qk))
     return out
 
 
-def _q4_1_layer(config: ModelConfig, i: int, blocks: Getter, permuted_qk: bool) -> dict[str, torch.Tensor]:
+def map_gguf_q4_1(config: ModelConfig, get_blocks: Callable[[str], torch.Tensor | None], *,
+                  permuted_qk: bool) -> dict[str, torch.Tensor]:
+    """``map_gguf_blocks`` for the Q4_1 blocks of the CPU backend (decoder layers only)."""
+    return map_gguf_blocks(config, get_blocks, permuted_qk=permuted_qk)
+
+
+def _blocks_layer(config: ModelConfig, i: int, blocks: Getter, permuted_qk: bool) -> dict[str, torch.Tensor]:
     blk, ours = f"blk.{i}.", f"layers.{i}."
     makers: dict[str, Callable[[], torch.Tensor]] = {
         "attn.qkv": lambda: _attention(config, blk, blocks, permuted_qk)[0],

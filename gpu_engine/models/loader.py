@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Collection, Iterable
@@ -16,6 +17,7 @@ from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_loader import GGUFSource
 from gpu_engine.models.hf_weights import map_hf_weights
+from gpu_engine.models.q8_weight import Q8Weight
 from gpu_engine.models.rope import RotaryEmbedding
 
 
@@ -46,13 +48,15 @@ def default_model_path() -> Path:
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                random_weights: bool = False, seed: int = 0, gguf: GGUFSource | None = None,
-               placeholders: Collection[str] = ()) -> tuple[CausalLM, ModelConfig]:
+               placeholders: Collection[str] = (), absent: Collection[str] = ()) -> tuple[CausalLM, ModelConfig]:
     """Load a model from an HF directory (single or sharded safetensors) or a ``.gguf`` file.
 
     With ``random_weights`` the architecture comes from the same config but every weight is drawn
     from N(0, 0.02) with ``seed`` (norm weights are ones); nothing else changes. ``gguf``: the file already
     opened (it is read once); ``placeholders``: parameters of a GGUF file left unset, neither dequantized nor
-    written (the caller replaces them, e.g. by ``GGUFSource.q4_1_linears``' blocks).
+    written (the caller replaces them, e.g. by ``GGUFSource.q4_1_linears``' blocks); ``absent``: parameters of a
+    GGUF file not even allocated (empty tensors: the caller holds them in another form, e.g.
+    ``GGUFSource.q8_0_linears``' weights on the GPU), their shapes still checked against the file's.
     """
     path = Path(path)
     if not path.exists():
@@ -66,20 +70,95 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         source = None if random_weights else SafetensorsSource(path)
     else:
         raise ModelLoadError(f"{path}: not a model directory or .gguf file")
-    model = build_empty(config, dtype, device)
+    if absent and not isinstance(source, GGUFSource):
+        raise ModelLoadError(f"{path}: only a GGUF file's parameters can be left absent")
+    model, shapes = build_empty(config, dtype, device, absent=absent), None
+    if absent:
+        with torch.device("meta"):
+            shapes = {name: tuple(p.shape) for name, p in CausalLM(config).named_parameters()}
     if source is None or random_weights:
         init_random(model, seed)
     else:
-        given = source.named_weights(config, placeholders) if isinstance(source, GGUFSource) and placeholders \
+        unset = set(placeholders) | set(absent)
+        given = source.named_weights(config, unset) if isinstance(source, GGUFSource) and unset \
             else source.named_weights(config)
-        assign_weights(model, given, str(source.location), placeholders)
+        assign_weights(model, given, str(source.location), unset, shapes)
     return model, config
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Allocate the model's parameters (uninitialised) without running default initialisers."""
+@dataclasses.dataclass(slots=True)
+class GpuWeights:
+    """A model for the GPU backends: ``model``'s parameters on the device, except the linears in ``quantized``
+    (Q8_0, by parameter name), which it holds as empty tensors; ``summary``: what was kept and what dequantized."""
+
+    model: CausalLM
+    config: ModelConfig
+    quantized: dict[str, Q8Weight]
+    summary: dict[str, Any]
+
+
+# Our linears' GGUF parts (``gguf_weights.map_gguf_weights``), for the summary of what stayed quantized.
+GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
+              "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
+DENSE_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.device | str, weights: str = "auto",
+                     random_weights: bool = False, seed: int = 0) -> GpuWeights:
+    """``load_model`` for the GPU backends. ``weights`` (``--gpu-weights``) auto: a GGUF's Q8_0 linears (the
+    dense decoder layers' projections, fused as the runner holds them, and an untied LM head) and Q8_0 token
+    table (a tied LM head reads it) stay as the file's codes and scales (``Q8Weight``), never allocated
+    dense; every other tensor (norms, MoE experts, Phi-3's layers, and every Q4_x / Q5_x / K-quant tensor)
+    is dequantized to ``dtype``. dense: everything dequantized, as before."""
+    if weights not in ("auto", "dense"):
+        raise ValueError(f"weights: {weights!r} is not 'auto' or 'dense'")
+    path = Path(path)
+    gguf = GGUFSource(path) if path.suffix == ".gguf" and path.is_file() else None
+    quantized: dict[str, Q8Weight] = {}
+    if gguf is not None and weights == "auto" and not random_weights:
+        quantized = gguf.q8_0_linears(gguf.config)
+    model, config = load_model(path, dtype=dtype, device=device, random_weights=random_weights, seed=seed, gguf=gguf,
+                               absent=quantized)
+    quantized = {name: w.to(device) for name, w in quantized.items()}
+    return GpuWeights(model, config, quantized, _summary(model, quantized, gguf))
+
+
+def _summary(model: CausalLM, quantized: dict[str, Q8Weight], gguf: GGUFSource | None) -> dict[str, Any]:
+    kept_parts = set()
+    for name in quantized:
+        if name in ("lm_head.weight", "embed.weight"):
+            kept_parts.add("output.weight" if name == "lm_head.weight" else "token_embd.weight")
+            continue
+        _, i, *rest = name.split(".")
+        kept_parts.update(f"blk.{i}.{part}.weight" for part in GGUF_PARTS[".".join(rest[:-1])])
+    dequantized: dict[str, int] = {}
+    for name, qtype in (gguf.tensor_types() if gguf is not None else {}).items():
+        if name not in kept_parts and qtype not in DENSE_GGUF_TYPES:
+            dequantized[qtype] = dequantized.get(qtype, 0) + 1
+    itemsize = torch.empty(0, dtype=model.norm.weight.dtype).element_size()
+    kinds = sorted({name.removesuffix(".weight").split(".", 2)[-1] for name in quantized})
+    return {
+        "q8_0_linears": len(quantized),
+        "q8_0_kinds": ",".join(kinds),
+        "q8_0_bytes": sum(w.nbytes for w in quantized.values()),
+        "q8_0_as_dense_bytes": sum(w.shape[0] * w.shape[1] * itemsize for w in quantized.values()),
+        "dense_bytes": sum(p.nbytes for p in model.parameters()),
+        "dequantized_gguf_tensors": dict(sorted(dequantized.items())),
+    }
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                absent: Collection[str] = ()) -> CausalLM:
+    """Allocate the model's parameters (uninitialised) without running default initialisers; those named in
+    ``absent`` are empty tensors (nothing allocated)."""
     with torch.device("meta"):
         model = CausalLM(config)
+    for name in absent:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if not isinstance(getattr(module, leaf, None), torch.nn.Parameter):
+            raise ModelLoadError(f"no parameter {name} to leave absent")
+        setattr(module, leaf, torch.nn.Parameter(torch.empty(0, device="meta"), requires_grad=False))
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(config).to(device)  # float32 tables, recomputed off the meta device
     if config.tie_word_embeddings:
@@ -99,9 +178,10 @@ def init_random(model: CausalLM, seed: int) -> None:
 
 
 def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, str]], location: str,
-                   placeholders: Collection[str] = ()) -> None:
-    """Copy named tensors into the model, checking every parameter is given once with the right shape; a
-    meta tensor (shape only) leaves a parameter named in ``placeholders`` as it is."""
+                   placeholders: Collection[str] = (), shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Copy named tensors into the model, checking every parameter is given once with the right shape
+    (``shapes``: the full model's, where some parameters are empty); a meta tensor (shape only) leaves a
+    parameter named in ``placeholders`` as it is."""
     params = dict(model.named_parameters())
     done: set[str] = set()
     with torch.no_grad():
@@ -110,9 +190,10 @@ def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, s
                 param = params.get(name)
                 if param is None:
                     raise ModelLoadError(f"{location}: unexpected tensor {origin}")
-                if tuple(tensor.shape) != tuple(param.shape):
+                expected = shapes[name] if shapes is not None else tuple(param.shape)
+                if tuple(tensor.shape) != expected:
                     raise ModelLoadError(
-                        f"{location}: shape mismatch for {origin}: expected {tuple(param.shape)}, "
+                        f"{location}: shape mismatch for {origin}: expected {expected}, "
                         f"got {tuple(tensor.shape)}"
                     )
                 if tensor.is_meta and name not in placeholders:
