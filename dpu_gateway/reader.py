@@ -4,7 +4,9 @@ Each cycle is one bulk read of slot metadata. Slots that have produced nothing y
 at first (their first token is the TTFT), then the rest; new tokens (and logprobs) go to the
 gateway that owns the request, batched into one frame per gateway. Once a slot is
 DECODE_COMPLETED and its tail is read, the reader sends ``Finished`` and releases the slot.
-Polling is adaptive: tight while tokens flow, backing off to ``max_poll_s`` when idle. A stale
+A ring whose engine made a ``tokens`` notifier (``shared/notify.py``: the Python engines write it once
+per step that published or ended anything) is read when it wakes the reader, with no polling between;
+another is polled, tight while tokens flow, backing off to ``max_poll_s`` when idle. A stale
 heartbeat or a replaced ring ends every stream with ``Failed`` (no client hangs); a replaced
 or removed ring's requests are failed, and their slots cancelled, before its mapping closes.
 
@@ -28,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
+from shared.notify import Notifier
 from shared.ring import Ring
 from shared.slots import SlotWriter
 
@@ -82,7 +86,8 @@ def top_pairs(tops: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
 class RingReader:
     """One engine's ring: its watch, the routes of the slots published there, and the reading of them."""
 
-    def __init__(self, cfg: ReaderConfig, name: str, gateways: dict[int, ipc.Channel], index: int = 0) -> None:
+    def __init__(self, cfg: ReaderConfig, name: str, gateways: dict[int, ipc.Channel], index: int = 0,
+                 wake: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.index = index  # the engine's, under --data-parallel-size
         self.watch = RingWatch(name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
@@ -91,6 +96,11 @@ class RingReader:
         self.snapshot: np.ndarray | None = None
         self.routes: dict[int, Route] = {}
         self.gateways = gateways  # shared with the TokenReader: gateway id -> its link
+        # The engine's wake-up after a step that published (shared/notify.py), watched by the event loop;
+        # None while the ring has none (then the poll loop polls this ring)
+        self.notifier: Notifier | None = None
+        self._wake = wake
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ one cycle
     def cycle(self) -> bool:
@@ -209,16 +219,53 @@ class RingReader:
         """Stop without touching the streams: the next reader serves them (nothing failed or cancelled)."""
         self.routes.clear()
         self.watch.close()
+        self._close_notifier()
+
+    # ------------------------------------------------------------ wake-ups
+    def _open_notifier(self) -> None:
+        """Watch the attached ring's notifier, if it has one and an event loop runs here (a reader driven
+        by hand, as in tests, polls)."""
+        if self.notifier is not None or self.ring is None or self._wake is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        notifier = Notifier.open(self.ring.transport, "tokens")
+        if notifier is None:
+            return
+        if not notifier.take():  # another reader waits on it (the one this replaces): poll until it goes
+            notifier.close()
+            return
+        loop.add_reader(notifier.fileno(), self._notified)
+        self.notifier, self._loop = notifier, loop
+
+    def _notified(self) -> None:
+        if self.notifier is not None:
+            self.notifier.drain()  # before the cycle it wakes: a step that follows writes again
+        if self._wake is not None:
+            self._wake()
+
+    def _close_notifier(self) -> None:
+        notifier, self.notifier = self.notifier, None
+        if notifier is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(notifier.fileno())
+        notifier.close()
 
     # ------------------------------------------------------------ health
     def check_health(self) -> None:
         ring = self.watch.current()  # a replaced or removed segment reaches _ring_gone first
         if ring is None or ring is not self.ring:
             self._fail_all(RESTARTED)  # requests tracked while no ring was attached
+            self._close_notifier()
             self.ring = ring
             self.writer = SlotWriter(ring) if ring is not None else None
             self.snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE) if ring is not None else None
+            self._open_notifier()
             return
+        self._open_notifier()  # the engine makes it just before READY: it may come after the segment
         if not ring.engine_alive(self.cfg.heartbeat_timeout_s):
             for route in self.routes.values():
                 if not route.orphan:
@@ -229,6 +276,7 @@ class RingReader:
         if old is not self.ring:
             return
         self._fail_all(RESTARTED)
+        self._close_notifier()
         self.ring = self.writer = self.snapshot = None
 
     def _fail_all(self, message: str) -> None:
@@ -241,8 +289,9 @@ class TokenReader:
     def __init__(self, cfg: ReaderConfig) -> None:
         self.cfg = cfg
         self.gateways: dict[int, ipc.Channel] = {}
-        self.engines = [RingReader(cfg, name, self.gateways, i) for i, name in enumerate(cfg.ring_names)]
         self._wake = asyncio.Event()
+        self.engines = [RingReader(cfg, name, self.gateways, i, self._wake.set)
+                        for i, name in enumerate(cfg.ring_names)]
 
     # ------------------------------------------------------------ links
     async def on_channel(self, chan: ipc.Channel) -> None:
@@ -317,7 +366,14 @@ class TokenReader:
             moved |= engine.cycle()
         return moved
 
+    def notified(self) -> bool:
+        """Whether every ring with routes wakes this reader when it changes (its engine's notifier)."""
+        return all(e.notifier is not None for e in self.engines if e.routes)
+
     async def poll_loop(self) -> None:
+        """Read the rings while they have routes: after each wake-up where every such ring has a notifier
+        (one per engine step that published, a ``Track``, or the next health check), else polling,
+        tight while tokens flow and backing off to ``max_poll_s``."""
         delay = self.cfg.min_poll_s
         next_health = 0.0
         while True:
@@ -329,11 +385,15 @@ class TokenReader:
                 await self._idle()
                 delay = self.cfg.min_poll_s
                 continue
-            delay = self.cfg.min_poll_s if self.cycle() else min(delay * 2, self.cfg.max_poll_s)
+            moved = self.cycle()
+            if self.notified():
+                await self._idle()
+                continue
+            delay = self.cfg.min_poll_s if moved else min(delay * 2, self.cfg.max_poll_s)
             await asyncio.sleep(delay)
 
     async def _idle(self) -> None:
-        """Nothing to read: sleep until the tracker sends a ``Track`` (or the next health check)."""
+        """Sleep until a ``Track`` or an engine's wake-up comes (or the next health check)."""
         try:
             await asyncio.wait_for(self._wake.wait(), self.cfg.health_every_s)
         except TimeoutError:
@@ -343,6 +403,7 @@ class TokenReader:
     def close(self) -> None:
         for engine in self.engines:
             engine.watch.close()
+            engine._close_notifier()
 
     async def hand_over(self) -> None:
         """Stop serving and leave every stream to the next reader: no stream failed, no slot cancelled;

@@ -30,6 +30,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
+from shared.notify import Notifier
 from shared.ring import Ring
 from shared.slots import SlotRequest
 
@@ -82,13 +83,24 @@ class Lane:
         self.index = index
         self.watch = RingWatch(name, heartbeat_timeout_s, on_detach=self._detached)
         self.cache: SlotCache | None = None
+        self.work: Notifier | None = None  # the engine's wake-up (shared/notify.py), None while it has none
         self.on_lost = on_lost  # called with the index when a ring this lane wrote to goes
 
     def _detached(self, old: Ring) -> None:
         """The watch is closing ``old``: drop the cache (and its slot writer) that points into it."""
         if self.cache is not None and self.cache.ring is old:
             self.cache = None
+            if self.work is not None:
+                self.work.close()
+                self.work = None
             self.on_lost(self.index)
+
+    def wake_engine(self) -> None:
+        """Tell an idle engine that a slot was published (it polls when the ring has no notifier)."""
+        if self.work is None and self.cache is not None:  # the engine makes it just before READY
+            self.work = Notifier.open(self.cache.ring.transport, "work")
+        if self.work is not None:
+            self.work.notify()
 
     def slots(self) -> SlotCache | None:
         """The slot cache of the ring attached now, or None when no ring is."""
@@ -182,6 +194,7 @@ class SlotTracker:
             cache.writer.abandon(idx, seq)
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))
             return
+        self.lanes[engine].wake_engine()
         live = Live(chan, sub, engine, idx, seq)
         self.live[sub.req_id] = live
         self.last_engine = engine

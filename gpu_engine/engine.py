@@ -7,6 +7,7 @@ and free). ``serve`` loops over steps, beats the heartbeat and stops on the shut
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 
@@ -20,6 +21,7 @@ from gpu_engine.sampling import SamplingSpec
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger
+from shared.notify import Notifier
 from shared.ring import STEP_FILL_BOUNDS, Ring, step_fill_bucket
 from shared.slots import MAX_LOGIT_BIAS
 
@@ -66,6 +68,11 @@ class RingEngine:
         self._loop_seen = 0.0
         self._in_step: tuple[float, int] | None = None  # (started, tokens) while the runner computes a step
         self._stopped = threading.Event()
+        # shared/notify.py: the token reader's wake-up after a step that published or ended anything, and the
+        # tracker's to this engine when it publishes a slot (None: the other side polls, as over RDMA)
+        self.tokens_out: Notifier | None = None
+        self.work_in: Notifier | None = None
+        self._news = False  # a token published or a request ended since the reader was last woken
 
     # ------------------------------------------------------------------ admit
     def admit(self) -> None:
@@ -82,28 +89,32 @@ class RingEngine:
     def _accept(self, idx: int, seq: int, meta: np.void) -> None:
         plen, max_new = int(meta["prompt_len"]), int(meta["max_new_tokens"])
         if plen + max_new > self.max_context or not self.policy.can_ever_fit(plen, max_new):
-            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.NO_CAPACITY)
+            self._refuse(idx, L.ErrorCode.NO_CAPACITY)
             return
         prompt, bias = self.slots.prompt(idx, plen), self._logit_bias(idx, plen, meta["sampling"])
         if prompt.min() < 0 or prompt.max() >= self.vocab_size or bias is None:
-            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            self._refuse(idx, L.ErrorCode.BAD_PARAMS)
             return
         gid = int(meta["sampling"]["grammar_id"])
         grammar = self.grammars.get(gid) if gid else None
         if gid and grammar is None:
-            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            self._refuse(idx, L.ErrorCode.BAD_PARAMS)
             return
         rid = int(meta["request_id"])
         spec = SamplingSpec.from_ring(meta["sampling"], rid, bias, self.eos_ids, grammar,
                                       int(meta["num_prompt_logprobs"]))
         if spec.prompt_logprobs >= 0 and not self._prompt_logprobs_fit(plen, spec.prompt_logprobs):
-            self.slots.complete(idx, L.FinishReason.ERROR, L.ErrorCode.BAD_PARAMS)
+            self._refuse(idx, L.ErrorCode.BAD_PARAMS)
             return
         req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
                       arrival=self.arrivals, sampling=spec, salt=int(meta["cache_salt"]))
         self.arrivals += 1
         self.by_slot[idx] = req
         self.policy.add(req)
+
+    def _refuse(self, idx: int, code: int) -> None:
+        self.slots.complete(idx, L.FinishReason.ERROR, code)
+        self._news = True
 
     def _prompt_logprobs_fit(self, plen: int, k: int) -> bool:
         """Whether the slot's prompt-logprob rows hold a prompt of ``plen`` tokens with ``k`` alternatives."""
@@ -154,6 +165,7 @@ class RingEngine:
                 self.policy.finish(req, Finish.ERROR)
                 self.slots.complete(req.slot, L.FinishReason.ERROR, L.ErrorCode.OUT_OF_MEMORY)
                 self.by_slot.pop(req.slot, None)
+                self._news = True
                 continue
             if len(req.output) > start:
                 self._publish(req, b, start, tok, out)
@@ -181,11 +193,29 @@ class RingEngine:
         if start == 0:  # before token 0's release: the reader sees it with the first token
             self.ring.transport.store32(self.ring.slot_field(req.slot, "cached_tokens"), max(req.cached_tokens, 0))
         self.slots.publish(req.slot, start, np.array([tok], np.int32), out.logprobs[b : b + 1], top)
+        self._news = True
         self.output_tokens += 1
 
     def _complete(self, req: Request, reason: Finish) -> None:
         self.slots.complete(req.slot, int(reason))
         self.by_slot.pop(req.slot, None)
+        self._news = True
+
+    def wake_reader(self) -> None:
+        """Tell the token reader to look at the ring, once per step that changed what it reads."""
+        if self._news:
+            self._news = False
+            if self.tokens_out is not None:
+                self.tokens_out.notify()
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Idle: sleep ``timeout_s``, or until the tracker says it published a slot."""
+        if self.work_in is None or timeout_s <= 0:
+            time.sleep(timeout_s)
+            return
+        ready, _, _ = select.select([self.work_in], [], [], timeout_s)
+        if ready:
+            self.work_in.drain()
 
     def _end(self, req: Request, reason: Finish) -> None:
         self.policy.finish(req, reason)
@@ -234,6 +264,12 @@ class RingEngine:
               stall_per_token_s: float = STALL_PER_TOKEN_S) -> None:
         """Step until the shutdown flag; then drain (no new claims) and cancel what is left."""
         self.ring.header_store32("sampling_features", int(features(self.ring)))
+        if self.tokens_out is None:  # made before READY: a frontend that sees READY finds them
+            self.tokens_out = Notifier.create(self.ring.transport, "tokens")
+            self.work_in = Notifier.create(self.ring.transport, "work")
+            if self.work_in is not None and not self.work_in.take():
+                self.work_in.close()
+                self.work_in = None
         self.ring.header_store32("engine_state", L.EngineState.READY)
         self.slots.beat()
         self._loop_seen, self._stopped = time.monotonic(), threading.Event()
@@ -246,8 +282,13 @@ class RingEngine:
             self._stopped.set()
             beater.join()
         self.cancel_all()
+        self.wake_reader()
         self.publish_stats()
         self.ring.header_store32("engine_state", L.EngineState.STOPPED)
+        for notifier in (self.tokens_out, self.work_in):
+            if notifier is not None:
+                notifier.close()
+        self.tokens_out = self.work_in = None
 
     def _loop(self, beat_every_s: float, drain_timeout_s: float) -> None:
         last_beat, idle, drain_deadline = 0.0, 0, float("inf")
@@ -263,6 +304,8 @@ class RingEngine:
                 break
             if self.step():
                 idle = 0
+                self.wake_reader()
             else:
+                self.wake_reader()  # an admission that ended at once (a refused request)
                 idle = min(idle + 1, 40)
-                time.sleep(0 if idle < 8 else 25e-6 * idle)
+                self.wait_for_work(0 if idle < 8 else 25e-6 * idle)

@@ -190,6 +190,7 @@ class ShmTransport(MemoryTransport):
     def __init__(self, name: str, fd: int, size: int, *, owner: bool) -> None:
         self.name = name
         self.owner = owner
+        self.ino = os.fstat(fd).st_ino  # names the segment's notifiers (shared/notify.py)
         buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         super().__init__(buf)
@@ -233,8 +234,22 @@ class ShmTransport(MemoryTransport):
         return cls(name, fd, st.st_size, owner=False)
 
     def unlink(self) -> None:
+        """Remove the segment's name and its notifiers."""
+        from shared.notify import remove_notifiers  # noqa: PLC0415 - it imports this module
+
+        remove_notifiers(self.name, self.ino)
         shm_path(self.name).unlink(missing_ok=True)
 
     @staticmethod
     def unlink_name(name: str) -> None:
-        shm_path(name).unlink(missing_ok=True)
+        """Remove the segment named ``name``, with its notifiers."""
+        from shared.notify import remove_notifiers  # noqa: PLC0415 - it imports this module
+
+        path = shm_path(name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            remove_notifiers(name, st.st_ino)
+        path.unlink(missing_ok=True)

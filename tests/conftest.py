@@ -116,6 +116,8 @@ def ring_name() -> Iterator[str]:
     """A fresh segment name; whatever is left under it is removed afterwards."""
     name = f"blink-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield name
+    for path in SHM_DIR.glob(f"{name}@*"):  # its segments' notifiers (shared/notify.py)
+        path.unlink(missing_ok=True)
     (SHM_DIR / name).unlink(missing_ok=True)
 
 

@@ -120,7 +120,7 @@ async def one_fault(serve: ServeProc, model: str, max_tokens: int, k: int, resta
                 round(wall(spare_starts[k + 1]) - wall(logged(serve, "engine ready", k + 2)[k + 1]), 3),
             "restart_ready_s": round(ready_at - detected, 2), "first_success_after_ready_s": round(success_s, 2),
             "gauges": gauges, "roles_before": sorted(old), "roles_after": sorted(serve.children()),
-            "segments": sorted(p.name for p in SHM_DIR.iterdir() if serve.ring in p.name)}
+            "segments": sorted(p.name for p in SHM_DIR.iterdir() if serve.ring in p.name and "@" not in p.name)}
 
 
 def check(run: dict, ring: str, kind: str, ready_within_s: float | None) -> None:
