@@ -120,7 +120,8 @@ async def one_fault(serve: ServeProc, model: str, max_tokens: int, k: int, resta
                 round(wall(spare_starts[k + 1]) - wall(logged(serve, "engine ready", k + 2)[k + 1]), 3),
             "restart_ready_s": round(ready_at - detected, 2), "first_success_after_ready_s": round(success_s, 2),
             "gauges": gauges, "roles_before": sorted(old), "roles_after": sorted(serve.children()),
-            "segments": sorted(p.name for p in SHM_DIR.iterdir() if serve.ring in p.name and "@" not in p.name)}
+            "segments": sorted(p.name for p in SHM_DIR.iterdir() if serve.ring in p.name and "@" not in p.name),
+            "notifiers": sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{serve.ring}@"))}
 
 
 def check(run: dict, ring: str, kind: str, ready_within_s: float | None) -> None:
@@ -133,6 +134,8 @@ def check(run: dict, ring: str, kind: str, ready_within_s: float | None) -> None
     assert run["exit_code"] == 3 and not run["old_engine_alive"]
     assert all(v == 0 for v in run["gauges"].values()), run["gauges"]
     assert run["roles_after"] == run["roles_before"] and run["segments"] == [ring]
+    # the wake-up FIFOs (shared/notify.py) left are the live segment's only: the dead engine's went with its ring
+    assert len({n.split("@", 1)[1].split(".")[0] for n in run["notifiers"]}) <= 1, run["notifiers"]
     assert "standby-engine" in run["roles_before"]
     assert run["took_over"] == run["spare"] == run["new_engine"] != run["next_spare"], run
     assert run["next_spare_started_after_ready_s"] >= STANDBY_IDLE_S, run  # not beside the restarting engine
