@@ -393,9 +393,14 @@ class TokenReader:
             await asyncio.sleep(delay)
 
     async def _idle(self) -> None:
-        """Sleep until a ``Track`` or an engine's wake-up comes (or the next health check)."""
+        """Sleep until a ``Track`` or an engine's wake-up comes (or the next health check).
+
+        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a ``wait_for`` whose wait ends as the task is
+        cancelled returns and drops the cancellation, and with a wake-up per engine step that race is
+        common enough that a SIGTERMed reader kept serving (its only stop is that cancellation)."""
         try:
-            await asyncio.wait_for(self._wake.wait(), self.cfg.health_every_s)
+            async with asyncio.timeout(self.cfg.health_every_s):
+                await self._wake.wait()
         except TimeoutError:
             pass
         self._wake.clear()

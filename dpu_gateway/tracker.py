@@ -260,8 +260,9 @@ class SlotTracker:
     async def admission_loop(self) -> None:
         while True:
             poll = self.cfg.busy_poll_s if self.waiting else self.cfg.idle_poll_s
-            try:
-                await asyncio.wait_for(self._wake.wait(), poll)
+            try:  # asyncio.timeout: a wait_for ending as the task is cancelled drops the cancellation (3.11)
+                async with asyncio.timeout(poll):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -25,15 +25,10 @@ import fcntl
 import os
 import stat
 
-from shared.transport import SHM_DIR, Transport
+from shared.transport import NOTIFIER_KINDS as KINDS
+from shared.transport import Transport, notifier_path, remove_notifiers
 
-KINDS = ("tokens", "work")
-
-
-def notifier_path(name: str, ino: int, kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"unknown notifier kind {kind!r}")
-    return str(SHM_DIR / f"{name}@{ino}.{kind}")
+__all__ = ["KINDS", "Notifier", "notifier_path", "remove_notifiers"]
 
 
 def _segment(transport: Transport) -> tuple[str, int] | None:
@@ -115,10 +110,3 @@ class Notifier:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def remove_notifiers(name: str, ino: int) -> None:
-    """Unlink the notifiers of segment ``name`` with inode ``ino`` (the segment is going)."""
-    for kind in KINDS:
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            os.unlink(notifier_path(name, ino, kind))

@@ -163,6 +163,25 @@ class MemoryTransport(Transport):
                 pass
 
 
+# The wake-up FIFOs beside a segment (shared/notify.py), named after its inode; removed with it.
+NOTIFIER_KINDS = ("tokens", "work")
+
+
+def notifier_path(name: str, ino: int, kind: str) -> str:
+    if kind not in NOTIFIER_KINDS:
+        raise ValueError(f"unknown notifier kind {kind!r}")
+    return str(SHM_DIR / f"{name}@{ino}.{kind}")
+
+
+def remove_notifiers(name: str, ino: int) -> None:
+    """Unlink the notifiers of segment ``name`` with inode ``ino`` (the segment is going)."""
+    for kind in NOTIFIER_KINDS:
+        try:
+            os.unlink(notifier_path(name, ino, kind))
+        except (FileNotFoundError, PermissionError):
+            pass
+
+
 def shm_path(name: str) -> Path:
     if not name or "/" in name or name.startswith("."):
         raise RingError(f"invalid ring name {name!r}: use letters, digits, '-', '_' and '.'")
@@ -235,16 +254,12 @@ class ShmTransport(MemoryTransport):
 
     def unlink(self) -> None:
         """Remove the segment's name and its notifiers."""
-        from shared.notify import remove_notifiers  # noqa: PLC0415 - it imports this module
-
         remove_notifiers(self.name, self.ino)
         shm_path(self.name).unlink(missing_ok=True)
 
     @staticmethod
     def unlink_name(name: str) -> None:
         """Remove the segment named ``name``, with its notifiers."""
-        from shared.notify import remove_notifiers  # noqa: PLC0415 - it imports this module
-
         path = shm_path(name)
         try:
             st = os.lstat(path)
