@@ -41,7 +41,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
-from shared.notify import Notifier
+from shared.notify import Notifier, look_for
 from shared.ring import Ring
 from shared.slots import SlotWriter
 
@@ -99,6 +99,7 @@ class RingReader:
         # The engine's wake-up after a step that published (shared/notify.py), watched by the event loop;
         # None while the ring has none (then the poll loop polls this ring)
         self.notifier: Notifier | None = None
+        self._none_here = False  # the attached ring will never have one (notify.look_for): no more looks
         self._wake = wake
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -225,14 +226,15 @@ class RingReader:
     def _open_notifier(self) -> None:
         """Watch the attached ring's notifier, if it has one and an event loop runs here (a reader driven
         by hand, as in tests, polls)."""
-        if self.notifier is not None or self.ring is None or self._wake is None:
+        if self.notifier is not None or self._none_here or self.ring is None or self._wake is None:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        notifier = Notifier.open(self.ring.transport, "tokens")
+        notifier, final = look_for(self.ring, "tokens")
         if notifier is None:
+            self._none_here = final
             return
         if not notifier.take():  # another reader waits on it (the one this replaces): poll until it goes
             notifier.close()
@@ -247,7 +249,7 @@ class RingReader:
             self._wake()
 
     def _close_notifier(self) -> None:
-        notifier, self.notifier = self.notifier, None
+        notifier, self.notifier, self._none_here = self.notifier, None, False
         if notifier is None:
             return
         if self._loop is not None and not self._loop.is_closed():

@@ -30,7 +30,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
-from shared.notify import Notifier
+from shared.notify import Notifier, look_for
 from shared.ring import Ring
 from shared.slots import SlotRequest
 
@@ -84,6 +84,7 @@ class Lane:
         self.watch = RingWatch(name, heartbeat_timeout_s, on_detach=self._detached)
         self.cache: SlotCache | None = None
         self.work: Notifier | None = None  # the engine's wake-up (shared/notify.py), None while it has none
+        self._looked = False  # whether the attached ring's answer about it is final (notify.look_for)
         self.on_lost = on_lost  # called with the index when a ring this lane wrote to goes
 
     def _detached(self, old: Ring) -> None:
@@ -93,12 +94,13 @@ class Lane:
             if self.work is not None:
                 self.work.close()
                 self.work = None
+            self._looked = False
             self.on_lost(self.index)
 
     def wake_engine(self) -> None:
         """Tell an idle engine that a slot was published (it polls when the ring has no notifier)."""
-        if self.work is None and self.cache is not None:  # the engine makes it just before READY
-            self.work = Notifier.open(self.cache.ring.transport, "work")
+        if not self._looked and self.cache is not None:  # the engine makes it just before READY
+            self.work, self._looked = look_for(self.cache.ring, "work")
         if self.work is not None:
             self.work.notify()
 

@@ -24,11 +24,25 @@ import errno
 import fcntl
 import os
 import stat
+from typing import TYPE_CHECKING
 
+from shared import ring_layout as L
 from shared.transport import NOTIFIER_KINDS as KINDS
 from shared.transport import Transport, notifier_path, remove_notifiers
 
-__all__ = ["KINDS", "Notifier", "notifier_path", "remove_notifiers"]
+if TYPE_CHECKING:
+    from shared.ring import Ring
+
+__all__ = ["KINDS", "Notifier", "look_for", "notifier_path", "remove_notifiers"]
+
+
+def look_for(ring: Ring, kind: str) -> tuple[Notifier | None, bool]:
+    """The ring's notifier of ``kind``, and whether the answer is final. An engine makes its notifiers before
+    it says READY, so a ring seen READY (or past it) before the look that finds none never gets one (the
+    persistent scheduler, RDMA): the caller polls it and need not look again."""
+    ready = ring.header_load32("engine_state") >= L.EngineState.READY  # read first: then the look is final
+    found = Notifier.open(ring.transport, kind)
+    return found, found is not None or ready
 
 
 def _segment(transport: Transport) -> tuple[str, int] | None:

@@ -21,7 +21,7 @@ from gpu_engine.runner import StepOutput
 from shared import messages as m
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
-from shared.notify import Notifier, notifier_path
+from shared.notify import Notifier, look_for, notifier_path
 from shared.ring import RingGeometry, create_shm_ring, local_ring
 from shared.slots import SlotRequest, SlotWriter
 from shared.transport import SHM_DIR, ShmTransport
@@ -213,3 +213,22 @@ def test_the_reader_reads_a_notified_ring_at_each_wake_up_only(ring_name: str, t
 def test_the_reader_polls_a_ring_without_a_notifier(ring_name: str, tmp_path: Path) -> None:
     ids, _ = asyncio.run(_stream_one(ring_name, tmp_path, notified=False))
     assert ids == []  # polled every 10 s: none read within the test's half second
+
+
+def test_a_look_is_final_once_the_engine_said_ready(ring_name: str) -> None:
+    """`look_for`: before READY a missing notifier may still come (look again); from READY on, one missing
+    never will (the persistent scheduler makes none), so the frontend stops looking and polls."""
+    ring = create_shm_ring(ring_name, GEO)
+    try:
+        ring.header_store32("engine_state", L.EngineState.STARTING)
+        assert look_for(ring, "work") == (None, False)
+        ring.header_store32("engine_state", L.EngineState.READY)
+        assert look_for(ring, "work") == (None, True)
+        made = Notifier.create(ring.transport, "work")
+        found, final = look_for(ring, "work")
+        assert made is not None and found is not None and final
+        found.close()
+        made.close()
+    finally:
+        ring.close()
+        ShmTransport.unlink_name(ring_name)
