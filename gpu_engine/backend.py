@@ -40,6 +40,7 @@ class Backend:
     max_context: int
     vocab_size: int
     make_engine: Callable[[Ring], Servable] | None = None  # persistent mode: its own engine
+    prompt_logprobs: bool = True  # computes prompt log-probs: the ring gets their arenas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

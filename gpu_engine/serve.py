@@ -156,7 +156,7 @@ def fail_requests(ring: Ring, exc: BaseException) -> None:
 def serve(cfg: EngineConfig, backend: Backend) -> None:
     """Create the ring, serve it until shutdown, unlink it."""
     geometry = cfg.geometry
-    if backend.make_engine is not None:  # the persistent scheduler computes no prompt log-probs: no arenas
+    if not backend.prompt_logprobs:  # no prompt log-probs computed: no arenas
         geometry = dataclasses.replace(geometry, max_prompt_logprobs_tokens=0)
     ring = create_shm_ring(cfg.ring_name, geometry)
 

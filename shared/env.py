@@ -77,6 +77,10 @@ class Env:
     device_processors: bool = _var("BLINK_DEVICE_PROCESSORS", True, "the persistent scheduler applies the "
                                    "penalties, logit_bias and min_tokens on the device (0: left out of its graphs, "
                                    "and those fields refused with a 400 on that backend)", _bool)
+    device_prompt_logprobs: bool = _var("BLINK_DEVICE_PROMPT_LOGPROBS", True, "the persistent scheduler computes "
+                                        "prompt log-probs through a score graph (0: no score graph, and "
+                                        "prompt_logprobs and echo with logprobs refused with a 400 on that backend)",
+                                        _bool)
     device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", True, "the persistent scheduler caches prefixes "
                                      "on the device where the policy does (0: not on that backend, whatever "
                                      "--enable-prefix-caching says)", _bool)

@@ -44,3 +44,13 @@ def test_phase_clocks_are_a_separate_build_with_the_same_structs() -> None:
     assert plain != clocks and plain.parent == clocks.parent
     lib = pers.Library(pers.build_library(phase_clocks=True))  # the size checks of both mirrors again
     assert lib.lib.blink_sched_stats_size() == C.sizeof(pers.SchedStats)
+
+
+def test_a_score_graph_without_its_buffers_or_launch_headroom_is_refused(lib: pers.Library) -> None:
+    """Prompt log-probs need the score graph's executables and buffers, and room in every window for the score
+    launches of the largest step (the device's 120 launches per execution)."""
+    assert "score graph" in create(lib, score_rows=256, score_top=2, score_max_pieces=8, prompt_logprob_rows=64)
+    parts = {name: 64 for name in ("score_exec", "score_counter", "score_index", "score_targets", "score_logprobs",
+                                   "score_ranks", "score_top_ids", "score_top_logprobs")}
+    assert "200 score launches" in create(lib, score_rows=16, score_top=2, score_max_pieces=200,
+                                          prompt_logprob_rows=64, **parts)

@@ -205,12 +205,28 @@ int blink_clock_offset(int64_t *offset) {
   return 0;
 }
 
-int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
+// A configuration the scheduler cannot serve: its message in g_error, true.
+bool config_refused(const blink_sched_config *cfg) {
   if (cfg->processors && !(cfg->history && cfg->bias_tokens && cfg->bias_values && cfg->proc_rows &&
                            cfg->proc_penalties && cfg->max_bias)) {
     snprintf(g_error, sizeof(g_error), "invalid scheduler config: processors on without their tables");
-    return -1;
+    return true;
   }
+  bool score_parts = cfg->score_exec && cfg->score_counter && cfg->score_index && cfg->score_targets &&
+                     cfg->score_logprobs && cfg->score_ranks && cfg->score_top_ids && cfg->score_top_logprobs;
+  if (cfg->score_rows && !(score_parts && cfg->score_top && cfg->prompt_logprob_rows && cfg->score_max_pieces &&
+                           cfg->score_max_pieces + 3 <= BLINK_WINDOW_LIMIT)) {
+    snprintf(g_error, sizeof(g_error),
+             "invalid scheduler config: the score graph without its buffers, or %u score launches a step "
+             "(at most %d)",
+             cfg->score_max_pieces, BLINK_WINDOW_LIMIT - 3);
+    return true;
+  }
+  return false;
+}
+
+int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
+  if (config_refused(cfg)) return -1;
   if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0 ||
       cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread || (cfg->scan_flips && cfg->num_slots > kFlipWords * 64)) {
     snprintf(g_error, sizeof(g_error),

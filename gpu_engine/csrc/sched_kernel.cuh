@@ -36,8 +36,8 @@ __device__ void on_start(SchedState *s) {
 
 // All threads: the step the previous execution launched before it yielded its SM is complete (a
 // tail launch starts only then): publish its results.
-__device__ void finish_pending(SchedState *s) {
-  wait_and_postprocess(s, s->pending_expect, s->pending_launch_ns);
+__device__ void finish_pending(SchedState *s, uint32_t *launches) {
+  wait_and_postprocess(s, s->pending_expect, s->pending_launch_ns, launches);
   __syncthreads();
   if (threadIdx.x == 0) s->pending = 0;
   __syncthreads();
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     on_start(s);
   }
   __syncthreads();
-  if (s->pending) finish_pending(s);
+  if (s->pending) finish_pending(s, &launches);
   while (true) {
     maintenance(s);
     __syncthreads();
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
       break;
     }
     claim_new(s);  // overlapped with the running graph
-    wait_and_postprocess(s, expect, t_launch);
+    wait_and_postprocess(s, expect, t_launch, &launches);
     __syncthreads();
   }
   copy_stats_out(s, host_stats);

@@ -138,9 +138,10 @@ __device__ void release_blocks(SchedState *s, const int32_t *tab, uint32_t n) {
 }
 
 // Policy._cached_prefix: write into request i's block table the cached blocks of its leading full
-// blocks, up to the block before the one holding its last token; returns how many (none shared yet).
+// blocks, up to the block before the one holding its last token; returns how many (none shared yet). None
+// for a request asking for prompt log-probs: they need every position computed.
 __device__ uint32_t cached_prefix(SchedState *s, uint32_t i, uint32_t ctx) {
-  if (!s->cfg.prefix_caching) return 0;
+  if (!s->cfg.prefix_caching || (s->req[i].flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS)) return 0;
   uint32_t limit = (ctx - 1) / s->cfg.block_size, hit = 0;
   extend_hashes(s, i, limit);
   const uint64_t *h = req_block_hashes(s, i);

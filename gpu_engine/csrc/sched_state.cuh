@@ -43,6 +43,7 @@ struct ReqInfo {
   int32_t stop_ids[kMaxStopIds];
   float rep, freq, pres;          // the penalties (rep 1: off; an older writer's 0 read as 1)
   uint32_t min_tokens, num_bias;  // num_bias: LogitBias entries, copied to the device bias table at admission
+  uint32_t num_prompt_top;        // Slot.num_prompt_logprobs: alternatives per prompt position (with the flag)
 };
 
 struct SchedState {
@@ -70,6 +71,7 @@ struct SchedState {
   uint32_t idle_count, table_mask;
   uint64_t cache_queries, cache_hits, cache_evictions;
   uint32_t *copy_rr;                             // [num_graphs] next executable copy
+  uint32_t score_rr;                             // the score graph's next executable copy
   uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
   uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;

@@ -1,5 +1,6 @@
 // One step: plan (thread 0), stage the static buffers (all threads), launch the graph from the
-// device (thread 0), wait for its completion counter and publish the results (all threads).
+// device (thread 0), wait for its completion counter, score the prompts that asked for their log-probs
+// (sched_score.cuh) and publish the results (all threads).
 #ifndef BLINK_SCHED_STEP_CUH_
 #define BLINK_SCHED_STEP_CUH_
 
@@ -9,8 +10,10 @@
 
 #include "blink_ring.h"
 #include "sched.h"
+#include "sched_launch.cuh"
 #include "sched_memory.cuh"
 #include "sched_policy.cuh"
+#include "sched_score.cuh"
 #include "sched_state.cuh"
 
 namespace {
@@ -66,7 +69,8 @@ __device__ bool relaunch_self(SchedState *s) {
 // Thread 0: tail-relaunch when the window is nearly used, else plan the next step.
 __device__ uint32_t plan_step(SchedState *s, uint32_t *launches) {
   if (s->stopped) return kActionExit;
-  if (*launches + 2 > BLINK_WINDOW_LIMIT - 1) {  // room for a prefill and the resumed decode
+  // room for a prefill, its score launches and the resumed decode
+  if (*launches + 2 + s->cfg.score_max_pieces > BLINK_WINDOW_LIMIT - 1) {
     s->stats->windows++;
     return relaunch_self(s) ? kActionRelaunch : kActionExit;
   }
@@ -211,40 +215,19 @@ __device__ bool fault_now(SchedState *s, uint32_t fault) {
   return s->cfg.fault == fault && s->stats->steps + 1 == s->cfg.fault_at;
 }
 
-// Thread 0: fire-and-forget launch of the step's graph, rotating executable copies. A graph
-// relaunched right after completion can be refused for a few microseconds with the same
-// error code as the window limit (cudaErrorInvalidValue): that code alone is retried, a bounded
-// number of times; any other fails the launch at once.
+// Thread 0: fire-and-forget launch of the step's graph, rotating executable copies (launch_copy);
+// BLINK_FAULT_LAUNCH fails it.
 __device__ bool launch(SchedState *s, int64_t *expect, uint64_t *t_launch) {
   const blink_sched_config &c = s->cfg;
   uint32_t g = s->plan_graph;
   *expect = ld_volatile64(&c.counters[g]) + 1;
-  cudaError_t err = cudaErrorInvalidValue;
-  for (uint32_t attempt = 0; attempt < 256; ++attempt) {
-    uint32_t copy = s->copy_rr[g]++ % c.copies;
-    uint64_t t0 = now_ns();
-    err = fault_now(s, BLINK_FAULT_LAUNCH)
-              ? cudaErrorLaunchFailure
-              : cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(c.exec_handles[g * c.copies + copy]),
-                                cudaStreamGraphFireAndForget);
-    uint64_t t1 = now_ns();
-    if (err == cudaSuccess) {
-      volatile blink_sched_stats *hs = s->host_stats;  // what a host watchdog reads if this step hangs
-      hs->current_since_ns = t1;
-      hs->current_graph = g + 1;
-      sample_into(s->stats->launch_ns, &s->stats->n_launch_samples, t1 - t0);
-      *t_launch = t1;
-      s->stats->launches++;
-      return true;
-    }
-    if (err != cudaErrorInvalidValue) break;
-    s->stats->launch_retries++;
-    __nanosleep(500);
-  }
-  s->stats->launch_failures++;
-  s->stats->exit_reason = BLINK_EXIT_LAUNCH_FAILED;
-  s->stats->error = static_cast<uint32_t>(err);
-  return false;
+  if (launch_copy(s, c.exec_handles + static_cast<size_t>(g) * c.copies, &s->copy_rr[g],
+                  fault_now(s, BLINK_FAULT_LAUNCH), t_launch) != cudaSuccess)
+    return false;
+  volatile blink_sched_stats *hs = s->host_stats;  // what a host watchdog reads if this step hangs
+  hs->current_since_ns = *t_launch;
+  hs->current_graph = g + 1;
+  return true;
 }
 
 // One row's results: the finish check, then tokens (and logprobs) to the ring, `generated` last.
@@ -290,21 +273,13 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
 // the frontend could take the engine for dead before those requests are failed.
 // BLINK_FAULT_HANG waits for a count that never comes.
 __device__ bool await_step(SchedState *s, int64_t expect, uint64_t t_launch) {
-  const blink_sched_config &c = s->cfg;
-  const int64_t *ctr = &c.counters[s->plan_graph];
   if (fault_now(s, BLINK_FAULT_HANG)) ++expect;
-  while (ld_volatile64(ctr) < expect) {
-    if (c.step_timeout_ns && now_ns() - t_launch > c.step_timeout_ns) {
-      s->stats->exit_reason = BLINK_EXIT_STEP_TIMEOUT;
-      s->stopped = 1;
-      return false;
-    }
-  }
-  return true;
+  return await_counter(s, &s->cfg.counters[s->plan_graph], expect, t_launch);
 }
 
-// All threads: wait for the graph, publish every row, then thread 0 updates the policy state.
-__device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_launch) {
+// All threads: wait for the graph, score its prompts, publish every row, then thread 0 updates the policy
+// state. `launches`: this execution's count (the score graph's launches add to it).
+__device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_launch, uint32_t *launches) {
   __shared__ uint32_t reason[BLINK_SCHED_THREADS];
   if (threadIdx.x == 0 && await_step(s, expect, t_launch)) {
     __threadfence();
@@ -313,6 +288,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   }
   __syncthreads();
   if (s->stopped) return;  // the step timed out, or the state was found overwritten: publish nothing
+  if (!score_prompts(s, launches)) return;
   if (threadIdx.x < s->plan_n) reason[threadIdx.x] = publish_row(s, threadIdx.x);
   __syncthreads();
   if (threadIdx.x != 0) return;

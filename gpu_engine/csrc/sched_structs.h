@@ -90,6 +90,29 @@ typedef struct blink_sched_config {
   int32_t *proc_rows;
   // [max_batch * 3] step buffer: repetition, frequency, presence
   float *proc_penalties;
+  // ---- prompt log-probs: a score graph over the prefill graphs' kept hidden states (score_rows 0: none)
+  // positions the score graph scores per launch; alternatives it keeps per position
+  uint32_t score_rows, score_top;
+  // score launches a step may need (launch headroom kept in every window); prompt rows per slot
+  uint32_t score_max_pieces, prompt_logprob_rows;
+  // the ring's prompt-logprob arenas
+  uint64_t prompt_logprob_off, prompt_top_logprob_off;
+  // [copies] the score graph's cudaGraphExec_t
+  const uint64_t *score_exec;
+  // its completion counter
+  int64_t *score_counter;
+  // [score_rows] step buffer: the packed token whose hidden state is scored
+  int32_t *score_index;
+  // [score_rows] step buffer: the prompt token it predicts
+  int64_t *score_targets;
+  // [score_rows] that token's log-prob
+  float *score_logprobs;
+  // [score_rows] its rank (vLLM's: tokens at least as likely, itself included)
+  int32_t *score_ranks;
+  // [score_rows * score_top] the most likely tokens, best first
+  int64_t *score_top_ids;
+  // [score_rows * score_top] their log-probs
+  float *score_top_logprobs;
   // ---- options
   // beat period
   uint64_t heartbeat_ns;

@@ -23,10 +23,15 @@ the cheapest prefill graph with batch >= b, tokens >= t and filtered == bool(f) 
 where no unfiltered prefill graph was captured). Shapes past the largest fall back to the
 largest graph of their kind (whose padding rules then do not hold, so callers must split such
 steps; `lookup` reports it).
+
+A runner with `RunnerLimits.score_rows` also gets the score graph (`score`, outside the shape tables; its
+counter is the last one): `GpuModelRunner.score_positions`, which the persistent scheduler launches after a
+prefill step whose prompts asked for their log-probs.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,7 +115,8 @@ class GraphCache:
         shapes += [GraphShape(False, b, t, f) for f in variants for b, t in sorted(set(prefill_buckets))]
         self.shapes = shapes
         self.graphs: list[CapturedGraph | None] = [None] * len(shapes)
-        self.counters = torch.zeros(len(shapes), dtype=torch.int64, device=runner.device)
+        self.score: CapturedGraph | None = None  # the score graph, once captured (RunnerLimits.score_rows)
+        self.counters = torch.zeros(len(shapes) + 1, dtype=torch.int64, device=runner.device)  # the last: score
         self.decode_table = self._decode_table(lim.max_batch)
         self.prefill_table = self._prefill_table(lim.max_batch, lim.max_tokens)
         self._pool: Any = None  # torch's graph pool handle, made at capture
@@ -176,20 +182,27 @@ class GraphCache:
         order = sorted(range(len(self.shapes)), key=lambda i: -self.shapes[i].tokens)
         bar = tqdm(order, desc="capturing graphs", disable=not progress, unit="graph")
         for k, i in enumerate(bar, 1):
-            self.graphs[i] = self._capture_one(i)
+            self.graphs[i] = self._capture_one(self.shapes[i], i, functools.partial(self._forward, self.shapes[i]))
             if on_graph is not None:
                 on_graph(k, len(order))
             g = self.graphs[i]
             bar.set_postfix_str(f"{shape_label(g.shape)} {g.capture_s * 1e3:.0f} ms {g.memory_bytes / 2**20:.1f} MiB")
+        rows = self.runner.limits.score_rows
+        if rows:
+            self.score = self._capture_one(GraphShape(False, 0, rows, False), len(self.shapes),
+                                           self.runner.score_positions)
         torch.cuda.synchronize()
         return [g for g in self.graphs if g is not None]
 
-    def _capture_one(self, index: int) -> CapturedGraph:
-        shape = self.shapes[index]
+    def _forward(self, s: GraphShape) -> None:
+        self.runner.forward(s.batch, s.tokens, s.decode, s.filtered)
+
+    def _capture_one(self, shape: GraphShape, index: int, run: Callable[[], None]) -> CapturedGraph:
+        """Warm ``run`` up, then capture it followed by the bump of ``counters[index]``."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, picks cuBLAS algorithms
-            self.runner.forward(shape.batch, shape.tokens, shape.decode, shape.filtered)
+            run()
             _bump_counter_kernel[(1,)](torch.zeros(1, dtype=torch.int64, device=self.runner.device))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -197,7 +210,7 @@ class GraphCache:
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph, pool=self._pool):
-            self.runner.forward(shape.batch, shape.tokens, shape.decode, shape.filtered)
+            run()
             _bump_counter_kernel[(1,)](self.counters[index:])
         if hasattr(graph, "instantiate"):
             graph.instantiate()
@@ -247,21 +260,28 @@ class GraphCache:
             "token_grain": TOKEN_GRAIN,
             "counters_ptr": self.counters.data_ptr(),
             "buffers": self.runner.buffers.pointers(),
+            # the score graph (none: prompt log-probs are not computed): its executables and counter
+            "score_exec_handles": list(self.score.exec_handles) if self.score else [],
+            "score_counter_ptr": self.counters[len(self.shapes):].data_ptr(),
         }
 
     def close(self) -> None:
         """Destroy the device-launch executables and drop the graphs."""
-        rt = _cudart() if any(g and g.exec_handles for g in self.graphs) else None
-        for g in self.graphs:
+        every = [*self.graphs, self.score]
+        rt = _cudart() if any(g and g.exec_handles for g in every) else None
+        for g in every:
             if g is not None and rt is not None:
                 for h in g.exec_handles:
                     rt.cudaGraphExecDestroy(rt.cudaGraphExec_t(init_value=h))
                 g.exec_handles.clear()
         self.graphs = [None] * len(self.shapes)
+        self.score = None
 
 
 def shape_label(s: GraphShape) -> str:
     """A graph shape for logs: decode/prefill, batch, tokens and the sampling variant."""
     if s.decode:
         return f"decode b={s.batch} {'filtered' if s.filtered else 'unfiltered'}"
+    if s.batch == 0:
+        return f"score rows={s.tokens}"
     return f"prefill b={s.batch} t={s.tokens}{'' if s.filtered else ' unfiltered'}"

@@ -200,6 +200,9 @@ class PersistentScheduler:
         cfg.max_prefill_tokens = token_budget or limits.max_tokens  # type: ignore[attr-defined]
         if chunked and cfg.max_prefill_tokens < max_batch:
             raise SchedulerError(f"token budget {cfg.max_prefill_tokens} < max batch {max_batch}")
+        if cfg.score_rows:  # a step's tokens: the budget with chunking, else up to the largest prefill graph
+            step_tokens = cfg.max_prefill_tokens if chunked else limits.max_tokens  # type: ignore[attr-defined]
+            cfg.score_max_pieces = -(-step_tokens // cfg.score_rows)
         cfg.scan_flips = int(scan_flips)
         cfg.heartbeat_ns = int(heartbeat_ms * 1e6)
         cfg.drain_ns = int(drain_s * 1e9)
@@ -263,7 +266,27 @@ class PersistentScheduler:
         c.num_top_out = max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
         c.vocab_size = vocab_size
         self._processor_tables(c, limits.device_tables, b)  # type: ignore[attr-defined]
+        self._score_graph(c, g, view, limits)
         return c
+
+    def _score_graph(self, c: SchedConfig, g: object, view: dict, limits: object) -> None:
+        """The prompt log-probs' score graph (graph_cache.GraphCache.score), where one was captured and the ring
+        has prompt-logprob rows; without it the scheduler refuses a request that asks for them."""
+        handles, rows = view["score_exec_handles"], g.prompt_logprob_rows  # type: ignore[attr-defined]
+        if not handles or not rows:
+            return
+        if len(handles) < c.copies:
+            raise SchedulerError(f"the score graph has {len(handles)} executables, the others {c.copies}")
+        c.score_exec = self._arr(handles[: c.copies], np.uint64)
+        c.score_counter = view["score_counter_ptr"]
+        c.score_rows, c.score_top = limits.score_rows, max(1, limits.num_top_logprobs)  # type: ignore[attr-defined]
+        c.prompt_logprob_rows = rows
+        c.prompt_logprob_off = g.prompt_logprob_arena_offset  # type: ignore[attr-defined]
+        c.prompt_top_logprob_off = g.prompt_top_logprob_arena_offset  # type: ignore[attr-defined]
+        b = view["buffers"]
+        for name in ("score_index", "score_targets", "score_logprobs", "score_ranks", "score_top_ids",
+                     "score_top_logprobs"):
+            setattr(c, name, b[name])
 
     @staticmethod
     def _processor_tables(c: SchedConfig, tables: object, buffers: dict) -> None:

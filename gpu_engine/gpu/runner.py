@@ -38,6 +38,7 @@ from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.q8_weight import GROUP, Q8Weight
+from gpu_engine.prompt_logprobs import score
 from shared.slots import MAX_LOGIT_BIAS
 
 
@@ -71,10 +72,16 @@ class RunnerLimits:
     # the same processors from the persistent scheduler's device state (`kernels.processors`), a masked path:
     # a row without any costs one load; a [max_batch, vocab] int32 scratch and the tables below
     device_tables: DeviceTables | None = None
+    # prompt log-probs through a score graph (`GpuModelRunner.score_positions`, the persistent scheduler): every
+    # prefill graph keeps each token's final hidden state in a static [max_tokens, hidden] buffer, and the score
+    # graph scores `score_rows` of them per launch (a [score_rows, vocab] float32 temporary); 0: neither
+    score_rows: int = 0
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_tokens, self.max_blocks_per_seq) <= 0 or self.num_top_logprobs < 0:
             raise ValueError(f"invalid runner limits {self}")
+        if not 0 <= self.score_rows <= self.max_tokens:
+            raise ValueError(f"runner limits {self}: score_rows must be in 0..max_tokens")
         if self.max_tokens < self.max_batch:
             raise ValueError("max_tokens must be >= max_batch (a decode step has one token per sequence)")
 
@@ -119,10 +126,23 @@ class StepBuffers:
     bias_tokens: torch.Tensor  # [num_slots, max_bias] int32
     bias_values: torch.Tensor  # [num_slots, max_bias] f32
     proc_scratch: torch.Tensor  # [max_batch, vocab] int32, zero at rest
+    # prompt log-probs (RunnerLimits.score_rows; [0, ...] when off): every prefill token's final hidden state,
+    # written by the prefill graphs; the score graph's inputs (which kept rows, the prompt tokens they predict)
+    # and outputs (`prompt_logprobs.score` of them)
+    hidden: torch.Tensor  # [max_tokens, hidden_size] model dtype
+    score_index: torch.Tensor  # [score_rows] int32, a row of `hidden`
+    score_targets: torch.Tensor  # [score_rows] int64
+    score_logprobs: torch.Tensor  # [score_rows] f32
+    score_ranks: torch.Tensor  # [score_rows] int32
+    score_top_ids: torch.Tensor  # [score_rows, num_top] int64
+    score_top_logprobs: torch.Tensor  # [score_rows, num_top] f32
 
     @classmethod
-    def allocate(cls, limits: RunnerLimits, vocab: int, device) -> StepBuffers:
+    def allocate(cls, limits: RunnerLimits, vocab: int, device, hidden: tuple[int, torch.dtype] = (0, torch.float32),
+                 ) -> StepBuffers:
+        """``hidden``: the model's hidden size and dtype (the kept hidden states, with ``limits.score_rows``)."""
         B, T, K = limits.max_batch, limits.max_tokens, max(1, limits.num_top_logprobs)
+        R = limits.score_rows
         PB = B if limits.processors else 0
         dt = limits.device_tables
         slots, width, nbias = (dt.num_slots, dt.max_context, dt.max_bias) if dt else (0, 0, 0)
@@ -152,6 +172,10 @@ class StepBuffers:
             history=z(slots, width, dtype=torch.int32), bias_tokens=z(slots, nbias, dtype=torch.int32),
             bias_values=z(slots, nbias, dtype=torch.float32),
             proc_scratch=z(B if dt else 0, vocab, dtype=torch.int32),
+            hidden=z(T if R else 0, hidden[0], dtype=hidden[1]), score_index=z(R, dtype=torch.int32),
+            score_targets=z(R, dtype=torch.int64), score_logprobs=z(R, dtype=torch.float32),
+            score_ranks=z(R, dtype=torch.int32), score_top_ids=z(R, K, dtype=torch.int64),
+            score_top_logprobs=z(R, K, dtype=torch.float32),
         )
 
     def processors(self, batch: int) -> Processors:
@@ -254,7 +278,7 @@ class GpuModelRunner:
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
-        self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device)
+        self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device, (cfg.hidden_size, self.dtype))
         self.scale = cfg.head_dim ** -0.5
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
@@ -286,6 +310,21 @@ class GpuModelRunner:
             self.kept_hidden = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual.clone())
         self._head(h, residual, batch, tokens, decode)
         self._sample(batch, filtered)
+
+    def score_positions(self) -> None:
+        """The score graph's work (capturable): the log-prob, rank and top alternatives of each `score_targets`
+        token under the logits of kept hidden state `score_index` (rows the last prefill graphs wrote), as
+        `prompt_logprobs.score` computes them for the Python-driven backends."""
+        b, lim = self.buffers, self.limits
+        if not lim.score_rows:
+            raise RuntimeError("this runner keeps no hidden states (RunnerLimits.score_rows is 0)")
+        rows = b.hidden.index_select(0, b.score_index.clamp(0, lim.max_tokens - 1))
+        logprobs, ranks, top_ids, top_logprobs = score(self._linear(rows, self.lm_head), b.score_targets,
+                                                       max(1, lim.num_top_logprobs))
+        b.score_logprobs.copy_(logprobs)
+        b.score_ranks.copy_(ranks)
+        b.score_top_ids.copy_(top_ids)
+        b.score_top_logprobs.copy_(top_logprobs)
 
     def logits_at(self, first: int, n: int) -> torch.Tensor:
         """float32 logits [n, vocab] of tokens `first .. first + n` of the last `forward(keep_hidden=True)`
@@ -351,9 +390,16 @@ class GpuModelRunner:
         return F.linear(x, w)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
-        """Final residual add + norm on each sequence's last token only, then the LM head."""
+        """Final residual add + norm on each sequence's last token only (on every token of a prefill into the kept
+        hidden states, with `RunnerLimits.score_rows`: the norm is per row, so the last tokens' are the same),
+        then the LM head."""
         if not decode:
             last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
+            if self.limits.score_rows:
+                kept = self.buffers.hidden[:tokens]
+                rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, out=kept)
+                self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head))
+                return
             h, residual = h[last], residual[last]
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
         self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))

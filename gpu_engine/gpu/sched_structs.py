@@ -87,6 +87,20 @@ class SchedConfig(C.Structure):
     bias_values: int | None
     proc_rows: int | None
     proc_penalties: int | None
+    score_rows: int
+    score_top: int
+    score_max_pieces: int
+    prompt_logprob_rows: int
+    prompt_logprob_off: int
+    prompt_top_logprob_off: int
+    score_exec: int | None
+    score_counter: int | None
+    score_index: int | None
+    score_targets: int | None
+    score_logprobs: int | None
+    score_ranks: int | None
+    score_top_ids: int | None
+    score_top_logprobs: int | None
     heartbeat_ns: int
     drain_ns: int
     clock_offset_ns: int
@@ -157,6 +171,20 @@ class SchedConfig(C.Structure):
         ("bias_values", C.c_void_p),
         ("proc_rows", C.c_void_p),
         ("proc_penalties", C.c_void_p),
+        ("score_rows", C.c_uint32),
+        ("score_top", C.c_uint32),
+        ("score_max_pieces", C.c_uint32),
+        ("prompt_logprob_rows", C.c_uint32),
+        ("prompt_logprob_off", C.c_uint64),
+        ("prompt_top_logprob_off", C.c_uint64),
+        ("score_exec", C.c_void_p),
+        ("score_counter", C.c_void_p),
+        ("score_index", C.c_void_p),
+        ("score_targets", C.c_void_p),
+        ("score_logprobs", C.c_void_p),
+        ("score_ranks", C.c_void_p),
+        ("score_top_ids", C.c_void_p),
+        ("score_top_logprobs", C.c_void_p),
         ("heartbeat_ns", C.c_uint64),
         ("drain_ns", C.c_uint64),
         ("clock_offset_ns", C.c_int64),

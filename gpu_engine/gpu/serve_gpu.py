@@ -47,10 +47,12 @@ FAILED_EXITS: dict[int, tuple[type[DeviceFailure], str]] = {
 }
 DEVICE_FAULTS = {"hang": SS.FAULT_HANG, "launch": SS.FAULT_LAUNCH}
 SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
-# The sampling fields the persistent scheduler applies on the device (RingHeader.sampling_features); grammars
-# are applied by the Python-driven backends only (the scheduler refuses a request with one).
+# The sampling fields the persistent scheduler applies on the device with the processors' tables
+# (RingHeader.sampling_features); prompt log-probs with the score graph; grammars are applied by the
+# Python-driven backends only (the scheduler refuses a request with one).
 PERSISTENT_FEATURES = L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
 PROBE_TIMEOUT_S = 5.0
+SCORE_ROWS = 256  # prompt positions the score graph scores per launch ([rows, vocab] float32 temporaries)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -110,10 +112,13 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     # leaves it out).
     device_procs = cfg.backend == "persistent" and env.env().device_processors
     tables = DeviceTables(g.num_slots, max_context) if device_procs else None
+    # Prompt log-probs: the host-driven backend scores them in its step wait; the persistent one through the
+    # score graph (BLINK_DEVICE_PROMPT_LOGPROBS=0 leaves it out), where the ring holds them.
+    scored = cfg.backend == "persistent" and env.env().device_prompt_logprobs and g.prompt_logprob_rows > 0
     limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
-                          device_tables=tables)
+                          device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
@@ -157,8 +162,11 @@ class PersistentEngine:
         p, ring = self.parts, self.ring
         size = ring.transport.size
         yielding = self.yielding_graphs()
+        view = p.cache.scheduler_view()
+        if not self.score_graph_fits():
+            view["score_exec_handles"] = []  # the scheduler then refuses prompt log-probs
         sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
-                                    p.cache.scheduler_view(), p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
+                                    view, p.kv, p.limits, p.eos_ids, self.cfg.max_batch,
                                     p.max_context, p.vocab_size, yield_graphs=yielding,
                                     claim_with_cas=not env.env().sched_plain_claim,
                                     scan_flips=self.flips_usable(), chunked=p.chunked,
@@ -166,8 +174,7 @@ class PersistentEngine:
                                     step_timeout_s=self.step_timeout_s,
                                     fault=self.fault)
         ring.header_store64("heartbeat_ns", time.time_ns())
-        if p.limits.device_tables is not None:  # else the gateway refuses those fields with a 400
-            ring.header_store32("sampling_features", int(PERSISTENT_FEATURES))
+        ring.header_store32("sampling_features", self.features(sched))  # the gateway refuses the rest with a 400
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()
@@ -178,6 +185,12 @@ class PersistentEngine:
         if overwritten:
             log.error("scheduler state overwritten by another kernel", ranges=overwritten)
         sched.close()
+
+    def features(self, sched: PersistentScheduler) -> int:
+        """The ``SamplingFeatures`` the scheduler serves: the processors with their tables, prompt log-probs
+        with the score graph (given to it where the ring has the rows and the graph can run beside it)."""
+        f = PERSISTENT_FEATURES if self.parts.limits.device_tables is not None else 0
+        return int(f | (L.SamplingFeatures.PROMPT_LOGPROBS if sched.config.score_rows else 0))
 
     def yielding_graphs(self) -> frozenset[int]:
         """Graphs during which the scheduler must leave its SM: those that cannot finish beside its
@@ -194,6 +207,17 @@ class PersistentEngine:
             log.warning("these graphs run with the scheduler off its SM (a tail launch per step)",
                         graphs=[shape_label(cache.shapes[i]) for i in stuck])
         return frozenset(stuck)
+
+    def score_graph_fits(self) -> bool:
+        """Whether there is a score graph and it finishes beside the scheduler's block (the scheduler keeps its
+        SM while it runs, in every mode); checked once."""
+        score = self.parts.cache.score
+        if score is None:
+            return False
+        if coresidency_failures(library(), [(0, score.graph.replay)], PROBE_TIMEOUT_S):
+            log.warning("the score graph does not finish beside the scheduler block: prompt log-probs refused")
+            return False
+        return True
 
     def graph_in_flight(self, sched: Watched) -> dict:
         """Log fields naming the graph in flight and how long it has run, if one is."""
@@ -273,7 +297,8 @@ def build_gpu_backend(cfg: EngineConfig, fault: Fault | None = None) -> Backend:
                 and not policy.prefix_caching else {}))
     if persistent:
         return Backend(None, policy, parts.eos_ids, parts.max_context, parts.vocab_size,
-                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault, policy.prefix_caching))
+                       make_engine=lambda ring: PersistentEngine(ring, parts, cfg, fault, policy.prefix_caching),
+                       prompt_logprobs=parts.limits.score_rows > 0)
     timeout_s = env.env().step_timeout_s
     runner = HostGraphRunner(parts.runner, parts.cache, timeout_s)
     served = runner if fault is None else FaultyRunner(runner, fault, timeout_s)

@@ -278,18 +278,20 @@ def shared_prefix_jobs(n: int, seed: int) -> list[Job]:
     return jobs
 
 
-def test_host_driven_prompt_logprobs_equal_transformers(tiny: Path) -> None:
-    """Prompt log-probs on the host-driven backend (its eager forward at the captured graph's shape, the
-    scoring inside the step's bounded wait), prompts chunked by a 96-token budget and preempted on a 64-block
-    cache: each position's log-prob, rank and top-2 as transformers computes them in fp32; the requests that
-    did not ask, beside them, keep their tokens."""
+@pytest.mark.parametrize("backend", ["host", "persistent"])
+def test_prompt_logprobs_equal_transformers(tiny: Path, backend: str) -> None:
+    """Prompt log-probs on both GPU backends (host-driven: its eager forward at the captured graph's shape, the
+    scoring inside the step's bounded wait; persistent: the score graph the scheduler launches after a prefill
+    step), prompts chunked by a 96-token budget and preempted on a 64-block cache: each position's log-prob,
+    rank and top-2 as transformers computes them in fp32; the requests that did not ask, beside them, keep
+    their tokens."""
     rng = np.random.default_rng(21)
     prompts = [rng.integers(3, VOCAB, size=int(rng.integers(2, 200))).astype(np.int32) for _ in range(40)]
     jobs = [FieldJob(k + 1, p, 4, fields=(("prompt_logprobs", 2),) if k % 2 == 0 else ()) for k, p in
             enumerate(prompts)]
-    plain, _ = serve_jobs(tiny, "host", [Job(j.rid, j.prompt, 4, top_logprobs=2) for j in jobs], window=8,
+    plain, _ = serve_jobs(tiny, backend, [Job(j.rid, j.prompt, 4, top_logprobs=2) for j in jobs], window=8,
                           tag="plp-ref", engine_args=CHUNK_ARGS)
-    got, stats = serve_jobs(tiny, "host", jobs, window=8, tag="plp", engine_args=CHUNK_ARGS)
+    got, stats = serve_jobs(tiny, backend, jobs, window=8, tag="plp", engine_args=CHUNK_ARGS)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["exit_code"] == 0
     model = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     for j in jobs:
