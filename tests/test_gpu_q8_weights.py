@@ -153,15 +153,18 @@ def test_q8_0_gguf_on_cuda_keeps_int8(q8_file) -> None:
     path, _ = q8_file
     got = load_gpu_weights(path, dtype=torch.bfloat16, device="cuda")
     assert all(w.codes.is_cuda for w in got.quantized.values())
-    reference, cfg = load_model(path, dtype=torch.bfloat16, device="cuda")
-    runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
-                            RunnerLimits(4, 32, 8), quantized=got.quantized)
+    dense = load_gpu_weights(path, dtype=torch.bfloat16, device="cuda", weights="dense")
+    cfg = got.config
     meta = build_metadata([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], 4, device="cuda")
     ids = torch.randint(0, cfg.vocab_size, (14,), device="cuda")
-    want = reference(ids, meta, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"))
-    runner.stage(ids, meta)
-    runner.forward(4, 32, False)
-    torch.testing.assert_close(runner.buffers.logits[:2], want.float(), rtol=5e-2, atol=5e-2)
+    logits = []
+    for w in (got, dense):  # the same runner on the kept Q8_0 linears and on the dequantized model
+        runner = GpuModelRunner(w.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
+                                RunnerLimits(4, 32, 8), quantized=w.quantized)
+        runner.stage(ids, meta)
+        runner.forward(4, 32, False)
+        logits.append(runner.buffers.logits[:2].clone())
+    torch.testing.assert_close(logits[0], logits[1], rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.gpu
