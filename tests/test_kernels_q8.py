@@ -38,7 +38,7 @@ def test_from_blocks_keeps_the_file_values() -> None:
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 65])
 def test_q8_linear_matches_reference(dtype: torch.dtype, tol: float, m: int) -> None:
-    """Both paths: the split-K kernel (up to 64 rows) and the dequantized weight through the dense product."""
+    """Decode-sized and prefill-sized steps alike."""
     n, k = 40, 96  # neither a power of two; K three Q8_0 blocks, not a multiple of BLOCK_K
     qw, dense = _weight(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)).to(DEV, dtype)
@@ -90,17 +90,6 @@ def test_q8_linear_on_gpu_at_serving_sizes() -> None:
                                    rtol=2e-2, atol=2e-2)
 
 
-def test_split_k_slices_cover_k_and_fill_the_device() -> None:
-    """A narrow layer (an 8B Llama's down projection, 4,096 columns) is split along K into slices that
-    together cover K once; a wide one (the LM head) is not split."""
-    from gpu_engine.kernels.q8_linear import BLOCK_K, PROGRAMS, gemv_blocks
-
-    bm, bn, per, slices = gemv_blocks(1, 4096, 14336)
-    assert (bm, bn) == (16, 64) and per % BLOCK_K == 0 and (slices - 1) * per < 14336 <= slices * per
-    assert slices * (4096 // bn) >= PROGRAMS // 2
-    assert gemv_blocks(8, 128256, 4096)[3] == 1
-
-
 def test_chunked_dequantization_gives_the_whole_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cuBLAS path dequantizes a weight of more than CHUNK values whole rows at a time."""
     import gpu_engine.kernels.q8_linear as q8
@@ -113,9 +102,10 @@ def test_chunked_dequantization_gives_the_whole_product(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
-def test_q8_prefill_is_the_dense_product() -> None:
-    """Past 64 rows the product is the dense model's: the weight dequantized to bf16 as the dense load
-    rounds it, then the same cuBLAS call (one chunk: the same bits)."""
+@pytest.mark.parametrize("m", [1, 300])
+def test_q8_product_is_the_dense_product(m: int) -> None:
+    """The product is the dense model's: the weight dequantized to bf16 as the dense load rounds it, then the
+    same cuBLAS call (one chunk: the same bits)."""
     qw, _ = _weight(4096, 4096)
-    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(q8_linear(x, qw.codes, qw.scales), torch.nn.functional.linear(x, qw.dequantize(torch.bfloat16)))
