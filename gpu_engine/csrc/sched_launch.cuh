@@ -16,8 +16,7 @@ namespace {
 // microseconds with the same error code as the window limit (cudaErrorInvalidValue): that code alone is
 // retried, a bounded number of times; any other fails the launch at once (`fail` injects one). A failure
 // is counted and becomes the scheduler's exit reason; the caller stops.
-__device__ cudaError_t launch_copy(SchedState *s, const uint64_t *execs, uint32_t *rr, bool fail,
-                                   uint64_t *t_launch) {
+__device__ cudaError_t launch_copy(SchedState *s, const uint64_t *execs, uint32_t *rr, bool fail, uint64_t *t_launch) {
   cudaError_t err = cudaErrorInvalidValue;
   for (uint32_t attempt = 0; attempt < 256; ++attempt) {
     uint32_t copy = (*rr)++ % s->cfg.copies;

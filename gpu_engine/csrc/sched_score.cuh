@@ -35,8 +35,8 @@ __device__ uint32_t plan_scores(SchedState *s, ScorePlan *p) {
     const ReqInfo *q = &s->req[s->plan_slot[r]];
     uint32_t a = s->plan_cached[r], b = a + s->plan_new[r];
     if (b > q->prompt_len - 1) b = q->prompt_len - 1;
-    bool want = q->phase == kPrefilling && (q->flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS) &&
-                q->out_len == 0 && b > a;
+    bool want =
+        q->phase == kPrefilling && (q->flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS) && q->out_len == 0 && b > a;
     p->first[r] = at;
     p->lo[r] = a;
     p->acc[r] = total;
