@@ -64,14 +64,24 @@ TARGET static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* The 32 codes of a Q4_1 block's 16 bytes as fp32, in element order: each half of the bytes widened to 32-bit
+ * lanes straight from memory (bytes 0-7 hold elements 0-7 and 16-23, bytes 8-15 elements 8-15 and 24-31), then
+ * the nibbles split in the lanes: two widening loads instead of one load and four cross-lane widenings. */
 TARGET static inline void decode_q4(const uint8_t *p, __m256 q[4]) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i v = _mm_loadu_si128((const __m128i *)p);
-  __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+/* A Q4_1 block's fp16 scale and minimum, both converted at once: (d, m, 0, 0). */
+TARGET static inline __m128 scale_min_q4(const uint8_t *p) {
+  int32_t dm;
+  memcpy(&dm, p, sizeof dm);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
 }
 
 TARGET static inline float half_at(const uint8_t *p) {
@@ -106,8 +116,9 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
       __m256 dg;
       if (KIND == 4) {
         decode_q4(p + 4, q);
-        dg = _mm256_set1_ps(half_at(p));
-        m[r * G + g] = half_at(p + 2);
+        const __m128 dm = scale_min_q4(p);
+        dg = _mm256_broadcastss_ps(dm);
+        m[r * G + g] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       } else {
         decode_q8(p, q);
         _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
@@ -565,7 +576,8 @@ TARGET static void dequant_rows(float *out, const uint8_t *blocks, int64_t N, in
       __m256 q[4];
       const uint8_t *p = blocks + (n * G + g) * Q4_BLOCK;
       decode_q4(p + 4, q);
-      __m256 dg = _mm256_set1_ps(half_at(p)), mg = _mm256_set1_ps(half_at(p + 2));
+      const __m128 dm = scale_min_q4(p);
+      const __m256 dg = _mm256_broadcastss_ps(dm), mg = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
       for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + n * K + g * GROUP + 8 * c, _mm256_fmadd_ps(q[c], dg, mg));
     }
 }
