@@ -20,7 +20,8 @@
  *
  * Also: q4_dequant (the whole weight as fp32, for references), a layer's small ops (rms_norm,
  * rope_write_kv, attend_decode: see kernels/cpu_fused.py), decode_stack (a decode step's every layer in
- * one call), and `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
+ * one call: its attention, by query heads, and its SiLU, by items, are split over the same pool), and
+ * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
@@ -43,7 +44,12 @@
 #define PREFETCH_TILES 8 /* how far ahead of a tile its weight rows are prefetched, in tiles */
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
-typedef struct {
+typedef struct Job Job;
+/* A job of other work than a product (kind 7): items [begin, end) of it, on the pool thread `worker` (0: the
+ * caller's), whose scratch is its own. */
+typedef void (*TaskFn)(const Job *, int64_t begin, int64_t end, int worker);
+
+struct Job {
   float *y;
   const float *x;
   const uint8_t *codes; /* q4: the blocks [N, K / 32] (20 bytes each); q8: the codes [N, K] */
@@ -53,7 +59,10 @@ typedef struct {
   int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations; 6: q4, many rows */
   const int8_t *xq;     /* kinds 5, 9: x as int8 codes [M, K] with one scale per group, xd [M, G] */
   const float *xd;
-} Job;
+  TaskFn task;          /* kind 7: N items, `chunk` at a time (0: as a product's rows), over `args` */
+  const void *args;
+  int64_t chunk;
+};
 
 /* ------------------------------------------------------------------ kernels */
 
@@ -312,7 +321,13 @@ static void gemm_rows(const Job *j, int64_t n_begin, int64_t n_end) {
   }
 }
 
+static _Thread_local int pool_index; /* 0: the caller's thread; a worker's from 1 */
+
 static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  if (j->kind == 7) {
+    j->task(j, n_begin, n_end, pool_index);
+    return;
+  }
   if (j->kind == 6) {
     gemm_rows(j, n_begin, n_end);
     return;
@@ -388,6 +403,7 @@ static unsigned wait_for_job(Worker *w, unsigned seen) {
 static void *worker_main(void *arg) {
   Worker *w = (Worker *)arg;
   unsigned seen = 0;
+  pool_index = 1 + (int)(w - workers);
   for (;;) {
     seen = wait_for_job(w, seen);
     take_chunks(seen, atomic_load(&current), atomic_load(&current_chunk));
@@ -421,14 +437,16 @@ static int64_t now_ns(void) {
 }
 
 static void run_job(const Job *j, int threads) {
-  if (threads <= 1 || j->N < 64 || solo_left > 0) {
-    solo_left -= solo_left > 0 && threads > 1 && j->N >= 64;
+  const int big = j->kind == 7 ? j->N > j->chunk : j->N >= 64; /* worth splitting */
+  if (threads <= 1 || !big || solo_left > 0) {
+    solo_left -= solo_left > 0 && threads > 1 && big;
     run_rows(j, 0, j->N);
     return;
   }
   const int64_t start = now_ns();
   int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
   if (chunk < 16) chunk = 16;
+  if (j->kind == 7) chunk = j->chunk;
   unsigned g = ++generation ? generation : ++generation;
   atomic_store(&current, j);
   atomic_store(&current_chunk, chunk);
@@ -446,6 +464,7 @@ static void run_job(const Job *j, int threads) {
   const int64_t waited_from = now_ns();
   while (atomic_load(&busy) > 0) _mm_pause();
   const int64_t end = now_ns();
+  if (j->kind == 7) return; /* a task of a few items often waits for its last one: only products say "late" */
   late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
   if (late_streak >= LATE_JOBS) {
     solo_left = SOLO_JOBS;
@@ -682,58 +701,84 @@ TARGET static inline __m256 load_ph(const uint16_t *p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* One sequence's decode attention: its G query heads of KV head hk over cache positions [start, ctx). */
-TARGET static void attend_one(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *table,
-                              int64_t start, int64_t ctx, int64_t hk, int64_t G, int64_t Hkv, int64_t D,
-                              int64_t bs, float scale, float *scores) {
+/* out[0, 8 * n) = sum over p of probs[p] * v_p[0, 8 * n) (fp32, p ascending, from 0), n <= 8 accumulators of eight
+ * lanes held in registers across the positions. */
+TARGET static inline __attribute__((always_inline)) void weigh_values(float *out, const float *probs,
+                                                                      const uint16_t *vc, const int32_t *table,
+                                                                      int64_t start, int64_t ctx, int64_t bs,
+                                                                      int64_t row, const int n) {
+  __m256 acc[8];
+  for (int c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * row;
+    const __m256 w = _mm256_set1_ps(probs[p - start]);
+    for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < n; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+/* One query head's decode attention over cache positions [start, ctx) of its KV head (k, v: the caches at that
+ * head's offset, positions `row` apart): scores (fp32 dot, one eight-lane accumulator summed across its lanes,
+ * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values. */
+TARGET static void attend_head(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
+                               const int32_t *table, int64_t start, int64_t ctx, int64_t D, int64_t bs, int64_t row,
+                               float scale, float *scores) {
   const int64_t L = ctx - start;
   for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
-    for (int64_t g = 0; g < G; g++) {
-      const float *qh = q + g * D;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_ph(k + i), acc);
-      scores[g * L + p - start] = hsum(acc) * scale;
-    }
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * row;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
+    scores[p - start] = hsum(acc) * scale;
   }
-  for (int64_t g = 0; g < G; g++) {
-    float *sc = scores + g * L, mx = -INFINITY, sum = 0.0f;
-    for (int64_t i = 0; i < L; i++) mx = sc[i] > mx ? sc[i] : mx;
-    for (int64_t i = 0; i < L; i++) {
-      sc[i] = expf(sc[i] - mx);
-      sum += sc[i];
-    }
-    float inv = 1.0f / sum;
-    for (int64_t i = 0; i < L; i++) sc[i] *= inv;
-    memset(out + g * D, 0, sizeof(float) * D);
+  float mx = -INFINITY, sum = 0.0f;
+  for (int64_t i = 0; i < L; i++) mx = scores[i] > mx ? scores[i] : mx;
+  for (int64_t i = 0; i < L; i++) {
+    scores[i] = expf(scores[i] - mx);
+    sum += scores[i];
   }
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
-    for (int64_t i = 0; i < D; i += 8) {
-      __m256 vv = load_ph(v + i);
-      for (int64_t g = 0; g < G; g++) {
-        float *o = out + g * D + i;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * L + p - start]), vv, _mm256_loadu_ps(o)));
-      }
-    }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < L; i++) scores[i] *= inv;
+  int64_t i = 0;
+  for (; i + 64 <= D; i += 64) weigh_values(out + i, scores, vc + i, table, start, ctx, bs, row, 8);
+  for (; i < D; i += 8) weigh_values(out + i, scores, vc + i, table, start, ctx, bs, row, 1);
+}
+
+typedef struct {
+  float *out;
+  const float *q;
+  const uint16_t *kc, *vc;
+  const int32_t *tables, *ctx_lens;
+  int64_t H, Hkv, D, bs, width, q_row, window, longest;
+  float scale;
+  float *scores; /* [pool threads, longest]: each thread's own row */
+} AttendArgs;
+
+/* Query heads [begin, end) of the step (item b * H + h: sequence b's head h), as a pool task. */
+static void attend_task(const Job *j, int64_t begin, int64_t end, int worker) {
+  const AttendArgs *a = (const AttendArgs *)j->args;
+  const int64_t G = a->H / a->Hkv, row = a->Hkv * a->D;
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t b = t / a->H, h = t % a->H, hk = h / G, ctx = a->ctx_lens[b];
+    const int64_t start = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    attend_head(a->out + b * a->H * a->D + h * a->D, a->q + b * a->q_row + h * a->D, a->kc + hk * a->D,
+                a->vc + hk * a->D, a->tables + b * a->width, start, ctx, a->D, a->bs, row, a->scale,
+                a->scores + worker * a->longest);
   }
 }
 
-/* Every sequence's decode attention (see attend_decode): 0, or -1 when out of memory. */
+/* Every sequence's decode attention (see attend_decode), its query heads split over `threads` of the pool (each
+ * head's arithmetic is the same on any thread): 0, or -1 when out of memory. */
 static int attend_rows(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
                        const int32_t *ctx_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                       int64_t width, int64_t q_row, int64_t window, float scale) {
-  int64_t longest = 1, G = H / Hkv;
+                       int64_t width, int64_t q_row, int64_t window, float scale, int threads) {
+  int64_t longest = 1;
   for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
-  float *scores = PyMem_RawMalloc(sizeof(float) * G * longest);
-  if (scores == NULL) return -1;
-  for (int64_t b = 0; b < B; b++) {
-    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
-    for (int64_t hk = 0; hk < Hkv; hk++)
-      attend_one(out + b * H * D + hk * G * D, q + b * q_row + hk * G * D, kc, vc, tables + b * width, start, ctx,
-                 hk, G, Hkv, D, bs, scale, scores);
-  }
-  PyMem_RawFree(scores);
+  AttendArgs a = {out, q, kc, vc, tables, ctx_lens, H, Hkv, D, bs, width, q_row, window, longest, scale, NULL};
+  a.scores = PyMem_RawMalloc(sizeof(float) * (size_t)(longest * (num_workers + 1))); /* any started worker helps */
+  if (a.scores == NULL) return -1;
+  Job j = {.N = B * H, .kind = 7, .task = attend_task, .args = &a, .chunk = 1};
+  run_job(&j, threads);
+  PyMem_RawFree(a.scores);
   return 0;
 }
 
@@ -755,7 +800,7 @@ static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t
   }
   if (attend_rows((float *)a[0], (const float *)a[1], (const uint16_t *)a[2], (const uint16_t *)a[3],
                   (const int32_t *)a[4], (const int32_t *)a[5], a[6], H, Hkv, D, bs, a[11], a[12], a[13],
-                  (float)scale) != 0)
+                  (float)scale, 1) != 0)
     return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
@@ -764,12 +809,19 @@ static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t
 
 /* silu(gate) * up per row of gu [B, 2I] ([gate | up]) into out [B, I]: silu(g) = g / (1 + exp(-g)) rounded to
  * fp32, then the product, as torch's silu and mul compute them (exp within an ulp of torch's). */
-static void silu_mul_rows(float *out, const float *gu, int64_t B, int64_t I) {
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t i = 0; i < I; i++) {
-      float g = gu[b * 2 * I + i], act = g / (1.0f + expf(-g));
-      out[b * I + i] = act * gu[b * 2 * I + I + i];
-    }
+static void silu_mul_task(const Job *j, int64_t begin, int64_t end, int worker) {
+  const int64_t I = j->K; /* items: b * I + i */
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t b = t / I, i = t % I;
+    float g = j->x[b * 2 * I + i], act = g / (1.0f + expf(-g));
+    j->y[t] = act * j->x[b * 2 * I + I + i];
+  }
+}
+
+/* The same over `threads` of the pool (a few hundred items at a time: expf is the cost). */
+static void silu_mul_rows(float *out, const float *gu, int64_t B, int64_t I, int threads) {
+  Job j = {.y = out, .x = gu, .N = B * I, .K = I, .kind = 7, .task = silu_mul_task, .chunk = 256};
+  run_job(&j, threads);
 }
 
 enum { P_ATTN_NORM, P_QKV, P_O, P_MLP_NORM, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_FIELDS };
@@ -797,14 +849,14 @@ static int run_stack(float *x, const int64_t *plan, const StackShape *s, const f
     if ((rc = q4_product(qkv, h, (const uint8_t *)p[P_QKV], B, row, H, 0, (int)s->threads, (int)s->int8_x))) break;
     rope_rows(qkv, cos, sin, kc, vc, slots, B, s->heads, s->kv_heads, D, row);
     if ((rc = attend_rows(att, qkv, kc, vc, tables, ctx_lens, B, s->heads, s->kv_heads, D, s->block_size, s->width,
-                          row, s->window, s->scale)))
+                          row, s->window, s->scale, (int)s->threads)))
       break;
     if ((rc = q4_product(x, att, (const uint8_t *)p[P_O], B, H, s->heads * D, 1, (int)s->threads, (int)s->int8_x)))
       break;
     rms_rows(h, x, (const float *)p[P_MLP_NORM], B, H, s->eps);
     if ((rc = q4_product(gu, h, (const uint8_t *)p[P_GATE_UP], B, 2 * I, H, 0, (int)s->threads, (int)s->int8_x)))
       break;
-    silu_mul_rows(act, gu, B, I);
+    silu_mul_rows(act, gu, B, I, (int)s->threads);
     if ((rc = q4_product(x, act, (const uint8_t *)p[P_DOWN], B, H, I, 1, (int)s->threads, (int)s->int8_x))) break;
   }
   PyMem_RawFree(h);
