@@ -9,8 +9,9 @@
  * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free).
  *
  * Decode (a few rows of x): row tiles of x (up to 8) share each decoded group of weights, and several weight
- * rows are in flight at once so that the FMA chains overlap; the weights a few tiles ahead are prefetched
- * (they stream from memory once per step: the hardware prefetcher alone left half the bandwidth unused).
+ * rows are in flight at once so that the FMA chains overlap; the weights PREFETCH_BYTES ahead are prefetched
+ * (they stream from memory once per step: the hardware prefetcher alone left half the bandwidth unused), but
+ * never past the thread's chunk of rows, whose start is prefetched when it is taken.
  * Prefill (more than GEMM_ROWS rows, q4): the panel product below. `threads` > 1 splits the weight rows over
  * a small pool of workers (the caller's thread is one of them) that take chunks of rows as they come free,
  * spin briefly between jobs and then sleep on a futex.
@@ -41,7 +42,7 @@
 #define MR_MAX 8
 #define Q4_BLOCK 20      /* bytes of a Q4_1 block: fp16 d, fp16 m, 16 bytes of codes */
 #define MAX_K 65536      /* the q4 tile keeps a row tile's minima on its stack: 4 * K / 32 floats at most */
-#define PREFETCH_TILES 8 /* how far ahead of a tile its weight rows are prefetched, in tiles */
+#define PREFETCH_BYTES 4096 /* measured: 1, 2 and 8 KB, and 8 tiles ahead (past the chunk), were slower */
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
 typedef struct Job Job;
@@ -107,7 +108,7 @@ TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
 /* NR weight rows from n0 against MR rows of x from m0: the fully unrolled tile (KIND, MR, NR constants).
  * Per group and pair (row of W, row of x): t = q . x over the 32 lanes, acc += d * t (+ m * sum x, q4). */
 TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t n0, const int KIND,
-                                                              const int MR, const int NR) {
+                                                              const int MR, const int NR, const uint8_t *pf_end) {
   const int64_t K = j->K, G = K / GROUP;
   const int gbytes = KIND == 4 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
@@ -121,7 +122,8 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     for (int r = 0; r < NR; r++) {
       __m256 q[4];
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      const uint8_t *ahead = p + PREFETCH_BYTES;
+      _mm_prefetch((const char *)(ahead < pf_end ? ahead : p), _MM_HINT_T0);
       __m256 dg;
       if (KIND == 4) {
         decode_q4(p + 4, q);
@@ -130,7 +132,7 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
         m[r * G + g] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       } else {
         decode_q8(p, q);
-        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + PREFETCH_BYTES / 32 + r * G + g), _MM_HINT_T0);
         dg = _mm256_broadcast_ss(d + r * G + g);
       }
       for (int i = 0; i < MR; i++) { /* x from L1: the registers hold the accumulators and the codes */
@@ -173,7 +175,7 @@ TARGET static inline __m256i codes_u8_q4(const uint8_t *p) {
 }
 
 TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, int64_t m0, int64_t n0, const int KIND,
-                                                                 const int MR, const int NR) {
+                                                                 const int MR, const int NR, const uint8_t *pf_end) {
   const int64_t K = j->K, G = K / GROUP;
   const int gbytes = KIND == 5 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
@@ -187,7 +189,8 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
   for (int64_t g = 0; g < G; g++) {
     for (int r = 0; r < NR; r++) {
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      const uint8_t *ahead = p + PREFETCH_BYTES;
+      _mm_prefetch((const char *)(ahead < pf_end ? ahead : p), _MM_HINT_T0);
       __m256i w = KIND == 5 ? codes_u8_q4(p + 4) : _mm256_loadu_si256((const __m256i *)p);
       __m256i wa = KIND == 5 ? w : _mm256_sign_epi8(w, w);
       float dg;
@@ -195,7 +198,7 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
         dg = half_at(p);
         m[r * G + g] = half_at(p + 2);
       } else {
-        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + PREFETCH_BYTES / 32 + r * G + g), _MM_HINT_T0);
         dg = d[r * G + g];
       }
       for (int i = 0; i < MR; i++) {
@@ -222,20 +225,31 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
     }
 }
 
+/* The start of a chunk's weight rows [n_begin, n_end) prefetched (the tiles prefetch PREFETCH_BYTES ahead of
+ * themselves from there on, but not past the chunk: the rows after it are another thread's); returns its end. */
+static inline const uint8_t *chunk_prefetch(const Job *j, int64_t n_begin, int64_t n_end, int gbytes) {
+  const int64_t row = j->K / GROUP * gbytes;
+  const uint8_t *begin = j->codes + n_begin * row, *end = j->codes + n_end * row;
+  for (const uint8_t *p = begin; p < end && p < begin + PREFETCH_BYTES; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
+  return end;
+}
+
 /* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
 #define TILES(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
     enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    const uint8_t *pf_end = chunk_prefetch(j, n_begin, n_end, (KIND) == 4 || (KIND) == 5 ? Q4_BLOCK : 32); \
     int64_t n = n_begin; \
-    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR); \
-    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
+    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR, pf_end); \
+    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1, pf_end); \
   }
 #define TILES_I8(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
     enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    const uint8_t *pf_end = chunk_prefetch(j, n_begin, n_end, (KIND) == 4 || (KIND) == 5 ? Q4_BLOCK : 32); \
     int64_t n = n_begin; \
-    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR); \
-    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1); \
+    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR, pf_end); \
+    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1, pf_end); \
   }
 #define KIND_TILES_I8(KIND) TILES_I8(KIND, 1) TILES_I8(KIND, 2) TILES_I8(KIND, 3) TILES_I8(KIND, 4) \
   TILES_I8(KIND, 5) TILES_I8(KIND, 6) TILES_I8(KIND, 7) TILES_I8(KIND, 8)
