@@ -438,11 +438,20 @@ static int ensure_workers(int wanted) {
 
 /* Workers that the OS keeps descheduled (another tenant on the cores) make the caller wait for their chunks a
  * time slice at a time: a job whose caller waited more than a quarter of it for the workers is late, and after
- * LATE_JOBS late jobs in a row the next SOLO_JOBS jobs run on the caller alone (about twenty decode steps of a
+ * LATE_JOBS late jobs in a row the next SOLO_JOBS jobs run on the caller alone (about thirty decode steps of a
  * small model), then the workers are tried again. On a quiet machine no job is late. */
 #define LATE_JOBS 8
 #define SOLO_JOBS 4096
-static int late_streak, solo_left;
+static int late_streak, solo_left, solo_spells;
+
+static void note_lateness(int64_t start, int64_t waited_from, int64_t end) {
+  late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
+  if (late_streak >= LATE_JOBS) {
+    solo_left = SOLO_JOBS;
+    late_streak = 0;
+    solo_spells++;
+  }
+}
 
 static int64_t now_ns(void) {
   struct timespec t;
@@ -478,17 +487,13 @@ static void run_job(const Job *j, int threads) {
   const int64_t waited_from = now_ns();
   while (atomic_load(&busy) > 0) _mm_pause();
   const int64_t end = now_ns();
-  if (j->kind == 7) return; /* a task of a few items often waits for its last one: only products say "late" */
-  late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
-  if (late_streak >= LATE_JOBS) {
-    solo_left = SOLO_JOBS;
-    late_streak = 0;
-  }
+  if (j->kind != 7) note_lateness(start, waited_from, end); /* a task of a few items often waits for its last */
 }
 
-/* pool_state(): (late jobs in a row, jobs left to run on the caller alone), for tests and benchmarks. */
+/* pool_state(): (late jobs in a row, jobs left to run on the caller alone, times it went to the caller alone),
+ * for tests and benchmarks. */
 static PyObject *pool_state(PyObject *self, PyObject *unused) {
-  return Py_BuildValue("(ii)", late_streak, solo_left);
+  return Py_BuildValue("(iii)", late_streak, solo_left, solo_spells);
 }
 
 /* ------------------------------------------------------------------ Python entry points */
@@ -929,7 +934,7 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
-    {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone)"},
+    {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone, spells on the caller alone)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},
 };
