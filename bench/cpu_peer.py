@@ -6,8 +6,8 @@ The two servers run one at a time, each spoken to by the same client with the sa
 (streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
 prompt's prefill tokens/s, and the resident memory of all the server's processes. Each server is measured
-once it has settled (``wait_settled``: its processes near idle for 5 s after it answers). ``transformers``
-``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
+once it has settled (``wait_settled``: its processes under a quarter of a core for 5 s after it answers).
+``transformers`` ``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
 (``blink``: the GGUF's Q4_1 linears kept as its Q4_1 blocks, fp32 arithmetic, the kernels' pool on every
 core, the frontend sharing them), with ``--cpu-weights int8act`` (``blink_int8act``: the same weights times
 int8-quantized activations), with ``--threads 1`` (``blink_threads1``: one engine thread, a core left to the
@@ -149,10 +149,11 @@ def tree_cpu_s(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def wait_settled(pid: int, quiet_s: float = 5.0, busy_below: float = 0.05, timeout_s: float = 180) -> None:
-    """Wait until the server's processes have used less than ``busy_below`` of a core for ``quiet_s`` in a row:
-    what a server starts after it answers is not measured as its speed (Blink's standby engine loads its
-    weights once the engines have idled 2 s: seconds of a core, that the first rows took otherwise)."""
+def wait_settled(pid: int, quiet_s: float = 5.0, busy_below: float = 0.25, timeout_s: float = 180) -> None:
+    """Wait until the server's processes have used less than ``busy_below`` of a core for ``quiet_s`` in a row
+    (an idle Blink polls its rings: a few percent of a core): what a server starts after it answers is not
+    measured as its speed (Blink's standby engine loads its weights once the engines have idled 2 s: seconds of
+    a core, that the first rows took otherwise)."""
     deadline = time.monotonic() + timeout_s
     quiet_since, last = time.monotonic(), tree_cpu_s(pid)
     while time.monotonic() < deadline:
