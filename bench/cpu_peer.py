@@ -5,8 +5,9 @@ llama.cpp is built from the source tree that PyPI's ``llama-cpp-python`` sdist c
 The two servers run one at a time, each spoken to by the same client with the same requests
 (streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
-prompt's prefill tokens/s, and the resident memory of all the server's processes. ``transformers``
-``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
+prompt's prefill tokens/s, and the resident memory of all the server's processes. Each server is measured
+once it has settled (``wait_settled``: its processes under a quarter of a core for 5 s after it answers).
+``transformers`` ``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
 (``blink``: the GGUF's Q4_1 linears kept as its Q4_1 blocks, fp32 arithmetic, the kernels' pool on every
 core, the frontend sharing them), with ``--cpu-weights int8act`` (``blink_int8act``: the same weights times
 int8-quantized activations), with ``--threads 1`` (``blink_threads1``: one engine thread, a core left to the
@@ -107,8 +108,8 @@ BLINK_SIDES = {"blink": (), "blink_int8act": ("--cpu-weights", "int8act"), "blin
                "blink_int4": ("--cpu-weights", "int4")}  # column -> extra `blink serve` flags
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants (from /proc)."""
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -117,15 +118,53 @@ def tree_rss_mib(pid: int) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
+        found.append(p)
         todo += children.get(p, [])
+    return found
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants."""
+    total = 0
+    for p in tree_pids(pid):
         try:
             total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except OSError:
             pass
     return total / 2**20
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants."""
+    ticks = 0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_settled(pid: int, quiet_s: float = 5.0, busy_below: float = 0.25, timeout_s: float = 180) -> None:
+    """Wait until the server's processes have used less than ``busy_below`` of a core for ``quiet_s`` in a row
+    (an idle Blink polls its rings: a few percent of a core): what a server starts after it answers is not
+    measured as its speed (Blink's standby engine loads its weights once the engines have idled 2 s: seconds of
+    a core, that the first rows took otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    quiet_since, last = time.monotonic(), tree_cpu_s(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now, used = time.monotonic(), tree_cpu_s(pid)
+        if used - last > busy_below * 0.5:
+            quiet_since = now
+        last = used
+        if now - quiet_since >= quiet_s:
+            return
+    raise RuntimeError(f"server {pid} still busy after {timeout_s} s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -202,6 +241,7 @@ def run_server(proc: subprocess.Popen[bytes], port: int, prompts: dict[str, list
     url = f"http://127.0.0.1:{port}"
     try:
         model = wait_ready(url, proc)
+        wait_settled(proc.pid)
         return asyncio.run(measure_server(url, model, prompts, lambda: tree_rss_mib(proc.pid)))
     finally:
         stop(proc)

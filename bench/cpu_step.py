@@ -143,7 +143,7 @@ def report(variants: list[Variant]) -> None:
             p = v.prefill_ms
             line += f"   prefill min {min(p):8.1f} median {statistics.median(p):8.1f} ms"
         print(line, flush=True)
-    if _cpu_quant is not None:  # (late jobs in a row, jobs left on the caller alone): the pool saw contention
+    if _cpu_quant is not None:  # (late jobs in a row, jobs left on the caller alone, spells alone): contention
         print(f"kernel pool state after the rounds: {_cpu_quant.pool_state()}", flush=True)
 
 

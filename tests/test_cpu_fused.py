@@ -13,7 +13,7 @@ import torch
 
 from gpu_engine.kernels import cpu_fused
 from gpu_engine.kernels.cpu_attention import paged_attention_ref
-from gpu_engine.kernels.cpu_linear import quant_kernels_available
+from gpu_engine.kernels.cpu_linear import KernelThreads, quant_kernels_available
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.attention import build_metadata, write_kv
 from gpu_engine.models.cpu_pack import fuse_small_ops, pack_for_cpu
@@ -56,10 +56,11 @@ def test_rope_and_cache_write_match_the_torch_forms() -> None:
         cpu_fused.rope_write_kv(got, cos, sin, k_got.float(), v_got.float(), slots, heads, kv_heads)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_the_per_sequence_loop(window: int | None) -> None:
+@pytest.mark.parametrize(("window", "dim"), [(None, 16), (5, 16), (None, 64), (5, 80)])
+def test_decode_attention_matches_the_per_sequence_loop(window: int | None, dim: int) -> None:
+    """(Head sizes of 64 dimensions at a time and of 8 at a time take apart paths of the values' sum.)"""
     gen = torch.Generator().manual_seed(3)
-    bs, heads, kv_heads, dim = 4, 6, 2, 16
+    bs, heads, kv_heads = 4, 6, 2
     k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).half()
     v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).half()
     meta = build_metadata([(13, 1, [7, 3, 9, 30]), (2, 1, [20]), (0, 1, [5])], bs)
@@ -113,6 +114,30 @@ def test_decode_stack_equals_the_layers_fused_forms(tmp_path: Path, int8_activat
     assert float((got.logits - want.logits).abs().max()) < bound * float(want.logits.abs().max())
     fuse_small_ops(stacked, on=False)
     assert stacked.decode_stack is None
+
+
+def test_decode_stack_is_the_same_on_one_thread_and_two(tmp_path: Path) -> None:
+    """The pool splits a step's products by weight rows and its attention and SiLU by heads and items, each
+    computed as on one thread: two threads give the same bits. (Head size 64: the values' register path.)"""
+    config = {**TINY, "hidden_size": 256, "intermediate_size": 320, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, cfg = load_model(tmp_path, random_weights=True, seed=7)
+    for i, (name, mod) in enumerate(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+            mod.weight.data = q4_1_weight(mod.out_features, mod.in_features, 200 + i)
+    stacked = pack_for_cpu(model)
+    assert stacked.decode_stack is not None
+    gen = torch.Generator().manual_seed(8)  # long contexts: the threads' heads overlap in time
+    prompts = [[1, *torch.randint(3, 300, (n,), generator=gen).tolist()] for n in (150, 90, 200)]
+    runs = []
+    for threads in (1, 2):
+        KernelThreads.count = threads
+        try:
+            runs.append(greedy_generate(stacked, KVCache(cfg, 160, 4, dtype=torch.float16), prompts, 16))
+        finally:
+            KernelThreads.count = 0
+    assert runs[0].tokens == runs[1].tokens
+    assert torch.equal(runs[0].logits, runs[1].logits)
 
 
 def test_decode_stack_refuses_bad_input() -> None:

@@ -9,8 +9,9 @@
  * y [M, N] = x [M, K] @ W.T, or y += that with `accumulate` (a residual add for free).
  *
  * Decode (a few rows of x): row tiles of x (up to 8) share each decoded group of weights, and several weight
- * rows are in flight at once so that the FMA chains overlap; the weights a few tiles ahead are prefetched
- * (they stream from memory once per step: the hardware prefetcher alone left half the bandwidth unused).
+ * rows are in flight at once so that the FMA chains overlap; the weights PREFETCH_BYTES ahead are prefetched
+ * (they stream from memory once per step: the hardware prefetcher alone left half the bandwidth unused), but
+ * never past the thread's chunk of rows, whose start is prefetched when it is taken.
  * Prefill (more than GEMM_ROWS rows, q4): the panel product below. `threads` > 1 splits the weight rows over
  * a small pool of workers (the caller's thread is one of them) that take chunks of rows as they come free,
  * spin briefly between jobs and then sleep on a futex.
@@ -20,7 +21,8 @@
  *
  * Also: q4_dequant (the whole weight as fp32, for references), a layer's small ops (rms_norm,
  * rope_write_kv, attend_decode: see kernels/cpu_fused.py), decode_stack (a decode step's every layer in
- * one call), and `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
+ * one call: its attention, by query heads, and its SiLU, by items, are split over the same pool), and
+ * `available()`: whether this CPU has AVX2, FMA and F16C (the only code path there is). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
@@ -40,10 +42,15 @@
 #define MR_MAX 8
 #define Q4_BLOCK 20      /* bytes of a Q4_1 block: fp16 d, fp16 m, 16 bytes of codes */
 #define MAX_K 65536      /* the q4 tile keeps a row tile's minima on its stack: 4 * K / 32 floats at most */
-#define PREFETCH_TILES 8 /* how far ahead of a tile its weight rows are prefetched, in tiles */
+#define PREFETCH_BYTES 4096 /* measured: 1, 2 and 8 KB, and 8 tiles ahead (past the chunk), were slower */
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
-typedef struct {
+typedef struct Job Job;
+/* A job of other work than a product (kind 7): items [begin, end) of it, on the pool thread `worker` (0: the
+ * caller's), whose scratch is its own. */
+typedef void (*TaskFn)(const Job *, int64_t begin, int64_t end, int worker);
+
+struct Job {
   float *y;
   const float *x;
   const uint8_t *codes; /* q4: the blocks [N, K / 32] (20 bytes each); q8: the codes [N, K] */
@@ -53,7 +60,10 @@ typedef struct {
   int accumulate, kind; /* kind 4: q4, 8: q8; 5, 9: the same with int8 activations; 6: q4, many rows */
   const int8_t *xq;     /* kinds 5, 9: x as int8 codes [M, K] with one scale per group, xd [M, G] */
   const float *xd;
-} Job;
+  TaskFn task;          /* kind 7: N items, `chunk` at a time (0: as a product's rows), over `args` */
+  const void *args;
+  int64_t chunk;
+};
 
 /* ------------------------------------------------------------------ kernels */
 
@@ -64,14 +74,24 @@ TARGET static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* The 32 codes of a Q4_1 block's 16 bytes as fp32, in element order: each half of the bytes widened to 32-bit
+ * lanes straight from memory (bytes 0-7 hold elements 0-7 and 16-23, bytes 8-15 elements 8-15 and 24-31), then
+ * the nibbles split in the lanes: two widening loads instead of one load and four cross-lane widenings. */
 TARGET static inline void decode_q4(const uint8_t *p, __m256 q[4]) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i v = _mm_loadu_si128((const __m128i *)p);
-  __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+/* A Q4_1 block's fp16 scale and minimum, both converted at once: (d, m, 0, 0). */
+TARGET static inline __m128 scale_min_q4(const uint8_t *p) {
+  int32_t dm;
+  memcpy(&dm, p, sizeof dm);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
 }
 
 TARGET static inline float half_at(const uint8_t *p) {
@@ -88,7 +108,7 @@ TARGET static inline void decode_q8(const uint8_t *p, __m256 q[4]) {
 /* NR weight rows from n0 against MR rows of x from m0: the fully unrolled tile (KIND, MR, NR constants).
  * Per group and pair (row of W, row of x): t = q . x over the 32 lanes, acc += d * t (+ m * sum x, q4). */
 TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t n0, const int KIND,
-                                                              const int MR, const int NR) {
+                                                              const int MR, const int NR, const uint8_t *pf_end) {
   const int64_t K = j->K, G = K / GROUP;
   const int gbytes = KIND == 4 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
@@ -102,15 +122,17 @@ TARGET static inline __attribute__((always_inline)) void tile(const Job *j, int6
     for (int r = 0; r < NR; r++) {
       __m256 q[4];
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      const uint8_t *ahead = p + PREFETCH_BYTES;
+      _mm_prefetch((const char *)(ahead < pf_end ? ahead : p), _MM_HINT_T0);
       __m256 dg;
       if (KIND == 4) {
         decode_q4(p + 4, q);
-        dg = _mm256_set1_ps(half_at(p));
-        m[r * G + g] = half_at(p + 2);
+        const __m128 dm = scale_min_q4(p);
+        dg = _mm256_broadcastss_ps(dm);
+        m[r * G + g] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       } else {
         decode_q8(p, q);
-        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + PREFETCH_BYTES / 32 + r * G + g), _MM_HINT_T0);
         dg = _mm256_broadcast_ss(d + r * G + g);
       }
       for (int i = 0; i < MR; i++) { /* x from L1: the registers hold the accumulators and the codes */
@@ -153,7 +175,7 @@ TARGET static inline __m256i codes_u8_q4(const uint8_t *p) {
 }
 
 TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, int64_t m0, int64_t n0, const int KIND,
-                                                                 const int MR, const int NR) {
+                                                                 const int MR, const int NR, const uint8_t *pf_end) {
   const int64_t K = j->K, G = K / GROUP;
   const int gbytes = KIND == 5 ? Q4_BLOCK : 32;
   const uint8_t *codes = j->codes + n0 * G * gbytes;
@@ -167,7 +189,8 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
   for (int64_t g = 0; g < G; g++) {
     for (int r = 0; r < NR; r++) {
       const uint8_t *p = codes + (r * G + g) * gbytes;
-      _mm_prefetch((const char *)(p + PREFETCH_TILES * NR * G * gbytes), _MM_HINT_T0);
+      const uint8_t *ahead = p + PREFETCH_BYTES;
+      _mm_prefetch((const char *)(ahead < pf_end ? ahead : p), _MM_HINT_T0);
       __m256i w = KIND == 5 ? codes_u8_q4(p + 4) : _mm256_loadu_si256((const __m256i *)p);
       __m256i wa = KIND == 5 ? w : _mm256_sign_epi8(w, w);
       float dg;
@@ -175,7 +198,7 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
         dg = half_at(p);
         m[r * G + g] = half_at(p + 2);
       } else {
-        _mm_prefetch((const char *)(d + PREFETCH_TILES * NR * G + r * G + g), _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + PREFETCH_BYTES / 32 + r * G + g), _MM_HINT_T0);
         dg = d[r * G + g];
       }
       for (int i = 0; i < MR; i++) {
@@ -202,20 +225,31 @@ TARGET static inline __attribute__((always_inline)) void tile_i8(const Job *j, i
     }
 }
 
+/* The start of a chunk's weight rows [n_begin, n_end) prefetched (the tiles prefetch PREFETCH_BYTES ahead of
+ * themselves from there on, but not past the chunk: the rows after it are another thread's); returns its end. */
+static inline const uint8_t *chunk_prefetch(const Job *j, int64_t n_begin, int64_t n_end, int gbytes) {
+  const int64_t row = j->K / GROUP * gbytes;
+  const uint8_t *begin = j->codes + n_begin * row, *end = j->codes + n_end * row;
+  for (const uint8_t *p = begin; p < end && p < begin + PREFETCH_BYTES; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
+  return end;
+}
+
 /* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
 #define TILES(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
     enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    const uint8_t *pf_end = chunk_prefetch(j, n_begin, n_end, (KIND) == 4 || (KIND) == 5 ? Q4_BLOCK : 32); \
     int64_t n = n_begin; \
-    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR); \
-    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1); \
+    for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR, pf_end); \
+    for (; n < n_end; n++) tile(j, m0, n, KIND, MR, 1, pf_end); \
   }
 #define TILES_I8(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
     enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    const uint8_t *pf_end = chunk_prefetch(j, n_begin, n_end, (KIND) == 4 || (KIND) == 5 ? Q4_BLOCK : 32); \
     int64_t n = n_begin; \
-    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR); \
-    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1); \
+    for (; n + NR <= n_end; n += NR) tile_i8(j, m0, n, KIND, MR, NR, pf_end); \
+    for (; n < n_end; n++) tile_i8(j, m0, n, KIND, MR, 1, pf_end); \
   }
 #define KIND_TILES_I8(KIND) TILES_I8(KIND, 1) TILES_I8(KIND, 2) TILES_I8(KIND, 3) TILES_I8(KIND, 4) \
   TILES_I8(KIND, 5) TILES_I8(KIND, 6) TILES_I8(KIND, 7) TILES_I8(KIND, 8)
@@ -301,7 +335,13 @@ static void gemm_rows(const Job *j, int64_t n_begin, int64_t n_end) {
   }
 }
 
+static _Thread_local int pool_index; /* 0: the caller's thread; a worker's from 1 */
+
 static void run_rows(const Job *j, int64_t n_begin, int64_t n_end) {
+  if (j->kind == 7) {
+    j->task(j, n_begin, n_end, pool_index);
+    return;
+  }
   if (j->kind == 6) {
     gemm_rows(j, n_begin, n_end);
     return;
@@ -377,6 +417,7 @@ static unsigned wait_for_job(Worker *w, unsigned seen) {
 static void *worker_main(void *arg) {
   Worker *w = (Worker *)arg;
   unsigned seen = 0;
+  pool_index = 1 + (int)(w - workers);
   for (;;) {
     seen = wait_for_job(w, seen);
     take_chunks(seen, atomic_load(&current), atomic_load(&current_chunk));
@@ -397,11 +438,20 @@ static int ensure_workers(int wanted) {
 
 /* Workers that the OS keeps descheduled (another tenant on the cores) make the caller wait for their chunks a
  * time slice at a time: a job whose caller waited more than a quarter of it for the workers is late, and after
- * LATE_JOBS late jobs in a row the next SOLO_JOBS jobs run on the caller alone (about twenty decode steps of a
+ * LATE_JOBS late jobs in a row the next SOLO_JOBS jobs run on the caller alone (about thirty decode steps of a
  * small model), then the workers are tried again. On a quiet machine no job is late. */
 #define LATE_JOBS 8
 #define SOLO_JOBS 4096
-static int late_streak, solo_left;
+static int late_streak, solo_left, solo_spells;
+
+static void note_lateness(int64_t start, int64_t waited_from, int64_t end) {
+  late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
+  if (late_streak >= LATE_JOBS) {
+    solo_left = SOLO_JOBS;
+    late_streak = 0;
+    solo_spells++;
+  }
+}
 
 static int64_t now_ns(void) {
   struct timespec t;
@@ -410,14 +460,16 @@ static int64_t now_ns(void) {
 }
 
 static void run_job(const Job *j, int threads) {
-  if (threads <= 1 || j->N < 64 || solo_left > 0) {
-    solo_left -= solo_left > 0 && threads > 1 && j->N >= 64;
+  const int big = j->kind == 7 ? j->N > j->chunk : j->N >= 64; /* worth splitting */
+  if (threads <= 1 || !big || solo_left > 0) {
+    solo_left -= solo_left > 0 && threads > 1 && big;
     run_rows(j, 0, j->N);
     return;
   }
   const int64_t start = now_ns();
   int64_t chunk = (j->N / (8 * threads) + 3) / 4 * 4; /* about 8 chunks per thread, whole tiles of 4 rows */
   if (chunk < 16) chunk = 16;
+  if (j->kind == 7) chunk = j->chunk;
   unsigned g = ++generation ? generation : ++generation;
   atomic_store(&current, j);
   atomic_store(&current_chunk, chunk);
@@ -435,16 +487,13 @@ static void run_job(const Job *j, int threads) {
   const int64_t waited_from = now_ns();
   while (atomic_load(&busy) > 0) _mm_pause();
   const int64_t end = now_ns();
-  late_streak = (end - waited_from) * 4 > end - start ? late_streak + 1 : 0;
-  if (late_streak >= LATE_JOBS) {
-    solo_left = SOLO_JOBS;
-    late_streak = 0;
-  }
+  if (j->kind != 7) note_lateness(start, waited_from, end); /* a task of a few items often waits for its last */
 }
 
-/* pool_state(): (late jobs in a row, jobs left to run on the caller alone), for tests and benchmarks. */
+/* pool_state(): (late jobs in a row, jobs left to run on the caller alone, times it went to the caller alone),
+ * for tests and benchmarks. */
 static PyObject *pool_state(PyObject *self, PyObject *unused) {
-  return Py_BuildValue("(ii)", late_streak, solo_left);
+  return Py_BuildValue("(iii)", late_streak, solo_left, solo_spells);
 }
 
 /* ------------------------------------------------------------------ Python entry points */
@@ -565,7 +614,8 @@ TARGET static void dequant_rows(float *out, const uint8_t *blocks, int64_t N, in
       __m256 q[4];
       const uint8_t *p = blocks + (n * G + g) * Q4_BLOCK;
       decode_q4(p + 4, q);
-      __m256 dg = _mm256_set1_ps(half_at(p)), mg = _mm256_set1_ps(half_at(p + 2));
+      const __m128 dm = scale_min_q4(p);
+      const __m256 dg = _mm256_broadcastss_ps(dm), mg = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
       for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + n * K + g * GROUP + 8 * c, _mm256_fmadd_ps(q[c], dg, mg));
     }
 }
@@ -670,58 +720,84 @@ TARGET static inline __m256 load_ph(const uint16_t *p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* One sequence's decode attention: its G query heads of KV head hk over cache positions [start, ctx). */
-TARGET static void attend_one(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *table,
-                              int64_t start, int64_t ctx, int64_t hk, int64_t G, int64_t Hkv, int64_t D,
-                              int64_t bs, float scale, float *scores) {
+/* out[0, 8 * n) = sum over p of probs[p] * v_p[0, 8 * n) (fp32, p ascending, from 0), n <= 8 accumulators of eight
+ * lanes held in registers across the positions. */
+TARGET static inline __attribute__((always_inline)) void weigh_values(float *out, const float *probs,
+                                                                      const uint16_t *vc, const int32_t *table,
+                                                                      int64_t start, int64_t ctx, int64_t bs,
+                                                                      int64_t row, const int n) {
+  __m256 acc[8];
+  for (int c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
+  for (int64_t p = start; p < ctx; p++) {
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * row;
+    const __m256 w = _mm256_set1_ps(probs[p - start]);
+    for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < n; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+/* One query head's decode attention over cache positions [start, ctx) of its KV head (k, v: the caches at that
+ * head's offset, positions `row` apart): scores (fp32 dot, one eight-lane accumulator summed across its lanes,
+ * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values. */
+TARGET static void attend_head(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
+                               const int32_t *table, int64_t start, int64_t ctx, int64_t D, int64_t bs, int64_t row,
+                               float scale, float *scores) {
   const int64_t L = ctx - start;
   for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
-    for (int64_t g = 0; g < G; g++) {
-      const float *qh = q + g * D;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_ph(k + i), acc);
-      scores[g * L + p - start] = hsum(acc) * scale;
-    }
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * row;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
+    scores[p - start] = hsum(acc) * scale;
   }
-  for (int64_t g = 0; g < G; g++) {
-    float *sc = scores + g * L, mx = -INFINITY, sum = 0.0f;
-    for (int64_t i = 0; i < L; i++) mx = sc[i] > mx ? sc[i] : mx;
-    for (int64_t i = 0; i < L; i++) {
-      sc[i] = expf(sc[i] - mx);
-      sum += sc[i];
-    }
-    float inv = 1.0f / sum;
-    for (int64_t i = 0; i < L; i++) sc[i] *= inv;
-    memset(out + g * D, 0, sizeof(float) * D);
+  float mx = -INFINITY, sum = 0.0f;
+  for (int64_t i = 0; i < L; i++) mx = scores[i] > mx ? scores[i] : mx;
+  for (int64_t i = 0; i < L; i++) {
+    scores[i] = expf(scores[i] - mx);
+    sum += scores[i];
   }
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * Hkv * D + hk * D;
-    for (int64_t i = 0; i < D; i += 8) {
-      __m256 vv = load_ph(v + i);
-      for (int64_t g = 0; g < G; g++) {
-        float *o = out + g * D + i;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * L + p - start]), vv, _mm256_loadu_ps(o)));
-      }
-    }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < L; i++) scores[i] *= inv;
+  int64_t i = 0;
+  for (; i + 64 <= D; i += 64) weigh_values(out + i, scores, vc + i, table, start, ctx, bs, row, 8);
+  for (; i < D; i += 8) weigh_values(out + i, scores, vc + i, table, start, ctx, bs, row, 1);
+}
+
+typedef struct {
+  float *out;
+  const float *q;
+  const uint16_t *kc, *vc;
+  const int32_t *tables, *ctx_lens;
+  int64_t H, Hkv, D, bs, width, q_row, window, longest;
+  float scale;
+  float *scores; /* [pool threads, longest]: each thread's own row */
+} AttendArgs;
+
+/* Query heads [begin, end) of the step (item b * H + h: sequence b's head h), as a pool task. */
+static void attend_task(const Job *j, int64_t begin, int64_t end, int worker) {
+  const AttendArgs *a = (const AttendArgs *)j->args;
+  const int64_t G = a->H / a->Hkv, row = a->Hkv * a->D;
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t b = t / a->H, h = t % a->H, hk = h / G, ctx = a->ctx_lens[b];
+    const int64_t start = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    attend_head(a->out + b * a->H * a->D + h * a->D, a->q + b * a->q_row + h * a->D, a->kc + hk * a->D,
+                a->vc + hk * a->D, a->tables + b * a->width, start, ctx, a->D, a->bs, row, a->scale,
+                a->scores + worker * a->longest);
   }
 }
 
-/* Every sequence's decode attention (see attend_decode): 0, or -1 when out of memory. */
+/* Every sequence's decode attention (see attend_decode), its query heads split over `threads` of the pool (each
+ * head's arithmetic is the same on any thread): 0, or -1 when out of memory. */
 static int attend_rows(float *out, const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
                        const int32_t *ctx_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                       int64_t width, int64_t q_row, int64_t window, float scale) {
-  int64_t longest = 1, G = H / Hkv;
+                       int64_t width, int64_t q_row, int64_t window, float scale, int threads) {
+  int64_t longest = 1;
   for (int64_t b = 0; b < B; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
-  float *scores = PyMem_RawMalloc(sizeof(float) * G * longest);
-  if (scores == NULL) return -1;
-  for (int64_t b = 0; b < B; b++) {
-    int64_t ctx = ctx_lens[b], start = window > 0 && ctx > window ? ctx - window : 0;
-    for (int64_t hk = 0; hk < Hkv; hk++)
-      attend_one(out + b * H * D + hk * G * D, q + b * q_row + hk * G * D, kc, vc, tables + b * width, start, ctx,
-                 hk, G, Hkv, D, bs, scale, scores);
-  }
-  PyMem_RawFree(scores);
+  AttendArgs a = {out, q, kc, vc, tables, ctx_lens, H, Hkv, D, bs, width, q_row, window, longest, scale, NULL};
+  a.scores = PyMem_RawMalloc(sizeof(float) * (size_t)(longest * (num_workers + 1))); /* any started worker helps */
+  if (a.scores == NULL) return -1;
+  Job j = {.N = B * H, .kind = 7, .task = attend_task, .args = &a, .chunk = 1};
+  run_job(&j, threads);
+  PyMem_RawFree(a.scores);
   return 0;
 }
 
@@ -743,7 +819,7 @@ static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t
   }
   if (attend_rows((float *)a[0], (const float *)a[1], (const uint16_t *)a[2], (const uint16_t *)a[3],
                   (const int32_t *)a[4], (const int32_t *)a[5], a[6], H, Hkv, D, bs, a[11], a[12], a[13],
-                  (float)scale) != 0)
+                  (float)scale, 1) != 0)
     return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
@@ -752,12 +828,19 @@ static PyObject *attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t
 
 /* silu(gate) * up per row of gu [B, 2I] ([gate | up]) into out [B, I]: silu(g) = g / (1 + exp(-g)) rounded to
  * fp32, then the product, as torch's silu and mul compute them (exp within an ulp of torch's). */
-static void silu_mul_rows(float *out, const float *gu, int64_t B, int64_t I) {
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t i = 0; i < I; i++) {
-      float g = gu[b * 2 * I + i], act = g / (1.0f + expf(-g));
-      out[b * I + i] = act * gu[b * 2 * I + I + i];
-    }
+static void silu_mul_task(const Job *j, int64_t begin, int64_t end, int worker) {
+  const int64_t I = j->K; /* items: b * I + i */
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t b = t / I, i = t % I;
+    float g = j->x[b * 2 * I + i], act = g / (1.0f + expf(-g));
+    j->y[t] = act * j->x[b * 2 * I + I + i];
+  }
+}
+
+/* The same over `threads` of the pool (a few hundred items at a time: expf is the cost). */
+static void silu_mul_rows(float *out, const float *gu, int64_t B, int64_t I, int threads) {
+  Job j = {.y = out, .x = gu, .N = B * I, .K = I, .kind = 7, .task = silu_mul_task, .chunk = 256};
+  run_job(&j, threads);
 }
 
 enum { P_ATTN_NORM, P_QKV, P_O, P_MLP_NORM, P_GATE_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_FIELDS };
@@ -785,14 +868,14 @@ static int run_stack(float *x, const int64_t *plan, const StackShape *s, const f
     if ((rc = q4_product(qkv, h, (const uint8_t *)p[P_QKV], B, row, H, 0, (int)s->threads, (int)s->int8_x))) break;
     rope_rows(qkv, cos, sin, kc, vc, slots, B, s->heads, s->kv_heads, D, row);
     if ((rc = attend_rows(att, qkv, kc, vc, tables, ctx_lens, B, s->heads, s->kv_heads, D, s->block_size, s->width,
-                          row, s->window, s->scale)))
+                          row, s->window, s->scale, (int)s->threads)))
       break;
     if ((rc = q4_product(x, att, (const uint8_t *)p[P_O], B, H, s->heads * D, 1, (int)s->threads, (int)s->int8_x)))
       break;
     rms_rows(h, x, (const float *)p[P_MLP_NORM], B, H, s->eps);
     if ((rc = q4_product(gu, h, (const uint8_t *)p[P_GATE_UP], B, 2 * I, H, 0, (int)s->threads, (int)s->int8_x)))
       break;
-    silu_mul_rows(act, gu, B, I);
+    silu_mul_rows(act, gu, B, I, (int)s->threads);
     if ((rc = q4_product(x, act, (const uint8_t *)p[P_DOWN], B, H, I, 1, (int)s->threads, (int)s->int8_x))) break;
   }
   PyMem_RawFree(h);
@@ -851,7 +934,7 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
-    {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone)"},
+    {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone, spells on the caller alone)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},
 };
