@@ -37,6 +37,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from harness.serve_proc import cpu_seconds
+
 LLAMA_CPP_PYTHON = "0.3.36"
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "llama_cpp"
@@ -139,14 +141,7 @@ def tree_rss_mib(pid: int) -> float:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by ``pid`` and its live descendants."""
-    ticks = 0
-    for p in tree_pids(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds(p) or 0.0 for p in tree_pids(pid))
 
 
 def wait_settled(pid: int, quiet_s: float = 5.0, busy_below: float = 0.25, timeout_s: float = 180) -> None:

@@ -47,19 +47,6 @@ __device__ uint32_t plan_scores(SchedState *s, ScorePlan *p) {
   return total;
 }
 
-// The row holding entry j (< acc[n]): the last r with acc[r] <= j.
-__device__ uint32_t score_row(const ScorePlan *p, uint32_t n, uint32_t j) {
-  uint32_t lo = 0, hi = n;
-  while (hi - lo > 1) {
-    uint32_t mid = (lo + hi) / 2;
-    if (p->acc[mid] <= j)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 // All threads: the score graph's inputs for entries base .. base + score_rows; entries past `total` score
 // kept row 0 against token 0, and are not written back.
 __device__ void stage_scores(SchedState *s, const ScorePlan *p, uint32_t base, uint32_t total) {
@@ -69,7 +56,7 @@ __device__ void stage_scores(SchedState *s, const ScorePlan *p, uint32_t base, u
     int32_t index = 0;
     int64_t target = 0;
     if (j < total) {
-      uint32_t r = score_row(p, s->plan_n, j), off = j - p->acc[r];
+      uint32_t r = row_of(p->acc, s->plan_n, j), off = j - p->acc[r];
       index = static_cast<int32_t>(p->first[r] + off);
       target = req_tokens(s, s->plan_slot[r])[p->lo[r] + off + 1];
     }
@@ -84,7 +71,7 @@ __device__ void write_scores(SchedState *s, const ScorePlan *p, uint32_t base, u
   const blink_sched_config &c = s->cfg;
   uint32_t kk = c.ring_top_k ? c.ring_top_k : 1;
   for (uint32_t e = threadIdx.x; e < c.score_rows && base + e < total; e += blockDim.x) {
-    uint32_t j = base + e, r = score_row(p, s->plan_n, j), i = s->plan_slot[r];
+    uint32_t j = base + e, r = row_of(p->acc, s->plan_n, j), i = s->plan_slot[r];
     size_t at = static_cast<size_t>(i) * c.prompt_logprob_rows + p->lo[r] + (j - p->acc[r]) + 1;
     blink_prompt_logprob *dst = reinterpret_cast<blink_prompt_logprob *>(c.ring + c.prompt_logprob_off) + at;
     dst->logprob = c.score_logprobs[e];

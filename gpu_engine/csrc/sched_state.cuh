@@ -124,6 +124,20 @@ __device__ __forceinline__ void sample_into(uint32_t *arr, uint32_t *n, uint64_t
   *n = k + 1;
 }
 
+// The row r < n whose range holds j, rows given by their ascending first indices `starts` (starts[0] <= j):
+// the last r with starts[r] <= j. A step's packed tokens (stage_tokens) and its scored positions (sched_score).
+__device__ uint32_t row_of(const uint32_t *starts, uint32_t n, uint32_t j) {
+  uint32_t lo = 0, hi = n;
+  while (hi - lo > 1) {
+    uint32_t mid = (lo + hi) / 2;
+    if (starts[mid] <= j)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // Thread 0: the scheduler's own state was overwritten (by a kernel writing out of bounds): stop
 // at once, through the copy of the ring address, rather than dereference what is left.
 __device__ bool state_corrupted(SchedState *s) {

@@ -101,14 +101,7 @@ __device__ void stage_tokens(SchedState *s, const uint32_t *cu, uint32_t n, uint
       c.slot_mapping[j] = -1;
       continue;
     }
-    uint32_t lo = 0, hi = n;  // row r with cu[r] <= j < cu[r+1]
-    while (hi - lo > 1) {
-      uint32_t mid = (lo + hi) / 2;
-      if (cu[mid] <= j)
-        lo = mid;
-      else
-        hi = mid;
-    }
+    uint32_t lo = row_of(cu, n, j);  // row r with cu[r] <= j < cu[r+1]
     uint32_t i = s->plan_slot[lo], pos = s->plan_cached[lo] + (j - cu[lo]);
     int32_t block = req_blocks(s, i)[pos / c.block_size];
     c.input_ids[j] = req_tokens(s, i)[pos];

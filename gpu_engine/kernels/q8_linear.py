@@ -101,18 +101,26 @@ def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return rows, block_n, block_g, per, triton.cdiv(groups, per)
 
 
+def _checked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtypes) -> tuple[int, int, int]:
+    """(M, K, N) of a Q8_0 product's operands, checked: x [M, K] of ``dtypes``, codes int8 [N, K], scales fp16
+    [N, K / 32], K a multiple of 32."""
+    check("x", x, dtype=dtypes, shape=(None, None))
+    M, K = x.shape
+    check("codes", codes, dtype=torch.int8, shape=(None, K), device=x.device)
+    N = codes.shape[0]
+    if K % GROUP:
+        raise ValueError(f"codes: K = {K} is not a multiple of {GROUP} (Q8_0 blocks)")
+    check("scales", scales, dtype=torch.float16, shape=(N, K // GROUP), device=x.device)
+    return M, K, N
+
+
 def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The Q8_0 product of a step of at most 8 rows by a matrix-vector kernel (a candidate: not yet measured
     on a GPU, so ``q8_linear`` does not take it; ``bench/kernels.py --only q8`` times it). Half inputs only:
     its sums are not the dense fp32 model's."""
-    check("x", x, dtype=(torch.float16, torch.bfloat16), shape=(None, None))
-    (M, K), N = x.shape, codes.shape[0]
-    if not 0 < M <= 8:
-        raise ValueError(f"x: {M} rows; the matrix-vector kernel takes 1 to 8")
-    check("codes", codes, dtype=torch.int8, shape=(None, K), device=x.device)
-    if K % GROUP or K == 0:
-        raise ValueError(f"codes: K = {K} is not a positive multiple of {GROUP} (Q8_0 blocks)")
-    check("scales", scales, dtype=torch.float16, shape=(N, K // GROUP), device=x.device)
+    M, K, N = _checked(x, codes, scales, (torch.float16, torch.bfloat16))
+    if not 0 < M <= 8 or K == 0:
+        raise ValueError(f"x: {M} rows of {K}; the matrix-vector kernel takes 1 to 8 rows, K > 0")
     rows, bn, bg, per, slices = gemv_blocks(M, N, K)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     dst = out if slices == 1 else torch.empty((slices, M, N), dtype=torch.float32, device=x.device)
@@ -150,13 +158,7 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / fp16 / bf16, rows may be strided), codes int8 [N, K], scales fp16 [N, K / 32]
     (K a multiple of 32) -> out [M, N] in x's dtype."""
-    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
-    M, K = x.shape
-    check("codes", codes, dtype=torch.int8, shape=(None, K), device=x.device)
-    N = codes.shape[0]
-    if K % GROUP:
-        raise ValueError(f"codes: K = {K} is not a multiple of {GROUP} (Q8_0 blocks)")
-    check("scales", scales, dtype=torch.float16, shape=(N, K // GROUP), device=x.device)
+    M, K, N = _checked(x, codes, scales, FLOAT_DTYPES)
     if out is None and N and K:
         return _dequantized_linear(x, codes, scales)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
