@@ -230,7 +230,7 @@ def gemv_rows(gbps: float) -> list[dict]:
 def q8_rows(gbps: float) -> list[dict]:
     """The Q8_0 linear (int8 codes + fp16 scales, `kernels.q8_linear`) against cuBLAS on the same weights in bf16,
     at the Llama-3-8B projections: decode batches (bytes: the weight read) and prefill chunks."""
-    from gpu_engine.kernels.q8_linear import q8_gemv, q8_linear
+    from gpu_engine.kernels.q8_linear import q8_linear
     from gpu_engine.models.q8_weight import GROUP
 
     rows = []
@@ -243,8 +243,6 @@ def q8_rows(gbps: float) -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             cases = {"q8_0": (lambda x=x, c=codes, s=scales: q8_linear(x, c, s), _nbytes(codes, scales, x)),
                      "cublas_bf16": (lambda x=x, w=dense: F.linear(x, w), _nbytes(dense, x))}
-            if M <= 8:  # the matrix-vector candidate (`q8_gemv`), not yet taken by q8_linear
-                cases["q8_0_gemv"] = (lambda x=x, c=codes, s=scales: q8_gemv(x, c, s), _nbytes(codes, scales, x))
             for case, (fn, nbytes) in cases.items():
                 ms = graph_ms(fn)
                 rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,

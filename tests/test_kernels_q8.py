@@ -109,23 +109,3 @@ def test_q8_product_is_the_dense_product(m: int) -> None:
     qw, _ = _weight(4096, 4096)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(q8_linear(x, qw.codes, qw.scales), torch.nn.functional.linear(x, qw.dequantize(torch.bfloat16)))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_matrix_vector_candidate_matches_reference(dtype: torch.dtype, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The matrix-vector kernel (`q8_gemv`, scales applied after each block's sum) against the dense product,
-    K split into slices (a small program target) and not."""
-    import gpu_engine.kernels.q8_linear as q8
-
-    qw, dense = _weight(40, 2048, seed=m)
-    x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(7 + m)).to(DEV, dtype)
-    want = x.float() @ dense.to(DEV).float().T  # the file's weights exactly, fp32 sums
-    for programs in (1, 64):
-        monkeypatch.setattr(q8, "GEMV_PROGRAMS", programs)
-        assert (q8.gemv_blocks(m, 40, 2048)[4] > 1) == (programs > 1)
-        got = q8.q8_gemv(x, qw.codes, qw.scales)
-        assert got.dtype == dtype and got.shape == (m, 40)
-        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
-    with pytest.raises(ValueError, match="1 to 8"):
-        q8.q8_gemv(torch.zeros(9, 2048, dtype=dtype, device=DEV), qw.codes, qw.scales)

@@ -80,13 +80,3 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     out = compiles("gpu_engine.kernels.q8_linear", "_q8_dequant_kernel", dict(item.split(":") for item in sig.split()),
                    {"BLOCK_K": 1024, "GROUP": 32, "UPCAST": False})
     assert out.startswith("True"), out
-
-
-@pytest.mark.parametrize(("rows", "block_n", "block_g"), [(1, 16, 16), (8, 8, 4)])
-def test_q8_gemv_candidate_compiles_for_sm90(rows: int, block_n: int, block_g: int) -> None:
-    """The Q8_0 matrix-vector candidate at its smallest and largest row counts (bf16 x, fp32 partial sums)."""
-    sig = ("x_ptr:*bf16 q_ptr:*i8 s_ptr:*fp16 out_ptr:*fp32 M:i32 N:i32 K:i32 sx:i32 sq:i32 ss:i32 so:i32 sp:i32 "
-           "groups_per_slice:i32")
-    out = compiles("gpu_engine.kernels.q8_linear", "_q8_gemv_kernel", dict(item.split(":") for item in sig.split()),
-                   {"ROWS": rows, "BLOCK_N": block_n, "BLOCK_G": block_g, "GROUP": 32})
-    assert out.startswith("True"), out
