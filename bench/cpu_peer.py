@@ -5,7 +5,9 @@ llama.cpp is built from the source tree that PyPI's ``llama-cpp-python`` sdist c
 The two servers run one at a time, each spoken to by the same client with the same requests
 (streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
 one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
-prompt's prefill tokens/s, and the resident memory of all the server's processes. Each server is measured
+prompt's prefill tokens/s, and the memory of all the server's processes: PSS (a page that k of them map counts
+1/k in each, so the sum is what they take of the machine) and, beside it, their RSS summed (a shared page
+counted in every process that maps it: the shared libraries, Blink's shared weights file). Each server is measured
 once it has settled (``wait_settled``: its processes under a quarter of a core for 5 s after it answers).
 ``transformers`` ``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
 (``blink``: the GGUF's Q4_1 linears kept as its Q4_1 blocks, fp32 arithmetic, the kernels' pool on every
@@ -49,7 +51,8 @@ ROWS = (  # metric, unit, higher_is_better
     ("one stream TTFT (33-token prompt)", "ms", False),
     ("8 concurrent streams, total output", "tokens/s", True),
     ("1,969-token prompt prefill", "tokens/s", True),
-    ("resident memory, all processes", "MiB", False),
+    ("memory, all processes (PSS)", "MiB", False),
+    ("resident memory summed over processes (RSS)", "MiB", False),
 )
 
 
@@ -128,15 +131,21 @@ def tree_pids(pid: int) -> list[int]:
     return found
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants."""
-    total = 0
-    for p in tree_pids(pid):
+def memory_mib(pids: list[int]) -> dict[str, float]:
+    """The memory of these processes: ``pss``, each page counted once however many of them map it (a page
+    mapped by k processes counts 1/k in each: the machine's memory they take), and ``rss``, every process's
+    resident pages summed (a page they share counted in each: the shared libraries, a shared weights file)."""
+    total = {"pss": 0, "rss": 0}
+    for p in pids:
         try:
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
         except OSError:
-            pass
-    return total / 2**20
+            continue
+        for line in lines:
+            key, _, rest = line.partition(":")
+            if key in ("Pss", "Rss"):
+                total[key.lower()] += int(rest.split()[0])  # kB
+    return {k: v / 1024 for k, v in total.items()}
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -191,7 +200,7 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, prompt: l
 
 
 async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
-                         rss: Callable[[], float]) -> dict[str, float]:
+                         memory: Callable[[], dict[str, float]]) -> dict[str, float]:
     # a new connection per request: llama-server closes idle keep-alive connections under the client
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as s:
@@ -211,7 +220,7 @@ async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
         first = await stream(s, url, model, prompts["long"], 1)
         prefill = LONG_PROMPT / (first[0] - t0)
         return {"decode": decode, "ttft": float(np.median(ttfts)), "concurrent": concurrent, "prefill": prefill,
-                "rss": rss()}
+                **memory()}
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> str:
@@ -237,7 +246,7 @@ def run_server(proc: subprocess.Popen[bytes], port: int, prompts: dict[str, list
     try:
         model = wait_ready(url, proc)
         wait_settled(proc.pid)
-        return asyncio.run(measure_server(url, model, prompts, lambda: tree_rss_mib(proc.pid)))
+        return asyncio.run(measure_server(url, model, prompts, lambda: memory_mib(tree_pids(proc.pid))))
     finally:
         stop(proc)
 
@@ -265,8 +274,8 @@ def run_transformers(gguf: Path, prompts: dict[str, list[int]], threads: int) ->
         batch = [prompts[f"c{i}"] for i in range(CONCURRENT)]
         concurrent = CONCURRENT * DECODE_TOKENS / generate(batch, DECODE_TOKENS)
         prefill = LONG_PROMPT / generate([prompts["long"]], 1)
-    rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return {"decode": decode, "ttft": ttft * 1e3, "concurrent": concurrent, "prefill": prefill, "rss": rss}
+    return {"decode": decode, "ttft": ttft * 1e3, "concurrent": concurrent, "prefill": prefill,
+            **memory_mib([os.getpid()])}
 
 
 # ---------------------------------------------------------------------- main
@@ -292,7 +301,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def rows_of(results: dict[str, dict[str, float] | None]) -> list[dict[str, Any]]:
-    keys = ("decode", "ttft", "concurrent", "prefill", "rss")
+    keys = ("decode", "ttft", "concurrent", "prefill", "pss", "rss")
     return [{"metric": m, "unit": u, "higher_is_better": h,
              **{side: (None if res is None else round(res[k], 2)) for side, res in results.items()}}
             for (m, u, h), k in zip(ROWS, keys, strict=True)]

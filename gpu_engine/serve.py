@@ -29,11 +29,12 @@ from gpu_engine.faults import EXIT_ENGINE_FAILURE, DeviceFailure, Fault, FaultyR
 from gpu_engine.kernels.cpu_linear import KernelThreads, quant_kernels_available
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
-from gpu_engine.models.cpu_pack import pack_for_cpu
+from gpu_engine.models.cpu_pack import pack_for_cpu, release_freed_memory
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_loader import GGUFSource
 from gpu_engine.models.loader import default_model_path, load_model
+from gpu_engine.models.shared_weights import identity_of, share
 from gpu_engine.policy import Policy
 from gpu_engine.runner import Runner, TorchRunner
 from shared import env
@@ -115,6 +116,13 @@ def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
     if fmt.packed:
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
                      int8_activations=cfg.cpu_weights == "int8act", blocks=blocks)
+    del blocks, gguf  # the file's blocks, before the move: what only they hold is freed with them
+    if (folder := env.env().cpu_weights_dir) is not None and path.is_file():
+        # one copy for the live engine and the standby (shared_weights); the file's name is of what was loaded
+        got = share(model, folder, identity_of(path, cfg.dtype, cfg.cpu_weights, cfg.random_weights, cfg.seed))
+        release_freed_memory()
+        log.info("weights shared", file=str(got.path), mib=got.shared_bytes >> 20, wrote=got.written,
+                 kept_mib=got.kept_bytes >> 20)
     return CpuWeights(model, mcfg, fmt, threads, path)
 
 

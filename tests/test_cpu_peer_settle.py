@@ -1,4 +1,5 @@
-"""bench.cpu_peer measures a server once its processes have settled: a busy child keeps it waiting."""
+"""bench.cpu_peer measures a server once its processes have settled (a busy child keeps it waiting), and counts
+their memory as PSS beside RSS summed."""
 
 from __future__ import annotations
 
@@ -45,3 +46,26 @@ def test_a_busy_child_keeps_the_server_unsettled() -> None:
         assert tree_cpu_s(proc.pid) - before > 1.0  # the child's time counts, not the idle parent's alone
     finally:
         _stop(proc)
+
+
+def test_memory_counts_a_page_two_processes_share_once_in_pss(tmp_path) -> None:
+    """``memory_mib``: PSS sums what the processes take of the machine (a 32-MiB file both map, read through,
+    counted once), RSS sums each one's resident pages (the file twice)."""
+    from bench.cpu_peer import memory_mib
+
+    data = tmp_path / "shared.bin"
+    data.write_bytes(os.urandom(32 << 20))
+    code = (f"import mmap, sys, time; f = open({str(data)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ);"
+            " s = sum(m[i] for i in range(0, len(m), 4096)); print('mapped', flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == b"mapped"
+        alone = memory_mib([procs[0].pid])
+        both = memory_mib([p.pid for p in procs])
+        assert alone["rss"] >= 32 and alone["rss"] - alone["pss"] >= 15  # its PSS holds half of the file
+        assert both["rss"] - both["pss"] >= 30  # the file: twice in the RSS sum, once in the PSS sum
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -114,6 +114,28 @@ def test_the_spare_holds_no_segment_nor_key_is_replaced_when_it_dies_and_dies_wi
         stop_stack(stack)
 
 
+def weight_files(pid: int) -> set[str]:
+    """The shared weight files (``gpu_engine.models.shared_weights``) a process maps."""
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if line.rstrip().endswith(".bin") and "/weights-" in line}
+
+
+def test_the_engine_and_the_spare_map_one_weights_file_removed_at_the_stop(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, env=ENGINE_ENV, timeout_s=LIMIT_S,
+                        standby_engine=True)
+    try:
+        (spare,) = wait_until("standby engine ready", lambda: spares_ready(stack, 1), stack)
+        (path,) = weight_files(stack.engine_pid())
+        assert weight_files(spare) == {path} and Path(path).parent == stack.run_dir
+        shared = engine_events(stack.log_path, "weights shared")
+        assert [e["wrote"] for e in shared] == [True, False] and {e["file"] for e in shared} == {path}
+        assert all(e["kept_mib"] == 0 for e in shared)
+        assert completion(stack, max_tokens=4) == 1
+    finally:
+        assert stop_stack(stack) == 0, stack.log()
+    assert not Path(path).exists() and list(stack.run_dir.glob("weights-*")) == []
+
+
 def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> None:
     """The spare and the engine die while the supervisor is stopped, so it finds both dead at once."""
     stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, env=ENGINE_ENV, timeout_s=LIMIT_S,

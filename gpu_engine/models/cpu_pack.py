@@ -76,7 +76,7 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
             module.int8_activations = int8_activations
     if quant_kernels_available() and not int4_layers:  # int4 keeps the torch forms its stated bound was measured on
         fuse_small_ops(model)
-    _release_freed_memory()
+    release_freed_memory()
     return model
 
 
@@ -130,6 +130,10 @@ class DecodeStack:
                                meta.context_lens.to(torch.int32).contiguous(), KernelThreads.get(), int8_x)
         return x
 
+    def planned(self) -> bool:
+        """Whether a step has run: the plan then holds the weights' and the cache's addresses."""
+        return self._plan is not None
+
     def _plan_for(self, kv_cache: KVCache) -> torch.Tensor:
         if self._plan is None or self._plan[0] is not kv_cache:
             rows = []
@@ -172,7 +176,7 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the freed fp32 weights' pages back to the OS (glibc keeps freed heap memory otherwise)."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:

@@ -1,0 +1,161 @@
+"""The CPU engine's packed weights in one file that the live engine and the standby engine map together.
+
+``blink serve`` keeps a standby engine beside the live one (a spare with its weights loaded, so that a restart
+skips the load). Each would hold its own copy of the packed weights (94 MiB for the embedded SmolLM2-135M);
+``share`` moves a loaded model's large tensors into a ``MAP_SHARED`` mapping of one file in a folder both
+processes see (``BLINK_CPU_WEIGHTS_DIR``: ``blink serve`` sets its run folder), so the machine holds them once. It runs
+when the model is loaded, before any KV cache or step.
+
+The first process to share writes the file (under a temporary name, then renamed into place, so no reader
+sees half of it); the next finds it by a digest of the model file's identity and of the tensors' layout, checks
+that its bytes are the ones it loaded itself (a changed file or another packing writes a new file instead), and
+maps it. Once filled, the mapping is made read-only (``mprotect``): a kernel that wrote into a weight would fault at
+once instead of changing the other engine's model. Every tensor object found on
+the model's module tree (parameters, buffers, tensors in a module's attributes) is moved with ``Tensor.set_``, so
+each reference to it sees the mapping; storages that stayed outside it are counted in the result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import hashlib
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MIN_BYTES = 1 << 16  # storages smaller than this stay where they are (norm weights, tables of a few KiB)
+ALIGN = 4096         # each storage starts on its own page: any element size divides the offset
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shared:
+    path: Path
+    shared_bytes: int   # storages now in the mapping
+    kept_bytes: int     # storages of at least MIN_BYTES found on the model but left outside it (none expected)
+    written: bool       # this process wrote the file (False: it mapped one another process wrote)
+
+
+def _tensors(root: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor object of the module tree under ``root``: parameters, buffers, and tensors held in plain
+    attributes, lists, tuples and dicts of a module (a list holding a module is followed too). Other objects
+    (a decode stack's plan, a cache) are not weights and are not followed."""
+    seen = set() if seen is None else seen
+    if id(root) in seen:
+        return []
+    seen.add(id(root))
+    if isinstance(root, torch.Tensor):
+        return [root]
+    children: list[Any]
+    if isinstance(root, (list, tuple)):
+        children = list(root)
+    elif isinstance(root, dict):
+        children = list(root.values())
+    elif isinstance(root, nn.Module):
+        children = [*root._parameters.values(), *root._buffers.values(), *root._modules.values(),
+                    *(v for k, v in vars(root).items() if k not in ("_parameters", "_buffers", "_modules"))]
+    else:
+        return []
+    found: list[torch.Tensor] = []
+    for child in children:
+        if child is not None:
+            found += _tensors(child, seen)
+    return found
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[torch.UntypedStorage], list[int], int]:
+    """The distinct CPU storages of at least MIN_BYTES, in the order first met, their page-aligned offsets in
+    the file, and its size."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if t.device.type == "cpu" and s.nbytes() >= MIN_BYTES and s.data_ptr() not in storages:
+            storages[s.data_ptr()] = s
+    offsets, size = [], 0
+    for s in storages.values():
+        offsets.append(size)
+        size += -(-s.nbytes() // ALIGN) * ALIGN
+    return list(storages.values()), offsets, size
+
+
+def _digest(identity: str, storages: list[torch.UntypedStorage]) -> str:
+    h = hashlib.sha256(identity.encode())
+    for s in storages:
+        h.update(s.nbytes().to_bytes(8, "little"))
+    return h.hexdigest()[:20]
+
+
+def _bytes(s: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),), (1,))
+
+
+def _same(mapped: torch.Tensor, storages: list[torch.UntypedStorage], offsets: list[int]) -> bool:
+    return all(torch.equal(mapped[o: o + s.nbytes()], _bytes(s)) for s, o in zip(storages, offsets, strict=True))
+
+
+def _write(path: Path, storages: list[torch.UntypedStorage], offsets: list[int], size: int) -> torch.Tensor:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    mapped = torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
+    for s, o in zip(storages, offsets, strict=True):
+        mapped[o: o + s.nbytes()].copy_(_bytes(s))
+    os.replace(tmp, path)  # the mapping stays valid across the rename: it is of the inode
+    return mapped
+
+
+def share(model: nn.Module, directory: Path, identity: str) -> Shared:
+    """Move ``model``'s large CPU tensors into the shared file for ``identity`` (the model file and how it was
+    packed) in ``directory``, writing the file where no matching one exists. Before the model's first step:
+    a decode stack that has run holds its weights' addresses (refused)."""
+    stack = getattr(model, "decode_stack", None)
+    if stack is not None and stack.planned():
+        raise RuntimeError("share the weights before the model runs: its decode stack holds their addresses")
+    tensors = _tensors(model)
+    storages, offsets, size = _layout(tensors)
+    path = Path(directory) / f"weights-{_digest(identity, storages)}.bin"
+    mapped, written = None, False
+    if path.is_file() and path.stat().st_size == size:
+        candidate = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        if _same(candidate, storages, offsets):
+            mapped = candidate
+    if mapped is None:
+        mapped, written = _write(path, storages, offsets, size), True
+    _read_only(mapped)
+    base = {s.data_ptr(): (o, s.nbytes()) for s, o in zip(storages, offsets, strict=True)}
+    target = mapped.untyped_storage()
+    with torch.no_grad():
+        for t in tensors:
+            place = base.get(t.untyped_storage().data_ptr())
+            if place is None:
+                continue
+            start = place[0] + t.storage_offset() * t.element_size()
+            t.set_(target, start // t.element_size(), t.size(), t.stride())
+    del storages
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(model)
+            if t.untyped_storage().nbytes() >= MIN_BYTES and t.device.type == "cpu"
+            and t.untyped_storage().data_ptr() != target.data_ptr()}
+    return Shared(path, size, sum(kept.values()), written)
+
+
+def _read_only(mapped: torch.Tensor) -> None:
+    """mprotect the mapping to PROT_READ (it starts on a page: mmap's own address)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if mapped.data_ptr() % mmap.PAGESIZE or libc.mprotect(mapped.data_ptr(), mapped.numel(), mmap.PROT_READ):
+        raise OSError(ctypes.get_errno(), "cannot make the shared weights read-only")
+
+
+def identity_of(path: Path, *parts: object) -> str:
+    """What a shared file is of: the model file (path, size, modification time) and the packing's options."""
+    st = path.stat()
+    return "|".join([str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), *map(str, parts)])
