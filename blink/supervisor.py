@@ -236,17 +236,13 @@ class Supervisor:
         keyed = {**keyless, "BLINK_API_KEY": cfg.api_key} if cfg.api_key else keyless
         keyed = {**keyed, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}  # one /metrics over every gateway
         envs = cfg.engine_env or tuple({} for _ in cfg.engine_args)
-        # CPU engines (the live ones and the spare) map one file of their weights in the run folder, unless the
-        # environment names another folder; the GPU backends ignore it
-        self.weights_dir = None if os.environ.get("BLINK_CPU_WEIGHTS_DIR") else cfg.run_dir
-        engine_env = {**keyless, **({"BLINK_CPU_WEIGHTS_DIR": str(cfg.run_dir)} if self.weights_dir else {})}
         self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
-                              {**engine_env, **envs[i]}, ring=name)
+                              {**keyless, **envs[i]}, ring=name)
                         for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
         self.engine_envs = {e.name: envs[i] for i, e in enumerate(self.engines)}  # what a spare learns at the go
         # The spare takes the first engine's flags: the engines differ only in their ring and GPU, told at the go.
         self.standby = Child("standby-engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args[0],
-                                                "--standby"], engine_env, go_pipe=True) if cfg.standby_engine else None
+                                                "--standby"], keyless, go_pipe=True) if cfg.standby_engine else None
         self.spare_clock = SpareClock()
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
@@ -294,7 +290,6 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         ipc.ensure_run_dir(self.cfg.run_dir)
         self._fresh_metrics_dir()
-        self._remove_weight_files()  # a killed serve's (an engine still mapping one keeps its inode)
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         code = 0
@@ -308,15 +303,7 @@ class Supervisor:
                 code = self._watch()
         finally:
             self._stop_all()
-            self._remove_weight_files()
         return code
-
-    def _remove_weight_files(self) -> None:
-        """The CPU engines' shared weight files in the run folder (``gpu_engine.models.shared_weights``), at start
-        and once every engine has stopped: the next start writes its own."""
-        if self.weights_dir is not None:
-            for f in self.weights_dir.glob("weights-*.bin"):
-                f.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ readiness
     def _engine_ready(self, engine: Child) -> bool:

@@ -87,8 +87,9 @@ class Env:
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "
-                                        "in a file there that the live and the standby engine map together "
-                                        "(blink serve sets its run folder; unset: each engine its own copy)", Path)
+                                        "in a file there that every engine loading them the same way maps (the "
+                                        "live and the standby engine: held once, not on huge pages; unset: each "
+                                        "engine its own copy)", Path)
     tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "
                                   "for the tests", Path, factory=lambda: Path.home() / ".cache/blink/tokenizer-assets")
 

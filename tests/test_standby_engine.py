@@ -120,20 +120,22 @@ def weight_files(pid: int) -> set[str]:
             if line.rstrip().endswith(".bin") and "/weights-" in line}
 
 
-def test_the_engine_and_the_spare_map_one_weights_file_removed_at_the_stop(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, env=ENGINE_ENV, timeout_s=LIMIT_S,
-                        standby_engine=True)
+def test_with_a_weights_folder_the_engine_and_the_spare_map_one_file(tmp_path: Path) -> None:
+    folder = tmp_path / "weights"
+    folder.mkdir(mode=0o700)
+    stack = start_stack(tmp_path, *ENGINE_FLAGS, engine_module=REAL_ENGINE, timeout_s=LIMIT_S, standby_engine=True,
+                        env={**ENGINE_ENV, "BLINK_CPU_WEIGHTS_DIR": str(folder)})
     try:
         (spare,) = wait_until("standby engine ready", lambda: spares_ready(stack, 1), stack)
         (path,) = weight_files(stack.engine_pid())
-        assert weight_files(spare) == {path} and Path(path).parent == stack.run_dir
+        assert weight_files(spare) == {path} and Path(path).parent == folder
         shared = engine_events(stack.log_path, "weights shared")
         assert [e["wrote"] for e in shared] == [True, False] and {e["file"] for e in shared} == {path}
         assert all(e["kept_mib"] == 0 for e in shared)
         assert completion(stack, max_tokens=4) == 1
     finally:
         assert stop_stack(stack) == 0, stack.log()
-    assert not Path(path).exists() and list(stack.run_dir.glob("weights-*")) == []
+    assert [p.name for p in folder.iterdir()] == [Path(path).name]  # kept for the next start, which checks it
 
 
 def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path) -> None:

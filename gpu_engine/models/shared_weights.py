@@ -3,8 +3,9 @@
 ``blink serve`` keeps a standby engine beside the live one (a spare with its weights loaded, so that a restart
 skips the load). Each would hold its own copy of the packed weights (94 MiB for the embedded SmolLM2-135M);
 ``share`` moves a loaded model's large tensors into a ``MAP_SHARED`` mapping of one file in a folder both
-processes see (``BLINK_CPU_WEIGHTS_DIR``: ``blink serve`` sets its run folder), so the machine holds them once. It runs
-when the model is loaded, before any KV cache or step.
+processes see (``BLINK_CPU_WEIGHTS_DIR``, opt-in), so the machine holds them once. It runs when the model is
+loaded, before any KV cache or step. The price: the weights are then not on transparent huge pages (this
+machine's shared memory has none), which a decode step of the embedded model is ~8% faster with.
 
 The first process to share writes the file (under a temporary name, then renamed into place, so no reader
 sees half of it); the next finds it by a digest of the model file's identity and of the tensors' layout, checks
