@@ -46,9 +46,10 @@ class Variant:
     prefill_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int]:
+def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int, bool]:
     """``NAME:key=value,...``: engine config fields, ``unfused=1`` for the small ops in torch, ``kthreads=N``
-    for the quantized kernels' threads apart from torch's."""
+    for the quantized kernels' threads apart from torch's, ``tail=0`` for a greedy step's norm, head and argmax
+    through ``logits_at`` and ``sample`` (``TorchRunner.greedy_tail`` off)."""
     name, _, rest = spec.partition(":")
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
@@ -56,14 +57,17 @@ def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int]:
         fields[key] = int(value) if value.isdigit() else value
     unfused = bool(fields.pop("unfused", 0))
     kthreads = int(fields.pop("kthreads", 0))  # type: ignore[call-overload]
+    tail = bool(fields.pop("tail", 1))
     cfg = EngineConfig(ring_name=f"step-{name}", geometry=GEOMETRY, kv_blocks=2048, max_batch=16, **fields)
-    return name, cfg, unfused, kthreads
+    return name, cfg, unfused, kthreads, tail
 
 
-def build(name: str, cfg: EngineConfig, unfused: bool, kthreads: int) -> Variant:
+def build(name: str, cfg: EngineConfig, unfused: bool, kthreads: int, tail: bool = True) -> Variant:
     backend = build_cpu_backend(cfg)
     if unfused:
         fuse_small_ops(backend.runner.model, on=False)  # type: ignore[union-attr]
+    if not tail:
+        backend.runner.greedy_tail = False  # type: ignore[union-attr]
     ring = local_ring(GEOMETRY)
     assert backend.runner is not None
     engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,

@@ -592,18 +592,26 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
   Py_RETURN_NONE;
 }
 
+/* y (+)= x @ W.T over Q8_0 codes and fp32 scales (shapes checked by the caller): 0, or -1 when out of memory. */
+static int q8_product(float *y, const float *x, const uint8_t *codes, const float *d, int64_t M, int64_t N,
+                      int64_t K, int accumulate, int threads, int int8_x) {
+  int8_t *xq = NULL;
+  float *xd = NULL;
+  Job j = {y, x, codes, d, NULL, M, N, K, accumulate, int8_x ? 9 : 8, NULL, NULL};
+  if (int8_x && quantize_x(&j, &xq, &xd) != 0) return -1;
+  run_job(&j, threads);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
+  return 0;
+}
+
 /* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x) */
 static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   int64_t a[10];
   if (parse_ints(args, nargs, 10, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
-  int8_t *xq = NULL;
-  float *xd = NULL;
-  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL,
-           a[4], a[5], a[6], (int)a[7], a[9] ? 9 : 8, NULL, NULL};
-  if (a[9] && quantize_x(&j, &xq, &xd) != 0) return PyErr_NoMemory();
-  run_job(&j, (int)a[8]);
-  PyMem_RawFree(xq);
-  PyMem_RawFree(xd);
+  if (q8_product((float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], a[4], a[5], a[6],
+                 (int)a[7], (int)a[8], (int)a[9]) != 0)
+    return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -909,6 +917,60 @@ static PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t 
   Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ a greedy step's head */
+
+/* The index of the largest of v[0, n), the lowest where several are equal; the first NaN where there is one
+ * (torch.argmax's answer: a NaN is the maximum). */
+TARGET static int64_t argmax_row(const float *v, int64_t n) {
+  __m256 mx = _mm256_set1_ps(-INFINITY), unord = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(v + i);
+    mx = _mm256_max_ps(mx, a);
+    unord = _mm256_or_ps(unord, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  float lanes[8], best = -INFINITY;
+  _mm256_storeu_ps(lanes, mx);
+  for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+  int nan = _mm256_movemask_ps(unord) != 0;
+  for (; i < n; i++) {
+    nan |= v[i] != v[i];
+    best = v[i] > best ? v[i] : best;
+  }
+  for (i = 0; i < n; i++)
+    if (nan ? v[i] != v[i] : v[i] == best) return i;
+  return 0;
+}
+
+/* greedy_head(tokens, x, rows, R, norm, codes, scales, V, H, eps, threads, int8_x, logits): for each of R rows of
+ * x [*, H] (rows: int64 [R] of their indices, or 0 for rows 0 .. R-1), the final RMSNorm (rms_rows), the tied
+ * Q8_0 head's logits over [V, H] codes and [V, H / 32] scales (the q8 product Q8Head makes, into the float32
+ * scratch `logits` [R, V]), and their argmax into tokens int64 [R]: a greedy step's tail, the same arithmetic
+ * as norm, q8_matmul and torch.argmax one after another. */
+static PyObject *greedy_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[12];
+  if (nargs != 13 || parse_ints(args, 9, 9, a, "greedy_head") || parse_ints(args + 10, 3, 3, a + 9, "greedy_head")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "greedy_head takes 13 arguments");
+    return NULL;
+  }
+  double eps = PyFloat_AsDouble(args[9]);
+  if (eps == -1.0 && PyErr_Occurred()) return NULL;
+  const int64_t R = a[3], V = a[7], H = a[8];
+  if (check_shape(R, V, H, a[9])) return NULL;
+  int64_t *tokens = (int64_t *)a[0];
+  const float *x = (const float *)a[1];
+  const int64_t *rows = (const int64_t *)a[2];
+  float *logits = (float *)a[11];
+  float *h = PyMem_RawMalloc(sizeof(float) * (size_t)(R * H));
+  if (h == NULL) return PyErr_NoMemory();
+  for (int64_t r = 0; r < R; r++) rms_rows(h + r * H, x + (rows ? rows[r] : r) * H, (const float *)a[4], 1, H, (float)eps);
+  int rc = q8_product(logits, h, (const uint8_t *)a[5], (const float *)a[6], R, V, H, 0, (int)a[9], (int)a[10]);
+  PyMem_RawFree(h);
+  if (rc != 0) return PyErr_NoMemory();
+  for (int64_t r = 0; r < R; r++) tokens[r] = argmax_row(logits + r * V, V);
+  Py_RETURN_NONE;
+}
+
 static PyObject *available(PyObject *self, PyObject *unused) {
   __builtin_cpu_init();
   return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -934,6 +996,9 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
+    {"greedy_head", (PyCFunction)(void (*)(void))greedy_head, METH_FASTCALL,
+     "greedy_head(tokens, x, rows, R, norm, codes, scales, V, H, eps, threads, int8_x, logits): final norm, tied "
+     "Q8_0 head and argmax of a greedy step's rows"},
     {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone, spells on the caller alone)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},

@@ -10,7 +10,8 @@ losslessly (a Q8_0 GGUF table), else gets a packed fp16 copy. Norms, RoPE tables
 stay float32. Without the quantized kernels (``quant_kernels_available``) everything packs as fp16. With
 them, the layers' small ops run fused in C (``fuse_small_ops``), except with ``int4_layers``; where every
 layer's linears are ``Q4Linear`` (a Q4_1 GGUF), a decode step runs the whole layer stack in one C call
-(``DecodeStack``).
+(``DecodeStack``); with a ``Q8Head``, the greedy rows of a step take their tokens from one C call after the
+layers (``GreedyHead``: the final norm, the head and the argmax).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def fuse_small_ops(model: CausalLM, on: bool = True) -> None:
         layer.attn.fused = on and attention_ok
         layer.residual_in_place = on and isinstance(layer.mlp, GatedMLP)
     model.decode_stack = DecodeStack.build(model) if on and attention_ok else None
+    head = model.lm_head
+    model.greedy_head = GreedyHead(model.norm.weight, head, model.norm.eps) if on and isinstance(head, Q8Head) \
+        else None
 
 
 class DecodeStack:
@@ -140,6 +144,26 @@ class DecodeStack:
                              kv_cache.k[i].data_ptr(), kv_cache.v[i].data_ptr()])
             self._plan = (kv_cache, torch.tensor(rows, dtype=torch.int64))
         return self._plan[1]
+
+
+class GreedyHead:
+    """The final RMSNorm, a tied ``Q8Head`` and the argmax as one C call (``cpu_fused.greedy_head``) for the rows
+    of a step that sample greedily and ask for nothing else: the same arithmetic as ``CausalLM.logits_at`` (the
+    fused norm, the head's q8 product) and ``torch.argmax``, so the same tokens, without the torch ops."""
+
+    def __init__(self, norm_weight: torch.Tensor, head: Q8Head, eps: float) -> None:
+        self.norm_weight, self.head, self.eps = norm_weight, head, eps
+        self._logits = torch.empty(0)  # the scratch, kept between steps
+
+    def __call__(self, hidden: torch.Tensor, rows: list[int] | None) -> list[int]:
+        n = hidden.shape[0] if rows is None else len(rows)
+        vocab = self.head.out_features
+        if self._logits.numel() < n * vocab:
+            self._logits = torch.empty(n * vocab)
+        embed = self.head.embed[0]
+        index = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+        return cpu_fused.greedy_head(hidden.contiguous(), index, self.norm_weight, embed.codes, embed.scales,
+                                     self.eps, KernelThreads.get(), self.head.int8_activations, self._logits).tolist()
 
 
 class StackLayer(NamedTuple):
