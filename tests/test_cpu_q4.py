@@ -211,3 +211,18 @@ def test_placeholders_leave_the_q4_linears_unread_and_pack_the_same_model() -> N
 
     with pytest.raises(ModelLoadError, match="no data"):  # a shape without data only where the caller leaves it
         assign_weights(build_empty(cfg, torch.float32, "cpu"), source.named_weights(cfg, set(given)), "f")
+
+
+def test_the_table_s_lookup_in_c_is_torch_s() -> None:
+    """``GroupInt8Embedding`` with its C lookup (``fused``): the same bits as its torch indexing, and an id out of
+    range still torch's error."""
+    gen = torch.Generator().manual_seed(11)
+    emb = GroupInt8Embedding(torch.randn(300, 96, generator=gen))
+    ids = torch.tensor([5, 0, 299, 5, 17])
+    want = emb(ids)
+    emb.fused = True
+    assert torch.equal(emb(ids), want)
+    assert torch.equal(emb(ids[:0]), want[:0])
+    assert torch.equal(emb(ids.view(1, 5)), want.view(1, 5, 96))  # not 1-D: torch's indexing
+    with pytest.raises(IndexError):
+        emb(torch.tensor([3, 300]))

@@ -736,26 +736,44 @@ TARGET static inline __attribute__((always_inline)) void weigh_values(float *out
                                                                       int64_t row, const int n) {
   __m256 acc[8];
   for (int c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * row;
-    const __m256 w = _mm256_set1_ps(probs[p - start]);
-    for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+  for (int64_t p = start; p < ctx;) { /* a block's positions at a time: one division per block */
+    const int64_t off = p % bs, here = bs - off < ctx - p ? bs - off : ctx - p;
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + off) * row;
+    for (int64_t e = 0; e < here; e++, p++, v += row) {
+      const __m256 w = _mm256_set1_ps(probs[p - start]);
+      for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+    }
   }
   for (int c = 0; c < n; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 
+/* scores[0, n) = (q . k_e) * scale for the n cache rows k_e = k + e * row (D a multiple of 8). */
+TARGET static inline __attribute__((always_inline)) void score_rows(float *scores, const float *q, const uint16_t *k,
+                                                                    int64_t n, int64_t row, const int64_t D,
+                                                                    float scale) {
+  for (int64_t e = 0; e < n; e++, k += row) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
+    scores[e] = hsum(acc) * scale;
+  }
+}
+
 /* One query head's decode attention over cache positions [start, ctx) of its KV head (k, v: the caches at that
  * head's offset, positions `row` apart): scores (fp32 dot, one eight-lane accumulator summed across its lanes,
- * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values. */
+ * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values.
+ * The positions are walked a cache block at a time. */
 TARGET static void attend_head(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
                                const int32_t *table, int64_t start, int64_t ctx, int64_t D, int64_t bs, int64_t row,
                                float scale, float *scores) {
   const int64_t L = ctx - start;
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * row;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
-    scores[p - start] = hsum(acc) * scale;
+  for (int64_t p = start; p < ctx;) {
+    const int64_t off = p % bs, here = bs - off < ctx - p ? bs - off : ctx - p;
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + off) * row;
+    if (D == 64) /* the common head size, its loop unrolled */
+      score_rows(scores + (p - start), q, k, here, row, 64, scale);
+    else
+      score_rows(scores + (p - start), q, k, here, row, D, scale);
+    p += here;
   }
   float mx = -INFINITY, sum = 0.0f;
   for (int64_t i = 0; i < L; i++) mx = scores[i] > mx ? scores[i] : mx;
@@ -917,6 +935,36 @@ static PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t 
   Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the token table's rows */
+
+/* embed_rows(out, ids, T, codes, scales, V, H): out [T, H] float32 = codes[id] * scales[id] per group of 32 (the
+ * int8 code as fp32 times its group's fp32 scale: one rounding, GroupInt8Embedding's arithmetic), ids int64 [T];
+ * False (nothing written) where an id is outside [0, V). */
+TARGET static PyObject *embed_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[7];
+  if (parse_ints(args, nargs, 7, a, "embed_rows")) return NULL;
+  const int64_t *ids = (const int64_t *)a[1];
+  const int64_t T = a[2], V = a[5], H = a[6];
+  if (H % GROUP || H < GROUP) {
+    PyErr_SetString(PyExc_ValueError, "embed_rows: the hidden size must be a multiple of 32");
+    return NULL;
+  }
+  for (int64_t t = 0; t < T; t++)
+    if (ids[t] < 0 || ids[t] >= V) Py_RETURN_FALSE;
+  float *out = (float *)a[0];
+  const int8_t *codes = (const int8_t *)a[3];
+  const float *scales = (const float *)a[4];
+  for (int64_t t = 0; t < T; t++) {
+    const int8_t *c = codes + ids[t] * H;
+    const float *sc = scales + ids[t] * (H / GROUP);
+    for (int64_t i = 0; i < H; i += 8) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i))));
+      _mm256_storeu_ps(out + t * H + i, _mm256_mul_ps(q, _mm256_broadcast_ss(sc + i / GROUP)));
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 /* ------------------------------------------------------------------ a greedy step's head */
 
 /* The index of the largest of v[0, n), the lowest where several are equal; the first NaN where there is one
@@ -996,6 +1044,8 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
+    {"embed_rows", (PyCFunction)(void (*)(void))embed_rows, METH_FASTCALL,
+     "embed_rows(out, ids, T, codes, scales, V, H): the int8 table's rows as float32; False for an id out of range"},
     {"greedy_head", (PyCFunction)(void (*)(void))greedy_head, METH_FASTCALL,
      "greedy_head(tokens, x, rows, R, norm, codes, scales, V, H, eps, threads, int8_x, logits): final norm, tied "
      "Q8_0 head and argmax of a greedy step's rows"},

@@ -82,12 +82,15 @@ def pack_for_cpu(model: CausalLM, int4_layers: bool = False, keep_quantized: boo
 
 
 def fuse_small_ops(model: CausalLM, on: bool = True) -> None:
-    """Switch the packed model's fused C forms (``kernels.cpu_fused``) on or off: RMSNorm, RoPE with the
-    cache write and decode attention where the layer has no QK norm and rotates whole heads, and the output
-    projections adding into the residual stream; and the ``DecodeStack`` where it applies."""
+    """Switch the packed model's fused C forms (``kernels.cpu_fused``) on or off: the token table's lookup,
+    RMSNorm, RoPE with the cache write and decode attention where the layer has no QK norm and rotates whole
+    heads, and the output projections adding into the residual stream; and the ``DecodeStack`` and the
+    ``GreedyHead`` where they apply."""
     cfg = model.config
     attention_ok = not cfg.qk_norm and cfg.rotary_dim == cfg.head_dim and cfg.head_dim % 16 == 0
     model.norm.fused = on
+    if isinstance(model.embed, GroupInt8Embedding):
+        model.embed.fused = on
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         layer.attn_norm.fused = layer.mlp_norm.fused = on
