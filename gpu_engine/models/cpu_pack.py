@@ -115,6 +115,7 @@ class DecodeStack:
                                           config.rms_norm_eps)
         # (the cache it points into, held so that no other cache can take its place at its addresses; the plan)
         self._plan: tuple[KVCache, torch.Tensor] | None = None
+        self._shapes: dict[int, cpu_fused.StackShape] = {}  # by the cache's block size
 
     @classmethod
     def build(cls, model: CausalLM) -> DecodeStack | None:
@@ -130,7 +131,9 @@ class DecodeStack:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache) -> torch.Tensor:
         """The residual stream x [B, hidden] after every layer (x itself, updated in place)."""
-        shape = dataclasses.replace(self.shape, block_size=kv_cache.block_size)
+        shape = self._shapes.get(kv_cache.block_size)
+        if shape is None:
+            shape = self._shapes[kv_cache.block_size] = dataclasses.replace(self.shape, block_size=kv_cache.block_size)
         int8_x = self.layers[0].linears[0].int8_activations
         cpu_fused.decode_stack(x, self._plan_for(kv_cache), shape, cos.contiguous(), sin.contiguous(),
                                meta.slot_mapping.contiguous(), meta.block_tables.to(torch.int32).contiguous(),
