@@ -293,3 +293,17 @@ def test_engine_greedy_steps_take_the_same_tokens_as_sample(monkeypatch: pytest.
     slow = run()
     assert len(calls) == n
     assert fast == slow and all(len(t) == 12 for t in fast)
+
+
+def test_rope_tables_are_the_cat_of_the_frequencies() -> None:
+    """``RotaryEmbedding.cos_sin``'s plain case (one product with the frequencies laid twice) gives the bits of
+    cos and sin of ``cat([pos * f, pos * f])``."""
+    from gpu_engine.models.config import ModelConfig  # noqa: PLC0415
+    from gpu_engine.models.rope import RotaryEmbedding  # noqa: PLC0415
+
+    rope = RotaryEmbedding(ModelConfig.from_hf({**TINY, "rope_theta": 100000.0}))
+    positions = torch.tensor([0, 1, 7, 33, 500, 4095, 123456])
+    freqs = positions.to(torch.float32)[:, None] * rope.inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = rope.cos_sin(positions)
+    assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
