@@ -235,3 +235,27 @@ def test_the_table_s_lookup_in_c_is_torch_s() -> None:
     assert torch.equal(emb(ids.view(1, 5)), want.view(1, 5, 96))  # not 1-D: torch's indexing
     with pytest.raises(IndexError):
         emb(torch.tensor([3, 300]))
+
+
+def test_packed_weights_on_huge_pages_are_the_same_values() -> None:
+    """``move_to_huge_pages``: the quantized buffers become views of one mapping (64-byte aligned), their values
+    and the model's outputs unchanged."""
+    import copy  # noqa: PLC0415
+
+    from gpu_engine.models.cpu_pack import move_to_huge_pages  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(12)
+    model = torch.nn.Module()
+    model.a = Q4Linear.from_weight(q4_1_weight(96, 64, 13))
+    model.e = GroupInt8Embedding(torch.randn(50, 64, generator=gen))
+    before = {name: buf.clone() for name, buf in model.named_buffers()}
+    x = torch.randn(3, 64, generator=gen)
+    want = model.a(x)
+    moved = move_to_huge_pages(model)
+    if moved == 0:
+        pytest.skip("no madvise here")
+    bufs = dict(model.named_buffers())
+    assert all(torch.equal(bufs[name], buf) and bufs[name].data_ptr() % 64 == 0 for name, buf in before.items())
+    assert len({b.untyped_storage().data_ptr() for b in bufs.values()}) == 1  # one mapping
+    assert torch.equal(model.a(x), want)
+    assert torch.equal(copy.deepcopy(model).e(torch.tensor([3, 7])), model.e(torch.tensor([3, 7])))
