@@ -307,3 +307,26 @@ def test_rope_tables_are_the_cat_of_the_frequencies() -> None:
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = rope.cos_sin(positions)
     assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
+
+
+def test_moving_the_weights_after_a_step_remakes_the_stack_s_plan(tmp_path: Path) -> None:
+    """``move_to_huge_pages`` on a model that has stepped (its stack's plan holding the weights' addresses): the
+    plan is made anew, the same tokens and logits."""
+    from gpu_engine.models.cpu_pack import move_to_huge_pages  # noqa: PLC0415
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    model, cfg = load_model(tmp_path, random_weights=True, seed=14)
+    for i, (name, mod) in enumerate(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+            mod.weight.data = q4_1_weight(mod.out_features, mod.in_features, 400 + i)
+    packed = pack_for_cpu(model)
+    assert packed.decode_stack is not None
+    prompts = [[1, 5, 9, 200, 33], [1, 77]]
+    kv = KVCache(cfg, 16, 4, dtype=torch.float16)  # one cache: the plan is kept for it between the runs
+    want = greedy_generate(packed, kv, prompts, 5)
+    before = packed.layers[0].attn.qkv.blocks.data_ptr()
+    if move_to_huge_pages(packed) == 0:
+        pytest.skip("no madvise here")
+    assert packed.layers[0].attn.qkv.blocks.data_ptr() != before
+    got = greedy_generate(packed, kv, prompts, 5)
+    assert got.tokens == want.tokens and torch.equal(got.logits, want.logits)

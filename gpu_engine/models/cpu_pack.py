@@ -114,6 +114,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
         view.copy_(old)
         setattr(module, name, view)
         offset += size
+    stack = getattr(model, "decode_stack", None)
+    if isinstance(stack, DecodeStack):
+        stack.forget_plan()  # it holds the old buffers' addresses
     return sum(sizes)
 
 
@@ -175,6 +178,10 @@ class DecodeStack:
                                meta.slot_mapping.contiguous(), meta.block_tables.to(torch.int32).contiguous(),
                                meta.context_lens.to(torch.int32).contiguous(), KernelThreads.get(), int8_x)
         return x
+
+    def forget_plan(self) -> None:
+        """Drop the plan (its weight addresses): the next step makes it anew, from the layers' buffers then."""
+        self._plan = None
 
     def _plan_for(self, kv_cache: KVCache) -> torch.Tensor:
         if self._plan is None or self._plan[0] is not kv_cache:
