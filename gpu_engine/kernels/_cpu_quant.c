@@ -1014,7 +1014,8 @@ static PyObject *greedy_head(PyObject *self, PyObject *const *args, Py_ssize_t n
   float *logits = (float *)a[11];
   float *h = PyMem_RawMalloc(sizeof(float) * (size_t)(R * H));
   if (h == NULL) return PyErr_NoMemory();
-  for (int64_t r = 0; r < R; r++) rms_rows(h + r * H, x + (rows ? rows[r] : r) * H, (const float *)a[4], 1, H, (float)eps);
+  for (int64_t r = 0; r < R; r++)
+    rms_rows(h + r * H, x + (rows ? rows[r] : r) * H, (const float *)a[4], 1, H, (float)eps);
   int rc = q8_product(logits, h, (const uint8_t *)a[5], (const float *)a[6], R, V, H, 0, (int)a[9], (int)a[10]);
   PyMem_RawFree(h);
   if (rc != 0) return PyErr_NoMemory();
