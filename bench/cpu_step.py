@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu_engine.engine import RingEngine
-from gpu_engine.kernels.cpu_linear import KernelThreads, _cpu_quant
+from gpu_engine.kernels.cpu_linear import GroupInt8Embedding, KernelThreads, Q4Linear, _cpu_quant
 from gpu_engine.models.cpu_pack import fuse_small_ops
 from gpu_engine.serve import build_cpu_backend
 from shared.config import EngineConfig
@@ -46,9 +46,12 @@ class Variant:
     prefill_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int]:
+def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int, bool, bool, bool]:
     """``NAME:key=value,...``: engine config fields, ``unfused=1`` for the small ops in torch, ``kthreads=N``
-    for the quantized kernels' threads apart from torch's."""
+    for the quantized kernels' threads apart from torch's, ``tail=0`` for a greedy step's norm, head and argmax
+    through ``logits_at`` and ``sample`` (``TorchRunner.greedy_tail`` off), ``lookup=0`` for the token table's
+    lookup in torch (``GroupInt8Embedding.fused`` off), ``huge=0`` for the quantized weights copied back from their
+    huge pages (``cpu_pack.move_to_huge_pages``) to plain ones."""
     name, _, rest = spec.partition(":")
     fields: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
@@ -56,14 +59,25 @@ def parse_variant(spec: str) -> tuple[str, EngineConfig, bool, int]:
         fields[key] = int(value) if value.isdigit() else value
     unfused = bool(fields.pop("unfused", 0))
     kthreads = int(fields.pop("kthreads", 0))  # type: ignore[call-overload]
+    tail, lookup, huge = (bool(fields.pop(key, 1)) for key in ("tail", "lookup", "huge"))
     cfg = EngineConfig(ring_name=f"step-{name}", geometry=GEOMETRY, kv_blocks=2048, max_batch=16, **fields)
-    return name, cfg, unfused, kthreads
+    return name, cfg, unfused, kthreads, tail, lookup, huge
 
 
-def build(name: str, cfg: EngineConfig, unfused: bool, kthreads: int) -> Variant:
+def build(name: str, cfg: EngineConfig, unfused: bool, kthreads: int, tail: bool = True,
+          lookup: bool = True, huge: bool = True) -> Variant:
     backend = build_cpu_backend(cfg)
     if unfused:
         fuse_small_ops(backend.runner.model, on=False)  # type: ignore[union-attr]
+    if not tail:
+        backend.runner.greedy_tail = False  # type: ignore[union-attr]
+    if not lookup:
+        backend.runner.model.embed.fused = False  # type: ignore[union-attr]
+    if not huge:  # before the first step, whose stack takes its weights' addresses
+        for module in backend.runner.model.modules():  # type: ignore[union-attr]
+            if isinstance(module, (Q4Linear, GroupInt8Embedding)):
+                for key, buf in list(module.named_buffers(recurse=False)):
+                    setattr(module, key, buf.clone())
     ring = local_ring(GEOMETRY)
     assert backend.runner is not None
     engine = RingEngine(ring, backend.runner, backend.policy, backend.eos_ids, backend.max_context,

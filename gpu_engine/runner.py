@@ -13,7 +13,7 @@ from gpu_engine.models.attention import SeqStep, build_metadata
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.policy import StepPlan
 from gpu_engine.prompt_logprobs import PromptLogprobs, fetch, prompt_spans, score_spans
-from gpu_engine.sampling import sample
+from gpu_engine.sampling import SamplingSpec, sample
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,14 +50,17 @@ class TorchRunner:
         self.kv = kv_cache
         self.device = next(model.parameters()).device
         self.top_k_max = top_k_max
+        self.greedy_tail = True  # steps whose every row is ``plain_greedy`` skip ``sample`` (off: for comparisons)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         steps, ids = step_inputs(plan)
         meta = build_metadata(steps, self.kv.block_size, self.device)
         hidden = self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
-        logits = self.model.logits_at(hidden, meta.cu_seqlens_q[1:].long() - 1)
         rows = [b for b, w in enumerate(plan.work) if w.samples]  # a chunk short of its prompt's end samples nothing
+        if self.greedy_tail and all(plain_greedy(w.req.sampling) for w in plan.work):
+            return self._greedy(plan, hidden, rows)
+        logits = self.model.logits_at(hidden, meta.cu_seqlens_q[1:].long() - 1)
         work = [plan.work[b] for b in rows]
         specs = [w.req.sampling for w in work]
         positions = torch.tensor([len(w.req.output) for w in work], dtype=torch.int64)
@@ -78,3 +81,29 @@ class TorchRunner:
 
         out.prompt = fetch(score_spans(prompt_spans(plan), logits_of))
         return out
+
+    def _greedy(self, plan: StepPlan, hidden: torch.Tensor, rows: list[int]) -> StepOutput:
+        """A step whose every row is ``plain_greedy``: each sampling row's argmax token (``CausalLM.greedy_at``,
+        the tokens ``sample`` picks there), zero log-probs and no alternatives, as ``sample`` gives when no row
+        asks for them."""
+        n = len(plan.work)
+        out = StepOutput(tokens=[-1] * n, logprobs=np.zeros(n, np.float32), top_ids=np.zeros((n, 0), np.int32),
+                         top_logprobs=np.zeros((n, 0), np.float32))
+        if not rows:
+            return out
+        last, ends = [], 0
+        for w in plan.work:  # each sequence's last packed token
+            ends += w.num_new
+            last.append(ends - 1)
+        every = len(rows) == n and ends == n  # one token per sequence, every one sampling: hidden's rows as they are
+        tokens = self.model.greedy_at(hidden, None if every else [last[b] for b in rows])
+        for b, t in zip(rows, tokens, strict=True):
+            out.tokens[b] = int(t)
+        return out
+
+
+def plain_greedy(spec: SamplingSpec) -> bool:
+    """Whether ``sample`` takes this row's token as the argmax of its raw logits and returns nothing else: greedy,
+    no logits processor, no log-probs of the output or of the prompt."""
+    return (not spec.temperature > 0 and not spec.processed and spec.num_top_logprobs == 0 and not spec.want_logprobs
+            and spec.prompt_logprobs < 0)

@@ -113,11 +113,12 @@ def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
         blocks = gguf.q4_1_linears(gguf.config)
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed, gguf=gguf, placeholders=blocks or ())
-    if fmt.packed:
+    folder = env.env().cpu_weights_dir if path.is_file() else None
+    if fmt.packed:  # shared weights stay off huge pages: they go into the shared file next
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
-                     int8_activations=cfg.cpu_weights == "int8act", blocks=blocks)
+                     int8_activations=cfg.cpu_weights == "int8act", blocks=blocks, huge_pages=folder is None)
     del blocks, gguf  # the file's blocks, before the move: what only they hold is freed with them
-    if (folder := env.env().cpu_weights_dir) is not None and path.is_file():
+    if folder is not None:
         # one copy for the live engine and the standby (shared_weights); the file's name is of what was loaded
         got = share(model, folder, identity_of(path, cfg.dtype, cfg.cpu_weights, cfg.random_weights, cfg.seed))
         release_freed_memory()

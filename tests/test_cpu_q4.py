@@ -10,6 +10,7 @@ import torch
 from gpu_engine.kernels.cpu_linear import (
     GEMM_ROWS,
     GroupInt8Embedding,
+    KernelThreads,
     PackedLinear,
     Q4Linear,
     Q8Head,
@@ -82,6 +83,14 @@ def test_q8_head_multiplies_over_the_embedding_codes() -> None:
     head = Q8Head(emb)
     x = torch.randn(5, 64, generator=gen)
     torch.testing.assert_close(head(x).double(), x.double() @ emb.reference_weight().double().T, rtol=0, atol=1e-5)
+
+    for i in range(5):  # one row alone (eight weight rows in flight, the last 300 % 8 alone): the same bits
+        for threads in (1, 2):
+            KernelThreads.count = threads
+            try:
+                assert torch.equal(head(x[i : i + 1]), head(x)[i : i + 1])
+            finally:
+                KernelThreads.count = 0
 
 
 def test_embedded_model_keeps_its_gguf_weights() -> None:
@@ -211,3 +220,42 @@ def test_placeholders_leave_the_q4_linears_unread_and_pack_the_same_model() -> N
 
     with pytest.raises(ModelLoadError, match="no data"):  # a shape without data only where the caller leaves it
         assign_weights(build_empty(cfg, torch.float32, "cpu"), source.named_weights(cfg, set(given)), "f")
+
+
+def test_the_table_s_lookup_in_c_is_torch_s() -> None:
+    """``GroupInt8Embedding`` with its C lookup (``fused``): the same bits as its torch indexing, and an id out of
+    range still torch's error."""
+    gen = torch.Generator().manual_seed(11)
+    emb = GroupInt8Embedding(torch.randn(300, 96, generator=gen))
+    ids = torch.tensor([5, 0, 299, 5, 17])
+    want = emb(ids)
+    emb.fused = True
+    assert torch.equal(emb(ids), want)
+    assert torch.equal(emb(ids[:0]), want[:0])
+    assert torch.equal(emb(ids.view(1, 5)), want.view(1, 5, 96))  # not 1-D: torch's indexing
+    with pytest.raises(IndexError):
+        emb(torch.tensor([3, 300]))
+
+
+def test_packed_weights_on_huge_pages_are_the_same_values() -> None:
+    """``move_to_huge_pages``: the quantized buffers become views of one mapping (64-byte aligned), their values
+    and the model's outputs unchanged."""
+    import copy  # noqa: PLC0415
+
+    from gpu_engine.models.cpu_pack import move_to_huge_pages  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(12)
+    model = torch.nn.Module()
+    model.a = Q4Linear.from_weight(q4_1_weight(96, 64, 13))
+    model.e = GroupInt8Embedding(torch.randn(50, 64, generator=gen))
+    before = {name: buf.clone() for name, buf in model.named_buffers()}
+    x = torch.randn(3, 64, generator=gen)
+    want = model.a(x)
+    moved = move_to_huge_pages(model)
+    if moved == 0:
+        pytest.skip("no madvise here")
+    bufs = dict(model.named_buffers())
+    assert all(torch.equal(bufs[name], buf) and bufs[name].data_ptr() % 64 == 0 for name, buf in before.items())
+    assert len({b.untyped_storage().data_ptr() for b in bufs.values()}) == 1  # one mapping
+    assert torch.equal(model.a(x), want)
+    assert torch.equal(copy.deepcopy(model).e(torch.tensor([3, 7])), model.e(torch.tensor([3, 7])))

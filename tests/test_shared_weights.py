@@ -63,10 +63,9 @@ def test_tokens_unchanged_and_a_second_engine_maps_the_first_ones_file(tmp_path:
     assert len(large_storages(model_of(first))) == 1  # every large tensor now views the one mapping
     assert greedy(first) == want
     first.check_blocks_returned()
-    with pytest.raises(RuntimeError, match="before the model runs"):
-        share(model_of(first), tmp_path, identity)
 
     second = harness()
+    assert greedy(second) == want  # a step before the move: its decode stack's plan is made again after it
     again = share(model_of(second), tmp_path, identity)
     assert again.path == got.path and not again.written and again.kept_bytes == 0
     assert mapped_from(got.path) == 2
@@ -125,4 +124,5 @@ def test_load_cpu_weights_shares_where_the_environment_says(tmp_path: Path, monk
     monkeypatch.delenv("BLINK_CPU_WEIGHTS_DIR")
     monkeypatch.setattr(env, "_ENV", None)
     alone = serve.load_cpu_weights(cfg)
-    assert mapped_from(path) == 2 and len(large_storages(alone.model)) > 1  # its own tensors
+    assert mapped_from(path) == 2  # its own weights (on huge pages, where the kernel offers them)
+    assert large_storages(alone.model).isdisjoint(large_storages(one.model) | large_storages(two.model))

@@ -234,10 +234,13 @@ static inline const uint8_t *chunk_prefetch(const Job *j, int64_t n_begin, int64
   return end;
 }
 
-/* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1. */
+/* Tile shapes: at most 8 accumulators, 4 weight rows in flight when x has 1 or 2 rows, 2 up to 4, else 1; and 8
+ * for the fp32 q8 product of one row (the LM head of a one-sequence step: its cheaper decode leaves registers
+ * for more rows in flight, measured 10-15% faster; the q4 tile was slower so). A row's sums are the same in
+ * any tile shape. */
 #define TILES(KIND, MR) \
   TARGET static void rows_##KIND##_##MR(const Job *j, int64_t m0, int64_t n_begin, int64_t n_end) { \
-    enum { NR = (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
+    enum { NR = (KIND) == 8 && (MR) == 1 ? 8 : (MR) <= 2 ? 4 : (MR) <= 4 ? 2 : 1 }; \
     const uint8_t *pf_end = chunk_prefetch(j, n_begin, n_end, (KIND) == 4 || (KIND) == 5 ? Q4_BLOCK : 32); \
     int64_t n = n_begin; \
     for (; n + NR <= n_end; n += NR) tile(j, m0, n, KIND, MR, NR, pf_end); \
@@ -592,18 +595,26 @@ static PyObject *q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
   Py_RETURN_NONE;
 }
 
+/* y (+)= x @ W.T over Q8_0 codes and fp32 scales (shapes checked by the caller): 0, or -1 when out of memory. */
+static int q8_product(float *y, const float *x, const uint8_t *codes, const float *d, int64_t M, int64_t N,
+                      int64_t K, int accumulate, int threads, int int8_x) {
+  int8_t *xq = NULL;
+  float *xd = NULL;
+  Job j = {y, x, codes, d, NULL, M, N, K, accumulate, int8_x ? 9 : 8, NULL, NULL};
+  if (int8_x && quantize_x(&j, &xq, &xd) != 0) return -1;
+  run_job(&j, threads);
+  PyMem_RawFree(xq);
+  PyMem_RawFree(xd);
+  return 0;
+}
+
 /* q8_matmul(y, x, codes, d, M, N, K, accumulate, threads, int8_x) */
 static PyObject *q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   int64_t a[10];
   if (parse_ints(args, nargs, 10, a, "q8_matmul") || check_shape(a[4], a[5], a[6], a[8])) return NULL;
-  int8_t *xq = NULL;
-  float *xd = NULL;
-  Job j = {(float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], NULL,
-           a[4], a[5], a[6], (int)a[7], a[9] ? 9 : 8, NULL, NULL};
-  if (a[9] && quantize_x(&j, &xq, &xd) != 0) return PyErr_NoMemory();
-  run_job(&j, (int)a[8]);
-  PyMem_RawFree(xq);
-  PyMem_RawFree(xd);
+  if (q8_product((float *)a[0], (const float *)a[1], (const uint8_t *)a[2], (const float *)a[3], a[4], a[5], a[6],
+                 (int)a[7], (int)a[8], (int)a[9]) != 0)
+    return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -728,26 +739,44 @@ TARGET static inline __attribute__((always_inline)) void weigh_values(float *out
                                                                       int64_t row, const int n) {
   __m256 acc[8];
   for (int c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + p % bs) * row;
-    const __m256 w = _mm256_set1_ps(probs[p - start]);
-    for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+  for (int64_t p = start; p < ctx;) { /* a block's positions at a time: one division per block */
+    const int64_t off = p % bs, here = bs - off < ctx - p ? bs - off : ctx - p;
+    const uint16_t *v = vc + ((int64_t)table[p / bs] * bs + off) * row;
+    for (int64_t e = 0; e < here; e++, p++, v += row) {
+      const __m256 w = _mm256_set1_ps(probs[p - start]);
+      for (int c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(w, load_ph(v + 8 * c), acc[c]);
+    }
   }
   for (int c = 0; c < n; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 
+/* scores[0, n) = (q . k_e) * scale for the n cache rows k_e = k + e * row (D a multiple of 8). */
+TARGET static inline __attribute__((always_inline)) void score_rows(float *scores, const float *q, const uint16_t *k,
+                                                                    int64_t n, int64_t row, const int64_t D,
+                                                                    float scale) {
+  for (int64_t e = 0; e < n; e++, k += row) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
+    scores[e] = hsum(acc) * scale;
+  }
+}
+
 /* One query head's decode attention over cache positions [start, ctx) of its KV head (k, v: the caches at that
  * head's offset, positions `row` apart): scores (fp32 dot, one eight-lane accumulator summed across its lanes,
- * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values. */
+ * times scale), softmax (the maximum subtracted, expf, the sum in position order), then the weighted values.
+ * The positions are walked a cache block at a time. */
 TARGET static void attend_head(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
                                const int32_t *table, int64_t start, int64_t ctx, int64_t D, int64_t bs, int64_t row,
                                float scale, float *scores) {
   const int64_t L = ctx - start;
-  for (int64_t p = start; p < ctx; p++) {
-    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + p % bs) * row;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_ph(k + i), acc);
-    scores[p - start] = hsum(acc) * scale;
+  for (int64_t p = start; p < ctx;) {
+    const int64_t off = p % bs, here = bs - off < ctx - p ? bs - off : ctx - p;
+    const uint16_t *k = kc + ((int64_t)table[p / bs] * bs + off) * row;
+    if (D == 64) /* the common head size, its loop unrolled */
+      score_rows(scores + (p - start), q, k, here, row, 64, scale);
+    else
+      score_rows(scores + (p - start), q, k, here, row, D, scale);
+    p += here;
   }
   float mx = -INFINITY, sum = 0.0f;
   for (int64_t i = 0; i < L; i++) mx = scores[i] > mx ? scores[i] : mx;
@@ -909,6 +938,91 @@ static PyObject *decode_stack(PyObject *self, PyObject *const *args, Py_ssize_t 
   Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the token table's rows */
+
+/* embed_rows(out, ids, T, codes, scales, V, H): out [T, H] float32 = codes[id] * scales[id] per group of 32 (the
+ * int8 code as fp32 times its group's fp32 scale: one rounding, GroupInt8Embedding's arithmetic), ids int64 [T];
+ * False (nothing written) where an id is outside [0, V). */
+TARGET static PyObject *embed_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[7];
+  if (parse_ints(args, nargs, 7, a, "embed_rows")) return NULL;
+  const int64_t *ids = (const int64_t *)a[1];
+  const int64_t T = a[2], V = a[5], H = a[6];
+  if (H % GROUP || H < GROUP) {
+    PyErr_SetString(PyExc_ValueError, "embed_rows: the hidden size must be a multiple of 32");
+    return NULL;
+  }
+  for (int64_t t = 0; t < T; t++)
+    if (ids[t] < 0 || ids[t] >= V) Py_RETURN_FALSE;
+  float *out = (float *)a[0];
+  const int8_t *codes = (const int8_t *)a[3];
+  const float *scales = (const float *)a[4];
+  for (int64_t t = 0; t < T; t++) {
+    const int8_t *c = codes + ids[t] * H;
+    const float *sc = scales + ids[t] * (H / GROUP);
+    for (int64_t i = 0; i < H; i += 8) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i))));
+      _mm256_storeu_ps(out + t * H + i, _mm256_mul_ps(q, _mm256_broadcast_ss(sc + i / GROUP)));
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+/* ------------------------------------------------------------------ a greedy step's head */
+
+/* The index of the largest of v[0, n), the lowest where several are equal; the first NaN where there is one
+ * (torch.argmax's answer: a NaN is the maximum). */
+TARGET static int64_t argmax_row(const float *v, int64_t n) {
+  __m256 mx = _mm256_set1_ps(-INFINITY), unord = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(v + i);
+    mx = _mm256_max_ps(mx, a);
+    unord = _mm256_or_ps(unord, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  float lanes[8], best = -INFINITY;
+  _mm256_storeu_ps(lanes, mx);
+  for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+  int nan = _mm256_movemask_ps(unord) != 0;
+  for (; i < n; i++) {
+    nan |= v[i] != v[i];
+    best = v[i] > best ? v[i] : best;
+  }
+  for (i = 0; i < n; i++)
+    if (nan ? v[i] != v[i] : v[i] == best) return i;
+  return 0;
+}
+
+/* greedy_head(tokens, x, rows, R, norm, codes, scales, V, H, eps, threads, int8_x, logits): for each of R rows of
+ * x [*, H] (rows: int64 [R] of their indices, or 0 for rows 0 .. R-1), the final RMSNorm (rms_rows), the tied
+ * Q8_0 head's logits over [V, H] codes and [V, H / 32] scales (the q8 product Q8Head makes, into the float32
+ * scratch `logits` [R, V]), and their argmax into tokens int64 [R]: a greedy step's tail, the same arithmetic
+ * as norm, q8_matmul and torch.argmax one after another. */
+static PyObject *greedy_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  int64_t a[12];
+  if (nargs != 13 || parse_ints(args, 9, 9, a, "greedy_head") || parse_ints(args + 10, 3, 3, a + 9, "greedy_head")) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "greedy_head takes 13 arguments");
+    return NULL;
+  }
+  double eps = PyFloat_AsDouble(args[9]);
+  if (eps == -1.0 && PyErr_Occurred()) return NULL;
+  const int64_t R = a[3], V = a[7], H = a[8];
+  if (check_shape(R, V, H, a[9])) return NULL;
+  int64_t *tokens = (int64_t *)a[0];
+  const float *x = (const float *)a[1];
+  const int64_t *rows = (const int64_t *)a[2];
+  float *logits = (float *)a[11];
+  float *h = PyMem_RawMalloc(sizeof(float) * (size_t)(R * H));
+  if (h == NULL) return PyErr_NoMemory();
+  for (int64_t r = 0; r < R; r++)
+    rms_rows(h + r * H, x + (rows ? rows[r] : r) * H, (const float *)a[4], 1, H, (float)eps);
+  int rc = q8_product(logits, h, (const uint8_t *)a[5], (const float *)a[6], R, V, H, 0, (int)a[9], (int)a[10]);
+  PyMem_RawFree(h);
+  if (rc != 0) return PyErr_NoMemory();
+  for (int64_t r = 0; r < R; r++) tokens[r] = argmax_row(logits + r * V, V);
+  Py_RETURN_NONE;
+}
+
 static PyObject *available(PyObject *self, PyObject *unused) {
   __builtin_cpu_init();
   return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -934,6 +1048,11 @@ static PyMethodDef methods[] = {
     {"decode_stack", (PyCFunction)(void (*)(void))decode_stack, METH_FASTCALL,
      "decode_stack(x, plan, L, B, H, I, heads, kv_heads, D, cos, sin, slots, tables, ctx_lens, width, block_size, "
      "window, threads, int8_x, eps, scale): a decode step's layers, x updated in place"},
+    {"embed_rows", (PyCFunction)(void (*)(void))embed_rows, METH_FASTCALL,
+     "embed_rows(out, ids, T, codes, scales, V, H): the int8 table's rows as float32; False for an id out of range"},
+    {"greedy_head", (PyCFunction)(void (*)(void))greedy_head, METH_FASTCALL,
+     "greedy_head(tokens, x, rows, R, norm, codes, scales, V, H, eps, threads, int8_x, logits): final norm, tied "
+     "Q8_0 head and argmax of a greedy step's rows"},
     {"pool_state", pool_state, METH_NOARGS, "pool_state(): (late jobs in a row, jobs left on the caller alone, spells on the caller alone)"},
     {"available", available, METH_NOARGS, "whether this CPU runs these kernels (AVX2, FMA, F16C)"},
     {NULL, NULL, 0, NULL},

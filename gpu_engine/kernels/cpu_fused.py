@@ -10,7 +10,11 @@ write, the gather, mask and SDPA of attention), which a 135M model's decode step
   sums, GQA, optional sliding window: ``kernels.cpu_attention`` with Q = 1, without the gather and the mask;
 - ``decode_stack``: a decode step's every layer in one call (the ops above, the Q4_1 products and SiLU-mul),
   for a stack whose linears are all ``Q4Linear`` (``models.cpu_pack.DecodeStack``): no Python between the
-  layers.
+  layers;
+- ``greedy_head``: a greedy step's tail, the final RMSNorm of the rows that sample, the tied Q8_0 LM head
+  (``cpu_linear.Q8Head``'s product) and the argmax, for a step whose every sampled row is greedy and asks for
+  nothing else (no log-probs, no logits processor): the same arithmetic as those three one after another, so
+  the same tokens, with no torch op after the stack.
 
 Only the order of the fp32 sums differs from the torch forms (no FMA contraction where torch has none), and
 in ``decode_stack`` SiLU's exp (the C library's, within an ulp of torch's vectorised one).
@@ -88,3 +92,35 @@ def decode_stack(x: torch.Tensor, plan: torch.Tensor, shape: StackShape, cos: to
                             shape.heads, shape.kv_heads, shape.head_dim, cos.data_ptr(), sin.data_ptr(),
                             slots.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], shape.block_size,
                             shape.window, threads, int8_x, shape.eps, shape.head_dim**-0.5)
+
+
+def greedy_head(x: torch.Tensor, rows: torch.Tensor | None, norm_weight: torch.Tensor, codes: torch.Tensor,
+                scales: torch.Tensor, eps: float, threads: int, int8_x: bool,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax token (int64 [R]) of ``lm_head(rms_norm(x[rows]))`` for a tied Q8_0 head: x float32 [T, H]
+    contiguous, rows int64 [R] of indices into x (None: every row), the table's int8 codes [V, H] and float32
+    scales [V, H / 32]; ``logits`` a float32 scratch of at least R * V values (made when None)."""
+    hidden = x.shape[-1]
+    if not (x.is_contiguous() and x.dtype == torch.float32 and x.dim() == 2):
+        raise ValueError("greedy_head: x must be contiguous float32 [T, H]")
+    if rows is not None and not (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()):
+        raise ValueError("greedy_head: rows must be contiguous int64 [R]")
+    n = x.shape[0] if rows is None else rows.numel()
+    if rows is not None and n and not (0 <= int(rows.min()) and int(rows.max()) < x.shape[0]):
+        raise ValueError(f"greedy_head: a row index outside x's {x.shape[0]} rows")
+    vocab = codes.shape[0]
+    if not (codes.dtype == torch.int8 and codes.shape == (vocab, hidden) and codes.is_contiguous()
+            and scales.dtype == torch.float32 and scales.shape == (vocab, hidden // 32) and scales.is_contiguous()):
+        raise ValueError(f"greedy_head: needs int8 codes [V, {hidden}] and float32 scales [V, {hidden // 32}]")
+    if not (norm_weight.dtype == torch.float32 and norm_weight.shape == (hidden,) and norm_weight.is_contiguous()):
+        raise ValueError(f"greedy_head: the norm's weight must be contiguous float32 [{hidden}]")
+    if logits is None:
+        logits = torch.empty(n, vocab)
+    if not (logits.dtype == torch.float32 and logits.is_contiguous() and logits.numel() >= n * vocab):
+        raise ValueError(f"greedy_head: the logits scratch must be contiguous float32 of >= {n * vocab} values")
+    tokens = torch.empty(n, dtype=torch.int64)
+    if n:
+        _cpu_quant.greedy_head(tokens.data_ptr(), x.data_ptr(), 0 if rows is None else rows.data_ptr(), n,
+                               norm_weight.data_ptr(), codes.data_ptr(), scales.data_ptr(), vocab, hidden, eps,
+                               threads, int8_x, logits.data_ptr())
+    return tokens

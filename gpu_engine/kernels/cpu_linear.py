@@ -89,8 +89,18 @@ class GroupInt8Embedding(nn.Module):
         self.codes = nn.Buffer(codes.reshape(vocab, hidden))
         self.scales = nn.Buffer(scale.contiguous())
         self.num_embeddings, self.embedding_dim = vocab, hidden
+        self.fused = False  # lookups as one C call (``cpu_pack.fuse_small_ops``, where the kernels run)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if (self.fused and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()
+                and ids.device.type == "cpu" and self.codes.is_contiguous() and self.scales.is_contiguous()):
+            # one C call, the same arithmetic; an id out of range falls to torch's indexing (its error)
+            assert _cpu_quant is not None
+            out = torch.empty(ids.shape[0], self.embedding_dim)
+            if ids.shape[0] == 0 or _cpu_quant.embed_rows(out.data_ptr(), ids.data_ptr(), ids.shape[0],
+                                                          self.codes.data_ptr(), self.scales.data_ptr(),
+                                                          self.num_embeddings, self.embedding_dim):
+                return out
         rows = self.codes[ids].to(torch.float32).view(-1, self.embedding_dim // EMBED_GROUP, EMBED_GROUP)
         return (rows * self.scales[ids].view(-1, rows.shape[1], 1)).view(*ids.shape, self.embedding_dim)
 

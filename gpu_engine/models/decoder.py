@@ -32,6 +32,13 @@ class StackRunner(Protocol):
                  kv_cache: KVCache) -> torch.Tensor: ...
 
 
+class HeadRunner(Protocol):
+    """A serving form's greedy tail (``cpu_pack.GreedyHead``): the argmax token of each of ``rows`` of the last
+    layer's output (None: every row), the same tokens as ``argmax(logits_at(hidden, rows))``."""
+
+    def __call__(self, hidden: torch.Tensor, rows: list[int] | None) -> list[int]: ...
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
@@ -77,6 +84,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
         # The CPU serving form's whole layer stack in one call for decode steps (``cpu_pack.DecodeStack``).
         self.decode_stack: StackRunner | None = None
+        # The CPU serving form's final norm, LM head and argmax in one call for greedy rows (``cpu_pack.GreedyHead``).
+        self.greedy_head: HeadRunner | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -98,3 +107,12 @@ class CausalLM(nn.Module):
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [len(rows), vocab] of the tokens ``rows`` of ``hidden_states``' output."""
         return self.lm_head(self.norm(hidden[rows])).to(torch.float32)
+
+    @torch.inference_mode()
+    def greedy_at(self, hidden: torch.Tensor, rows: list[int] | None) -> list[int]:
+        """The argmax token of the logits of each of ``rows`` of ``hidden_states``' output (None: every row):
+        ``logits_at`` and ``torch.argmax`` (the lowest index of the maximum), or the serving form's one call."""
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden, rows)
+        index = torch.arange(hidden.shape[0]) if rows is None else torch.tensor(rows, dtype=torch.int64)
+        return torch.argmax(self.logits_at(hidden, index.to(hidden.device)), dim=-1).tolist()

@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
     long_inv_freq: torch.Tensor
+    inv_freq_twice: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -58,10 +59,15 @@ class RotaryEmbedding(nn.Module):
             self.switch_position = scaling["original_max_position_embeddings"]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        # [1, rotary_dim]: the frequencies twice over, as cos_sin's cat lays them (the plain case's one product)
+        self.register_buffer("inv_freq_twice", torch.cat([inv_freq, inv_freq])[None, :], persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``cos``/``sin`` of shape [T, rotary_dim] for int64 ``positions`` [T]."""
         pos = positions.to(torch.float32)[:, None]
+        if self.switch_position < 0 and self.attention_factor == 1.0:  # the same values in three ops fewer
+            emb = pos * self.inv_freq_twice
+            return emb.cos(), emb.sin()
         freqs = pos * self.inv_freq[None, :]
         if self.switch_position >= 0:
             long = pos * self.long_inv_freq[None, :]

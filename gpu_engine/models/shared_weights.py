@@ -116,11 +116,8 @@ def _write(path: Path, storages: list[torch.UntypedStorage], offsets: list[int],
 
 def share(model: nn.Module, directory: Path, identity: str) -> Shared:
     """Move ``model``'s large CPU tensors into the shared file for ``identity`` (the model file and how it was
-    packed) in ``directory``, writing the file where no matching one exists. Before the model's first step:
-    a decode stack that has run holds its weights' addresses (refused)."""
-    stack = getattr(model, "decode_stack", None)
-    if stack is not None and stack.planned():
-        raise RuntimeError("share the weights before the model runs: its decode stack holds their addresses")
+    packed) in ``directory``, writing the file where no matching one exists. A decode stack's plan (its
+    weights' addresses) is dropped: its next step makes it anew."""
     tensors = _tensors(model)
     storages, offsets, size = _layout(tensors)
     path = Path(directory) / f"weights-{_digest(identity, storages)}.bin"
@@ -142,6 +139,8 @@ def share(model: nn.Module, directory: Path, identity: str) -> Shared:
             start = place[0] + t.storage_offset() * t.element_size()
             t.set_(target, start // t.element_size(), t.size(), t.stride())
     del storages
+    if (stack := getattr(model, "decode_stack", None)) is not None:
+        stack.forget_plan()
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(model)
             if t.untyped_storage().nbytes() >= MIN_BYTES and t.device.type == "cpu"
             and t.untyped_storage().data_ptr() != target.data_ptr()}
