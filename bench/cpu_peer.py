@@ -104,8 +104,10 @@ def start_llama(binary: Path, gguf: Path, port: int, threads: int) -> subprocess
 
 
 def start_blink(port: int, run_dir: Path, *flags: str) -> subprocess.Popen[bytes]:
+    # a ring of its own: another Blink on the machine (on the default ring) is neither stopped nor measured
+    ring = f"blink-peer-{os.getpid()}-{port}"
     return subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--run-dir", str(run_dir),
-                             "--max-prompt-tokens", "2048", "--max-output-tokens", "256", *flags],
+                             "--ring", ring, "--max-prompt-tokens", "2048", "--max-output-tokens", "256", *flags],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
