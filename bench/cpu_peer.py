@@ -2,13 +2,14 @@
 
 llama.cpp is built from the source tree that PyPI's ``llama-cpp-python`` sdist carries in
 ``vendor/llama.cpp`` (CPU, ``GGML_NATIVE``, ``llama-server`` only), cached under ``.cache/llama_cpp``.
-The two servers run one at a time, each spoken to by the same client with the same requests
-(streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s,
-one stream's TTFT on a 33-token prompt, 8 concurrent streams' total output tokens/s, a 1,969-token
-prompt's prefill tokens/s, and the memory of all the server's processes: PSS (a page that k of them map counts
-1/k in each, so the sum is what they take of the machine) and, beside it, their RSS summed (a shared page
-counted in every process that maps it: the shared libraries, Blink's shared weights file). Each server is measured
-once it has settled (``wait_settled``: its processes under a quarter of a core for 5 s after it answers).
+The two servers run one at a time, each spoken to by the same client with the same requests (streaming
+``/v1/completions``, token-id prompts, greedy, ``ignore_eos``): one stream's decode tokens/s (the median of
+three 128-token streams), one stream's TTFT on a 33-token prompt (the median of nine), 8 concurrent streams'
+total output tokens/s, a 1,969-token prompt's prefill tokens/s, and the memory of all the server's processes:
+PSS (a page that k of them map counts 1/k in each, so the sum is what they take of the machine) and, beside it,
+their RSS summed (a shared page counted in every process that maps it: the shared libraries, Blink's shared
+weights file). Each server is measured once it has settled (``wait_settled``: its processes under a quarter of a
+core for 5 s after it answers).
 ``transformers`` ``generate`` runs in-process on the same weights dequantized to fp32. Blink runs as its default
 (``blink``: the GGUF's Q4_1 linears kept as its Q4_1 blocks, fp32 arithmetic, the kernels' pool on every
 core, the frontend sharing them), with ``--cpu-weights int8act`` (``blink_int8act``: the same weights times
@@ -17,6 +18,7 @@ frontend) and, on request, with ``--cpu-weights int4`` (``blink_int4``).
 
     python -m bench.cpu_peer                      # build (once), run all four, write the JSON
     python -m bench.cpu_peer --only blink         # one side (the others' columns stay null)
+    python -m bench.cpu_peer --only blink --only llama_cpp --rounds 3   # alternated three times, medians
     python -m bench.cpu_peer --only blink_int8act --smoke   # a few tokens per row: checks the run, not the speed
 """
 
@@ -207,10 +209,13 @@ async def measure_server(url: str, model: str, prompts: dict[str, list[int]],
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as s:
         await stream(s, url, model, prompts["short"], 8)  # warm-up
-        t = await stream(s, url, model, prompts["short"], DECODE_TOKENS)
-        decode = (len(t) - 1) / (t[-1] - t[0])
+        decodes = []
+        for _ in range(3):
+            t = await stream(s, url, model, prompts["short"], DECODE_TOKENS)
+            decodes.append((len(t) - 1) / (t[-1] - t[0]))
+        decode = float(np.median(decodes))
         ttfts = []
-        for _ in range(5):
+        for _ in range(9):
             t0 = time.perf_counter()
             first = await stream(s, url, model, prompts["short"], 1)
             ttfts.append((first[0] - t0) * 1e3)
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=SIDES, action="append")
     ap.add_argument("--smoke", action="store_true", help="4 tokens per decode row, a 65-token long prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp and transformers threads")
+    ap.add_argument("--rounds", type=int, default=1, help="each server measured this many times, alternated with the "
+                    "others; the rows are the medians, every round's figures in per_round (transformers: once)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--note", default="", help="written into the JSON (e.g. how busy the machine was)")
     args = ap.parse_args(argv)
@@ -324,20 +331,26 @@ def main(argv: list[str] | None = None) -> int:
         global DECODE_TOKENS, LONG_PROMPT
         DECODE_TOKENS, LONG_PROMPT = 4, 65
     gguf, prompts, sides = default_model_path(), make_prompts(), args.only or list(DEFAULT_SIDES)
-    results: dict[str, dict[str, float] | None] = dict.fromkeys(SIDES)
-    if "llama_cpp" in sides:
-        binary, port = build_llama_server(), free_port()
-        results["llama_cpp"] = run_server(start_llama(binary, gguf, port, args.threads), port, prompts)
-    for side, flags in BLINK_SIDES.items():
-        if side in sides:
+    binary = build_llama_server() if "llama_cpp" in sides else None
+    rounds: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    for _ in range(args.rounds):  # the servers alternated: a slow spell of a shared machine falls on all of them
+        if binary is not None:
             port = free_port()
-            with tempfile.TemporaryDirectory(prefix="blink-peer-") as run_dir:
-                results[side] = run_server(start_blink(port, Path(run_dir), *flags), port, prompts)
+            rounds["llama_cpp"].append(run_server(start_llama(binary, gguf, port, args.threads), port, prompts))
+        for side, flags in BLINK_SIDES.items():
+            if side in sides:
+                port = free_port()
+                with tempfile.TemporaryDirectory(prefix="blink-peer-") as run_dir:
+                    rounds[side].append(run_server(start_blink(port, Path(run_dir), *flags), port, prompts))
     if "transformers" in sides:
-        results["transformers"] = run_transformers(gguf, prompts, args.threads)
+        rounds["transformers"].append(run_transformers(gguf, prompts, args.threads))
+    results = {side: ({k: float(np.median([r[k] for r in got])) for k in got[0]} if got else None)
+               for side, got in rounds.items()}
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"load average {os.getloadavg()[0]:.1f} at the end. {args.note}".strip(),
-              "rows": rows_of(results)}
+              "rounds": args.rounds, "rows": rows_of(results),
+              "per_round": {side: [{k: round(v, 2) for k, v in r.items()} for r in got]
+                            for side, got in rounds.items() if got}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

@@ -117,13 +117,13 @@ def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
     if fmt.packed:  # shared weights stay off huge pages: they go into the shared file next
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
                      int8_activations=cfg.cpu_weights == "int8act", blocks=blocks, huge_pages=folder is None)
-    del blocks, gguf  # the file's blocks, before the move: what only they hold is freed with them
+    del blocks, gguf  # the file's blocks (copies the packed forms replaced): freed with them, then trimmed
     if folder is not None:
         # one copy for the live engine and the standby (shared_weights); the file's name is of what was loaded
         got = share(model, folder, identity_of(path, cfg.dtype, cfg.cpu_weights, cfg.random_weights, cfg.seed))
-        release_freed_memory()
         log.info("weights shared", file=str(got.path), mib=got.shared_bytes >> 20, wrote=got.written,
                  kept_mib=got.kept_bytes >> 20)
+    release_freed_memory()
     return CpuWeights(model, mcfg, fmt, threads, path)
 
 
