@@ -114,6 +114,7 @@ def test_load_cpu_weights_shares_where_the_environment_says(tmp_path: Path, monk
     from gpu_engine import serve
     from shared import env
 
+    tmp_path = tmp_path / "made"  # a folder that does not exist yet
     monkeypatch.setenv("BLINK_CPU_WEIGHTS_DIR", str(tmp_path))
     monkeypatch.setattr(env, "_ENV", None)  # read again
     cfg = EngineConfig(ring_name="local", geometry=GEO)

@@ -120,6 +120,7 @@ def share(model: nn.Module, directory: Path, identity: str) -> Shared:
     weights' addresses) is dropped: its next step makes it anew."""
     tensors = _tensors(model)
     storages, offsets, size = _layout(tensors)
+    Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)
     path = Path(directory) / f"weights-{_digest(identity, storages)}.bin"
     mapped, written = None, False
     if path.is_file() and path.stat().st_size == size:
