@@ -5,9 +5,16 @@ For each backend (`--backends host,persistent` on a GPU host; `cpu` anywhere) on
 started on the embedded model, every prompt goes to `/v1/completions` as token ids (so both sides
 see the same ids), greedy, a few at a time, and its text is compared with Blink's own detokenization
 of what `transformers` generates from the same ids (fp32 on the CPU, stopping at the model's EOS).
-Writes `{"model", "backends": {name: {"prompts", "identical", "mismatches"}}, "dtype"}`.
+Each answer comes with its token ids and log-probs (vLLM's `return_tokens_as_token_ids`). With a half dtype
+(`--dtype bfloat16`) identical texts are not the test: each backend also gets a `bound`, transformers teacher-forced
+on Blink's own tokens in fp32 and in bf16 on the same weights: Blink's largest log-prob error against fp32 at the
+tokens it chose, bf16 rounding's own (transformers bf16 against fp32) at the same positions, and `within`: Blink's
+at most max(1e-2, 1.25x transformers bf16's), the bound of the bf16 logits test (`tests/gpu/test_gpu_models.py`);
+and where Blink's token is not fp32's argmax, fp32's margin between the two (near ties).
+Writes `{"model", "backends": {name: {"prompts", "identical", "mismatches"[, "bound"]}}, "dtype"}`.
 Usage: python -m bench.real_weights [--backends host,persistent] [--dtype float32] [--prompts 64]
-       [--max-tokens 32] [--gguf FILE] [--out bench/results/gpu_real_weights.json]
+       [--max-tokens 32] [--gguf FILE] [--out FILE (default bench/results/gpu_real_weights.json, for a half dtype
+       gpu_real_weights_DTYPE.json)]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -41,13 +49,19 @@ def prompt_texts(n: int) -> list[str]:
     return texts[:n]
 
 
-def reference(gguf: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations (EOS dropped) from `transformers` in fp32 on the CPU, one prompt at a time."""
+def hf_model(gguf: Path) -> Any:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()
+
+
+def reference(gguf: Path, prompts: list[list[int]], max_tokens: int, model: Any = None) -> list[list[int]]:
+    """Greedy continuations (EOS dropped) from `transformers` in fp32 on the CPU, one prompt at a time."""
+    import torch
+
+    model = model if model is not None else hf_model(gguf)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     outs = []
@@ -62,7 +76,8 @@ def reference(gguf: Path, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 def start_server(backend: str, dtype: str, gguf: Path, port: int, run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--backend", backend, "--port", str(port),
-           "--run-dir", str(run_dir), "--max-prompt-tokens", "256", "--max-output-tokens", "256", "--dtype", dtype]
+           "--run-dir", str(run_dir), "--ring", f"blink-rw-{os.getpid()}-{port}",  # not another Blink's ring
+           "--max-prompt-tokens", "256", "--max-output-tokens", "256", "--dtype", dtype]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -81,14 +96,21 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-async def complete_all(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[str]:
+async def complete_all(url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                       concurrency: int) -> list[tuple[str, list[int], list[float]]]:
+    """Each prompt's greedy answer: its text, and (vLLM's return_tokens_as_token_ids) its token ids and their
+    log-probs as the engine computed them."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(session: aiohttp.ClientSession, ids: list[int]) -> str:
-        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    async def one(session: aiohttp.ClientSession, ids: list[int]) -> tuple[str, list[int], list[float]]:
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}
         async with gate, session.post(url + "/v1/completions", json=body) as resp:
             resp.raise_for_status()
-            return str((await resp.json())["choices"][0]["text"])
+            choice = (await resp.json())["choices"][0]
+            lp = choice["logprobs"]
+            return (str(choice["text"]), [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+                    [float(x) for x in lp["token_logprobs"]])
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         return list(await asyncio.gather(*(one(session, ids) for ids in prompts)))
@@ -115,9 +137,47 @@ def serve_and_compare(backend: str, args: argparse.Namespace, gguf: Path, prompt
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    mismatches = [{"prompt": i, "blink": g, "transformers": w} for i, (g, w) in enumerate(zip(got, want, strict=True))
-                   if g != w]
-    return {"prompts": len(prompts), "identical": len(prompts) - len(mismatches), "mismatches": mismatches[:5]}
+    texts = [g[0] for g in got]
+    mismatches = [{"prompt": i, "blink": g, "transformers": w} for i, (g, w) in enumerate(zip(texts, want, strict=True))
+                  if g != w]
+    out = {"prompts": len(prompts), "identical": len(prompts) - len(mismatches), "mismatches": mismatches[:5]}
+    if args.dtype != "float32":
+        out["bound"] = logprob_bound(args.hf, prompts, got)
+    return out
+
+
+def logprob_bound(hf32: Any, prompts: list[list[int]], got: list[tuple[str, list[int], list[float]]]) -> dict:
+    """The bf16 check: transformers teacher-forced on Blink's own tokens, in fp32 and in bf16 on the same
+    weights. At each generated position: Blink's log-prob of its token against fp32's (its error), transformers
+    bf16's against fp32's (bf16 rounding's own error), and whether Blink's token is fp32's argmax (else fp32's
+    margin between the two: a near tie that rounding may flip). Within the bound as the bf16 logits test states it:
+    Blink's largest error at most max(1e-2, 1.25x transformers bf16's)."""
+    import copy
+
+    import torch
+
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    ours, theirs, margins, positions = 0.0, 0.0, [], 0
+    with torch.inference_mode():
+        for ids, (_, toks, lps) in zip(prompts, got, strict=True):
+            if not toks:
+                continue
+            x = torch.tensor([ids + toks])
+            rows = slice(len(ids) - 1, len(ids) - 1 + len(toks))
+            ref = torch.log_softmax(hf32(x).logits[0, rows].float(), -1)
+            bf = torch.log_softmax(hf16(x).logits[0, rows].float(), -1)
+            t = torch.tensor(toks)
+            want = ref.gather(1, t[:, None])[:, 0]
+            ours = max(ours, float((torch.tensor(lps) - want).abs().max()))
+            theirs = max(theirs, float((bf.gather(1, t[:, None])[:, 0] - want).abs().max()))
+            top = ref.max(-1)
+            margins += [float(m) for m in (top.values - want)[top.indices != t]]
+            positions += len(toks)
+    limit = max(1e-2, 1.25 * theirs)
+    return {"positions": positions, "blink_max_logprob_err": round(ours, 5),
+            "transformers_bf16_max_logprob_err": round(theirs, 5), "limit": round(limit, 5),
+            "within": ours <= limit, "not_fp32_argmax": len(margins),
+            "max_fp32_margin_where_not_argmax": round(max(margins), 5) if margins else None}
 
 
 def main() -> None:
@@ -131,8 +191,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (batched decode)")
     ap.add_argument("--ready-timeout-s", type=float, default=420.0)
     ap.add_argument("--log-dir", default=os.environ.get("BLINK_GPU_OUT"), help="where the servers' logs go")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_real_weights.json"))
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.out is None:
+        tail = "" if args.dtype == "float32" else f"_{args.dtype}"
+        args.out = Path(f"bench/results/gpu_real_weights{tail}.json")
     backends = [b for b in args.backends.split(",") if b]
     if not backends or any(b not in BACKENDS for b in backends):
         raise SystemExit(f"--backends: pick from {', '.join(BACKENDS)}")
@@ -143,14 +206,16 @@ def main() -> None:
     tok = load_tokenizer(gguf)
     prompts = [tok.encode(t) for t in prompt_texts(args.prompts)]
     t0 = time.perf_counter()
-    want = [tok.decode(ids) for ids in reference(gguf, prompts, args.max_tokens)]
+    args.hf = hf_model(gguf)
+    want = [tok.decode(ids) for ids in reference(gguf, prompts, args.max_tokens, args.hf)]
     print(f"transformers fp32: {len(want)} continuations in {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"model": gguf.name, "backends": {}, "dtype": args.dtype, "max_tokens": args.max_tokens}
     for backend in backends:
         t0 = time.perf_counter()
         result["backends"][backend] = serve_and_compare(backend, args, gguf, prompts, want)
         r = result["backends"][backend]
-        print(f"{backend}: {r['identical']} / {r['prompts']} identical ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"{backend}: {r['identical']} / {r['prompts']} identical ({time.perf_counter() - t0:.1f} s)"
+              + (f"; bf16 bound {r['bound']}" if "bound" in r else ""), flush=True)
         for m in r["mismatches"]:
             print(f"  prompt {m['prompt']}: blink {m['blink']!r}\n  {'':>9}transformers {m['transformers']!r}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

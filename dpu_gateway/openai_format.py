@@ -10,7 +10,7 @@ import time
 import uuid
 
 from dpu_gateway.generation import PromptEntry, TokenLogprob
-from dpu_gateway.textio import TextCodec
+from dpu_gateway.textio import TokenNames
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Envelope:
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
 
 
-def chat_logprobs(codec: TextCodec, entries: list[TokenLogprob]) -> dict:
+def chat_logprobs(codec: TokenNames, entries: list[TokenLogprob]) -> dict:
     def one(token: int, logprob: float | None) -> dict:
         raw = codec.token_bytes(token)
         return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
@@ -36,7 +36,7 @@ def chat_logprobs(codec: TextCodec, entries: list[TokenLogprob]) -> dict:
     ]}
 
 
-def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: int) -> dict:
+def completion_logprobs(codec: TokenNames, entries: list[TokenLogprob], offset: int) -> dict:
     tokens = [codec.token_text(e.token) for e in entries]
     offsets = []
     for text in tokens:
@@ -50,7 +50,7 @@ def completion_logprobs(codec: TextCodec, entries: list[TokenLogprob], offset: i
     }
 
 
-def prompt_logprobs(codec: TextCodec, entries: list[PromptEntry]) -> list[dict | None]:
+def prompt_logprobs(codec: TokenNames, entries: list[PromptEntry]) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: null for the first prompt token, then per position its token and the top k,
     token id -> ``{logprob, rank, decoded_token}`` (the prompt's token first; the others ranked by position)."""
     def one(token: int, logprob: float, rank: int) -> dict:

@@ -56,6 +56,7 @@ class Plan:
     echo_logprobs: int = -1  # completions' echo with logprobs: alternatives of the prompt's entries (-1: none)
     echo_only: bool = False  # max_tokens 0 with echo: the answer is the prompt (the one token sampled is dropped)
     prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
+    token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: log-prob entries name tokens token_id:N
 
     def choices(self) -> list[m.Sampling]:
         """One sampling record per choice: a seeded request's choices draw from seeds derived from it. Only the
@@ -242,7 +243,7 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     prompt_k = prompt_logprobs(req, prompt_len, limits)
     return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False,
-                prompt_logprobs=prompt_k)
+                prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids))
 
 
 def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "",
@@ -262,7 +263,8 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, ech
     prompt_k = prompt_logprobs(req, prompt_len, limits, echo_k)
     return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, echo_logprobs=echo_k, echo_only=echo_only,
-                prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs)
+                prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
+                token_ids_as_text=bool(req.return_tokens_as_token_ids))
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

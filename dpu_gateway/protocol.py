@@ -205,7 +205,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "spaces_between_special_tokens": (lambda v: v in (None, True), "only the default (true) is served"),
     "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),
     "request_id": (lambda v: v is None, "request_id is not supported (the server names each response)"),
-    "return_tokens_as_token_ids": (_off, "return_tokens_as_token_ids is not supported"),
     "return_token_ids": (_off, "return_token_ids is not supported"),
     "kv_transfer_params": (_off, "KV transfer is not supported"),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),

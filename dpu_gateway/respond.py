@@ -19,7 +19,7 @@ from dpu_gateway import openai_format as fmt
 from dpu_gateway import sse
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation, TokenLogprob
-from dpu_gateway.textio import TextCodec
+from dpu_gateway.textio import TokenNames
 from dpu_gateway.tools import Call, parse_all
 
 
@@ -31,7 +31,7 @@ class Shape:
     chunk_object: str    # "object" of stream chunks
     chat: bool
 
-    def logprobs(self, codec: TextCodec, entries: list[TokenLogprob] | None, offset: int) -> dict | None:
+    def logprobs(self, codec: TokenNames, entries: list[TokenLogprob] | None, offset: int) -> dict | None:
         if entries is None:
             return None
         if self.chat:
@@ -84,7 +84,7 @@ def merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
                                                           "text_offset")}
 
 
-async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
+async def _collect(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
     texts: list[str] = []
     lps: list[dict] = []
     offset = 0
@@ -108,7 +108,7 @@ async def _collect(gen: Generation, shape: Shape, codec: TextCodec) -> dict:
                            [c.openai() for c in calls])
 
 
-async def asked_prompt_logprobs(gen: Generation, codec: TextCodec) -> list[dict | None] | None:
+async def asked_prompt_logprobs(gen: Generation, codec: TokenNames) -> list[dict | None] | None:
     """The ``prompt_logprobs`` field of a choice that asked, with the alternatives it asked for."""
     entries = await gen.asked_prompt_entries()
     if entries is None:
@@ -122,7 +122,7 @@ def tool_finish(gen: Generation, called: bool) -> str | None:
     return "tool_calls" if called and gen.finish_reason == "stop" else gen.finish_reason
 
 
-async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
+async def answer_whole(gens: list[Generation], shape: Shape, codec: TokenNames, model: str,
                        usage: Usage) -> web.Response:
     env = fmt.Envelope.new(shape.prefix, model)
     tasks = [asyncio.create_task(_collect(g, shape, codec)) for g in gens]
@@ -138,7 +138,7 @@ async def answer_whole(gens: list[Generation], shape: Shape, codec: TextCodec, m
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
-async def answer_stream(request: web.Request, gens: list[Generation], shape: Shape, codec: TextCodec, model: str,
+async def answer_stream(request: web.Request, gens: list[Generation], shape: Shape, codec: TokenNames, model: str,
                         usage: Usage) -> web.StreamResponse:
     env = fmt.Envelope.new(shape.prefix, model)
     resp = await sse.open_stream(request)
@@ -161,7 +161,7 @@ async def answer_stream(request: web.Request, gens: list[Generation], shape: Sha
     return resp
 
 
-async def _stream_all(gens: list[Generation], shape: Shape, codec: TextCodec, env: fmt.Envelope, usage: Usage,
+async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, env: fmt.Envelope, usage: Usage,
                       write: Callable[[dict], Awaitable[None]]) -> None:
     """Every choice's chunks as they come (one writer: chunks never interleave on the wire)."""
     lock = asyncio.Lock()

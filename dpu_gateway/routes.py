@@ -48,7 +48,7 @@ from dpu_gateway.state import (
     engine_unavailable,
 )
 from dpu_gateway.structured import Constraint, constraint_of
-from dpu_gateway.textio import message_text
+from dpu_gateway.textio import TokenIdNames, message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
 from shared.metrics import EngineSample
 
@@ -204,9 +204,10 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
                                        p * plan.n + i, ids, source))
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
+        names = TokenIdNames() if jobs and jobs[0][1].token_ids_as_text else codec  # of the log-prob entries
         if stream:
-            return await answer_stream(request, gens, shape, codec, model, counts)
-        return await answer_whole(gens, shape, codec, model, counts)
+            return await answer_stream(request, gens, shape, names, model, counts)
+        return await answer_whole(gens, shape, names, model, counts)
     finally:
         record_outcome(request, gens)
         for handle in handles:

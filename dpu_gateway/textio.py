@@ -5,7 +5,7 @@ Every call into ``dpu_tokenizer`` from the gateway goes through ``TextCodec``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from dpu_gateway.protocol import ChatMessage, TextPart
 from dpu_gateway.tools import FORMATS, Format, Tool, history, plain_messages
@@ -58,3 +58,24 @@ class TextCodec:
 
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", "replace")
+
+
+class TokenNames(Protocol):
+    """How a log-prob entry names a token: its text and bytes (``TextCodec``, or ``TokenIdNames``)."""
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def token_text(self, token: int) -> str: ...
+
+
+class TokenIdNames:
+    """vLLM's ``return_tokens_as_token_ids``: every log-prob entry names its token ``token_id:N`` (and its bytes
+    are that name's), so a client gets the ids back without the tokenizer, even for tokens that are not whole
+    UTF-8 characters. The answer's text is unchanged."""
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.token_text(token).encode()
+
+    def token_text(self, token: int) -> str:
+        return f"token_id:{int(token)}"
+

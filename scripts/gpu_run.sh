@@ -149,7 +149,7 @@ run_step() {
         mkdir -p /tmp/blink-rw && cat "$RW_GGUF_PARTS"/*.part* >/tmp/blink-rw/SmolLM2-135M-Instruct.Q4_1.gguf &&
           gguf_arg="--gguf /tmp/blink-rw/SmolLM2-135M-Instruct.Q4_1.gguf"
       fi
-      step real_weights "${T_REAL_WEIGHTS:-580}" bash -c "$PY -m bench.real_weights --backends host,persistent --log-dir '$OUT' $gguf_arg ${RW_ARGS:-}; cp bench/results/gpu_real_weights.json '$OUT/'" ;;
+      step real_weights "${T_REAL_WEIGHTS:-580}" bash -c "$PY -m bench.real_weights --backends host,persistent --log-dir '$OUT' $gguf_arg ${RW_ARGS:-}; cp bench/results/gpu_real_weights*.json '$OUT/'" ;;
     # One mode per call; results merge into bench/results/serving.json, which travels with the tree, so
     # the second mode's call completes the file. SERVING_ARGS adds flags (later ones win, e.g.
     # "--rates 8,14,20 --duration-s 20 --time-budget-s 320").

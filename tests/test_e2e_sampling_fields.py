@@ -82,6 +82,29 @@ def test_include_stop_str_in_output(real: Stack) -> None:
     assert kept.choices[0].message.content == plain.choices[0].message.content + "Paris"
 
 
+def test_return_tokens_as_token_ids_names_every_entry_by_its_id(real: Stack, text) -> None:
+    """vLLM's field: log-prob entries name their tokens ``token_id:N`` (bytes of that name), echo's included; the
+    ids decode to the answer, and the log-probs are those of the plain request."""
+    plain = greedy(real, logprobs=True, top_logprobs=2)
+    named = greedy(real, logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    assert named.choices[0].message.content == plain.choices[0].message.content
+    ids = []
+    for a, b in zip(plain.choices[0].logprobs.content, named.choices[0].logprobs.content, strict=True):
+        assert b.token.startswith("token_id:") and bytes(b.bytes) == b.token.encode() and b.logprob == a.logprob
+        assert [t.token.startswith("token_id:") for t in b.top_logprobs] == [True, True]
+        assert [t.logprob for t in b.top_logprobs] == [t.logprob for t in a.top_logprobs]
+        ids.append(int(b.token.removeprefix("token_id:")))
+    assert text.tok.decode(ids) == plain.choices[0].message.content
+    prompt = text.ids("The capital of France is")
+    out = sync_client(real).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                               echo=True, extra_body={"return_tokens_as_token_ids": True})
+    lp = out.choices[0].logprobs
+    assert lp.tokens[: len(prompt)] == [f"token_id:{t}" for t in prompt]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs if top for k in top)
+    answer = [int(t.removeprefix("token_id:")) for t in lp.tokens[len(prompt):]]
+    assert len(answer) == 4 and out.choices[0].text.endswith(text.tok.decode(answer))
+
+
 @pytest.mark.parametrize(("kw", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
