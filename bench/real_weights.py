@@ -5,12 +5,13 @@ For each backend (`--backends host,persistent` on a GPU host; `cpu` anywhere) on
 started on the embedded model, every prompt goes to `/v1/completions` as token ids (so both sides
 see the same ids), greedy, a few at a time, and its text is compared with Blink's own detokenization
 of what `transformers` generates from the same ids (fp32 on the CPU, stopping at the model's EOS).
-Each answer comes with its token ids and log-probs (vLLM's `return_tokens_as_token_ids`). With a half dtype
-(`--dtype bfloat16`) identical texts are not the test: each backend also gets a `bound`, transformers teacher-forced
-on Blink's own tokens in fp32 and in bf16 on the same weights: Blink's largest log-prob error against fp32 at the
-tokens it chose, bf16 rounding's own (transformers bf16 against fp32) at the same positions, and `within`: Blink's
-at most max(1e-2, 1.25x transformers bf16's), the bound of the bf16 logits test (`tests/gpu/test_gpu_models.py`);
-and where Blink's token is not fp32's argmax, fp32's margin between the two (near ties).
+In bf16 (`--dtype bfloat16`) identical texts are not the test: each answer comes with its token ids and log-probs
+(vLLM's `return_tokens_as_token_ids`) and each backend also gets a `bound`, transformers teacher-forced on Blink's
+own tokens in fp32 and in bf16 on the same weights: Blink's largest log-prob error against fp32 at the tokens it
+chose, bf16 rounding's own (transformers bf16 against fp32) at the same positions, and `within`: Blink's at most
+max(1e-2, 1.25x transformers bf16's), the form of the bf16 logits test's bound (`tests/gpu/test_gpu_models.py`,
+there on the logits' relative error); and where Blink's token is not fp32's argmax, fp32's margin between the two
+(near ties). In fp32 the requests are plain greedy ones.
 Writes `{"model", "backends": {name: {"prompts", "identical", "mismatches"[, "bound"]}}, "dtype"}`.
 Usage: python -m bench.real_weights [--backends host,persistent] [--dtype float32] [--prompts 64]
        [--max-tokens 32] [--gguf FILE] [--out FILE (default bench/results/gpu_real_weights.json, for a half dtype
@@ -96,18 +97,22 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-async def complete_all(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                       concurrency: int) -> list[tuple[str, list[int], list[float]]]:
-    """Each prompt's greedy answer: its text, and (vLLM's return_tokens_as_token_ids) its token ids and their
-    log-probs as the engine computed them."""
+async def complete_all(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                       with_logprobs: bool) -> list[tuple[str, list[int], list[float]]]:
+    """Each prompt's greedy answer: its text and, ``with_logprobs`` (vLLM's return_tokens_as_token_ids), its
+    token ids and their log-probs as the engine computed them. Without, the requests are plain greedy ones (the
+    CPU engine's greedy tail, which a request asking log-probs does not take)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(session: aiohttp.ClientSession, ids: list[int]) -> tuple[str, list[int], list[float]]:
-        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
-                "return_tokens_as_token_ids": True}
+        body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+        if with_logprobs:
+            body.update(logprobs=0, return_tokens_as_token_ids=True)
         async with gate, session.post(url + "/v1/completions", json=body) as resp:
             resp.raise_for_status()
             choice = (await resp.json())["choices"][0]
+            if not with_logprobs:
+                return str(choice["text"]), [], []
             lp = choice["logprobs"]
             return (str(choice["text"]), [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
                     [float(x) for x in lp["token_logprobs"]])
@@ -129,7 +134,8 @@ def serve_and_compare(backend: str, args: argparse.Namespace, gguf: Path, prompt
         try:
             url = f"http://127.0.0.1:{port}"
             model = wait_ready(url, proc, args.ready_timeout_s)
-            got = asyncio.run(complete_all(url, model, prompts, args.max_tokens, args.concurrency))
+            got = asyncio.run(complete_all(url, model, prompts, args.max_tokens, args.concurrency,
+                                            args.dtype == "bfloat16"))
         finally:
             proc.terminate()
             try:
@@ -141,7 +147,7 @@ def serve_and_compare(backend: str, args: argparse.Namespace, gguf: Path, prompt
     mismatches = [{"prompt": i, "blink": g, "transformers": w} for i, (g, w) in enumerate(zip(texts, want, strict=True))
                   if g != w]
     out = {"prompts": len(prompts), "identical": len(prompts) - len(mismatches), "mismatches": mismatches[:5]}
-    if args.dtype != "float32":
+    if args.dtype == "bfloat16":
         out["bound"] = logprob_bound(args.hf, prompts, got)
     return out
 
@@ -150,8 +156,9 @@ def logprob_bound(hf32: Any, prompts: list[list[int]], got: list[tuple[str, list
     """The bf16 check: transformers teacher-forced on Blink's own tokens, in fp32 and in bf16 on the same
     weights. At each generated position: Blink's log-prob of its token against fp32's (its error), transformers
     bf16's against fp32's (bf16 rounding's own error), and whether Blink's token is fp32's argmax (else fp32's
-    margin between the two: a near tie that rounding may flip). Within the bound as the bf16 logits test states it:
-    Blink's largest error at most max(1e-2, 1.25x transformers bf16's)."""
+    margin between the two: a near tie that rounding may flip). Within the bound: Blink's largest error at most
+    max(1e-2, 1.25x transformers bf16's), the form of the bf16 logits test's bound (which measures the logits'
+    relative L2 error; this, the log-probs' absolute error in nats, of the tokens served)."""
     import copy
 
     import torch

@@ -29,7 +29,7 @@ from gpu_engine.faults import EXIT_ENGINE_FAILURE, DeviceFailure, Fault, FaultyR
 from gpu_engine.kernels.cpu_linear import KernelThreads, quant_kernels_available
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
-from gpu_engine.models.cpu_pack import pack_for_cpu, release_freed_memory
+from gpu_engine.models.cpu_pack import move_to_huge_pages, pack_for_cpu, release_freed_memory
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_loader import GGUFSource
@@ -113,16 +113,26 @@ def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
         blocks = gguf.q4_1_linears(gguf.config)
     model, mcfg = load_model(path, dtype=fmt.weight_dtype, device="cpu", random_weights=cfg.random_weights,
                              seed=cfg.seed, gguf=gguf, placeholders=blocks or ())
-    folder = env.env().cpu_weights_dir if path.is_file() else None
+    folder = env.env().cpu_weights_dir
+    if folder is not None and not path.is_file():
+        log.warning("weights not shared", reason="BLINK_CPU_WEIGHTS_DIR shares a model file's weights, not a folder's",
+                    model=str(path))
+        folder = None
     if fmt.packed:  # shared weights stay off huge pages: they go into the shared file next
         pack_for_cpu(model, int4_layers=cfg.cpu_weights == "int4", keep_quantized=cfg.cpu_weights != "fp16",
                      int8_activations=cfg.cpu_weights == "int8act", blocks=blocks, huge_pages=folder is None)
     del blocks, gguf  # the file's blocks (copies the packed forms replaced): freed with them, then trimmed
     if folder is not None:
         # one copy for the live engine and the standby (shared_weights); the file's name is of what was loaded
-        got = share(model, folder, identity_of(path, cfg.dtype, cfg.cpu_weights, cfg.random_weights, cfg.seed))
-        log.info("weights shared", file=str(got.path), mib=got.shared_bytes >> 20, wrote=got.written,
-                 kept_mib=got.kept_bytes >> 20)
+        try:
+            got = share(model, folder, identity_of(path, cfg.dtype, cfg.cpu_weights, cfg.random_weights, cfg.seed))
+        except OSError as exc:  # a folder that is not private, or full: the engine's own copy, as without it
+            log.warning("weights not shared", reason=str(exc), folder=str(folder))
+            if fmt.packed:
+                move_to_huge_pages(model)
+        else:
+            log.info("weights shared", file=str(got.path), mib=got.shared_bytes >> 20, wrote=got.written,
+                     kept_mib=got.kept_bytes >> 20)
     release_freed_memory()
     return CpuWeights(model, mcfg, fmt, threads, path)
 

@@ -84,13 +84,14 @@ def test_q8_head_multiplies_over_the_embedding_codes() -> None:
     x = torch.randn(5, 64, generator=gen)
     torch.testing.assert_close(head(x).double(), x.double() @ emb.reference_weight().double().T, rtol=0, atol=1e-5)
 
+    before = KernelThreads.count
     for i in range(5):  # one row alone (eight weight rows in flight, the last 300 % 8 alone): the same bits
         for threads in (1, 2):
             KernelThreads.count = threads
             try:
                 assert torch.equal(head(x[i : i + 1]), head(x)[i : i + 1])
             finally:
-                KernelThreads.count = 0
+                KernelThreads.count = before
 
 
 def test_embedded_model_keeps_its_gguf_weights() -> None:

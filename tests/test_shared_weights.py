@@ -120,10 +120,27 @@ def test_load_cpu_weights_shares_where_the_environment_says(tmp_path: Path, monk
     cfg = EngineConfig(ring_name="local", geometry=GEO)
     one, two = serve.load_cpu_weights(cfg), serve.load_cpu_weights(cfg)
     (path,) = tmp_path.glob("weights-*.bin")
-    assert mapped_from(path) == 2
-    assert large_storages(one.model) != large_storages(two.model)  # two mappings of the one file
+    assert mapped_from(path) == 2  # two mappings of the one file, each model's large tensors in one of them
+    assert len(large_storages(one.model)) == len(large_storages(two.model)) == 1
     monkeypatch.delenv("BLINK_CPU_WEIGHTS_DIR")
     monkeypatch.setattr(env, "_ENV", None)
     alone = serve.load_cpu_weights(cfg)
     assert mapped_from(path) == 2  # its own weights (on huge pages, where the kernel offers them)
     assert large_storages(alone.model).isdisjoint(large_storages(one.model) | large_storages(two.model))
+
+
+def test_a_folder_others_can_write_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_engine import serve
+    from shared import env
+
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        share(model_of(harness()), open_folder, identity_of(default_model_path(), "test"))
+    assert list(open_folder.iterdir()) == []
+    monkeypatch.setenv("BLINK_CPU_WEIGHTS_DIR", str(open_folder))
+    monkeypatch.setattr(env, "_ENV", None)
+    w = serve.load_cpu_weights(EngineConfig(ring_name="local", geometry=GEO))  # loads, with its own copy
+    assert list(open_folder.iterdir()) == [] and len(large_storages(w.model)) == 1
+

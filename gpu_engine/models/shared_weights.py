@@ -104,23 +104,38 @@ def _write(path: Path, storages: list[torch.UntypedStorage], offsets: list[int],
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # the blocks reserved now: a full folder is an OSError here, not a SIGBUS while the mapping fills
+        os.posix_fallocate(fd, 0, size)
+        mapped = torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
+        for s, o in zip(storages, offsets, strict=True):
+            mapped[o: o + s.nbytes()].copy_(_bytes(s))
+        os.replace(tmp, path)  # the mapping stays valid across the rename: it is of the inode
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
-    mapped = torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
-    for s, o in zip(storages, offsets, strict=True):
-        mapped[o: o + s.nbytes()].copy_(_bytes(s))
-    os.replace(tmp, path)  # the mapping stays valid across the rename: it is of the inode
     return mapped
+
+
+def _private(folder: Path) -> None:
+    """The folder must be this user's and closed to others (a file another user can write would change the
+    weights an engine maps); OSError otherwise."""
+    st = folder.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder}: not this user's, or writable by others (mode {st.st_mode & 0o777:o})")
 
 
 def share(model: nn.Module, directory: Path, identity: str) -> Shared:
     """Move ``model``'s large CPU tensors into the shared file for ``identity`` (the model file and how it was
     packed) in ``directory``, writing the file where no matching one exists. A decode stack's plan (its
-    weights' addresses) is dropped: its next step makes it anew."""
+    weights' addresses) is dropped: its next step makes it anew. OSError where the folder is not private or the
+    file cannot be written (the model is then unchanged). Files of other models or options stay in the folder
+    until removed by hand."""
     tensors = _tensors(model)
     storages, offsets, size = _layout(tensors)
     Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private(Path(directory))
     path = Path(directory) / f"weights-{_digest(identity, storages)}.bin"
     mapped, written = None, False
     if path.is_file() and path.stat().st_size == size:
