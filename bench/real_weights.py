@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -152,6 +153,16 @@ def serve_and_compare(backend: str, args: argparse.Namespace, gguf: Path, prompt
     return out
 
 
+@functools.cache
+def bf16_copy(hf32: Any) -> Any:
+    """The reference model in bf16 (made once, for every backend's check)."""
+    import copy
+
+    import torch
+
+    return copy.deepcopy(hf32).to(torch.bfloat16)
+
+
 def logprob_bound(hf32: Any, prompts: list[list[int]], got: list[tuple[str, list[int], list[float]]]) -> dict:
     """The bf16 check: transformers teacher-forced on Blink's own tokens, in fp32 and in bf16 on the same
     weights. At each generated position: Blink's log-prob of its token against fp32's (its error), transformers
@@ -159,11 +170,9 @@ def logprob_bound(hf32: Any, prompts: list[list[int]], got: list[tuple[str, list
     margin between the two: a near tie that rounding may flip). Within the bound: Blink's largest error at most
     max(1e-2, 1.25x transformers bf16's), the form of the bf16 logits test's bound (which measures the logits'
     relative L2 error; this, the log-probs' absolute error in nats, of the tokens served)."""
-    import copy
-
     import torch
 
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    hf16 = bf16_copy(hf32)
     ours, theirs, margins, positions = 0.0, 0.0, [], 0
     with torch.inference_mode():
         for ids, (_, toks, lps) in zip(prompts, got, strict=True):

@@ -59,7 +59,7 @@ class TorchRunner:
         hidden = self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
         rows = [b for b, w in enumerate(plan.work) if w.samples]  # a chunk short of its prompt's end samples nothing
         if self.greedy_tail and all(plain_greedy(w.req.sampling) for w in plan.work):
-            return self._greedy(plan, hidden, rows)
+            return self._greedy(plan, hidden, rows, meta.cu_seqlens_q[1:].long() - 1)
         logits = self.model.logits_at(hidden, meta.cu_seqlens_q[1:].long() - 1)
         work = [plan.work[b] for b in rows]
         specs = [w.req.sampling for w in work]
@@ -82,7 +82,7 @@ class TorchRunner:
         out.prompt = fetch(score_spans(prompt_spans(plan), logits_of))
         return out
 
-    def _greedy(self, plan: StepPlan, hidden: torch.Tensor, rows: list[int]) -> StepOutput:
+    def _greedy(self, plan: StepPlan, hidden: torch.Tensor, rows: list[int], last: torch.Tensor) -> StepOutput:
         """A step whose every row is ``plain_greedy``: each sampling row's argmax token (``CausalLM.greedy_at``,
         the tokens ``sample`` picks there), zero log-probs and no alternatives, as ``sample`` gives when no row
         asks for them."""
@@ -91,12 +91,10 @@ class TorchRunner:
                          top_logprobs=np.zeros((n, 0), np.float32))
         if not rows:
             return out
-        last, ends = [], 0
-        for w in plan.work:  # each sequence's last packed token
-            ends += w.num_new
-            last.append(ends - 1)
-        every = len(rows) == n and ends == n  # one token per sequence, every one sampling: hidden's rows as they are
-        tokens = self.model.greedy_at(hidden, None if every else [last[b] for b in rows])
+        # ``last``: each sequence's last packed token. One token per sequence, every one sampling: hidden's rows
+        # as they are
+        every = len(rows) == n and hidden.shape[0] == n
+        tokens = self.model.greedy_at(hidden, None if every else last[rows].tolist())
         for b, t in zip(rows, tokens, strict=True):
             out.tokens[b] = int(t)
         return out
