@@ -58,9 +58,10 @@ class TorchRunner:
         meta = build_metadata(steps, self.kv.block_size, self.device)
         hidden = self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), meta, self.kv)
         rows = [b for b, w in enumerate(plan.work) if w.samples]  # a chunk short of its prompt's end samples nothing
+        last = meta.cu_seqlens_q[1:].long() - 1  # each sequence's last packed token
         if self.greedy_tail and all(plain_greedy(w.req.sampling) for w in plan.work):
-            return self._greedy(plan, hidden, rows, meta.cu_seqlens_q[1:].long() - 1)
-        logits = self.model.logits_at(hidden, meta.cu_seqlens_q[1:].long() - 1)
+            return self._greedy(plan, hidden, rows, last)
+        logits = self.model.logits_at(hidden, last)
         work = [plan.work[b] for b in rows]
         specs = [w.req.sampling for w in work]
         positions = torch.tensor([len(w.req.output) for w in work], dtype=torch.int64)
@@ -91,8 +92,7 @@ class TorchRunner:
                          top_logprobs=np.zeros((n, 0), np.float32))
         if not rows:
             return out
-        # ``last``: each sequence's last packed token. One token per sequence, every one sampling: hidden's rows
-        # as they are
+        # one token per sequence, every one sampling: hidden's rows as they are
         every = len(rows) == n and hidden.shape[0] == n
         tokens = self.model.greedy_at(hidden, None if every else last[rows].tolist())
         for b, t in zip(rows, tokens, strict=True):
