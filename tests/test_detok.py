@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from test_tokenizer_corpus import make_corpus
@@ -107,12 +106,9 @@ def test_pushes_after_stop_return_nothing(tok: Tokenizer) -> None:
     assert det.finish() == ""
 
 
-def test_throughput_plain_pushing(tok: Tokenizer) -> None:
+def test_token_at_a_time_over_a_long_corpus_equals_one_decode(tok: Tokenizer) -> None:
+    # its speed lives in bench/tokenizer_bench.py (streaming detokenization, tokens/s)
     ids = tok.encode(" ".join(make_corpus(400, seed=5)))[:20000]
     det = IncrementalDetokenizer(tok)
-    start = time.perf_counter()
-    for tid in ids:
-        det.push((tid,))
-    det.finish()
-    rate = len(ids) / (time.perf_counter() - start)
-    assert rate > 300_000, f"{rate:.0f} tokens/s"  # loose bound for loaded CI; the bench measures for real
+    text = "".join(det.push((tid,)) for tid in ids) + det.finish()
+    assert text == tok.decode(ids)

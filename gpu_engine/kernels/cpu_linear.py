@@ -123,18 +123,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         check("weight", weight, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(None, None))
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        if self.in_features % INT4_GROUP:
-            raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of {INT4_GROUP}")
-        groups = weight.to(torch.float32).reshape(self.out_features, -1, INT4_GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)
-        step = (high - low) / 15
-        safe = torch.where(step > 0, step, torch.ones_like(step))
-        codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
-        self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.reshape(self.out_features, self.in_features), 8))
-        # the kernel computes (code - 8) * scale + zero
-        zero = low + 8 * step
-        self.scale_zero = nn.Buffer(torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        codes, scale_zero = quantize_int4(weight)
+        self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
+        self.scale_zero = nn.Buffer(scale_zero)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x float32 [..., in] -> [..., out]; with ``out`` (float32 [rows, out]) adds into it."""
@@ -151,6 +142,29 @@ class Int4Linear(nn.Module):
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         sz = self.scale_zero.to(torch.float32)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye.float(), self.packed, INT4_GROUP, sz).t()
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Int4Linear``'s quantization of ``weight`` [out, in]: codes int32 [out, in] in 0..15 and ``scale_zero``
+    bf16 [in / 32, out, 2], the kernel computing ``(code - 8) * scale + zero``."""
+    out_features, in_features = int(weight.shape[0]), int(weight.shape[1])
+    if in_features % INT4_GROUP:
+        raise ValueError(f"Int4Linear: in_features {in_features} is not a multiple of {INT4_GROUP}")
+    groups = weight.to(torch.float32).reshape(out_features, -1, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = (high - low) / 15
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+    zero = low + 8 * step
+    scale_zero = torch.stack([step, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return codes.reshape(out_features, in_features), scale_zero
+
+
+def dequantize_int4(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] weight that ``quantize_int4``'s codes and scales stand for."""
+    sz = scale_zero.to(torch.float32).transpose(0, 1)  # [out, groups, 2]
+    groups = codes.to(torch.float32).reshape(codes.shape[0], -1, INT4_GROUP)
+    return ((groups - 8) * sz[..., :1] + sz[..., 1:]).reshape(codes.shape)
 
 
 def quant_kernels_available() -> bool:
