@@ -73,6 +73,27 @@ def test_tokens_unchanged_and_a_second_engine_maps_the_first_ones_file(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == [got.path.name]  # no temporary file left
 
 
+def test_weights_that_sit_elsewhere_in_their_storage_still_map_the_file(tmp_path: Path) -> None:
+    """The huge-page arena puts the buffers at its mapping's first 2 MiB boundary, a different number of bytes in
+    from its start in each process: only the bytes the tensors view go into the file, so a second engine still
+    maps the first one's."""
+    weights = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB
+
+    def holder(pad: int) -> torch.nn.Module:
+        base = torch.zeros(pad + weights.numel())
+        base[pad:] = weights
+        module = torch.nn.Module()
+        module.register_buffer("w", base[pad:])
+        return module
+
+    one, other = holder(1024), holder(4112)  # 4 KiB and 16,448 bytes into their storages
+    first = share(one, tmp_path, "arena")
+    again = share(other, tmp_path, "arena")
+    assert first.written and not again.written and again.path == first.path
+    assert first.shared_bytes == again.shared_bytes == weights.numel() * 4
+    assert torch.equal(one.w, weights) and torch.equal(other.w, weights) and mapped_from(first.path) == 2
+
+
 def test_a_file_that_is_not_the_loaded_weights_is_replaced(tmp_path: Path) -> None:
     want = greedy(harness())
     first = harness()

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 MIN_BYTES = 1 << 16  # storages smaller than this stay where they are (norm weights, tables of a few KiB)
-ALIGN = 4096         # each storage starts on its own page: any element size divides the offset
+ALIGN = 4096         # each storage's span starts on its own page in the file
+SPAN_ALIGN = 64      # and on a 64-byte boundary of the storage
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,37 +70,61 @@ def _tensors(root: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
     return found
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[torch.UntypedStorage], list[int], int]:
-    """The distinct CPU storages of at least MIN_BYTES, in the order first met, their page-aligned offsets in
-    the file, and its size."""
-    storages: dict[int, torch.UntypedStorage] = {}
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Span:
+    """The bytes ``lo:hi`` of ``storage`` that its tensors view. A storage may hold more (the huge-page arena of
+    ``cpu_pack.move_to_huge_pages`` starts its buffers at the first 2 MiB boundary of its mapping, a different
+    number of bytes in from its start in each process), so only the span goes into the file: two processes that
+    loaded the same weights write the same bytes."""
+    storage: torch.UntypedStorage
+    lo: int
+    hi: int
+
+    def bytes(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8).set_(self.storage, self.lo, (self.hi - self.lo,), (1,))
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The byte range of its storage that ``t`` views (None: it views nothing)."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * t.element_size(), (t.storage_offset() + last + 1) * t.element_size()
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[_Span], list[int], int]:
+    """The viewed spans of the distinct CPU storages of at least MIN_BYTES, in the order first met, their
+    page-aligned offsets in the file, and its size."""
+    ranges: dict[int, tuple[torch.UntypedStorage, int, int]] = {}
     for t in tensors:
         s = t.untyped_storage()
-        if t.device.type == "cpu" and s.nbytes() >= MIN_BYTES and s.data_ptr() not in storages:
-            storages[s.data_ptr()] = s
+        if t.device.type != "cpu" or s.nbytes() < MIN_BYTES or (extent := _extent(t)) is None:
+            continue
+        _, lo, hi = ranges.get(s.data_ptr(), (s, *extent))
+        ranges[s.data_ptr()] = (s, min(lo, extent[0]), max(hi, extent[1]))
+    # a span starts on a 64-byte boundary of its storage: every element size divides its tensors' offsets in
+    # the file, and they keep their alignment for the SIMD kernels
+    spans = [_Span(s, lo - lo % SPAN_ALIGN, hi) for s, lo, hi in ranges.values()]
     offsets, size = [], 0
-    for s in storages.values():
+    for span in spans:
         offsets.append(size)
-        size += -(-s.nbytes() // ALIGN) * ALIGN
-    return list(storages.values()), offsets, size
+        size += -(-(span.hi - span.lo) // ALIGN) * ALIGN
+    return spans, offsets, size
 
 
-def _digest(identity: str, storages: list[torch.UntypedStorage]) -> str:
+def _digest(identity: str, spans: list[_Span]) -> str:
     h = hashlib.sha256(identity.encode())
-    for s in storages:
-        h.update(s.nbytes().to_bytes(8, "little"))
+    for span in spans:
+        h.update((span.hi - span.lo).to_bytes(8, "little"))
     return h.hexdigest()[:20]
 
 
-def _bytes(s: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),), (1,))
+def _same(mapped: torch.Tensor, spans: list[_Span], offsets: list[int]) -> bool:
+    return all(torch.equal(mapped[o: o + span.hi - span.lo], span.bytes())
+               for span, o in zip(spans, offsets, strict=True))
 
 
-def _same(mapped: torch.Tensor, storages: list[torch.UntypedStorage], offsets: list[int]) -> bool:
-    return all(torch.equal(mapped[o: o + s.nbytes()], _bytes(s)) for s, o in zip(storages, offsets, strict=True))
-
-
-def _write(path: Path, storages: list[torch.UntypedStorage], offsets: list[int], size: int) -> torch.Tensor:
+def _write(path: Path, spans: list[_Span], offsets: list[int], size: int) -> torch.Tensor:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -107,8 +132,8 @@ def _write(path: Path, storages: list[torch.UntypedStorage], offsets: list[int],
         # the blocks reserved now: a full folder is an OSError here, not a SIGBUS while the mapping fills
         os.posix_fallocate(fd, 0, size)
         mapped = torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
-        for s, o in zip(storages, offsets, strict=True):
-            mapped[o: o + s.nbytes()].copy_(_bytes(s))
+        for span, o in zip(spans, offsets, strict=True):
+            mapped[o: o + span.hi - span.lo].copy_(span.bytes())
         os.replace(tmp, path)  # the mapping stays valid across the rename: it is of the inode
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -133,28 +158,28 @@ def share(model: nn.Module, directory: Path, identity: str) -> Shared:
     file cannot be written (the model is then unchanged). Files of other models or options stay in the folder
     until removed by hand."""
     tensors = _tensors(model)
-    storages, offsets, size = _layout(tensors)
+    spans, offsets, size = _layout(tensors)
     Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)
     _private(Path(directory))
-    path = Path(directory) / f"weights-{_digest(identity, storages)}.bin"
+    path = Path(directory) / f"weights-{_digest(identity, spans)}.bin"
     mapped, written = None, False
     if path.is_file() and path.stat().st_size == size:
         candidate = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        if _same(candidate, storages, offsets):
+        if _same(candidate, spans, offsets):
             mapped = candidate
     if mapped is None:
-        mapped, written = _write(path, storages, offsets, size), True
+        mapped, written = _write(path, spans, offsets, size), True
     _read_only(mapped)
-    base = {s.data_ptr(): (o, s.nbytes()) for s, o in zip(storages, offsets, strict=True)}
+    base = {span.storage.data_ptr(): o - span.lo for span, o in zip(spans, offsets, strict=True)}
     target = mapped.untyped_storage()
     with torch.no_grad():
         for t in tensors:
-            place = base.get(t.untyped_storage().data_ptr())
-            if place is None:
+            shift = base.get(t.untyped_storage().data_ptr())
+            if shift is None:
                 continue
-            start = place[0] + t.storage_offset() * t.element_size()
+            start = shift + t.storage_offset() * t.element_size()
             t.set_(target, start // t.element_size(), t.size(), t.stride())
-    del storages
+    del spans
     if (stack := getattr(model, "decode_stack", None)) is not None:
         stack.forget_plan()
     kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(model)
