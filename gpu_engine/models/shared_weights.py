@@ -177,7 +177,7 @@ def share(model: nn.Module, directory: Path, identity: str) -> Shared:
             shift = base.get(t.untyped_storage().data_ptr())
             if shift is None:
                 continue
-            start = shift + t.storage_offset() * t.element_size()
+            start = shift + t.storage_offset() * t.element_size() if t.numel() else 0  # an empty one views nothing
             t.set_(target, start // t.element_size(), t.size(), t.stride())
     del spans
     if (stack := getattr(model, "decode_stack", None)) is not None:
