@@ -88,8 +88,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int] | None:
     """The byte range of its storage that ``t`` views (None: it views nothing)."""
     if t.numel() == 0:
         return None
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return t.storage_offset() * t.element_size(), (t.storage_offset() + last + 1) * t.element_size()
+    first = int(t.storage_offset())
+    last = first + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return first * t.element_size(), (last + 1) * t.element_size()
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[_Span], list[int], int]:
