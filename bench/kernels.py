@@ -83,7 +83,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
         "qkv_prep": (lambda: qkv_prep(q, k, v, buf.positions[:batch], runner.rope_cache, kc, vc,
                                       buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
         "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
-                                                      runner.scale, out=attn,
+                                                      runner.scale, out=attn, counters=runner.attn_counters,
                                                       partition_size=decode_partition(batch, hk)),
                              batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
         "o_gemm": (lambda: F.linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
@@ -182,9 +182,16 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-def attention_rows(gbps: float) -> list[dict]:
-    """Decode attention at the runner's split size against the old fixed 256, bf16, 8 KV heads."""
-    from gpu_engine.kernels.attention import decode_attention, decode_partition
+ATTENTION_VARIANTS = {  # name: (block_n, num_warps, programs per SM); the first is the runner's
+    "fused": (64, 4, 4), "bn128": (128, 4, 4), "bn128_w8": (128, 8, 4), "bn32": (32, 4, 4),
+    "per_sm2": (64, 4, 2), "per_sm8": (64, 4, 8)}
+
+
+def attention_rows(gbps: float, width: int = 513) -> list[dict]:
+    """Decode attention (bf16, 32 query / 8 KV heads, 256-token splits) in one launch, the last program of a
+    (row, KV head) merging its splits, over tile sizes, warps and programs per SM. Block tables `width` blocks
+    wide (8,208 tokens), as a runner's are, whatever the context."""
+    from gpu_engine.kernels.attention import decode_attention, decode_programs
 
     rows = []
     for ctx in (512, 2048):
@@ -192,16 +199,39 @@ def attention_rows(gbps: float) -> list[dict]:
             per = ctx // 16 + 1
             kc = torch.randn(B * per, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
-            tables = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
+            tables = torch.full((B, width), -1, device="cuda", dtype=torch.int32)
+            tables[:, :per] = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
             lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
             q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
+            counters = torch.zeros(B * 8, device="cuda", dtype=torch.int32)
             nbytes = 2 * B * ctx * 8 * 128 * 2 + 2 * _nbytes(q)
-            for name, part in (("split_by_batch", decode_partition(B, 8)), ("split_256", 256)):
-                ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, p=part: decode_attention(
-                    q, kc, vc, t, n, 128 ** -0.5, out=o, partition_size=p))
+            for name, (bn, warps, per_sm) in ATTENTION_VARIANTS.items():
+                progs = decode_programs(B, 8, -(-width * 16 // 256), q.device, per_sm)
+                ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, c=counters, bn=bn, w=warps, p=progs:
+                              decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, counters=c,
+                                               programs=p, num_warps=w))
                 rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx,
                              **entry(ms, nbytes, gbps)})
+    return rows
+
+
+def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
+    """cuBLAS against cuBLASLt (torch's preferred BLAS library) at the Llama-3-8B projections and decode batches;
+    `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
+    rows = []
+    default = torch.backends.cuda.preferred_blas_library()
+    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+        for M in (1, 8, 64, 128):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                order = itertools.cycle(ws)
+                ms = graph_ms(lambda x=x, order=order: F.linear(x, next(order)))
+                rows.append({"kernel": f"linear_{name}", "case": lib, "batch": M, **entry(ms, _nbytes(ws[0], x), gbps)})
+        del ws
+    torch.backends.cuda.preferred_blas_library(default)
     return rows
 
 
@@ -279,7 +309,9 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
     expert_bytes = (2 * I * H + H * I) * 2
     cases: dict[str, tuple[Callable[[int], object], float]] = {
         "small": (lambda i: moe.moe_experts_small(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
-        "sorted": (lambda i: moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes)}
+        "sorted": (lambda i: moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
+        "align_one_launch": (lambda i: moe.moe_align(routes[i][1], E, 16), _nbytes(routes[0][1])),
+        "align_torch_sort": (lambda i: moe.moe_align_ref(routes[i][1], E, 16), _nbytes(routes[0][1]))}
     for bn in (2, 4, 8, 16):
         cases[f"small_gate_up bn={bn}"] = (lambda i, bn=bn: moe.moe_gate_up_silu(
             xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=bn), active * 2 * I * H * 2)
@@ -304,14 +336,14 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
     E, H, I = MOE_SHAPE["experts"], MOE_SHAPE["hidden"], MOE_SHAPE["inter"]
     gate_up = [torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
     down = [torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
-    return [r for B in (1, 8, 16, 64) for r in _moe_batch(B, gate_up, down, gbps)]
+    return [r for B in (1, 8, 16, 64, 128) for r in _moe_batch(B, gate_up, down, gbps)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "silu, moe, q8); default: all but q8")
+                        "silu, moe, q8, blas); default: all but q8 and blas")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -319,8 +351,8 @@ def main() -> None:
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
-            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows}
-    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n != "q8"]
+            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows}
+    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

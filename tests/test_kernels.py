@@ -110,6 +110,24 @@ def test_decode_attention(dtype, tol):
     _close(got, want, tol)
 
 
+@pytest.mark.parametrize("programs", [2, 3, 8])
+def test_decode_attention_same_values_however_many_programs_walk_the_splits(programs):
+    """Programs per (row, KV head) change who computes a split and who merges, never a sum: the outputs equal
+    those of one program walking every split, bit for bit, and the counters are left at zero for the next
+    launch (a graph replays the kernel without resetting them)."""
+    kc, vc, bt, ctx = _paged([1, 37, 0, 70, 129, 64], nblocks=100)
+    q = torch.randn(6, 8, 16, device=DEV)
+    counters = torch.zeros(6 * 2, dtype=torch.int32, device=DEV)
+    one = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, programs=1,
+                                     counters=counters)
+    for _ in range(2):
+        many = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16,
+                                          programs=programs, counters=counters)
+        assert torch.equal(many, one)
+        assert not counters.any()
+    _close(one, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
+
+
 def test_prefill_attention_varlen_with_prefix():
     lens_q = [5, 0, 19, 1]
     ctx_lens = [5, 3, 27, 9]
@@ -138,6 +156,18 @@ def test_moe_align_groups_pairs_by_expert():
         pairs = [p for p in sorted_pairs[blk * 4: blk * 4 + 4].tolist() if p < 6]
         assert all(flat[p] == e for p in pairs)
     assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
+
+
+@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 128, 16), (9, 8, 128, 16), (64, 8, 128, 16), (3, 2, 6, 4),
+                                      (0, 2, 5, 4), (40, 4, 60, 64), (7, 1, 3, 1)])
+def test_moe_align_one_launch_gives_the_sorted_arrays(T, k, E, bm):
+    """The one-launch align against torch's stable sort (`moe_align_ref`): the same arrays, element for
+    element, so the grouped GEMM sees the same blocks whichever ran; some experts unused, some crowded."""
+    g = torch.Generator().manual_seed(T * 1000 + E)
+    skew = torch.rand(E, generator=g) ** 4  # a few experts take most pairs
+    ids = torch.multinomial(skew.expand(max(T, 1), E), k, generator=g)[:T].to(DEV)
+    got, want = moe.moe_align(ids, E, bm), moe.moe_align_ref(ids, E, bm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -29,71 +29,80 @@ def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
-    sq_b, sq_h, sbt_b, scale_log2, NSPLIT,
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, out_ptr,
+    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Program (row b, KV head, p) attends splits p, p + P, ... of the row's context (P programs per
+    (row, KV head)); one split: the output at once; several: partials, and the (row, KV head)'s last
+    program to finish (an atomic count, reset by that program) merges them."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    s = tl.program_id(2)
+    ps = tl.program_id(2)
+    nprog = tl.num_programs(2)
     ctx = tl.load(ctx_ptr + b)
-    start = s * PART
-    if start >= ctx:  # past this sequence's context: the reduce reads only the active splits
-        return
+    n_active = tl.cdiv(ctx, PART)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
-    qmask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
-    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    end = tl.minimum(start + PART, ctx)
+    gmask = g < G
+    omask = gmask[:, None] & (d[None, :] < D)
+    o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
+    if ps >= n_active:  # nothing of this row here; an empty row's output is zeros
+        if n_active == 0 and ps == 0:
+            tl.store(o_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=omask)
+        return
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
-        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        m = m_new
-    part = (b * (HKV * G) + heads) * NSPLIT + s
-    tl.store(po_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g[:, None] < G)
-    tl.store(pm_ptr + part, m, mask=g < G)
-    tl.store(pl_ptr + part, lsum, mask=g < G)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT,
-    H: tl.constexpr, D: tl.constexpr, PART: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = tl.load(ctx_ptr + b)
-    n_active = tl.cdiv(ctx, PART)
-    base = (b * H + h) * NSPLIT
-    sidx = tl.arange(0, BLOCK_S)
-    ms = tl.load(pm_ptr + base + sidx, mask=sidx < n_active, other=NEG_BIG)
-    m_max = tl.max(ms, axis=0)
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    total = tl.zeros([], tl.float32)
-    for s in range(0, n_active):
-        w = tl.exp2(tl.load(pm_ptr + base + s) - m_max)
-        total += w * tl.load(pl_ptr + base + s)
-        acc += w * tl.load(po_ptr + (base + s) * BLOCK_D + d)
-    out = acc / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    base = (b * (HKV * G) + heads) * NSPLIT
+    for s in range(ps, n_active, nprog):
+        # online softmax of the G query heads over this split's tokens, exp2 domain, fp32
+        start = s * PART
+        end = tl.minimum(start + PART, ctx)
+        m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+        lsum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+            sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            p = tl.exp2(sc - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            m = m_new
+        if n_active == 1:  # the row's only split: its output (the merge of one split gives the same values)
+            tl.store(o_ptrs, (acc / tl.maximum(lsum, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            tl.store(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+            tl.store(pm_ptr + base + s, m, mask=gmask)
+            tl.store(pl_ptr + base + s, lsum, mask=gmask)
+    if n_active == 1:
+        return
+    tl.debug_barrier()  # every thread's partials are stored before the count is released
+    done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+    if done == tl.minimum(nprog, n_active) - 1:
+        tl.store(cnt_ptr + b * HKV + kvh, 0)  # ready for the next launch
+        # the merge, in split order whichever program runs it; loads bypass L1 (`.cg`): other SMs wrote them
+        sidx = tl.arange(0, BLOCK_S)
+        ms = tl.load(pm_ptr + base[:, None] + sidx[None, :], mask=gmask[:, None] & (sidx[None, :] < n_active),
+                     other=NEG_BIG, cache_modifier=".cg")
+        m_max = tl.max(ms, axis=1)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        for s in range(0, n_active):
+            w = tl.exp2(tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG, cache_modifier=".cg") - m_max)
+            total += w * tl.load(pl_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None],
+                                        other=0.0, cache_modifier=".cg")
+        tl.store(o_ptrs, (acc / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
@@ -230,14 +239,27 @@ def decode_partition(batch: int, kv_heads: int) -> int:
     return 256
 
 
+def decode_programs(batch: int, kv_heads: int, nsplit: int, device: torch.device, per_sm: int = 4) -> int:
+    """Programs per (row, KV head): enough for about `per_sm` programs an SM over the whole grid, at most one per
+    split. It changes no sum (each split's partial and the merge order are fixed), only how many splits one
+    program walks, so it may follow the batch: small batches spread a row's splits over the SMs, large ones
+    walk them in one program and launch no programs for splits past every context."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(nsplit, -(-sms * per_sm // max(1, batch * kv_heads))))
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 64,
+    counters: torch.Tensor | None = None, programs: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged.
 
-    One program per (row, KV head, split) computes all the query heads of that KV head (GQA), so
-    each K/V tile is read once; splits past a row's context exit at once (`decode_partition`)."""
+    One program per (row, KV head, p) computes all the query heads of that KV head (GQA), so each K/V tile
+    is read once, for splits p, p + P, ... (P = `programs`, default `decode_programs`). A row of one split
+    writes its output directly; otherwise the last of its programs to finish merges the splits in the same
+    kernel. `counters` ([B * KV heads] int32, zero; the kernel leaves them zero) counts finished programs:
+    a runner passes one buffer for every launch (a graph replays no memset); without it one is allocated."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -246,22 +268,23 @@ def decode_attention(
     if partition_size % block_n:
         raise ValueError("partition_size must be a multiple of block_n")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    if counters is None:
+        counters = torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
+    elif counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < B * hkv:
+        raise ValueError(f"counters: expected int32 of at least {B * hkv} elements on {q.device}")
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
+    nprog = programs or decode_programs(B, hkv, nsplit, q.device)
     bd = next_pow2(D)
     po = torch.empty((B, H, nsplit, bd), dtype=torch.float32, device=q.device)
     pm = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    _decode_split_kernel[(B, hkv, nsplit)](
-        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * LOG2E, nsplit,
+    _decode_kernel[(B, hkv, max(1, min(nprog, nsplit)))](
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, counters, out,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
-        PART=partition_size, BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=4,
-    )
-    _decode_reduce_kernel[(B, H)](
-        po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
-        H=H, D=D, PART=partition_size, BLOCK_S=next_pow2(nsplit), BLOCK_D=bd, num_warps=4,
+        PART=partition_size, BLOCK_N=block_n, BLOCK_S=next_pow2(nsplit), PREC=_prec(q.dtype), num_warps=num_warps,
     )
     return out
 

@@ -74,12 +74,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
     return weights, ids
 
 
-def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort pairs by expert, no host sync.
+# Steps of at most this many pairs sort in one launch (`_align_kernel`); larger ones (prompt chunks) with torch's
+# sort, whose dozen launches are small beside such a step's expert GEMMs. Both give the same arrays.
+ALIGN_KERNEL_PAIRS = 2048
 
-    Returns sorted_pairs [P_max] int32 (value P marks padding) and block_expert [P_max // block_m]
-    int32 (num_experts marks an unused block), with P = expert_ids.numel().
-    """
+
+def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` with torch ops (a stable sort): the reference, and the path for steps of many pairs."""
     flat = expert_ids.reshape(-1)
     P, E, dev = flat.numel(), num_experts, flat.device
     p_max = triton.cdiv(P + E * (block_m - 1), block_m) * block_m
@@ -93,6 +94,70 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_pairs[(pad_end - padded)[sorted_e] + rank] = order.to(torch.int32)
     starts = torch.arange(0, p_max, block_m, device=dev)
     block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
+                  BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program roles by id: pair chunks (each pair to its slot), then slot chunks (padding slots get P), then
+    block chunks (each block's expert). Every program counts the pairs per expert itself (P is small), so
+    the roles need no order among them and write disjoint slots."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    mine = pid * CHUNK  # a pair program's first pair
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # pairs of each expert ahead of this program's chunk
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        f = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hits = tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0)
+        counts += hits
+        before += tl.where(p0 < mine, hits, 0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    if pid < PAIR_PROGS:  # slot of pair p: its expert's first slot + pairs of that expert before it
+        p = mine + tl.arange(0, CHUNK)
+        f = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        onehot = (f[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot + (before + pad_start)[None, :]
+        tl.store(sorted_ptr + tl.sum(onehot * rank, axis=1), p, mask=p < P)
+    elif pid < PAIR_PROGS + SLOT_PROGS:  # slot s, of expert x (whose runs end by s): padding past x's pairs
+        s = (pid - PAIR_PROGS) * CHUNK + tl.arange(0, CHUNK)
+        x = tl.sum(((pad_end[None, :] <= s[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+        sel = e[None, :] == x[:, None]
+        first = tl.sum(tl.where(sel, pad_start[None, :], 0), axis=1)
+        n = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+        tl.store(sorted_ptr + s, tl.zeros([CHUNK], tl.int32) + P, mask=(s < P_MAX) & ((x >= E) | (s - first >= n)))
+    else:  # a block's expert: how many experts' runs end at or before its first slot (E: unused)
+        j = (pid - PAIR_PROGS - SLOT_PROGS) * CHUNK + tl.arange(0, CHUNK)
+        x = tl.sum(((pad_end[None, :] <= (j * BM)[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + j, x, mask=j < N_BLOCKS)
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort pairs by expert, no host sync.
+
+    Returns sorted_pairs [P_max] int32 (value P marks padding) and block_expert [P_max // block_m]
+    int32 (num_experts marks an unused block), with P = expert_ids.numel(). Each expert's pairs are in
+    pair order (a stable sort). Steps of up to `ALIGN_KERNEL_PAIRS` pairs take one launch, larger ones
+    `moe_align_ref`; the two give the same arrays.
+    """
+    check("expert_ids", expert_ids, dtype=torch.int64)
+    check_contiguous("expert_ids", expert_ids)
+    P, E = expert_ids.numel(), num_experts
+    if P > ALIGN_KERNEL_PAIRS:
+        return moe_align_ref(expert_ids, num_experts, block_m)
+    p_max = triton.cdiv(P + E * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.empty((p_max,), dtype=torch.int32, device=expert_ids.device)
+    block_expert = torch.empty((p_max // block_m,), dtype=torch.int32, device=expert_ids.device)
+    chunk = 64
+    progs = [triton.cdiv(n, chunk) for n in (P, p_max, p_max // block_m)]
+    if p_max == 0:
+        return sorted_pairs, block_expert
+    _align_kernel[(sum(progs),)](expert_ids, sorted_pairs, block_expert, P, E, p_max, p_max // block_m,
+                                 progs[0], progs[1], BM=block_m, BLOCK_E=next_pow2(E), CHUNK=chunk, num_warps=4)
     return sorted_pairs, block_expert
 
 

@@ -48,6 +48,59 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("batch", [1, 8, 64, 128])
+def test_gpu_decode_attention_programs_and_graph_replays_change_no_value(batch):
+    """However many programs walk a row's splits (one each, the default, one for all) the outputs are the same
+    bits, and a captured launch replayed with the same counters (left zero by every launch) gives them again."""
+    from tests.test_kernels import _paged
+
+    lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
+    kc, vc, bt, ctx = _paged(lens, hkv=8, d=128, bs=16, nblocks=sum(-(-n // 16) for n in lens) + 8,
+                             dtype=torch.bfloat16)
+    bt = torch.cat([bt, torch.full((batch, 300), -1, dtype=torch.int32, device=DEV)], dim=1)  # a runner's wide table
+    q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
+    counters = torch.zeros(batch * 8, dtype=torch.int32, device=DEV)
+    nsplit = -(-bt.shape[1] * 16 // 256)
+
+    def run(programs=None, out=None):
+        return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, counters=counters,
+                                          programs=programs)
+
+    one = run(1)
+    for programs in (None, 2, nsplit):
+        assert torch.equal(run(programs), one)
+    out = torch.full_like(q, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, one)
+    assert not counters.any()
+    torch.testing.assert_close(one.float(), attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 64, 128, 256, 300])
+def test_gpu_moe_align_one_launch_equals_the_sort(tokens):
+    """Qwen3-30B-A3B routing (128 experts, top 8) at decode and prompt-chunk sizes: the one-launch align and
+    torch's stable sort give the same arrays (300 tokens is past the one-launch bound: the sort itself)."""
+    from gpu_engine.kernels import moe
+
+    logits = torch.randn(tokens, 128, device=DEV, generator=torch.Generator(DEV).manual_seed(tokens))
+    _, ids = moe.moe_route(logits, 8, True)
+    for bm in (16, 64):
+        got, want = moe.moe_align(ids, 128, bm), moe.moe_align_ref(ids, 128, bm)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("M", [1, 8])
 @pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
                                    (4096, 14336, "silu_mul"), (128256, 4096, None)])
