@@ -182,16 +182,17 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (block_n, num_warps, programs per SM); the first is the runner's
-    "fused": (64, 4, 4), "bn128": (128, 4, 4), "bn128_w8": (128, 8, 4), "bn32": (32, 4, 4),
-    "per_sm2": (64, 4, 2), "per_sm8": (64, 4, 8)}
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, num_warps, programs per SM); the first is the runner's
+    "one_launch": (256, 64, 4, 4), "bn128": (256, 128, 4, 4), "bn32": (256, 32, 4, 4), "per_sm2": (256, 64, 4, 2),
+    "per_sm8": (256, 64, 4, 8), "bn32_per_sm2": (256, 32, 4, 2), "part128": (128, 64, 4, 4),
+    "part128_bn128": (128, 128, 4, 4)}
 
 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
-    """Decode attention (bf16, 32 query / 8 KV heads, 256-token splits) in one launch, the last program of a
-    (row, KV head) merging its splits, over tile sizes, warps and programs per SM. Block tables `width` blocks
-    wide (8,208 tokens), as a runner's are, whatever the context."""
-    from gpu_engine.kernels.attention import decode_attention, decode_programs
+    """Decode attention (bf16, 32 query / 8 KV heads) in one launch over split sizes, tiles and programs per SM,
+    beside the two-launch form it replaced (`two_launch`: a program per split, then a merge kernel). Block
+    tables `width` blocks wide (8,208 tokens), as a runner's are, whatever the context."""
+    from gpu_engine.kernels.attention import decode_attention, decode_attention_two_launch, decode_programs
 
     rows = []
     for ctx in (512, 2048):
@@ -206,13 +207,17 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
             out = torch.empty_like(q)
             counters = torch.zeros(B * 8, device="cuda", dtype=torch.int32)
             nbytes = 2 * B * ctx * 8 * 128 * 2 + 2 * _nbytes(q)
-            for name, (bn, warps, per_sm) in ATTENTION_VARIANTS.items():
-                progs = decode_programs(B, 8, -(-width * 16 // 256), q.device, per_sm)
-                ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, c=counters, bn=bn, w=warps, p=progs:
-                              decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, counters=c,
-                                               programs=p, num_warps=w))
+            cases: dict[str, Callable[[], object]] = {"two_launch": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out: (
+                decode_attention_two_launch(q, kc, vc, t, n, 128 ** -0.5, out=o))}
+            for name, (part, bn, warps, per_sm) in ATTENTION_VARIANTS.items():
+                progs = decode_programs(B, 8, -(-width * 16 // part), q.device, per_sm)
+                cases[name] = (lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, c=counters, part=part, bn=bn,
+                               w=warps, p=progs: decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn,
+                                                                  counters=c, programs=p, num_warps=w,
+                                                                  partition_size=part))
+            for name, fn in cases.items():
                 rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx,
-                             **entry(ms, nbytes, gbps)})
+                             **entry(graph_ms(fn), nbytes, gbps)})
     return rows
 
 

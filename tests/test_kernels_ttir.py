@@ -82,14 +82,15 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
+@pytest.mark.parametrize("walk_all", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_decode_attention_kernel_compiles_for_sm90(dtype: str) -> None:
+def test_decode_attention_kernel_compiles_for_sm90(dtype: str, walk_all: bool) -> None:
     """The one-launch decode attention (splits, atomic count, merge by the last program) at the runner's shape."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
            f"pl_ptr:*fp32 cnt_ptr:*i32 out_ptr:*{dtype} sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 64,
-              "BLOCK_S": 64, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "WALK_ALL": walk_all, "PREC": "ieee" if dtype == "fp32" else "tf32"}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out

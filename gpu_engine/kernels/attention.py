@@ -29,16 +29,27 @@ def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _merge_step(acc, m, lsum, acc_s, m_s, l_s):
+    """Fold split s's (unnormalised output, max, sum) into the running ones: the one merge formula, whether the
+    splits come from registers (one program walks them all) or from memory (the last program reads them)."""
+    m_new = tl.maximum(m, m_s)
+    a = tl.exp2(m - m_new)
+    b = tl.exp2(m_s - m_new)
+    return acc * a[:, None] + acc_s * b[:, None], m_new, lsum * a + l_s * b
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, out_ptr,
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+    WALK_ALL: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (row b, KV head, p) attends splits p, p + P, ... of the row's context (P programs per
-    (row, KV head)); one split: the output at once; several: partials, and the (row, KV head)'s last
-    program to finish (an atomic count, reset by that program) merges them."""
+    """Program (row b, KV head, p) attends splits p, p + P, ... of the row's context (P programs per (row, KV
+    head)). WALK_ALL (P = 1): it folds each split into a running result as it goes and writes the output. Else a
+    row of one split writes its output at once; several: each split's partial goes to memory and the (row, KV
+    head)'s last program to finish (an atomic count, reset by that program) folds them in split order."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ps = tl.program_id(2)
@@ -58,6 +69,9 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     base = (b * (HKV * G) + heads) * NSPLIT
+    run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    run_l = tl.zeros([BLOCK_G], tl.float32)
     for s in range(ps, n_active, nprog):
         # online softmax of the G query heads over this split's tokens, exp2 domain, fp32
         start = s * PART
@@ -78,31 +92,100 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             lsum = lsum * alpha + tl.sum(p, axis=1)
             m = m_new
-        if n_active == 1:  # the row's only split: its output (the merge of one split gives the same values)
-            tl.store(o_ptrs, (acc / tl.maximum(lsum, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+        if WALK_ALL or n_active == 1:
+            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
         else:
             tl.store(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
             tl.store(pm_ptr + base + s, m, mask=gmask)
             tl.store(pl_ptr + base + s, lsum, mask=gmask)
-    if n_active == 1:
+    if WALK_ALL or n_active == 1:
+        tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
         return
     tl.debug_barrier()  # every thread's partials are stored before the count is released
     done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
     if done == tl.minimum(nprog, n_active) - 1:
         tl.store(cnt_ptr + b * HKV + kvh, 0)  # ready for the next launch
-        # the merge, in split order whichever program runs it; loads bypass L1 (`.cg`): other SMs wrote them
-        sidx = tl.arange(0, BLOCK_S)
-        ms = tl.load(pm_ptr + base[:, None] + sidx[None, :], mask=gmask[:, None] & (sidx[None, :] < n_active),
-                     other=NEG_BIG, cache_modifier=".cg")
-        m_max = tl.max(ms, axis=1)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
+        # the fold in split order, whichever program runs it; loads bypass L1 (`.cg`): other SMs wrote them
+        run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+        run_l = tl.zeros([BLOCK_G], tl.float32)
         for s in range(0, n_active):
-            w = tl.exp2(tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG, cache_modifier=".cg") - m_max)
-            total += w * tl.load(pl_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None],
-                                        other=0.0, cache_modifier=".cg")
-        tl.store(o_ptrs, (acc / tl.maximum(total, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+            acc = tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
+                          cache_modifier=".cg")
+            m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG, cache_modifier=".cg")
+            lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
+            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+        tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# The two-launch decode attention this kernel replaced (splits, then a merge kernel), kept for bench/kernels.py's
+# comparison; its merge takes the global max first, so its sums differ from `_merge_step`'s in the last bits.
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
+    sq_b, sq_h, sbt_b, scale_log2, NSPLIT,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = s * PART
+    if start >= ctx:  # past this sequence's context: the reduce reads only the active splits
+        return
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    end = tl.minimum(start + PART, ctx)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        m = m_new
+    part = (b * (HKV * G) + heads) * NSPLIT + s
+    tl.store(po_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g[:, None] < G)
+    tl.store(pm_ptr + part, m, mask=g < G)
+    tl.store(pl_ptr + part, lsum, mask=g < G)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT,
+    H: tl.constexpr, D: tl.constexpr, PART: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    n_active = tl.cdiv(ctx, PART)
+    base = (b * H + h) * NSPLIT
+    sidx = tl.arange(0, BLOCK_S)
+    ms = tl.load(pm_ptr + base + sidx, mask=sidx < n_active, other=NEG_BIG)
+    m_max = tl.max(ms, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s in range(0, n_active):
+        w = tl.exp2(tl.load(pm_ptr + base + s) - m_max)
+        total += w * tl.load(pl_ptr + base + s)
+        acc += w * tl.load(po_ptr + (base + s) * BLOCK_D + d)
+    out = acc / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
@@ -241,9 +324,9 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 def decode_programs(batch: int, kv_heads: int, nsplit: int, device: torch.device, per_sm: int = 4) -> int:
     """Programs per (row, KV head): enough for about `per_sm` programs an SM over the whole grid, at most one per
-    split. It changes no sum (each split's partial and the merge order are fixed), only how many splits one
-    program walks, so it may follow the batch: small batches spread a row's splits over the SMs, large ones
-    walk them in one program and launch no programs for splits past every context."""
+    split. It changes no sum (each split's partial and the fold order are fixed), only which program computes a
+    split, so it may follow the batch: small batches spread a row's splits over the SMs, large ones (1) walk
+    them in one program that folds them in registers, and launch no programs for splits past every context."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(nsplit, -(-sms * per_sm // max(1, batch * kv_heads))))
 
@@ -256,10 +339,13 @@ def decode_attention(
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged.
 
     One program per (row, KV head, p) computes all the query heads of that KV head (GQA), so each K/V tile
-    is read once, for splits p, p + P, ... (P = `programs`, default `decode_programs`). A row of one split
-    writes its output directly; otherwise the last of its programs to finish merges the splits in the same
-    kernel. `counters` ([B * KV heads] int32, zero; the kernel leaves them zero) counts finished programs:
-    a runner passes one buffer for every launch (a graph replays no memset); without it one is allocated."""
+    is read once, for splits p, p + P, ... (P = `programs`, default `decode_programs`). With P = 1 it folds
+    the splits into the output as it goes; else a row of one split writes its output directly, and a longer
+    row's splits go to memory for the last of its programs to finish, which folds them in the same kernel.
+    Each split's partial and the fold's order are the same whatever P is, so the output's bits do not depend
+    on it (nor on the batch). `counters` ([B * KV heads] int32, zero; every launch leaves them zero) counts
+    finished programs: a runner passes one buffer for every launch (a graph replays no memset); without it
+    one is allocated."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -273,18 +359,43 @@ def decode_attention(
     elif counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < B * hkv:
         raise ValueError(f"counters: expected int32 of at least {B * hkv} elements on {q.device}")
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    nprog = programs or decode_programs(B, hkv, nsplit, q.device)
+    nprog = max(1, min(programs or decode_programs(B, hkv, nsplit, q.device), nsplit))
+    bd = next_pow2(D)
+    walk_all = nprog == 1  # no partials: one program folds the row's splits in registers
+    po = torch.empty((1, 1) if walk_all else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
+    pm = torch.empty((1,) if walk_all else (B, H, nsplit), dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    if B == 0:
+        return out
+    _decode_kernel[(B, hkv, nprog)](
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, counters, out,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
+        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
+        PART=partition_size, BLOCK_N=block_n, WALK_ALL=walk_all, PREC=_prec(q.dtype), num_warps=num_warps,
+    )
+    return out
+
+
+def decode_attention_two_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, out: torch.Tensor,
+                                partition_size: int = 256, block_n: int = 64) -> torch.Tensor:
+    """The replaced two-launch form (a program per split, then a merge kernel), for the benchmark's comparison."""
+    _check_paged(q, k_cache, v_cache, block_tables, context_lens, q.shape[0])
+    B, H, D = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
     bd = next_pow2(D)
     po = torch.empty((B, H, nsplit, bd), dtype=torch.float32, device=q.device)
     pm = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
-    if B == 0:
-        return out
-    _decode_kernel[(B, hkv, max(1, min(nprog, nsplit)))](
-        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, counters, out,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
+    _decode_split_kernel[(B, hkv, nsplit)](
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * LOG2E, nsplit,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
-        PART=partition_size, BLOCK_N=block_n, BLOCK_S=next_pow2(nsplit), PREC=_prec(q.dtype), num_warps=num_warps,
+        PART=partition_size, BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=4,
+    )
+    _decode_reduce_kernel[(B, H)](
+        po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
+        H=H, D=D, PART=partition_size, BLOCK_S=next_pow2(nsplit), BLOCK_D=bd, num_warps=4,
     )
     return out
 
