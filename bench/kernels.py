@@ -83,7 +83,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
         "qkv_prep": (lambda: qkv_prep(q, k, v, buf.positions[:batch], runner.rope_cache, kc, vc,
                                       buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
         "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
-                                                      runner.scale, out=attn, counters=runner.attn_counters,
+                                                      runner.scale, out=attn,
                                                       partition_size=decode_partition(batch, hk)),
                              batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
         "o_gemm": (lambda: F.linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
@@ -182,42 +182,40 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (split tokens, block_n, num_warps, programs per SM); the first is the runner's
-    "one_launch": (256, 64, 4, 4), "bn128": (256, 128, 4, 4), "bn32": (256, 32, 4, 4), "per_sm2": (256, 64, 4, 2),
-    "per_sm8": (256, 64, 4, 8), "bn32_per_sm2": (256, 32, 4, 2), "part128": (128, 64, 4, 4),
-    "part128_bn128": (128, 128, 4, 4)}
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, walk: None = the batch decides); the first is the runner's
+    "p256_bn64": (256, 64, None), "p256_bn32": (256, 32, None), "p256_bn128": (256, 128, None),
+    "p128_bn64": (128, 64, None), "p128_bn128": (128, 128, None), "p256_bn64_walk": (256, 64, True),
+    "p256_bn64_split": (256, 64, False)}
 
 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
-    """Decode attention (bf16, 32 query / 8 KV heads) in one launch over split sizes, tiles and programs per SM,
-    beside the two-launch form it replaced (`two_launch`: a program per split, then a merge kernel). Block
-    tables `width` blocks wide (8,208 tokens), as a runner's are, whatever the context."""
-    from gpu_engine.kernels.attention import decode_attention, decode_attention_two_launch, decode_programs
+    """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
+    128, Qwen3-30B-A3B) over split sizes and tiles, each row walked by one program or split over programs and folded
+    in a second launch, beside the form it replaced (`two_launch`: a program per split, then a merge kernel).
+    Block tables `width` blocks wide (8,208 tokens), as a runner's are, whatever the context."""
+    from gpu_engine.kernels.attention import decode_attention, decode_attention_two_launch
 
     rows = []
-    for ctx in (512, 2048):
-        for B in (1, 8, 64, 128):
-            per = ctx // 16 + 1
-            kc = torch.randn(B * per, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            tables = torch.full((B, width), -1, device="cuda", dtype=torch.int32)
-            tables[:, :per] = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
-            lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-            q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty_like(q)
-            counters = torch.zeros(B * 8, device="cuda", dtype=torch.int32)
-            nbytes = 2 * B * ctx * 8 * 128 * 2 + 2 * _nbytes(q)
-            cases: dict[str, Callable[[], object]] = {"two_launch": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out: (
-                decode_attention_two_launch(q, kc, vc, t, n, 128 ** -0.5, out=o))}
-            for name, (part, bn, warps, per_sm) in ATTENTION_VARIANTS.items():
-                progs = decode_programs(B, 8, -(-width * 16 // part), q.device, per_sm)
-                cases[name] = (lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, c=counters, part=part, bn=bn,
-                               w=warps, p=progs: decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn,
-                                                                  counters=c, programs=p, num_warps=w,
-                                                                  partition_size=part))
-            for name, fn in cases.items():
-                rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx,
-                             **entry(graph_ms(fn), nbytes, gbps)})
+    shapes = [(ctx, B, 8) for ctx in (512, 2048) for B in (1, 8, 64, 128)] + [(512, 64, 4), (512, 128, 4)]
+    for ctx, B, hkv in shapes:
+        per = ctx // 16 + 1
+        kc = torch.randn(B * per, 16, hkv, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        tables = torch.full((B, width), -1, device="cuda", dtype=torch.int32)
+        tables[:, :per] = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        nbytes = 2 * B * ctx * hkv * 128 * 2 + 2 * _nbytes(q)
+        cases: dict[str, Callable[[], object]] = {"two_launch": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out: (
+            decode_attention_two_launch(q, kc, vc, t, n, 128 ** -0.5, out=o))}
+        for name, (part, bn, walk) in ATTENTION_VARIANTS.items():
+            cases[name] = (lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, part=part, bn=bn, walk=walk:
+                           decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, walk=walk,
+                                            partition_size=part))
+        for name, fn in cases.items():
+            rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx, "kv_heads": hkv,
+                         **entry(graph_ms(fn), nbytes, gbps)})
     return rows
 
 
@@ -363,7 +361,7 @@ def main() -> None:
     for fn in (sets[n] for n in chosen):
         for r in fn(gbps):
             rows.append(r)
-            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "vocab", "experts") if k in r)
+            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "kv_heads", "vocab", "experts") if k in r)
             print(f"{r['kernel']:17} {r['case']:21} {where:26} {r['ms'] * 1e3:9.1f} us {r['gbps']:7.0f} GB/s "
                   f"({r['gbps'] / gbps:5.1%} of copy)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

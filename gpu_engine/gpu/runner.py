@@ -283,9 +283,6 @@ class GpuModelRunner:
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
-        # decode attention's finished-program counts, one per (row, KV head): zero at rest, and every launch
-        # leaves them so (`kernels.attention.decode_attention`); one buffer for every layer and graph
-        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads, dtype=torch.int32, device=self.device)
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True, keep_hidden: bool = False) -> None:
@@ -360,12 +357,11 @@ class GpuModelRunner:
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         part = decode_partition(batch, hkv)
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part,
-                                   counters=self.attn_counters)
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             partition_size=part, counters=self.attn_counters)
+                             partition_size=part)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
                               block_m=64 if tokens >= 64 else 16)
         return self._linear(out.view(tokens, hq * d), w.o)

@@ -40,39 +40,37 @@ def _merge_step(acc, m, lsum, acc_s, m_s, l_s):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    WALK_ALL: tl.constexpr, PREC: tl.constexpr,
+    WALK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (row b, KV head, p) attends splits p, p + P, ... of the row's context (P programs per (row, KV
-    head)). WALK_ALL (P = 1): it folds each split into a running result as it goes and writes the output. Else a
-    row of one split writes its output at once; several: each split's partial goes to memory and the (row, KV
-    head)'s last program to finish (an atomic count, reset by that program) folds them in split order."""
+    """WALK: program (row b, KV head) folds each split of the row into a running result as it goes and writes
+    the output. Else program (row b, KV head, split) writes its split's partial for `_fold_kernel`."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    ps = tl.program_id(2)
-    nprog = tl.num_programs(2)
     ctx = tl.load(ctx_ptr + b)
     n_active = tl.cdiv(ctx, PART)
+    first = 0
+    last = n_active
+    if not WALK:
+        first = tl.program_id(2)
+        last = tl.minimum(first + 1, n_active)
+        if first >= n_active:  # past this row's context: the fold reads only the active splits
+            return
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
     gmask = g < G
     omask = gmask[:, None] & (d[None, :] < D)
-    o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
-    if ps >= n_active:  # nothing of this row here; an empty row's output is zeros
-        if n_active == 0 and ps == 0:
-            tl.store(o_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=omask)
-        return
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     base = (b * (HKV * G) + heads) * NSPLIT
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
-    for s in range(ps, n_active, nprog):
+    for s in range(first, last):
         # online softmax of the G query heads over this split's tokens, exp2 domain, fp32
         start = s * PART
         end = tl.minimum(start + PART, ctx)
@@ -92,34 +90,45 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             lsum = lsum * alpha + tl.sum(p, axis=1)
             m = m_new
-        if WALK_ALL or n_active == 1:
+        if WALK:
             run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
         else:
             tl.store(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
             tl.store(pm_ptr + base + s, m, mask=gmask)
             tl.store(pl_ptr + base + s, lsum, mask=gmask)
-    if WALK_ALL or n_active == 1:
-        tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-        return
-    tl.debug_barrier()  # every thread's partials are stored before the count is released
-    done = tl.atomic_add(cnt_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
-    if done == tl.minimum(nprog, n_active) - 1:
-        tl.store(cnt_ptr + b * HKV + kvh, 0)  # ready for the next launch
-        # the fold in split order, whichever program runs it; loads bypass L1 (`.cg`): other SMs wrote them
-        run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-        run_l = tl.zeros([BLOCK_G], tl.float32)
-        for s in range(0, n_active):
-            acc = tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
-                          cache_modifier=".cg")
-            m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG, cache_modifier=".cg")
-            lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
-            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+    if WALK:  # an empty row folds nothing: zeros
+        o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
         tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-# The two-launch decode attention this kernel replaced (splits, then a merge kernel), kept for bench/kernels.py's
-# comparison; its merge takes the global max first, so its sums differ from `_merge_step`'s in the last bits.
+@triton.jit
+def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, HKV: tl.constexpr, D: tl.constexpr,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+    """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as a walking
+    program folds them, so the output has the same bits either way."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_active = tl.cdiv(tl.load(ctx_ptr + b), PART)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    gmask = g < G
+    base = (b * (HKV * G) + heads) * NSPLIT
+    run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    run_l = tl.zeros([BLOCK_G], tl.float32)
+    for s in range(0, n_active):
+        acc = tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG)
+        lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0)
+        run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+    o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
+    omask = gmask[:, None] & (d[None, :] < D)
+    tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# The decode attention `_decode_kernel` and `_fold_kernel` replaced, kept for bench/kernels.py's comparison; its merge
+# takes the global max first, so its sums differ from `_merge_step`'s in the last bits.
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
@@ -311,41 +320,34 @@ def _prec(dtype: torch.dtype) -> str:
 
 
 def decode_partition(batch: int, kv_heads: int) -> int:
-    """Context tokens per split for a decode graph of `batch` rows: small batches split finer so that
-    a short context still spreads over the SMs (one program per (row, KV head, split)); the graph
-    fixes it per batch size, whatever the contexts of the step it replays."""
-    # One size for every batch: a row's split (so its fp32 sums) must not depend on the batch it runs
-    # in, or a request's greedy tokens would depend on its neighbours. The finer splits for small
-    # batches (64 tokens for <= 64 (row, KV head) programs, 128 for <= 256) wait for a merge that is
-    # independent of the split size.
+    """Context tokens per split for a decode graph of `batch` rows: one size for every batch. A row's split
+    (so its fp32 sums) must not depend on the batch it runs in, or a request's greedy tokens would depend on its
+    neighbours; what the batch may choose is how the splits are spread over programs (`decode_walks`)."""
     del batch, kv_heads
     return 256
 
 
-def decode_programs(batch: int, kv_heads: int, nsplit: int, device: torch.device, per_sm: int = 4) -> int:
-    """Programs per (row, KV head): enough for about `per_sm` programs an SM over the whole grid, at most one per
-    split. It changes no sum (each split's partial and the fold order are fixed), only which program computes a
-    split, so it may follow the batch: small batches spread a row's splits over the SMs, large ones (1) walk
-    them in one program that folds them in registers, and launch no programs for splits past every context."""
+def decode_walks(batch: int, kv_heads: int, device: torch.device, per_sm: int = 2) -> bool:
+    """Whether a step of `batch` rows walks each row's splits in one program (no partials, one launch): when there
+    are at least `per_sm` (row, KV head) programs an SM. Smaller steps give each split a program (the splits of one
+    row spread over the SMs) and fold them in a second launch. Either way a row's output has the same bits, so the
+    choice may follow the batch."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(nsplit, -(-sms * per_sm // max(1, batch * kv_heads))))
+    return batch * kv_heads >= per_sm * sms
 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
-    out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 64,
-    counters: torch.Tensor | None = None, programs: int | None = None, num_warps: int = 4,
+    out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 64, walk: bool | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, then merged.
+    """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
+    softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`).
 
-    One program per (row, KV head, p) computes all the query heads of that KV head (GQA), so each K/V tile
-    is read once, for splits p, p + P, ... (P = `programs`, default `decode_programs`). With P = 1 it folds
-    the splits into the output as it goes; else a row of one split writes its output directly, and a longer
-    row's splits go to memory for the last of its programs to finish, which folds them in the same kernel.
-    Each split's partial and the fold's order are the same whatever P is, so the output's bits do not depend
-    on it (nor on the batch). `counters` ([B * KV heads] int32, zero; every launch leaves them zero) counts
-    finished programs: a runner passes one buffer for every launch (a graph replays no memset); without it
-    one is allocated."""
+    One program per (row, KV head) computes all the query heads of that KV head (GQA), so each K/V tile is
+    read once. `walk` (default `decode_walks`): that program walks the row's splits and folds them as it goes;
+    else one program per (row, KV head, split) writes partials and a second launch folds them. The two give the
+    same bits; only the split size and the tile size change a sum, and they are the same for every batch."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -354,25 +356,24 @@ def decode_attention(
     if partition_size % block_n:
         raise ValueError("partition_size must be a multiple of block_n")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    if counters is None:
-        counters = torch.zeros(B * hkv, dtype=torch.int32, device=q.device)
-    elif counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < B * hkv:
-        raise ValueError(f"counters: expected int32 of at least {B * hkv} elements on {q.device}")
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    nprog = max(1, min(programs or decode_programs(B, hkv, nsplit, q.device), nsplit))
+    walk = decode_walks(B, hkv, q.device) if walk is None else walk
     bd = next_pow2(D)
-    walk_all = nprog == 1  # no partials: one program folds the row's splits in registers
-    po = torch.empty((1, 1) if walk_all else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
-    pm = torch.empty((1,) if walk_all else (B, H, nsplit), dtype=torch.float32, device=q.device)
+    po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
+    pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     if B == 0:
         return out
-    _decode_kernel[(B, hkv, nprog)](
-        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, counters, out,
+    consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
+              "PART": partition_size}
+    _decode_kernel[(B, hkv) if walk else (B, hkv, nsplit)](
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
-        PART=partition_size, BLOCK_N=block_n, WALK_ALL=walk_all, PREC=_prec(q.dtype), num_warps=num_warps,
+        BS=bs, BLOCK_N=block_n, WALK=walk, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
     )
+    if not walk:
+        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,
+                               **consts)
     return out
 
 
