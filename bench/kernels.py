@@ -183,7 +183,7 @@ def prep_rows(gbps: float) -> list[dict]:
 
 
 ATTENTION_VARIANTS = {  # name: (split tokens, block_n, walk: None = the batch decides); the first is the runner's
-    "p256_bn64": (256, 64, None), "p256_bn32": (256, 32, None), "p256_bn128": (256, 128, None),
+    "p256_bn128": (256, 128, None), "p256_bn64": (256, 64, None), "p256_bn32": (256, 32, None),
     "p128_bn64": (128, 64, None), "p128_bn128": (128, 128, None), "p256_bn64_walk": (256, 64, True),
     "p256_bn64_split": (256, 64, False)}
 
