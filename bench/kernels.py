@@ -232,7 +232,7 @@ def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
                 torch.backends.cuda.preferred_blas_library(lib)
                 order = itertools.cycle(ws)
                 ms = graph_ms(lambda x=x, order=order: F.linear(x, next(order)))
-                rows.append({"kernel": f"linear_{name}", "case": lib, "batch": M, **entry(ms, _nbytes(ws[0], x), gbps)})
+                rows.append({"kernel": f"blas_{name}", "case": lib, "batch": M, **entry(ms, _nbytes(ws[0], x), gbps)})
         del ws
     torch.backends.cuda.preferred_blas_library(default)
     return rows

@@ -17,7 +17,9 @@ the mixed graphs the engines capture (`serve_gpu.mixed_buckets`, the unfiltered 
 the same decode rows alone and a prompt of the budget's tokens alone. Floor: the larger of the step's
 bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
-(rows of the models and phases run replace those rows in an existing `--out`, the others stay)
+(rows of the models and phases run replace those rows in an existing `--out`, the others stay);
+`--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
+an existing `--out`, no GPU needed).
 """
 
 from __future__ import annotations
@@ -298,18 +300,66 @@ def print_table(result: dict) -> None:
             print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {v['gbps']:7.0f} GB/s")
 
 
+# The goals per (model, batch): dense <= 1.15x at batch 1, 1.2x at 8, 1.3x at 64 and 128; MoE <= 1.4x at 1 and 64.
+GOALS = {("llama3-8b-shape", 1): 1.15, ("llama3-8b-shape", 8): 1.2, ("llama3-8b-shape", 64): 1.3,
+         ("llama3-8b-shape", 128): 1.3, ("qwen3-30b-a3b-shape", 1): 1.4, ("qwen3-30b-a3b-shape", 64): 1.4}
+
+
+def plot(result: dict, path: Path) -> None:
+    """One panel per model: x floor of each decode row by batch, a bar per context, the goals as ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in result["rows"] if r["phase"] == "decode"]
+    models = sorted({r["model"] for r in decode})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rows = [r for r in decode if r["model"] == model]
+        batches = sorted({r["batch"] for r in rows})
+        contexts = sorted({r["context"] for r in rows})
+        width = 0.8 / len(contexts)
+        for i, ctx in enumerate(contexts):
+            ratio = {r["batch"]: r["ms"] / r["floor_ms"] for r in rows if r["context"] == ctx}
+            xs = [j + (i - (len(contexts) - 1) / 2) * width for j in range(len(batches))]
+            ax.bar(xs, [ratio.get(b, 0.0) for b in batches], width, label=f"context {ctx}")
+        for j, b in enumerate(batches):
+            if (model, b) in GOALS:
+                ax.hlines(GOALS[(model, b)], j - 0.45, j + 0.45, colors="black", linestyles="dashed")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.set_ylabel("step time / floor")
+        ax.set_title(f"{model} decode (dashed: goal)")
+        ax.set_ylim(0, 1.25 * max(r["ms"] / r["floor_ms"] for r in rows))
+        ax.legend(loc="upper center", ncol=len(contexts))
+    fig.suptitle(f"{result.get('device', '')}: copy {result.get('hbm_gbps_measured', 0):.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode_roofline.json"))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(KINDS))
+    parser.add_argument("--plot", type=Path, help="a PNG of each decode row's time over its floor")
+    parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
+        return
     models = tuple(m for m in args.models.split(",") if m)
     if not models or any(m not in KINDS for m in models):
         raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    print_table(run(args.out, args.iters, models))
+    result = run(args.out, args.iters, models)
+    print_table(result)
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":
