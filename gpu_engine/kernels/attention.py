@@ -348,9 +348,9 @@ def decode_attention(
     read once. `walk` (default `decode_walks`): that program walks the row's splits and folds them as it goes;
     else one program per (row, KV head, split) writes partials and a second launch folds them. The two give the
     same bits; only the split size and the tile size change a sum, and they are the same for every batch.
-    128-token tiles measured best or level at batches 1-128 and contexts 512 and 2,048 on the H200
-    (`bench/kernels.py`, bf16, 32 query / 8 KV heads: against 64-token tiles 7.6 against 9.0 us at batch 1 and
-    context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
+    Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and
+    2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16: against
+    64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]

@@ -248,8 +248,9 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
 
     Grid (pair, I / block_n): 2 columns give 3,072 programs for the 8 pairs of a Qwen3-30B-A3B
     batch-1 step (I = 768): the time is the weight read, and what keeps HBM busy is how many loads are
-    in flight. Measured on the H200 (`bench/kernels.py`, bf16): 2 columns 17.0 / 86.9 / 156.6 us at batch
-    1 / 8 / 16, 4 columns 18.9 / 106.8 / 193.1, 16 columns 18.2 / 89.2 / 156.6. Each program streams its
+    in flight. Measured on the H200 (`bench/kernels.py`, bf16): 2 columns 17.0 / 86.2 / 157.7 us at batch
+    1 / 8 / 16, 4 columns 18.8 / 106.2 / 194.4, 16 columns 18.0 / 88.3 / 158.1 (in sequence with
+    `moe_down_sum` the pair measured the same as with the earlier 4 and 2 columns). Each program streams its
     2 x block_n contiguous weight rows (gate and up) in block_k chunks, loaded at their
     own width, accumulated in fp32. Pairs vary fastest in the grid, so
     pairs that share an expert read its tile at about the same time (from L2 for all but the
@@ -312,8 +313,8 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     loads all top_k experts' [block_n, block_k] tiles in one [slots, block_n, block_k] tile per step
     (slots = top_k rounded up to a power of two), so its loads in flight are top_k times a single
     expert's (32 KiB a step in bf16 at the defaults) and the loop is I / block_k steps long (3 at
-    I = 768), not top_k times that. Measured on the H200 (`bench/kernels.py`, bf16): 8 columns 9.0 / 47.0 /
-    80.2 us at batch 1 / 8 / 16, 2 columns 10.9 / 51.2 / 88.7, 1 column 9.4 / 47.1 / 83.6. Tokens vary fastest
+    I = 768), not top_k times that. Measured on the H200 (`bench/kernels.py`, bf16): 8 columns 9.1 / 46.3 /
+    80.7 us at batch 1 / 8 / 16, 2 columns 10.9 / 50.8 / 88.9, 1 column 9.4 / 46.6 / 83.8. Tokens vary fastest
     in the grid, as pairs do in `moe_gate_up_silu`.
     """
     check("act", act, dtype=FLOAT_DTYPES, shape=(None, None))
