@@ -3,9 +3,10 @@
 Every kernel is timed inside a captured CUDA graph of repeated launches (so launch gaps do not
 count), at Llama-3-8B shapes in bf16 (the MoE experts at Qwen3-30B-A3B's; correctness is tests/gpu's).
 Where an old path is kept for comparison (the sort-based filter, log-probs for every row, the unfused
-QK-norm / RoPE / KV write, one decode split size, cuBLAS and a separate SiLU-and-multiply at M <= 8,
-the sorted MoE path at small batches), it is timed beside the new one.
-Usage: python -m bench.kernels [--out bench/results/kernels.json]
+QK-norm / RoPE / KV write, the two-launch decode attention, cuBLAS and a separate SiLU-and-multiply at
+M <= 8, the sorted MoE path at small batches, the MoE align by torch's sort), it is timed beside the new one.
+Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
+cuBLAS against cuBLASLt, not in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
 (bench/roofline.py prints it for every decode row).
 """
