@@ -3,8 +3,8 @@
 Every kernel is timed inside a captured CUDA graph of repeated launches (so launch gaps do not
 count), at Llama-3-8B shapes in bf16 (the MoE experts at Qwen3-30B-A3B's; correctness is tests/gpu's).
 Where an old path is kept for comparison (the sort-based filter, log-probs for every row, the unfused
-QK-norm / RoPE / KV write, the two-launch decode attention, cuBLAS and a separate SiLU-and-multiply at
-M <= 8, the sorted MoE path at small batches, the MoE align by torch's sort), it is timed beside the new one.
+QK-norm / RoPE / KV write, cuBLAS and a separate SiLU-and-multiply at M <= 8, the sorted MoE path at
+small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
 cuBLAS against cuBLASLt, not in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
@@ -192,9 +192,10 @@ ATTENTION_VARIANTS = {  # name: (split tokens, block_n, walk: None = the batch d
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
     128, Qwen3-30B-A3B) over split sizes and tiles, each row walked by one program or split over programs and folded
-    in a second launch, beside the form it replaced (`two_launch`: a program per split, then a merge kernel).
-    Block tables `width` blocks wide (8,208 tokens), as a runner's are, whatever the context."""
-    from gpu_engine.kernels.attention import decode_attention, decode_attention_two_launch
+    in a second launch (`p256_bn64_split` is the layout of the two-launch form this replaced; that form's own rows
+    are in BENCHMARKS.md, measured at e27dc5c). Block tables `width` blocks wide (8,208 tokens), as a runner's
+    are, whatever the context."""
+    from gpu_engine.kernels.attention import decode_attention
 
     rows = []
     shapes = [(ctx, B, 8) for ctx in (512, 2048) for B in (1, 8, 64, 128)] + [(512, 64, 4), (512, 128, 4)]
@@ -208,8 +209,7 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         nbytes = 2 * B * ctx * hkv * 128 * 2 + 2 * _nbytes(q)
-        cases: dict[str, Callable[[], object]] = {"two_launch": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out: (
-            decode_attention_two_launch(q, kc, vc, t, n, 128 ** -0.5, out=o))}
+        cases: dict[str, Callable[[], object]] = {}
         for name, (part, bn, walk) in ATTENTION_VARIANTS.items():
             cases[name] = (lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, part=part, bn=bn, walk=walk:
                            decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, walk=walk,

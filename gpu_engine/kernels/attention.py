@@ -127,76 +127,6 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
     tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-# The decode attention `_decode_kernel` and `_fold_kernel` replaced, kept for bench/kernels.py's comparison; its merge
-# takes the global max first, so its sums differ from `_merge_step`'s in the last bits.
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
-    sq_b, sq_h, sbt_b, scale_log2, NSPLIT,
-    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
-    start = s * PART
-    if start >= ctx:  # past this sequence's context: the reduce reads only the active splits
-        return
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * G + g
-    qmask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
-    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    end = tl.minimum(start + PART, ctx)
-    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = n < end
-        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        m = m_new
-    part = (b * (HKV * G) + heads) * NSPLIT + s
-    tl.store(po_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=g[:, None] < G)
-    tl.store(pm_ptr + part, m, mask=g < G)
-    tl.store(pl_ptr + part, lsum, mask=g < G)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT,
-    H: tl.constexpr, D: tl.constexpr, PART: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = tl.load(ctx_ptr + b)
-    n_active = tl.cdiv(ctx, PART)
-    base = (b * H + h) * NSPLIT
-    sidx = tl.arange(0, BLOCK_S)
-    ms = tl.load(pm_ptr + base + sidx, mask=sidx < n_active, other=NEG_BIG)
-    m_max = tl.max(ms, axis=0)
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    total = tl.zeros([], tl.float32)
-    for s in range(0, n_active):
-        w = tl.exp2(tl.load(pm_ptr + base + s) - m_max)
-        total += w * tl.load(pl_ptr + base + s)
-        acc += w * tl.load(po_ptr + (base + s) * BLOCK_D + d)
-    out = acc / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-
-
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
     bs = k_cache.shape[1]
     idx = torch.arange(n_tokens, device=k_cache.device)
@@ -377,30 +307,6 @@ def decode_attention(
     if not walk:
         _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,
                                **consts)
-    return out
-
-
-def decode_attention_two_launch(q, k_cache, v_cache, block_tables, context_lens, scale: float, out: torch.Tensor,
-                                partition_size: int = 256, block_n: int = 64) -> torch.Tensor:
-    """The replaced two-launch form (a program per split, then a merge kernel), for the benchmark's comparison."""
-    _check_paged(q, k_cache, v_cache, block_tables, context_lens, q.shape[0])
-    B, H, D = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    bd = next_pow2(D)
-    po = torch.empty((B, H, nsplit, bd), dtype=torch.float32, device=q.device)
-    pm = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
-    pl = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, hkv, nsplit)](
-        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * LOG2E, nsplit,
-        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_G=max(16, next_pow2(H // hkv)), BLOCK_D=bd,
-        PART=partition_size, BLOCK_N=block_n, PREC=_prec(q.dtype), num_warps=4,
-    )
-    _decode_reduce_kernel[(B, H)](
-        po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
-        H=H, D=D, PART=partition_size, BLOCK_S=next_pow2(nsplit), BLOCK_D=bd, num_warps=4,
-    )
     return out
 
 
