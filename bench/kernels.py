@@ -209,14 +209,12 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         nbytes = 2 * B * ctx * hkv * 128 * 2 + 2 * _nbytes(q)
-        cases: dict[str, Callable[[], object]] = {}
         for name, (part, bn, walk) in ATTENTION_VARIANTS.items():
-            cases[name] = (lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, part=part, bn=bn, walk=walk:
-                           decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, walk=walk,
-                                            partition_size=part))
-        for name, fn in cases.items():
+            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, part=part, bn=bn, walk=walk:
+                          decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, walk=walk,
+                                           partition_size=part))
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx, "kv_heads": hkv,
-                         **entry(graph_ms(fn), nbytes, gbps)})
+                         **entry(ms, nbytes, gbps)})
     return rows
 
 

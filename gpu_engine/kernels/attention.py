@@ -39,6 +39,13 @@ def _merge_step(acc, m, lsum, acc_s, m_s, l_s):
 
 
 @triton.jit
+def _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l):
+    """The folded output of a row's G heads, normalised (a row that folded nothing gets zeros)."""
+    o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
+    tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
@@ -96,9 +103,8 @@ def _decode_kernel(
             tl.store(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
             tl.store(pm_ptr + base + s, m, mask=gmask)
             tl.store(pl_ptr + base + s, lsum, mask=gmask)
-    if WALK:  # an empty row folds nothing: zeros
-        o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
-        tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+    if WALK:
+        _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
 
 
 @triton.jit
@@ -122,9 +128,7 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
         m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG)
         lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0)
         run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
-    o_ptrs = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
-    omask = gmask[:, None] & (d[None, :] < D)
-    tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+    _store_folded(out_ptr, b, so_b, so_h, heads, d, gmask[:, None] & (d[None, :] < D), run_acc, run_l)
 
 
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
@@ -269,7 +273,6 @@ def decode_walks(batch: int, kv_heads: int, device: torch.device, per_sm: int = 
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, walk: bool | None = None,
-    num_warps: int = 4,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`).
@@ -302,7 +305,7 @@ def decode_attention(
     _decode_kernel[(B, hkv) if walk else (B, hkv, nsplit)](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        BS=bs, BLOCK_N=block_n, WALK=walk, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
+        BS=bs, BLOCK_N=block_n, WALK=walk, PREC=_prec(q.dtype), num_warps=4, **consts,
     )
     if not walk:
         _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,

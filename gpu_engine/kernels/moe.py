@@ -152,10 +152,10 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     p_max = triton.cdiv(P + E * (block_m - 1), block_m) * block_m
     sorted_pairs = torch.empty((p_max,), dtype=torch.int32, device=expert_ids.device)
     block_expert = torch.empty((p_max // block_m,), dtype=torch.int32, device=expert_ids.device)
+    if p_max == 0:  # no pairs and blocks of one
+        return sorted_pairs, block_expert
     chunk = 64
     progs = [triton.cdiv(n, chunk) for n in (P, p_max, p_max // block_m)]
-    if p_max == 0:
-        return sorted_pairs, block_expert
     _align_kernel[(sum(progs),)](expert_ids, sorted_pairs, block_expert, P, E, p_max, p_max // block_m,
                                  progs[0], progs[1], BM=block_m, BLOCK_E=next_pow2(E), CHUNK=chunk, num_warps=4)
     return sorted_pairs, block_expert
