@@ -6,9 +6,10 @@ Where an old path is kept for comparison (the sort-based filter, log-probs for e
 QK-norm / RoPE / KV write, cuBLAS and a separate SiLU-and-multiply at M <= 8, the sorted MoE path at
 small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
-cuBLAS against cuBLASLt, not in the default sets)
-`step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`
-(bench/roofline.py prints it for every decode row).
+cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
+neither in the default sets)
+`step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
+`prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
 
 from __future__ import annotations
@@ -97,6 +98,56 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     out["lm_head"] = entry(graph_ms(lambda: F.linear(x, runner.lm_head)), _nbytes(runner.lm_head, head), gbps)
     out["sampling"] = entry(graph_ms(lambda: runner._sample(batch)), _nbytes(buf.logits[:batch]), gbps)
     return out
+
+
+def prefill_breakdown(runner, tokens: int, gbps: float, tflops: float) -> dict[str, dict]:
+    """Per-component time of one dense prefill step of `tokens` query rows, as staged in `runner` (one sequence
+    whose context is its query): the matmul-shaped parts against the matmul peak (`flops`, `tflops`), the rest
+    against the copy rate (`bytes`, `gbps`)."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.attention import prefill_attention
+    from gpu_engine.kernels.qkv_prep import qkv_prep
+    from gpu_engine.kernels.rmsnorm import rms_norm
+
+    cfg, buf, w, L = runner.config, runner.buffers, runner.layers[0], len(runner.layers)
+    hq, hk, d, H, T = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, tokens
+    x = torch.randn(T, H, device=runner.device, dtype=runner.dtype)
+    res = torch.randn_like(x)
+    qkv = F.linear(x, w.qkv)
+    q, k, v = (qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d: (hq + hk) * d].view(T, hk, d),
+               qkv[:, (hq + hk) * d:].view(T, hk, d))
+    kc, vc = runner.kv.k[0], runner.kv.v[0]
+    attn = torch.empty_like(q)
+    gu = F.linear(x, w.gate_up)
+    h = silu_and_mul(gu)
+    row, eps = T * H * x.element_size(), cfg.rms_norm_eps
+
+    def gemm(out: torch.Tensor, weight: torch.Tensor) -> float:
+        return 2.0 * out.shape[0] * weight.shape[0] * weight.shape[1]
+
+    def timed(fn, flops: float = 0.0, nbytes: float = 0.0) -> dict:
+        ms = graph_ms(fn, reps=5)
+        if flops:
+            return {"ms": ms, "flops": flops, "tflops": flops / (ms * 1e-3) / 1e12,
+                    "floor_ms": flops / (tflops * 1e12) * 1e3}
+        return entry(ms, nbytes, gbps)
+
+    per_layer = {
+        "norms": timed(lambda: (rms_norm(x, w.attn_norm, eps, residual=res),
+                                rms_norm(x, w.mlp_norm, eps, residual=res)), nbytes=8 * row),
+        "qkv_gemm": timed(lambda: F.linear(x, w.qkv), gemm(x, w.qkv)),
+        "qkv_prep": timed(lambda: qkv_prep(q, k, v, buf.positions[:T], runner.rope_cache, kc, vc, buf.slot_mapping[:T],
+                                           w.q_norm, w.k_norm), nbytes=2 * _nbytes(qkv)),
+        "prefill_attention": timed(lambda: prefill_attention(q, kc, vc, buf.block_tables[:1], buf.context_lens[:1],
+                                                             buf.cu_chunks[:2], runner.scale, out=attn),
+                                   4.0 * hq * d * T * (T + 1) / 2),
+        "o_gemm": timed(lambda: F.linear(attn.view(T, hq * d), w.o), gemm(x, w.o)),
+        "gate_up_gemm": timed(lambda: F.linear(x, w.gate_up), gemm(x, w.gate_up)),
+        "silu_mul": timed(lambda: silu_and_mul(gu, out=h), nbytes=_nbytes(gu, h)),
+        "down_gemm": timed(lambda: F.linear(h, w.down), gemm(x, w.down)),
+    }
+    return {name: {key: val * (L if key in ("ms", "bytes", "flops", "floor_ms") else 1) for key, val in e.items()}
+            for name, e in per_layer.items()}
 
 
 def _mlp_parts(runner, w, x, batch: int, fused_moe) -> dict:
@@ -215,6 +266,60 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
                                            partition_size=part))
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx, "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})
+    return rows
+
+
+PREFILL_VARIANTS = {  # name: (block_m, block_n, num_warps, num_stages); None: the runner's (`prefill_tiles`)
+    "default": None, "m64_n64_w4_s2": (64, 64, 4, 2), "m128_n64_w8_s2": (128, 64, 8, 2),
+    "m128_n128_w8_s2": (128, 128, 8, 2), "m64_n128_w4_s2": (64, 128, 4, 2), "m128_n32_w8_s3": (128, 32, 8, 3),
+    "m128_n64_w4_s3": (128, 64, 4, 3), "m64_n64_w4_s3": (64, 64, 4, 3)}
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2 * 8192**3 / (graph_ms(lambda: a @ b, 5) * 1e-3) / 1e12
+
+
+def prefill_rows(gbps: float) -> list[dict]:
+    """Prefill attention (bf16, Llama-3-8B heads: 32 over 8 KV heads of 128) over tile shapes, against the matmul
+    peak measured in the same run (`floor_ms`: the causal product's FLOPs at that peak). Cases (name: sequences
+    as (query rows, context)): one prompt of 2,048 and of 8,192 tokens, a 2,048-token chunk over a 6,144-token
+    cached prefix, and four prompts of 512 in one step."""
+    from gpu_engine.kernels.attention import prefill_attention
+
+    peak = matmul_tflops()
+    H, hkv, D, bs = 32, 8, 128, 16
+    cases = {"prompt_2048": [(2048, 2048)], "prompt_8192": [(8192, 8192)], "chunk_2048_at_8192": [(2048, 8192)],
+             "4x_prompt_512": [(512, 512)] * 4}
+    rows = []
+    for case, seqs in cases.items():
+        per = [-(-ctx // bs) for _, ctx in seqs]
+        kc = torch.randn(sum(per), bs, hkv, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        tables = torch.full((len(seqs), max(per)), -1, device="cuda", dtype=torch.int32)
+        for b, first in enumerate(itertools.accumulate([0] + per[:-1])):
+            tables[b, : per[b]] = torch.arange(first, first + per[b], device="cuda", dtype=torch.int32)
+        lens = torch.tensor([ctx for _, ctx in seqs], device="cuda", dtype=torch.int32)
+        cu = torch.tensor([0, *itertools.accumulate(n for n, _ in seqs)], device="cuda", dtype=torch.int32)
+        T = int(cu[-1])
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        seen = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # (query, key) pairs under the causal mask
+        flops = 4 * H * D * seen
+        nbytes = 2 * _nbytes(q) + 2 * sum(ctx for _, ctx in seqs) * hkv * D * 2
+        for name, tiles in PREFILL_VARIANTS.items():
+            names = ("block_m", "block_n", "num_warps", "num_stages")
+            kw = {} if tiles is None else dict(zip(names, tiles, strict=True))
+            try:
+                ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, cu=cu, o=out, kw=kw:
+                              prefill_attention(q, kc, vc, t, n, cu, 128 ** -0.5, out=o, **kw), reps=5)
+            except Exception as exc:  # noqa: BLE001  (a shape the compiler refuses, e.g. out of shared memory)
+                print(f"prefill_attention {name} {case}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            rows.append({"kernel": "prefill_attention", "case": name, "shape": case, "tokens": T,
+                         **entry(ms, nbytes, gbps), "tflops": flops / (ms * 1e-3) / 1e12, "peak_tflops": peak,
+                         "floor_ms": flops / (peak * 1e12) * 1e3})
     return rows
 
 
@@ -345,7 +450,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "silu, moe, q8, blas); default: all but q8 and blas")
+                        "silu, moe, q8, blas, prefill); default: all but q8, blas and prefill")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -353,16 +458,18 @@ def main() -> None:
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
-            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows}
-    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas")]
+            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows, "prefill": prefill_rows}
+    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):
         for r in fn(gbps):
             rows.append(r)
-            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "kv_heads", "vocab", "experts") if k in r)
-            print(f"{r['kernel']:17} {r['case']:21} {where:26} {r['ms'] * 1e3:9.1f} us {r['gbps']:7.0f} GB/s "
-                  f"({r['gbps'] / gbps:5.1%} of copy)", flush=True)
+            where = " ".join(f"{k}={r[k]}" for k in ("batch", "context", "kv_heads", "vocab", "experts", "shape")
+                             if k in r)
+            rate = (f"{r['tflops']:7.1f} TFLOP/s ({r['tflops'] / r['peak_tflops']:5.1%} of matmul)" if "tflops" in r
+                    else f"{r['gbps']:7.0f} GB/s ({r['gbps'] / gbps:5.1%} of copy)")
+            print(f"{r['kernel']:17} {r['case']:21} {where:26} {r['ms'] * 1e3:9.1f} us {rate}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": gbps, "rows": rows},
                                    indent=1))

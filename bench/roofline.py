@@ -8,7 +8,8 @@ expected count under uniform routing); prefill = FLOPs (linear layers + causal a
 rate. Decode rows are greedy without log-probs, so `ms` is the unfiltered decode graph, the one such
 steps run; `ms_filtered` the same step through the filtering variant (top-k / top-p / min-p),
 `ms_logprobs` with every row asking for log-probs. `breakdown` is each component's time in one step
-(each timed alone, in a captured graph of repeats) and `kernel_floor_ms` its own bytes / bandwidth.
+(each timed alone, in a captured graph of repeats) and `floor_ms` its own bytes / bandwidth (dense prefill rows:
+the GEMMs' and attention's FLOPs / matmul rate, `tflops` achieved).
 MoE rows name the expert path their steps take (`moe_path`: the sort-free one up to
 `kernels.moe.SMALL_PAIRS` token-expert pairs, batch 8 at top-8, else the sorted one).
 `mixed` (Llama-3-8B shape): the chunked-prefill steps the engines run under load, `decodes` running
@@ -180,8 +181,12 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
         stage_step(runner, 1, t, t, per_seq)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
         floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
-        rows.append({"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms,
-                     "floor_ms": floor})
+        row = {"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms, "floor_ms": floor}
+        if not cfg.num_experts:
+            from bench.kernels import prefill_breakdown
+
+            row["breakdown"] = prefill_breakdown(runner, t, gbps, tflops)
+        rows.append(row)
     graphs.close()
     return rows
 
@@ -297,7 +302,8 @@ def print_table(result: dict) -> None:
               + (f"  ({r['decodes']} decodes alone {r['decode_alone_ms']:.3f} ms, a {r['tokens']}-token prompt alone "
                  f"{r['prompt_alone_ms']:.3f} ms)" if r.get("phase") == "mixed" else ""))
         for part, v in r.get("breakdown", {}).items():
-            print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {v['gbps']:7.0f} GB/s")
+            rate = f"{v['tflops']:7.1f} TFLOP/s" if "tflops" in v else f"{v['gbps']:7.0f} GB/s"
+            print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {rate}")
 
 
 # The goals per (model, batch): dense <= 1.15x at batch 1, 1.2x at 8, 1.3x at 64 and 128; MoE <= 1.4x at 1 and 64.

@@ -134,6 +134,33 @@ def test_prefill_attention_varlen_with_prefix():
     _close(got, want, 1e-4)
 
 
+def _prefill_in_chunks(q, kc, vc, table, n, chunks, **tiles):
+    """One prompt of n tokens (its K/V already in the cache) prefilled chunk by chunk: each chunk's rows see
+    the cache up to their own position, as the runner's steps do."""
+    out, lo = torch.empty_like(q), 0
+    for size in chunks:
+        ctx = torch.tensor([lo + size], dtype=torch.int32, device=q.device)
+        cu = torch.tensor([0, size], dtype=torch.int32, device=q.device)
+        attention.prefill_attention(q[lo: lo + size], kc, vc, table, ctx, cu, 0.3, out=out[lo: lo + size], **tiles)
+        lo += size
+    assert lo == n
+    return out
+
+
+def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
+    """A prompt prefilled whole, in uneven chunks, or with another query-tile height: the same bits (a row sums
+    its K/V tiles in order from token 0 whatever its chunk, and tiles it sees whole skip only an all-true
+    select), so prefix caching and the chunk budget never change a prompt's logits."""
+    n = 45
+    kc, vc, bt, _ = _paged([n], nblocks=20)
+    q = torch.randn(n, 8, 16, device=DEV)
+    whole = _prefill_in_chunks(q, kc, vc, bt, n, [n], block_m=16, block_n=16)
+    _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, torch.tensor([n], dtype=torch.int32, device=DEV),
+                                                  torch.tensor([0, n], dtype=torch.int32, device=DEV), 0.3), 1e-4)
+    for chunks, block_m in (([17, 1, 27], 16), ([n], 32), ([30, 15], 32)):
+        assert torch.equal(_prefill_in_chunks(q, kc, vc, bt, n, chunks, block_m=block_m, block_n=16), whole)
+
+
 def test_moe_route_matches_reference():
     logits = torch.randn(6, 10, device=DEV)
     for normalize in (False, True):
@@ -350,6 +377,21 @@ def test_gpu_prefill_attention_real_sizes():
     attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out)
     _close(out[:1001], attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 128 ** -0.5)[:1001], 2e-2)
     assert torch.equal(out[1001:], torch.zeros_like(out[1001:]))
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
+    """Real sizes, bf16: a 3,000-token prompt whole, in the chunks a 2,048-token budget makes, in chunks of
+    1,000 / 1 / 1,999 (the 1-row chunk takes 16-row tiles), and whole with 64-row tiles: the same bits."""
+    n = 3000
+    kc, vc, bt, ctx = _paged([n], hkv=8, d=128, bs=16, nblocks=200, dtype=torch.bfloat16)
+    q = torch.randn(n, 32, 128, device=DEV, dtype=torch.bfloat16)
+    whole = _prefill_in_chunks(q, kc, vc, bt, n, [n])
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 0.3), 2e-2)
+    for chunks, tiles in (([2048, 952], {}), ([1000, 1, 1999], {}), ([n], {"block_m": 64, "num_stages": 2})):
+        assert torch.equal(_prefill_in_chunks(q, kc, vc, bt, n, chunks, **tiles), whole), (chunks, tiles)
 
 
 @gpu

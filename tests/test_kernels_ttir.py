@@ -102,6 +102,18 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, walk: bool) -> No
     assert out.startswith("True"), out
 
 
+@pytest.mark.parametrize(("dtype", "block_m"), [("bf16", 128), ("bf16", 16), ("fp32", 64)])
+def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int) -> None:
+    """The prefill attention (its whole-tile and diagonal loops) at the runner's tile sizes."""
+    sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
+           "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 NB:i32 T:i32")
+    consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
+              "PREC": "ieee" if dtype == "fp32" else "tf32"}
+    out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
+                   consts)
+    assert out.startswith("True"), out
+
+
 def test_moe_align_kernel_compiles_for_sm90() -> None:
     """The one-launch MoE align (three program roles) for Qwen3-30B-A3B's 128 experts."""
     sig = ("ids_ptr:*i64 sorted_ptr:*i32 bexp_ptr:*i32 P:i32 E:i32 P_MAX:i32 N_BLOCKS:i32 PAIR_PROGS:i32 "

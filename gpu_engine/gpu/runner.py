@@ -362,8 +362,7 @@ class GpuModelRunner:
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
                              partition_size=part)
-            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
-                              block_m=64 if tokens >= 64 else 16)
+            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._linear(out.view(tokens, hq * d), w.o)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

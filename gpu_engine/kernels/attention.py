@@ -29,6 +29,24 @@ def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum, scale_log2, HKV: tl.constexpr,
+                 D: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, MASK: tl.constexpr):
+    """One K/V tile (tokens `n`) folded into a running online softmax (exp2 domain, fp32): scores masked to
+    `vis` where MASK (a tile every row sees whole skips the select; the select of an all-true mask changes no
+    bit, so which tiles skip it does not change the result)."""
+    k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+    sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASK:
+        sc = tl.where(vis, sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    p = tl.exp2(sc - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, lsum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _merge_step(acc, m, lsum, acc_s, m_s, l_s):
     """Fold split s's (unnormalised output, max, sum) into the running ones: the one merge formula, whether the
     splits come from registers (one program walks them all) or from memory (the last program reads them)."""
@@ -87,16 +105,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-            sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, axis=1))
-            p = tl.exp2(sc - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            m = m_new
+            acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, valid[None, :], kvh, d, acc, m, lsum,
+                                        scale_log2, HKV, D, BS, PREC, True)
         if WALK:
             run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
         else:
@@ -215,19 +225,17 @@ def _prefill_kernel(
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    # tiles wholly at or before the tile's first query position: every row sees all of them, no causal select
+    whole = (ctx - qlen + mt * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, whole, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, n < hi, None, kvh, d, acc, m, lsum, scale_log2,
+                                    HKV, D, BS, PREC, False)
+    for n0 in range(whole, hi, BLOCK_N):  # the diagonal: each row sees the tokens up to its own position
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
-        k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        sc = tl.where((n[None, :] <= qpos[:, None]) & valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        p = tl.exp2(sc - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, (n[None, :] <= qpos[:, None]) & valid[None, :],
+                                    kvh, d, acc, m, lsum, scale_log2, HKV, D, BS, PREC, True)
     out = acc / tl.maximum(lsum, 1e-30)[:, None]
     o_ptrs = out_ptr + rows[:, None] * so_t + h * so_h + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask)
@@ -313,14 +321,32 @@ def decode_attention(
     return out
 
 
+def prefill_tiles(dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_stages) of the prefill kernel for a step of `tokens` query rows (4 warps up to 64
+    query rows a tile, else 8).
+
+    16-bit: 128-query tiles over 64-token K/V tiles, 3 stages; fp32 keeps 64 x 64 (its tiles take twice
+    the shared memory). A step of under 64 rows (a short chunk) takes 16-row tiles. A row's result depends on
+    block_n only (its tiles are summed in order from token 0), never on block_m, so chunk size and tile height
+    do not change its bits."""
+    if tokens < 64:
+        return 16, 64, 2
+    if dtype == torch.float32:
+        return 64, 64, 2
+    return 128, 64, 3
+
+
 def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
-    out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int = 64, block_n: int = 64,
+    out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
     `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
-    sync is needed and the launch can be captured in a graph.
+    sync is needed and the launch can be captured in a graph. Tile sizes left None come from `prefill_tiles`.
+    Each program walks its K/V tiles in two loops: those every row of its query tile sees whole (no causal
+    select), then the diagonal ones.
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
@@ -330,13 +356,16 @@ def prefill_attention(
     check("out", out, dtype=q.dtype, shape=(T, H, D), device=q.device)
     if T == 0 or B == 0:
         return out
+    tiles = prefill_tiles(q.dtype, T)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n,
-        PREC=_prec(q.dtype), num_warps=4 if block_m <= 64 else 8, num_stages=2,
+        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
     )
     return out
 
