@@ -269,10 +269,15 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     return rows
 
 
-PREFILL_VARIANTS = {  # name: (block_m, block_n, num_warps, num_stages); None: the runner's (`prefill_tiles`)
-    "default": None, "m64_n64_w4_s2": (64, 64, 4, 2), "m128_n64_w8_s2": (128, 64, 8, 2),
-    "m128_n128_w8_s2": (128, 128, 8, 2), "m64_n128_w4_s2": (64, 128, 4, 2), "m128_n32_w8_s3": (128, 32, 8, 3),
-    "m128_n64_w4_s3": (128, 64, 4, 3), "m64_n64_w4_s3": (64, 64, 4, 3)}
+PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_tiles`)
+    "default": {}, "unsplit": {"whole_tiles": False},
+    "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128},
+    "m64_n64_w4_s3": {"num_stages": 3}, "m64_n32_w4_s3": {"block_n": 32, "num_stages": 3},
+    "m128_n64_w4_s2": {"block_m": 128, "num_warps": 4},
+    "pack_m64_n64_w4_s2": {"pack_heads": True}, "pack_m128_n64_w8_s2": {"pack_heads": True, "block_m": 128},
+    "pack_m128_n64_w4_s2": {"pack_heads": True, "block_m": 128, "num_warps": 4},
+    "pack_m128_n64_w8_s3": {"pack_heads": True, "block_m": 128, "num_stages": 3},
+    "pack_m128_n128_w8_s2": {"pack_heads": True, "block_m": 128, "block_n": 128}}
 
 
 def matmul_tflops() -> float:
@@ -308,9 +313,7 @@ def prefill_rows(gbps: float) -> list[dict]:
         seen = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # (query, key) pairs under the causal mask
         flops = 4 * H * D * seen
         nbytes = 2 * _nbytes(q) + 2 * sum(ctx for _, ctx in seqs) * hkv * D * 2
-        for name, tiles in PREFILL_VARIANTS.items():
-            names = ("block_m", "block_n", "num_warps", "num_stages")
-            kw = {} if tiles is None else dict(zip(names, tiles, strict=True))
+        for name, kw in PREFILL_VARIANTS.items():
             try:
                 ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, cu=cu, o=out, kw=kw:
                               prefill_attention(q, kc, vc, t, n, cu, 128 ** -0.5, out=o, **kw), reps=5)

@@ -134,22 +134,23 @@ def test_prefill_attention_varlen_with_prefix():
     _close(got, want, 1e-4)
 
 
-def _prefill_in_chunks(q, kc, vc, table, n, chunks, **tiles):
+def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
     """One prompt of n tokens (its K/V already in the cache) prefilled chunk by chunk: each chunk's rows see
     the cache up to their own position, as the runner's steps do."""
     out, lo = torch.empty_like(q), 0
     for size in chunks:
         ctx = torch.tensor([lo + size], dtype=torch.int32, device=q.device)
         cu = torch.tensor([0, size], dtype=torch.int32, device=q.device)
-        attention.prefill_attention(q[lo: lo + size], kc, vc, table, ctx, cu, 0.3, out=out[lo: lo + size], **tiles)
+        attention.prefill_attention(q[lo: lo + size], kc, vc, table, ctx, cu, scale, out=out[lo: lo + size], **tiles)
         lo += size
     assert lo == n
     return out
 
 
 def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
-    """A prompt prefilled whole, in uneven chunks, or with another query-tile height: the same bits (a row sums
-    its K/V tiles in order from token 0 whatever its chunk, and tiles it sees whole skip only an all-true
+    """A prompt prefilled whole, in uneven chunks, with another query-tile height, with the query heads of a KV
+    head packed in one tile, or with the causal select on every tile: the same bits (a row sums its K/V tiles in
+    order from token 0 whatever its chunk and its tile's other rows, and tiles it sees whole skip only an all-true
     select), so prefix caching and the chunk budget never change a prompt's logits."""
     n = 45
     kc, vc, bt, _ = _paged([n], nblocks=20)
@@ -157,8 +158,11 @@ def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     whole = _prefill_in_chunks(q, kc, vc, bt, n, [n], block_m=16, block_n=16)
     _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, torch.tensor([n], dtype=torch.int32, device=DEV),
                                                   torch.tensor([0, n], dtype=torch.int32, device=DEV), 0.3), 1e-4)
-    for chunks, block_m in (([17, 1, 27], 16), ([n], 32), ([30, 15], 32)):
-        assert torch.equal(_prefill_in_chunks(q, kc, vc, bt, n, chunks, block_m=block_m, block_n=16), whole)
+    for chunks, tiles in (([17, 1, 27], {}), ([n], {"block_m": 32}), ([30, 15], {"block_m": 32}),
+                          ([n], {"whole_tiles": False}), ([n], {"pack_heads": True}),
+                          ([20, 25], {"pack_heads": True, "block_m": 64})):
+        got = _prefill_in_chunks(q, kc, vc, bt, n, chunks, **({"block_m": 16, "block_n": 16} | tiles))
+        assert torch.equal(got, whole), (chunks, tiles)
 
 
 def test_moe_route_matches_reference():
@@ -383,15 +387,25 @@ def test_gpu_prefill_attention_real_sizes():
 @needs_cuda
 def test_gpu_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     """Real sizes, bf16: a 3,000-token prompt whole, in the chunks a 2,048-token budget makes, in chunks of
-    1,000 / 1 / 1,999 (the 1-row chunk takes 16-row tiles), and whole with 64-row tiles: the same bits."""
+    1,000 / 1 / 1,999 (the 1-row chunk takes 16-row tiles), with 128-row tiles, with packed heads, and with the
+    causal select on every tile: the same bits."""
     n = 3000
     kc, vc, bt, ctx = _paged([n], hkv=8, d=128, bs=16, nblocks=200, dtype=torch.bfloat16)
     q = torch.randn(n, 32, 128, device=DEV, dtype=torch.bfloat16)
-    whole = _prefill_in_chunks(q, kc, vc, bt, n, [n])
+    scale = 128 ** -0.5
+    whole = _prefill_in_chunks(q, kc, vc, bt, n, [n], scale=scale)
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
-    _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 0.3), 2e-2)
-    for chunks, tiles in (([2048, 952], {}), ([1000, 1, 1999], {}), ([n], {"block_m": 64, "num_stages": 2})):
-        assert torch.equal(_prefill_in_chunks(q, kc, vc, bt, n, chunks, **tiles), whole), (chunks, tiles)
+    _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, scale), 2e-2)
+    differ = []
+    for chunks, tiles in (([2048, 952], {}), ([1000, 1, 1999], {}), ([n], {"block_m": 128, "num_stages": 3}),
+                          ([n], {"pack_heads": True}), ([2048, 952], {"pack_heads": True, "block_m": 128}),
+                          ([n], {"whole_tiles": False})):
+        got = _prefill_in_chunks(q, kc, vc, bt, n, chunks, scale=scale, **tiles)
+        if not torch.equal(got, whole):
+            bad = (got != whole).any(-1).any(-1).nonzero().flatten()
+            differ.append((chunks, tiles, f"{bad.numel()} tokens differ, first {bad[:5].tolist()}",
+                           float((got.float() - whole.float()).abs().max())))
+    assert not differ, differ
 
 
 @gpu

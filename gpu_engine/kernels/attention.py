@@ -187,46 +187,48 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_se
 
 
 @triton.jit
-def _zero_tail(out_ptr, cu_ptr, NB, T, mt, h, so_t, so_h, d, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    rows = tl.load(cu_ptr + NB) + mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (rows[:, None] < T) & (d[None, :] < D)
-    zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * so_t + h * so_h + d[None, :], zeros, mask=mask)
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Program (query tile mt, head group h, sequence b): BLOCK_M rows, each a (token, query head) pair, PACK query
+    heads of one KV head a token (PACK = G: every K/V tile is read once for the G heads that share it), so
+    BLOCK_M // PACK tokens a tile. WHOLE: the tiles every row sees whole skip the causal select."""
     mt = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
+    TOK: tl.constexpr = BLOCK_M // PACK
     d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_M)
+    tok = mt * TOK + r // PACK
+    head = h * PACK + r % PACK
     if b == NB:  # rows past the last sequence (padding) get zeros, never stale memory
-        _zero_tail(out_ptr, cu_ptr, NB, T, mt, h, so_t, so_h, d, D, BLOCK_M, BLOCK_D)
+        rows = tl.load(cu_ptr + NB) + tok
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * so_t + head[:, None] * so_h + d[None, :], zeros,
+                 mask=(rows[:, None] < T) & (d[None, :] < D))
         return
     q_lo = tl.load(cu_ptr + b)
     qlen = tl.load(cu_ptr + b + 1) - q_lo
-    if mt * BLOCK_M >= qlen:
+    if mt * TOK >= qlen:
         return
     ctx = tl.load(ctx_ptr + b)
-    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    qpos = ctx - qlen + i
-    rows = (q_lo + i).to(tl.int64)
-    rmask = (i[:, None] < qlen) & (d[None, :] < D)
-    q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask, other=0.0)
-    kvh = h // G
+    qpos = ctx - qlen + tok
+    rows = (q_lo + tok).to(tl.int64)
+    rmask = (tok[:, None] < qlen) & (d[None, :] < D)
+    q = tl.load(q_ptr + rows[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=rmask, other=0.0)
+    kvh = h * PACK // G
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)
+    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * TOK)
     # tiles wholly at or before the tile's first query position: every row sees all of them, no causal select
-    whole = (ctx - qlen + mt * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    whole = 0
+    if WHOLE:
+        whole = (ctx - qlen + mt * TOK + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, whole, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, n < hi, None, kvh, d, acc, m, lsum, scale_log2,
@@ -237,7 +239,7 @@ def _prefill_kernel(
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, (n[None, :] <= qpos[:, None]) & valid[None, :],
                                     kvh, d, acc, m, lsum, scale_log2, HKV, D, BS, PREC, True)
     out = acc / tl.maximum(lsum, 1e-30)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * so_t + h * so_h + d[None, :]
+    o_ptrs = out_ptr + rows[:, None] * so_t + head[:, None] * so_h + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -323,30 +325,32 @@ def decode_attention(
 
 def prefill_tiles(dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_stages) of the prefill kernel for a step of `tokens` query rows (4 warps up to 64
-    query rows a tile, else 8).
+    rows a tile, else 8).
 
-    16-bit: 128-query tiles over 64-token K/V tiles, 3 stages; fp32 keeps 64 x 64 (its tiles take twice
-    the shared memory). A step of under 64 rows (a short chunk) takes 16-row tiles. A row's result depends on
-    block_n only (its tiles are summed in order from token 0), never on block_m, so chunk size and tile height
-    do not change its bits."""
+    64-row tiles over 64-token K/V tiles, 2 stages, for every dtype: on the H200 (`bench/kernels.py --only prefill`,
+    bf16) they beat 128-row tiles (8 warps, 2 or 3 stages) by 5-15% and 128-token K/V tiles by 25-35%. A step of
+    under 64 rows (a short chunk) takes 16-row tiles. A row's result depends on block_n only (its tiles are summed
+    in order from token 0), not on which rows share its tile, so chunk size and tile height do not change its
+    bits."""
     if tokens < 64:
         return 16, 64, 2
-    if dtype == torch.float32:
-        return 64, 64, 2
-    return 128, 64, 3
+    return 64, 64, 2
 
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    pack_heads: bool = False, whole_tiles: bool = True,
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
     `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
     sync is needed and the launch can be captured in a graph. Tile sizes left None come from `prefill_tiles`.
-    Each program walks its K/V tiles in two loops: those every row of its query tile sees whole (no causal
-    select), then the diagonal ones.
+    `pack_heads`: a tile's rows are block_m / G tokens times the G query heads of one KV head (each K/V tile read
+    once for them), else block_m tokens of one head. `whole_tiles`: each program walks first the K/V tiles every
+    row of its tile sees whole (no causal select), then the diagonal ones; off, every tile takes the select (the
+    former form, kept to be measured against). Neither changes a bit of the output.
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
@@ -360,12 +364,15 @@ def prefill_attention(
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
+    pack = H // hkv if pack_heads else 1
+    if block_m % pack:
+        raise ValueError(f"block_m {block_m} is not a multiple of the {pack} query heads a KV head packs")
+    grid = (triton.cdiv(max_seqlen_q or T, block_m // pack), H // pack, B + 1)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
-        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n,
-        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
+        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
+        WHOLE=whole_tiles, PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
     )
     return out
 
