@@ -270,14 +270,8 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
 
 
 PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_tiles`)
-    "default": {}, "unsplit": {"whole_tiles": False},
-    "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128},
-    "m64_n64_w4_s3": {"num_stages": 3}, "m64_n32_w4_s3": {"block_n": 32, "num_stages": 3},
-    "m128_n64_w4_s2": {"block_m": 128, "num_warps": 4},
-    "pack_m64_n64_w4_s2": {"pack_heads": True}, "pack_m128_n64_w8_s2": {"pack_heads": True, "block_m": 128},
-    "pack_m128_n64_w4_s2": {"pack_heads": True, "block_m": 128, "num_warps": 4},
-    "pack_m128_n64_w8_s3": {"pack_heads": True, "block_m": 128, "num_stages": 3},
-    "pack_m128_n128_w8_s2": {"pack_heads": True, "block_m": 128, "block_n": 128}}
+    "default": {}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
+    "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128}}
 
 
 def matmul_tflops() -> float:

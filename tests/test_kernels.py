@@ -148,8 +148,8 @@ def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
 
 
 def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
-    """A prompt prefilled whole, in uneven chunks, with another query-tile height, with the query heads of a KV
-    head packed in one tile, or with the causal select on every tile: the same bits (a row sums its K/V tiles in
+    """A prompt prefilled whole, in uneven chunks, with another query-tile height, or with the causal select on
+    every tile: the same bits (a row sums its K/V tiles in
     order from token 0 whatever its chunk and its tile's other rows, and tiles it sees whole skip only an all-true
     select), so prefix caching and the chunk budget never change a prompt's logits."""
     n = 45
@@ -159,8 +159,7 @@ def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, torch.tensor([n], dtype=torch.int32, device=DEV),
                                                   torch.tensor([0, n], dtype=torch.int32, device=DEV), 0.3), 1e-4)
     for chunks, tiles in (([17, 1, 27], {}), ([n], {"block_m": 32}), ([30, 15], {"block_m": 32}),
-                          ([n], {"whole_tiles": False}), ([n], {"pack_heads": True}),
-                          ([20, 25], {"pack_heads": True, "block_m": 64})):
+                          ([n], {"whole_tiles": False}), ([20, 25], {"whole_tiles": False})):
         got = _prefill_in_chunks(q, kc, vc, bt, n, chunks, **({"block_m": 16, "block_n": 16} | tiles))
         assert torch.equal(got, whole), (chunks, tiles)
 
@@ -387,8 +386,8 @@ def test_gpu_prefill_attention_real_sizes():
 @needs_cuda
 def test_gpu_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     """Real sizes, bf16: a 3,000-token prompt whole, in the chunks a 2,048-token budget makes, in chunks of
-    1,000 / 1 / 1,999 (the 1-row chunk takes 16-row tiles), with 128-row tiles, with packed heads, and with the
-    causal select on every tile: the same bits."""
+    1,000 / 1 / 1,999 (the 1-row chunk takes 16-row tiles), with 128-row tiles, and with the causal select on
+    every tile: the same bits."""
     n = 3000
     kc, vc, bt, ctx = _paged([n], hkv=8, d=128, bs=16, nblocks=200, dtype=torch.bfloat16)
     q = torch.randn(n, 32, 128, device=DEV, dtype=torch.bfloat16)
@@ -398,8 +397,7 @@ def test_gpu_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     _close(whole, attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, scale), 2e-2)
     differ = []
     for chunks, tiles in (([2048, 952], {}), ([1000, 1, 1999], {}), ([n], {"block_m": 128, "num_stages": 3}),
-                          ([n], {"pack_heads": True}), ([2048, 952], {"pack_heads": True, "block_m": 128}),
-                          ([n], {"whole_tiles": False})):
+                          ([2048, 952], {"block_m": 128}), ([n], {"whole_tiles": False})):
         got = _prefill_in_chunks(q, kc, vc, bt, n, chunks, scale=scale, **tiles)
         if not torch.equal(got, whole):
             bad = (got != whole).any(-1).any(-1).nonzero().flatten()

@@ -102,16 +102,15 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, walk: bool) -> No
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("dtype", "block_m", "pack", "whole"),
-                         [("bf16", 64, 1, True), ("bf16", 16, 1, True), ("fp32", 64, 1, True), ("bf16", 128, 4, True),
-                          ("bf16", 64, 1, False)])
-def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, pack: int, whole: bool) -> None:
+@pytest.mark.parametrize(("dtype", "block_m", "whole"),
+                         [("bf16", 64, True), ("bf16", 16, True), ("fp32", 64, True), ("bf16", 64, False)])
+def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, whole: bool) -> None:
     """The prefill attention (its whole-tile and diagonal loops, or the diagonal loop alone) at the runner's tile
-    sizes, and with the query heads of a KV head packed in a tile."""
+    sizes."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
            "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 NB:i32 T:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
-              "PACK": pack, "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32"}
     out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out

@@ -31,15 +31,20 @@ def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.cons
 @triton.jit
 def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum, scale_log2, HKV: tl.constexpr,
                  D: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, MASK: tl.constexpr):
-    """One K/V tile (tokens `n`) folded into a running online softmax (exp2 domain, fp32): scores masked to
-    `vis` where MASK (a tile every row sees whole skips the select; the select of an all-true mask changes no
-    bit, so which tiles skip it does not change the result)."""
+    """One K/V tile (tokens `n`) folded into a running online softmax (exp2 domain, fp32), scores masked to `vis`
+    where MASK. A tile every row sees whole skips the mask, and gives the same bits as with it: the mask only picks
+    which scores enter the max and zeroes the masked terms after the exp2, whose argument is one explicit fma either
+    way (left to the compiler, a multiply and a subtract are contracted or not depending on what lies between them;
+    they then differ in the last bit)."""
     k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
-    sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    sc = qk * scale_log2
     if MASK:
         sc = tl.where(vis, sc, float("-inf"))
     m_new = tl.maximum(m, tl.max(sc, axis=1))
-    p = tl.exp2(sc - m_new[:, None])
+    p = tl.exp2(tl.fma(qk, scale_log2, -m_new[:, None]))
+    if MASK:
+        p = tl.where(vis, p, 0.0)
     alpha = tl.exp2(m - m_new)
     v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
@@ -191,44 +196,40 @@ def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (query tile mt, head group h, sequence b): BLOCK_M rows, each a (token, query head) pair, PACK query
-    heads of one KV head a token (PACK = G: every K/V tile is read once for the G heads that share it), so
-    BLOCK_M // PACK tokens a tile. WHOLE: the tiles every row sees whole skip the causal select."""
+    """Program (query tile mt, query head h, sequence b). WHOLE: the K/V tiles every row of the query tile sees
+    whole skip the causal select (the same bits, `_online_step`)."""
     mt = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    TOK: tl.constexpr = BLOCK_M // PACK
     d = tl.arange(0, BLOCK_D)
-    r = tl.arange(0, BLOCK_M)
-    tok = mt * TOK + r // PACK
-    head = h * PACK + r % PACK
+    tok = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     if b == NB:  # rows past the last sequence (padding) get zeros, never stale memory
         rows = tl.load(cu_ptr + NB) + tok
         zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * so_t + head[:, None] * so_h + d[None, :], zeros,
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * so_t + h * so_h + d[None, :], zeros,
                  mask=(rows[:, None] < T) & (d[None, :] < D))
         return
     q_lo = tl.load(cu_ptr + b)
     qlen = tl.load(cu_ptr + b + 1) - q_lo
-    if mt * TOK >= qlen:
+    if mt * BLOCK_M >= qlen:
         return
     ctx = tl.load(ctx_ptr + b)
     qpos = ctx - qlen + tok
     rows = (q_lo + tok).to(tl.int64)
     rmask = (tok[:, None] < qlen) & (d[None, :] < D)
-    q = tl.load(q_ptr + rows[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=rmask, other=0.0)
-    kvh = h * PACK // G
+    q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask, other=0.0)
+    kvh = h // G
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * TOK)
+    hi = tl.minimum(ctx, ctx - qlen + (mt + 1) * BLOCK_M)
     # tiles wholly at or before the tile's first query position: every row sees all of them, no causal select
     whole = 0
     if WHOLE:
-        whole = (ctx - qlen + mt * TOK + 1) // BLOCK_N * BLOCK_N
+        whole = (ctx - qlen + mt * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, whole, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, n < hi, None, kvh, d, acc, m, lsum, scale_log2,
@@ -239,7 +240,7 @@ def _prefill_kernel(
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, (n[None, :] <= qpos[:, None]) & valid[None, :],
                                     kvh, d, acc, m, lsum, scale_log2, HKV, D, BS, PREC, True)
     out = acc / tl.maximum(lsum, 1e-30)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * so_t + head[:, None] * so_h + d[None, :]
+    o_ptrs = out_ptr + rows[:, None] * so_t + h * so_h + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -341,16 +342,15 @@ def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    pack_heads: bool = False, whole_tiles: bool = True,
+    whole_tiles: bool = True,
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
     `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
     sync is needed and the launch can be captured in a graph. Tile sizes left None come from `prefill_tiles`.
-    `pack_heads`: a tile's rows are block_m / G tokens times the G query heads of one KV head (each K/V tile read
-    once for them), else block_m tokens of one head. `whole_tiles`: each program walks first the K/V tiles every
-    row of its tile sees whole (no causal select), then the diagonal ones; off, every tile takes the select (the
-    former form, kept to be measured against). Neither changes a bit of the output.
+    `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
+    select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
+    against). It does not change a bit of the output.
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
@@ -364,15 +364,12 @@ def prefill_attention(
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    pack = H // hkv if pack_heads else 1
-    if block_m % pack:
-        raise ValueError(f"block_m {block_m} is not a multiple of the {pack} query heads a KV head packs")
-    grid = (triton.cdiv(max_seqlen_q or T, block_m // pack), H // pack, B + 1)
+    grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
-        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack,
-        WHOLE=whole_tiles, PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
+        HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
+        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
     )
     return out
 
