@@ -234,37 +234,51 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (split tokens, block_n, walk: None = the batch decides); the first is the runner's
-    "p256_bn128": (256, 128, None), "p256_bn64": (256, 64, None), "p256_bn32": (256, 32, None),
-    "p128_bn64": (128, 64, None), "p128_bn128": (128, 128, None), "p256_bn64_walk": (256, 64, True),
-    "p256_bn64_split": (256, 64, False)}
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, walk); the first is the runner's
+    "p256_bn128": (256, 128, False), "p256_bn128_walk": (256, 128, True), "p256_bn64": (256, 64, False),
+    "p256_bn32": (256, 32, False), "p128_bn64": (128, 64, False), "p128_bn128": (128, 128, False),
+    "p256_bn64_walk": (256, 64, True)}
+
+
+def served_contexts(batch: int, seed: int = 0) -> list[int]:
+    """Context lengths of `batch` running requests as the peer study's workload makes them: a log-normal prompt
+    (mean about 1,019 tokens, at most 4,096) plus a uniform share of a log-normal output (mean about 463, at most
+    2,048)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = (6.43 + torch.randn(batch, generator=g)).exp().clamp(1, 4096)
+    output = (5.64 + torch.randn(batch, generator=g)).exp().clamp(1, 2048) * torch.rand(batch, generator=g)
+    return [int(n) for n in (prompt + output).round().clamp(min=1)]
 
 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
-    128, Qwen3-30B-A3B) over split sizes and tiles, each row walked by one program or split over programs and folded
-    in a second launch (`p256_bn64_split` is the layout of the two-launch form this replaced; that form's own rows
-    are in BENCHMARKS.md, measured at e27dc5c). Block tables `width` blocks wide (8,208 tokens), as a runner's
-    are, whatever the context."""
+    128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
+    second launch (the runner's form) or walked by one program (`_walk`). Contexts equal (512 or 2,048) or as a
+    served step's are (`served_contexts`, context -1 in the rows; `context_mean`). Block tables `width` blocks wide
+    (8,208 tokens), as a runner's are, whatever the context."""
     from gpu_engine.kernels.attention import decode_attention
 
     rows = []
-    shapes = [(ctx, B, 8) for ctx in (512, 2048) for B in (1, 8, 64, 128)] + [(512, 64, 4), (512, 128, 4)]
-    for ctx, B, hkv in shapes:
-        per = ctx // 16 + 1
-        kc = torch.randn(B * per, 16, hkv, 128, device="cuda", dtype=torch.bfloat16)
+    shapes = ([([ctx] * B, 8) for ctx in (512, 2048) for B in (1, 8, 64, 128)] + [([512] * 64, 4), ([512] * 128, 4)]
+              + [(served_contexts(B), 8) for B in (32, 64, 128)])
+    for lens, hkv in shapes:
+        B, per = len(lens), [n // 16 + 1 for n in lens]
+        kc = torch.randn(sum(per), 16, hkv, 128, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         tables = torch.full((B, width), -1, device="cuda", dtype=torch.int32)
-        tables[:, :per] = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
-        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        for b, first in enumerate(itertools.accumulate([0] + per[:-1])):
+            tables[b, : per[b]] = torch.arange(first, first + per[b], device="cuda", dtype=torch.int32)
+        ctx_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
-        nbytes = 2 * B * ctx * hkv * 128 * 2 + 2 * _nbytes(q)
+        nbytes = 2 * sum(lens) * hkv * 128 * 2 + 2 * _nbytes(q)
+        equal = len(set(lens)) == 1
         for name, (part, bn, walk) in ATTENTION_VARIANTS.items():
-            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, o=out, part=part, bn=bn, walk=walk:
+            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, walk=walk:
                           decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, walk=walk,
                                            partition_size=part))
-            rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": ctx, "kv_heads": hkv,
+            rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": lens[0] if equal else -1,
+                         "context_mean": sum(lens) / B, "context_max": max(lens), "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})
     return rows
 

@@ -267,31 +267,26 @@ def _prec(dtype: torch.dtype) -> str:
 def decode_partition(batch: int, kv_heads: int) -> int:
     """Context tokens per split for a decode graph of `batch` rows: one size for every batch. A row's split
     (so its fp32 sums) must not depend on the batch it runs in, or a request's greedy tokens would depend on its
-    neighbours; what the batch may choose is how the splits are spread over programs (`decode_walks`)."""
+    neighbours."""
     del batch, kv_heads
     return 256
 
 
-def decode_walks(batch: int, kv_heads: int, device: torch.device, per_sm: int = 2) -> bool:
-    """Whether a step of `batch` rows walks each row's splits in one program (no partials, one launch): when there
-    are at least `per_sm` (row, KV head) programs an SM. Smaller steps give each split a program (the splits of one
-    row spread over the SMs) and fold them in a second launch. Either way a row's output has the same bits, so the
-    choice may follow the batch."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return batch * kv_heads >= per_sm * sms
-
-
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
-    out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, walk: bool | None = None,
+    out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, walk: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`).
 
     One program per (row, KV head) computes all the query heads of that KV head (GQA), so each K/V tile is
-    read once. `walk` (default `decode_walks`): that program walks the row's splits and folds them as it goes;
-    else one program per (row, KV head, split) writes partials and a second launch folds them. The two give the
-    same bits; only the split size and the tile size change a sum, and they are the same for every batch.
+    read once. By default one program per (row, KV head, split) writes partials and a second launch folds them;
+    `walk`: the (row, KV head) program walks the row's splits and folds them as it goes (no partials, one launch).
+    The two give the same bits; only the split size and the tile size change a sum, and they are the same for every
+    batch. The runner does not walk: with equal contexts walking is up to 10% faster from batch 33 up, but a
+    served step's contexts are uneven and a walked step waits on its longest row (on the H200, serving at 10 req/s,
+    the decode steps' inter-token latency p50 went from 8.4 to 11.5 ms with walking from batch 33 up; skewed rows
+    in `bench/kernels.py`, BENCHMARKS.md).
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and
     2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16: against
     64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
@@ -304,7 +299,6 @@ def decode_attention(
         raise ValueError("partition_size must be a multiple of block_n")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    walk = decode_walks(B, hkv, q.device) if walk is None else walk
     bd = next_pow2(D)
     po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
     pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)

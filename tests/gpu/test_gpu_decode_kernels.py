@@ -50,8 +50,8 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 
 @pytest.mark.parametrize("batch", [1, 8, 64, 128])
 def test_gpu_decode_attention_walked_split_and_replayed_give_the_same_bits(batch):
-    """Each row walked by one program or split over programs and folded by a second launch: the same bits (the
-    batch picks the form: a request's tokens must not depend on it); a captured launch replayed gives them again."""
+    """Each row walked by one program or split over programs and folded by a second launch (the runner's form): the
+    same bits; a captured launch replayed gives them again."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -60,7 +60,7 @@ def test_gpu_decode_attention_walked_split_and_replayed_give_the_same_bits(batch
     bt = torch.cat([bt, torch.full((batch, 300), -1, dtype=torch.int32, device=DEV)], dim=1)  # a runner's wide table
     q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
 
-    def run(walk=None, out=None):
+    def run(walk=False, out=None):
         return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, walk=walk)
 
     walked = run(True)
