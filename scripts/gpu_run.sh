@@ -90,7 +90,8 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #   PEERS_RATES=10,22 PEERS_COTENANTS=none,heavy PEERS_ARGS="--serve-args=--service-nice=-10 --out bench/results/peers_nice.json --plot bench/results/peers_nice" bash scripts/gpu_run.sh OUT peers_blink
 #   python -m bench.peers.report bench/results/peers.json     # the BENCHMARKS table (anywhere)
 peers_run() {  # peers_run SYSTEM
-  local t0=$SECONDS rc
+  local t0=$SECONDS rc mark
+  mark=$(mktemp)
   if [ "$1" = vllm ] && [ ! -f /tmp/vllm-site/env.sh ]; then
     (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
   fi
@@ -113,7 +114,9 @@ peers_run() {  # peers_run SYSTEM
     --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" \
     --time-budget-s "$(( ${T_PEERS:-560} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
   rc=$?
-  cp bench/results/peers* "$OUT/" 2>/dev/null
+  # only what this run wrote: a lent machine returns few files, and the tree's other peer results would crowd it out
+  find bench/results -maxdepth 1 -name 'peers*' -newer "$mark" -exec cp {} "$OUT/" \; 2>/dev/null
+  rm -f "$mark"
   # the servers' own logs (vLLM's start-up settings, Blink's events) go into logs.tgz
   find /tmp/blink-peers-work -name '*.log' 2>/dev/null | while read -r f; do cp "$f" "$OUT/peers_$1_$(basename "$(dirname "$f")")_$(basename "$f")"; done
   return $rc
