@@ -283,10 +283,10 @@ def decode_attention(
     read once. By default one program per (row, KV head, split) writes partials and a second launch folds them;
     `walk`: the (row, KV head) program walks the row's splits and folds them as it goes (no partials, one launch).
     The two give the same bits; only the split size and the tile size change a sum, and they are the same for every
-    batch. The runner does not walk: with equal contexts walking is up to 10% faster from batch 33 up, but a
-    served step's contexts are uneven and a walked step waits on its longest row (on the H200, serving at 10 req/s,
-    the decode steps' inter-token latency p50 went from 8.4 to 11.5 ms with walking from batch 33 up; skewed rows
-    in `bench/kernels.py`, BENCHMARKS.md).
+    batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch 33 up, but a
+    served step's contexts are uneven and a walked step waits on its longest row (H200, `bench/kernels.py` on
+    served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2 ms with walking
+    from batch 33 up against 11.9 ms without; BENCHMARKS.md).
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and
     2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16: against
     64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
