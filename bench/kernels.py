@@ -60,6 +60,18 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def _layer_inputs(runner, rows: int):
+    """Random inputs of one layer of `runner` for `rows` tokens: (x, residual, the qkv product, its (q, k, v) views
+    by head, an attention output like q)."""
+    cfg, w = runner.config, runner.layers[0]
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = torch.randn(rows, cfg.hidden_size, device=runner.device, dtype=runner.dtype)
+    qkv = F.linear(x, w.qkv)
+    q, k, v = (qkv[:, : hq * d].view(rows, hq, d), qkv[:, hq * d: (hq + hk) * d].view(rows, hk, d),
+               qkv[:, (hq + hk) * d:].view(rows, hk, d))
+    return x, torch.randn_like(x), qkv, (q, k, v), torch.empty_like(q)
+
+
 def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]:
     """Per-component time of one decode step of `batch` rows at context `ctx`, as staged in `runner`."""
     from gpu_engine.kernels.attention import decode_attention, decode_partition
@@ -68,15 +80,10 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     from gpu_engine.kernels.rmsnorm import rms_norm
 
     cfg, buf, w, L = runner.config, runner.buffers, runner.layers[0], len(runner.layers)
-    hq, hk, d, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    x = torch.randn(batch, H, device=runner.device, dtype=runner.dtype)
-    res = torch.randn_like(x)
-    qkv = F.linear(x, w.qkv)
-    q, k, v = (qkv[:, : hq * d].view(batch, hq, d), qkv[:, hq * d: (hq + hk) * d].view(batch, hk, d),
-               qkv[:, (hq + hk) * d:].view(batch, hk, d))
+    hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x, res, qkv, (q, k, v), attn = _layer_inputs(runner, batch)
     kc, vc = runner.kv.k[0], runner.kv.v[0]
-    attn = torch.empty_like(q)
-    row = batch * H * x.element_size()  # one [batch, hidden] activation
+    row = batch * cfg.hidden_size * x.element_size()  # one [batch, hidden] activation
     eps = cfg.rms_norm_eps
     parts = {  # per layer: (launch, bytes it must move)
         "norms": (lambda: (rms_norm(x, w.attn_norm, eps, residual=res), rms_norm(x, w.mlp_norm, eps, residual=res)),
@@ -109,18 +116,13 @@ def prefill_breakdown(runner, tokens: int, gbps: float, tflops: float) -> dict[s
     from gpu_engine.kernels.qkv_prep import qkv_prep
     from gpu_engine.kernels.rmsnorm import rms_norm
 
-    cfg, buf, w, L = runner.config, runner.buffers, runner.layers[0], len(runner.layers)
-    hq, hk, d, H, T = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, tokens
-    x = torch.randn(T, H, device=runner.device, dtype=runner.dtype)
-    res = torch.randn_like(x)
-    qkv = F.linear(x, w.qkv)
-    q, k, v = (qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d: (hq + hk) * d].view(T, hk, d),
-               qkv[:, (hq + hk) * d:].view(T, hk, d))
+    cfg, buf, w, L, T = runner.config, runner.buffers, runner.layers[0], len(runner.layers), tokens
+    x, res, qkv, (q, k, v), attn = _layer_inputs(runner, T)
     kc, vc = runner.kv.k[0], runner.kv.v[0]
-    attn = torch.empty_like(q)
+    hq, d = cfg.num_heads, cfg.head_dim
     gu = F.linear(x, w.gate_up)
     h = silu_and_mul(gu)
-    row, eps = T * H * x.element_size(), cfg.rms_norm_eps
+    row, eps = T * cfg.hidden_size * x.element_size(), cfg.rms_norm_eps
 
     def gemm(out: torch.Tensor, weight: torch.Tensor) -> float:
         return 2.0 * out.shape[0] * weight.shape[0] * weight.shape[1]
