@@ -110,28 +110,21 @@ def test_decode_attention(dtype, tol):
     _close(got, want, tol)
 
 
-def test_decode_attention_walked_or_split_gives_the_same_bits():
-    """A row's splits walked and folded by one program, or computed by a program each and folded by a second
-    launch: the same sums in the same order, so the outputs are equal bit for bit (the batch picks the form, and a
-    request's tokens must not depend on it); both within the reference's tolerance, empty rows zero."""
+def test_decode_attention_forms_give_the_same_bits():
+    """A row's splits computed by a program each and folded by a second launch, walked and folded by one program, or
+    shared out among a few programs from a list of the step's (row, split) pairs, then folded: the same sums in the
+    same order, so the outputs are equal bit for bit; within the reference's tolerance, empty rows zero."""
     kc, vc, bt, ctx = _paged([1, 37, 0, 70, 129, 64], nblocks=100)
     q = torch.randn(6, 8, 16, device=DEV)
-    walked = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, walk=True)
-    split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, walk=False)
-    assert torch.equal(walked, split)
-    assert not walked[2].any()
-    _close(walked, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
-
-
-def test_prefill_attention_varlen_with_prefix():
-    lens_q = [5, 0, 19, 1]
-    ctx_lens = [5, 3, 27, 9]
-    kc, vc, bt, ctx = _paged(ctx_lens)
-    cu = torch.tensor([0, 5, 5, 24, 25], dtype=torch.int32, device=DEV)
-    q = torch.randn(sum(lens_q), 8, 16, device=DEV)
-    want = attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 0.3)
-    got = attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, block_m=16, block_n=16)
-    _close(got, want, 1e-4)
+    split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16)
+    for form, per_sm in (("walk", 16), ("listed", 1), ("listed", 3), ("listed", 64)):
+        got = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, form=form,
+                                         programs_per_sm=per_sm)
+        assert torch.equal(got, split), (form, per_sm)
+    assert not split[2].any()
+    _close(split, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
+    with pytest.raises(ValueError, match="form"):
+        attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="walked")
 
 
 def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):

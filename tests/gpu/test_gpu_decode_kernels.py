@@ -49,9 +49,10 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64, 128])
-def test_gpu_decode_attention_walked_split_and_replayed_give_the_same_bits(batch):
-    """Each row walked by one program or split over programs and folded by a second launch (the runner's form): the
-    same bits; a captured launch replayed gives them again."""
+def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
+    """Each row's splits computed by a program each and folded by a second launch (the runner's form), walked and
+    folded by one program, or shared out from the step's list of (row, split) pairs: the same bits; a captured
+    launch replayed gives them again."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -60,26 +61,28 @@ def test_gpu_decode_attention_walked_split_and_replayed_give_the_same_bits(batch
     bt = torch.cat([bt, torch.full((batch, 300), -1, dtype=torch.int32, device=DEV)], dim=1)  # a runner's wide table
     q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
 
-    def run(walk=False, out=None):
-        return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, walk=walk)
+    def run(form="split", out=None, **kw):
+        return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, form=form, **kw)
 
-    walked = run(True)
-    assert torch.equal(run(False), walked)
-    out = torch.full_like(q, float("nan"))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, walked)
-    torch.testing.assert_close(walked.float(), attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5).float(),
+    split = run()
+    for form, kw in (("walk", {}), ("listed", {}), ("listed", {"programs_per_sm": 2})):
+        assert torch.equal(run(form, **kw), split), (form, kw)
+    for form in ("split", "listed"):
+        out = torch.full_like(q, float("nan"))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(form, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(form, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, split), form
+    torch.testing.assert_close(split.float(), attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5).float(),
                                rtol=2e-2, atol=2e-2)
 
 
