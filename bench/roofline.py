@@ -45,6 +45,7 @@ BLOCK = 16
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 MOE_BATCHES = (1, 8, 64, 128)
 CONTEXTS = (512, 2048)
+SERVED_BATCHES = (32, 64, 128)  # dense decode rows also measured on served contexts (`bench.kernels.served_contexts`)
 PREFILL_TOKENS = (512, 2048, 8192)
 MIXED_BUDGETS = (2048, 8192)  # the default step budget and vLLM's
 MIXED_DECODES = (32, 128)
@@ -95,12 +96,17 @@ def build(hf: dict, max_ctx: int, batches, prefill):
     return cfg, model, GpuModelRunner(model, kv, limits), per_seq
 
 
-def stage_step(runner, batch: int, ctx: int, new: int, per_seq: int, logprobs: bool = False) -> None:
-    """B sequences of `ctx` tokens after this step, each adding `new` tokens, disjoint blocks; greedy,
-    with or without log-probs."""
+def stage_step(runner, batch: int, ctx, new: int, per_seq: int, logprobs: bool = False) -> None:
+    """B sequences of `ctx` tokens after this step (or of `ctx[b]` tokens, a list), each adding `new` tokens,
+    disjoint blocks; greedy, with or without log-probs."""
     from gpu_engine.models.attention import build_metadata
 
-    seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
+    if isinstance(ctx, list):  # uneven: each sequence's blocks follow the previous one's
+        firsts = [sum(-(-n // BLOCK) for n in ctx[:b]) for b in range(batch)]
+        seqs = [(n - new, new, list(range(first, first + -(-n // BLOCK))))
+                for n, first in zip(ctx, firsts, strict=True)]
+    else:
+        seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
     meta = build_metadata(seqs, BLOCK, device="cuda")
     ids = torch.randint(0, runner.config.vocab_size, (batch * new,), device="cuda")
     runner.stage(ids, meta, {"want_logprobs": torch.full((batch,), int(logprobs), dtype=torch.int32)})
@@ -147,20 +153,24 @@ def capture(runner, batches, prefill):
         return graphs, graphs.capture(progress=True)
 
 
-def decode_row(name, cfg, model, runner, graphs, b: int, ctx: int, per_seq: int, gbps: float, iters: int) -> dict:
+def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps: float, iters: int) -> dict:
+    """One decode row: `ctx` tokens for every sequence, or a list of each sequence's (served contexts: the row's
+    `context` is -1, `context_mean` their mean)."""
     from bench.kernels import step_breakdown
 
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    total = sum(ctx) if isinstance(ctx, list) else b * ctx
     stage_step(runner, b, ctx, 1, per_seq, logprobs=True)
     ms_logprobs = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
     stage_step(runner, b, ctx, 1, per_seq)
     ms = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
     ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
     sample_ms = _time_ms(lambda: runner._sample(b), iters)
-    floor = (weight_bytes(model, b) + b * ctx * kv_per_token) / (gbps * 1e9) * 1e3
-    parts = step_breakdown(runner, b, ctx, gbps)
-    row = {"model": name, "phase": "decode", "batch": b, "context": ctx, "tokens": b, "ms": ms, "floor_ms": floor,
-           "sample_ms": sample_ms, "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
+    floor = (weight_bytes(model, b) + total * kv_per_token) / (gbps * 1e9) * 1e3
+    parts = step_breakdown(runner, b, round(total / b), gbps)
+    row = {"model": name, "phase": "decode", "batch": b, "context": -1 if isinstance(ctx, list) else ctx,
+           "context_mean": total / b, "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms,
+           "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
     if cfg.num_experts:
         from gpu_engine.kernels.moe import small_path
 
@@ -177,6 +187,11 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
           f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
     rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, per_seq, gbps, iters)
             for ctx in CONTEXTS for b in batches]
+    if not cfg.num_experts:  # steps as served: uneven contexts (equal ones hid a form that waits on the longest row)
+        from bench.kernels import served_contexts
+
+        rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), per_seq, gbps, iters)
+                 for b in SERVED_BATCHES if b in batches]
     for t in prefill:
         stage_step(runner, 1, t, t, per_seq)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
@@ -329,7 +344,8 @@ def plot(result: dict, path: Path) -> None:
         for i, ctx in enumerate(contexts):
             ratio = {r["batch"]: r["ms"] / r["floor_ms"] for r in rows if r["context"] == ctx}
             xs = [j + (i - (len(contexts) - 1) / 2) * width for j in range(len(batches))]
-            ax.bar(xs, [ratio.get(b, 0.0) for b in batches], width, label=f"context {ctx}")
+            ax.bar(xs, [ratio.get(b, 0.0) for b in batches], width,
+                   label="served contexts" if ctx == -1 else f"context {ctx}")
         for j, b in enumerate(batches):
             if (model, b) in GOALS:
                 ax.hlines(GOALS[(model, b)], j - 0.45, j + 0.45, colors="black", linestyles="dashed")
