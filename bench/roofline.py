@@ -7,7 +7,9 @@ not read, only B rows of it; for MoE only the experts a step routes to, `active_
 expected count under uniform routing); prefill = FLOPs (linear layers + causal attention) / matmul
 rate. Decode rows are greedy without log-probs, so `ms` is the unfiltered decode graph, the one such
 steps run; `ms_filtered` the same step through the filtering variant (top-k / top-p / min-p),
-`ms_logprobs` with every row asking for log-probs. `breakdown` is each component's time in one step
+`ms_logprobs` with every row asking for log-probs. Dense decode rows of `context` -1 are steps of
+`SERVED_BATCHES` rows whose contexts are uneven as a served step's are (`bench.kernels.served_contexts`;
+`context_mean`), their floor counting each row's KV. `breakdown` is each component's time in one step
 (each timed alone, in a captured graph of repeats) and `floor_ms` its own bytes / bandwidth (dense prefill rows:
 the GEMMs' and attention's FLOPs / matmul rate, `tflops` achieved).
 MoE rows name the expert path their steps take (`moe_path`: the sort-free one up to
