@@ -354,8 +354,9 @@ def prefill_tiles(dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
     rows a tile, else 8).
 
     64-row tiles over 64-token K/V tiles, 2 stages, for every dtype: on the H200 (`bench/kernels.py --only prefill`,
-    bf16) they beat 128-row tiles (8 warps, 2 or 3 stages) by 5-15% and 128-token K/V tiles by 25-35%. A step of
-    under 64 rows (a short chunk) takes 16-row tiles. A row's result depends on block_n only (its tiles are summed
+    bf16, BENCHMARKS.md) 128-row tiles were 15-22% slower over 64-token K/V tiles and level to 13% slower over
+    128-token ones, 3 stages level, 64-row tiles over 128-token K/V tiles 28-58% slower. A step of under 64 rows
+    (a short chunk) takes 16-row tiles. A row's result depends on block_n only (its tiles are summed
     in order from token 0), not on which rows share its tile, so chunk size and tile height do not change its
     bits."""
     if tokens < 64:
