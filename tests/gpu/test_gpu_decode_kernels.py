@@ -52,7 +52,7 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     """Each row's splits computed by a program each and folded by a second launch (the runner's form), walked and
     folded by one program, or shared out from the step's list of (row, split) pairs: the same bits; a captured
-    launch replayed gives them again."""
+    launch replayed gives them again, and follows new context lengths written into its buffer."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -82,6 +82,15 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, split), form
+        # the next step: other context lengths in the same buffer, as the runner replays its graphs
+        full = ctx.clone()
+        ctx.copy_(torch.where(torch.arange(batch, device=DEV) % 2 == 0, (full // 3).clamp(min=1), full))
+        want = run()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ctx.copy_(full)
+        assert torch.equal(out, want), form
     torch.testing.assert_close(split.float(), attention.decode_attention_ref(q, kc, vc, bt, ctx, 128 ** -0.5).float(),
                                rtol=2e-2, atol=2e-2)
 
