@@ -32,9 +32,18 @@ mkdir -p "$OUT"
 # soak and serving clients keep thousands of sockets open
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 PY="${PYTHON:-python3}"
+# A lent machine takes one transfer of at most 64 MiB a call: the wheels (.whl/, 25 MB with the tokenizer assets)
+# and each vLLM kit part (55 MiB) travel in separate calls. What a call brings is kept in /tmp for the calls after
+# it, while the machine stays up: the wheels installed in /tmp/blink-site, the tokenizer assets copied to
+# /tmp/blink-tokenizer-assets, and any file in .vllmkit/ (ignored by git) copied to $VLLMKIT_PARTS.
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site .whl/*.whl
-  export PYTHONPATH="/tmp/blink-site${PYTHONPATH:+:$PYTHONPATH}"
+  [ -d .whl/tokenizer-assets ] && rm -rf /tmp/blink-tokenizer-assets && cp -r .whl/tokenizer-assets /tmp/blink-tokenizer-assets
+fi
+[ -d /tmp/blink-site ] && export PYTHONPATH="/tmp/blink-site${PYTHONPATH:+:$PYTHONPATH}"
+if ls .vllmkit/* >/dev/null 2>&1; then
+  mkdir -p "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && cp .vllmkit/* "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}/"
+  echo "vLLM kit parts now in ${VLLMKIT_PARTS:-/tmp/vllmkit-parts}: $(ls "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" | tr '\n' ' ')"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 BLINK_GPU_OUT="$OUT"
@@ -51,7 +60,11 @@ step() {  # step NAME TIMEOUT CMD...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/nvidia_smi.log" 2>&1
 SOAK="${BLINK_SOAK_DIR:-/tmp/blink-soak}"
-export BLINK_TOKENIZER_ASSETS="${BLINK_TOKENIZER_ASSETS:-$PWD/.whl/tokenizer-assets}"
+if [ -z "${BLINK_TOKENIZER_ASSETS:-}" ]; then
+  BLINK_TOKENIZER_ASSETS=$PWD/.whl/tokenizer-assets
+  [ -d "$BLINK_TOKENIZER_ASSETS" ] || [ ! -d /tmp/blink-tokenizer-assets ] || BLINK_TOKENIZER_ASSETS=/tmp/blink-tokenizer-assets
+fi
+export BLINK_TOKENIZER_ASSETS
 ASSETS="$BLINK_TOKENIZER_ASSETS"
 soak_start() {  # the persistent scheduler under a soak: the serving study's tiny Llama-3 folder, fp32, real tokenizer
   local model src="$SOAK/src"
@@ -70,7 +83,8 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 # The peer study (bench/peers): one system per invocation, started once, serving every rate and co-tenant level
 # given; results merge into bench/results/peers.json (kept in the tree) and are copied to OUTDIR.
 #   peers_vllm   vLLM 0.26 from an offline wheel bundle whose parts (vllmkit.tar.xz.part*, SHA256SUMS, install.sh,
-#                check_deps.py) are in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/; they may be copied there in turns);
+#                check_deps.py) are in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/; they may arrive in turns, one part in
+#                .vllmkit/ a call, each copied there by the call that brings it);
 #                the step runs install.sh there once (-> /tmp/vllm-site) unless /tmp/vllm-site/env.sh exists.
 #                vLLM's first start compiles (80-123 s).
 #   peers_blink  Blink persistent;   peers_host  Blink host-driven.
