@@ -127,6 +127,17 @@ def test_decode_attention_forms_give_the_same_bits():
         attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="walked")
 
 
+def test_prefill_attention_varlen_with_prefix():
+    lens_q = [5, 0, 19, 1]
+    ctx_lens = [5, 3, 27, 9]
+    kc, vc, bt, ctx = _paged(ctx_lens)
+    cu = torch.tensor([0, 5, 5, 24, 25], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(lens_q), 8, 16, device=DEV)
+    want = attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 0.3)
+    got = attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, block_m=16, block_n=16)
+    _close(got, want, 1e-4)
+
+
 def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
     """One prompt of n tokens (its K/V already in the cache) prefilled chunk by chunk: each chunk's rows see
     the cache up to their own position, as the runner's steps do."""
@@ -142,9 +153,9 @@ def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
 
 def test_prefill_attention_bits_do_not_depend_on_chunks_or_tile_height():
     """A prompt prefilled whole, in uneven chunks, with another query-tile height, or with the causal select on
-    every tile: the same bits (a row sums its K/V tiles in
-    order from token 0 whatever its chunk and its tile's other rows, and tiles it sees whole skip only an all-true
-    select), so prefix caching and the chunk budget never change a prompt's logits."""
+    every tile: the same bits (a row sums its K/V tiles in order from token 0 whatever its chunk and its tile's
+    other rows, and the select changes no bit of a tile it sees whole), so prefix caching and the chunk budget never
+    change a prompt's logits."""
     n = 45
     kc, vc, bt, _ = _paged([n], nblocks=20)
     q = torch.randn(n, 8, 16, device=DEV)
