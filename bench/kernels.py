@@ -253,6 +253,16 @@ def served_contexts(batch: int, seed: int = 0) -> list[int]:
     return [int(n) for n in (prompt + output).round().clamp(min=1)]
 
 
+def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int = 16, d: int = 128):
+    """A bf16 K and V cache holding each sequence's `blocks[b]` blocks one after another, and block tables `width`
+    blocks wide (default: the longest sequence's), -1 past each sequence's blocks."""
+    kc = torch.randn(sum(blocks), bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.full((len(blocks), width or max(blocks)), -1, device="cuda", dtype=torch.int32)
+    for b, first in enumerate(itertools.accumulate([0] + blocks[:-1])):
+        tables[b, : blocks[b]] = torch.arange(first, first + blocks[b], device="cuda", dtype=torch.int32)
+    return kc, torch.randn_like(kc), tables
+
+
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
     128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
@@ -266,12 +276,8 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     shapes = ([([ctx] * B, 8) for ctx in (512, 2048) for B in (1, 8, 64, 128)] + [([512] * 64, 4), ([512] * 128, 4)]
               + [(served_contexts(B), 8) for B in (32, 64, 128)])
     for lens, hkv in shapes:
-        B, per = len(lens), [n // 16 + 1 for n in lens]
-        kc = torch.randn(sum(per), 16, hkv, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        tables = torch.full((B, width), -1, device="cuda", dtype=torch.int32)
-        for b, first in enumerate(itertools.accumulate([0] + per[:-1])):
-            tables[b, : per[b]] = torch.arange(first, first + per[b], device="cuda", dtype=torch.int32)
+        B = len(lens)
+        kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width)
         ctx_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
         q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
@@ -287,7 +293,7 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     return rows
 
 
-PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_tiles`)
+PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_block_m`)
     "default": {}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
     "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128}}
 
@@ -311,12 +317,7 @@ def prefill_rows(gbps: float) -> list[dict]:
              "4x_prompt_512": [(512, 512)] * 4}
     rows = []
     for case, seqs in cases.items():
-        per = [-(-ctx // bs) for _, ctx in seqs]
-        kc = torch.randn(sum(per), bs, hkv, D, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        tables = torch.full((len(seqs), max(per)), -1, device="cuda", dtype=torch.int32)
-        for b, first in enumerate(itertools.accumulate([0] + per[:-1])):
-            tables[b, : per[b]] = torch.arange(first, first + per[b], device="cuda", dtype=torch.int32)
+        kc, vc, tables = _paged_cache([-(-ctx // bs) for _, ctx in seqs], hkv, bs=bs, d=D)
         lens = torch.tensor([ctx for _, ctx in seqs], device="cuda", dtype=torch.int32)
         cu = torch.tensor([0, *itertools.accumulate(n for n, _ in seqs)], device="cuda", dtype=torch.int32)
         T = int(cu[-1])

@@ -28,6 +28,7 @@ an existing `--out`, no GPU needed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -104,9 +105,10 @@ def stage_step(runner, batch: int, ctx, new: int, per_seq: int, logprobs: bool =
     from gpu_engine.models.attention import build_metadata
 
     if isinstance(ctx, list):  # uneven: each sequence's blocks follow the previous one's
-        firsts = [sum(-(-n // BLOCK) for n in ctx[:b]) for b in range(batch)]
-        seqs = [(n - new, new, list(range(first, first + -(-n // BLOCK))))
-                for n, first in zip(ctx, firsts, strict=True)]
+        blocks = [-(-n // BLOCK) for n in ctx]
+        firsts = itertools.accumulate([0] + blocks[:-1])
+        seqs = [(n - new, new, list(range(first, first + nb)))
+                for n, nb, first in zip(ctx, blocks, firsts, strict=True)]
     else:
         seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
     meta = build_metadata(seqs, BLOCK, device="cuda")

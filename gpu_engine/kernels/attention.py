@@ -349,31 +349,25 @@ def decode_attention(
     return out
 
 
-def prefill_tiles(dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
-    """(block_m, block_n, num_stages) of the prefill kernel for a step of `tokens` query rows (4 warps up to 64
-    rows a tile, else 8).
-
-    64-row tiles over 64-token K/V tiles, 2 stages, for every dtype: on the H200 (`bench/kernels.py --only prefill`,
-    bf16, BENCHMARKS.md) 128-row tiles were 15-22% slower over 64-token K/V tiles and level to 13% slower over
-    128-token ones, 3 stages level, 64-row tiles over 128-token K/V tiles 28-58% slower. A step of under 64 rows
-    (a short chunk) takes 16-row tiles. A row's result depends on block_n only (its tiles are summed
-    in order from token 0), not on which rows share its tile, so chunk size and tile height do not change its
-    bits."""
-    if tokens < 64:
-        return 16, 64, 2
-    return 64, 64, 2
+def prefill_block_m(tokens: int) -> int:
+    """Query rows a prefill program takes for a step of `tokens` rows: 64 (16 for a short chunk), over 64-token K/V
+    tiles and 2 stages, for every dtype. On the H200 (`bench/kernels.py --only prefill`, bf16, BENCHMARKS.md)
+    128-row tiles were 15-22% slower over 64-token K/V tiles and level to 13% slower over 128-token ones, 3 stages
+    level, 64-row tiles over 128-token K/V tiles 28-58% slower. A row's result depends on the K/V tile size only
+    (its tiles are summed in order from token 0), not on which rows share its tile, so chunk size and tile height
+    do not change its bits."""
+    return 16 if tokens < 64 else 64
 
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    whole_tiles: bool = True,
+    block_n: int = 64, num_warps: int | None = None, num_stages: int = 2, whole_tiles: bool = True,
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
     `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
-    sync is needed and the launch can be captured in a graph. Tile sizes left None come from `prefill_tiles`.
+    sync is needed and the launch can be captured in a graph. `block_m` left None: `prefill_block_m`.
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
     against). It does not change a bit of the output.
@@ -386,8 +380,7 @@ def prefill_attention(
     check("out", out, dtype=q.dtype, shape=(T, H, D), device=q.device)
     if T == 0 or B == 0:
         return out
-    tiles = prefill_tiles(q.dtype, T)
-    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    block_m = block_m or prefill_block_m(T)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
@@ -395,7 +388,7 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
-        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages or tiles[2],
+        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
