@@ -236,11 +236,9 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, programs an SM for "listed"); the first is the runner's
-    "p256_bn128": (256, 128, "split", 0), "p256_bn128_walk": (256, 128, "walk", 0),
-    "p256_bn128_listed8": (256, 128, "listed", 8), "p256_bn128_listed16": (256, 128, "listed", 16),
-    "p256_bn128_listed32": (256, 128, "listed", 32), "p256_bn64": (256, 64, "split", 0),
-    "p128_bn128": (128, 128, "split", 0)}
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form); the first is the runner's
+    "p256_bn128": (256, 128, "split"), "p256_bn128_walk": (256, 128, "walk"), "p256_bn64": (256, 64, "split"),
+    "p128_bn128": (128, 128, "split")}
 
 
 def served_contexts(batch: int, seed: int = 0) -> list[int]:
@@ -266,8 +264,7 @@ def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
     128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
-    second launch (the runner's form), walked by one program (`_walk`), or shared out from the step's (row, split)
-    list by 8, 16 or 32 programs an SM (`_listed`). Contexts equal (512 or 2,048) or as a
+    second launch (the runner's form) or walked by one program (`_walk`). Contexts equal (512 or 2,048) or as a
     served step's are (`served_contexts`, context -1 in the rows; `context_mean`). Block tables `width` blocks wide
     (8,208 tokens), as a runner's are, whatever the context."""
     from gpu_engine.kernels.attention import decode_attention
@@ -283,10 +280,10 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
         out = torch.empty_like(q)
         nbytes = 2 * sum(lens) * hkv * 128 * 2 + 2 * _nbytes(q)
         equal = len(set(lens)) == 1
-        for name, (part, bn, form, per_sm) in ATTENTION_VARIANTS.items():
-            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, form=form,
-                          per_sm=per_sm: decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, form=form,
-                                                          partition_size=part, programs_per_sm=per_sm or 16))
+        for name, (part, bn, form) in ATTENTION_VARIANTS.items():
+            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, form=form:
+                          decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, form=form,
+                                           partition_size=part))
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": lens[0] if equal else -1,
                          "context_mean": sum(lens) / B, "context_max": max(lens), "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})

@@ -82,16 +82,16 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize("form", ["split", "walk", "listed"])
+@pytest.mark.parametrize("form", ["split", "walk"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> None:
-    """The decode attention in its three forms (a program per split; a row walked by one program; programs sharing
-    out the step's (row, split) list) at the runner's shape, and the fold of the partials."""
+    """The decode attention in its two forms (a program per split; a row walked by one program) at the runner's
+    shape, and the fold of the partials."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
            f"pl_ptr:*fp32 out_ptr:*{dtype} sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
-           "scale_log2:fp32 NSPLIT:i32 B:i32 NPROG:i32")
+           "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "BLOCK_B": 64, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32"}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out

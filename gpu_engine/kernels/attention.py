@@ -68,21 +68,18 @@ def _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l):
     tl.store(o_ptrs, (run_acc / tl.maximum(run_l, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["B", "NPROG"])  # one compiled kernel whatever the batch
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
-    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT, B, NPROG,
+    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr,
+    FORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """The (row, split) items one program computes, by FORM: "split", program (row, KV head, split s) computes
     split s and writes its partial for `_fold_kernel`; "walk", program (row, KV head) computes the row's splits in
-    order and folds each into a running result as it goes, then writes the output; "listed", program (p, KV head)
-    computes items p, p + NPROG, ... of the step's list of (row, split) pairs, rows in order and each row's splits in
-    order (enumerated in the program from the B context lengths, so no program is launched for a split past its
-    row's context), and writes their partials for `_fold_kernel`. A split's partial is the same whichever program
-    computes it."""
+    order and folds each into a running result as it goes, then writes the output. A split's partial is the same
+    whichever program computes it."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -90,35 +87,22 @@ def _decode_kernel(
     heads = kvh * G + g
     gmask = g < G
     omask = gmask[:, None] & (d[None, :] < D)
-    if FORM == "listed":
-        r = tl.arange(0, BLOCK_B)
-        row_splits = tl.cdiv(tl.load(ctx_ptr + r, mask=r < B, other=0), PART)
-        row_end = tl.cumsum(row_splits, 0)  # items before the end of each row
-        lo = pid
-        hi = tl.sum(row_splits, 0)
-        step = NPROG
-    else:
-        lo = 0
-        hi = tl.cdiv(tl.load(ctx_ptr + pid), PART)
-        step = 1
-        if FORM == "split":
-            lo = tl.program_id(2)
-            hi = tl.minimum(lo + 1, hi)
+    b = pid
+    n_ctx = tl.load(ctx_ptr + b)
+    lo = 0
+    hi = tl.cdiv(n_ctx, PART)
+    if FORM == "split":
+        lo = tl.program_id(2)
+        hi = tl.minimum(lo + 1, hi)
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
-    for item in range(lo, hi, step):
-        if FORM == "listed":
-            b = tl.sum((row_end <= item).to(tl.int32), 0)
-            s = item - tl.sum(tl.where(r == b, row_end - row_splits, 0), 0)
-        else:
-            b = pid
-            s = item
-        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
-        bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+    for s in range(lo, hi):
         # online softmax of the G query heads over this split's tokens, exp2 domain, fp32
         start = s * PART
-        end = tl.minimum(start + PART, tl.load(ctx_ptr + b))
+        end = tl.minimum(start + PART, n_ctx)
         m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
         lsum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -288,13 +272,12 @@ def decode_partition(batch: int, kv_heads: int) -> int:
     return 256
 
 
-DECODE_FORMS = ("split", "walk", "listed")
+DECODE_FORMS = ("split", "walk")
 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
-    programs_per_sm: int = 16,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`).
@@ -302,14 +285,14 @@ def decode_attention(
     Each program computes all the query heads of one KV head (GQA), so each K/V tile is read once. `form`
     (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
     launch folds them; "walk", a program per (row, KV head) walks the row's splits and folds them as it goes (no
-    partials, one launch); "listed", `programs_per_sm` x SMs programs share the step's (row, split) pairs out
-    among themselves (no program for a split past its row's context: a runner's block tables are as wide as the
-    longest context allowed, so "split" launches a program for every split that width holds), then the fold.
-    All give the same bits; only the split size and the tile size change a sum, and they are the same for every
-    batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch 33 up, but a
-    served step's contexts are uneven and a walked step waits on its longest row (H200, `bench/kernels.py` on
-    served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2 ms with walking
-    from batch 33 up against 11.9 ms without; BENCHMARKS.md). "listed" awaits its measurement.
+    partials, one launch). Both give the same bits; only the split size and the tile size change a sum, and they are
+    the same for every batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch
+    33 up, but a served step's contexts are uneven and a walked step waits on its longest row (H200,
+    `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2
+    ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form, programs sharing out the
+    step's list of (row, split) pairs so that none is launched for a split past its row's context, measured 6-18%
+    slower than "split" on served contexts at batches 32-128 and was dropped: the programs that find their split
+    empty exit at once.
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and
     2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16: against
     64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
@@ -333,15 +316,11 @@ def decode_attention(
         return out
     consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
               "PART": partition_size}
-    nprog, block_b = B, 16  # block_b: rows a "listed" program enumerates (one compiled kernel for the others)
-    if form == "listed":
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 4
-        nprog, block_b = min(triton.cdiv(programs_per_sm * sms, hkv), B * nsplit), max(16, next_pow2(B))
-    grid = (nprog, hkv, nsplit) if form == "split" else (nprog, hkv)
+    grid = (B, hkv, nsplit) if form == "split" else (B, hkv)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        B, nprog, BS=bs, BLOCK_N=block_n, FORM=form, BLOCK_B=block_b, PREC=_prec(q.dtype), num_warps=4, **consts,
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=4, **consts,
     )
     if not walk:
         _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,
