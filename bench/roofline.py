@@ -19,6 +19,8 @@ requests at `context` tokens each plus one prompt chunk that fills the step's to
 the mixed graphs the engines capture (`serve_gpu.mixed_buckets`, the unfiltered variant); beside each,
 the same decode rows alone and a prompt of the budget's tokens alone. Floor: the larger of the step's
 bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
+`mixed_saturated_rate`: the serving rate each budget would saturate at by a model of these steps
+(`saturated_rate`), which ranks the budgets for the peer study's workload.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -50,8 +52,8 @@ MOE_BATCHES = (1, 8, 64, 128)
 CONTEXTS = (512, 2048)
 SERVED_BATCHES = (32, 64, 128)  # dense decode rows also measured on served contexts (`bench.kernels.served_contexts`)
 PREFILL_TOKENS = (512, 2048, 8192)
-MIXED_BUDGETS = (2048, 8192)  # the default step budget and vLLM's
-MIXED_DECODES = (32, 128)
+MIXED_BUDGETS = (512, 1024, 2048, 8192)  # smaller budgets, the default step budget and vLLM's
+MIXED_DECODES = (32, 64, 128)
 MIXED_CONTEXT = 1024  # the decode rows' context, about the peer study's mean prompt
 
 
@@ -277,6 +279,25 @@ def run_mixed(gbps: float, tflops: float, iters: int) -> list[dict]:
     return rows
 
 
+def saturated_rate(rows: list[dict], prompt: float = 1019.0, output: float = 463.0) -> dict[int, float]:
+    """A model of the saturated serving rate (requests/s) at each token budget, from the mixed rows of the
+    largest decode batch B: every step carries B decodes, so a second holds (requests x `output`) / B steps, of
+    which (requests x `prompt`) / chunk carry a chunk of (budget - B) prompt tokens (the mixed step's time) and
+    the rest decode alone (where the chunks need more steps than that, every step carries one and the prompts
+    bound the rate). Means of the peer study's workload; its contexts are uneven where these are equal,
+    so the figures rank the budgets rather than predict the peer study's rates."""
+    mixed = [r for r in rows if r.get("phase") == "mixed"]
+    if not mixed:
+        return {}
+    B = max(r["decodes"] for r in mixed)
+    rates = {}
+    for r in (r for r in mixed if r["decodes"] == B):
+        chunk_steps = prompt / (r["tokens"] - B)
+        decode_steps = max(0.0, output / B - chunk_steps)  # per request; none when prompts alone fill every step
+        rates[r["tokens"]] = 1e3 / (chunk_steps * r["ms"] + decode_steps * r["decode_alone_ms"])
+    return rates
+
+
 MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
           "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
 KINDS = (*MODELS, "mixed")
@@ -304,9 +325,16 @@ def run(out: Path, iters: int, models=("dense", "moe")) -> dict:
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
+    if "mixed" in models:
+        result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _chunk_token_us(row: dict) -> float:
+    """What a mixed step's prompt tokens add to its decode rows' step, a token."""
+    return (row["ms"] - row["decode_alone_ms"]) / (row["tokens"] - row["decodes"]) * 1e3
 
 
 def print_table(result: dict) -> None:
@@ -319,10 +347,13 @@ def print_table(result: dict) -> None:
               + (f"  (log-probs {r['ms_logprobs']:.3f} ms)" if "ms_logprobs" in r else "")
               + (f"  (MoE {r['moe_path']} path)" if "moe_path" in r else "")
               + (f"  ({r['decodes']} decodes alone {r['decode_alone_ms']:.3f} ms, a {r['tokens']}-token prompt alone "
-                 f"{r['prompt_alone_ms']:.3f} ms)" if r.get("phase") == "mixed" else ""))
+                 f"{r['prompt_alone_ms']:.3f} ms; {_chunk_token_us(r):.1f} us a chunk token)"
+                 if r.get("phase") == "mixed" else ""))
         for part, v in r.get("breakdown", {}).items():
             rate = f"{v['tflops']:7.1f} TFLOP/s" if "tflops" in v else f"{v['gbps']:7.0f} GB/s"
             print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {rate}")
+    for budget, rate in result.get("mixed_saturated_rate", {}).items():
+        print(f"budget {budget:>5} tokens: saturated about {rate:.1f} req/s (`saturated_rate`, a model)")
 
 
 # The goals per (model, batch): dense <= 1.15x at batch 1, 1.2x at 8, 1.3x at 64 and 128; MoE <= 1.4x at 1 and 64.
