@@ -15,6 +15,7 @@ neither in the default sets)
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -355,25 +356,38 @@ def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
     return rows
 
 
-def gemv_rows(gbps: float) -> list[dict]:
-    """The skinny matmul against cuBLAS (F.linear) at the Llama-3-8B projections, M = 1 and 8; the MLP's
-    down projection with the SiLU-and-multiply fused against silu_and_mul + F.linear."""
+def _in_turn(ws: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
+    """A call of `call(w)` that takes the weights `ws` in turn."""
+    order = itertools.cycle(ws)
+    return lambda: call(next(order))
+
+
+def _gemv_with(gemv, x: torch.Tensor, act: str | None, config, w: torch.Tensor) -> torch.Tensor:
+    return gemv(x, w, act=act, **config._asdict())
+
+
+def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
+    """The skinny matmul's configurations (`kernels.gemv.GEMV_CONFIGS`: form and tiles) against cuBLAS (F.linear)
+    at the Llama-3-8B projections, M = 1 and 8; the MLP's down projection with the SiLU-and-multiply fused against
+    silu_and_mul + F.linear. `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
     from gpu_engine.kernels.activation import silu_and_mul
-    from gpu_engine.kernels.gemv import gemv
+    from gpu_engine.kernels.gemv import GEMV_CONFIGS, gemv
 
     rows = []
     for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                        ("lm_head", 128256, 4096)):
-        w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+        act = "silu_mul" if name == "down" else None
         for M in (1, 8):
-            x = torch.randn(M, 2 * K if name == "down" else K, device="cuda", dtype=torch.bfloat16)
-            act = "silu_mul" if name == "down" else None
-            cases = {"gemv": lambda x=x, w=w, act=act: gemv(x, w, act=act),
-                     "cublas": (lambda x=x, w=w: F.linear(silu_and_mul(x), w)) if act else
-                     (lambda x=x, w=w: F.linear(x, w))}
+            x = torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16)
+            cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
+                                        (lambda w, x=x: F.linear(x, w)))}
+            for case, config in GEMV_CONFIGS.items():
+                cases[case] = _in_turn(ws, functools.partial(_gemv_with, gemv, x, act, config))
             for case, fn in cases.items():
                 rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
-                             **entry(graph_ms(fn), _nbytes(w, x), gbps)})
+                             **entry(graph_ms(fn), _nbytes(ws[0], x), gbps)})
+        del ws
     return rows
 
 

@@ -82,7 +82,7 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill):
+def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -98,7 +98,7 @@ def build(hf: dict, max_ctx: int, batches, prefill):
     kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
     tokens = max(prefill, default=max(batches))
     limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
-    return cfg, model, GpuModelRunner(model, kv, limits), per_seq
+    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny), per_seq
 
 
 def stage_step(runner, batch: int, ctx, new: int, per_seq: int, logprobs: bool = False) -> None:
@@ -185,8 +185,9 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps
     return row
 
 
-def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int) -> list[dict]:
-    cfg, model, runner, per_seq = build(hf, max(CONTEXTS), batches, prefill)
+def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
+              skinny: str | None = None) -> list[dict]:
+    cfg, model, runner, per_seq = build(hf, max(CONTEXTS), batches, prefill, skinny)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -310,13 +311,14 @@ def replaced(row: dict, kinds) -> bool:
     return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
-def run(out: Path, iters: int, models=("dense", "moe")) -> dict:
+def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None) -> dict:
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models)]
     for m in models:
-        rows += run_mixed(gbps, tflops, iters) if m == "mixed" else run_model(*MODELS[m], gbps, tflops, iters)
+        rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
+            run_model(*MODELS[m], gbps, tflops, iters, skinny=skinny if m == "dense" else None)
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -325,6 +327,8 @@ def run(out: Path, iters: int, models=("dense", "moe")) -> dict:
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
+    if skinny is not None:
+        result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -404,6 +408,8 @@ def main() -> None:
     parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(KINDS))
     parser.add_argument("--plot", type=Path, help="a PNG of each decode row's time over its floor")
     parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
+    parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows through this "
+                        "kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the run its own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -413,7 +419,7 @@ def main() -> None:
         raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    result = run(args.out, args.iters, models)
+    result = run(args.out, args.iters, models, skinny=args.skinny)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

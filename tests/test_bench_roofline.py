@@ -32,3 +32,23 @@ def test_plot_only_draws_the_decode_rows_of_a_result_file(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(out.read_text()) == result  # drawing leaves the file as it was
+
+
+def test_the_saturated_rate_model_counts_chunk_steps_and_decode_steps() -> None:
+    """`saturated_rate`: with 128 decodes a step, a request of 1,000 prompt and 512 output tokens needs 4 steps'
+    share (512 / 128); a 640-token budget (512 a chunk) makes about 2 of them chunk steps and the rest decode
+    steps; a 256-token budget (128 a chunk) would need 8 chunk steps, more than the 4: every step carries a chunk
+    and the prompts bound the rate. Only the rows of the largest decode batch count."""
+    sys.path.insert(0, str(ROOT))
+    from bench.roofline import saturated_rate
+
+    def mixed(decodes: int, tokens: int, ms: float, alone: float) -> dict:
+        return {"phase": "mixed", "decodes": decodes, "tokens": tokens, "ms": ms, "decode_alone_ms": alone}
+
+    rows = [mixed(128, 640, 20.0, 10.0), mixed(128, 256, 12.0, 10.0), mixed(32, 640, 1.0, 1.0),
+            {"phase": "decode", "batch": 1, "ms": 5.0}]
+    rates = saturated_rate(rows, prompt=1000.0, output=512.0)
+    assert set(rates) == {640, 256}
+    assert rates[640] == pytest.approx(1e3 / (1000 / 512 * 20.0 + (4 - 1000 / 512) * 10.0))
+    assert rates[256] == pytest.approx(1e3 / (1000 / 128 * 12.0))
+    assert saturated_rate([{"phase": "decode"}]) == {}

@@ -82,7 +82,8 @@ def test_decode_attention_with_fine_splits_and_empty_rows():
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
-def test_gemv_matches_the_reference(M, act, dtype, tol):
+@pytest.mark.parametrize("form", ["dot", "fma"])
+def test_gemv_matches_the_reference(M, act, dtype, tol, form):
     from gpu_engine.kernels.gemv import gemv, gemv_ref
 
     g = torch.Generator().manual_seed(M)
@@ -90,8 +91,21 @@ def test_gemv_matches_the_reference(M, act, dtype, tol):
     x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
     out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
-    gemv(x, w, act=act, out=out, block_n=32, block_k=64)
+    gemv(x, w, act=act, out=out, block_n=32, block_k=64, form=form)
     torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+
+
+def test_gemv_fma_rows_do_not_depend_on_their_neighbours_within_a_size():
+    """In the fma form a row's sums are the same whether its step has 5, 6, 7 or 8 rows (all padded to 8): the
+    products of each tile are summed over the same columns in the same order."""
+    from gpu_engine.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(8, 200, generator=g).to(DEV)
+    w = (torch.randn(70, 200, generator=g) * 0.1).to(DEV)
+    full = gemv(x, w, block_n=32, block_k=64, form="fma")
+    for M in (5, 6, 7):
+        assert torch.equal(gemv(x[:M], w, block_n=32, block_k=64, form="fma"), full[:M]), M
 
 
 def test_gemv_rejects_bad_inputs():
@@ -106,3 +120,5 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, w, act="gelu")
     with pytest.raises(ValueError, match="dtype"):
         gemv(x, w.half())
+    with pytest.raises(ValueError, match="form"):
+        gemv(x, w, form="mma")

@@ -30,17 +30,20 @@ FAMILIES = {
 }
 
 
-def _setup(family):
+def _setup(family, skinny=None):
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
-    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8))
+    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny)
     return cfg, model, runner
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_runner_matches_reference_model(family):
-    cfg, model, runner = _setup(family)
+@pytest.mark.parametrize(("family", "skinny"), [(f, None) for f in sorted(FAMILIES)]
+                         + [("llama", "fma_n16_k256"), ("qwen3", "dot_n16_k128")])
+def test_runner_matches_reference_model(family, skinny):
+    """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
+    of every step (one row a sequence) go through the skinny matmul, the rest through cuBLAS."""
+    cfg, model, runner = _setup(family, skinny)
     ref_kv = KVCache(cfg, 16, 4)
     g = torch.Generator().manual_seed(1)
     steps = [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),  # prefill, padded to 4 seqs / 32 tokens
@@ -59,6 +62,11 @@ def test_runner_matches_reference_model(family):
             runner.buffers.next_tokens.fill_(-1)
             runner.forward(4, tokens, decode, filtered=False)
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
+
+
+def test_runner_refuses_an_unknown_skinny_configuration():
+    with pytest.raises(ValueError, match="skinny"):
+        _setup("llama", "fma_tiny")
 
 
 def test_kept_hidden_states_give_every_token_s_logits():

@@ -123,3 +123,14 @@ def test_moe_align_kernel_compiles_for_sm90() -> None:
     out = compiles("gpu_engine.kernels.moe", "_align_kernel", dict(item.split(":") for item in sig.split()),
                    {"BM": 16, "BLOCK_E": 128, "CHUNK": 64})
     assert out.startswith("True"), out
+
+
+@pytest.mark.parametrize(("fma", "block_m", "silu"), [(False, 16, False), (True, 1, False), (True, 8, False),
+                                                      (True, 1, True), (True, 8, True)])
+def test_gemv_kernel_compiles_for_sm90(fma: bool, block_m: int, silu: bool) -> None:
+    """The skinny matmul's two forms (a tensor-core dot of rows padded to 16; products in registers, one row
+    summed after the loop or several summed each tile), plain and with the SiLU-and-multiply on the x tiles."""
+    sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32")
+    consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 256, "PREC": "tf32", "FMA": fma}
+    out = compiles("gpu_engine.kernels.gemv", "_gemv_kernel", dict(item.split(":") for item in sig.split()), consts)
+    assert out.startswith("True"), out

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import fused_moe
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
@@ -250,10 +251,18 @@ class GpuModelRunner:
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
-                 quantized: Mapping[str, Q8Weight] | None = None) -> None:
+                 quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
-        name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones."""
+        name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
+        `skinny`: a `kernels.gemv.GEMV_CONFIGS` name; the dense linears of steps of at most `SKINNY_ROWS` rows
+        then go through that skinny matmul (the SiLU-and-multiply fused into the down projection) instead of
+        cuBLAS. Off by default: it is measured (`bench/roofline.py --skinny`) before it serves, and with it a
+        request's last bits depend on whether its step has more rows than that, as they do between cuBLAS's
+        own kernels."""
+        if skinny is not None and skinny not in GEMV_CONFIGS:
+            raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}")
+        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny]
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -381,8 +390,11 @@ class GpuModelRunner:
         return rows.view(len(ids), -1).to(self.dtype)
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
-        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size: `kernels.gemv` is
-        not used here (its module docstring says why); a Q8_0 weight through `kernels.q8_linear`."""
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size unless the runner was
+        given a `skinny` configuration (`kernels.gemv`, for steps of at most `SKINNY_ROWS` rows); a Q8_0 weight
+        through `kernels.q8_linear`."""
+        if self.skinny is not None and x.shape[0] <= SKINNY_ROWS and not isinstance(w, Q8Weight):
+            return gemv(x, w, act="silu_mul" if silu_mul else None, **self.skinny._asdict())
         x = silu_and_mul(x) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)

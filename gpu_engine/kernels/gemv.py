@@ -2,17 +2,25 @@
 
 A decode step multiplies a handful of rows by each weight, so its time is the weight read. Each
 program owns BLOCK_N output columns for all M rows and streams its [BLOCK_N, K] slice of the
-weight in [BLOCK_N, BLOCK_K] tiles (contiguous rows), the rows of x padded to 16 for the dot.
+weight in [BLOCK_N, BLOCK_K] tiles (contiguous rows). Two forms (`form`): "dot", the rows of x padded
+to 16 for a tensor-core dot of each tile (the tiles staged through shared memory, `num_stages` deep);
+"fma", each tile multiplied in registers by the x rows broadcast over its columns, with no shared
+memory and no padding: one row accumulates the products elementwise and sums them once at the end,
+several rows sum each tile's products as they go.
 `act="silu_mul"` takes x as the gate_up output [M, 2K] and applies silu(gate) * up to each x
 tile as it is loaded, so the SiLU-and-multiply of the MLP costs no launch and no round trip.
 Accumulation is fp32; fp32 inputs multiply at full precision (no TF32).
 
-Measured beside cuBLAS by `bench/kernels.py`; the runner does not use it: a request's tokens must not depend
-on how many tokens its step carries, and this kernel sums in another order than cuBLAS does for larger steps
-(on the H200 one of 5,000 fp32 greedy requests differed between two runs whose steps were batched otherwise).
+Measured beside cuBLAS by `bench/kernels.py` (`GEMV_CONFIGS`); the runner uses it only when given a `skinny`
+configuration: the first form was slower than cuBLAS at M = 1-8 on the H200, and it sums in another order than
+cuBLAS does for larger steps, so a request's last bits depend on how many rows its step carries (one of 5,000
+fp32 greedy requests differed between two runs whose steps were batched otherwise), as they do between
+cuBLAS's own kernels for different M.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,16 +44,24 @@ def _x_tile(x_ptr, sx, m, k, M, K, SILU: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, sw, so, SILU: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, FMA: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # FMA with one row: the products, summed after the loop
     rows = w_ptr + n[:, None].to(tl.int64) * sw
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
-        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        if not FMA:
+            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        elif BLOCK_M == 1:
+            acc1 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if FMA and BLOCK_M == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
     mask = (m[:, None] < M) & (n[None, :] < N)
     tl.store(out_ptr + m[:, None] * so + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -59,16 +75,42 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None) -> torch.
     return (xf @ w.float().T).to(x.dtype)
 
 
+GEMV_FORMS = ("dot", "fma")
+
+
+class GemvConfig(NamedTuple):
+    form: str
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Named configurations, measured by `bench/kernels.py --only gemv`; the first is the launcher's default.
+GEMV_CONFIGS = {
+    "dot_n16_k128": GemvConfig("dot", 16, 128, 4, 4), "dot_n32_k256": GemvConfig("dot", 32, 256, 4, 3),
+    "dot_n16_k512": GemvConfig("dot", 16, 512, 4, 3), "fma_n16_k256": GemvConfig("fma", 16, 256, 4, 1),
+    "fma_n16_k256_s3": GemvConfig("fma", 16, 256, 4, 3), "fma_n8_k512": GemvConfig("fma", 8, 512, 4, 1),
+    "fma_n32_k128": GemvConfig("fma", 32, 128, 4, 1), "fma_n16_k512_w8": GemvConfig("fma", 16, 512, 8, 1),
+}
+SKINNY_ROWS = 8  # a runner given a configuration multiplies steps of at most this many rows with it
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
-         block_n: int | None = None, block_k: int = 128) -> torch.Tensor:
+         block_n: int | None = None, block_k: int = 128, form: str = "dot", num_warps: int = 4,
+         num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with act="silu_mul"), w [N, K] -> out [M, N]; M <= MAX_ROWS.
 
     `block_n` (default by N: 16 up to 8192 columns, 32 up to 32768, else 64) keeps a few programs
-    per SM for the Llama-3-8B projections (N 4096 .. 128256)."""
+    per SM for the Llama-3-8B projections (N 4096 .. 128256). `form` (the module's docstring): "dot" pads the
+    rows to 16; "fma" to the next power of two (1, 2, 4, 8 or 16), so one row's output does not depend on how
+    many rows its step has within those sizes."""
     check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
     check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
     if act not in (None, "silu_mul"):
         raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
+    if form not in GEMV_FORMS:
+        raise ValueError(f"form must be one of {GEMV_FORMS}, got {form!r}")
     M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
     if act and x.shape[1] % 2:
         raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
@@ -83,9 +125,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Te
         return out
     if block_n is None:
         block_n = 16 if N <= 8192 else 32 if N <= 32768 else 64
+    fma = form == "fma"
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), SILU=act == "silu_mul", BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=4,
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), SILU=act == "silu_mul",
+        BLOCK_M=triton.next_power_of_2(M) if fma else 16, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA=fma, num_warps=num_warps, num_stages=num_stages,
     )
     return out
