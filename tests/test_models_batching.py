@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_engine.kv_cache import KVCache
+from gpu_engine.models import loader
 from gpu_engine.models.attention import SeqStep, build_metadata
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -63,6 +64,40 @@ def test_random_weights_are_seeded(tiny: tuple[CausalLM, ModelConfig], tmp_path:
     assert abs(float(w.std()) - 0.02) < 0.002
     assert torch.equal(tiny[0].norm.weight, torch.ones(48))
     assert tiny[0].lm_head.weight is tiny[0].embed.weight
+
+
+def test_random_weights_of_a_small_model_come_from_one_stream(tiny: tuple[CausalLM, ModelConfig]) -> None:
+    """Every test model's weights: one generator seeded by the seed, in parameter order, norms left out."""
+    gen = torch.Generator().manual_seed(3)
+    for name, param in tiny[0].named_parameters():
+        if not name.endswith("norm.weight"):
+            assert torch.equal(param, torch.randn(param.shape, generator=gen) * loader.INIT_STD), name
+
+
+def test_random_weights_of_a_large_model_come_in_seeded_chunks(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """Past `ONE_STREAM_PARAMS` values (here lowered to make the tiny model large), chunk c of parameter p comes
+    from its own generator seeded by (seed, p, c): the same values whatever the number of threads, other values
+    for another seed, every chunk different, norms ones."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    monkeypatch.setattr(loader, "ONE_STREAM_PARAMS", 1000)
+    monkeypatch.setattr(loader, "CHUNK_VALUES", 1000)
+    first, _ = load_model(tmp_path, random_weights=True, seed=3)
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0})
+    one_thread, _ = load_model(tmp_path, random_weights=True, seed=3)
+    other, _ = load_model(tmp_path, random_weights=True, seed=4)
+    for (name, a), b, c in zip(first.named_parameters(), one_thread.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(a, torch.ones_like(a)), name
+        else:
+            assert not torch.equal(a, c), name
+    w = first.layers[0].attn.qkv.weight.view(-1)
+    assert w.numel() > 2000 and not torch.equal(w[:1000], w[1000:2000])
+    index = [n for n, _ in first.named_parameters()].index("layers.0.attn.qkv.weight")
+    gen = torch.Generator().manual_seed(((3 * 1_000_003 + index) * 1_000_033 + 1) % 2**63)
+    assert torch.equal(w[1000:2000], torch.randn(1000, generator=gen) * loader.INIT_STD)
+    assert abs(float(w.std()) - 0.02) < 0.002
 
 
 def test_batch_invariance(tiny: tuple[CausalLM, ModelConfig], kv: KVCache) -> None:

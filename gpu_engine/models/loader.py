@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -166,15 +169,49 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return model.eval().requires_grad_(False)
 
 
+ONE_STREAM_PARAMS = 1 << 28  # a model of up to this many drawn values takes them all from one generator
+CHUNK_VALUES = 1 << 24  # a larger model's come in chunks of this many, each from a generator of its own
+
+
 def init_random(model: CausalLM, seed: int) -> None:
-    """Seeded N(0, INIT_STD) weights drawn in float32 on CPU (so any dtype/device gets the same values)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Seeded N(0, INIT_STD) weights drawn in float32 on the CPU, so any dtype or device gets the same values;
+    norm weights are ones. A model of up to `ONE_STREAM_PARAMS` drawn values (every test model, SmolLM2-135M)
+    takes them from one generator in parameter order. A larger one (an 8B shape took about a minute from one
+    stream) takes chunk c of its p-th parameter's values (`CHUNK_VALUES` each) from a generator seeded by
+    (seed, p, c), several chunks drawn at once by threads, so its values do not depend on how many."""
+    params = list(model.named_parameters())
+    drawn = [(i, p) for i, (name, p) in enumerate(params) if not name.endswith("norm.weight")]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in params:
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
+        if sum(p.numel() for _, p in drawn) <= ONE_STREAM_PARAMS:
+            gen = torch.Generator().manual_seed(seed)
+            for _, param in drawn:
                 param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+            return
+        jobs = [(i, p, start) for i, p in drawn for start in range(0, p.numel(), CHUNK_VALUES)]
+
+        def draw(job: tuple[int, torch.Tensor, int]) -> torch.Tensor:
+            i, param, start = job
+            gen = torch.Generator().manual_seed(((seed * 1_000_003 + i) * 1_000_033 + start // CHUNK_VALUES) % 2**63)
+            return torch.randn(min(CHUNK_VALUES, param.numel() - start), generator=gen) * INIT_STD
+
+        threads = max(1, min(16, len(os.sched_getaffinity(0))))
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            pending: collections.deque = collections.deque()
+            for job in jobs:  # at most 2 x threads chunks drawn ahead of the copies
+                pending.append((job, pool.submit(draw, job)))
+                if len(pending) >= 2 * threads:
+                    _place(*pending.popleft())
+            while pending:
+                _place(*pending.popleft())
+
+
+def _place(job: tuple[int, torch.Tensor, int], values: concurrent.futures.Future) -> None:
+    _, param, start = job
+    chunk = values.result()
+    param.view(-1)[start: start + chunk.numel()].copy_(chunk)
 
 
 def assign_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor, str]], location: str,
