@@ -92,6 +92,7 @@ GEMV_CONFIGS = {
     "dot_n16_k512": GemvConfig("dot", 16, 512, 4, 3), "fma_n16_k256": GemvConfig("fma", 16, 256, 4, 1),
     "fma_n16_k256_s3": GemvConfig("fma", 16, 256, 4, 3), "fma_n8_k512": GemvConfig("fma", 8, 512, 4, 1),
     "fma_n32_k128": GemvConfig("fma", 32, 128, 4, 1), "fma_n16_k512_w8": GemvConfig("fma", 16, 512, 8, 1),
+    "fma_n16_k512_s3": GemvConfig("fma", 16, 512, 4, 3), "dot_n16_k256_s6": GemvConfig("dot", 16, 256, 4, 6),
 }
 SKINNY_ROWS = 8  # a runner given a configuration multiplies steps of at most this many rows with it
 
