@@ -86,7 +86,8 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# Named configurations, measured by `bench/kernels.py --only gemv`; the first is the launcher's default.
+# Named configurations, measured by `bench/kernels.py --only gemv`; the first is the launcher's default up to 8,192
+# columns (past that its default block_n is 32 or 64).
 GEMV_CONFIGS = {
     "dot_n16_k128": GemvConfig("dot", 16, 128, 4, 4), "dot_n32_k256": GemvConfig("dot", 32, 256, 4, 3),
     "dot_n16_k512": GemvConfig("dot", 16, 512, 4, 3), "fma_n16_k256": GemvConfig("fma", 16, 256, 4, 1),
