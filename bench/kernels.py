@@ -237,9 +237,11 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form); the first is the runner's
-    "p256_bn128": (256, 128, "split"), "p256_bn128_walk": (256, 128, "walk"), "p256_bn64": (256, 64, "split"),
-    "p128_bn128": (128, 128, "split")}
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_stages); the first is the runner's
+    "p256_bn128": (256, 128, "split", 4, None), "p256_bn128_walk": (256, 128, "walk", 4, None),
+    "p256_bn64": (256, 64, "split", 4, None), "p128_bn128": (128, 128, "split", 4, None),
+    "p256_bn128_s1": (256, 128, "split", 4, 1), "p256_bn128_s2": (256, 128, "split", 4, 2),
+    "p256_bn128_w8": (256, 128, "split", 8, None), "p256_bn64_s1": (256, 64, "split", 4, 1)}
 
 
 def served_contexts(batch: int, seed: int = 0) -> list[int]:
@@ -265,7 +267,8 @@ def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
     128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
-    second launch (the runner's form) or walked by one program (`_walk`). Contexts equal (512 or 2,048) or as a
+    second launch (the runner's form) or walked by one program (`_walk`), and the split form's programs with their
+    tiles staged 1 or 2 deep (`_s1`, `_s2`) or with 8 warps (`_w8`). Contexts equal (512 or 2,048) or as a
     served step's are (`served_contexts`, context -1 in the rows; `context_mean`). Block tables `width` blocks wide
     (8,208 tokens), as a runner's are, whatever the context."""
     from gpu_engine.kernels.attention import decode_attention
@@ -281,10 +284,11 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
         out = torch.empty_like(q)
         nbytes = 2 * sum(lens) * hkv * 128 * 2 + 2 * _nbytes(q)
         equal = len(set(lens)) == 1
-        for name, (part, bn, form) in ATTENTION_VARIANTS.items():
-            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, form=form:
+        for name, (part, bn, form, warps, stages) in ATTENTION_VARIANTS.items():
+            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, form=form,
+                          warps=warps, stages=stages:
                           decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, form=form,
-                                           partition_size=part))
+                                           partition_size=part, num_warps=warps, num_stages=stages))
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": lens[0] if equal else -1,
                          "context_mean": sum(lens) / B, "context_max": max(lens), "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})

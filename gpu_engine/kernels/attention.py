@@ -278,9 +278,12 @@ DECODE_FORMS = ("split", "walk")
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
+    num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
-    softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`).
+    softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
+    `num_stages` (Triton's default where None) are the split kernel's, for the benchmark's sweep: its K and V tiles
+    are staged in shared memory `num_stages` deep, which bounds how many programs an SM holds.
 
     Each program computes all the query heads of one KV head (GQA), so each K/V tile is read once. `form`
     (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
@@ -320,7 +323,8 @@ def decode_attention(
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=4, **consts,
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if not walk:
         _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,

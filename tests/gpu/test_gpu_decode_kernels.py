@@ -51,8 +51,8 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 @pytest.mark.parametrize("batch", [1, 8, 64, 128])
 def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     """Each row's splits computed by a program each and folded by a second launch (the runner's form), or walked and
-    folded by one program: the same bits; a captured launch replayed gives them again, and follows new context
-    lengths written into its buffer."""
+    folded by one program, with the tiles staged 1, 2 or the default 3 deep: the same bits; a captured launch
+    replayed gives them again, and follows new context lengths written into its buffer."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -66,6 +66,9 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
 
     split = run()
     assert torch.equal(run("walk"), split)
+    for stages in (1, 2):  # how deep the tiles are staged changes when they arrive, not the sums
+        staged = attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, num_stages=stages)
+        assert torch.equal(staged, split), stages
     for form in ("split", "walk"):
         out = torch.full_like(q, float("nan"))
         stream = torch.cuda.Stream()
