@@ -84,6 +84,9 @@ class Env:
     device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", True, "the persistent scheduler caches prefixes "
                                      "on the device where the policy does (0: not on that backend, whatever "
                                      "--enable-prefix-caching says)", _bool)
+    skinny_matmul: str = _var("BLINK_SKINNY_MATMUL", "", "GPU backends: the dense linears of steps of up to 8 rows "
+                              "through this configuration of the skinny matmul (a gpu_engine.kernels.gemv."
+                              "GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at every step size")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

@@ -155,3 +155,10 @@ def test_no_product_module_reads_blink_variables_itself() -> None:
                                                        or 'environ["BLINK_' in text):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_the_skinny_matmul_is_off_unless_named() -> None:
+    """BLINK_SKINNY_MATMUL names a configuration of the skinny matmul for the GPU runner (which refuses an unknown
+    name: tests/test_kernels_runner.py); unset, cuBLAS serves every step size."""
+    assert Env.from_environ({}).skinny_matmul == ""
+    assert Env.from_environ({"BLINK_SKINNY_MATMUL": "fma_n16_k256"}).skinny_matmul == "fma_n16_k256"
