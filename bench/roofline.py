@@ -7,7 +7,9 @@ not read, only B rows of it; for MoE only the experts a step routes to, `active_
 expected count under uniform routing); prefill = FLOPs (linear layers + causal attention) / matmul
 rate. Decode rows are greedy without log-probs, so `ms` is the unfiltered decode graph, the one such
 steps run; `ms_filtered` the same step through the filtering variant (top-k / top-p / min-p),
-`ms_logprobs` with every row asking for log-probs. Dense decode rows of `context` -1 are steps of
+`ms_logprobs` with every row asking for log-probs; `sample_ms` the sampler alone, timed in a graph as the step
+runs it (until 2026-12-04 it was timed eagerly, launch overhead included: 0.45 ms at batch 1 where the graph
+breakdown's sampling is 0.045). Dense decode rows of `context` -1 are steps of
 `SERVED_BATCHES` rows whose contexts are uneven as a served step's are (`bench.kernels.served_contexts`;
 `context_mean`), their floor counting each row's KV. `breakdown` is each component's time in one step
 (each timed alone, in a captured graph of repeats) and `floor_ms` its own bytes / bandwidth (dense prefill rows:
@@ -162,7 +164,7 @@ def capture(runner, batches, prefill):
 def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps: float, iters: int) -> dict:
     """One decode row: `ctx` tokens for every sequence, or a list of each sequence's (served contexts: the row's
     `context` is -1, `context_mean` their mean)."""
-    from bench.kernels import step_breakdown
+    from bench.kernels import graph_ms, step_breakdown
 
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     total = sum(ctx) if isinstance(ctx, list) else b * ctx
@@ -171,7 +173,7 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps
     stage_step(runner, b, ctx, 1, per_seq)
     ms = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
     ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
-    sample_ms = _time_ms(lambda: runner._sample(b), iters)
+    sample_ms = graph_ms(lambda: runner._sample(b))  # in a graph, as the step runs it (eager, it was launch-bound)
     floor = (weight_bytes(model, b) + total * kv_per_token) / (gbps * 1e9) * 1e3
     parts = step_breakdown(runner, b, round(total / b), gbps)
     row = {"model": name, "phase": "decode", "batch": b, "context": -1 if isinstance(ctx, list) else ctx,
