@@ -178,7 +178,7 @@ def init_random(model: CausalLM, seed: int) -> None:
     norm weights are ones. A model of up to `ONE_STREAM_PARAMS` drawn values (every test model, SmolLM2-135M)
     takes them from one generator in parameter order. A larger one (an 8B shape took about a minute from one
     stream) takes chunk c of its p-th parameter's values (`CHUNK_VALUES` each) from a generator seeded by
-    (seed, p, c), several chunks drawn at once by threads, so its values do not depend on how many."""
+    (seed, p, c), the chunks drawn by up to 16 threads at once; its values do not depend on how many threads."""
     params = list(model.named_parameters())
     drawn = [(i, p) for i, (name, p) in enumerate(params) if not name.endswith("norm.weight")]
     with torch.no_grad():
