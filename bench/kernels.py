@@ -47,22 +47,27 @@ def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
     return start.elapsed_time(end) / (5 * reps)
 
 
+def eager_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Milliseconds per call of `fn`, called `iters` times from the host between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def copy_gbps() -> float:
     """A 2 GiB device copy's GB/s, bytes read + written, timed outside a CUDA graph as `bench/roofline.py` times
     it. Captured in a graph, the same copy gave 2,771 GB/s on the H200 against 4,267 outside one, while the
     decode attention's own rows read 3,530: the graph's copy is not the HBM's ceiling."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() / (start.elapsed_time(end) / 20 * 1e-3) / 1e9
+    return 2 * src.numel() / (eager_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e9
 
 
 def entry(ms: float, nbytes: float, gbps: float) -> dict:
@@ -353,6 +358,12 @@ def prefill_rows(gbps: float) -> list[dict]:
     return rows
 
 
+def _in_turn(ws: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
+    """A call of `call(w)` that takes the weights `ws` in turn."""
+    order = itertools.cycle(ws)
+    return lambda: call(next(order))
+
+
 def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
     """cuBLAS against cuBLASLt (torch's preferred BLAS library) at the Llama-3-8B projections and decode batches;
     `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
@@ -364,22 +375,11 @@ def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             for lib in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                order = itertools.cycle(ws)
-                ms = graph_ms(lambda x=x, order=order: F.linear(x, next(order)))
+                ms = graph_ms(_in_turn(ws, lambda w, x=x: F.linear(x, w)))
                 rows.append({"kernel": f"blas_{name}", "case": lib, "batch": M, **entry(ms, _nbytes(ws[0], x), gbps)})
         del ws
     torch.backends.cuda.preferred_blas_library(default)
     return rows
-
-
-def _in_turn(ws: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
-    """A call of `call(w)` that takes the weights `ws` in turn."""
-    order = itertools.cycle(ws)
-    return lambda: call(next(order))
-
-
-def _gemv_with(gemv, x: torch.Tensor, act: str | None, config, w: torch.Tensor) -> torch.Tensor:
-    return gemv(x, w, act=act, **config._asdict())
 
 
 def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
@@ -399,7 +399,7 @@ def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
             cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
                                         (lambda w, x=x: F.linear(x, w)))}
             for case, config in GEMV_CONFIGS.items():
-                cases[case] = _in_turn(ws, functools.partial(_gemv_with, gemv, x, act, config))
+                cases[case] = _in_turn(ws, functools.partial(gemv, x, act=act, **config._asdict()))
             for case, fn in cases.items():
                 rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
                              **entry(graph_ms(fn), _nbytes(ws[0], x), gbps)})

@@ -60,24 +60,16 @@ MIXED_CONTEXT = 1024  # the decode rows' context, about the peer study's mean pr
 
 
 def _time_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    from bench.kernels import eager_ms
+
+    return eager_ms(fn, iters, warmup)
 
 
 def measure_ceilings() -> tuple[float, float]:
     """(device-copy GB/s counting bytes read + written, bf16 matmul TFLOP/s at 8192^3)."""
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), 20)
-    gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+    from bench.kernels import copy_gbps
+
+    gbps = copy_gbps()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = _time_ms(lambda: a @ b, 20)
@@ -100,21 +92,18 @@ def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None):
     kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
     tokens = max(prefill, default=max(batches))
     limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
-    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny), per_seq
+    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny)
 
 
-def stage_step(runner, batch: int, ctx, new: int, per_seq: int, logprobs: bool = False) -> None:
+def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> None:
     """B sequences of `ctx` tokens after this step (or of `ctx[b]` tokens, a list), each adding `new` tokens,
-    disjoint blocks; greedy, with or without log-probs."""
+    each sequence's blocks after the previous one's; greedy, with or without log-probs."""
     from gpu_engine.models.attention import build_metadata
 
-    if isinstance(ctx, list):  # uneven: each sequence's blocks follow the previous one's
-        blocks = [-(-n // BLOCK) for n in ctx]
-        firsts = itertools.accumulate([0] + blocks[:-1])
-        seqs = [(n - new, new, list(range(first, first + nb)))
-                for n, nb, first in zip(ctx, blocks, firsts, strict=True)]
-    else:
-        seqs = [(ctx - new, new, list(range(b * per_seq, b * per_seq + -(-ctx // BLOCK)))) for b in range(batch)]
+    lens = ctx if isinstance(ctx, list) else [ctx] * batch
+    blocks = [-(-n // BLOCK) for n in lens]
+    firsts = itertools.accumulate([0] + blocks[:-1])
+    seqs = [(n - new, new, list(range(first, first + nb))) for n, nb, first in zip(lens, blocks, firsts, strict=True)]
     meta = build_metadata(seqs, BLOCK, device="cuda")
     ids = torch.randint(0, runner.config.vocab_size, (batch * new,), device="cuda")
     runner.stage(ids, meta, {"want_logprobs": torch.full((batch,), int(logprobs), dtype=torch.int32)})
@@ -161,16 +150,16 @@ def capture(runner, batches, prefill):
         return graphs, graphs.capture(progress=True)
 
 
-def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps: float, iters: int) -> dict:
+def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters: int) -> dict:
     """One decode row: `ctx` tokens for every sequence, or a list of each sequence's (served contexts: the row's
     `context` is -1, `context_mean` their mean)."""
     from bench.kernels import graph_ms, step_breakdown
 
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     total = sum(ctx) if isinstance(ctx, list) else b * ctx
-    stage_step(runner, b, ctx, 1, per_seq, logprobs=True)
+    stage_step(runner, b, ctx, 1, logprobs=True)
     ms_logprobs = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
-    stage_step(runner, b, ctx, 1, per_seq)
+    stage_step(runner, b, ctx, 1)
     ms = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
     ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
     sample_ms = graph_ms(lambda: runner._sample(b))  # in a graph, as the step runs it (eager, it was launch-bound)
@@ -189,20 +178,20 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, per_seq: int, gbps
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
               skinny: str | None = None) -> list[dict]:
-    cfg, model, runner, per_seq = build(hf, max(CONTEXTS), batches, prefill, skinny)
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, skinny)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
           f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
-    rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, per_seq, gbps, iters)
+    rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters)
             for ctx in CONTEXTS for b in batches]
     if not cfg.num_experts:  # steps as served: uneven contexts (equal ones hid a form that waits on the longest row)
         from bench.kernels import served_contexts
 
-        rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), per_seq, gbps, iters)
+        rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters)
                  for b in SERVED_BATCHES if b in batches]
     for t in prefill:
-        stage_step(runner, 1, t, t, per_seq)
+        stage_step(runner, 1, t, t)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
         floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
         row = {"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms, "floor_ms": floor}

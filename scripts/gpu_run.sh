@@ -43,9 +43,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d .whl/tokenizer-assets ] && rm -rf /tmp/blink-tokenizer-assets && cp -r .whl/tokenizer-assets /tmp/blink-tokenizer-assets
 fi
 [ -d /tmp/blink-site ] && export PYTHONPATH="/tmp/blink-site${PYTHONPATH:+:$PYTHONPATH}"
+export VLLMKIT_PARTS="${VLLMKIT_PARTS:-/tmp/vllmkit-parts}"
 if ls .vllmkit/* >/dev/null 2>&1; then
-  mkdir -p "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && cp .vllmkit/* "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}/"
-  echo "vLLM kit parts now in ${VLLMKIT_PARTS:-/tmp/vllmkit-parts}: $(ls "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" | tr '\n' ' ')"
+  mkdir -p "$VLLMKIT_PARTS" && cp .vllmkit/* "$VLLMKIT_PARTS/"
+  echo "vLLM kit parts now in $VLLMKIT_PARTS: $(ls "$VLLMKIT_PARTS" | tr '\n' ' ')"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 BLINK_GPU_OUT="$OUT"
@@ -109,7 +110,7 @@ peers_run() {  # peers_run SYSTEM
   local t0=$SECONDS rc mark
   mark=$(mktemp)
   if [ "$1" = vllm ] && [ ! -f /tmp/vllm-site/env.sh ]; then
-    (cd "${VLLMKIT_PARTS:-/tmp/vllmkit-parts}" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
+    (cd "$VLLMKIT_PARTS" && PYTHON="$PY" bash install.sh) || { echo "vLLM kit install failed"; return 3; }
   fi
   rm -rf /tmp/blink-peers-work
   # vLLM's command runs under `bash -c`, which first sources $BASH_ENV, for vLLM alone: vLLM as a user runs it,

@@ -262,7 +262,7 @@ class GpuModelRunner:
         own kernels."""
         if skinny is not None and skinny not in GEMV_CONFIGS:
             raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}")
-        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny]
+        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny]._asdict()  # the launcher's keywords
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -394,7 +394,7 @@ class GpuModelRunner:
         given a `skinny` configuration (`kernels.gemv`, for steps of at most `SKINNY_ROWS` rows); a Q8_0 weight
         through `kernels.q8_linear`."""
         if self.skinny is not None and x.shape[0] <= SKINNY_ROWS and not isinstance(w, Q8Weight):
-            return gemv(x, w, act="silu_mul" if silu_mul else None, **self.skinny._asdict())
+            return gemv(x, w, act="silu_mul" if silu_mul else None, **self.skinny)
         x = silu_and_mul(x) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)

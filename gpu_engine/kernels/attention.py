@@ -76,18 +76,17 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
     FORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The (row, split) items one program computes, by FORM: "split", program (row, KV head, split s) computes
-    split s and writes its partial for `_fold_kernel`; "walk", program (row, KV head) computes the row's splits in
-    order and folds each into a running result as it goes, then writes the output. A split's partial is the same
-    whichever program computes it."""
-    pid = tl.program_id(0)
+    """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
+    `_fold_kernel`; "walk", program (row b, KV head) computes the row's splits in order and folds each into a
+    running result as it goes, then writes the output. A split's partial is the same whichever program computes
+    it."""
+    b = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
     gmask = g < G
     omask = gmask[:, None] & (d[None, :] < D)
-    b = pid
     n_ctx = tl.load(ctx_ptr + b)
     lo = 0
     hi = tl.cdiv(n_ctx, PART)
@@ -119,7 +118,7 @@ def _decode_kernel(
             tl.store(pm_ptr + at, m, mask=gmask)
             tl.store(pl_ptr + at, lsum, mask=gmask)
     if FORM == "walk":
-        _store_folded(out_ptr, pid, so_b, so_h, heads, d, omask, run_acc, run_l)
+        _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
 
 
 @triton.jit
