@@ -54,7 +54,7 @@ MOE_BATCHES = (1, 8, 64, 128)
 CONTEXTS = (512, 2048)
 SERVED_BATCHES = (32, 64, 128)  # dense decode rows also measured on served contexts (`bench.kernels.served_contexts`)
 PREFILL_TOKENS = (512, 2048, 8192)
-MIXED_BUDGETS = (512, 1024, 2048, 8192)  # smaller budgets, the default step budget and vLLM's
+MIXED_BUDGETS = (512, 1024, 2048, 8192)  # a smaller budget, the default step budget, the earlier one and vLLM's
 MIXED_DECODES = (32, 64, 128)
 MIXED_CONTEXT = 1024  # the decode rows' context, about the peer study's mean prompt
 

@@ -15,7 +15,7 @@
 # Also by name only: processors (bench/processors.py: the decode step with the logits processors on against off,
 # both GPU backends), roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
 # decode_roofline.json), roofline_mixed (its chunked-prefill steps: decode rows plus a prompt chunk filling
-# the 2,048- and 8,192-token budgets, beside each part alone; merged the same way; both start from the tree's
+# budgets of 512 to 8,192 tokens, beside each part alone; merged the same way; both start from the tree's
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
@@ -101,7 +101,7 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #   PEERS_RATES=16 bash scripts/gpu_run.sh OUT peers_host
 # The shared-prefix workload (bench/workloads.py `shared`) goes to a file of its own (vLLM: peers_vllm, the same args):
 #   PEERS_RATES=10,16 PEERS_ARGS="--workload shared --out bench/results/peers_shared.json --plot bench/results/peers_shared" bash scripts/gpu_run.sh OUT peers_blink
-# The step's token budget swept (one call per budget; the default is 2,048), each to a file of its own:
+# The step's token budget swept (one call per budget; the default is 1,024), each to a file of its own:
 #   PEERS_RATES=16,22 PEERS_COTENANTS=none PEERS_ARGS="--serve-args=--max-num-batched-tokens=8192 --out bench/results/peers_budget_8192.json --no-plot" bash scripts/gpu_run.sh OUT peers_blink
 # Blink with its services at a higher CPU priority (blink serve --service-nice), to a file of its own:
 #   PEERS_RATES=10,22 PEERS_COTENANTS=none,heavy PEERS_ARGS="--serve-args=--service-nice=-10 --out bench/results/peers_nice.json --plot bench/results/peers_nice" bash scripts/gpu_run.sh OUT peers_blink

@@ -25,10 +25,12 @@ CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 GPU_WEIGHTS = ("auto", "dense")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
-# GPU a step of 2,048 tokens keeps the matrix units busy (BENCHMARKS.md, chunked prefill) while a decode
-# waits at most one such step; on the CPU a 256-token chunk of the embedded model takes about as long as a
-# few decode steps, so a long prompt delays the other streams by a fraction of a second per chunk.
-DEFAULT_TOKEN_BUDGET = {"gpu": 2048, "cpu": 256}
+# GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
+# half as long as in a 2,048-token one: beside 2,048 on the same machine it gave 0.91-0.96x the TPOT p50 and
+# 1.01-1.05x the throughput of the peer study, for 1.07x the TTFT p99 at 10 req/s (BENCHMARKS.md, the step's
+# token budget). On the CPU a 256-token chunk of the embedded model takes about as long as a few decode steps,
+# so a long prompt delays the other streams by a fraction of a second per chunk.
+DEFAULT_TOKEN_BUDGET = {"gpu": 1024, "cpu": 256}
 
 
 def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
