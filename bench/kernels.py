@@ -7,7 +7,7 @@ QK-norm / RoPE / KV write, cuBLAS and a separate SiLU-and-multiply at M <= 8, th
 small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
-neither in the default sets)
+`--only tiled`: the tiled linear's configurations against cuBLAS at 16-128 rows; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -407,6 +407,35 @@ def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
     return rows
 
 
+def tiled_rows(gbps: float, copies: int = 4) -> list[dict]:
+    """The tiled linear's configurations (`kernels.tiled_linear.TILED_CONFIGS`: tiles, the split of K, warps,
+    stages) against cuBLAS (F.linear) at the Llama-3-8B projections and decode steps of 16-128 rows; the down
+    projection with the SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the
+    tiled linear), against silu_and_mul + F.linear. `copies` weights in turn, so L2 holds none of them."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
+
+    rows = []
+    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+        act = "silu_mul" if name == "down" else None
+        for M in (16, 32, 64, 128):
+            x = torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16)
+            cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
+                                        (lambda w, x=x: F.linear(x, w)))}
+            for case, config in TILED_CONFIGS.items():
+                keys = {**config._asdict(), "scratch": tiled_scratch([(N, K)], config, "cuda")}
+                cases[case] = _in_turn(ws, functools.partial(tiled_linear, x, act=act, **keys))
+                if act:
+                    cases[f"{case}_apart"] = _in_turn(
+                        ws, lambda w, x=x, keys=keys: tiled_linear(silu_and_mul(x), w, **keys))
+            for case, fn in cases.items():
+                rows.append({"kernel": f"tiled_{name}", "case": case, "batch": M,
+                             **entry(graph_ms(fn), _nbytes(ws[0], x), gbps)})
+        del ws
+    return rows
+
+
 def q8_rows(gbps: float) -> list[dict]:
     """The Q8_0 linear (int8 codes + fp16 scales, `kernels.q8_linear`) against cuBLAS on the same weights in bf16,
     at the Llama-3-8B projections: decode batches (bytes: the weight read) and prefill chunks."""
@@ -493,7 +522,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "silu, moe, q8, blas, prefill); default: all but q8, blas and prefill")
+                        "tiled, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill and tiled")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -501,8 +530,10 @@ def main() -> None:
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
-            "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows, "prefill": prefill_rows}
-    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill")]
+            "tiled": tiled_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows,
+            "prefill": prefill_rows}
+    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill",
+                                                                                       "tiled")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

@@ -76,7 +76,7 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None):
+def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None, tiled: str | None = None):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -92,7 +92,7 @@ def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None):
     kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
     tokens = max(prefill, default=max(batches))
     limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
-    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny)
+    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny, tiled=tiled)
 
 
 def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> None:
@@ -177,8 +177,8 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              skinny: str | None = None) -> list[dict]:
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, skinny)
+              skinny: str | None = None, tiled: str | None = None) -> list[dict]:
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, skinny, tiled)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -302,14 +302,14 @@ def replaced(row: dict, kinds) -> bool:
     return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
-def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None) -> dict:
+def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None) -> dict:
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models)]
     for m in models:
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
-            run_model(*MODELS[m], gbps, tflops, iters, skinny=skinny if m == "dense" else None)
+            run_model(*MODELS[m], gbps, tflops, iters, *((skinny, tiled) if m == "dense" else (None, None)))
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -320,6 +320,8 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
             result[f"{m}_rows_measured"] = ceilings
     if skinny is not None:
         result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows
+    if tiled is not None:
+        result["tiled"] = tiled  # ... and of up to kernels.tiled_linear.MAX_ROWS rows (past the skinny ones)
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -401,6 +403,9 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
     parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows through this "
                         "kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the run its own --out)")
+    parser.add_argument("--tiled", help="the dense model's steps of up to kernels.tiled_linear.MAX_ROWS rows (past the "
+                        "--skinny ones) through this kernels.tiled_linear.TILED_CONFIGS configuration instead of "
+                        "cuBLAS (give the run its own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -410,7 +415,7 @@ def main() -> None:
         raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    result = run(args.out, args.iters, models, skinny=args.skinny)
+    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=args.tiled)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

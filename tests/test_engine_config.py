@@ -157,8 +157,11 @@ def test_no_product_module_reads_blink_variables_itself() -> None:
     assert not offenders, offenders
 
 
-def test_the_skinny_matmul_is_off_unless_named() -> None:
-    """BLINK_SKINNY_MATMUL names a configuration of the skinny matmul for the GPU runner (which refuses an unknown
-    name: tests/test_kernels_runner.py); unset, cuBLAS serves every step size."""
+def test_the_skinny_matmul_and_the_tiled_linear_are_off_unless_named() -> None:
+    """BLINK_SKINNY_MATMUL and BLINK_TILED_LINEAR name configurations of the skinny matmul and the tiled linear for
+    the GPU runner (which refuses an unknown name: tests/test_kernels_runner.py); unset, cuBLAS serves every step
+    size."""
     assert Env.from_environ({}).skinny_matmul == ""
     assert Env.from_environ({"BLINK_SKINNY_MATMUL": "fma_n16_k256"}).skinny_matmul == "fma_n16_k256"
+    assert Env.from_environ({}).tiled_linear == ""
+    assert Env.from_environ({"BLINK_TILED_LINEAR": "n64_k128_s4"}).tiled_linear == "n64_k128_s4"

@@ -122,3 +122,74 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, w.half())
     with pytest.raises(ValueError, match="form"):
         gemv(x, w, form="mma")
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("per_sm", [1, 8])  # K in one slice or in seven (the CPU counts as 4 SMs)
+def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
+    from gpu_engine.kernels.gemv import gemv_ref
+    from gpu_engine.kernels.tiled_linear import _sms, tiled_linear, tiled_split
+
+    g = torch.Generator().manual_seed(M)
+    K, N = 200, 70  # neither a multiple of the tiles
+    split, _ = tiled_split(N, K, 16, 32, per_sm, _sms(torch.device(DEV)))
+    assert (split > 1) == (per_sm > 1) or DEV == "cuda"
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    tiled_linear(x, w, act=act, out=out, block_n=16, block_k=32, per_sm=per_sm)
+    torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+
+
+def test_tiled_linear_leaves_its_counters_zero_and_repeats_its_bits():
+    """A split launch with the runner's shared scratch: the counts are back at zero for the next launch (a graph
+    replays no memset), a second launch gives the same bits, and so does one on another weight in between."""
+    from gpu_engine.kernels.tiled_linear import TiledConfig, tiled_linear, tiled_scratch
+
+    g = torch.Generator().manual_seed(5)
+    config = TiledConfig(32, 32, 8, 4, 2)
+    x = torch.randn(9, 200, generator=g).to(DEV)
+    w = (torch.randn(70, 200, generator=g) * 0.1).to(DEV)
+    w2 = (torch.randn(40, 200, generator=g) * 0.1).to(DEV)
+    scratch = tiled_scratch([(70, 200), (40, 200)], config, DEV)
+    assert scratch[0].numel() > 1  # these shapes split
+    first = tiled_linear(x, w, **config._asdict(), scratch=scratch)
+    assert int(scratch[1].abs().sum()) == 0
+    tiled_linear(x, w2, **config._asdict(), scratch=scratch)
+    assert torch.equal(tiled_linear(x, w, **config._asdict(), scratch=scratch), first)
+    assert int(scratch[1].abs().sum()) == 0
+
+
+def test_tiled_linear_rows_do_not_depend_on_their_neighbours_within_a_size():
+    """Steps of 17 to 32 rows pad to 32: a row's sums are the same whichever of those sizes its step has."""
+    from gpu_engine.kernels.tiled_linear import tiled_linear
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(32, 200, generator=g).to(DEV)
+    w = (torch.randn(70, 200, generator=g) * 0.1).to(DEV)
+    full = tiled_linear(x, w, block_n=32, block_k=32, per_sm=8)
+    for M in (17, 24, 31):
+        assert torch.equal(tiled_linear(x[:M], w, block_n=32, block_k=32, per_sm=8), full[:M]), M
+
+
+def test_tiled_linear_rejects_bad_inputs():
+    from gpu_engine.kernels.tiled_linear import tiled_linear
+
+    x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match="w: shape"):
+        tiled_linear(x, w, act="silu_mul")
+    with pytest.raises(ValueError, match="at most 128"):
+        tiled_linear(torch.zeros(129, 8, device=DEV), w)
+    with pytest.raises(ValueError, match="act"):
+        tiled_linear(x, w, act="gelu")
+    with pytest.raises(ValueError, match="dtype"):
+        tiled_linear(x, w.half())
+    with pytest.raises(ValueError, match="powers of two"):
+        tiled_linear(x, w, block_n=48)
+    with pytest.raises(ValueError, match="contiguous"):
+        tiled_linear(torch.zeros(8, 2, device=DEV).t(), w)
+    with pytest.raises(ValueError, match="scratch"):
+        tiled_linear(torch.zeros(2, 64, device=DEV), torch.zeros(64, 64, device=DEV), block_n=16, block_k=16,
+                     per_sm=8, scratch=(torch.empty(1, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV)))

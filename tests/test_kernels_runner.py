@@ -30,20 +30,22 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None):
+def _setup(family, skinny=None, tiled=None):
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
-    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny)
+    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny, tiled=tiled)
     return cfg, model, runner
 
 
-@pytest.mark.parametrize(("family", "skinny"), [(f, None) for f in sorted(FAMILIES)]
-                         + [("llama", "fma_n16_k256"), ("qwen3", "dot_n16_k128")])
-def test_runner_matches_reference_model(family, skinny):
+@pytest.mark.parametrize(("family", "skinny", "tiled"), [(f, None, None) for f in sorted(FAMILIES)]
+                         + [("llama", "fma_n16_k256", None), ("qwen3", "dot_n16_k128", None),
+                            ("llama", None, "n64_k128_s4_x2"), ("qwen3_moe", "fma_n8_k512", "n32_k128_s4")])
+def test_runner_matches_reference_model(family, skinny, tiled):
     """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
-    of every step (one row a sequence) go through the skinny matmul, the rest through cuBLAS."""
-    cfg, model, runner = _setup(family, skinny)
+    of every step (one row a sequence) go through the skinny matmul; with `tiled`, those of every step of up to
+    128 rows (all of these) not taken by the skinny one go through the tiled linear; the rest through cuBLAS."""
+    cfg, model, runner = _setup(family, skinny, tiled)
     ref_kv = KVCache(cfg, 16, 4)
     g = torch.Generator().manual_seed(1)
     steps = [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),  # prefill, padded to 4 seqs / 32 tokens
@@ -64,9 +66,11 @@ def test_runner_matches_reference_model(family, skinny):
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
 
 
-def test_runner_refuses_an_unknown_skinny_configuration():
+def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():
     with pytest.raises(ValueError, match="skinny"):
         _setup("llama", "fma_tiny")
+    with pytest.raises(ValueError, match="tiled"):
+        _setup("llama", None, "n64_tiny")
 
 
 def test_kept_hidden_states_give_every_token_s_logits():

@@ -134,3 +134,16 @@ def test_gemv_kernel_compiles_for_sm90(fma: bool, block_m: int, silu: bool) -> N
     consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 256, "PREC": "tf32", "FMA": fma}
     out = compiles("gpu_engine.kernels.gemv", "_gemv_kernel", dict(item.split(":") for item in sig.split()), consts)
     assert out.startswith("True"), out
+
+
+@pytest.mark.parametrize(("block_m", "split_k", "silu"), [(16, 1, False), (128, 1, False), (64, 4, False),
+                                                          (128, 2, True)])
+def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu: bool) -> None:
+    """The tiled linear whole and split over K (fp32 partials, the atomic count, the last program's sum in slice
+    order), plain and with the SiLU-and-multiply on the x tiles."""
+    sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32 "
+           "k_split:i32")
+    consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "PREC": "tf32"}
+    out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel", dict(item.split(":") for item in sig.split()),
+                   consts)
+    assert out.startswith("True"), out

@@ -35,6 +35,8 @@ from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
+from gpu_engine.kernels.tiled_linear import MAX_ROWS as TILED_ROWS
+from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -251,7 +253,8 @@ class GpuModelRunner:
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
-                 quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None) -> None:
+                 quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
+                 tiled: str | None = None) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -259,9 +262,14 @@ class GpuModelRunner:
         then go through that skinny matmul (the SiLU-and-multiply fused into the down projection) instead of
         cuBLAS. Off by default: it is measured (`bench/roofline.py --skinny`) before it serves, and with it a
         request's last bits depend on whether its step has more rows than that, as they do between cuBLAS's
-        own kernels."""
+        own kernels. `tiled`: a `kernels.tiled_linear.TILED_CONFIGS` name; the dense linears of steps of up to
+        `TILED_ROWS` rows (those past `SKINNY_ROWS` when `skinny` is given too) then go through that tiled linear,
+        the SiLU-and-multiply fused into the down projection; off by default, measured the same way
+        (`bench/roofline.py --tiled`)."""
         if skinny is not None and skinny not in GEMV_CONFIGS:
             raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}")
+        if tiled is not None and tiled not in TILED_CONFIGS:
+            raise ValueError(f"tiled: {tiled!r} is not one of {sorted(TILED_CONFIGS)}")
         self.skinny = None if skinny is None else GEMV_CONFIGS[skinny]._asdict()  # the launcher's keywords
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
@@ -284,6 +292,13 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
+        self.tiled = None  # the tiled linear's keywords, its scratch shared by every launch
+        if tiled is not None:
+            dense = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                     if isinstance(w, torch.Tensor) and w.dim() == 2] + [self.lm_head]
+            shapes = {tuple(w.shape) for w in dense if isinstance(w, torch.Tensor)}
+            self.tiled = {**TILED_CONFIGS[tiled]._asdict(),
+                          "scratch": tiled_scratch(sorted(shapes), TILED_CONFIGS[tiled], self.device)}
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -391,10 +406,14 @@ class GpuModelRunner:
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size unless the runner was
-        given a `skinny` configuration (`kernels.gemv`, for steps of at most `SKINNY_ROWS` rows); a Q8_0 weight
-        through `kernels.q8_linear`."""
-        if self.skinny is not None and x.shape[0] <= SKINNY_ROWS and not isinstance(w, Q8Weight):
-            return gemv(x, w, act="silu_mul" if silu_mul else None, **self.skinny)
+        given a `skinny` configuration (`kernels.gemv`, for steps of at most `SKINNY_ROWS` rows) or a `tiled` one
+        (`kernels.tiled_linear`, up to `TILED_ROWS`); a Q8_0 weight through `kernels.q8_linear`."""
+        if not isinstance(w, Q8Weight):
+            act = "silu_mul" if silu_mul else None
+            if self.skinny is not None and x.shape[0] <= SKINNY_ROWS:
+                return gemv(x, w, act=act, **self.skinny)
+            if self.tiled is not None and x.shape[0] <= TILED_ROWS:
+                return tiled_linear(x, w, act=act, **self.tiled)
         x = silu_and_mul(x) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)

@@ -119,7 +119,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
-    runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None)
+    runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
+                            tiled=env.env().tiled_linear or None)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

@@ -124,3 +124,47 @@ def test_gpu_gemv_real_sizes(M, shape):
     for name, config in GEMV_CONFIGS.items():
         got = gemv(x, w, act=act, **config._asdict()).float()
         assert float((got - want).norm() / want.norm()) < 1e-2, name
+
+
+@pytest.mark.parametrize("M", [16, 64, 128])
+@pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
+                                   (4096, 14336, "silu_mul")])
+def test_gpu_tiled_linear_real_sizes(M, shape):
+    """Every named configuration of the tiled linear at the Llama-3-8B projections, against the fp32 reference,
+    into a poisoned output, through a shared scratch left zeroed."""
+    from gpu_engine.kernels.gemv import gemv_ref
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
+
+    N, K, act = shape
+    x = torch.randn(M, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
+    want = gemv_ref(x, w, act).float()
+    for name, config in TILED_CONFIGS.items():
+        scratch = tiled_scratch([(N, K)], config, DEV)
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        got = tiled_linear(x, w, act=act, out=out, **config._asdict(), scratch=scratch).float()
+        assert float((got - want).norm() / want.norm()) < 1e-2, name
+        assert int(scratch[1].abs().sum()) == 0, name
+
+
+def test_gpu_tiled_linear_bits_do_not_depend_on_the_step_within_a_size_nor_on_replay():
+    """down (split over K) and gate_up (whole) at 65-128 rows: a row's bits are the same whichever of those sizes
+    its step has, launch after launch, and replayed from a CUDA graph."""
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
+
+    config = TILED_CONFIGS["n64_k128_s4"]
+    for N, K, act in ((4096, 14336, "silu_mul"), (28672, 4096, None)):
+        x = torch.randn(128, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
+        scratch = tiled_scratch([(N, K)], config, DEV)
+        full = tiled_linear(x, w, act=act, **config._asdict(), scratch=scratch)
+        for M in (65, 100, 127):
+            assert torch.equal(tiled_linear(x[:M], w, act=act, **config._asdict(), scratch=scratch), full[:M]), M
+        out = torch.empty_like(full)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tiled_linear(x, w, act=act, out=out, **config._asdict(), scratch=scratch)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, full)

@@ -1,0 +1,172 @@
+"""Matmul for decode steps of up to 128 rows: out = act(x) @ w.T, the weight read once, split over K.
+
+A decode step of tens of rows still spends its matmul time reading the weight, and cuBLAS's kernels for
+such steps leave bandwidth unused where the output is narrow: at 128 rows the Llama-3-8B o projection
+(4,096 columns) ran at 1.64x its copy-rate floor on the H200 and down (14,336 deep) at 1.35x
+(`bench/results/kernels.json`, `blas_*` rows). Here every program holds all the step's rows (padded to a
+power of two, 16 to 128) for BLOCK_N columns, so the weight is read once, and the K range is cut in
+`split_k` slices so that narrow outputs still give every SM a program. Each slice's fp32 partial goes
+to a workspace; the last program of a tile to finish (an atomic count, which it resets for the next
+launch) sums the slices in slice order and writes the tile, all in one launch. The sums therefore do
+not depend on which program finishes last, and a row's output does not depend on the other rows of its
+step among steps that pad to the same power of two (tested). `act="silu_mul"` takes x as the gate_up
+output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded, as `kernels.gemv` does. The
+reference is `kernels.gemv.gemv_ref`.
+
+Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`); the runner uses it only when
+given a configuration (`tiled=`, `BLINK_TILED_LINEAR`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_engine.kernels._checks import FLOAT_DTYPES, check
+from gpu_engine.kernels.gemv import _x_tile
+
+MAX_ROWS = 128
+SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, sx, sw, so, k_split, SILU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  PREC: tl.constexpr):
+    pn = tl.program_id(0)
+    s = tl.program_id(1)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    rows = w_ptr + n[:, None].to(tl.int64) * sw
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    omask = (m[:, None] < M) & (n[None, :] < N)
+    optrs = out_ptr + m[:, None] * so + n[None, :]
+    if SPLIT_K == 1:
+        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        part = m[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(ws_ptr + s.to(tl.int64) * M * N + part, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is stored before the count is released
+        done = tl.atomic_add(cnt_ptr + pn, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            tl.store(cnt_ptr + pn, 0)  # ready for the next launch
+            # slice order whichever program sums; loads bypass L1 (`.cg`): other SMs wrote them
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + i * M * N + part, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(optrs, total.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+class TiledConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    per_sm: int  # split K until the grid has about this many programs an SM (at most MAX_SPLIT slices)
+    num_warps: int
+    num_stages: int
+
+
+# Named configurations, measured by `bench/kernels.py --only tiled`. Shared memory at 128 rows:
+# num_stages x (128 + block_n) x block_k x 2 bytes, at most 196 KiB here (the H200 gives a block 227).
+TILED_CONFIGS = {
+    "n64_k128_s4": TiledConfig(64, 128, 1, 4, 4), "n64_k128_s4_w8": TiledConfig(64, 128, 1, 8, 4),
+    "n128_k64_s4_w8": TiledConfig(128, 64, 1, 8, 4), "n128_k128_s3_w8": TiledConfig(128, 128, 1, 8, 3),
+    "n64_k64_s6": TiledConfig(64, 64, 1, 4, 6), "n64_k128_s4_x2": TiledConfig(64, 128, 2, 4, 4),
+    "n32_k128_s4": TiledConfig(32, 128, 1, 4, 4), "n128_k64_s4_w8_x2": TiledConfig(128, 64, 2, 8, 4),
+}
+MAX_SPLIT = 8
+
+
+def tiled_split(N: int, K: int, block_n: int, block_k: int, per_sm: int, sms: int) -> tuple[int, int]:
+    """(slices, slice width in K): the fewest slices, at most MAX_SPLIT, whose grid reaches `per_sm`
+    programs an SM; the width a multiple of block_k. Depends on the shape and the device, never on M."""
+    tiles = triton.cdiv(N, block_n)
+    want = max(1, min(MAX_SPLIT, triton.cdiv(per_sm * sms, tiles), triton.cdiv(K, block_k)))
+    width = triton.cdiv(triton.cdiv(K, want), block_k) * block_k
+    return triton.cdiv(K, width), width
+
+
+def tiled_scratch(shapes, config: TiledConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace, counters) for launches with `config` of at most MAX_ROWS rows over weights of `shapes` ((N, K)
+    pairs): fp32 partials for the widest split launch, and one zeroed int32 count a column tile, which every
+    launch leaves zero. A runner allocates them once for all its launches (a CUDA graph replays no memset)."""
+    device = torch.device(device)
+    parts, tiles = 1, 1
+    for N, K in shapes:
+        split, _ = tiled_split(N, K, config.block_n, config.block_k, config.per_sm, _sms(device))
+        parts = max(parts, split * MAX_ROWS * N if split > 1 else 1)
+        tiles = max(tiles, triton.cdiv(N, config.block_n))
+    return (torch.empty(parts, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device))
+
+
+def tiled_stages(num_stages: int, block_m: int, block_n: int, block_k: int, silu: bool, itemsize: int) -> int:
+    """`num_stages`, or fewer where that many stages of the x and w tiles (the gate and up tiles apart with the
+    SiLU) would not fit in a block's shared memory. The depth changes no sum, only how many loads are in flight."""
+    per_stage = (block_m * block_k * (2 if silu else 1) + block_n * block_k) * itemsize
+    return max(1, min(num_stages, SHARED_BYTES // per_stage))
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
+                 block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with act="silu_mul"), w [N, K] -> out [M, N]; M <= MAX_ROWS.
+
+    `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
+    allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay)."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
+    if act and x.shape[1] % 2:
+        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
+    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
+    if M > MAX_ROWS:
+        raise ValueError(f"x: {M} rows, the tiled linear takes at most {MAX_ROWS}")
+    if x.stride(1) != 1:
+        raise ValueError("x: rows must be contiguous")
+    N = w.shape[0]
+    if w.shape[1] != K or w.stride(1) != 1:
+        raise ValueError(f"w: shape {tuple(w.shape)} (strides {w.stride()}) is not a contiguous [N, {K}]")
+    if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)
+    if out.stride(1) != 1:
+        raise ValueError("out: rows must be contiguous")
+    if M == 0 or N == 0:
+        return out
+    split, width = tiled_split(N, K, block_n, block_k, per_sm, _sms(x.device))
+    tiles = triton.cdiv(N, block_n)
+    if split > 1:
+        if scratch is None:
+            scratch = (torch.empty(split * M * N, dtype=torch.float32, device=x.device),
+                       torch.zeros(tiles, dtype=torch.int32, device=x.device))
+        ws, cnt = scratch
+        check("workspace", ws, dtype=(torch.float32,), shape=(None,), device=x.device)
+        check("counters", cnt, dtype=(torch.int32,), shape=(None,), device=x.device)
+        if ws.numel() < split * M * N or cnt.numel() < tiles:
+            raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs "
+                             f"{split * M * N} and {tiles}")
+    else:
+        ws = cnt = out  # unused: the kernel stores the tile directly
+    block_m, silu = max(16, triton.next_power_of_2(M)), act == "silu_mul"
+    _tiled_kernel[(tiles, split)](
+        x, w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0), width, SILU=silu, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=tiled_stages(num_stages, block_m, block_n, block_k, silu, x.element_size()),
+    )
+    return out
