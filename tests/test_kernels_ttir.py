@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,11 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compiles(module: str, kernel: str, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+def compiles(module: str, kernel: str, signature: dict[str, str], constexprs: dict[str, object],
+             **more: object) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    spec = json.dumps({"signature": signature, "constexprs": constexprs})
+    spec = json.dumps({"signature": signature, "constexprs": constexprs, **more})
     res = subprocess.run([sys.executable, "-m", "helpers.ttir", module, kernel, spec], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     return res.stdout.strip() + res.stderr[-3000:]
@@ -147,3 +149,24 @@ def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu:
     out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
+
+
+def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
+    """Each named configuration at 128 rows, plain and with the SiLU, compiled for sm_90 to its cubin with the
+    stages the launcher gives it (`tiled_stages`): no more shared memory than a block may take (a launch past it
+    fails with out-of-resources on the GPU)."""
+    from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
+
+    sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32 "
+           "k_split:i32")
+    divisible = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "sx", "sw", "so", "k_split"]
+    for name, c in TILED_CONFIGS.items():
+        for silu, split in ((False, 1), (True, 4)):
+            consts = {"SILU": silu, "BLOCK_M": 128, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "SPLIT_K": split,
+                      "PREC": "tf32"}
+            options = {"num_warps": c.num_warps,
+                       "num_stages": tiled_stages(c.num_stages, 128, c.block_n, c.block_k, silu, 2)}
+            out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
+                           dict(item.split(":") for item in sig.split()), consts, options=options, divisible=divisible)
+            got = re.match(r"\d+", out)  # stdout, then stderr's tail
+            assert got is not None and int(got.group()) <= SHARED_BYTES, (name, silu, out)

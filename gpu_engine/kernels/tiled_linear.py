@@ -75,12 +75,15 @@ class TiledConfig(NamedTuple):
 
 
 # Named configurations, measured by `bench/kernels.py --only tiled`. Shared memory at 128 rows:
-# num_stages x (128 + block_n) x block_k x 2 bytes, at most 196 KiB here (the H200 gives a block 227).
+# num_stages x (128 + block_n) x block_k x 2 bytes, at most 196 KiB here (the H200 gives a block 227;
+# `tiled_stages` takes fewer where the SiLU's tiles would not fit). Each program reads x whole from L2: M / block_n
+# times the weight's bytes in all, so the wider tiles are for the larger steps.
 TILED_CONFIGS = {
     "n64_k128_s4": TiledConfig(64, 128, 1, 4, 4), "n64_k128_s4_w8": TiledConfig(64, 128, 1, 8, 4),
     "n128_k64_s4_w8": TiledConfig(128, 64, 1, 8, 4), "n128_k128_s3_w8": TiledConfig(128, 128, 1, 8, 3),
     "n64_k64_s6": TiledConfig(64, 64, 1, 4, 6), "n64_k128_s4_x2": TiledConfig(64, 128, 2, 4, 4),
     "n32_k128_s4": TiledConfig(32, 128, 1, 4, 4), "n128_k64_s4_w8_x2": TiledConfig(128, 64, 2, 8, 4),
+    "n256_k64_s4_w8": TiledConfig(256, 64, 1, 8, 4),
 }
 MAX_SPLIT = 8
 

@@ -25,12 +25,33 @@ def ttir(fn, signature: dict[str, str], constexprs: dict[str, object]) -> str:
     return str(module)
 
 
+def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict,
+                 divisible: tuple[str, ...] = ()) -> int:
+    """Compile the kernel for sm_90 down to its cubin (ptxas bundled with Triton; no GPU) and return the shared
+    memory a block takes. `divisible`: arguments taken as multiples of 16, as a launch specializes them (the
+    loads' pipelining depends on it)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    return int(kernel.metadata.shared)
+
+
 def main() -> None:
-    """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}."""
+    """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}; with "options"
+    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds."""
     import importlib
 
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     fn = getattr(importlib.import_module(module), name)
+    if "options" in spec:
+        divisible = tuple(spec.get("divisible", ()))
+        print(shared_bytes(fn, spec["signature"], spec["constexprs"], spec["options"], divisible))
+        return
     text = ttir(fn, spec["signature"], spec["constexprs"])
     print("tt.func" in text)
 
