@@ -188,7 +188,7 @@ def test_tiled_linear_rejects_bad_inputs():
         tiled_linear(x, w.half())
     with pytest.raises(ValueError, match="powers of two"):
         tiled_linear(x, w, block_n=48)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous"):  # the kernel steps along K with stride 1
         tiled_linear(torch.zeros(8, 2, device=DEV).t(), w)
     with pytest.raises(ValueError, match="scratch"):
         tiled_linear(torch.zeros(2, 64, device=DEV), torch.zeros(64, 64, device=DEV), block_n=16, block_k=16,

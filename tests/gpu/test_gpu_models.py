@@ -55,7 +55,7 @@ def _hf_model(family: str, size: str, dtype, std: float):
     return model
 
 
-def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64):
+def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -72,7 +72,7 @@ def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64):
     model = build_empty(cfg, dtype, "cuda")
     assign_weights(model, map_hf_weights(cfg, sd.__getitem__, sd.__contains__), "hf")
     kv = KVCache(cfg, num_blocks, BLOCK, dtype=dtype, device="cuda")
-    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks)), cfg
+    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled), cfg
 
 
 def _meta(seqs):
@@ -123,6 +123,29 @@ def test_bf16_logits_match_transformers(family, size):
     runner.forward(4, 4, True)
     full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
     _check_bf16(runner, hf, hf32, full, 4, True, f"{family}-{size} decode")
+
+
+@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8"])
+def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
+    """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
+    2-row decode) through a tiled linear configuration, split over K where the output is narrow."""
+    import copy
+
+    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
+    hf32 = copy.deepcopy(hf).float()
+    runner, cfg = _ours(hf, max_tokens=128, tiled=tiled)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (37, 90)]
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(torch.cat(prompts).cuda(), _meta([(0, 37, [0, 1, 2]), (0, 90, list(range(3, 9)))]))
+    runner.forward(4, 128, False)
+    _check_bf16(runner, hf, hf32, prompts, 128, False, f"tiled {tiled} prefill")
+    nxt = torch.tensor([5, 7])
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(nxt.cuda(), _meta([(37, 1, [0, 1, 2]), (90, 1, list(range(3, 9)))]))
+    runner.forward(4, 4, True)
+    full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
+    _check_bf16(runner, hf, hf32, full, 4, True, f"tiled {tiled} decode")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
