@@ -319,7 +319,7 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
     if skinny is not None:
-        result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows
+        result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS)
     if tiled is not None:
         result["tiled"] = tiled  # ... and of up to kernels.tiled_linear.MAX_ROWS rows (past the skinny ones)
     if "mixed" in models:
@@ -401,8 +401,9 @@ def main() -> None:
     parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(KINDS))
     parser.add_argument("--plot", type=Path, help="a PNG of each decode row's time over its floor")
     parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
-    parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows through this "
-                        "kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the run its own --out)")
+    parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows (ROWS with "
+                        "NAME:ROWS) through this kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the "
+                        "run its own --out)")
     parser.add_argument("--tiled", help="the dense model's steps of up to kernels.tiled_linear.MAX_ROWS rows (past the "
                         "--skinny ones) through this kernels.tiled_linear.TILED_CONFIGS configuration instead of "
                         "cuBLAS (give the run its own --out)")

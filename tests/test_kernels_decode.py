@@ -108,18 +108,24 @@ def test_gemv_fma_rows_do_not_depend_on_their_neighbours_within_a_size():
         assert torch.equal(gemv(x[:M], w, block_n=32, block_k=64, form="fma"), full[:M]), M
 
 
-def test_gemv_rejects_bad_inputs():
-    from gpu_engine.kernels.gemv import gemv
-
+def _refuses_what_every_linear_refuses(launch, max_rows: int):
+    """A K that does not match, too many rows, an unknown activation, mixed dtypes."""
     x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
     with pytest.raises(ValueError, match="w: shape"):
-        gemv(x, w, act="silu_mul")
-    with pytest.raises(ValueError, match="at most"):
-        gemv(torch.zeros(17, 8, device=DEV), w)
+        launch(x, w, act="silu_mul")
+    with pytest.raises(ValueError, match=f"at most {max_rows}"):
+        launch(torch.zeros(max_rows + 1, 8, device=DEV), w)
     with pytest.raises(ValueError, match="act"):
-        gemv(x, w, act="gelu")
+        launch(x, w, act="gelu")
     with pytest.raises(ValueError, match="dtype"):
-        gemv(x, w.half())
+        launch(x, w.half())
+    return x, w
+
+
+def test_gemv_rejects_bad_inputs():
+    from gpu_engine.kernels.gemv import MAX_ROWS, gemv
+
+    x, w = _refuses_what_every_linear_refuses(gemv, MAX_ROWS)
     with pytest.raises(ValueError, match="form"):
         gemv(x, w, form="mma")
 
@@ -175,17 +181,9 @@ def test_tiled_linear_rows_do_not_depend_on_their_neighbours_within_a_size():
 
 
 def test_tiled_linear_rejects_bad_inputs():
-    from gpu_engine.kernels.tiled_linear import tiled_linear
+    from gpu_engine.kernels.tiled_linear import MAX_ROWS, tiled_linear
 
-    x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
-    with pytest.raises(ValueError, match="w: shape"):
-        tiled_linear(x, w, act="silu_mul")
-    with pytest.raises(ValueError, match="at most 128"):
-        tiled_linear(torch.zeros(129, 8, device=DEV), w)
-    with pytest.raises(ValueError, match="act"):
-        tiled_linear(x, w, act="gelu")
-    with pytest.raises(ValueError, match="dtype"):
-        tiled_linear(x, w.half())
+    x, w = _refuses_what_every_linear_refuses(tiled_linear, MAX_ROWS)
     with pytest.raises(ValueError, match="powers of two"):
         tiled_linear(x, w, block_n=48)
     with pytest.raises(ValueError, match="contiguous"):  # the kernel steps along K with stride 1

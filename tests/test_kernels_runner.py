@@ -40,7 +40,7 @@ def _setup(family, skinny=None, tiled=None):
 
 @pytest.mark.parametrize(("family", "skinny", "tiled"), [(f, None, None) for f in sorted(FAMILIES)]
                          + [("llama", "fma_n16_k256", None), ("qwen3", "dot_n16_k128", None),
-                            ("llama", None, "n64_k64_s6"), ("qwen3_moe", "fma_n8_k512", "n128_k64_s4_w8")])
+                            ("llama", "fma_n8_k512:1", "n64_k64_s6"), ("qwen3_moe", "fma_n8_k512", "n128_k64_s4_w8")])
 def test_runner_matches_reference_model(family, skinny, tiled):
     """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
     of every step (one row a sequence) go through the skinny matmul; with `tiled`, those of every step of up to
@@ -72,6 +72,10 @@ def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():
         _setup("llama", "fma_tiny")
     with pytest.raises(ValueError, match="tiled"):
         _setup("llama", None, "n64_tiny")
+    for rows in ("0", "9", "x", ""):
+        with pytest.raises(ValueError, match="ROWS"):
+            _setup("llama", f"dot_n16_k128:{rows}" if rows else "dot_n16_k128:")
+    assert _setup("llama", "fma_n8_k512:1")[2].skinny_rows == 1 and _setup("llama", "fma_n8_k512")[2].skinny_rows == 8
 
 
 def test_kept_hidden_states_give_every_token_s_logits():

@@ -258,19 +258,23 @@ class GpuModelRunner:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
-        `skinny`: a `kernels.gemv.GEMV_CONFIGS` name; the dense linears of steps of at most `SKINNY_ROWS` rows
-        then go through that skinny matmul (the SiLU-and-multiply fused into the down projection) instead of
-        cuBLAS. Off by default: it is measured (`bench/roofline.py --skinny`) before it serves, and with it a
-        request's last bits depend on whether its step has more rows than that, as they do between cuBLAS's
-        own kernels. `tiled`: a `kernels.tiled_linear.TILED_CONFIGS` name; the dense linears of steps of up to
-        `TILED_ROWS` rows (those past `SKINNY_ROWS` when `skinny` is given too) then go through that tiled linear,
-        the SiLU-and-multiply fused into the down projection; off by default, measured the same way
-        (`bench/roofline.py --tiled`)."""
-        if skinny is not None and skinny not in GEMV_CONFIGS:
-            raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}")
+        `skinny`: a `kernels.gemv.GEMV_CONFIGS` name, optionally ":ROWS" after it (1 to `SKINNY_ROWS`, the
+        default); the dense linears of steps of at most that many rows then go through that skinny matmul (the
+        SiLU-and-multiply fused into the down projection) instead of cuBLAS. Off by default: it is measured
+        (`bench/roofline.py --skinny`) before it serves, and with it a request's last bits depend on whether its
+        step has more rows than that, as they do between cuBLAS's own kernels. `tiled`: a
+        `kernels.tiled_linear.TILED_CONFIGS` name; the dense linears of steps of up to `TILED_ROWS` rows (those past
+        the skinny ones when `skinny` is given too) then go through that tiled linear, the SiLU-and-multiply fused
+        into the down projection; off by default, measured the same way (`bench/roofline.py --tiled`)."""
+        skinny_name, sep, rows = (skinny or "").partition(":")
+        if skinny is not None and (skinny_name not in GEMV_CONFIGS
+                                   or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
+            raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}, optionally followed by "
+                             f":ROWS (1-{SKINNY_ROWS})")
+        self.skinny_rows = int(rows) if rows else SKINNY_ROWS
         if tiled is not None and tiled not in TILED_CONFIGS:
             raise ValueError(f"tiled: {tiled!r} is not one of {sorted(TILED_CONFIGS)}")
-        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny]._asdict()  # the launcher's keywords
+        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny_name]._asdict()  # the launcher's keywords
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -406,11 +410,11 @@ class GpuModelRunner:
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size unless the runner was
-        given a `skinny` configuration (`kernels.gemv`, for steps of at most `SKINNY_ROWS` rows) or a `tiled` one
+        given a `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a `tiled` one
         (`kernels.tiled_linear`, up to `TILED_ROWS`); a Q8_0 weight through `kernels.q8_linear`."""
         if not isinstance(w, Q8Weight):
             act = "silu_mul" if silu_mul else None
-            if self.skinny is not None and x.shape[0] <= SKINNY_ROWS:
+            if self.skinny is not None and x.shape[0] <= self.skinny_rows:
                 return gemv(x, w, act=act, **self.skinny)
             if self.tiled is not None and x.shape[0] <= TILED_ROWS:
                 return tiled_linear(x, w, act=act, **self.tiled)
