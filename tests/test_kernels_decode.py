@@ -133,7 +133,7 @@ def test_gemv_rejects_bad_inputs():
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("per_sm", [1, 8])  # K in one slice or in seven (the CPU counts as 4 SMs)
+@pytest.mark.parametrize("per_sm", [1, 8])  # K in one slice or in four (the CPU counts as 4 SMs)
 def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
     from gpu_engine.kernels.gemv import gemv_ref
     from gpu_engine.kernels.tiled_linear import _sms, tiled_linear, tiled_split
@@ -147,6 +147,25 @@ def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
     out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
     tiled_linear(x, w, act=act, out=out, block_n=16, block_k=32, per_sm=per_sm)
     torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+
+
+def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
+    """Slices are whole tiles deep, cover K once with none empty (a program that never counts would leave its
+    tile unwritten), and split only where the column tiles leave SMs idle: on 132 SMs with 64-column tiles, the
+    Llama-3-8B o and down projections in 2 slices, qkv in 4, gate_up and the LM head whole."""
+    from gpu_engine.kernels.tiled_linear import MAX_SPLIT, tiled_split
+
+    got = {name: tiled_split(N, K, 64, 128, 1, 132)[0] for name, N, K in (
+        ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+        ("lm_head", 128256, 4096))}
+    assert got == {"qkv": 4, "o": 2, "gate_up": 1, "down": 2, "lm_head": 1}
+    for N in (16, 70, 4096):
+        for K in (1, 31, 32, 200, 14336):
+            for block_k in (16, 32, 128):
+                for per_sm in (1, 2, 8):
+                    split, width = tiled_split(N, K, 16, block_k, per_sm, 132)
+                    assert 1 <= split <= MAX_SPLIT and width % block_k == 0
+                    assert (split - 1) * width < K <= split * width, (N, K, block_k, per_sm)
 
 
 def test_tiled_linear_leaves_its_counters_zero_and_repeats_its_bits():
