@@ -17,7 +17,8 @@ a mixed step as in a decode step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -408,16 +409,22 @@ class GpuModelRunner:
         rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
         return rows.view(len(ids), -1).to(self.dtype)
 
+    def matmul_for(self, rows: int) -> Callable[..., torch.Tensor] | None:
+        """The launcher a dense linear of a step of `rows` rows goes through, its configuration bound (it takes
+        x, w and act, the SiLU-and-multiply fused), or None for cuBLAS."""
+        if self.skinny is not None and rows <= self.skinny_rows:
+            return functools.partial(gemv, **self.skinny)
+        if self.tiled is not None and rows <= TILED_ROWS:
+            return functools.partial(tiled_linear, **self.tiled)
+        return None
+
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size unless the runner was
         given a `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a `tiled` one
         (`kernels.tiled_linear`, up to `TILED_ROWS`); a Q8_0 weight through `kernels.q8_linear`."""
-        if not isinstance(w, Q8Weight):
-            act = "silu_mul" if silu_mul else None
-            if self.skinny is not None and x.shape[0] <= self.skinny_rows:
-                return gemv(x, w, act=act, **self.skinny)
-            if self.tiled is not None and x.shape[0] <= TILED_ROWS:
-                return tiled_linear(x, w, act=act, **self.tiled)
+        matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0])
+        if matmul is not None:
+            return matmul(x, w, act="silu_mul" if silu_mul else None)
         x = silu_and_mul(x) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)
