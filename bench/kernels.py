@@ -362,6 +362,11 @@ def prefill_rows(gbps: float) -> list[dict]:
     return rows
 
 
+LLAMA_PROJECTIONS = (  # (name, N, K) of the Llama-3-8B linears
+    ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+LM_HEAD = ("lm_head", 128256, 4096)
+
+
 def _in_turn(ws: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
     """A call of `call(w)` that takes the weights `ws` in turn."""
     order = itertools.cycle(ws)
@@ -373,7 +378,7 @@ def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
     `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
     rows = []
     default = torch.backends.cuda.preferred_blas_library()
-    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
+    for name, N, K in LLAMA_PROJECTIONS:
         ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         for M in (1, 8, 64, 128):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -386,58 +391,53 @@ def blas_rows(gbps: float, copies: int = 4) -> list[dict]:
     return rows
 
 
-def gemv_rows(gbps: float, copies: int = 4) -> list[dict]:
-    """The skinny matmul's configurations (`kernels.gemv.GEMV_CONFIGS`: form and tiles) against cuBLAS (F.linear)
-    at the Llama-3-8B projections, M = 1 and 8; the MLP's down projection with the SiLU-and-multiply fused against
-    silu_and_mul + F.linear. `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
+def _against_cublas(gbps: float, kernel: str, shapes, batches, variants, copies: int = 4) -> list[dict]:
+    """Rows `kernel`_NAME of each variant beside cuBLAS (F.linear; silu_and_mul first for down, whose x is the
+    gate_up output) at each (NAME, N, K) of `shapes` and each M of `batches`. `variants(x, act, N, K)` gives
+    {case: call(w)}; `copies` weights taken in turn, so a repeat does not find the last one's weight in L2."""
     from gpu_engine.kernels.activation import silu_and_mul
-    from gpu_engine.kernels.gemv import GEMV_CONFIGS, gemv
 
     rows = []
-    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-                       ("lm_head", 128256, 4096)):
+    for name, N, K in shapes:
         ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         act = "silu_mul" if name == "down" else None
-        for M in (1, 8):
+        for M in batches:
             x = torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16)
-            cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
-                                        (lambda w, x=x: F.linear(x, w)))}
-            for case, config in GEMV_CONFIGS.items():
-                cases[case] = _in_turn(ws, functools.partial(gemv, x, act=act, **config._asdict()))
-            for case, fn in cases.items():
-                rows.append({"kernel": f"linear_{name}", "case": case, "batch": M,
-                             **entry(graph_ms(fn), _nbytes(ws[0], x), gbps)})
+            cases = {"cublas": (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
+                     (lambda w, x=x: F.linear(x, w)), **variants(x, act, N, K)}
+            for case, call in cases.items():
+                rows.append({"kernel": f"{kernel}_{name}", "case": case, "batch": M,
+                             **entry(graph_ms(_in_turn(ws, call)), _nbytes(ws[0], x), gbps)})
         del ws
     return rows
 
 
-def tiled_rows(gbps: float, copies: int = 4) -> list[dict]:
+def gemv_rows(gbps: float) -> list[dict]:
+    """The skinny matmul's configurations (`kernels.gemv.GEMV_CONFIGS`: form and tiles) against cuBLAS at the
+    Llama-3-8B projections and LM head, M = 1 and 8; the down projection with the SiLU-and-multiply fused."""
+    from gpu_engine.kernels.gemv import GEMV_CONFIGS, gemv
+
+    return _against_cublas(gbps, "linear", (*LLAMA_PROJECTIONS, LM_HEAD), (1, 8), lambda x, act, N, K: {
+        case: functools.partial(gemv, x, act=act, **config._asdict()) for case, config in GEMV_CONFIGS.items()})
+
+
+def tiled_rows(gbps: float) -> list[dict]:
     """The tiled linear's configurations (`kernels.tiled_linear.TILED_CONFIGS`: tiles, the split of K, warps,
-    stages) against cuBLAS (F.linear) at the Llama-3-8B projections and decode steps of 1-128 rows; the down
-    projection with the SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the
-    tiled linear), against silu_and_mul + F.linear. `copies` weights in turn, so L2 holds none of them."""
+    stages) against cuBLAS at the Llama-3-8B projections and decode steps of 1-128 rows; the down projection with
+    the SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the tiled linear)."""
     from gpu_engine.kernels.activation import silu_and_mul
     from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
 
-    rows = []
-    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)):
-        ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
-        act = "silu_mul" if name == "down" else None
-        for M in (1, 8, 16, 32, 64, 128):
-            x = torch.randn(M, 2 * K if act else K, device="cuda", dtype=torch.bfloat16)
-            cases = {"cublas": _in_turn(ws, (lambda w, x=x: F.linear(silu_and_mul(x), w)) if act else
-                                        (lambda w, x=x: F.linear(x, w)))}
-            for case, config in TILED_CONFIGS.items():
-                keys = {**config._asdict(), "scratch": tiled_scratch([(N, K)], config, "cuda")}
-                cases[case] = _in_turn(ws, functools.partial(tiled_linear, x, act=act, **keys))
-                if act:
-                    cases[f"{case}_apart"] = _in_turn(
-                        ws, lambda w, x=x, keys=keys: tiled_linear(silu_and_mul(x), w, **keys))
-            for case, fn in cases.items():
-                rows.append({"kernel": f"tiled_{name}", "case": case, "batch": M,
-                             **entry(graph_ms(fn), _nbytes(ws[0], x), gbps)})
-        del ws
-    return rows
+    def variants(x, act, N, K):
+        cases = {}
+        for case, config in TILED_CONFIGS.items():
+            keys = {**config._asdict(), "scratch": tiled_scratch([(N, K)], config, "cuda")}
+            cases[case] = functools.partial(tiled_linear, x, act=act, **keys)
+            if act:
+                cases[f"{case}_apart"] = lambda w, keys=keys: tiled_linear(silu_and_mul(x), w, **keys)
+        return cases
+
+    return _against_cublas(gbps, "tiled", LLAMA_PROJECTIONS, (1, 8, 16, 32, 64, 128), variants)
 
 
 def q8_rows(gbps: float) -> list[dict]:
@@ -447,8 +447,7 @@ def q8_rows(gbps: float) -> list[dict]:
     from gpu_engine.models.q8_weight import GROUP
 
     rows = []
-    for name, N, K in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-                       ("lm_head", 128256, 4096)):
+    for name, N, K in (*LLAMA_PROJECTIONS, LM_HEAD):
         codes = torch.randint(-127, 128, (N, K), device="cuda", dtype=torch.int8)
         scales = (torch.rand(N, K // GROUP, device="cuda") * 1e-3).half()
         dense = (codes.float().view(N, -1, GROUP) * scales.float().unsqueeze(-1)).view(N, K).bfloat16()

@@ -275,7 +275,8 @@ class GpuModelRunner:
         self.skinny_rows = int(rows) if rows else SKINNY_ROWS
         if tiled is not None and tiled not in TILED_CONFIGS:
             raise ValueError(f"tiled: {tiled!r} is not one of {sorted(TILED_CONFIGS)}")
-        self.skinny = None if skinny is None else GEMV_CONFIGS[skinny_name]._asdict()  # the launcher's keywords
+        # the launchers with their configurations bound, built once (see `matmul_for`)
+        self.skinny = None if skinny is None else functools.partial(gemv, **GEMV_CONFIGS[skinny_name]._asdict())
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv = cfg, limits, kv_cache
         self.device = model.embed.weight.device
@@ -297,13 +298,14 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
-        self.tiled = None  # the tiled linear's keywords, its scratch shared by every launch
+        self.tiled = None  # the tiled linear, its scratch shared by every launch
         if tiled is not None:
-            dense = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     if isinstance(w, torch.Tensor) and w.dim() == 2] + [self.lm_head]
-            shapes = {tuple(w.shape) for w in dense if isinstance(w, torch.Tensor)}
-            self.tiled = {**TILED_CONFIGS[tiled]._asdict(),
-                          "scratch": tiled_scratch(sorted(shapes), TILED_CONFIGS[tiled], self.device)}
+            shapes = {tuple(w.shape) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down,
+                                                                       self.lm_head)
+                      if isinstance(w, torch.Tensor) and w.dim() == 2}  # not Q8_0 weights, nor MoE experts
+            config = TILED_CONFIGS[tiled]
+            self.tiled = functools.partial(tiled_linear, **config._asdict(),
+                                           scratch=tiled_scratch(sorted(shapes), config, self.device))
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -413,9 +415,9 @@ class GpuModelRunner:
         """The launcher a dense linear of a step of `rows` rows goes through, its configuration bound (it takes
         x, w and act, the SiLU-and-multiply fused), or None for cuBLAS."""
         if self.skinny is not None and rows <= self.skinny_rows:
-            return functools.partial(gemv, **self.skinny)
+            return self.skinny
         if self.tiled is not None and rows <= TILED_ROWS:
-            return functools.partial(tiled_linear, **self.tiled)
+            return self.tiled
         return None
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:

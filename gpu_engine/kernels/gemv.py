@@ -78,6 +78,28 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None) -> torch.
 GEMV_FORMS = ("dot", "fma")
 
 
+def check_linear(x: torch.Tensor, w: torch.Tensor, act: str | None, out: torch.Tensor | None, max_rows: int,
+                 what: str) -> tuple[int, int, int, torch.Tensor]:
+    """The checks this module's launcher and `kernels.tiled_linear`'s share: x [M, K] (or [M, 2K] with
+    act="silu_mul") of at most `max_rows` rows, w [N, K] of x's dtype and device, `out` [M, N] (allocated when
+    None); each with a contiguous last dimension. Returns (M, N, K, out)."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
+    if act and x.shape[1] % 2:
+        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
+    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
+    if M > max_rows:
+        raise ValueError(f"x: {M} rows, {what} takes at most {max_rows}")
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)
+    return M, N, K, out
+
+
 class GemvConfig(NamedTuple):
     form: str
     block_n: int
@@ -107,22 +129,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Te
     per SM for the Llama-3-8B projections (N 4096 .. 128256). `form` (the module's docstring): "dot" pads the
     rows to 16; "fma" to the next power of two (1, 2, 4, 8 or 16), so one row's output does not depend on how
     many rows its step has within those sizes."""
-    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
-    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
     if form not in GEMV_FORMS:
         raise ValueError(f"form must be one of {GEMV_FORMS}, got {form!r}")
-    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
-    if act and x.shape[1] % 2:
-        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
-    if M > MAX_ROWS:
-        raise ValueError(f"x: {M} rows, the skinny matmul takes at most {MAX_ROWS}")
-    N = w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)
+    M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the skinny matmul")
     if M == 0 or N == 0:
         return out
     if block_n is None:

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_engine.kernels._checks import FLOAT_DTYPES, check
-from gpu_engine.kernels.gemv import _x_tile
+from gpu_engine.kernels._checks import check
+from gpu_engine.kernels.gemv import _x_tile, check_linear
 
 MAX_ROWS = 128
 SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
@@ -133,22 +133,9 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
     allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay)."""
-    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
-    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
-    if act and x.shape[1] % 2:
-        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
-    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
-    if M > MAX_ROWS:
-        raise ValueError(f"x: {M} rows, the tiled linear takes at most {MAX_ROWS}")
-    N = w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)  # each (x, w, out) with a contiguous last dim
+    M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the tiled linear")
     if M == 0 or N == 0:
         return out
     split, width = tiled_split(N, K, block_n, block_k, per_sm, _sms(x.device))
