@@ -321,7 +321,7 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     if skinny is not None:
         result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS)
     if tiled is not None:
-        result["tiled"] = tiled  # ... and of up to kernels.tiled_linear.MAX_ROWS rows (past the skinny ones)
+        result["tiled"] = tiled  # ... and the tiled linear's plan or configuration (past the skinny ones)
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -404,9 +404,9 @@ def main() -> None:
     parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows (ROWS with "
                         "NAME:ROWS) through this kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the "
                         "run its own --out)")
-    parser.add_argument("--tiled", help="the dense model's steps of up to kernels.tiled_linear.MAX_ROWS rows (past the "
-                        "--skinny ones) through this kernels.tiled_linear.TILED_CONFIGS configuration instead of "
-                        "cuBLAS (give the run its own --out)")
+    parser.add_argument("--tiled", help="the dense model's linears (past the --skinny ones) through the tiled linear "
+                        "where this kernels.tiled_linear.TILED_PLANS plan takes them, or through this TILED_CONFIGS "
+                        "configuration up to 128 rows, instead of cuBLAS (give the run its own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))

@@ -36,8 +36,7 @@ from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
-from gpu_engine.kernels.tiled_linear import MAX_ROWS as TILED_ROWS
-from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
+from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_plan, tiled_scratch
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -249,6 +248,13 @@ def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = No
     return out
 
 
+def _silu_apart(matmul: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+                act: str | None = None) -> torch.Tensor:
+    """`matmul`(x, w) with the SiLU-and-multiply run before it by its own kernel (the tiled linear's fused one
+    is the slower; `kernels.tiled_linear`)."""
+    return matmul(silu_and_mul(x) if act == "silu_mul" else x, w)
+
+
 class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
@@ -264,17 +270,17 @@ class GpuModelRunner:
         SiLU-and-multiply fused into the down projection) instead of cuBLAS. Off by default: it is measured
         (`bench/roofline.py --skinny`) before it serves, and with it a request's last bits depend on whether its
         step has more rows than that, as they do between cuBLAS's own kernels. `tiled`: a
-        `kernels.tiled_linear.TILED_CONFIGS` name; the dense linears of steps of up to `TILED_ROWS` rows (those past
-        the skinny ones when `skinny` is given too) then go through that tiled linear, the SiLU-and-multiply fused
-        into the down projection; off by default, measured the same way (`bench/roofline.py --tiled`)."""
+        `kernels.tiled_linear.TILED_PLANS` name (each projection through the configuration its plan names up to
+        the plan's rows, cuBLAS past them) or a `TILED_CONFIGS` name (every projection through it up to 128 rows);
+        the steps past the skinny ones when `skinny` is given too, the SiLU-and-multiply apart before the down
+        projection. Off by default, measured the same way (`bench/roofline.py --tiled`)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
             raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}, optionally followed by "
                              f":ROWS (1-{SKINNY_ROWS})")
         self.skinny_rows = int(rows) if rows else SKINNY_ROWS
-        if tiled is not None and tiled not in TILED_CONFIGS:
-            raise ValueError(f"tiled: {tiled!r} is not one of {sorted(TILED_CONFIGS)}")
+        plan = {} if tiled is None else tiled_plan(tiled)
         # the launchers with their configurations bound, built once (see `matmul_for`)
         self.skinny = None if skinny is None else functools.partial(gemv, **GEMV_CONFIGS[skinny_name]._asdict())
         cfg: ModelConfig = model.config
@@ -298,14 +304,18 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
-        self.tiled = None  # the tiled linear, its scratch shared by every launch
-        if tiled is not None:
-            shapes = {tuple(w.shape) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down,
-                                                                       self.lm_head)
-                      if isinstance(w, torch.Tensor) and w.dim() == 2}  # not Q8_0 weights, nor MoE experts
-            config = TILED_CONFIGS[tiled]
-            self.tiled = functools.partial(tiled_linear, **config._asdict(),
-                                           scratch=tiled_scratch(sorted(shapes), config, self.device))
+        # each projection's (most rows, tiled linear) steps, the launchers bound once and sharing one scratch
+        self.tiled: dict[str, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
+        if plan:
+            shapes = sorted({tuple(w.shape) for layer in self.layers
+                             for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
+                             if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
+            names = sorted({name for steps in plan.values() for _, name in steps})
+            scratches = [tiled_scratch(shapes, TILED_CONFIGS[name], self.device) for name in names]
+            scratch = tuple(max(parts, key=torch.Tensor.numel) for parts in zip(*scratches, strict=True))
+            bound = {name: functools.partial(_silu_apart, functools.partial(
+                tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch)) for name in names}
+            self.tiled = {role: tuple((rows, bound[name]) for rows, name in steps) for role, steps in plan.items()}
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -350,7 +360,7 @@ class GpuModelRunner:
         if not lim.score_rows:
             raise RuntimeError("this runner keeps no hidden states (RunnerLimits.score_rows is 0)")
         rows = b.hidden.index_select(0, b.score_index.clamp(0, lim.max_tokens - 1))
-        logprobs, ranks, top_ids, top_logprobs = score(self._linear(rows, self.lm_head), b.score_targets,
+        logprobs, ranks, top_ids, top_logprobs = score(self._linear(rows, self.lm_head, "lm_head"), b.score_targets,
                                                        max(1, lim.num_top_logprobs))
         b.score_logprobs.copy_(logprobs)
         b.score_ranks.copy_(ranks)
@@ -360,7 +370,7 @@ class GpuModelRunner:
     def logits_at(self, first: int, n: int) -> torch.Tensor:
         """float32 logits [n, vocab] of tokens `first .. first + n` of the last `forward(keep_hidden=True)`
         (a slice: no index tensor to copy to the device, so no synchronization)."""
-        return self._linear(self.kept_hidden[first : first + n], self.lm_head).float()
+        return self._linear(self.kept_hidden[first : first + n], self.lm_head, "lm_head").float()
 
     def drop_hidden(self) -> None:
         """Free the kept hidden states ([tokens, hidden], outside the graph pool) once the step's scoring is
@@ -371,7 +381,7 @@ class GpuModelRunner:
                    decode: bool) -> torch.Tensor:
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
+        qkv = self._linear(x, w.qkv, "qkv")  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
@@ -394,13 +404,13 @@ class GpuModelRunner:
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
                              partition_size=part)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
-        return self._linear(out.view(tokens, hq * d), w.o)
+        return self._linear(out.view(tokens, hq * d), w.o, "o")
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.router is not None:
             cfg = self.config
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
+        return self._linear(self._linear(x, w.gate_up, "gate_up"), w.down, "down", silu_mul=True)
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
@@ -411,20 +421,22 @@ class GpuModelRunner:
         rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
         return rows.view(len(ids), -1).to(self.dtype)
 
-    def matmul_for(self, rows: int) -> Callable[..., torch.Tensor] | None:
-        """The launcher a dense linear of a step of `rows` rows goes through, its configuration bound (it takes
-        x, w and act, the SiLU-and-multiply fused), or None for cuBLAS."""
+    def matmul_for(self, rows: int, role: str) -> Callable[..., torch.Tensor] | None:
+        """The launcher the dense projection `role` (`kernels.tiled_linear.ROLES`) of a step of `rows` rows goes
+        through, its configuration bound (it takes x, w and act, the SiLU-and-multiply included), or None for
+        cuBLAS."""
         if self.skinny is not None and rows <= self.skinny_rows:
             return self.skinny
-        if self.tiled is not None and rows <= TILED_ROWS:
-            return self.tiled
+        for most, launch in self.tiled.get(role, ()):
+            if rows <= most:
+                return launch
         return None
 
-    def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
-        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), whatever the step's size unless the runner was
-        given a `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a `tiled` one
-        (`kernels.tiled_linear`, up to `TILED_ROWS`); a Q8_0 weight through `kernels.q8_linear`."""
-        matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0])
+    def _linear(self, x: torch.Tensor, w: Linear, role: str, silu_mul: bool = False) -> torch.Tensor:
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`) for the projection `role`, through cuBLAS unless the
+        runner was given a `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a
+        `tiled` plan (`kernels.tiled_linear`) that takes this step; a Q8_0 weight through `kernels.q8_linear`."""
+        matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], role)
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
         x = silu_and_mul(x) if silu_mul else x
@@ -441,11 +453,11 @@ class GpuModelRunner:
             if self.limits.score_rows:
                 kept = self.buffers.hidden[:tokens]
                 rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, out=kept)
-                self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head))
+                self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head, "lm_head"))
                 return
             h, residual = h[last], residual[last]
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
-        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))
+        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head, "lm_head"))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:
         b = self.buffers

@@ -13,8 +13,11 @@ step among steps that pad to the same power of two (tested). `act="silu_mul"` ta
 output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded, as `kernels.gemv` does. The
 reference is `kernels.gemv.gemv_ref`.
 
-Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`); the runner uses it only when
-given a configuration (`tiled=`, `BLINK_TILED_LINEAR`).
+Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). The runner uses it only when given a
+configuration or a plan (`tiled=`, `BLINK_TILED_LINEAR`): a plan (`TILED_PLANS`) names, for each projection, the
+configuration that beat cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. On the H200
+the SiLU fused here ran 1.5-7x slower than `activation.silu_and_mul` followed by the plain tiled linear
+(`tiled_down` rows, NAME against NAME_apart), so the runner applies it apart.
 """
 
 from __future__ import annotations
@@ -86,6 +89,28 @@ TILED_CONFIGS = {
     "n256_k64_s4_w8": TiledConfig(256, 64, 1, 8, 4),
 }
 MAX_SPLIT = 8
+
+# The dense projections a runner names when it multiplies (`GpuModelRunner._linear`).
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+# Plans: for each projection, (most rows, configuration) pairs in increasing rows; steps past the last, and
+# projections not named, go to cuBLAS. "h200": the Llama-3-8B projections' fastest configurations where they beat
+# cuBLAS by more than the run's noise on the H200 (`bench/results/kernels_tiled.json`; the down projection with
+# the SiLU apart): 1-3 us a projection at 1-64 rows, none at 128.
+TILED_PLANS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {
+    "h200": {"qkv": ((1, "n64_k128_s4"),), "o": ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),
+             "gate_up": ((64, "n128_k64_s4_w8"),), "down": ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},
+}
+
+
+def tiled_plan(name: str) -> dict[str, tuple[tuple[int, str], ...]]:
+    """The `TILED_PLANS` entry `name`, or, for a `TILED_CONFIGS` name, that configuration for every projection of
+    up to MAX_ROWS rows."""
+    if name in TILED_PLANS:
+        return TILED_PLANS[name]
+    if name in TILED_CONFIGS:
+        return {role: ((MAX_ROWS, name),) for role in ROLES}
+    raise ValueError(f"tiled: {name!r} is neither a plan ({sorted(TILED_PLANS)}) nor a configuration "
+                     f"({sorted(TILED_CONFIGS)})")
 
 
 def tiled_split(N: int, K: int, block_n: int, block_k: int, per_sm: int, sms: int) -> tuple[int, int]:

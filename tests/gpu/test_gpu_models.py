@@ -125,7 +125,7 @@ def test_bf16_logits_match_transformers(family, size):
     _check_bf16(runner, hf, hf32, full, 4, True, f"{family}-{size} decode")
 
 
-@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8"])
+@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200"])
 def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
     2-row decode) through a tiled linear configuration, split over K where the output is narrow."""
