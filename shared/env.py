@@ -88,10 +88,11 @@ class Env:
                               "(ROWS with NAME:ROWS) through this configuration of the skinny matmul (a "
                               "gpu_engine.kernels.gemv.GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at "
                               "every step size")
-    tiled_linear: str = _var("BLINK_TILED_LINEAR", "", "GPU backends: the dense linears of decode steps (past the "
-                             "skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where this plan (a "
+    tiled_linear: str = _var("BLINK_TILED_LINEAR", "auto", "GPU backends: the dense linears of decode steps (past "
+                             "the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where this plan (a "
                              "gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes them, or through this "
-                             "configuration (a TILED_CONFIGS name) up to 128 rows, instead of cuBLAS; unset: cuBLAS")
+                             "configuration (a TILED_CONFIGS name) up to 128 rows, cuBLAS for the rest; auto: the "
+                             "plan measured on this GPU (h200 on an NVIDIA H200; cuBLAS elsewhere); off: cuBLAS")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

@@ -25,6 +25,7 @@ from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
+from gpu_engine.kernels.tiled_linear import resolve_tiled
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
@@ -119,8 +120,11 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
+    # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear)
+    tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
+    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=env.env().tiled_linear or None)
+                            tiled=tiled)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

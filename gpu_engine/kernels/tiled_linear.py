@@ -14,8 +14,9 @@ output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded, as `k
 reference is `kernels.gemv.gemv_ref`.
 
 Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). The runner uses it only when given a
-configuration or a plan (`tiled=`, `BLINK_TILED_LINEAR`): a plan (`TILED_PLANS`) names, for each projection, the
-configuration that beat cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. On the H200
+configuration or a plan (`tiled=`): a plan (`TILED_PLANS`) names, for each projection, the configuration that beat
+cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. An engine takes the plan of the GPU it
+runs on where there is one (`DEFAULT_PLANS`, `resolve_tiled`; `BLINK_TILED_LINEAR` overrides it). On the H200
 the SiLU fused here ran 1.5-7x slower than `activation.silu_and_mul` followed by the plain tiled linear
 (`tiled_down` rows, NAME against NAME_apart), so the runner applies it apart.
 """
@@ -100,6 +101,22 @@ TILED_PLANS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {
     "h200": {"qkv": ((1, "n64_k128_s4"),), "o": ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),
              "gate_up": ((64, "n128_k64_s4_w8"),), "down": ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},
 }
+
+
+# The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS.
+DEFAULT_PLANS = {"NVIDIA H200": "h200"}
+
+
+def resolve_tiled(setting: str, device_name: str) -> str | None:
+    """What the runner's `tiled` gets from a setting (`BLINK_TILED_LINEAR`, `bench/roofline.py --tiled`): "" or
+    "auto", this GPU's default plan (None, cuBLAS, where there is none); "off", None; otherwise the name itself,
+    a plan or a configuration, checked by `tiled_plan`."""
+    if setting in ("", "auto"):
+        return DEFAULT_PLANS.get(device_name)
+    if setting == "off":
+        return None
+    tiled_plan(setting)
+    return setting
 
 
 def tiled_plan(name: str) -> dict[str, tuple[tuple[int, str], ...]]:
