@@ -25,7 +25,8 @@ bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the 
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
 The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
 linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
-them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS).
+them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS). `--pdl`: the dense model's decode
+kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -79,7 +80,8 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None, tiled: str | None = None):
+def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None):
+    """The model, its KV cache and a runner; `dense`: the runner's skinny / tiled / pdl settings (`run`'s)."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -95,7 +97,7 @@ def build(hf: dict, max_ctx: int, batches, prefill, skinny: str | None = None, t
     kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
     tokens = max(prefill, default=max(batches))
     limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
-    return cfg, model, GpuModelRunner(model, kv, limits, skinny=skinny, tiled=tiled)
+    return cfg, model, GpuModelRunner(model, kv, limits, **(dense or {}))
 
 
 def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> None:
@@ -180,8 +182,8 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              skinny: str | None = None, tiled: str | None = None) -> list[dict]:
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, skinny, tiled)
+              dense: dict | None = None) -> list[dict]:
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, dense)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -305,14 +307,16 @@ def replaced(row: dict, kinds) -> bool:
     return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
-def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None) -> dict:
+def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
+        pdl: bool = False) -> dict:
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models)]
     for m in models:
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
-            run_model(*MODELS[m], gbps, tflops, iters, *((skinny, tiled) if m == "dense" else (None, None)))
+            run_model(*MODELS[m], gbps, tflops, iters,
+                      {"skinny": skinny, "tiled": tiled, "pdl": pdl} if m == "dense" else None)
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -325,6 +329,8 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
         result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS)
     if tiled is not None:
         result["tiled"] = tiled  # ... and the tiled linear's plan or configuration (past the skinny ones)
+    if pdl:
+        result["pdl"] = True  # ... and their Triton kernels launched with programmatic dependent launch
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,6 +418,8 @@ def main() -> None:
                         "TILED_CONFIGS configuration up to 128 rows, cuBLAS for the rest; auto (default): what the "
                         "engine takes on this GPU (BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own "
                         "--out)")
+    parser.add_argument("--pdl", action="store_true", help="the dense model's decode kernels launched with "
+                        "programmatic dependent launch (BLINK_PDL; give the run its own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -424,7 +432,7 @@ def main() -> None:
     from gpu_engine.kernels.tiled_linear import resolve_tiled
 
     tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
-    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled)
+    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

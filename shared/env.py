@@ -93,6 +93,10 @@ class Env:
                              "gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes them, or through this "
                              "configuration (a TILED_CONFIGS name) up to 128 rows, cuBLAS for the rest; auto: the "
                              "plan measured on this GPU (h200 on an NVIDIA H200; cuBLAS elsewhere); off: cuBLAS")
+    pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
+                     "decode attention, SiLU, tiled linears) launched with programmatic dependent launch, each "
+                     "scheduled while the one before it finishes; being measured (bench/roofline.py --pdl), so off "
+                     "by default", _bool)
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

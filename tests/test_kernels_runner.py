@@ -30,11 +30,12 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None):
+def _setup(family, skinny=None, tiled=None, pdl=False):
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
-    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny, tiled=tiled)
+    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny, tiled=tiled,
+                            pdl=pdl)
     return cfg, model, runner
 
 
@@ -78,6 +79,8 @@ def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():
         with pytest.raises(ValueError, match="ROWS"):
             _setup("llama", f"dot_n16_k128:{rows}" if rows else "dot_n16_k128:")
     assert _setup("llama", "fma_n8_k512:1")[2].skinny_rows == 1 and _setup("llama", "fma_n8_k512")[2].skinny_rows == 8
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA device"):
+        _setup("llama", pdl=True)
 
 
 def test_kept_hidden_states_give_every_token_s_logits():

@@ -37,7 +37,7 @@ def test_fused_qkv_kernel_compiles_for_sm90(norm: bool, hq: int, hk: int) -> Non
              "sq_t sq_h sk_t sk_h sv_t sv_h HQ HK eps").split()
     signature = {n: (ptrs | scalars)[n] for n in order}
     consts = {"NORM": norm, "D": 128, "ROT_HALF": 64, "BLOCK_HQ": hq, "BLOCK_HK": hk, "BLOCK_R": 64, "BLOCK_P": 1,
-              "BLOCK_D": 128}
+              "BLOCK_D": 128, "USE_PDL": False}
     out = compiles("gpu_engine.kernels.qkv_prep", "_prep_kernel", signature, consts)
     assert out.startswith("True"), out
 
@@ -93,12 +93,12 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> Non
            f"pl_ptr:*fp32 out_ptr:*{dtype} sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
     sig = f"po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*{dtype} so_b:i32 so_h:i32 NSPLIT:i32"
-    consts = {k: consts[k] for k in ("HKV", "D", "G", "BLOCK_G", "BLOCK_D", "PART")}
+    consts = {k: consts[k] for k in ("HKV", "D", "G", "BLOCK_G", "BLOCK_D", "PART", "USE_PDL")}
     out = compiles("gpu_engine.kernels.attention", "_fold_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
@@ -145,7 +145,8 @@ def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu:
     order), plain and with the SiLU-and-multiply on the x tiles."""
     sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32 "
            "k_split:i32")
-    consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "PREC": "tf32"}
+    consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "PREC": "tf32",
+              "USE_PDL": False}
     out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
@@ -163,10 +164,60 @@ def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
     for name, c in TILED_CONFIGS.items():
         for silu, split in ((False, 1), (True, 4)):
             consts = {"SILU": silu, "BLOCK_M": 128, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "SPLIT_K": split,
-                      "PREC": "tf32"}
+                      "PREC": "tf32", "USE_PDL": False}
             options = {"num_warps": c.num_warps,
                        "num_stages": tiled_stages(c.num_stages, 128, c.block_n, c.block_k, silu, 2)}
             out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
                            dict(item.split(":") for item in sig.split()), consts, options=options, divisible=divisible)
             got = re.match(r"\d+", out)  # stdout, then stderr's tail
             assert got is not None and int(got.group()) <= SHARED_BYTES, (name, silu, out)
+
+
+def _sig(text: str) -> dict[str, str]:
+    return dict(item.split(":") for item in text.split())
+
+
+# The kernels a runner launches with programmatic dependent launch (`kernels/pdl.py`), at Llama-3-8B sizes.
+PDL_KERNELS = {
+    "rmsnorm": ("gpu_engine.kernels.rmsnorm", "_rmsnorm_kernel",
+                _sig("x_ptr:*bf16 res_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 n_inner:i32 sx_m:i32 sx_n:i32 sr_m:i32 "
+                     "so_m:i32 so_n:i32 D:i32 eps:fp32"), {"HAS_RES": True, "BLOCK_D": 4096}),
+    "silu": ("gpu_engine.kernels.activation", "_silu_mul_kernel", _sig("x_ptr:*bf16 out_ptr:*bf16 I:i32 sx:i32 so:i32"),
+             {"BLOCK": 1024}),
+    "qkv_prep": ("gpu_engine.kernels.qkv_prep", "_prep_kernel",
+                 _sig("q_ptr:*bf16 k_ptr:*bf16 v_ptr:*bf16 pos_ptr:*i64 cache_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 "
+                      "slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 sq_t:i32 sq_h:i32 sk_t:i32 sk_h:i32 sv_t:i32 sv_h:i32 "
+                      "HQ:i32 HK:i32 eps:fp32"),
+                 {"NORM": False, "D": 128, "ROT_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_R": 64, "BLOCK_P": 1,
+                  "BLOCK_D": 128}),
+    "decode": ("gpu_engine.kernels.attention", "_decode_kernel",
+               _sig("q_ptr:*bf16 kc_ptr:*bf16 vc_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+                    "pl_ptr:*fp32 out_ptr:*bf16 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 scale_log2:fp32 "
+                    "NSPLIT:i32"),
+               {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
+                "FORM": "split", "PREC": "tf32"}),
+    "fold": ("gpu_engine.kernels.attention", "_fold_kernel",
+             _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
+             {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256}),
+    "tiled": ("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
+              _sig("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 "
+                   "so:i32 k_split:i32"),
+              {"SILU": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREC": "tf32"}),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))
+def test_pdl_kernels_wait_for_the_kernel_before_only_when_launched_so(kernel: str) -> None:
+    """Compiled for sm_90 to PTX: with USE_PDL each kernel waits on the grid before it (griddepcontrol.wait) and
+    releases the one after it, both before its first instruction that reads memory; without it, neither is in the
+    code (the default launch is the kernel it was)."""
+    module, name, signature, consts = PDL_KERNELS[kernel]
+    for on in (False, True):
+        out = compiles(module, name, signature, {**consts, "USE_PDL": on}, ptx=True)
+        assert out.startswith("{"), out
+        got = json.JSONDecoder().raw_decode(out)[0]  # stdout, then stderr's tail
+        if on:
+            assert got["wait"] >= 1 and got["launch_dependents"] >= 1, (kernel, got)
+            assert got["wait_before_first_load"], (kernel, got)
+        else:
+            assert got["wait"] == 0 and got["launch_dependents"] == 0, (kernel, got)

@@ -248,11 +248,11 @@ def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = No
     return out
 
 
-def _silu_apart(matmul: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+def _silu_apart(matmul: Callable[..., torch.Tensor], pdl: bool, x: torch.Tensor, w: torch.Tensor,
                 act: str | None = None) -> torch.Tensor:
     """`matmul`(x, w) with the SiLU-and-multiply run before it by its own kernel (the tiled linear's fused one
     is the slower; `kernels.tiled_linear`)."""
-    return matmul(silu_and_mul(x) if act == "silu_mul" else x, w)
+    return matmul(silu_and_mul(x, pdl=pdl) if act == "silu_mul" else x, w)
 
 
 class GpuModelRunner:
@@ -261,7 +261,7 @@ class GpuModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
                  quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
-                 tiled: str | None = None) -> None:
+                 tiled: str | None = None, pdl: bool = False) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -273,7 +273,9 @@ class GpuModelRunner:
         `kernels.tiled_linear.TILED_PLANS` name (each projection through the configuration its plan names up to
         the plan's rows, cuBLAS past them) or a `TILED_CONFIGS` name (every projection through it up to 128 rows);
         the steps past the skinny ones when `skinny` is given too, the SiLU-and-multiply apart before the down
-        projection. Off by default, measured the same way (`bench/roofline.py --tiled`)."""
+        projection. Off by default, measured the same way (`bench/roofline.py --tiled`). `pdl`: the step's norms,
+        q/k/v preparation, decode attention, SiLU and tiled linears launched with programmatic dependent launch
+        (`kernels.pdl`; CUDA only; `bench/roofline.py --pdl`)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -304,6 +306,9 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
+        if pdl and self.device.type != "cuda":
+            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device, the model is on {self.device}")
+        self.pdl = pdl
         # each projection's (most rows, tiled linear) steps, the launchers bound once and sharing one scratch
         self.tiled: dict[str, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
@@ -314,7 +319,7 @@ class GpuModelRunner:
             scratches = [tiled_scratch(shapes, TILED_CONFIGS[name], self.device) for name in names]
             scratch = tuple(max(parts, key=torch.Tensor.numel) for parts in zip(*scratches, strict=True))
             bound = {name: functools.partial(_silu_apart, functools.partial(
-                tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch)) for name in names}
+                tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
             self.tiled = {role: tuple((rows, bound[name]) for rows, name in steps) for role, steps in plan.items()}
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
@@ -340,13 +345,14 @@ class GpuModelRunner:
             raise ValueError(f"step ({batch}, {tokens}) exceeds limits {self.limits}")
         buf = self.buffers
         residual = self._embedding(buf.input_ids[:tokens])
-        x = rms_norm(residual, self.layers[0].attn_norm, self.config.rms_norm_eps)
+        eps, pdl = self.config.rms_norm_eps, self.pdl
+        x = rms_norm(residual, self.layers[0].attn_norm, eps, pdl=pdl)
         for i, w in enumerate(self.layers):
             h = self._attention(i, w, x, batch, tokens, decode)
-            x = rms_norm(h, w.mlp_norm, self.config.rms_norm_eps, residual=residual)
+            x = rms_norm(h, w.mlp_norm, eps, residual=residual, pdl=pdl)
             h = self._mlp(w, x)
             if i + 1 < len(self.layers):
-                x = rms_norm(h, self.layers[i + 1].attn_norm, self.config.rms_norm_eps, residual=residual)
+                x = rms_norm(h, self.layers[i + 1].attn_norm, eps, residual=residual, pdl=pdl)
         if keep_hidden:
             self.kept_hidden = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual.clone())
         self._head(h, residual, batch, tokens, decode)
@@ -388,7 +394,7 @@ class GpuModelRunner:
         kc, vc = self.kv.k[i], self.kv.v[i]
         if self.fused:
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
-                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps, pdl=self.pdl)
         else:
             if w.q_norm is not None and w.k_norm is not None:
                 rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
@@ -398,11 +404,11 @@ class GpuModelRunner:
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         part = decode_partition(batch, hkv)
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part)
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             partition_size=part)
+                             partition_size=part, pdl=self.pdl)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._linear(out.view(tokens, hq * d), w.o, "o")
 
@@ -439,7 +445,7 @@ class GpuModelRunner:
         matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], role)
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
-        x = silu_and_mul(x) if silu_mul else x
+        x = silu_and_mul(x, pdl=self.pdl) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)
         return F.linear(x, w)
@@ -456,7 +462,7 @@ class GpuModelRunner:
                 self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head, "lm_head"))
                 return
             h, residual = h[last], residual[last]
-        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual)
+        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, pdl=self.pdl)
         self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head, "lm_head"))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:

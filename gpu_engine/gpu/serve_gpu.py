@@ -122,9 +122,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
     # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear)
     tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
-    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None)
+    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=tiled)
+                            tiled=tiled, pdl=env.env().pdl)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

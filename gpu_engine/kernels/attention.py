@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
+from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -74,12 +75,13 @@ def _decode_kernel(
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, PREC: tl.constexpr,
+    FORM: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
     `_fold_kernel`; "walk", program (row b, KV head) computes the row's splits in order and folds each into a
     running result as it goes, then writes the output. A split's partial is the same whichever program computes
     it."""
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -123,9 +125,11 @@ def _decode_kernel(
 
 @triton.jit
 def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, HKV: tl.constexpr, D: tl.constexpr,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as a walking
     program folds them, so the output has the same bits in every form."""
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     n_active = tl.cdiv(tl.load(ctx_ptr + b), PART)
@@ -277,12 +281,13 @@ DECODE_FORMS = ("split", "walk")
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
-    num_warps: int = 4, num_stages: int | None = None,
+    num_warps: int = 4, num_stages: int | None = None, pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
     `num_stages` (Triton's default where None) are the split kernel's, for the benchmark's sweep: its K and V tiles
-    are staged in shared memory `num_stages` deep, which bounds how many programs an SM holds.
+    are staged in shared memory `num_stages` deep, which bounds how many programs an SM holds. `pdl`: both launches
+    with programmatic dependent launch (`kernels.pdl`; CUDA only).
 
     Each program computes all the query heads of one KV head (GQA), so each K/V tile is read once. `form`
     (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
@@ -322,12 +327,12 @@ def decode_attention(
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), USE_PDL=pdl, num_warps=num_warps, **consts,
+        **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
     )
     if not walk:
-        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,
-                               **consts)
+        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, USE_PDL=pdl,
+                               num_warps=4, **consts, **pdl_launch(pdl))
     return out
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from gpu_engine.kernels._checks import check
 from gpu_engine.kernels.gemv import _x_tile, check_linear
+from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 MAX_ROWS = 128
 SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
@@ -39,7 +40,8 @@ SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
 @triton.jit
 def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, sx, sw, so, k_split, SILU: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pn = tl.program_id(0)
     s = tl.program_id(1)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,11 +172,12 @@ def _sms(device: torch.device) -> int:
 
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
                  block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with act="silu_mul"), w [N, K] -> out [M, N]; M <= MAX_ROWS.
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
-    allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay)."""
+    allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay). `pdl`: launched
+    with programmatic dependent launch (`kernels.pdl`; CUDA only)."""
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
     M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the tiled linear")
@@ -198,7 +201,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     _tiled_kernel[(tiles, split)](
         x, w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0), width, SILU=silu, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=tiled_stages(num_stages, block_m, block_n, block_k, silu, x.element_size()),
+        USE_PDL=pdl, num_warps=num_warps,
+        num_stages=tiled_stages(num_stages, block_m, block_n, block_k, silu, x.element_size()), **pdl_launch(pdl),
     )
     return out

@@ -55,7 +55,7 @@ def _hf_model(family: str, size: str, dtype, std: float):
     return model
 
 
-def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None):
+def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None, pdl=False):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -72,7 +72,7 @@ def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=N
     model = build_empty(cfg, dtype, "cuda")
     assign_weights(model, map_hf_weights(cfg, sd.__getitem__, sd.__contains__), "hf")
     kv = KVCache(cfg, num_blocks, BLOCK, dtype=dtype, device="cuda")
-    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled), cfg
+    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled, pdl=pdl), cfg
 
 
 def _meta(seqs):
@@ -176,6 +176,57 @@ def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     assert [int(graphs.counters[plain]), int(graphs.counters[sorting])] == [before[0] + 32, before[1] + 31]
     assert len(want) >= 8 and got[: len(want)] == want  # HF stops early only at an EOS it generated
     graphs.close()
+
+
+def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device():
+    """Programmatic dependent launch (`BLINK_PDL`) changes when the kernels are scheduled, not what they compute. At
+    full Llama layer sizes with the tiled linear's plan, a prefill and then a decode step through captured graphs
+    give the same logits and tokens bit for bit with and without it, replayed from the host; the PDL graphs, which
+    hold programmatic edges, give them too when launched once from the device as the persistent scheduler launches
+    them (`blink_launch_once`)."""
+    import ctypes as C
+
+    from gpu_engine.gpu.graph_cache import GraphCache
+    from gpu_engine.gpu.persistent import library
+    from gpu_engine.gpu.sm_share import reserve_sms
+
+    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
+    reserve_sms(1)  # as the engines capture: one SM for the scheduler's block
+    lib = library()
+    lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
+    g = torch.Generator().manual_seed(0)
+    lens, tables = (37, 90, 60, 11), [[0, 1, 2], list(range(3, 9)), list(range(9, 13)), [13]]
+    steps = [(torch.cat([torch.randint(3, 32000, (n,), generator=g) for n in lens]).cuda(),
+              _meta(list(zip([0] * 4, lens, tables, strict=True))), (False, 4, sum(lens))),
+             (torch.tensor([5, 7, 9, 11], device="cuda"),
+              _meta(list(zip(lens, [1] * 4, tables, strict=True))), (True, 4, 4))]
+    results = {}
+    for pdl in (False, True):
+        runner, _ = _ours(hf, tiled="h200", pdl=pdl)
+        graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
+        graphs.capture(progress=False)
+        for how in ("replay", "device") if pdl else ("replay",):
+            outs = []
+            for ids, meta, (decode, batch, tokens) in steps:
+                runner.stage(ids, meta)
+                runner.buffers.logits.fill_(float("nan"))
+                runner.buffers.next_tokens.fill_(-1)
+                if how == "replay":
+                    graphs.replay((decode, batch, tokens))
+                else:
+                    err = C.c_int(0)
+                    handle = graphs.exec_handles(graphs.captured(decode, batch, tokens))[0]
+                    lib.check(lib.lib.blink_launch_once(handle, 1, C.byref(err)), "device launch")
+                    assert err.value == 0, f"device-side cudaGraphLaunch returned {err.value}"
+                torch.cuda.synchronize()
+                outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
+            results[pdl, how] = outs
+        graphs.close()
+    plain = results[False, "replay"]
+    assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
+    for key in ((True, "replay"), (True, "device")):
+        for (want_l, want_t), (got_l, got_t) in zip(plain, results[key], strict=True):
+            assert torch.equal(got_l, want_l) and torch.equal(got_t, want_t), key
 
 
 def test_graph_replay_is_bitwise_equal_to_eager():

@@ -41,13 +41,36 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
     return int(kernel.metadata.shared)
 
 
+def ptx_pdl(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dict[str, object]:
+    """Compile the kernel for sm_90 to PTX (no GPU) and report its programmatic-dependent-launch instructions: how
+    many `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and whether a wait comes before the first
+    global or shared-memory load."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    ptx = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    lines = ptx.splitlines()
+    first_load = next((i for i, line in enumerate(lines) if line.strip().startswith(("ld.global", "cp.async"))),
+                      len(lines))
+    first_wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
+    return {"wait": ptx.count("griddepcontrol.wait"),
+            "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
+            "wait_before_first_load": first_wait < first_load}
+
+
 def main() -> None:
     """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}; with "options"
-    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds."""
+    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds; with
+    "ptx": true, its programmatic-dependent-launch instructions (`ptx_pdl`), as JSON."""
     import importlib
 
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     fn = getattr(importlib.import_module(module), name)
+    if spec.get("ptx"):
+        print(json.dumps(ptx_pdl(fn, spec["signature"], spec["constexprs"])))
+        return
     if "options" in spec:
         divisible = tuple(spec.get("divisible", ()))
         print(shared_bytes(fn, spec["signature"], spec["constexprs"], spec["options"], divisible))
