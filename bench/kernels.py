@@ -109,22 +109,21 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     parts = {  # per layer: (launch, bytes it must move)
         "norms": (lambda: (rms_norm(x, w.attn_norm, eps, residual=res), rms_norm(x, w.mlp_norm, eps, residual=res)),
                   8 * row + 2 * _nbytes(w.attn_norm)),
-        "qkv_gemm": (lambda: runner._linear(x, w.qkv, "qkv"), _nbytes(w.qkv, qkv) + row),
+        "qkv_gemm": (lambda: runner._linear(x, w.qkv), _nbytes(w.qkv, qkv) + row),
         "qkv_prep": (lambda: qkv_prep(q, k, v, buf.positions[:batch], runner.rope_cache, kc, vc,
                                       buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
         "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
                                                       runner.scale, out=attn,
                                                       partition_size=decode_partition(batch, hk)),
                              batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
-        "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o, "o"), _nbytes(w.o, attn) + row),
+        "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
     }
     parts |= _mlp_parts(runner, w, x, batch, fused_moe)
     per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
     out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
            for name, e in per_layer.items()}
-    head = runner._linear(x, runner.lm_head, "lm_head")
-    out["lm_head"] = entry(graph_ms(lambda: runner._linear(x, runner.lm_head, "lm_head")),
-                           _nbytes(runner.lm_head, head), gbps)
+    head = runner._linear(x, runner.lm_head)
+    out["lm_head"] = entry(graph_ms(lambda: runner._linear(x, runner.lm_head)), _nbytes(runner.lm_head, head), gbps)
     out["sampling"] = entry(graph_ms(lambda: runner._sample(batch)), _nbytes(buf.logits[:batch]), gbps)
     return out
 
@@ -185,14 +184,13 @@ def _mlp_parts(runner, w, x, batch: int, fused_moe) -> dict:
                                           cfg.norm_topk_prob), nbytes)}
     from gpu_engine.kernels.activation import silu_and_mul
 
-    gu = runner._linear(x, w.gate_up, "gate_up")
-    parts = {"gate_up_gemm": (lambda: runner._linear(x, w.gate_up, "gate_up"), _nbytes(w.gate_up, gu, x))}
-    if runner.matmul_for(batch, "down") is not None:  # the SiLU-and-multiply inside the down projection's launcher
-        return parts | {"down_gemm": (lambda: runner._linear(gu, w.down, "down", silu_mul=True),
-                                      _nbytes(w.down, gu, x))}
+    gu = runner._linear(x, w.gate_up)
+    parts = {"gate_up_gemm": (lambda: runner._linear(x, w.gate_up), _nbytes(w.gate_up, gu, x))}
+    if runner.matmul_for(batch, tuple(w.down.shape)) is not None:  # the SiLU inside the down projection's launcher
+        return parts | {"down_gemm": (lambda: runner._linear(gu, w.down, silu_mul=True), _nbytes(w.down, gu, x))}
     h = silu_and_mul(gu)
     return parts | {"silu_mul": (lambda: silu_and_mul(gu, out=h), _nbytes(gu, h)),
-                    "down_gemm": (lambda: runner._linear(h, w.down, "down"), _nbytes(w.down, h, x))}
+                    "down_gemm": (lambda: runner._linear(h, w.down), _nbytes(w.down, h, x))}
 
 
 def _col(B: int, value, dtype=torch.float32) -> torch.Tensor:

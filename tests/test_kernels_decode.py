@@ -168,18 +168,21 @@ def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
                     assert (split - 1) * width < K <= split * width, (N, K, block_k, per_sm)
 
 
-def test_tiled_plans_name_known_projections_and_configurations_in_increasing_rows():
-    """A plan the runner can follow: projections it multiplies, configurations that exist, row limits rising
-    within 1..MAX_ROWS; a configuration's name alone is that configuration everywhere; anything else refused."""
-    from gpu_engine.kernels.tiled_linear import MAX_ROWS, ROLES, TILED_CONFIGS, TILED_PLANS, tiled_plan
+def test_tiled_plans_name_weight_shapes_and_configurations_in_increasing_rows():
+    """A plan the runner can follow: (N, K) weight shapes, configurations that exist, row limits rising within
+    1..MAX_ROWS; the H200's names the Llama-3-8B projections and not its LM head; a configuration's name alone is
+    that configuration for every shape; anything else refused."""
+    from gpu_engine.kernels.tiled_linear import MAX_ROWS, TILED_CONFIGS, TILED_PLANS, tiled_plan
 
     for name, plan in TILED_PLANS.items():
-        assert name not in TILED_CONFIGS and set(plan) <= set(ROLES), name
-        for steps in plan.values():
+        assert name not in TILED_CONFIGS, name
+        for shape, steps in plan.items():
+            assert shape is not None and len(shape) == 2 and min(shape) > 0, (name, shape)
             rows = [r for r, _ in steps]
             assert rows == sorted(set(rows)) and 1 <= rows[0] and rows[-1] <= MAX_ROWS, (name, steps)
             assert all(config in TILED_CONFIGS for _, config in steps), (name, steps)
-    assert tiled_plan("n64_k64_s6") == {role: ((MAX_ROWS, "n64_k64_s6"),) for role in ROLES}
+    assert set(TILED_PLANS["h200"]) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert tiled_plan("n64_k64_s6") == {None: ((MAX_ROWS, "n64_k64_s6"),)}
     with pytest.raises(ValueError, match="neither a plan"):
         tiled_plan("fastest")
 

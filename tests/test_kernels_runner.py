@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from gpu_engine.gpu.graph_cache import GraphCache  # noqa: E402
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits  # noqa: E402
+from gpu_engine.kernels.tiled_linear import TILED_PLANS  # noqa: E402
 from gpu_engine.kv_cache import KVCache  # noqa: E402
 from gpu_engine.models.attention import build_metadata  # noqa: E402
 from gpu_engine.models.config import ModelConfig  # noqa: E402
@@ -39,16 +40,24 @@ def _setup(family, skinny=None, tiled=None, pdl=False):
     return cfg, model, runner
 
 
+# A plan over the llama test model's shapes: qkv [128, 64] tiled up to 4 rows, o [64, 64] in two configurations up to
+# 32, gate_up [192, 64] up to 32, down [64, 96] up to 4; the LM head [97, 64] never.
+MIXED_PLAN = {(128, 64): ((4, "n64_k64_s6"),), (64, 64): ((16, "n32_k128_s4"), (32, "n64_k128_s4_x2")),
+              (192, 64): ((32, "n128_k64_s4_w8"),), (64, 96): ((4, "n64_k64_s6"),)}
+
+
 @pytest.mark.parametrize(("family", "skinny", "tiled"), [(f, None, None) for f in sorted(FAMILIES)]
                          + [("llama", "fma_n16_k256", None), ("qwen3", "dot_n16_k128", None),
                             ("llama", "fma_n8_k512:1", "n64_k64_s6"), ("qwen3_moe", "fma_n8_k512", "n128_k64_s4_w8"),
-                            ("phi3", None, "h200")])
-def test_runner_matches_reference_model(family, skinny, tiled):
+                            ("llama", None, "mixed")])
+def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
     """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
     of every step (one row a sequence) go through the skinny matmul; with `tiled`, those of every step of up to
     128 rows (all of these) not taken by the skinny one go through the tiled linear (64-deep tiles: the down
-    projection, 96 deep, in two slices through the runner's shared scratch); the rest through cuBLAS. The "h200"
-    plan mixes cuBLAS and four configurations by projection and step size, sharing one scratch."""
+    projection, 96 deep, in two slices through the runner's shared scratch); the rest through cuBLAS. The plan
+    "mixed" (`MIXED_PLAN`) takes cuBLAS and four configurations by weight shape and step size, sharing one
+    scratch."""
+    monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
     cfg, model, runner = _setup(family, skinny, tiled)
     ref_kv = KVCache(cfg, 16, 4)
     g = torch.Generator().manual_seed(1)
@@ -151,26 +160,30 @@ def test_the_roofline_s_mixed_step_is_a_valid_step():
     torch.testing.assert_close(runner.buffers.logits[:4], want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_tiled_plan_picks_each_projections_launcher_by_step_size():
-    """The "h200" plan: qkv tiled at one row only, o in two configurations up to 32 rows, gate_up up to 64, the
-    LM head never; the skinny matmul, where given, first."""
-    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, TILED_PLANS
+def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size(monkeypatch):
+    """A plan's launchers by weight shape: qkv tiled up to 4 rows, o in two configurations up to 32 rows, the LM
+    head (a shape the plan does not name) never; a configuration's name alone takes every shape up to 128 rows;
+    the skinny matmul, where given, first."""
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS
 
-    runner = _setup("llama", None, "h200")[2]
+    monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
+    runner = _setup("llama", None, "mixed")[2]
+    qkv, o, head = tuple(runner.layers[0].qkv.shape), tuple(runner.layers[0].o.shape), tuple(runner.lm_head.shape)
+    assert (qkv, o, head) == ((128, 64), (64, 64), (97, 64))
 
-    def config(rows, role):
-        launch = runner.matmul_for(rows, role)
-        return None if launch is None else launch.args[0].keywords["block_n"], launch.args[0].keywords["per_sm"]
+    def config(rows, shape):
+        launch = runner.matmul_for(rows, shape)
+        return None if launch is None else (launch.args[0].keywords["block_n"], launch.args[0].keywords["per_sm"])
 
     def named(name):
         return TILED_CONFIGS[name].block_n, TILED_CONFIGS[name].per_sm
 
-    assert TILED_PLANS["h200"]["o"] == ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4"))
-    assert config(1, "qkv") == named("n64_k128_s4") and runner.matmul_for(2, "qkv") is None
-    assert config(16, "o") == named("n64_k128_s4_x2") and config(17, "o") == named("n64_k128_s4")
-    assert config(32, "o") == named("n64_k128_s4") and runner.matmul_for(33, "o") is None
-    assert config(64, "gate_up") == named("n128_k64_s4_w8") and runner.matmul_for(65, "gate_up") is None
-    assert runner.matmul_for(1, "lm_head") is None
-    with_skinny = _setup("llama", "fma_n8_k512:1", "h200")[2]
-    assert with_skinny.matmul_for(1, "gate_up") is with_skinny.skinny
-    assert with_skinny.matmul_for(2, "gate_up") not in (None, with_skinny.skinny)
+    assert config(4, qkv) == named("n64_k64_s6") and config(5, qkv) is None
+    assert config(16, o) == named("n32_k128_s4") and config(17, o) == named("n64_k128_s4_x2")
+    assert config(32, o) == named("n64_k128_s4_x2") and config(33, o) is None
+    assert config(1, head) is None
+    one = _setup("llama", None, "n64_k64_s6")[2]
+    assert one.matmul_for(128, head) is not None and one.matmul_for(129, head) is None
+    with_skinny = _setup("llama", "fma_n8_k512:1", "mixed")[2]
+    assert with_skinny.matmul_for(1, o) is with_skinny.skinny
+    assert with_skinny.matmul_for(2, o) not in (None, with_skinny.skinny)

@@ -270,8 +270,9 @@ class GpuModelRunner:
         SiLU-and-multiply fused into the down projection) instead of cuBLAS. Off by default: it is measured
         (`bench/roofline.py --skinny`) before it serves, and with it a request's last bits depend on whether its
         step has more rows than that, as they do between cuBLAS's own kernels. `tiled`: a
-        `kernels.tiled_linear.TILED_PLANS` name (each projection through the configuration its plan names up to
-        the plan's rows, cuBLAS past them) or a `TILED_CONFIGS` name (every projection through it up to 128 rows);
+        `kernels.tiled_linear.TILED_PLANS` name (each weight of a shape the plan names through the configuration it
+        names up to the plan's rows, cuBLAS past them and for other shapes) or a `TILED_CONFIGS` name (every dense
+        weight through it up to 128 rows);
         the steps past the skinny ones when `skinny` is given too, the SiLU-and-multiply apart before the down
         projection. Off by default, measured the same way (`bench/roofline.py --tiled`). `pdl`: the step's norms,
         q/k/v preparation, decode attention, SiLU and tiled linears launched with programmatic dependent launch
@@ -309,8 +310,8 @@ class GpuModelRunner:
         if pdl and self.device.type != "cuda":
             raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device, the model is on {self.device}")
         self.pdl = pdl
-        # each projection's (most rows, tiled linear) steps, the launchers bound once and sharing one scratch
-        self.tiled: dict[str, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
+        # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
+        self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
             shapes = sorted({tuple(w.shape) for layer in self.layers
                              for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
@@ -320,7 +321,7 @@ class GpuModelRunner:
             scratch = tuple(max(parts, key=torch.Tensor.numel) for parts in zip(*scratches, strict=True))
             bound = {name: functools.partial(_silu_apart, functools.partial(
                 tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
-            self.tiled = {role: tuple((rows, bound[name]) for rows, name in steps) for role, steps in plan.items()}
+            self.tiled = {shape: tuple((rows, bound[name]) for rows, name in steps) for shape, steps in plan.items()}
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -366,7 +367,7 @@ class GpuModelRunner:
         if not lim.score_rows:
             raise RuntimeError("this runner keeps no hidden states (RunnerLimits.score_rows is 0)")
         rows = b.hidden.index_select(0, b.score_index.clamp(0, lim.max_tokens - 1))
-        logprobs, ranks, top_ids, top_logprobs = score(self._linear(rows, self.lm_head, "lm_head"), b.score_targets,
+        logprobs, ranks, top_ids, top_logprobs = score(self._linear(rows, self.lm_head), b.score_targets,
                                                        max(1, lim.num_top_logprobs))
         b.score_logprobs.copy_(logprobs)
         b.score_ranks.copy_(ranks)
@@ -376,7 +377,7 @@ class GpuModelRunner:
     def logits_at(self, first: int, n: int) -> torch.Tensor:
         """float32 logits [n, vocab] of tokens `first .. first + n` of the last `forward(keep_hidden=True)`
         (a slice: no index tensor to copy to the device, so no synchronization)."""
-        return self._linear(self.kept_hidden[first : first + n], self.lm_head, "lm_head").float()
+        return self._linear(self.kept_hidden[first : first + n], self.lm_head).float()
 
     def drop_hidden(self) -> None:
         """Free the kept hidden states ([tokens, hidden], outside the graph pool) once the step's scoring is
@@ -387,7 +388,7 @@ class GpuModelRunner:
                    decode: bool) -> torch.Tensor:
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._linear(x, w.qkv, "qkv")  # [T, (hq + 2 hkv) d]
+        qkv = self._linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
@@ -410,13 +411,13 @@ class GpuModelRunner:
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
                              partition_size=part, pdl=self.pdl)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
-        return self._linear(out.view(tokens, hq * d), w.o, "o")
+        return self._linear(out.view(tokens, hq * d), w.o)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.router is not None:
             cfg = self.config
             return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return self._linear(self._linear(x, w.gate_up, "gate_up"), w.down, "down", silu_mul=True)
+        return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
@@ -427,22 +428,22 @@ class GpuModelRunner:
         rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
         return rows.view(len(ids), -1).to(self.dtype)
 
-    def matmul_for(self, rows: int, role: str) -> Callable[..., torch.Tensor] | None:
-        """The launcher the dense projection `role` (`kernels.tiled_linear.ROLES`) of a step of `rows` rows goes
-        through, its configuration bound (it takes x, w and act, the SiLU-and-multiply included), or None for
-        cuBLAS."""
+    def matmul_for(self, rows: int, shape: tuple[int, int]) -> Callable[..., torch.Tensor] | None:
+        """The launcher a dense weight of `shape` ([N, K]) goes through in a step of `rows` rows, its configuration
+        bound (it takes x, w and act, the SiLU-and-multiply included), or None for cuBLAS."""
         if self.skinny is not None and rows <= self.skinny_rows:
             return self.skinny
-        for most, launch in self.tiled.get(role, ()):
+        for most, launch in self.tiled.get(shape, self.tiled.get(None, ())):
             if rows <= most:
                 return launch
         return None
 
-    def _linear(self, x: torch.Tensor, w: Linear, role: str, silu_mul: bool = False) -> torch.Tensor:
-        """F.linear(x, w) (of silu(gate) * up when `silu_mul`) for the projection `role`, through cuBLAS unless the
-        runner was given a `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a
-        `tiled` plan (`kernels.tiled_linear`) that takes this step; a Q8_0 weight through `kernels.q8_linear`."""
-        matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], role)
+    def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), through cuBLAS unless the runner was given a
+        `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a `tiled` plan or
+        configuration (`kernels.tiled_linear`) that takes this step and weight; a Q8_0 weight through
+        `kernels.q8_linear`."""
+        matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], (w.shape[0], w.shape[1]))
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
         x = silu_and_mul(x, pdl=self.pdl) if silu_mul else x
@@ -459,11 +460,11 @@ class GpuModelRunner:
             if self.limits.score_rows:
                 kept = self.buffers.hidden[:tokens]
                 rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, out=kept)
-                self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head, "lm_head"))
+                self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head))
                 return
             h, residual = h[last], residual[last]
         x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, pdl=self.pdl)
-        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head, "lm_head"))
+        self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:
         b = self.buffers

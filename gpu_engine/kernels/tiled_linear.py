@@ -14,9 +14,9 @@ output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded, as `k
 reference is `kernels.gemv.gemv_ref`.
 
 Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). The runner uses it only when given a
-configuration or a plan (`tiled=`): a plan (`TILED_PLANS`) names, for each projection, the configuration that beat
-cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. An engine takes the plan of the GPU it
-runs on where there is one (`DEFAULT_PLANS`, `resolve_tiled`; `BLINK_TILED_LINEAR` overrides it). On the H200
+configuration or a plan (`tiled=`): a plan (`TILED_PLANS`) names, for each weight shape measured, the configuration
+that beat cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. An engine takes the plan of
+the GPU it runs on where there is one (`DEFAULT_PLANS`, `resolve_tiled`; `BLINK_TILED_LINEAR` overrides it). On the H200
 the SiLU fused here ran 1.5-8x slower than `activation.silu_and_mul` followed by the plain tiled linear
 (`tiled_down` rows, NAME against NAME_apart), so the runner applies it apart.
 """
@@ -93,15 +93,17 @@ TILED_CONFIGS = {
 }
 MAX_SPLIT = 8
 
-# The dense projections a runner names when it multiplies (`GpuModelRunner._linear`).
-ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
-# Plans: for each projection, (most rows, configuration) pairs in increasing rows; steps past the last, and
-# projections not named, go to cuBLAS. "h200": the Llama-3-8B projections' fastest configurations where they beat
-# cuBLAS by more than the run's noise on the H200 (`bench/results/kernels_tiled.json`; the down projection with
-# the SiLU apart): 1-3 us a projection at 1-64 rows, none at 128.
-TILED_PLANS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {
-    "h200": {"qkv": ((1, "n64_k128_s4"),), "o": ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),
-             "gate_up": ((64, "n128_k64_s4_w8"),), "down": ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},
+# Plans: for each weight shape (N, K), (most rows, configuration) pairs in increasing rows; steps past the last, and
+# weights of shapes a plan does not name (other models, whose kernels were not measured), go to cuBLAS. "h200": the
+# Llama-3-8B projections' fastest configurations where they beat cuBLAS by more than the run's noise on the H200
+# (`bench/results/kernels_tiled.json`; the down projection with the SiLU apart): 1-3 us a projection at 1-64 rows,
+# none at 128, none on the LM head.
+Plan = dict[tuple[int, int] | None, tuple[tuple[int, str], ...]]  # None: any shape
+TILED_PLANS: dict[str, Plan] = {
+    "h200": {(6144, 4096): ((1, "n64_k128_s4"),),  # qkv
+             (4096, 4096): ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),  # o
+             (28672, 4096): ((64, "n128_k64_s4_w8"),),  # gate_up
+             (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # down
 }
 
 
@@ -121,13 +123,13 @@ def resolve_tiled(setting: str, device_name: str) -> str | None:
     return setting
 
 
-def tiled_plan(name: str) -> dict[str, tuple[tuple[int, str], ...]]:
-    """The `TILED_PLANS` entry `name`, or, for a `TILED_CONFIGS` name, that configuration for every projection of
-    up to MAX_ROWS rows."""
+def tiled_plan(name: str) -> Plan:
+    """The `TILED_PLANS` entry `name`, or, for a `TILED_CONFIGS` name, that configuration for every weight of up to
+    MAX_ROWS rows (key None)."""
     if name in TILED_PLANS:
         return TILED_PLANS[name]
     if name in TILED_CONFIGS:
-        return {role: ((MAX_ROWS, name),) for role in ROLES}
+        return {None: ((MAX_ROWS, name),)}
     raise ValueError(f"tiled: {name!r} is neither a plan ({sorted(TILED_PLANS)}) nor a configuration "
                      f"({sorted(TILED_CONFIGS)})")
 
