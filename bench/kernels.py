@@ -366,6 +366,7 @@ def prefill_rows(gbps: float) -> list[dict]:
 LLAMA_PROJECTIONS = (  # (name, N, K) of the Llama-3-8B linears
     ("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LM_HEAD = ("lm_head", 128256, 4096)
+MOE_ATTENTION = (("moe_qkv", 5120, 2048), ("moe_o", 2048, 4096))  # Qwen3-30B-A3B's attention linears
 
 
 def _in_turn(ws: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
@@ -424,8 +425,9 @@ def gemv_rows(gbps: float) -> list[dict]:
 
 def tiled_rows(gbps: float) -> list[dict]:
     """The tiled linear's configurations (`kernels.tiled_linear.TILED_CONFIGS`: tiles, the split of K, warps,
-    stages) against cuBLAS at the Llama-3-8B projections and decode steps of 1-128 rows; the down projection with
-    the SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the tiled linear)."""
+    stages) against cuBLAS at the Llama-3-8B projections and Qwen3-30B-A3B's attention linears (`moe_qkv`,
+    `moe_o`: their shapes are in no plan yet) and decode steps of 1-128 rows; the down projection with the
+    SiLU-and-multiply fused (case NAME) and apart (NAME_apart: silu_and_mul, then the tiled linear)."""
     from gpu_engine.kernels.activation import silu_and_mul
     from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
 
@@ -438,7 +440,7 @@ def tiled_rows(gbps: float) -> list[dict]:
                 cases[f"{case}_apart"] = lambda w, keys=keys: tiled_linear(silu_and_mul(x), w, **keys)
         return cases
 
-    return _against_cublas(gbps, "tiled", LLAMA_PROJECTIONS, (1, 8, 16, 32, 64, 128), variants)
+    return _against_cublas(gbps, "tiled", (*LLAMA_PROJECTIONS, *MOE_ATTENTION), (1, 8, 16, 32, 64, 128), variants)
 
 
 def q8_rows(gbps: float) -> list[dict]:
