@@ -25,7 +25,8 @@ bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the 
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
 The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
 linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
-them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS). `--pdl`: the dense model's decode
+them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS). `--skinny` takes the steps of up to its
+rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: the dense model's decode
 kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
@@ -325,12 +326,14 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    if skinny is not None:
-        result["skinny"] = skinny  # the dense rows' linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS)
-    if tiled is not None:
-        result["tiled"] = tiled  # ... and the tiled linear's plan or configuration (past the skinny ones)
-    if pdl:
-        result["pdl"] = True  # ... and their Triton kernels launched with programmatic dependent launch
+    if "dense" in models:  # how the dense rows ran; a key absent is the default (cuBLAS, no PDL)
+        # skinny: their linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS); tiled: the tiled
+        # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL
+        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None)):
+            if value is None:
+                result.pop(key, None)
+            else:
+                result[key] = value
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,7 +88,8 @@ class Env:
                               "(ROWS with NAME:ROWS) through this configuration of the skinny matmul (a "
                               "gpu_engine.kernels.gemv.GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at "
                               "every step size")
-    tiled_linear: str = _var("BLINK_TILED_LINEAR", "auto", "GPU backends: the dense linears of decode steps (past "
+    tiled_linear: str = _var("BLINK_TILED_LINEAR", "auto", "GPU backends: the dense linears of steps of up to "
+                             "128 rows (past "
                              "the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where this plan (a "
                              "gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes them, or through this "
                              "configuration (a TILED_CONFIGS name) up to 128 rows, cuBLAS for the rest; auto: the "

@@ -276,7 +276,7 @@ class GpuModelRunner:
         the steps past the skinny ones when `skinny` is given too, the SiLU-and-multiply apart before the down
         projection. Off by default, measured the same way (`bench/roofline.py --tiled`). `pdl`: the step's norms,
         q/k/v preparation, decode attention, SiLU and tiled linears launched with programmatic dependent launch
-        (`kernels.pdl`; CUDA only; `bench/roofline.py --pdl`)."""
+        (`kernels.pdl`; sm_90 and later; `bench/roofline.py --pdl`)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -307,8 +307,9 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
-        if pdl and self.device.type != "cuda":
-            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device, the model is on {self.device}")
+        if pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
+            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
+                             f"later (griddepcontrol), the model is on {self.device}")
         self.pdl = pdl
         # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
         self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}

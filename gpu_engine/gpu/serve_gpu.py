@@ -95,6 +95,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
     dtype = getattr(torch, cfg.gpu_torch_dtype_name())
     path = Path(cfg.model) if cfg.model else default_model_path()
+    # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear);
+    # an unknown name fails here, before the weights load
+    tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
              gpu_weights=cfg.gpu_weights)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
@@ -120,8 +123,6 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
-    # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear)
-    tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
     log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
                             tiled=tiled, pdl=env.env().pdl)

@@ -17,7 +17,7 @@ Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). The
 configuration or a plan (`tiled=`): a plan (`TILED_PLANS`) names, for each weight shape measured, the configuration
 that beat cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. An engine takes the plan of
 the GPU it runs on where there is one (`DEFAULT_PLANS`, `resolve_tiled`; `BLINK_TILED_LINEAR` overrides it). On the H200
-the SiLU fused here ran 1.5-8x slower than `activation.silu_and_mul` followed by the plain tiled linear
+the SiLU fused here ran 1.4-8x slower than `activation.silu_and_mul` followed by the plain tiled linear
 (`tiled_down` rows, NAME against NAME_apart), so the runner applies it apart.
 """
 

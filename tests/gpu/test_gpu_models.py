@@ -128,7 +128,9 @@ def test_bf16_logits_match_transformers(family, size):
 @pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200"])
 def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
-    2-row decode) through a tiled linear configuration, split over K where the output is narrow."""
+    2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
+    (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
+    which take each of its configurations."""
     import copy
 
     hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
@@ -146,6 +148,18 @@ def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     runner.forward(4, 4, True)
     full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
     _check_bf16(runner, hf, hf32, full, 4, True, f"tiled {tiled} decode")
+    if tiled != "h200":
+        return
+    for lens, tokens in (((20, 12), 32), ((30, 34), 64)):
+        more = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in lens]
+        runner.buffers.logits.fill_(float("nan"))
+        runner.stage(torch.cat(more).cuda(), _meta([(0, lens[0], [20, 21]), (0, lens[1], [22, 23, 24])]))
+        runner.forward(4, tokens, False)
+        _check_bf16(runner, hf, hf32, more, tokens, False, f"tiled {tiled} prefill of {tokens}")
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(nxt[:1].cuda(), _meta([(37, 1, [0, 1, 2])]))
+    runner.forward(1, 1, True)
+    _check_bf16(runner, hf, hf32, full[:1], 1, True, f"tiled {tiled} one-row decode")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
@@ -184,14 +198,22 @@ def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_de
     give the same logits and tokens bit for bit with and without it, replayed from the host; the PDL graphs, which
     hold programmatic edges, give them too when launched once from the device as the persistent scheduler launches
     them (`blink_launch_once`)."""
+    from gpu_engine.gpu.sm_share import reserve_sms
+
+    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
+    reserve_sms(1)  # as the engines capture: one SM for the scheduler's block (given back at the end)
+    try:
+        _pdl_bits(hf)
+    finally:
+        reserve_sms(0)
+
+
+def _pdl_bits(hf) -> None:
     import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.persistent import library
-    from gpu_engine.gpu.sm_share import reserve_sms
 
-    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
-    reserve_sms(1)  # as the engines capture: one SM for the scheduler's block
     lib = library()
     lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
     g = torch.Generator().manual_seed(0)
@@ -214,6 +236,7 @@ def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_de
                 if how == "replay":
                     graphs.replay((decode, batch, tokens))
                 else:
+                    torch.cuda.synchronize()  # the staging above is on this stream; the launch takes its own
                     err = C.c_int(0)
                     handle = graphs.exec_handles(graphs.captured(decode, batch, tokens))[0]
                     lib.check(lib.lib.blink_launch_once(handle, 1, C.byref(err)), "device launch")

@@ -43,8 +43,10 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
 
 def ptx_pdl(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dict[str, object]:
     """Compile the kernel for sm_90 to PTX (no GPU) and report its programmatic-dependent-launch instructions: how
-    many `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and whether a wait comes before the first
-    global or shared-memory load."""
+    many `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and the line of each first one and of the
+    first global-memory access (a load, store, atomic or async copy, predicated or not; -1 where there is none)."""
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,12 +54,16 @@ def ptx_pdl(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dic
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     ptx = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     lines = ptx.splitlines()
-    first_load = next((i for i, line in enumerate(lines) if line.strip().startswith(("ld.global", "cp.async"))),
-                      len(lines))
-    first_wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
+    memory = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red)\.global|^\s*(@!?%p\d+\s+)?cp\.async")
+
+    def first(match) -> int:
+        return next((i for i, line in enumerate(lines) if match(line)), -1)
+
     return {"wait": ptx.count("griddepcontrol.wait"),
             "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
-            "wait_before_first_load": first_wait < first_load}
+            "first_wait": first(lambda line: "griddepcontrol.wait" in line),
+            "first_launch_dependents": first(lambda line: "griddepcontrol.launch_dependents" in line),
+            "first_memory": first(memory.match)}
 
 
 def main() -> None:
