@@ -89,11 +89,11 @@ class Env:
                               "gpu_engine.kernels.gemv.GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at "
                               "every step size")
     tiled_linear: str = _var("BLINK_TILED_LINEAR", "auto", "GPU backends: the dense linears of steps of up to "
-                             "128 rows (past "
-                             "the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where this plan (a "
-                             "gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes them, or through this "
-                             "configuration (a TILED_CONFIGS name) up to 128 rows, cuBLAS for the rest; auto: the "
-                             "plan measured on this GPU (h200 on an NVIDIA H200; cuBLAS elsewhere); off: cuBLAS")
+                             "128 rows (past the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where "
+                             "this plan (a gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes their weight's "
+                             "shape and the step's size, or through this configuration (a TILED_CONFIGS name), "
+                             "cuBLAS for the rest; auto: the plan measured on this GPU (h200 on an NVIDIA H200; "
+                             "cuBLAS elsewhere); off: cuBLAS")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears) launched with programmatic dependent launch, each "
                      "scheduled while the one before it finishes; being measured (bench/roofline.py --pdl), so off "

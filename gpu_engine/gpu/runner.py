@@ -270,13 +270,13 @@ class GpuModelRunner:
         SiLU-and-multiply fused into the down projection) instead of cuBLAS. Off by default: it is measured
         (`bench/roofline.py --skinny`) before it serves, and with it a request's last bits depend on whether its
         step has more rows than that, as they do between cuBLAS's own kernels. `tiled`: a
-        `kernels.tiled_linear.TILED_PLANS` name (each weight of a shape the plan names through the configuration it
-        names up to the plan's rows, cuBLAS past them and for other shapes) or a `TILED_CONFIGS` name (every dense
-        weight through it up to 128 rows);
-        the steps past the skinny ones when `skinny` is given too, the SiLU-and-multiply apart before the down
-        projection. Off by default, measured the same way (`bench/roofline.py --tiled`). `pdl`: the step's norms,
-        q/k/v preparation, decode attention, SiLU and tiled linears launched with programmatic dependent launch
-        (`kernels.pdl`; sm_90 and later; `bench/roofline.py --pdl`)."""
+        `kernels.tiled_linear.TILED_PLANS` name (each weight of a shape the plan names goes through the
+        configuration it names up to the plan's rows; cuBLAS past them and for other shapes) or a `TILED_CONFIGS`
+        name (every dense weight through it up to 128 rows). Either takes the steps past the skinny ones when
+        `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. None here is
+        cuBLAS; the engines resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
+        `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU and tiled linears launched with
+        programmatic dependent launch (`kernels.pdl`; sm_90 and later; `bench/roofline.py --pdl`)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
