@@ -19,7 +19,7 @@
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
-# matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, into OUTDIR's roofline_skinny.json), kernels_tiled (the
+# matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, cuBLAS past them, into OUTDIR's roofline_skinny.json), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
 # plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
 # roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
@@ -172,7 +172,7 @@ run_step() {
     kernels_gemv) step kernels_gemv "${T_KERNELS_GEMV:-200}" "$PY" -m bench.kernels --only gemv --out "$OUT/kernels_gemv.json" ;;
     roofline_skinny)
       if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
-      else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --out "$OUT/roofline_skinny.json"; fi ;;
+      else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --tiled off --out "$OUT/roofline_skinny.json"; fi ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     roofline_tiled)
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
