@@ -95,7 +95,8 @@ class Env:
                              "cuBLAS for the rest; auto: the plan measured on this GPU (h200 on an NVIDIA H200; "
                              "cuBLAS elsewhere); off: cuBLAS")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
-                     "decode attention, SiLU, tiled linears) launched with programmatic dependent launch, each "
+                     "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
+                     "programmatic dependent launch, each "
                      "scheduled while the one before it finishes; being measured (bench/roofline.py --pdl), so off "
                      "by default", _bool)
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "

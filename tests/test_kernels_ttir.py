@@ -66,12 +66,12 @@ def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
     scalars = "I:i32 K:i32 s_x:i32 s_we:i32 s_wn:i32 s_o:i32"
     sig = f"x_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 out_ptr:*{dtype} {scalars}"
     out = compiles("gpu_engine.kernels.moe", "_gate_up_silu_kernel", dict(item.split(":") for item in sig.split()),
-                   {"TOPK": top_k, "BLOCK_N": 4, "BLOCK_K": 512})
+                   {"TOPK": top_k, "BLOCK_N": 4, "BLOCK_K": 512, "USE_PDL": False})
     assert out.startswith("True"), out
     scalars = "N:i32 K:i32 s_a:i32 s_we:i32 s_wn:i32 s_o:i32"
     sig = f"a_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*{dtype} {scalars}"
     out = compiles("gpu_engine.kernels.moe", "_down_sum_kernel", dict(item.split(":") for item in sig.split()),
-                   {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256})
+                   {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256, "USE_PDL": False})
     assert out.startswith("True"), out
 
 
@@ -203,6 +203,15 @@ PDL_KERNELS = {
               _sig("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 "
                    "so:i32 k_split:i32"),
               {"SILU": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREC": "tf32"}),
+    "moe_route": ("gpu_engine.kernels.moe", "_route_kernel",
+                  _sig("logits_ptr:*bf16 w_ptr:*fp32 ids_ptr:*i64 E:i32 s_t:i32"),
+                  {"TOPK": 8, "NORMALIZE": True, "BLOCK_E": 128}),
+    "moe_gate_up_silu": ("gpu_engine.kernels.moe", "_gate_up_silu_kernel",
+                         _sig("x_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 out_ptr:*bf16 I:i32 K:i32 s_x:i32 s_we:i32 "
+                              "s_wn:i32 s_o:i32"), {"TOPK": 8, "BLOCK_N": 4, "BLOCK_K": 512}),
+    "moe_down_sum": ("gpu_engine.kernels.moe", "_down_sum_kernel",
+                     _sig("a_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*bf16 N:i32 K:i32 s_a:i32 "
+                          "s_we:i32 s_wn:i32 s_o:i32"), {"TOPK": 8, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256}),
 }
 
 

@@ -275,8 +275,9 @@ class GpuModelRunner:
         name (every dense weight through it up to 128 rows). Either takes the steps past the skinny ones when
         `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. None here is
         cuBLAS; the engines resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
-        `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU and tiled linears launched with
-        programmatic dependent launch (`kernels.pdl`; sm_90 and later; `bench/roofline.py --pdl`)."""
+        `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
+        sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
+        `bench/roofline.py --pdl`)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -417,7 +418,8 @@ class GpuModelRunner:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if w.router is not None:
             cfg = self.config
-            return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                             pdl=self.pdl)
         return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
 from gpu_engine.kernels.activation import silu_and_mul
+from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.models.moe import route as route_ref
 
 # Steps of at most this many (token, slot) pairs take the sort-free path. 64 = batch 8 of a top-8
@@ -32,7 +33,8 @@ SMALL_PAIRS = 64
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, TOPK: tl.constexpr, NORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * s_t + offs, mask=offs < E, other=0.0).to(tl.float32)
@@ -57,10 +59,12 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, TOPK: tl.constexpr, NORMAL
         q = tl.where(offs == best, -1.0, q)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool,
+              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, top-k (first index wins ties), optional renormalisation.
 
-    Returns (weights [T, k] fp32, expert ids [T, k] int64), like `gpu_engine.models.moe.route`.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), like `gpu_engine.models.moe.route`. `pdl`: launched
+    with programmatic dependent launch (`kernels.pdl`).
     """
     check("router_logits", router_logits, dtype=FLOAT_DTYPES, shape=(None, None))
     T, E = router_logits.shape
@@ -70,7 +74,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
         _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), TOPK=top_k,
-                            NORMALIZE=bool(normalize), BLOCK_E=next_pow2(E), num_warps=1)
+                            NORMALIZE=bool(normalize), BLOCK_E=next_pow2(E), USE_PDL=pdl, num_warps=1,
+                            **pdl_launch(pdl))
     return weights, ids
 
 
@@ -214,7 +219,8 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, s_x, s_we, s_wn, s_o, TOPK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
@@ -242,7 +248,7 @@ def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> No
 
 
 def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor | None = None,
-                     block_n: int = 4, block_k: int = 512) -> torch.Tensor:
+                     block_n: int = 4, block_k: int = 512, pdl: bool = False) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows first), expert_ids [T, k] -> out [T * k, I] =
     silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s).
 
@@ -254,7 +260,8 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
     2 x block_n contiguous weight rows (gate and up) in block_k chunks, loaded at their
     own width, accumulated in fp32. Pairs vary fastest in the grid, so
     pairs that share an expert read its tile at about the same time (from L2 for all but the
-    first). Expert ids must lie in [0, E) (`moe_route` guarantees it).
+    first). Expert ids must lie in [0, E) (`moe_route` guarantees it). `pdl`: launched with programmatic
+    dependent launch (`kernels.pdl`).
     """
     check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
     T, H = x.shape
@@ -272,14 +279,16 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
         return out
     _gate_up_silu_kernel[(T * top_k, triton.cdiv(I, block_n))](
         x, gate_up, expert_ids, out, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
-        TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), num_warps=4,
+        TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), USE_PDL=pdl, num_warps=4,
+        **pdl_launch(pdl),
     )
     return out
 
 
 @triton.jit
 def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_wn, s_o, TOPK: tl.constexpr,
-                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -304,7 +313,8 @@ def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_
 
 
 def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
-                 out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256,
+                 pdl: bool = False) -> torch.Tensor:
     """act [T * k, I], down [E, H, I], expert_ids / route_weights [T, k] -> out [T, H] =
     sum over s of route_weights[t, s] * act[t * k + s] @ down[ids[t, s]].T, in registers: no
     [T * k, H] intermediate, no atomics (deterministic).
@@ -315,7 +325,8 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     expert's (32 KiB a step in bf16 at the defaults) and the loop is I / block_k steps long (3 at
     I = 768), not top_k times that. Measured on the H200 (`bench/kernels.py`, bf16): 8 columns 9.1 / 46.3 /
     80.7 us at batch 1 / 8 / 16, 2 columns 10.9 / 50.8 / 88.9, 1 column 9.4 / 46.6 / 83.8. Tokens vary fastest
-    in the grid, as pairs do in `moe_gate_up_silu`.
+    in the grid, as pairs do in `moe_gate_up_silu`. `pdl`: launched with programmatic dependent launch
+    (`kernels.pdl`).
     """
     check("act", act, dtype=FLOAT_DTYPES, shape=(None, None))
     E, H, I = down.shape
@@ -335,7 +346,7 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     _down_sum_kernel[(T, triton.cdiv(H, block_n))](
         act, down, expert_ids, route_weights, out, H, I, act.stride(0), down.stride(0), down.stride(1),
         out.stride(0), TOPK=top_k, SLOTS=next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(I)),
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )
     return out
 
@@ -347,14 +358,15 @@ def small_path(tokens: int, top_k: int) -> bool:
 
 
 def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
     per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
     token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
     product before that sum), so an MoE
     request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
-    GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance)."""
-    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids), down, ids, weights)
+    GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance). `pdl`: both kernels
+    launched with programmatic dependent launch (`kernels.pdl`)."""
+    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl), down, ids, weights, pdl=pdl)
 
 
 def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -373,12 +385,14 @@ def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     return y.view(T, top_k, x.shape[1]).sum(dim=1)
 
 
-def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None):
+def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None,
+              pdl: bool = False):
     """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
-    sorted one (`block_m` is the sorted path's)."""
-    weights, ids = moe_route(F.linear(x, router_w), top_k, normalize)
+    sorted one (`block_m` is the sorted path's). `pdl`: the routing and the sort-free path's kernels launched with
+    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without."""
+    weights, ids = moe_route(F.linear(x, router_w), top_k, normalize, pdl=pdl)
     if small_path(x.shape[0], top_k):
-        return moe_experts_small(x, gate_up, down, weights, ids)
+        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl)
     return moe_experts_sorted(x, gate_up, down, weights, ids, block_m)
 
 

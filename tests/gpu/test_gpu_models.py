@@ -192,15 +192,16 @@ def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     graphs.close()
 
 
-def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device():
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device(family):
     """Programmatic dependent launch (`BLINK_PDL`) changes when the kernels are scheduled, not what they compute. At
-    full Llama layer sizes with the tiled linear's plan, a prefill and then a decode step through captured graphs
-    give the same logits and tokens bit for bit with and without it, replayed from the host; the PDL graphs, which
-    hold programmatic edges, give them too when launched once from the device as the persistent scheduler launches
-    them (`blink_launch_once`)."""
+    full layer sizes with the tiled linear's plan (Llama) or the MoE routing and sort-free experts (Qwen3-MoE's
+    decode), a prefill and then a decode step through captured graphs give the same logits and tokens bit for bit
+    with and without it, replayed from the host; the PDL graphs, which hold programmatic edges, give them too when
+    launched once from the device as the persistent scheduler launches them (`blink_launch_once`)."""
     from gpu_engine.gpu.sm_share import reserve_sms
 
-    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
+    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     reserve_sms(1)  # as the engines capture: one SM for the scheduler's block (given back at the end)
     try:
         _pdl_bits(hf)
