@@ -23,7 +23,8 @@
 # tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
 # plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
 # roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
-# launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json; beside a roofline step's run),
+# launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
+# PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
@@ -178,7 +179,7 @@ run_step() {
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
       else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
-    roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --out "$OUT/roofline_pdl.json" ;;
+    roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;
     real_weights)
       local gguf_arg=""
       if [ -n "${RW_GGUF_PARTS:-}" ]; then
