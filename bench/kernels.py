@@ -434,7 +434,7 @@ def tiled_rows(gbps: float) -> list[dict]:
     def variants(x, act, N, K):
         cases = {}
         for case, config in TILED_CONFIGS.items():
-            keys = {**config._asdict(), "scratch": tiled_scratch([(N, K)], config, "cuda")}
+            keys = {**config._asdict(), "scratch": tiled_scratch([(N, K)], [config], "cuda")}
             cases[case] = functools.partial(tiled_linear, x, act=act, **keys)
             if act:
                 cases[f"{case}_apart"] = lambda w, keys=keys: tiled_linear(silu_and_mul(x), w, **keys)

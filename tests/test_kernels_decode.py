@@ -197,7 +197,7 @@ def test_tiled_linear_leaves_its_counters_zero_and_repeats_its_bits():
     x = torch.randn(9, 200, generator=g).to(DEV)
     w = (torch.randn(70, 200, generator=g) * 0.1).to(DEV)
     w2 = (torch.randn(40, 200, generator=g) * 0.1).to(DEV)
-    scratch = tiled_scratch([(70, 200), (40, 200)], config, DEV)
+    scratch = tiled_scratch([(70, 200), (40, 200)], [config], DEV)
     assert scratch[0].numel() > 1  # these shapes split
     first = tiled_linear(x, w, **config._asdict(), scratch=scratch)
     assert int(scratch[1].abs().sum()) == 0

@@ -319,8 +319,7 @@ class GpuModelRunner:
                              for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
                              if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
             names = sorted({name for steps in plan.values() for _, name in steps})
-            scratches = [tiled_scratch(shapes, TILED_CONFIGS[name], self.device) for name in names]
-            scratch = tuple(max(parts, key=torch.Tensor.numel) for parts in zip(*scratches, strict=True))
+            scratch = tiled_scratch(shapes, [TILED_CONFIGS[name] for name in names], self.device)
             bound = {name: functools.partial(_silu_apart, functools.partial(
                 tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
             self.tiled = {shape: tuple((rows, bound[name]) for rows, name in steps) for shape, steps in plan.items()}

@@ -147,16 +147,18 @@ def tiled_split(N: int, K: int, block_n: int, block_k: int, per_sm: int, sms: in
     return triton.cdiv(K, width), width
 
 
-def tiled_scratch(shapes, config: TiledConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(workspace, counters) for launches with `config` of at most MAX_ROWS rows over weights of `shapes` ((N, K)
-    pairs): fp32 partials for the widest split launch, and one zeroed int32 count a column tile, which every
-    launch leaves zero. A runner allocates them once for all its launches (a CUDA graph replays no memset)."""
+def tiled_scratch(shapes, configs, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace, counters) for launches of at most MAX_ROWS rows with any of `configs` (`TiledConfig`s) over
+    weights of `shapes` ((N, K) pairs): fp32 partials for the widest split launch, and one zeroed int32 count a
+    column tile, which every launch leaves zero. A runner allocates them once for all its launches, which run
+    one after another (a CUDA graph replays no memset)."""
     device = torch.device(device)
     parts, tiles = 1, 1
-    for N, K in shapes:
-        split, _ = tiled_split(N, K, config.block_n, config.block_k, config.per_sm, _sms(device))
-        parts = max(parts, split * MAX_ROWS * N if split > 1 else 1)
-        tiles = max(tiles, triton.cdiv(N, config.block_n))
+    for config in configs:
+        for N, K in shapes:
+            split, _ = tiled_split(N, K, config.block_n, config.block_k, config.per_sm, _sms(device))
+            parts = max(parts, split * MAX_ROWS * N if split > 1 else 1)
+            tiles = max(tiles, triton.cdiv(N, config.block_n))
     return (torch.empty(parts, dtype=torch.float32, device=device),
             torch.zeros(tiles, dtype=torch.int32, device=device))
 

@@ -140,7 +140,7 @@ def test_gpu_tiled_linear_real_sizes(M, shape):
     w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
     want = gemv_ref(x, w, act).float()
     for name, config in TILED_CONFIGS.items():
-        scratch = tiled_scratch([(N, K)], config, DEV)
+        scratch = tiled_scratch([(N, K)], [config], DEV)
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         got = tiled_linear(x, w, act=act, out=out, **config._asdict(), scratch=scratch).float()
         assert float((got - want).norm() / want.norm()) < 1e-2, name
@@ -156,7 +156,7 @@ def test_gpu_tiled_linear_bits_do_not_depend_on_the_step_within_a_size_nor_on_re
     for N, K, act in ((4096, 14336, "silu_mul"), (28672, 4096, None)):
         x = torch.randn(128, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
         w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
-        scratch = tiled_scratch([(N, K)], config, DEV)
+        scratch = tiled_scratch([(N, K)], [config], DEV)
         full = tiled_linear(x, w, act=act, **config._asdict(), scratch=scratch)
         for M in (65, 100, 127):
             assert torch.equal(tiled_linear(x[:M], w, act=act, **config._asdict(), scratch=scratch), full[:M]), M

@@ -25,11 +25,10 @@ def ttir(fn, signature: dict[str, str], constexprs: dict[str, object]) -> str:
     return str(module)
 
 
-def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict,
-                 divisible: tuple[str, ...] = ()) -> int:
-    """Compile the kernel for sm_90 down to its cubin (ptxas bundled with Triton; no GPU) and return the shared
-    memory a block takes. `divisible`: arguments taken as multiples of 16, as a launch specializes them (the
-    loads' pipelining depends on it)."""
+def _compiled(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict | None = None,
+              divisible: tuple[str, ...] = ()):
+    """The kernel compiled for sm_90 down to its cubin (ptxas bundled with Triton; no GPU). `divisible`:
+    arguments taken as multiples of 16, as a launch specializes them (the loads' pipelining depends on it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,22 +36,22 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    return int(kernel.metadata.shared)
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict,
+                 divisible: tuple[str, ...] = ()) -> int:
+    """The shared memory a block of the compiled kernel takes (`_compiled`)."""
+    return int(_compiled(fn, signature, constexprs, options, divisible).metadata.shared)
 
 
 def ptx_pdl(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dict[str, object]:
-    """Compile the kernel for sm_90 to PTX (no GPU) and report its programmatic-dependent-launch instructions: how
-    many `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and the line of each first one and of the
+    """The kernel's programmatic-dependent-launch instructions in its sm_90 PTX (`_compiled`): how many
+    `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and the line of each first one and of the
     first global-memory access (a load, store, atomic or async copy, predicated or not; -1 where there is none)."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    ptx = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = _compiled(fn, signature, constexprs).asm["ptx"]
     lines = ptx.splitlines()
     memory = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red)\.global|^\s*(@!?%p\d+\s+)?cp\.async")
 
