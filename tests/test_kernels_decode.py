@@ -79,6 +79,15 @@ def test_decode_attention_with_fine_splits_and_empty_rows():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
+def _linear_case(M, act, dtype):
+    """x [M, K] (or [M, 2K] for the SiLU), w [70, 200] (neither a multiple of the tiles), and a poisoned out."""
+    g = torch.Generator().manual_seed(M)
+    K, N = 200, 70
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
+    return x, w, torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+
+
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
@@ -86,11 +95,7 @@ def test_decode_attention_with_fine_splits_and_empty_rows():
 def test_gemv_matches_the_reference(M, act, dtype, tol, form):
     from gpu_engine.kernels.gemv import gemv, gemv_ref
 
-    g = torch.Generator().manual_seed(M)
-    K, N = 200, 70  # neither a multiple of the tiles
-    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
-    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
-    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    x, w, out = _linear_case(M, act, dtype)
     gemv(x, w, act=act, out=out, block_n=32, block_k=64, form=form)
     torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
 
@@ -138,13 +143,9 @@ def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
     from gpu_engine.kernels.gemv import gemv_ref
     from gpu_engine.kernels.tiled_linear import _sms, tiled_linear, tiled_split
 
-    g = torch.Generator().manual_seed(M)
-    K, N = 200, 70  # neither a multiple of the tiles
-    split, _ = tiled_split(N, K, 16, 32, per_sm, _sms(torch.device(DEV)))
+    x, w, out = _linear_case(M, act, dtype)
+    split, _ = tiled_split(w.shape[0], w.shape[1], 16, 32, per_sm, _sms(torch.device(DEV)))
     assert (split > 1) == (per_sm > 1) or DEV == "cuda"
-    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEV, dtype)
-    w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
-    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
     tiled_linear(x, w, act=act, out=out, block_n=16, block_k=32, per_sm=per_sm)
     torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
 
