@@ -150,6 +150,70 @@ def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
     torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("M", [1, 5, 17])
+@pytest.mark.parametrize(("act", "norm", "add"), [("glu", False, False), (None, True, False), ("glu", True, False),
+                                                  (None, False, True), ("glu", True, True)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("per_sm", [1, 8])
+def test_tiled_linear_fused_forms_match_the_unfused_steps(M, act, norm, add, dtype, tol, per_sm):
+    """The forms a decode layer's linears take: the gate_up product with silu(gate) * up as its output (glu), the
+    RMSNorm of x applied as it is loaded (norm), the output added into the residual stream (add): each against the
+    unfused steps in turn (`tiled_ref`), whole and split over K (the glu partials, gate then up, through the same
+    workspace). With add the residual is written in place and returned."""
+    from gpu_engine.kernels.tiled_linear import tiled_linear, tiled_ref
+
+    g = torch.Generator().manual_seed(M + 100 * per_sm)
+    K, N = 200, 35
+    x = (torch.randn(M, K, generator=g) * 3).to(DEV, dtype)  # rows far from unit RMS: the norm must scale them
+    w = (torch.randn(2 * N if act else N, K, generator=g) * 0.1).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    residual = torch.randn(M, N, generator=g).to(DEV, dtype)
+    want = tiled_ref(x, w, act, (nw, 1e-5) if norm else None, residual if add else None)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    kwargs = {"block_n": 16, "block_k": 32, "per_sm": per_sm, "norm": (nw, 1e-5) if norm else None}
+    if add:
+        held = residual.clone()
+        got = tiled_linear(x, w, act=act, residual=held, **kwargs)
+        assert got.data_ptr() == held.data_ptr()
+    else:
+        got = tiled_linear(x, w, act=act, out=out, **kwargs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("per_sm", [1, 8])
+def test_tiled_linear_glu_gives_the_bits_of_the_product_then_the_silu_kernel(per_sm):
+    """A glu launch whose programs take block_n / 2 gate and up rows each sums every column as plain launches with
+    half the tile width over the gate and the up rows do (the same tiles, so the same slices), and its
+    SiLU-and-multiply rounds as `activation.silu_and_mul` does: the same bits, so the fusion changes no token."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.tiled_linear import tiled_linear
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 200, generator=g).to(DEV)
+    w = (torch.randn(140, 200, generator=g) * 0.1).to(DEV)
+    plain = torch.cat([tiled_linear(x, half, block_n=16, block_k=32, per_sm=per_sm) for half in w.chunk(2)], 1)
+    assert torch.equal(tiled_linear(x, w, act="glu", block_n=32, block_k=32, per_sm=per_sm), silu_and_mul(plain))
+
+
+def test_tiled_linear_refuses_fused_forms_it_cannot_take():
+    from gpu_engine.kernels.tiled_linear import tiled_linear
+
+    x, w, nw = torch.zeros(2, 64, device=DEV), torch.zeros(64, 64, device=DEV), torch.ones(64, device=DEV)
+    with pytest.raises(ValueError, match="glu needs"):
+        tiled_linear(x, torch.zeros(63, 64, device=DEV), act="glu")
+    with pytest.raises(ValueError, match="norm weight"):
+        tiled_linear(x, w, norm=(nw[:32], 1e-5))
+    with pytest.raises(ValueError, match="norm: the RMSNorm prologue"):
+        tiled_linear(torch.zeros(2, 128, device=DEV), w, act="silu_mul", norm=(nw, 1e-5))
+    with pytest.raises(ValueError, match="residual: must not alias"):
+        tiled_linear(x, w, residual=x)
+    with pytest.raises(ValueError, match="writes into the residual"):
+        tiled_linear(x, w, residual=torch.zeros(2, 64, device=DEV), out=torch.zeros(2, 64, device=DEV))
+    with pytest.raises(ValueError, match="act"):
+        from gpu_engine.kernels.gemv import gemv
+        gemv(x, w, act="glu")  # the skinny matmul has no glu form
+
+
 def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
     """Slices are whole tiles deep, cover K once with none empty (a program that never counts would leave its
     tile unwritten), and split only where the column tiles leave SMs idle: on 132 SMs with 64-column tiles, the

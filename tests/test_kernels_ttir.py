@@ -138,39 +138,45 @@ def test_gemv_kernel_compiles_for_sm90(fma: bool, block_m: int, silu: bool) -> N
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("block_m", "split_k", "silu"), [(16, 1, False), (128, 1, False), (64, 4, False),
-                                                          (128, 2, True)])
-def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu: bool) -> None:
+TILED_SIG = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 M:i32 N:i32 K:i32 "
+             "sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32")
+PLAIN = {"GLU": False, "NORM": False, "ADD": False}
+
+
+@pytest.mark.parametrize(("block_m", "split_k", "silu", "fused"),
+                         [(16, 1, False, ""), (128, 1, False, ""), (64, 4, False, ""), (128, 2, True, ""),
+                          (16, 1, False, "GLU NORM"), (16, 4, False, "GLU NORM"), (64, 2, False, "ADD"),
+                          (16, 1, False, "ADD")])
+def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu: bool, fused: str) -> None:
     """The tiled linear whole and split over K (fp32 partials, the atomic count, the last program's sum in slice
-    order), plain and with the SiLU-and-multiply on the x tiles."""
-    sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32 "
-           "k_split:i32")
+    order), plain, with the SiLU-and-multiply on the x tiles, and in the fused forms of a decode layer (the gate_up
+    product's SiLU as its output with the RMSNorm on its x tiles; the output added into the residual)."""
+    sig = TILED_SIG
     consts = {"SILU": silu, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "PREC": "tf32",
-              "USE_PDL": False}
+              "USE_PDL": False, **PLAIN, **dict.fromkeys(fused.split(), True)}
     out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
 
 
 def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
-    """Each named configuration at 128 rows, plain and with the SiLU, compiled for sm_90 to its cubin with the
-    stages the launcher gives it (`tiled_stages`): no more shared memory than a block may take (a launch past it
-    fails with out-of-resources on the GPU)."""
+    """Each named configuration at 128 rows, plain, with the SiLU, and as a glu (half the columns, two weight tiles
+    of half the width), compiled for sm_90 to its cubin with the stages the launcher gives it (`tiled_stages`): no
+    more shared memory than a block may take (a launch past it fails with out-of-resources on the GPU)."""
     from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
 
-    sig = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 so:i32 "
-           "k_split:i32")
-    divisible = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "sx", "sw", "so", "k_split"]
+    sig = TILED_SIG
+    divisible = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "nw_ptr", "N", "K", "sx", "sw", "so", "k_split"]
     for name, c in TILED_CONFIGS.items():
-        for silu, split in ((False, 1), (True, 4)):
-            consts = {"SILU": silu, "BLOCK_M": 128, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "SPLIT_K": split,
-                      "PREC": "tf32", "USE_PDL": False}
+        for silu, split, glu in ((False, 1, False), (True, 4, False), (False, 1, True)):
+            consts = {"SILU": silu, "BLOCK_M": 128, "BLOCK_N": c.block_n // 2 if glu else c.block_n,
+                      "BLOCK_K": c.block_k, "SPLIT_K": split, "PREC": "tf32", "USE_PDL": False, **PLAIN, "GLU": glu}
             options = {"num_warps": c.num_warps,
                        "num_stages": tiled_stages(c.num_stages, 128, c.block_n, c.block_k, silu, 2)}
             out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
                            dict(item.split(":") for item in sig.split()), consts, options=options, divisible=divisible)
             got = re.match(r"\d+", out)  # stdout, then stderr's tail
-            assert got is not None and int(got.group()) <= SHARED_BYTES, (name, silu, out)
+            assert got is not None and int(got.group()) <= SHARED_BYTES, (name, silu, glu, out)
 
 
 def _sig(text: str) -> dict[str, str]:
@@ -200,9 +206,11 @@ PDL_KERNELS = {
              _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
              {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256}),
     "tiled": ("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
-              _sig("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 sw:i32 "
-                   "so:i32 k_split:i32"),
-              {"SILU": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREC": "tf32"}),
+              _sig(TILED_SIG), {"SILU": False, **PLAIN, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2,
+                                "PREC": "tf32"}),
+    "tiled_fused": ("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
+                    _sig(TILED_SIG), {"SILU": False, "GLU": True, "NORM": True, "ADD": False, "BLOCK_M": 16,
+                                      "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "PREC": "tf32"}),
     "moe_route": ("gpu_engine.kernels.moe", "_route_kernel",
                   _sig("logits_ptr:*bf16 w_ptr:*fp32 ids_ptr:*i64 E:i32 s_t:i32"),
                   {"TOPK": 8, "NORMALIZE": True, "BLOCK_E": 128}),

@@ -79,20 +79,23 @@ GEMV_FORMS = ("dot", "fma")
 
 
 def check_linear(x: torch.Tensor, w: torch.Tensor, act: str | None, out: torch.Tensor | None, max_rows: int,
-                 what: str) -> tuple[int, int, int, torch.Tensor]:
+                 what: str, acts: tuple[str, ...] = ("silu_mul",)) -> tuple[int, int, int, torch.Tensor]:
     """The checks this module's launcher and `kernels.tiled_linear`'s share: x [M, K] (or [M, 2K] with
-    act="silu_mul") of at most `max_rows` rows, w [N, K] of x's dtype and device, `out` [M, N] (allocated when
-    None); each with a contiguous last dimension. Returns (M, N, K, out)."""
+    act="silu_mul") of at most `max_rows` rows, w [N, K] (or [2N, K], gate rows then up rows, with act="glu", where
+    `acts` allows it) of x's dtype and device, `out` [M, N] (allocated when None); each with a contiguous last
+    dimension. Returns (M, N, K, out)."""
     check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
     check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"act: {act!r} is not None or 'silu_mul'")
-    if act and x.shape[1] % 2:
+    if act is not None and act not in acts:
+        raise ValueError(f"act: {act!r} is not None or one of {acts}")
+    if act == "silu_mul" and x.shape[1] % 2:
         raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
-    M, K = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
+    if act == "glu" and w.shape[0] % 2:
+        raise ValueError(f"w: glu needs [2N, K] (gate rows, then up rows), got {tuple(w.shape)}")
+    M, K = x.shape[0], x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
     if M > max_rows:
         raise ValueError(f"x: {M} rows, {what} takes at most {max_rows}")
-    N = w.shape[0]
+    N = w.shape[0] // 2 if act == "glu" else w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out

@@ -30,15 +30,53 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import check
-from gpu_engine.kernels.gemv import _x_tile, check_linear
+from gpu_engine.kernels.activation import silu_and_mul_ref
+from gpu_engine.kernels.gemv import _x_tile, check_linear, gemv_ref
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
+from gpu_engine.kernels.rmsnorm import rms_norm_ref
 
 MAX_ROWS = 128
 SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
 
 
 @triton.jit
-def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, sx, sw, so, k_split, SILU: tl.constexpr,
+def _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each of the step's rows over all of K, in fp32 (`kernels.rmsnorm`'s statistic)."""
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        x = x.to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+    return tl.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _normed(x, rstd, nw_ptr, k, K):
+    """An x tile normalised as `kernels.rmsnorm` does it: x * rstd rounded to x's dtype, then times the weight."""
+    y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (y * nw[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _finish(optrs, omask, acc, acc_u, GLU: tl.constexpr, ADD: tl.constexpr):
+    """A tile's output from its fp32 sums: rounded to the output dtype; with GLU silu(gate) * up of the two rounded
+    sums (`kernels.activation`'s formula); with ADD added to what `optrs` holds (the residual stream) and rounded
+    again, as `kernels.rmsnorm`'s residual add does. So each equals the unfused kernels' result."""
+    y = acc.to(optrs.dtype.element_ty)
+    if GLU:
+        g = y.to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(optrs.dtype.element_ty).to(tl.float32)).to(optrs.dtype.element_ty)
+    if ADD:
+        r = tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(optrs.dtype.element_ty)
+    tl.store(optrs, y, mask=omask)
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
+                  SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   PREC: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -48,28 +86,45 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, sx, sw, so, k
     m = tl.arange(0, BLOCK_M)
     rows = w_ptr + n[:, None].to(tl.int64) * sw
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: the up half's sums (rows N.. of w)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:  # every program takes the rows' statistic over all of K, whatever its slice
+        rstd = _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M, BLOCK_K)
     k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        wmask = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
         x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
+        if NORM:
+            x = _normed(x, rstd, nw_ptr, k, K)
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        if GLU:
+            w_u = tl.load(rows + N * sw + k[None, :], mask=wmask, other=0.0)
+            acc_u += tl.dot(x, tl.trans(w_u), input_precision=PREC)
     omask = (m[:, None] < M) & (n[None, :] < N)
     optrs = out_ptr + m[:, None] * so + n[None, :]
     if SPLIT_K == 1:
-        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        _finish(optrs, omask, acc, acc_u, GLU, ADD)
     else:
-        part = m[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(ws_ptr + s.to(tl.int64) * M * N + part, acc, mask=omask)
+        width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]
+        part = m[:, None].to(tl.int64) * width + n[None, :]
+        tl.store(ws_ptr + s.to(tl.int64) * M * width + part, acc, mask=omask)
+        if GLU:
+            tl.store(ws_ptr + s.to(tl.int64) * M * width + part + N, acc_u, mask=omask)
         tl.debug_barrier()  # every thread's partial is stored before the count is released
         done = tl.atomic_add(cnt_ptr + pn, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
             tl.store(cnt_ptr + pn, 0)  # ready for the next launch
             # slice order whichever program sums; loads bypass L1 (`.cg`): other SMs wrote them
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for i in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + i * M * N + part, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(optrs, total.to(out_ptr.dtype.element_ty), mask=omask)
+                total += tl.load(ws_ptr + i * M * width + part, mask=omask, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0,
+                                       cache_modifier=".cg")
+            _finish(optrs, omask, total, total_u, GLU, ADD)
 
 
 class TiledConfig(NamedTuple):
@@ -151,7 +206,8 @@ def tiled_scratch(shapes, configs, device: torch.device | str) -> tuple[torch.Te
     """(workspace, counters) for launches of at most MAX_ROWS rows with any of `configs` (`TiledConfig`s) over
     weights of `shapes` ((N, K) pairs): fp32 partials for the widest split launch, and one zeroed int32 count a
     column tile, which every launch leaves zero. A runner allocates them once for all its launches, which run
-    one after another (a CUDA graph replays no memset)."""
+    one after another (a CUDA graph replays no memset). A glu launch over a gate_up weight of shape (N, K) takes
+    the same as a plain one: half the columns in tiles of half the width."""
     device = torch.device(device)
     parts, tiles = 1, 1
     for config in configs:
@@ -176,36 +232,76 @@ def _sms(device: torch.device) -> int:
 
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
                  block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with act="silu_mul"), w [N, K] -> out [M, N]; M <= MAX_ROWS.
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
+                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with act="silu_mul") and w [N, K] (or [2N, K] with act="glu") -> out [M, N];
+    M <= MAX_ROWS. The fused forms, each giving what the unfused kernels give (`tiled_ref`):
+
+    - act="silu_mul": silu(x[:, :K]) * x[:, K:] taken as x, applied to each x tile as it is loaded.
+    - act="glu": w is a gate_up weight, gate rows then up rows; out = silu(x @ gate.T) * (x @ up.T). Each program
+      reads block_n / 2 gate rows and the matching up rows (the same tile as block_n plain rows), so the
+      SiLU-and-multiply costs no launch and the [M, 2N] product is never written.
+    - `norm` (weight [K], eps): x is the residual stream, and RMSNorm(x) * weight is what is multiplied, normalised
+      tile by tile; every program first takes its rows' statistic over all of K (M x K more reads from L2 per
+      program, so for small steps).
+    - `residual` [M, N]: the output is added into it (rounded as `kernels.rmsnorm`'s residual add rounds) and it is
+      returned; `out` is then unused.
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
     allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay). `pdl`: launched
     with programmatic dependent launch (`kernels.pdl`; CUDA only)."""
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
-    M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the tiled linear")
+    glu = act == "glu"
+    if residual is not None:
+        if out is not None:
+            raise ValueError("out: a launch with a residual writes into the residual")
+        out = residual
+    M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the tiled linear", acts=("silu_mul", "glu"))
+    if norm is not None:
+        if act == "silu_mul":
+            raise ValueError("norm: the RMSNorm prologue takes a plain x, not silu_mul")
+        check("norm weight", norm[0], dtype=x.dtype, shape=(K,), device=x.device)
+    if residual is not None and (residual.data_ptr() == x.data_ptr() or residual.data_ptr() == w.data_ptr()):
+        raise ValueError("residual: must not alias x or w (it is written while they are read)")
     if M == 0 or N == 0:
         return out
-    split, width = tiled_split(N, K, block_n, block_k, per_sm, _sms(x.device))
-    tiles = triton.cdiv(N, block_n)
+    tile_n = block_n // 2 if glu else block_n  # output columns a program takes: half its weight rows with glu
+    split, width = tiled_split(N, K, tile_n, block_k, per_sm, _sms(x.device))
+    tiles = triton.cdiv(N, tile_n)
+    parts = split * M * N * (2 if glu else 1)
     if split > 1:
         if scratch is None:
-            scratch = (torch.empty(split * M * N, dtype=torch.float32, device=x.device),
+            scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),
                        torch.zeros(tiles, dtype=torch.int32, device=x.device))
         ws, cnt = scratch
         check("workspace", ws, dtype=(torch.float32,), shape=(None,), device=x.device)
         check("counters", cnt, dtype=(torch.int32,), shape=(None,), device=x.device)
-        if ws.numel() < split * M * N or cnt.numel() < tiles:
+        if ws.numel() < parts or cnt.numel() < tiles:
             raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs "
-                             f"{split * M * N} and {tiles}")
+                             f"{parts} and {tiles}")
     else:
         ws = cnt = out  # unused: the kernel stores the tile directly
     block_m, silu = max(16, triton.next_power_of_2(M)), act == "silu_mul"
+    nw, eps = norm if norm is not None else (out, 0.0)
     _tiled_kernel[(tiles, split)](
-        x, w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0), width, SILU=silu, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, num_warps=num_warps,
+        x, w, out, ws, cnt, nw, M, N, K, x.stride(0), w.stride(0), out.stride(0), width, float(eps), SILU=silu,
+        GLU=glu, NORM=norm is not None, ADD=residual is not None, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k,
+        SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=num_warps,
         num_stages=tiled_stages(num_stages, block_m, block_n, block_k, silu, x.element_size()), **pdl_launch(pdl),
     )
     return out
+
+
+def tiled_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None, norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch for every form of `tiled_linear`: the unfused steps in turn, each rounded to x's dtype (a new
+    tensor: `residual` is not written)."""
+    if norm is not None:
+        x = rms_norm_ref(x, norm[0], norm[1])[0]
+    y = gemv_ref(x, w, act if act == "silu_mul" else None)
+    if act == "glu":
+        y = silu_and_mul_ref(y)
+    if residual is not None:
+        y = (y.float() + residual.float()).to(y.dtype)
+    return y
