@@ -24,7 +24,9 @@
 # plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
 # roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
-# PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's),
+# PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
+# each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200+fused:1", /pdl after one for PDL's
+# launches; roofline_<variant>.json each, side by side in one call),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
@@ -178,6 +180,15 @@ run_step() {
     roofline_tiled)
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
       else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
+    # The dense roofline once per variant, one after another on the same machine: a kernels.tiled_linear setting
+    # (a plan or configuration, +fused[:ROWS], off), /pdl after it for BLINK_PDL's launches; one JSON each.
+    roofline_variants)
+      for v in ${VARIANTS:-h200 h200+fused h200+fused:1 h200+fused/pdl}; do
+        local setting=${v%/pdl} pdl="" name
+        [ "$setting" != "$v" ] && pdl="--pdl"
+        name=$(printf '%s' "$v" | tr '+:/' '_._')
+        step "roofline_$name" "${T_ROOFLINE_VARIANT:-120}" "$PY" bench/roofline.py --tiled "$setting" $pdl --out "$OUT/roofline_$name.json"
+      done ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;
     real_weights)

@@ -49,14 +49,19 @@ MIXED_PLAN = {(128, 64): ((4, "n64_k64_s6"),), (64, 64): ((16, "n32_k128_s4"), (
 @pytest.mark.parametrize(("family", "skinny", "tiled"), [(f, None, None) for f in sorted(FAMILIES)]
                          + [("llama", "fma_n16_k256", None), ("qwen3", "dot_n16_k128", None),
                             ("llama", "fma_n8_k512:1", "n64_k64_s6"), ("qwen3_moe", "fma_n8_k512", "n128_k64_s4_w8"),
-                            ("llama", None, "mixed")])
+                            ("llama", None, "mixed"), ("llama", None, "mixed+fused"),
+                            ("qwen3", None, "n64_k64_s6+fused:32"), ("qwen3_moe", None, "n32_k128_s4+fused:4"),
+                            ("phi3", "fma_n8_k512:1", "n128_k64_s4_w8+fused")])
 def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
     """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
     of every step (one row a sequence) go through the skinny matmul; with `tiled`, those of every step of up to
     128 rows (all of these) not taken by the skinny one go through the tiled linear (64-deep tiles: the down
     projection, 96 deep, in two slices through the runner's shared scratch); the rest through cuBLAS. The plan
     "mixed" (`MIXED_PLAN`) takes cuBLAS and four configurations by weight shape and step size, sharing one
-    scratch."""
+    scratch. With +fused, the products the tiled linear takes carry the norm before them (steps of at most 8 rows
+    by default, 32 or 4 where named), gate_up's SiLU, and the residual add after them, in whatever mix the plan and
+    step give (a pending add meets a fused norm, cuBLAS meets a fused add, the MoE layer after a fused o, the skinny
+    matmul at one row beside fused tiled steps)."""
     monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
     cfg, model, runner = _setup(family, skinny, tiled)
     ref_kv = KVCache(cfg, 16, 4)
@@ -187,3 +192,43 @@ def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size(monkeyp
     with_skinny = _setup("llama", "fma_n8_k512:1", "mixed")[2]
     assert with_skinny.matmul_for(1, o) is with_skinny.skinny
     assert with_skinny.matmul_for(2, o) not in (None, with_skinny.skinny)
+
+
+@pytest.mark.parametrize(("tiled", "norms", "silus"), [("n64_k64_s6", 5, 2), ("n64_k64_s6+fused", 1, 0),
+                                                       ("n64_k64_s6+fused:2", 5, 0), ("mlp_o+fused", 3, 0)])
+def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, silus, monkeypatch):
+    """A 4-row decode step of the 2-layer llama: unfused, 2 norms a layer and the final one, and a SiLU a layer;
+    +fused, the tiled linear takes every layer norm (the final one stays, before the LM head, which the tiled
+    linear does not take here) and every SiLU; with the norm's limit at 2 rows, the SiLUs still fuse and the norms
+    run apart; with a plan of o and gate_up only (qkv and down to cuBLAS), the norm before qkv runs apart (with the
+    down output's add from layer 1), the one before gate_up fuses (o added its output)."""
+    import gpu_engine.gpu.runner as runner_module
+
+    monkeypatch.setitem(TILED_PLANS, "mlp_o", {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)})
+    cfg, model, runner = _setup("llama", None, tiled)
+    calls = {"norm": 0, "silu": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
+    monkeypatch.setattr(runner_module, "silu_and_mul", counted("silu", runner_module.silu_and_mul))
+    meta = build_metadata([(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])], 4)
+    runner.stage(torch.arange(4), meta)
+    runner.forward(4, 4, True)
+    assert calls == {"norm": norms, "silu": silus}
+
+
+def test_tiled_settings_take_a_fusion_suffix():
+    from gpu_engine.kernels.tiled_linear import NORM_ROWS, Fusion, resolve_tiled, tiled_fusion
+
+    assert tiled_fusion("h200") == ("h200", None)
+    assert tiled_fusion("h200+fused") == ("h200", Fusion(NORM_ROWS))
+    assert tiled_fusion("n64_k64_s6+fused:0") == ("n64_k64_s6", Fusion(0))
+    assert resolve_tiled("h200+fused:16", "NVIDIA L4") == "h200+fused:16"
+    for bad in ("h200+fast", "h200+fused:", "h200+fused:129", "h200+fused:x", "nothing+fused"):
+        with pytest.raises(ValueError, match="tiled"):
+            resolve_tiled(bad, "NVIDIA H200")

@@ -36,7 +36,7 @@ from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
-from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_plan, tiled_scratch
+from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_fusion, tiled_linear, tiled_plan, tiled_scratch
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -249,10 +249,12 @@ def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = No
 
 
 def _silu_apart(matmul: Callable[..., torch.Tensor], pdl: bool, x: torch.Tensor, w: torch.Tensor,
-                act: str | None = None) -> torch.Tensor:
-    """`matmul`(x, w) with the SiLU-and-multiply run before it by its own kernel (the tiled linear's fused one
-    is the slower; `kernels.tiled_linear`)."""
-    return matmul(silu_and_mul(x, pdl=pdl) if act == "silu_mul" else x, w)
+                act: str | None = None, **fused) -> torch.Tensor:
+    """`matmul`(x, w) with a SiLU-and-multiply of x run before it by its own kernel (the tiled linear's on its x
+    tiles is the slower; `kernels.tiled_linear`); the other forms (`act="glu"`, `norm`, `residual`) passed on."""
+    if act == "silu_mul":
+        x, act = silu_and_mul(x, pdl=pdl), None
+    return matmul(x, w, act=act, **fused)
 
 
 class GpuModelRunner:
@@ -273,8 +275,12 @@ class GpuModelRunner:
         `kernels.tiled_linear.TILED_PLANS` name (each weight of a shape the plan names goes through the
         configuration it names up to the plan's rows; cuBLAS past them and for other shapes) or a `TILED_CONFIGS`
         name (every dense weight through it up to 128 rows). Either takes the steps past the skinny ones when
-        `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. None here is
-        cuBLAS; the engines resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
+        `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. With a +fused
+        suffix (`tiled_linear.tiled_fusion`), the products it takes are fused with the kernels around them: the
+        RMSNorm before qkv and gate_up for steps of few rows, the SiLU-and-multiply as gate_up's output, the
+        residual add after o and down (`_norm_linear`, `_add_linear`); the kernels' numerics are the unfused
+        ones'. None here is cuBLAS; the engines resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the
+        H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
         `bench/roofline.py --pdl`)."""
@@ -285,6 +291,7 @@ class GpuModelRunner:
                              f":ROWS (1-{SKINNY_ROWS})")
         self.skinny_rows = int(rows) if rows else SKINNY_ROWS
         plan = {} if tiled is None else tiled_plan(tiled)
+        self.fusion = None if tiled is None else tiled_fusion(tiled)[1]
         # the launchers with their configurations bound, built once (see `matmul_for`)
         self.skinny = None if skinny is None else functools.partial(gemv, **GEMV_CONFIGS[skinny_name]._asdict())
         cfg: ModelConfig = model.config
@@ -345,19 +352,16 @@ class GpuModelRunner:
             raise ValueError("a decode step has exactly one token per sequence")
         if batch > self.limits.max_batch or tokens > self.limits.max_tokens:
             raise ValueError(f"step ({batch}, {tokens}) exceeds limits {self.limits}")
-        buf = self.buffers
-        residual = self._embedding(buf.input_ids[:tokens])
-        eps, pdl = self.config.rms_norm_eps, self.pdl
-        x = rms_norm(residual, self.layers[0].attn_norm, eps, pdl=pdl)
+        # the residual stream, and the sublayer output still to be added into it (None where a fused linear added
+        # it already): the add happens in the RMSNorm that reads the stream next
+        residual = self._embedding(self.buffers.input_ids[:tokens])
+        pending = None
         for i, w in enumerate(self.layers):
-            h = self._attention(i, w, x, batch, tokens, decode)
-            x = rms_norm(h, w.mlp_norm, eps, residual=residual, pdl=pdl)
-            h = self._mlp(w, x)
-            if i + 1 < len(self.layers):
-                x = rms_norm(h, self.layers[i + 1].attn_norm, eps, residual=residual, pdl=pdl)
+            pending = self._attention(i, w, residual, pending, batch, tokens, decode)
+            pending = self._mlp(w, residual, pending)
         if keep_hidden:
-            self.kept_hidden = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual.clone())
-        self._head(h, residual, batch, tokens, decode)
+            self.kept_hidden = self._normed(residual.clone(), pending, self.final_norm, pdl=False)
+        self._head(pending, residual, batch, tokens, decode)
         self._sample(batch, filtered)
 
     def score_positions(self) -> None:
@@ -385,11 +389,13 @@ class GpuModelRunner:
         enqueued: the allocator reuses them in stream order."""
         self.kept_hidden = self.kept_hidden.new_empty(0, self.config.hidden_size)  # not a view: the storage goes
 
-    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, batch: int, tokens: int,
-                   decode: bool) -> torch.Tensor:
+    def _attention(self, i: int, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None, batch: int,
+                   tokens: int, decode: bool) -> torch.Tensor | None:
+        """Layer i's attention sublayer on the stream (`residual` + `pending`); returns its output still to be added,
+        or None where the o projection added it."""
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._linear(x, w.qkv)  # [T, (hq + 2 hkv) d]
+        qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
@@ -412,14 +418,60 @@ class GpuModelRunner:
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
                              partition_size=part, pdl=self.pdl)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
-        return self._linear(out.view(tokens, hq * d), w.o)
+        return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
-    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
+        """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
             cfg = self.config
-            return fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                             pdl=self.pdl)
-        return self._linear(self._linear(x, w.gate_up), w.down, silu_mul=True)
+            return fused_moe(self._normed(residual, pending, w.mlp_norm), w.router, w.gate_up, w.down,
+                             cfg.num_experts_per_tok, cfg.norm_topk_prob, pdl=self.pdl)
+        glu = self.fusion is not None and self.fusion.glu and self.fused_for(residual.shape[0], w.gate_up) is not None
+        h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)
+        return self._add_linear(h, w.down, residual, silu_mul=not glu)
+
+    def _normed(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor,
+                out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+        """RMSNorm(residual + pending) * weight, the sum written into `residual` (`kernels.rmsnorm`); of the
+        stream as it is where nothing is pending."""
+        eps, pdl = self.config.rms_norm_eps, self.pdl if pdl is None else pdl
+        if pending is None:
+            return rms_norm(residual, weight, eps, out=out, pdl=pdl)
+        return rms_norm(pending, weight, eps, residual=residual, out=out, pdl=pdl)
+
+    def fused_for(self, rows: int, w: Linear) -> Callable[..., torch.Tensor] | None:
+        """The tiled launcher that takes the product of a `rows`-row step with `w` in the fused forms (the runner's
+        `tiled` setting has +fused and its plan gives this step and weight to the tiled linear), else None."""
+        if self.fusion is None or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return None
+        launch = self.matmul_for(rows, (w.shape[0], w.shape[1]))
+        return None if launch is None or launch is self.skinny else launch
+
+    def _norm_linear(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, w: Linear,
+                     act: str | None = None) -> torch.Tensor:
+        """linear(RMSNorm(residual + pending) * weight, w): the norm in the tiled linear's x tiles where the fusion
+        takes this step (nothing pending, at most `Fusion.norm_rows` rows), else its own kernel first. `act="glu"`
+        (gate_up, only where `fused_for` gives a launcher) returns silu(gate) * up."""
+        rows = residual.shape[0]
+        launch = self.fused_for(rows, w)
+        if launch is not None and pending is None and self.fusion is not None and rows <= self.fusion.norm_rows:
+            return launch(residual, w, act=act, norm=(weight, self.config.rms_norm_eps))
+        x = self._normed(residual, pending, weight)
+        if act is not None:
+            if launch is None:
+                raise ValueError(f"{act}: no fused launcher takes a {rows}-row step with a {tuple(w.shape)} weight")
+            return launch(x, w, act=act)
+        return self._linear(x, w)
+
+    def _add_linear(self, x: torch.Tensor, w: Linear, residual: torch.Tensor,
+                    silu_mul: bool = False) -> torch.Tensor | None:
+        """linear(x, w) (of silu(gate) * up when `silu_mul`) added into the residual stream by the tiled linear
+        where the fusion takes this step (returns None), else returned to be added by the next norm."""
+        launch = self.fused_for(x.shape[0], w)
+        if launch is not None and self.fusion is not None and self.fusion.add:
+            launch(x, w, act="silu_mul" if silu_mul else None, residual=residual)
+            return None
+        return self._linear(x, w, silu_mul=silu_mul)
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
@@ -453,19 +505,20 @@ class GpuModelRunner:
             return q8_linear(x, w.codes, w.scales)
         return F.linear(x, w)
 
-    def _head(self, h: torch.Tensor, residual: torch.Tensor, batch: int, tokens: int, decode: bool) -> None:
-        """Final residual add + norm on each sequence's last token only (on every token of a prefill into the kept
-        hidden states, with `RunnerLimits.score_rows`: the norm is per row, so the last tokens' are the same),
-        then the LM head."""
+    def _head(self, pending: torch.Tensor | None, residual: torch.Tensor, batch: int, tokens: int,
+              decode: bool) -> None:
+        """Final residual add (of `pending`, where the last sublayer's output was not added yet) + norm on each
+        sequence's last token only (on every token of a prefill into the kept hidden states, with
+        `RunnerLimits.score_rows`: the norm is per row, so the last tokens' are the same), then the LM head."""
         if not decode:
             last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
             if self.limits.score_rows:
                 kept = self.buffers.hidden[:tokens]
-                rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, out=kept)
+                self._normed(residual, pending, self.final_norm, out=kept, pdl=False)
                 self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head))
                 return
-            h, residual = h[last], residual[last]
-        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps, residual=residual, pdl=self.pdl)
+            residual, pending = residual[last], None if pending is None else pending[last]
+        x = self._normed(residual, pending, self.final_norm)
         self.buffers.logits[:batch].copy_(self._linear(x, self.lm_head))
 
     def _sample(self, batch: int, filtered: bool = True) -> None:

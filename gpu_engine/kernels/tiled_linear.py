@@ -166,10 +166,36 @@ TILED_PLANS: dict[str, Plan] = {
 DEFAULT_PLANS = {"NVIDIA H200": "h200"}
 
 
+class Fusion(NamedTuple):
+    """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
+    gate_up in their x tiles for steps of at most `norm_rows` rows (each program reads its rows whole first, so
+    small steps only), the SiLU-and-multiply as gate_up's output (`glu`), and the o and down outputs added into the
+    residual stream (`add`). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels."""
+
+    norm_rows: int
+    glu: bool = True
+    add: bool = True
+
+
+NORM_ROWS = 8  # the fused RMSNorm's default row limit: NAME+fused
+
+
+def tiled_fusion(setting: str) -> tuple[str, Fusion | None]:
+    """(plan or configuration name, fusion) of a `tiled` setting: NAME alone, no fusion; NAME+fused, every fused form
+    with the RMSNorm up to NORM_ROWS rows; NAME+fused:ROWS, up to ROWS (0 to MAX_ROWS; 0, never)."""
+    name, sep, rest = setting.partition("+")
+    if not sep:
+        return setting, None
+    kind, colon, rows = rest.partition(":")
+    if kind != "fused" or colon and not (rows.isdigit() and int(rows) <= MAX_ROWS):
+        raise ValueError(f"tiled: {setting!r}: after the name, only +fused or +fused:ROWS (0-{MAX_ROWS})")
+    return name, Fusion(int(rows) if colon else NORM_ROWS)
+
+
 def resolve_tiled(setting: str, device_name: str) -> str | None:
     """What the runner's `tiled` gets from a setting (`BLINK_TILED_LINEAR`, `bench/roofline.py --tiled`): "" or
     "auto", this GPU's default plan (None, cuBLAS, where there is none); "off", None; otherwise the name itself,
-    a plan or a configuration, checked by `tiled_plan`."""
+    a plan or a configuration, optionally +fused (`tiled_fusion`), checked by `tiled_plan`."""
     if setting in ("", "auto"):
         return DEFAULT_PLANS.get(device_name)
     if setting == "off":
@@ -178,9 +204,10 @@ def resolve_tiled(setting: str, device_name: str) -> str | None:
     return setting
 
 
-def tiled_plan(name: str) -> Plan:
-    """The `TILED_PLANS` entry `name`, or, for a `TILED_CONFIGS` name, that configuration for every weight of up to
-    MAX_ROWS rows (key None)."""
+def tiled_plan(setting: str) -> Plan:
+    """The `TILED_PLANS` entry the setting names, or, for a `TILED_CONFIGS` name, that configuration for every
+    weight of up to MAX_ROWS rows (key None); a +fused suffix (`tiled_fusion`) is checked and left aside."""
+    name, _ = tiled_fusion(setting)
     if name in TILED_PLANS:
         return TILED_PLANS[name]
     if name in TILED_CONFIGS:

@@ -147,6 +147,47 @@ def test_gpu_tiled_linear_real_sizes(M, shape):
         assert int(scratch[1].abs().sum()) == 0, name
 
 
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_gpu_tiled_linear_fused_forms_real_sizes(M):
+    """The fused forms at the Llama-3-8B sizes through the configurations the h200 plan gives them: gate_up with
+    its SiLU as output and with the RMSNorm on its x tiles; qkv with the norm; o and down (split over K) added into
+    a residual. Each against the unfused steps' fp32 reference; the glu output has the bits of the two halves'
+    products followed by `silu_and_mul`, and the add's those of the product followed by `rms_norm`'s residual add,
+    so turning the fusion on changes no bit there."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.rmsnorm import rms_norm
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_ref, tiled_scratch
+
+    def close(got, want, what):
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, what
+
+    g = torch.Generator(device=DEV).manual_seed(M)
+    nw = (torch.rand(4096, device=DEV, generator=g) + 0.5).bfloat16()
+    x = (torch.randn(M, 4096, device=DEV, generator=g) * 4).bfloat16()
+    for N, K, name in ((28672, 4096, "n128_k64_s4_w8"), (6144, 4096, "n64_k128_s4"), (4096, 4096, "n64_k128_s4_x2"),
+                       (4096, 14336, "n64_k128_s4_x2")):
+        config = TILED_CONFIGS[name]
+        w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).bfloat16()
+        scratch = tiled_scratch([(N, K)], [config], DEV)
+        run = {**config._asdict(), "scratch": scratch}
+        if N == 28672:
+            half = {**run, "block_n": config.block_n // 2}
+            apart = silu_and_mul(torch.cat([tiled_linear(x, h, **half) for h in w.chunk(2)], 1))
+            assert torch.equal(tiled_linear(x, w, act="glu", **run), apart)
+            close(tiled_linear(x, w, act="glu", norm=(nw, 1e-5), **run), tiled_ref(x, w, "glu", (nw, 1e-5)), name)
+        elif N == 6144:
+            close(tiled_linear(x, w, norm=(nw, 1e-5), **run), tiled_ref(x, w, None, (nw, 1e-5)), name)
+        else:
+            a = (torch.randn(M, K, device=DEV, generator=g)).bfloat16()
+            residual = torch.randn(M, N, device=DEV, generator=g).bfloat16()
+            held, plain = residual.clone(), tiled_linear(a, w, **run)
+            tiled_linear(a, w, residual=held, **run)
+            want_res = residual.clone()
+            rms_norm(plain, nw, 1e-5, residual=want_res)  # the sum it writes back is the unfused add
+            assert torch.equal(held, want_res), name
+        assert int(scratch[1].abs().sum()) == 0, name
+
+
 def test_gpu_tiled_linear_bits_do_not_depend_on_the_step_within_a_size_nor_on_replay():
     """down (split over K) and gate_up (whole) at 65-128 rows: a row's bits are the same whichever of those sizes
     its step has, launch after launch, and replayed from a CUDA graph."""

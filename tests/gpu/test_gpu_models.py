@@ -125,12 +125,13 @@ def test_bf16_logits_match_transformers(family, size):
     _check_bf16(runner, hf, hf32, full, 4, True, f"{family}-{size} decode")
 
 
-@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200"])
+@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200", "h200+fused"])
 def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
     2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
     (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
-    which take each of its configurations."""
+    which take each of its configurations; "h200+fused" the same with the norms (up to 8 rows), SiLU and residual
+    adds fused into the plan's products."""
     import copy
 
     hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
@@ -148,7 +149,7 @@ def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     runner.forward(4, 4, True)
     full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
     _check_bf16(runner, hf, hf32, full, 4, True, f"tiled {tiled} decode")
-    if tiled != "h200":
+    if not tiled.startswith("h200"):
         return
     for lens, tokens in (((20, 12), 32), ((30, 34), 64)):
         more = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in lens]
