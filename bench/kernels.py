@@ -119,6 +119,8 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
         "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
     }
     parts |= _mlp_parts(runner, w, x, batch, fused_moe)
+    if getattr(runner, "fusion", None) is not None and w.router is None:
+        parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row)
     per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
     out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
            for name, e in per_layer.items()}
@@ -171,6 +173,25 @@ def prefill_breakdown(runner, tokens: int, gbps: float, tflops: float) -> dict[s
     }
     return {name: {key: val * (L if key in ("ms", "bytes", "flops", "floor_ms") else 1) for key, val in e.items()}
             for name, e in per_layer.items()}
+
+
+def _fused_parts(runner, w, parts: dict, x, res, attn, row: int) -> dict:
+    """A fused runner's (`+fused` tiled setting) dense layer: its four products as the runner launches them in a step
+    where every add was fused before them (`_norm_linear`, `_add_linear`), each with the kernels it takes in or
+    leaves apart (a norm the fusion does not take at this step size runs inside `norm_qkv` or `norm_gate_up`), in
+    place of the norms, the products and the SiLU apart."""
+    rows, glu = x.shape[0], runner.fusion.glu and runner.fused_for(x.shape[0], w.gate_up) is not None
+    h = torch.empty(rows, w.down.shape[1], device=x.device, dtype=x.dtype)  # silu(gate) * up, or gate_up whole
+    gu = h if glu else runner._linear(x, w.gate_up)
+    stream = res.clone()  # the o and down outputs are added into it, rep after rep (a copy back would be timed too)
+    kept = {name: parts[name] for name in parts if name in ("qkv_prep", "decode_attention")}
+    return kept | {
+        "norm_qkv": (lambda: runner._norm_linear(res, None, w.attn_norm, w.qkv), _nbytes(w.qkv, w.attn_norm) + 2 * row),
+        "o_add": (lambda: runner._add_linear(attn, w.o, stream), _nbytes(w.o, attn) + 2 * row),
+        "norm_gate_up": (lambda: runner._norm_linear(res, None, w.mlp_norm, w.gate_up, act="glu" if glu else None),
+                         _nbytes(w.gate_up, w.mlp_norm, gu) + row),
+        "down_add": (lambda: runner._add_linear(gu, w.down, stream, silu_mul=not glu), _nbytes(w.down, gu) + 2 * row),
+    }
 
 
 def _mlp_parts(runner, w, x, batch: int, fused_moe) -> dict:
