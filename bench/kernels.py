@@ -106,6 +106,8 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     kc, vc = runner.kv.k[0], runner.kv.v[0]
     row = batch * cfg.hidden_size * x.element_size()  # one [batch, hidden] activation
     eps = cfg.rms_norm_eps
+    counters = getattr(runner, "attn_counters", None)  # a fused runner's decode attention folds in its own launch
+    fold = {"form": "last", "counters": counters} if counters is not None and counters.numel() else {}
     parts = {  # per layer: (launch, bytes it must move)
         "norms": (lambda: (rms_norm(x, w.attn_norm, eps, residual=res), rms_norm(x, w.mlp_norm, eps, residual=res)),
                   8 * row + 2 * _nbytes(w.attn_norm)),
@@ -114,7 +116,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
                                       buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
         "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
                                                       runner.scale, out=attn,
-                                                      partition_size=decode_partition(batch, hk)),
+                                                      partition_size=decode_partition(batch, hk), **fold),
                              batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
         "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
     }

@@ -111,14 +111,23 @@ def test_decode_attention(dtype, tol):
 
 
 def test_decode_attention_forms_give_the_same_bits():
-    """A row's splits computed by a program each and folded by a second launch, or walked and folded by one program:
-    the same sums in the same order, so the outputs are equal bit for bit; within the reference's tolerance, empty
-    rows zero."""
+    """A row's splits computed by a program each and folded by a second launch, or by the last of them to finish
+    (its counts left zero for the next launch), or walked and folded by one program: the same sums in the same
+    order, so the outputs are equal bit for bit; within the reference's tolerance, empty rows zero (written: the
+    outputs start poisoned)."""
     kc, vc, bt, ctx = _paged([1, 37, 0, 70, 129, 64], nblocks=100)
     q = torch.randn(6, 8, 16, device=DEV)
     split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16)
     walked = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, form="walk")
     assert torch.equal(walked, split)
+    counters = torch.zeros(6 * 4, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        last = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                          partition_size=32, block_n=16, form="last", counters=counters)
+        assert torch.equal(last, split)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="counters"):
+        attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="last", counters=counters[:5])
     assert not split[2].any()
     _close(split, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
     with pytest.raises(ValueError, match="form"):

@@ -61,7 +61,7 @@ def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
     scratch. With +fused, the products the tiled linear takes carry the norm before them (steps of at most 8 rows
     by default, 32 or 4 where named), gate_up's SiLU, and the residual add after them, in whatever mix the plan and
     step give (a pending add meets a fused norm, cuBLAS meets a fused add, the MoE layer after a fused o, the skinny
-    matmul at one row beside fused tiled steps)."""
+    matmul at one row beside fused tiled steps), and the decode attention folds its splits in its own launch."""
     monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
     cfg, model, runner = _setup(family, skinny, tiled)
     ref_kv = KVCache(cfg, 16, 4)

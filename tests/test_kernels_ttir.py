@@ -84,13 +84,13 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize("form", ["split", "walk"])
+@pytest.mark.parametrize("form", ["split", "last", "walk"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> None:
-    """The decode attention in its two forms (a program per split; a row walked by one program) at the runner's
-    shape, and the fold of the partials."""
+    """The decode attention in its three forms (a program per split; the same with the last to finish folding, an
+    atomic count; a row walked by one program) at the runner's shape, and the fold of the partials."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
-           f"pl_ptr:*fp32 out_ptr:*{dtype} sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+           f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
               "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False}
@@ -198,10 +198,16 @@ PDL_KERNELS = {
                   "BLOCK_D": 128}),
     "decode": ("gpu_engine.kernels.attention", "_decode_kernel",
                _sig("q_ptr:*bf16 kc_ptr:*bf16 vc_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
-                    "pl_ptr:*fp32 out_ptr:*bf16 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 scale_log2:fp32 "
-                    "NSPLIT:i32"),
+                    "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+                    "scale_log2:fp32 NSPLIT:i32"),
                {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
                 "FORM": "split", "PREC": "tf32"}),
+    "decode_last": ("gpu_engine.kernels.attention", "_decode_kernel",
+                    _sig("q_ptr:*bf16 kc_ptr:*bf16 vc_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+                         "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+                         "scale_log2:fp32 NSPLIT:i32"),
+                    {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
+                     "FORM": "last", "PREC": "tf32"}),
     "fold": ("gpu_engine.kernels.attention", "_fold_kernel",
              _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
              {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256}),

@@ -278,9 +278,9 @@ class GpuModelRunner:
         `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. With a +fused
         suffix (`tiled_linear.tiled_fusion`), the products it takes are fused with the kernels around them: the
         RMSNorm before qkv and gate_up for steps of few rows, the SiLU-and-multiply as gate_up's output, the
-        residual add after o and down (`_norm_linear`, `_add_linear`); the kernels' numerics are the unfused
-        ones'. None here is cuBLAS; the engines resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the
-        H200 gets a plan).
+        residual add after o and down (`_norm_linear`, `_add_linear`), and the decode attention folds its splits in
+        its own launch; the kernels' numerics are the unfused ones'. None here is cuBLAS; the engines resolve
+        `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
         `bench/roofline.py --pdl`)."""
@@ -335,6 +335,10 @@ class GpuModelRunner:
         self.rope_cache = cache_from_cos_sin(cos, sin)
         self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device, (cfg.hidden_size, self.dtype))
         self.scale = cfg.head_dim ** -0.5
+        # the decode attention's per-(row, KV head) counts for its "last" form (`Fusion.fold`), zero at rest
+        fold = self.fusion is not None and self.fusion.fold
+        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if fold else 0, dtype=torch.int32,
+                                         device=self.device)
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -410,13 +414,16 @@ class GpuModelRunner:
             apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
             write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
+        fold = self.attn_counters.numel() > 0
+        form, counters = ("last", self.attn_counters) if fold else ("split", None)
         part = decode_partition(batch, hkv)
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl)
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl, form=form,
+                                   counters=counters)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             partition_size=part, pdl=self.pdl)
+                             partition_size=part, pdl=self.pdl, form=form, counters=counters)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 

@@ -70,17 +70,34 @@ def _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l):
 
 
 @triton.jit
+def _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (unnormalised output, sum) of a row's first `n_active` split partials folded in split order by
+    `_merge_step`, as a walking program folds them. Loads bypass L1 (`.cg`): other SMs wrote the partials."""
+    run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    run_l = tl.zeros([BLOCK_G], tl.float32)
+    for s in range(0, n_active):
+        acc = tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0,
+                      cache_modifier=".cg")
+        m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG, cache_modifier=".cg")
+        lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0, cache_modifier=".cg")
+        run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+    return run_acc, run_l
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr,
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
     FORM: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
-    `_fold_kernel`; "walk", program (row b, KV head) computes the row's splits in order and folds each into a
-    running result as it goes, then writes the output. A split's partial is the same whichever program computes
-    it."""
+    `_fold_kernel`; "last", the same, and the last of a (row, KV head)'s programs to finish (an atomic count a
+    pair, which it resets for the next launch) folds the partials as `_fold_kernel` does, in one launch; "walk",
+    program (row b, KV head) computes the row's splits in order and folds each into a running result as it goes,
+    then writes the output. A split's partial is the same whichever program computes it."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -92,7 +109,7 @@ def _decode_kernel(
     n_ctx = tl.load(ctx_ptr + b)
     lo = 0
     hi = tl.cdiv(n_ctx, PART)
-    if FORM == "split":
+    if FORM != "walk":
         lo = tl.program_id(2)
         hi = tl.minimum(lo + 1, hi)
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -121,6 +138,19 @@ def _decode_kernel(
             tl.store(pl_ptr + at, lsum, mask=gmask)
     if FORM == "walk":
         _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+    if FORM == "last":
+        n_active = tl.cdiv(n_ctx, PART)
+        if lo < n_active:
+            tl.debug_barrier()  # every thread's partial is stored before the count is released
+            count = cnt_ptr + b * HKV + kvh
+            done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if done == n_active - 1:
+                tl.store(count, 0)  # ready for the next launch
+                base = (b * (HKV * G) + heads) * NSPLIT
+                run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
+                _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+        elif lo == 0:  # an empty row (padding): zeros, as the fold of nothing gives
+            _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
 
 
 @triton.jit
@@ -138,14 +168,7 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
     heads = kvh * G + g
     gmask = g < G
     base = (b * (HKV * G) + heads) * NSPLIT
-    run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    run_l = tl.zeros([BLOCK_G], tl.float32)
-    for s in range(0, n_active):
-        acc = tl.load(po_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=gmask[:, None], other=0.0)
-        m = tl.load(pm_ptr + base + s, mask=gmask, other=NEG_BIG)
-        lsum = tl.load(pl_ptr + base + s, mask=gmask, other=0.0)
-        run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+    run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
     _store_folded(out_ptr, b, so_b, so_h, heads, d, gmask[:, None] & (d[None, :] < D), run_acc, run_l)
 
 
@@ -275,13 +298,13 @@ def decode_partition(batch: int, kv_heads: int) -> int:
     return 256
 
 
-DECODE_FORMS = ("split", "walk")
+DECODE_FORMS = ("split", "last", "walk")
 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
-    num_warps: int = 4, num_stages: int | None = None, pdl: bool = False,
+    num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -291,18 +314,20 @@ def decode_attention(
 
     Each program computes all the query heads of one KV head (GQA), so each K/V tile is read once. `form`
     (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
-    launch folds them; "walk", a program per (row, KV head) walks the row's splits and folds them as it goes (no
-    partials, one launch). Both give the same bits; only the split size and the tile size change a sum, and they are
-    the same for every batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch
-    33 up, but a served step's contexts are uneven and a walked step waits on its longest row (H200,
-    `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2
-    ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form, programs sharing out the
-    step's list of (row, split) pairs so that none is launched for a split past its row's context, measured 6-18%
-    slower than "split" on served contexts at batches 32-128 and was dropped: the programs that find their split
-    empty exit at once.
-    Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and
-    2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16: against
-    64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128; BENCHMARKS.md)."""
+    launch folds them; "last", the same programs, the last of each (row, KV head) to finish folding them, in one
+    launch (`counters`: an int32 count per (row, KV head), zero, which every launch leaves zero; allocated when
+    None, which a CUDA graph's capture cannot replay); "walk", a program per (row, KV head) walks the row's splits
+    and folds them as it goes (no partials, one launch). All give the same bits; only the split size and the tile
+    size change a sum, and they are the same for every batch. The runner does not walk: with equal contexts walking
+    is up to 20% faster from batch 33 up, but a served step's contexts are uneven and a walked step waits on its
+    longest row (H200, `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10
+    req/s, TPOT p50 16.2 ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form,
+    programs sharing out the step's list of (row, split) pairs so that none is launched for a split past its row's
+    context, measured 6-18% slower than "split" on served contexts at batches 32-128 and was dropped: the programs
+    that find their split empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells
+    (batches 1-128, contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200
+    (`bench/kernels.py`, bf16: against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against
+    77.2 at batch 128; BENCHMARKS.md). "last" is not measured yet."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -319,18 +344,24 @@ def decode_attention(
     po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
     pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
+    if form == "last":
+        if counters is None:
+            counters = torch.zeros(max(B, 1) * hkv, dtype=torch.int32, device=q.device)
+        check("counters", counters, dtype=(torch.int32,), shape=(None,), device=q.device)
+        if counters.numel() < B * hkv:
+            raise ValueError(f"counters: {counters.numel()}, this launch needs {B * hkv} (rows x KV heads)")
     if B == 0:
         return out
     consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
               "PART": partition_size}
-    grid = (B, hkv, nsplit) if form == "split" else (B, hkv)
+    grid = (B, hkv) if walk else (B, hkv, nsplit)
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out,
+        q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
         BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), USE_PDL=pdl, num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
     )
-    if not walk:
+    if form == "split":
         _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, USE_PDL=pdl,
                                num_warps=4, **consts, **pdl_launch(pdl))
     return out

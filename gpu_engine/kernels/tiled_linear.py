@@ -170,11 +170,14 @@ class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows (each program reads its rows whole first, so
     small steps only), the SiLU-and-multiply as gate_up's output (`glu`), and the o and down outputs added into the
-    residual stream (`add`). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels."""
+    residual stream (`add`). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels. And
+    `fold`: the decode attention's splits folded by the last of their programs (`attention.decode_attention`'s
+    "last" form), one launch a layer fewer, at every step size."""
 
     norm_rows: int
     glu: bool = True
     add: bool = True
+    fold: bool = True
 
 
 NORM_ROWS = 8  # the fused RMSNorm's default row limit: NAME+fused

@@ -50,9 +50,10 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 
 @pytest.mark.parametrize("batch", [1, 8, 64, 128])
 def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
-    """Each row's splits computed by a program each and folded by a second launch (the runner's form), or walked and
-    folded by one program, with the tiles staged 1, 2 or the default 3 deep: the same bits; a captured launch
-    replayed gives them again, and follows new context lengths written into its buffer."""
+    """Each row's splits computed by a program each and folded by a second launch (the runner's form), or by the last
+    of them to finish (the fused runner's), or walked and folded by one program, with the tiles staged 1, 2 or the
+    default 3 deep: the same bits; a captured launch replayed gives them again (the last form's counts back at zero
+    each time), and follows new context lengths written into its buffer."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -61,15 +62,19 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     bt = torch.cat([bt, torch.full((batch, 300), -1, dtype=torch.int32, device=DEV)], dim=1)  # a runner's wide table
     q = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16)
 
+    counters = torch.zeros(batch * 8, dtype=torch.int32, device=DEV)
+
     def run(form="split", out=None):
-        return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, form=form)
+        return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, form=form,
+                                          counters=counters if form == "last" else None)
 
     split = run()
     assert torch.equal(run("walk"), split)
+    assert torch.equal(run("last"), split) and not counters.any()
     for stages in (1, 2):  # how deep the tiles are staged changes when they arrive, not the sums
         staged = attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, num_stages=stages)
         assert torch.equal(staged, split), stages
-    for form in ("split", "walk"):
+    for form in ("split", "last", "walk"):
         out = torch.full_like(q, float("nan"))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -84,6 +89,7 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, split), form
+            assert not counters.any(), form
         # the next step: other context lengths in the same buffer, as the runner replays its graphs
         full = ctx.clone()
         ctx.copy_(torch.where(torch.arange(batch, device=DEV) % 2 == 0, (full // 3).clamp(min=1), full))
