@@ -195,6 +195,46 @@ def test_tiled_linear_glu_gives_the_bits_of_the_product_then_the_silu_kernel(per
     assert torch.equal(tiled_linear(x, w, act="glu", block_n=32, block_k=32, per_sm=per_sm), silu_and_mul(plain))
 
 
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("per_sm", [1, 8])
+@pytest.mark.parametrize(("qk_norm", "rot", "norm"), [(False, 16, False), (True, 16, True), (True, 8, False),
+                                                      (False, 8, True)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+def test_tiled_linear_heads_give_the_qkv_prep_of_the_product(M, per_sm, qk_norm, rot, norm, dtype, tol):
+    """The qkv product with `qkv_prep` as its output (a program a head, whole or split over K; QK norms or not;
+    full or partial rotary; the layer's RMSNorm on the x tiles or not): the query heads rotated in the product's
+    columns and the keys and values in the caches at each row's slot (none for slot -1), as the product followed
+    by `qkv_prep_ref` leaves them; the caches' other slots untouched."""
+    from gpu_engine.kernels.tiled_linear import Heads, tiled_linear, tiled_ref
+
+    g = torch.Generator().manual_seed(M + 10 * per_sm + rot)
+    HQ, HK, D, K = 4, 2, 16, 64
+    N = (HQ + 2 * HK) * D
+    x = (torch.randn(M, K, generator=g) * 2).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.2).to(DEV, dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    cache = rope.build_rope_cache(rot, 64, 10000.0, device=DEV)
+    pos = torch.tensor([0, 3, 17, 63, 8][:M], device=DEV)
+    slots = torch.tensor([2, -1, 9, 30, 11][:M], device=DEV)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = (torch.rand(D, generator=g) + 0.5).to(DEV, dtype), (torch.rand(D, generator=g) + 0.5).to(DEV, dtype)
+    caches = [torch.full((8, 4, HK, D), 7.0, device=DEV, dtype=dtype) for _ in range(4)]
+    got_heads = Heads(HQ, HK, pos, cache, caches[0], caches[1], slots, qn, kn, 1e-6)
+    want_heads = Heads(HQ, HK, pos, cache, caches[2], caches[3], slots, qn, kn, 1e-6)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
+    tiled_linear(x, w, out=out, block_k=32, per_sm=per_sm, heads=got_heads, norm=(nw, 1e-5) if norm else None)
+    want = tiled_ref(x, w, norm=(nw, 1e-5) if norm else None, heads=want_heads)
+    torch.testing.assert_close(out[:, : HQ * D].float(), want[:, : HQ * D].float(), rtol=tol, atol=tol)
+    for got_cache, want_cache in zip(caches[:2], caches[2:], strict=True):
+        torch.testing.assert_close(got_cache.float(), want_cache.float(), rtol=tol, atol=tol)
+        assert int((got_cache != 7).any(-1).any(-1).sum()) == int((slots >= 0).sum())  # the rows' slots, no other
+    with pytest.raises(ValueError, match="heads: 3 query"):
+        tiled_linear(x, w, heads=got_heads._replace(num_heads=3))
+    with pytest.raises(ValueError, match="heads: the qkv_prep output takes a plain product"):
+        tiled_linear(x, w, heads=got_heads, residual=torch.zeros(M, N, device=DEV, dtype=dtype))
+
+
 def test_tiled_linear_refuses_fused_forms_it_cannot_take():
     from gpu_engine.kernels.tiled_linear import tiled_linear
 

@@ -194,19 +194,21 @@ def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size(monkeyp
     assert with_skinny.matmul_for(2, o) not in (None, with_skinny.skinny)
 
 
-@pytest.mark.parametrize(("tiled", "norms", "silus"), [("n64_k64_s6", 5, 2), ("n64_k64_s6+fused", 1, 0),
-                                                       ("n64_k64_s6+fused:2", 5, 0), ("mlp_o+fused", 3, 0)])
-def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, silus, monkeypatch):
-    """A 4-row decode step of the 2-layer llama: unfused, 2 norms a layer and the final one, and a SiLU a layer;
-    +fused, the tiled linear takes every layer norm (the final one stays, before the LM head, which the tiled
-    linear does not take here) and every SiLU; with the norm's limit at 2 rows, the SiLUs still fuse and the norms
-    run apart; with a plan of o and gate_up only (qkv and down to cuBLAS), the norm before qkv runs apart (with the
-    down output's add from layer 1), the one before gate_up fuses (o added its output)."""
+@pytest.mark.parametrize(("tiled", "norms", "silus", "preps"), [
+    ("n64_k64_s6", 5, 2, 2), ("n64_k64_s6+fused", 1, 0, 0), ("n64_k64_s6+fused:2", 5, 0, 0), ("mlp_o+fused", 3, 0, 2)])
+def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, silus, preps, monkeypatch):
+    """A 4-row decode step of the 2-layer llama: unfused, 2 norms a layer and the final one, a SiLU and a q/k/v
+    preparation a layer; +fused, the tiled linear takes every layer norm (the final one stays, before the LM head,
+    which the tiled linear does not take here), every SiLU and every preparation; with the norm's limit at 2 rows,
+    the SiLUs and preparations still fuse and the norms run apart; with a plan of o and gate_up only (qkv and down
+    to cuBLAS), the norm before qkv runs apart (with the down output's add from layer 1), and so does the
+    preparation, the one before gate_up fuses (o added its output). The decode attention's fold is counted by its
+    launcher's form: the last program's under +fused."""
     import gpu_engine.gpu.runner as runner_module
 
     monkeypatch.setitem(TILED_PLANS, "mlp_o", {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)})
     cfg, model, runner = _setup("llama", None, tiled)
-    calls = {"norm": 0, "silu": 0}
+    calls = {"norm": 0, "silu": 0, "prep": 0, "last": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -216,10 +218,15 @@ def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, s
 
     monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
     monkeypatch.setattr(runner_module, "silu_and_mul", counted("silu", runner_module.silu_and_mul))
+    monkeypatch.setattr(runner_module, "qkv_prep", counted("prep", runner_module.qkv_prep))
+    attend = runner_module.decode_attention
+    monkeypatch.setattr(runner_module, "decode_attention",
+                        lambda *a, **k: (calls.__setitem__("last", calls["last"] + (k.get("form") == "last")),
+                                         attend(*a, **k))[1])
     meta = build_metadata([(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])], 4)
     runner.stage(torch.arange(4), meta)
     runner.forward(4, 4, True)
-    assert calls == {"norm": norms, "silu": silus}
+    assert calls == {"norm": norms, "silu": silus, "prep": preps, "last": 2 if "+fused" in tiled else 0}
 
 
 def test_tiled_settings_take_a_fusion_suffix():

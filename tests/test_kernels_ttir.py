@@ -159,6 +159,29 @@ def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu:
     assert out.startswith("True"), out
 
 
+HEADS_SIG = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 pos_ptr:*i64 "
+             "cache_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 M:i32 K:i32 HQ:i32 "
+             "HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32")
+
+
+@pytest.mark.parametrize(("split_k", "qk_norm", "norm"), [(1, False, True), (8, False, True), (8, True, False)])
+def test_tiled_heads_kernel_compiles_for_sm90_within_a_blocks_shared_memory(split_k: int, qk_norm: bool,
+                                                                            norm: bool) -> None:
+    """The qkv product with `qkv_prep` as its output at the Llama-3-8B head (128 wide, full rotary: a 16-wide
+    empty pass-through tile) and the h200 plan's qkv configuration, whole and split over K, with the QK norms of
+    Qwen3 or the layer's RMSNorm: it compiles to a cubin that fits a block's shared memory."""
+    from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
+
+    c = TILED_CONFIGS["n64_k128_s4"]
+    consts = {"NORM": norm, "QK_NORM": qk_norm, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
+              "BLOCK_P": 16, "BLOCK_K": c.block_k, "SPLIT_K": split_k, "PREC": "tf32", "USE_PDL": False}
+    options = {"num_warps": c.num_warps, "num_stages": tiled_stages(c.num_stages, 16, 144, c.block_k, False, 2)}
+    out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(HEADS_SIG), consts,
+                   options=options, divisible=["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "K", "sx", "sw", "so"])
+    got = re.match(r"\d+", out)
+    assert got is not None and int(got.group()) <= SHARED_BYTES, out
+
+
 def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
     """Each named configuration at 128 rows, plain, with the SiLU, and as a glu (half the columns, two weight tiles
     of half the width), compiled for sm_90 to its cubin with the stages the launcher gives it (`tiled_stages`): no
@@ -217,6 +240,9 @@ PDL_KERNELS = {
     "tiled_fused": ("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
                     _sig(TILED_SIG), {"SILU": False, "GLU": True, "NORM": True, "ADD": False, "BLOCK_M": 16,
                                       "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "PREC": "tf32"}),
+    "tiled_heads": ("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(HEADS_SIG),
+                    {"NORM": True, "QK_NORM": True, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
+                     "BLOCK_P": 16, "BLOCK_K": 128, "SPLIT_K": 8, "PREC": "tf32"}),
     "moe_route": ("gpu_engine.kernels.moe", "_route_kernel",
                   _sig("logits_ptr:*bf16 w_ptr:*fp32 ids_ptr:*i64 E:i32 s_t:i32"),
                   {"TOPK": 8, "NORMALIZE": True, "BLOCK_E": 128}),

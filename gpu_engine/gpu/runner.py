@@ -36,7 +36,14 @@ from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
-from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_fusion, tiled_linear, tiled_plan, tiled_scratch
+from gpu_engine.kernels.tiled_linear import (
+    TILED_CONFIGS,
+    Heads,
+    tiled_fusion,
+    tiled_linear,
+    tiled_plan,
+    tiled_scratch,
+)
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -278,8 +285,9 @@ class GpuModelRunner:
         `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. With a +fused
         suffix (`tiled_linear.tiled_fusion`), the products it takes are fused with the kernels around them: the
         RMSNorm before qkv and gate_up for steps of few rows, the SiLU-and-multiply as gate_up's output, the
-        residual add after o and down (`_norm_linear`, `_add_linear`), and the decode attention folds its splits in
-        its own launch; the kernels' numerics are the unfused ones'. None here is cuBLAS; the engines resolve
+        residual add after o and down (`_norm_linear`, `_add_linear`), the q/k norms, RoPE and KV cache write as the
+        qkv product's output, and the decode attention folds its splits in its own launch; the kernels' numerics
+        are the unfused ones'. None here is cuBLAS; the engines resolve
         `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
@@ -399,12 +407,19 @@ class GpuModelRunner:
         or None where the o projection added it."""
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv)  # [T, (hq + 2 hkv) d]
+        kc, vc = self.kv.k[i], self.kv.v[i]
+        # the q/k norms, RoPE and the cache write as the qkv product's output where the fusion takes it
+        heads = (Heads(hq, hkv, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens], w.q_norm,
+                       w.k_norm, cfg.rms_norm_eps)
+                 if self.fused and self.fusion is not None and self.fusion.heads
+                 and self.fused_for(tokens, w.qkv) is not None else None)
+        qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv, heads=heads)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-        kc, vc = self.kv.k[i], self.kv.v[i]
-        if self.fused:
+        if heads is not None:  # done: q normalised and rotated in the product, k and v in the caches
+            pass
+        elif self.fused:
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
                      w.q_norm, w.k_norm, cfg.rms_norm_eps, pdl=self.pdl)
         else:
@@ -455,19 +470,21 @@ class GpuModelRunner:
         return None if launch is None or launch is self.skinny else launch
 
     def _norm_linear(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, w: Linear,
-                     act: str | None = None) -> torch.Tensor:
+                     act: str | None = None, heads: Heads | None = None) -> torch.Tensor:
         """linear(RMSNorm(residual + pending) * weight, w): the norm in the tiled linear's x tiles where the fusion
         takes this step (nothing pending, at most `Fusion.norm_rows` rows), else its own kernel first. `act="glu"`
-        (gate_up, only where `fused_for` gives a launcher) returns silu(gate) * up."""
+        (gate_up) returns silu(gate) * up, and `heads` (qkv) applies `qkv_prep` to the product, both only where
+        `fused_for` gives a launcher."""
         rows = residual.shape[0]
         launch = self.fused_for(rows, w)
+        fused = {"act": act, "heads": heads} if heads is not None else {"act": act}
         if launch is not None and pending is None and self.fusion is not None and rows <= self.fusion.norm_rows:
-            return launch(residual, w, act=act, norm=(weight, self.config.rms_norm_eps))
+            return launch(residual, w, norm=(weight, self.config.rms_norm_eps), **fused)
         x = self._normed(residual, pending, weight)
-        if act is not None:
+        if act is not None or heads is not None:
             if launch is None:
-                raise ValueError(f"{act}: no fused launcher takes a {rows}-row step with a {tuple(w.shape)} weight")
-            return launch(x, w, act=act)
+                raise ValueError(f"no fused launcher takes a {rows}-row step with a {tuple(w.shape)} weight")
+            return launch(x, w, **fused)
         return self._linear(x, w)
 
     def _add_linear(self, x: torch.Tensor, w: Linear, residual: torch.Tensor,

@@ -24,7 +24,6 @@ from gpu_engine.kernels.rope import rope_ref
 def _norm_rotate(ptr, H, sh, w_ptr, eps, cos, sin, NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     """Heads [H, D] at `ptr` (head stride `sh`) -> (rotated first half, second half, pass-through) fp32."""
-    dt = ptr.dtype.element_ty
     h = tl.arange(0, BLOCK_H)[:, None]
     r = tl.arange(0, BLOCK_R)[None, :]
     p = tl.arange(0, BLOCK_P)[None, :]
@@ -33,6 +32,18 @@ def _norm_rotate(ptr, H, sh, w_ptr, eps, cos, sin, NORM: tl.constexpr, D: tl.con
     x1 = tl.load(ptr + h * sh + r, mask=rm, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + h * sh + ROT_HALF + r, mask=rm, other=0.0).to(tl.float32)
     x3 = tl.load(ptr + h * sh + 2 * ROT_HALF + p, mask=pm, other=0.0).to(tl.float32)
+    y1, y2, y3 = _norm_rotate_values(x1, x2, x3, w_ptr, eps, cos, sin, ptr.dtype.element_ty, NORM, D, ROT_HALF,
+                                     BLOCK_R, BLOCK_P)
+    return y1, y2, y3, rm, pm
+
+
+@triton.jit
+def _norm_rotate_values(x1, x2, x3, w_ptr, eps, cos, sin, dt: tl.constexpr, NORM: tl.constexpr, D: tl.constexpr,
+                        ROT_HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rows of heads as fp32 values of dtype `dt` (first rotary half, second, pass-through; one head a row) ->
+    the same normalised (NORM: over each row, the weight at `w_ptr`) and rotated by `cos` / `sin` (a row each)."""
+    r = tl.arange(0, BLOCK_R)[None, :]
+    p = tl.arange(0, BLOCK_P)[None, :]
     if NORM:
         var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)) / D
         inv = tl.rsqrt(var + eps)[:, None]
@@ -42,7 +53,7 @@ def _norm_rotate(ptr, H, sh, w_ptr, eps, cos, sin, NORM: tl.constexpr, D: tl.con
         x1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
         x3 = ((x3 * inv).to(dt).to(tl.float32) * w3).to(dt).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, x3, rm, pm
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, x3
 
 
 @triton.jit

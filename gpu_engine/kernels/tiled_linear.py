@@ -33,6 +33,8 @@ from gpu_engine.kernels._checks import check
 from gpu_engine.kernels.activation import silu_and_mul_ref
 from gpu_engine.kernels.gemv import _x_tile, check_linear, gemv_ref
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
+from gpu_engine.kernels.qkv_prep import _check as _check_prep
+from gpu_engine.kernels.qkv_prep import _norm_rotate_values, qkv_prep_ref
 from gpu_engine.kernels.rmsnorm import rms_norm_ref
 
 MAX_ROWS = 128
@@ -127,6 +129,122 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
             _finish(optrs, omask, total, total_u, GLU, ADD)
 
 
+@triton.jit
+def _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr,
+                  HQ, HK, qk_eps, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One head's columns of a qkv product (fp32 sums: first rotary half, second, pass-through; a row a token) as
+    `qkv_prep` takes them after the product is rounded: a query head normalised (QK_NORM), rotated and stored into
+    `out`'s row; a key head the same into the key cache at the row's slot; a value head as it is into the value
+    cache (a negative slot writes nothing)."""
+    dt = out_ptr.dtype.element_ty
+    x1, x2, x3 = a1.to(dt).to(tl.float32), a2.to(dt).to(tl.float32), a3.to(dt).to(tl.float32)
+    r = tl.arange(0, BLOCK_R)[None, :]
+    p = tl.arange(0, BLOCK_P)[None, :]
+    row = (m < M)[:, None]
+    rm, pm = row & (r < ROT_HALF), row & (p < D - 2 * ROT_HALF)
+    pos = tl.load(pos_ptr + m, mask=m < M, other=0)[:, None]
+    cos = tl.load(cache_ptr + pos * (2 * ROT_HALF) + r, mask=rm, other=0.0)
+    sin = tl.load(cache_ptr + pos * (2 * ROT_HALF) + ROT_HALF + r, mask=rm, other=0.0)
+    if head < HQ:
+        y1, y2, y3 = _norm_rotate_values(x1, x2, x3, qw_ptr, qk_eps, cos, sin, dt, QK_NORM, D, ROT_HALF, BLOCK_R,
+                                         BLOCK_P)
+        dst = out_ptr + m[:, None].to(tl.int64) * so + head * D
+    else:
+        slot = tl.load(slot_ptr + m, mask=m < M, other=-1)[:, None]
+        rm, pm = rm & (slot >= 0), pm & (slot >= 0)
+        if head < HQ + HK:
+            y1, y2, y3 = _norm_rotate_values(x1, x2, x3, kw_ptr, qk_eps, cos, sin, dt, QK_NORM, D, ROT_HALF,
+                                             BLOCK_R, BLOCK_P)
+            dst = kc_ptr + slot * (HK * D) + (head - HQ) * D
+        else:
+            y1, y2, y3 = x1, x2, x3
+            dst = vc_ptr + slot * (HK * D) + (head - HQ - HK) * D
+    tl.store(dst + r, y1.to(dt), mask=rm)
+    tl.store(dst + ROT_HALF + r, y2.to(dt), mask=rm)
+    tl.store(dst + 2 * ROT_HALF + p, y3.to(dt), mask=pm)
+
+
+@triton.jit
+def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
+                        qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps,
+                        NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+    """The qkv product with `qkv_prep` as its output: program (head, slice) takes one head's D weight rows in three
+    tiles (the rotary halves and the pass-through), so the rotation pairs lie in one program; the sums of the slices
+    of K meet as in `_tiled_kernel` (the workspace's columns are the product's)."""
+    pdl_enter(USE_PDL)
+    head = tl.program_id(0)
+    s = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    n1, n2, n3 = head * D + r, head * D + ROT_HALF + r, head * D + 2 * ROT_HALF + p
+    rmask, pmask = r < ROT_HALF, p < D - 2 * ROT_HALF
+    a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    a3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M, BLOCK_K)
+    k_lo = s * k_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = _x_tile(x_ptr, sx, m, k, M, K, False)
+        if NORM:
+            x = _normed(x, rstd, nw_ptr, k, K)
+        kin = k[None, :] < K
+        w1 = tl.load(w_ptr + n1[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
+        w2 = tl.load(w_ptr + n2[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
+        w3 = tl.load(w_ptr + n3[:, None].to(tl.int64) * sw + k[None, :], mask=pmask[:, None] & kin, other=0.0)
+        a1 += tl.dot(x, tl.trans(w1), input_precision=PREC)
+        a2 += tl.dot(x, tl.trans(w2), input_precision=PREC)
+        a3 += tl.dot(x, tl.trans(w3), input_precision=PREC)
+    if SPLIT_K > 1:
+        N = (HQ + 2 * HK) * D
+        rows = m[:, None].to(tl.int64) * N
+        rm, pm = (m[:, None] < M) & rmask[None, :], (m[:, None] < M) & pmask[None, :]
+        at = ws_ptr + s.to(tl.int64) * M * N + rows
+        tl.store(at + n1[None, :], a1, mask=rm)
+        tl.store(at + n2[None, :], a2, mask=rm)
+        tl.store(at + n3[None, :], a3, mask=pm)
+        tl.debug_barrier()  # every thread's partial is stored before the count is released
+        done = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            tl.store(cnt_ptr + head, 0)  # ready for the next launch
+            a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            a3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+            for i in tl.static_range(SPLIT_K):  # slice order whichever program sums
+                at = ws_ptr + i * M * N + rows
+                a1 += tl.load(at + n1[None, :], mask=rm, other=0.0, cache_modifier=".cg")
+                a2 += tl.load(at + n2[None, :], mask=rm, other=0.0, cache_modifier=".cg")
+                a3 += tl.load(at + n3[None, :], mask=pm, other=0.0, cache_modifier=".cg")
+            _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
+                          kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
+    else:
+        _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
+                      kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
+
+
+class Heads(NamedTuple):
+    """Where a qkv product goes when `tiled_linear` applies `qkv_prep` as its output (`heads=`): the query heads,
+    normalised (with `q_norm` and `k_norm`) and rotated, into the product's first num_heads x head_dim columns;
+    the key and value heads into the paged caches at each row's slot, which is where attention reads them."""
+
+    num_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor
+    cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class TiledConfig(NamedTuple):
     block_n: int
     block_k: int
@@ -170,14 +288,16 @@ class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows (each program reads its rows whole first, so
     small steps only), the SiLU-and-multiply as gate_up's output (`glu`), and the o and down outputs added into the
-    residual stream (`add`). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels. And
-    `fold`: the decode attention's splits folded by the last of their programs (`attention.decode_attention`'s
-    "last" form), one launch a layer fewer, at every step size."""
+    residual stream (`add`), and `qkv_prep` as the qkv product's output (`heads`: a program a head). A product that
+    goes to cuBLAS or the skinny matmul takes the unfused kernels. And `fold`: the decode attention's splits folded
+    by the last of their programs (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every
+    step size."""
 
     norm_rows: int
     glu: bool = True
     add: bool = True
     fold: bool = True
+    heads: bool = True
 
 
 NORM_ROWS = 8  # the fused RMSNorm's default row limit: NAME+fused
@@ -263,7 +383,8 @@ def _sms(device: torch.device) -> int:
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
                  block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+                 heads: Heads | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with act="silu_mul") and w [N, K] (or [2N, K] with act="glu") -> out [M, N];
     M <= MAX_ROWS. The fused forms, each giving what the unfused kernels give (`tiled_ref`):
 
@@ -276,6 +397,9 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
       program, so for small steps).
     - `residual` [M, N]: the output is added into it (rounded as `kernels.rmsnorm`'s residual add rounds) and it is
       returned; `out` is then unused.
+    - `heads` (`Heads`): w is a qkv weight and the product goes through `qkv_prep` (QK norms, RoPE, the KV cache
+      write) in the same launch; each program takes one head's rows (whatever block_n), and only the query columns
+      of `out` are written.
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
     allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay). `pdl`: launched
@@ -295,6 +419,11 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     if residual is not None and (residual.data_ptr() == x.data_ptr() or residual.data_ptr() == w.data_ptr()):
         raise ValueError("residual: must not alias x or w (it is written while they are read)")
     if M == 0 or N == 0:
+        return out
+    if heads is not None:
+        if act is not None or residual is not None:
+            raise ValueError("heads: the qkv_prep output takes a plain product, without act or residual")
+        _tiled_heads(x, w, out, heads, norm, block_k, per_sm, num_warps, num_stages, scratch, pdl)
         return out
     tile_n = block_n // 2 if glu else block_n  # output columns a program takes: half its weight rows with glu
     split, width = tiled_split(N, K, tile_n, block_k, per_sm, _sms(x.device))
@@ -323,10 +452,52 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     return out
 
 
+def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Heads,
+                 norm: tuple[torch.Tensor, float] | None, block_k: int, per_sm: int, num_warps: int, num_stages: int,
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool) -> None:
+    """`tiled_linear` with `heads`: checks, then `_tiled_heads_kernel` (a program a head and slice of K)."""
+    (M, K), N = x.shape, w.shape[0]
+    HQ, HK = heads.num_heads, heads.num_kv_heads
+    D = N // max(1, HQ + 2 * HK)
+    if HQ <= 0 or HK <= 0 or (HQ + 2 * HK) * D != N:
+        raise ValueError(f"heads: {HQ} query and {HK} KV heads do not divide the product's {N} columns")
+    q = out[:, : HQ * D].view(M, HQ, D)
+    _check_prep(q, out[:, HQ * D: (HQ + HK) * D].view(M, HK, D), out[:, (HQ + HK) * D:].view(M, HK, D),
+                heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping, heads.q_norm,
+                heads.k_norm)
+    split, width = tiled_split(N, K, D, block_k, per_sm, _sms(x.device))
+    parts, tiles = split * M * N, HQ + 2 * HK
+    if split > 1:
+        if scratch is None:
+            scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),
+                       torch.zeros(tiles, dtype=torch.int32, device=x.device))
+        ws, cnt = scratch
+        if ws.numel() < parts or cnt.numel() < tiles:
+            raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs "
+                             f"{parts} and {tiles}")
+    else:
+        ws = cnt = out
+    rot_half = heads.cache.shape[1] // 2
+    block_m = max(16, triton.next_power_of_2(M))
+    block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
+    nw, eps = norm if norm is not None else (out, 0.0)
+    qk = heads.q_norm is not None
+    _tiled_heads_kernel[(tiles, split)](
+        x, w, out, ws, cnt, nw, heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping,
+        heads.q_norm if qk else out, heads.k_norm if qk else out, M, K, HQ, HK, x.stride(0), w.stride(0),
+        out.stride(0), width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
+        ROT_HALF=rot_half, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_K=block_k, SPLIT_K=split,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=num_warps,
+        num_stages=tiled_stages(num_stages, block_m, 2 * block_r + block_p, block_k, False, x.element_size()),
+        **pdl_launch(pdl),
+    )
+
+
 def tiled_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None, norm: tuple[torch.Tensor, float] | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, heads: Heads | None = None) -> torch.Tensor:
     """Plain PyTorch for every form of `tiled_linear`: the unfused steps in turn, each rounded to x's dtype (a new
-    tensor: `residual` is not written)."""
+    tensor: `residual` is not written). With `heads`, the product with its query heads as `qkv_prep_ref` leaves
+    them (the caches written as it writes them)."""
     if norm is not None:
         x = rms_norm_ref(x, norm[0], norm[1])[0]
     y = gemv_ref(x, w, act if act == "silu_mul" else None)
@@ -334,4 +505,11 @@ def tiled_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None, norm: tu
         y = silu_and_mul_ref(y)
     if residual is not None:
         y = (y.float() + residual.float()).to(y.dtype)
+    if heads is not None:
+        HQ, HK = heads.num_heads, heads.num_kv_heads
+        D, M = y.shape[1] // (HQ + 2 * HK), y.shape[0]
+        q, k, v = y[:, : HQ * D].view(M, HQ, D), y[:, HQ * D: (HQ + HK) * D].view(M, HK, D), y[:, (HQ + HK) * D:]
+        y[:, : HQ * D] = qkv_prep_ref(q, k, v.reshape(M, HK, D), heads.positions, heads.cache, heads.k_cache,
+                                      heads.v_cache, heads.slot_mapping, heads.q_norm, heads.k_norm,
+                                      heads.eps).reshape(M, HQ * D)
     return y

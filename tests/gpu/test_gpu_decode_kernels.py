@@ -156,13 +156,14 @@ def test_gpu_tiled_linear_real_sizes(M, shape):
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_gpu_tiled_linear_fused_forms_real_sizes(M):
     """The fused forms at the Llama-3-8B sizes through the configurations the h200 plan gives them: gate_up with
-    its SiLU as output and with the RMSNorm on its x tiles; qkv with the norm; o and down (split over K) added into
+    its SiLU as output and with the RMSNorm on its x tiles; qkv with the norm, and with `qkv_prep` as its output
+    (a program a head); o and down (split over K) added into
     a residual. Each against the unfused steps' fp32 reference; the glu output has the bits of the two halves'
     products followed by `silu_and_mul`, and the add's those of the product followed by `rms_norm`'s residual add,
     so turning the fusion on changes no bit there."""
     from gpu_engine.kernels.activation import silu_and_mul
     from gpu_engine.kernels.rmsnorm import rms_norm
-    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_ref, tiled_scratch
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_linear, tiled_ref, tiled_scratch
 
     def close(got, want, what):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, what
@@ -183,6 +184,18 @@ def test_gpu_tiled_linear_fused_forms_real_sizes(M):
             close(tiled_linear(x, w, act="glu", norm=(nw, 1e-5), **run), tiled_ref(x, w, "glu", (nw, 1e-5)), name)
         elif N == 6144:
             close(tiled_linear(x, w, norm=(nw, 1e-5), **run), tiled_ref(x, w, None, (nw, 1e-5)), name)
+            # with qkv_prep as the product's output (32 query and 8 KV heads of 128, Qwen3's QK norms): the rotated
+            # queries and the caches at the rows' slots as the product followed by the reference preparation
+            cache = rope.build_rope_cache(128, 4096, 500000.0, device=DEV)
+            pos = torch.randint(0, 4096, (M,), device=DEV, generator=g)
+            slots = torch.randperm(64 * 16, device=DEV, generator=g)[:M]
+            qk = [(torch.rand(128, device=DEV, generator=g) + 0.5).bfloat16() for _ in range(2)]
+            caches = [torch.zeros(64, 16, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
+            got = tiled_linear(x, w, norm=(nw, 1e-5), heads=Heads(32, 8, pos, cache, *caches[:2], slots, *qk), **run)
+            want = tiled_ref(x, w, None, (nw, 1e-5), Heads(32, 8, pos, cache, *caches[2:], slots, *qk))
+            close(got[:, :4096], want[:, :4096], "heads q")
+            close(caches[0], caches[2], "heads k")
+            close(caches[1], caches[3], "heads v")
         else:
             a = (torch.randn(M, K, device=DEV, generator=g)).bfloat16()
             residual = torch.randn(M, N, device=DEV, generator=g).bfloat16()
