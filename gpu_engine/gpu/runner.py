@@ -334,7 +334,10 @@ class GpuModelRunner:
                              for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
                              if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
             names = sorted({name for steps in plan.values() for _, name in steps})
-            scratch = tiled_scratch(shapes, [TILED_CONFIGS[name] for name in names], self.device)
+            configs = [TILED_CONFIGS[name] for name in names]
+            if self.fusion is not None and self.fusion.heads:  # qkv with its heads out: a tile a head
+                configs += [c._replace(block_n=model.config.head_dim) for c in configs]
+            scratch = tiled_scratch(shapes, configs, self.device)
             bound = {name: functools.partial(_silu_apart, functools.partial(
                 tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
             self.tiled = {shape: tuple((rows, bound[name]) for rows, name in steps) for shape, steps in plan.items()}
