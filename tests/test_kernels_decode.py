@@ -159,7 +159,9 @@ def test_tiled_linear_fused_forms_match_the_unfused_steps(M, act, norm, add, dty
     """The forms a decode layer's linears take: the gate_up product with silu(gate) * up as its output (glu), the
     RMSNorm of x applied as it is loaded (norm), the output added into the residual stream (add): each against the
     unfused steps in turn (`tiled_ref`), whole and split over K (the glu partials, gate then up, through the same
-    workspace). With add the residual is written in place and returned."""
+    workspace). With add the residual is written in place and returned. The fused norm scales the product by
+    1 / RMS after the loop where the reference rounds the normalised x first, so fp16 results differ by an ulp of
+    the product's larger terms (within 1e-2)."""
     from gpu_engine.kernels.tiled_linear import tiled_linear, tiled_ref
 
     g = torch.Generator().manual_seed(M + 100 * per_sm)
@@ -169,6 +171,7 @@ def test_tiled_linear_fused_forms_match_the_unfused_steps(M, act, norm, add, dty
     nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
     residual = torch.randn(M, N, generator=g).to(DEV, dtype)
     want = tiled_ref(x, w, act, (nw, 1e-5) if norm else None, residual if add else None)
+    tol = max(tol, 1e-2) if norm and dtype == torch.float16 else tol
     out = torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
     kwargs = {"block_n": 16, "block_k": 32, "per_sm": per_sm, "norm": (nw, 1e-5) if norm else None}
     if add:
@@ -213,6 +216,7 @@ def test_tiled_linear_heads_give_the_qkv_prep_of_the_product(M, per_sm, qk_norm,
     x = (torch.randn(M, K, generator=g) * 2).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) * 0.2).to(DEV, dtype)
     nw = (torch.rand(K, generator=g) + 0.5).to(DEV, dtype)
+    tol = max(tol, 1e-2) if norm and dtype == torch.float16 else tol  # as in the fused forms' test
     cache = rope.build_rope_cache(rot, 64, 10000.0, device=DEV)
     pos = torch.tensor([0, 3, 17, 63, 8][:M], device=DEV)
     slots = torch.tensor([2, -1, 9, 30, 11][:M], device=DEV)

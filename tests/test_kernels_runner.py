@@ -58,10 +58,11 @@ def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
     128 rows (all of these) not taken by the skinny one go through the tiled linear (64-deep tiles: the down
     projection, 96 deep, in two slices through the runner's shared scratch); the rest through cuBLAS. The plan
     "mixed" (`MIXED_PLAN`) takes cuBLAS and four configurations by weight shape and step size, sharing one
-    scratch. With +fused, the products the tiled linear takes carry the norm before them (steps of at most 8 rows
-    by default, 32 or 4 where named), gate_up's SiLU, and the residual add after them, in whatever mix the plan and
-    step give (a pending add meets a fused norm, cuBLAS meets a fused add, the MoE layer after a fused o, the skinny
-    matmul at one row beside fused tiled steps), and the decode attention folds its splits in its own launch."""
+    scratch. With +fused, the products the tiled linear takes carry the norm before them (every step by default,
+    up to 32 or 4 rows where named), gate_up's SiLU, q/k/v's preparation and the residual add after them, in
+    whatever mix the plan and step give (a pending add meets a fused norm, cuBLAS meets a fused add, the MoE layer
+    after a fused o, the skinny matmul at one row beside fused tiled steps), and the decode attention folds its
+    splits in its own launch."""
     monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
     cfg, model, runner = _setup(family, skinny, tiled)
     ref_kv = KVCache(cfg, 16, 4)

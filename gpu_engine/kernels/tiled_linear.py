@@ -42,23 +42,19 @@ SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
 
 
 @triton.jit
-def _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each of the step's rows over all of K, in fp32 (`kernels.rmsnorm`'s statistic)."""
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        x = x.to(tl.float32)
-        sq += tl.sum(x * x, axis=1)
-    return tl.rsqrt(sq / K + eps)
+def _weighted(x, sq, nw_ptr, k, K):
+    """An x tile times the RMSNorm weight (rounded to x's dtype, for the dot), and the rows' sums of squares with
+    its own added: the 1 / RMS scales the product after the loop (`_rms_scale`), so no pass over the rows comes
+    before the weight's first tile."""
+    xf = x.to(tl.float32)
+    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (xf * nw[None, :]).to(x.dtype), sq + tl.sum(xf * xf, axis=1)
 
 
 @triton.jit
-def _normed(x, rstd, nw_ptr, k, K):
-    """An x tile normalised as `kernels.rmsnorm` does it: x * rstd rounded to x's dtype, then times the weight."""
-    y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return (y * nw[None, :]).to(x.dtype)
+def _rms_scale(sq, K, eps):
+    """The [M, 1] factor 1 / RMS of the rows from their sums of squares over all of K."""
+    return tl.rsqrt(sq / K + eps)[:, None]
 
 
 @triton.jit
@@ -89,9 +85,7 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
     rows = w_ptr + n[:, None].to(tl.int64) * sw
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: the up half's sums (rows N.. of w)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # every program takes the rows' statistic over all of K, whatever its slice
-        rstd = _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M, BLOCK_K)
+    sq = tl.zeros([BLOCK_M], tl.float32)  # NORM: the rows' sums of squares over this slice of K
     k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -99,7 +93,7 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
         w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
         x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
         if NORM:
-            x = _normed(x, rstd, nw_ptr, k, K)
+            x, sq = _weighted(x, sq, nw_ptr, k, K)
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
         if GLU:
             w_u = tl.load(rows + N * sw + k[None, :], mask=wmask, other=0.0)
@@ -107,13 +101,17 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
     omask = (m[:, None] < M) & (n[None, :] < N)
     optrs = out_ptr + m[:, None] * so + n[None, :]
     if SPLIT_K == 1:
+        if NORM:
+            acc, acc_u = acc * _rms_scale(sq, K, eps), acc_u * _rms_scale(sq, K, eps)
         _finish(optrs, omask, acc, acc_u, GLU, ADD)
     else:
-        width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]
+        width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]; then NORM's [M] sums
         part = m[:, None].to(tl.int64) * width + n[None, :]
         tl.store(ws_ptr + s.to(tl.int64) * M * width + part, acc, mask=omask)
         if GLU:
             tl.store(ws_ptr + s.to(tl.int64) * M * width + part + N, acc_u, mask=omask)
+        if NORM:
+            tl.store(ws_ptr + SPLIT_K * M * width + s * M + m, sq, mask=m < M)
         tl.debug_barrier()  # every thread's partial is stored before the count is released
         done = tl.atomic_add(cnt_ptr + pn, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
@@ -126,6 +124,12 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
                 if GLU:
                     total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0,
                                        cache_modifier=".cg")
+            if NORM:
+                sq = tl.zeros([BLOCK_M], tl.float32)
+                for i in tl.static_range(SPLIT_K):
+                    sq += tl.load(ws_ptr + SPLIT_K * M * width + i * M + m, mask=m < M, other=0.0,
+                                  cache_modifier=".cg")
+                total, total_u = total * _rms_scale(sq, K, eps), total_u * _rms_scale(sq, K, eps)
             _finish(optrs, omask, total, total_u, GLU, ADD)
 
 
@@ -185,15 +189,13 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
     a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     a3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        rstd = _row_rstd(x_ptr, sx, m, M, K, eps, BLOCK_M, BLOCK_K)
+    sq = tl.zeros([BLOCK_M], tl.float32)
     k_lo = s * k_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = _x_tile(x_ptr, sx, m, k, M, K, False)
         if NORM:
-            x = _normed(x, rstd, nw_ptr, k, K)
+            x, sq = _weighted(x, sq, nw_ptr, k, K)
         kin = k[None, :] < K
         w1 = tl.load(w_ptr + n1[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
         w2 = tl.load(w_ptr + n2[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
@@ -209,6 +211,8 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
         tl.store(at + n1[None, :], a1, mask=rm)
         tl.store(at + n2[None, :], a2, mask=rm)
         tl.store(at + n3[None, :], a3, mask=pm)
+        if NORM:
+            tl.store(ws_ptr + SPLIT_K * M * N + s * M + m, sq, mask=m < M)
         tl.debug_barrier()  # every thread's partial is stored before the count is released
         done = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
@@ -221,9 +225,18 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                 a1 += tl.load(at + n1[None, :], mask=rm, other=0.0, cache_modifier=".cg")
                 a2 += tl.load(at + n2[None, :], mask=rm, other=0.0, cache_modifier=".cg")
                 a3 += tl.load(at + n3[None, :], mask=pm, other=0.0, cache_modifier=".cg")
+            if NORM:
+                sq = tl.zeros([BLOCK_M], tl.float32)
+                for i in tl.static_range(SPLIT_K):
+                    sq += tl.load(ws_ptr + SPLIT_K * M * N + i * M + m, mask=m < M, other=0.0, cache_modifier=".cg")
+                scale = _rms_scale(sq, K, eps)
+                a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
             _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
                           kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
     else:
+        if NORM:
+            scale = _rms_scale(sq, K, eps)
+            a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
         _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
                       kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
 
@@ -286,12 +299,11 @@ DEFAULT_PLANS = {"NVIDIA H200": "h200"}
 
 class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
-    gate_up in their x tiles for steps of at most `norm_rows` rows (each program reads its rows whole first, so
-    small steps only), the SiLU-and-multiply as gate_up's output (`glu`), and the o and down outputs added into the
-    residual stream (`add`), and `qkv_prep` as the qkv product's output (`heads`: a program a head). A product that
-    goes to cuBLAS or the skinny matmul takes the unfused kernels. And `fold`: the decode attention's splits folded
-    by the last of their programs (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every
-    step size."""
+    gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
+    (`glu`), the o and down outputs added into the residual stream (`add`), and `qkv_prep` as the qkv product's
+    output (`heads`: a program a head). A product that goes to cuBLAS or the skinny matmul takes the unfused
+    kernels. And `fold`: the decode attention's splits folded by the last of their programs
+    (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
 
     norm_rows: int
     glu: bool = True
@@ -300,7 +312,7 @@ class Fusion(NamedTuple):
     heads: bool = True
 
 
-NORM_ROWS = 8  # the fused RMSNorm's default row limit: NAME+fused
+NORM_ROWS = MAX_ROWS  # the fused RMSNorm's default row limit (NAME+fused): every step the tiled linear takes
 
 
 def tiled_fusion(setting: str) -> tuple[str, Fusion | None]:
@@ -363,7 +375,7 @@ def tiled_scratch(shapes, configs, device: torch.device | str) -> tuple[torch.Te
     for config in configs:
         for N, K in shapes:
             split, _ = tiled_split(N, K, config.block_n, config.block_k, config.per_sm, _sms(device))
-            parts = max(parts, split * MAX_ROWS * N if split > 1 else 1)
+            parts = max(parts, split * MAX_ROWS * (N + 1) if split > 1 else 1)  # + a fused norm's sums of squares
             tiles = max(tiles, triton.cdiv(N, config.block_n))
     return (torch.empty(parts, dtype=torch.float32, device=device),
             torch.zeros(tiles, dtype=torch.int32, device=device))
@@ -393,8 +405,10 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
       reads block_n / 2 gate rows and the matching up rows (the same tile as block_n plain rows), so the
       SiLU-and-multiply costs no launch and the [M, 2N] product is never written.
     - `norm` (weight [K], eps): x is the residual stream, and RMSNorm(x) * weight is what is multiplied, normalised
-      tile by tile; every program first takes its rows' statistic over all of K (M x K more reads from L2 per
-      program, so for small steps).
+      tile by tile: each x tile times the norm's weight goes into the dot, the rows' sums of squares are taken from
+      the same tiles, and the product is scaled by 1 / RMS after the loop (by the last program, from the slices'
+      sums, where K is split). So no pass over x comes before the weight's first tile; the result differs from
+      the unfused kernels' by the rounding of the normalised x they make (within an ulp of the product's terms).
     - `residual` [M, N]: the output is added into it (rounded as `kernels.rmsnorm`'s residual add rounds) and it is
       returned; `out` is then unused.
     - `heads` (`Heads`): w is a qkv weight and the product goes through `qkv_prep` (QK norms, RoPE, the KV cache
@@ -428,7 +442,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     tile_n = block_n // 2 if glu else block_n  # output columns a program takes: half its weight rows with glu
     split, width = tiled_split(N, K, tile_n, block_k, per_sm, _sms(x.device))
     tiles = triton.cdiv(N, tile_n)
-    parts = split * M * N * (2 if glu else 1)
+    parts = split * M * (N * (2 if glu else 1) + (1 if norm is not None else 0))  # + the norm's sums of squares
     if split > 1:
         if scratch is None:
             scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),
@@ -466,7 +480,7 @@ def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Hea
                 heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping, heads.q_norm,
                 heads.k_norm)
     split, width = tiled_split(N, K, D, block_k, per_sm, _sms(x.device))
-    parts, tiles = split * M * N, HQ + 2 * HK
+    parts, tiles = split * M * (N + (1 if norm is not None else 0)), HQ + 2 * HK
     if split > 1:
         if scratch is None:
             scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),

@@ -130,7 +130,7 @@ def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
     2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
     (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
-    which take each of its configurations; "h200+fused" the same with the norms (up to 8 rows), SiLU and residual
+    which take each of its configurations; "h200+fused" the same with the norms, SiLU and residual
     adds fused into the plan's products."""
     import copy
 
