@@ -25,7 +25,7 @@
 # roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
-# each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200+fused:1", /pdl after one for PDL's
+# each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
 # launches; roofline_<variant>.json each, side by side in one call),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
@@ -183,7 +183,7 @@ run_step() {
     # The dense roofline once per variant, one after another on the same machine: a kernels.tiled_linear setting
     # (a plan or configuration, +fused[:ROWS], off), /pdl after it for BLINK_PDL's launches; one JSON each.
     roofline_variants)
-      for v in ${VARIANTS:-h200 h200+fused h200+fused:1 h200+fused/pdl}; do
+      for v in ${VARIANTS:-h200 h200+fused h200_wide+fused h200+fused/pdl}; do
         local setting=${v%/pdl} pdl="" name
         [ "$setting" != "$v" ] && pdl="--pdl"
         name=$(printf '%s' "$v" | tr '+:/' '_._')

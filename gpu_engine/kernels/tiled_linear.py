@@ -290,6 +290,13 @@ TILED_PLANS: dict[str, Plan] = {
              (4096, 4096): ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),  # o
              (28672, 4096): ((64, "n128_k64_s4_w8"),),  # gate_up
              (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # down
+    # h200 with qkv and o tiled up to 64 rows, where cuBLAS was 0.6-1.8 us faster alone: for the fused forms
+    # (NAME+fused), whose norm, q/k/v preparation and residual add come only with the tiled linear. To be measured
+    # against h200+fused (`scripts/gpu_run.sh` roofline_variants).
+    "h200_wide": {(6144, 4096): ((64, "n64_k128_s4"),),
+                  (4096, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4")),
+                  (28672, 4096): ((64, "n128_k64_s4_w8"),),
+                  (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},
 }
 
 
