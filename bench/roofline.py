@@ -25,7 +25,9 @@ bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the 
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
 The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
 linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
-them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS). `--skinny` takes the steps of up to its
+them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS); the MoE model's too (`moe_tiled`; no plan
+names its shapes but `h200_wide`), and a `+fused` setting fuses the kernels around them (`kernels.tiled_linear.Fusion`:
+the decode layer in five launches). `--skinny` takes the steps of up to its
 rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: the dense and MoE models' decode
 kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
@@ -317,7 +319,7 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
             run_model(*MODELS[m], gbps, tflops, iters,
-                      {"skinny": skinny, "tiled": tiled, "pdl": pdl} if m == "dense" else {"pdl": pdl})
+                      {"skinny": skinny, "tiled": tiled, "pdl": pdl} if m == "dense" else {"tiled": tiled, "pdl": pdl})
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -326,9 +328,10 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    if "moe" in models:  # moe_pdl: the MoE rows' Triton kernels launched with PDL (absent: not)
-        result.pop("moe_pdl", None)
-        result.update({"moe_pdl": True} if pdl else {})
+    if "moe" in models:  # moe_pdl / moe_tiled: the MoE rows' PDL and tiled setting (absent: not, cuBLAS)
+        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled)):
+            result.pop(key, None)
+            result.update({} if value is None else {key: value})
     if "dense" in models:  # how the dense rows ran; a key absent is the default (cuBLAS, no PDL)
         # skinny: their linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS); tiled: the tiled
         # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL
@@ -419,11 +422,11 @@ def main() -> None:
     parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows (ROWS with "
                         "NAME:ROWS) through this kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the "
                         "run its own --out)")
-    parser.add_argument("--tiled", default="auto", help="the dense model's linears (past the --skinny ones) through "
-                        "the tiled linear where this kernels.tiled_linear.TILED_PLANS plan takes them, or through this "
-                        "TILED_CONFIGS configuration up to 128 rows, cuBLAS for the rest; auto (default): what the "
-                        "engine takes on this GPU (BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own "
-                        "--out)")
+    parser.add_argument("--tiled", default="auto", help="the models' linears (the dense one's past the --skinny ones) "
+                        "through the tiled linear where this kernels.tiled_linear.TILED_PLANS plan takes them, or "
+                        "through this TILED_CONFIGS configuration up to 128 rows, cuBLAS for the rest; +fused after "
+                        "it fuses the kernels around them; auto (default): what the engine takes on this GPU "
+                        "(BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own --out)")
     parser.add_argument("--pdl", action="store_true", help="the dense and MoE models' decode kernels launched with "
                         "programmatic dependent launch (BLINK_PDL; give the run its own --out)")
     args = parser.parse_args()

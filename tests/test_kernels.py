@@ -246,6 +246,14 @@ def test_moe_small_path(T, E, H, I, top_k, blocks, dtype, tol):
     if dtype == torch.float32 or DEV == "cuda":  # the interpreter's tl.dot (the sorted path's) is wrong on bf16
         _close(got, moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16), tol)
     assert torch.equal(moe.moe_down_sum(act, down, ids, weights, block_n=dn, block_k=dk), got)  # deterministic
+    # added into a residual stream in place: the sum then `rms_norm`'s add (`kernels.rmsnorm`), the same bits
+    residual = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    held = residual.clone()
+    assert moe.moe_down_sum(act, down, ids, weights, block_n=dn, block_k=dk, residual=held) is held
+    want = (got.float() + residual.float()).to(dtype)
+    if dtype == torch.float32 or DEV == "cuda":  # the interpreter rounds to bf16 otherwise than torch
+        assert torch.equal(held, want)
+    _close(held, want, tol)
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -277,6 +285,14 @@ def test_moe_small_launchers_reject_bad_inputs():
         moe.moe_down_sum(act[:3], down, ids, weights)
     with pytest.raises(ValueError, match="route_weights"):
         moe.moe_down_sum(act, down, ids, weights.t())
+    with pytest.raises(ValueError, match="residual"):
+        moe.moe_down_sum(act, down, ids, weights, residual=torch.zeros(3, 16, device=DEV))
+    with pytest.raises(ValueError, match="writes into the residual"):
+        moe.moe_down_sum(act, down, ids, weights, out=torch.zeros(2, 16, device=DEV),
+                         residual=torch.zeros(2, 16, device=DEV))
+    big = torch.zeros(moe.SMALL_PAIRS, 16, device=DEV)
+    with pytest.raises(ValueError, match="residual: only a step of at most"):
+        moe.fused_moe(big, torch.zeros(4, 16, device=DEV), gate_up, down, 2, False, residual=big.clone())
 
 
 def test_launchers_reject_bad_inputs():

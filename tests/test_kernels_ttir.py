@@ -70,9 +70,10 @@ def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
     assert out.startswith("True"), out
     scalars = "N:i32 K:i32 s_a:i32 s_we:i32 s_wn:i32 s_o:i32"
     sig = f"a_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*{dtype} {scalars}"
-    out = compiles("gpu_engine.kernels.moe", "_down_sum_kernel", dict(item.split(":") for item in sig.split()),
-                   {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256, "USE_PDL": False})
-    assert out.startswith("True"), out
+    for add in (False, True):  # the sum alone, or added into the residual stream
+        out = compiles("gpu_engine.kernels.moe", "_down_sum_kernel", dict(item.split(":") for item in sig.split()),
+                       {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256, "ADD": add, "USE_PDL": False})
+        assert out.startswith("True"), out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
@@ -251,7 +252,8 @@ PDL_KERNELS = {
                               "s_wn:i32 s_o:i32"), {"TOPK": 8, "BLOCK_N": 4, "BLOCK_K": 512}),
     "moe_down_sum": ("gpu_engine.kernels.moe", "_down_sum_kernel",
                      _sig("a_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*bf16 N:i32 K:i32 s_a:i32 "
-                          "s_we:i32 s_wn:i32 s_o:i32"), {"TOPK": 8, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256}),
+                          "s_we:i32 s_wn:i32 s_o:i32"), {"TOPK": 8, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256,
+                                                          "ADD": True}),
 }
 
 

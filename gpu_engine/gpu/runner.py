@@ -29,7 +29,7 @@ from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
-from gpu_engine.kernels.moe import fused_moe
+from gpu_engine.kernels.moe import fused_moe, small_path
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -449,8 +449,13 @@ class GpuModelRunner:
         """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
             cfg = self.config
-            return fused_moe(self._normed(residual, pending, w.mlp_norm), w.router, w.gate_up, w.down,
-                             cfg.num_experts_per_tok, cfg.norm_topk_prob, pdl=self.pdl)
+            # the sort-free path adds its output into the stream itself where the fusion adds (`Fusion.add`)
+            add = (self.fusion is not None and self.fusion.add
+                   and small_path(residual.shape[0], cfg.num_experts_per_tok))
+            out = fused_moe(self._normed(residual, pending, w.mlp_norm), w.router, w.gate_up, w.down,
+                            cfg.num_experts_per_tok, cfg.norm_topk_prob, pdl=self.pdl,
+                            residual=residual if add else None)
+            return None if add else out
         glu = self.fusion is not None and self.fusion.glu and self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)
         return self._add_linear(h, w.down, residual, silu_mul=not glu)

@@ -287,7 +287,8 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
 
 @triton.jit
 def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_wn, s_o, TOPK: tl.constexpr,
-                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,16 +309,20 @@ def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_
         a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0).to(tl.float32)
         acc += w * a[:, None, :]
-    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0).to(out_ptr.dtype.element_ty)
+    optrs = out_ptr + t.to(tl.int64) * s_o + n
+    if ADD:  # into the residual stream, rounded as `kernels.rmsnorm`'s residual add rounds
+        y = (y.to(tl.float32) + tl.load(optrs, mask=nmask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(optrs, y, mask=nmask)
 
 
 def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
                  out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """act [T * k, I], down [E, H, I], expert_ids / route_weights [T, k] -> out [T, H] =
     sum over s of route_weights[t, s] * act[t * k + s] @ down[ids[t, s]].T, in registers: no
-    [T * k, H] intermediate, no atomics (deterministic).
+    [T * k, H] intermediate, no atomics (deterministic). `residual` [T, H]: the sum, rounded, is added into it
+    (the residual stream; rounded again, as `kernels.rmsnorm`'s residual add does) and it is returned.
 
     Grid (token, H / block_n): 8 columns give 256 programs at batch 1 (H = 2048); each program
     loads all top_k experts' [block_n, block_k] tiles in one [slots, block_n, block_k] tile per step
@@ -338,15 +343,19 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     check_contiguous("route_weights", route_weights)
     if act.shape[0] != T * top_k:
         raise ValueError(f"act: {act.shape[0]} rows, expected T * top_k = {T * top_k}")
+    if residual is not None:
+        if out is not None:
+            raise ValueError("out: a launch with a residual writes into the residual")
+        out = residual
     if out is None:
         out = torch.empty((T, H), dtype=act.dtype, device=act.device)
-    check("out", out, dtype=act.dtype, shape=(T, H), device=act.device)
+    check("residual" if residual is not None else "out", out, dtype=act.dtype, shape=(T, H), device=act.device)
     if T == 0:
         return out
     _down_sum_kernel[(T, triton.cdiv(H, block_n))](
         act, down, expert_ids, route_weights, out, H, I, act.stride(0), down.stride(0), down.stride(1),
         out.stride(0), TOPK=top_k, SLOTS=next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(I)),
-        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        ADD=residual is not None, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )
     return out
 
@@ -358,15 +367,16 @@ def small_path(tokens: int, top_k: int) -> bool:
 
 
 def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                      ids: torch.Tensor, pdl: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
     per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
     token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
     product before that sum), so an MoE
     request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
     GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance). `pdl`: both kernels
-    launched with programmatic dependent launch (`kernels.pdl`)."""
-    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl), down, ids, weights, pdl=pdl)
+    launched with programmatic dependent launch (`kernels.pdl`). `residual`: the output added into it
+    (`moe_down_sum`)."""
+    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl), down, ids, weights, pdl=pdl, residual=residual)
 
 
 def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -386,13 +396,17 @@ def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 
 def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None,
-              pdl: bool = False):
+              pdl: bool = False, residual: torch.Tensor | None = None):
     """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
     sorted one (`block_m` is the sorted path's). `pdl`: the routing and the sort-free path's kernels launched with
-    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without."""
+    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without. `residual`
+    (small steps only): the output added into it, which is returned (`moe_down_sum`)."""
+    small = small_path(x.shape[0], top_k)
+    if residual is not None and not small:
+        raise ValueError(f"residual: only a step of at most {SMALL_PAIRS} (token, expert) pairs adds into it")
     weights, ids = moe_route(F.linear(x, router_w), top_k, normalize, pdl=pdl)
-    if small_path(x.shape[0], top_k):
-        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl)
+    if small:
+        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl, residual=residual)
     return moe_experts_sorted(x, gate_up, down, weights, ids, block_m)
 
 

@@ -290,13 +290,16 @@ TILED_PLANS: dict[str, Plan] = {
              (4096, 4096): ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),  # o
              (28672, 4096): ((64, "n128_k64_s4_w8"),),  # gate_up
              (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # down
-    # h200 with qkv and o tiled up to 64 rows, where cuBLAS was 0.6-1.8 us faster alone: for the fused forms
-    # (NAME+fused), whose norm, q/k/v preparation and residual add come only with the tiled linear. To be measured
-    # against h200+fused (`scripts/gpu_run.sh` roofline_variants).
+    # h200 with qkv and o tiled up to 64 rows, where cuBLAS was 0.6-1.8 us faster alone, and Qwen3-30B-A3B's qkv
+    # and o with the same configurations (not measured alone): for the fused forms (NAME+fused), whose norm, q/k/v
+    # preparation and residual add come only with the tiled linear. To be measured against h200+fused
+    # (`scripts/gpu_run.sh` roofline_variants; the MoE rows with `bench/roofline.py --models moe --tiled`).
     "h200_wide": {(6144, 4096): ((64, "n64_k128_s4"),),
                   (4096, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4")),
                   (28672, 4096): ((64, "n128_k64_s4_w8"),),
-                  (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},
+                  (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4")),
+                  (5120, 2048): ((64, "n64_k128_s4"),),  # Qwen3-30B-A3B qkv
+                  (2048, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # Qwen3-30B-A3B o
 }
 
 
@@ -307,7 +310,8 @@ DEFAULT_PLANS = {"NVIDIA H200": "h200"}
 class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
-    (`glu`), the o and down outputs added into the residual stream (`add`), and `qkv_prep` as the qkv product's
+    (`glu`), the o and down outputs added into the residual stream (`add`; an MoE layer's sort-free experts add
+    theirs too, `kernels.moe.moe_down_sum`), and `qkv_prep` as the qkv product's
     output (`heads`: a program a head). A product that goes to cuBLAS or the skinny matmul takes the unfused
     kernels. And `fold`: the decode attention's splits folded by the last of their programs
     (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
