@@ -164,6 +164,32 @@ def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
+def test_bf16_logits_through_the_fused_layer_match_transformers(family):
+    """Every family at full layer sizes with every linear of a 127-token prefill (padded to 128) and a 2-row decode
+    through one tiled configuration with the fused forms (`n64_k128_s4+fused`): the norms, q/k/v preparation
+    (Qwen3's QK norms, Phi-3's partial rotary), SiLU and residual adds in the products, the MoE experts' output
+    added into the stream, the decode attention folded in its own launch; within the bf16 bound of the unfused
+    test."""
+    import copy
+
+    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
+    hf32 = copy.deepcopy(hf).float()
+    runner, cfg = _ours(hf, max_tokens=128, tiled="n64_k128_s4+fused")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (37, 90)]
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(torch.cat(prompts).cuda(), _meta([(0, 37, [0, 1, 2]), (0, 90, list(range(3, 9)))]))
+    runner.forward(4, 128, False)
+    _check_bf16(runner, hf, hf32, prompts, 128, False, f"fused {family} prefill")
+    nxt = torch.tensor([5, 7])
+    runner.buffers.logits.fill_(float("nan"))
+    runner.stage(nxt.cuda(), _meta([(37, 1, [0, 1, 2]), (90, 1, list(range(3, 9)))]))
+    runner.forward(4, 4, True)
+    full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
+    _check_bf16(runner, hf, hf32, full, 4, True, f"fused {family} decode")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY))
 def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     from gpu_engine.gpu.graph_cache import GraphCache
 
