@@ -247,7 +247,7 @@ def test_tiled_linear_refuses_fused_forms_it_cannot_take():
         tiled_linear(x, torch.zeros(63, 64, device=DEV), act="glu")
     with pytest.raises(ValueError, match="norm weight"):
         tiled_linear(x, w, norm=(nw[:32], 1e-5))
-    with pytest.raises(ValueError, match="norm: the RMSNorm prologue"):
+    with pytest.raises(ValueError, match="norm: the fused RMSNorm"):
         tiled_linear(torch.zeros(2, 128, device=DEV), w, act="silu_mul", norm=(nw, 1e-5))
     with pytest.raises(ValueError, match="residual: must not alias"):
         tiled_linear(x, w, residual=x)

@@ -420,12 +420,11 @@ class GpuModelRunner:
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-        if heads is not None:  # done: q normalised and rotated in the product, k and v in the caches
-            pass
-        elif self.fused:
+        # with `heads` the product did it: q normalised and rotated in place, k and v in the caches
+        if heads is None and self.fused:
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
                      w.q_norm, w.k_norm, cfg.rms_norm_eps, pdl=self.pdl)
-        else:
+        elif heads is None:
             if w.q_norm is not None and w.k_norm is not None:
                 rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
                 rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)

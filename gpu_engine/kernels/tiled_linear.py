@@ -311,10 +311,10 @@ class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
     (`glu`), the o and down outputs added into the residual stream (`add`; an MoE layer's sort-free experts add
-    theirs too, `kernels.moe.moe_down_sum`), and `qkv_prep` as the qkv product's
-    output (`heads`: a program a head). A product that goes to cuBLAS or the skinny matmul takes the unfused
-    kernels. And `fold`: the decode attention's splits folded by the last of their programs
-    (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
+    theirs too, `kernels.moe.moe_down_sum`), and `qkv_prep` as the qkv product's output (`heads`: a program a
+    head). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels. And `fold`: the decode
+    attention's splits folded by the last of their programs (`attention.decode_attention`'s "last" form), one
+    launch a layer fewer, at every step size."""
 
     norm_rows: int
     glu: bool = True
@@ -409,7 +409,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
                  norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
                  heads: Heads | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with act="silu_mul") and w [N, K] (or [2N, K] with act="glu") -> out [M, N];
-    M <= MAX_ROWS. The fused forms, each giving what the unfused kernels give (`tiled_ref`):
+    M <= MAX_ROWS. The fused forms, each giving what the unfused kernels give (`tiled_ref`; the norm to rounding):
 
     - act="silu_mul": silu(x[:, :K]) * x[:, K:] taken as x, applied to each x tile as it is loaded.
     - act="glu": w is a gate_up weight, gate rows then up rows; out = silu(x @ gate.T) * (x @ up.T). Each program
@@ -439,7 +439,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     M, N, K, out = check_linear(x, w, act, out, MAX_ROWS, "the tiled linear", acts=("silu_mul", "glu"))
     if norm is not None:
         if act == "silu_mul":
-            raise ValueError("norm: the RMSNorm prologue takes a plain x, not silu_mul")
+            raise ValueError("norm: the fused RMSNorm takes a plain x, not silu_mul")
         check("norm weight", norm[0], dtype=x.dtype, shape=(K,), device=x.device)
     if residual is not None and (residual.data_ptr() == x.data_ptr() or residual.data_ptr() == w.data_ptr()):
         raise ValueError("residual: must not alias x or w (it is written while they are read)")
