@@ -219,6 +219,50 @@ def test_fused_moe(normalize):
     _close(moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16), want, 1e-4)
 
 
+@pytest.mark.parametrize(("T", "E", "top_k", "group"), [(1, 128, 8, 4), (3, 6, 2, 4), (8, 60, 4, 16)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_moe_router_routes_in_one_launch(T, E, top_k, group, normalize):
+    """The router's product and the routing in one launch (a program per token and group of experts, the last to
+    finish routing): the experts and weights of the product then `moe_route`, its counts left zero (the last group
+    of 60 experts half empty); with the RMSNorm taken in it, those of the normalised x; every expert a valid id."""
+    from gpu_engine.kernels.rmsnorm import rms_norm_ref
+
+    g = torch.Generator().manual_seed(T * 100 + E)
+    x = (torch.randn(T, 64, generator=g) * 3).to(DEV)
+    router = torch.randn(E, 64, generator=g).to(DEV)
+    nw = (torch.rand(64, generator=g) + 0.5).to(DEV)
+    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
+    for norm in (None, (nw, 1e-6)):
+        src = x if norm is None else rms_norm_ref(x, nw, 1e-6)[0]
+        want_w, want_ids = moe.moe_route(torch.nn.functional.linear(src, router), top_k, normalize)
+        for _ in range(2):
+            w, ids = moe.moe_router(x, router, top_k, normalize, counters, norm=norm, block_g=group, block_k=32)
+            assert torch.equal(ids, want_ids) and not counters.any()
+            _close(w, want_w, 1e-5)
+    with pytest.raises(ValueError, match="counters"):
+        moe.moe_router(x, router, top_k, normalize, counters[: T - 1] if T > 1 else counters[:0])
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_moe_takes_the_norm_and_the_residual_add_in_its_kernels(T):
+    """A small step's MoE with the layer's RMSNorm in its router and gate_up kernels and its output added into the
+    residual stream (the runner's fused MLP, x being the stream itself): the reference on the normalised x plus
+    the stream, within fp32 rounding; refused for a step too large for the sort-free path."""
+    from gpu_engine.kernels.rmsnorm import rms_norm_ref
+
+    x, router, gate_up, down = _moe_weights(T, 6, 32, 24, torch.float32)
+    nw = (torch.rand(32, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEV)
+    want = moe.fused_moe_ref(rms_norm_ref(x, nw, 1e-6)[0], router, gate_up, down, 2, True) + x
+    stream = x.clone()
+    counters = torch.zeros(8, dtype=torch.int32, device=DEV)
+    got = moe.fused_moe(stream, router, gate_up, down, 2, True, residual=stream, counters=counters,
+                        norm=(nw, 1e-6))
+    assert got is stream and not counters.any()
+    _close(stream, want, 1e-4)
+    with pytest.raises(ValueError, match="norm: taken in the router"):
+        moe.fused_moe(x, router, gate_up, down, 2, True, norm=(nw, 1e-6))
+
+
 def _moe_weights(T, E, H, I, dtype, seed=2):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(DEV, dtype)
@@ -291,7 +335,7 @@ def test_moe_small_launchers_reject_bad_inputs():
         moe.moe_down_sum(act, down, ids, weights, out=torch.zeros(2, 16, device=DEV),
                          residual=torch.zeros(2, 16, device=DEV))
     big = torch.zeros(moe.SMALL_PAIRS, 16, device=DEV)
-    with pytest.raises(ValueError, match="residual: only a step of at most"):
+    with pytest.raises(ValueError, match="residual, counters, norm: only for a step of at most"):
         moe.fused_moe(big, torch.zeros(4, 16, device=DEV), gate_up, down, 2, False, residual=big.clone())
 
 

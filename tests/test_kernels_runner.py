@@ -240,3 +240,28 @@ def test_tiled_settings_take_a_fusion_suffix():
     for bad in ("h200+fast", "h200+fused:", "h200+fused:129", "h200+fused:x", "nothing+fused"):
         with pytest.raises(ValueError, match="tiled"):
             resolve_tiled(bad, "NVIDIA H200")
+
+
+@pytest.mark.parametrize(("tiled", "norms", "routes"), [("n32_k128_s4", 5, 2), ("n32_k128_s4+fused", 1, 0)])
+def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(tiled, norms, routes, monkeypatch):
+    """The 2-layer Qwen3-MoE at a 4-row decode step (the sort-free path): unfused, 2 norms a layer and the final
+    one, and the routing apart from the router's product; +fused, only the final norm runs apart (the MLP's in the
+    router's and gate_up kernels, the attention's in qkv) and the routing is the router kernel's."""
+    import gpu_engine.gpu.runner as runner_module
+    import gpu_engine.kernels.moe as moe_module
+
+    cfg, model, runner = _setup("qwen3_moe", None, tiled)
+    calls = {"norm": 0, "route": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
+    monkeypatch.setattr(moe_module, "moe_route", counted("route", moe_module.moe_route))
+    meta = build_metadata([(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])], 4)
+    runner.stage(torch.arange(4), meta)
+    runner.forward(4, 4, True)
+    assert calls == {"norm": norms, "route": routes}

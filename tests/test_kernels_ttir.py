@@ -59,14 +59,25 @@ def test_row_softmax_kernels_compile_for_sm90(module: str) -> None:
     assert out.startswith("True"), out
 
 
+ROUTER_SIG = ("x_ptr:*bf16 rw_ptr:*bf16 nw_ptr:*bf16 logits_ptr:*fp32 w_ptr:*fp32 ids_ptr:*i64 cnt_ptr:*i32 E:i32 "
+              "K:i32 s_x:i32 s_r:i32 eps:fp32")
+
+
 @pytest.mark.parametrize(("dtype", "top_k"), [("bf16", 8), ("fp32", 6)])
 def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
     """The sort-free MoE kernels at the launchers' default blocks, each dtype once; top_k 6 pads the down
-    kernel's slots to 8."""
-    scalars = "I:i32 K:i32 s_x:i32 s_we:i32 s_wn:i32 s_o:i32"
-    sig = f"x_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 out_ptr:*{dtype} {scalars}"
-    out = compiles("gpu_engine.kernels.moe", "_gate_up_silu_kernel", dict(item.split(":") for item in sig.split()),
-                   {"TOPK": top_k, "BLOCK_N": 4, "BLOCK_K": 512, "USE_PDL": False})
+    kernel's slots to 8; gate_up with and without the layer's RMSNorm, and the router's product with the routing
+    (with the norm)."""
+    scalars = "I:i32 K:i32 s_x:i32 s_we:i32 s_wn:i32 s_o:i32 eps:fp32"
+    sig = f"x_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 out_ptr:*{dtype} nw_ptr:*{dtype} {scalars}"
+    for norm in (False, True):
+        out = compiles("gpu_engine.kernels.moe", "_gate_up_silu_kernel",
+                       dict(item.split(":") for item in sig.split()),
+                       {"TOPK": top_k, "BLOCK_N": 4, "BLOCK_K": 512, "NORM": norm, "USE_PDL": False})
+        assert out.startswith("True"), out
+    out = compiles("gpu_engine.kernels.moe", "_router_kernel", _sig(ROUTER_SIG.replace("bf16", dtype)),
+                   {"TOPK": top_k, "NORMALIZE": True, "NORM": True, "GROUPS": 32, "BLOCK_G": 4, "BLOCK_K": 512,
+                    "BLOCK_E": 128, "USE_PDL": False})
     assert out.startswith("True"), out
     scalars = "N:i32 K:i32 s_a:i32 s_we:i32 s_wn:i32 s_o:i32"
     sig = f"a_ptr:*{dtype} w_ptr:*{dtype} ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*{dtype} {scalars}"
@@ -248,8 +259,12 @@ PDL_KERNELS = {
                   _sig("logits_ptr:*bf16 w_ptr:*fp32 ids_ptr:*i64 E:i32 s_t:i32"),
                   {"TOPK": 8, "NORMALIZE": True, "BLOCK_E": 128}),
     "moe_gate_up_silu": ("gpu_engine.kernels.moe", "_gate_up_silu_kernel",
-                         _sig("x_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 out_ptr:*bf16 I:i32 K:i32 s_x:i32 s_we:i32 "
-                              "s_wn:i32 s_o:i32"), {"TOPK": 8, "BLOCK_N": 4, "BLOCK_K": 512}),
+                         _sig("x_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 out_ptr:*bf16 nw_ptr:*bf16 I:i32 K:i32 s_x:i32 "
+                              "s_we:i32 s_wn:i32 s_o:i32 eps:fp32"),
+                         {"TOPK": 8, "BLOCK_N": 4, "BLOCK_K": 512, "NORM": True}),
+    "moe_router": ("gpu_engine.kernels.moe", "_router_kernel", _sig(ROUTER_SIG),
+                   {"TOPK": 8, "NORMALIZE": True, "NORM": True, "GROUPS": 32, "BLOCK_G": 4, "BLOCK_K": 512,
+                    "BLOCK_E": 128}),
     "moe_down_sum": ("gpu_engine.kernels.moe", "_down_sum_kernel",
                      _sig("a_ptr:*bf16 w_ptr:*bf16 ids_ptr:*i64 rw_ptr:*fp32 out_ptr:*bf16 N:i32 K:i32 s_a:i32 "
                           "s_we:i32 s_wn:i32 s_o:i32"), {"TOPK": 8, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256,

@@ -29,7 +29,7 @@ from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
-from gpu_engine.kernels.moe import fused_moe, small_path
+from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -350,6 +350,9 @@ class GpuModelRunner:
         fold = self.fusion is not None and self.fusion.fold
         self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if fold else 0, dtype=torch.int32,
                                          device=self.device)
+        # the fused MoE router's per-token counts (`kernels.moe.moe_router`), zero at rest
+        self.route_counters = torch.zeros(SMALL_PAIRS if self.fusion is not None else 0, dtype=torch.int32,
+                                          device=self.device)
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -447,13 +450,18 @@ class GpuModelRunner:
     def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
         """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
-            cfg = self.config
-            # the sort-free path adds its output into the stream itself where the fusion adds (`Fusion.add`)
-            add = (self.fusion is not None and self.fusion.add
-                   and small_path(residual.shape[0], cfg.num_experts_per_tok))
-            out = fused_moe(self._normed(residual, pending, w.mlp_norm), w.router, w.gate_up, w.down,
-                            cfg.num_experts_per_tok, cfg.norm_topk_prob, pdl=self.pdl,
-                            residual=residual if add else None)
+            cfg, rows = self.config, residual.shape[0]
+            # fused, a small step's MoE routes in one launch, takes the norm in its router and gate_up kernels
+            # (nothing pending) and adds its output into the stream (`kernels.moe.fused_moe`)
+            fuse = self.fusion is not None and small_path(rows, cfg.num_experts_per_tok)
+            add = fuse and self.fusion is not None and self.fusion.add
+            if fuse and pending is None and self.fusion is not None and rows <= self.fusion.norm_rows:
+                x, norm = residual, (w.mlp_norm, cfg.rms_norm_eps)
+            else:
+                x, norm = self._normed(residual, pending, w.mlp_norm), None
+            out = fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                            pdl=self.pdl, residual=residual if add else None,
+                            counters=self.route_counters if fuse else None, norm=norm)
             return None if add else out
         glu = self.fusion is not None and self.fusion.glu and self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)

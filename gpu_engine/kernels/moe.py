@@ -38,6 +38,14 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, TOPK: tl.constexpr, NORMAL
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * s_t + offs, mask=offs < E, other=0.0).to(tl.float32)
+    _route_row(x, w_ptr, ids_ptr, t, E, TOPK, NORMALIZE, BLOCK_E)
+
+
+@triton.jit
+def _route_row(x, w_ptr, ids_ptr, t, E, TOPK: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Token t's route from its router logits `x` (fp32 [BLOCK_E], E valid): softmax, the top-k (first index wins
+    ties), optionally renormalised; its weights and expert ids stored."""
+    offs = tl.arange(0, BLOCK_E)
     x = tl.where(tl.abs(x) < 3.0e38, x, 0.0)  # NaN/inf (padding rows) must still pick valid experts
     x = tl.where(offs < E, x, float("-inf"))
     x = tl.exp(x - tl.max(x, axis=0))
@@ -57,6 +65,80 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, TOPK: tl.constexpr, NORMAL
         tl.store(w_ptr + t * TOPK + k, tl.max(q, axis=0) * scale)
         tl.store(ids_ptr + t * TOPK + k, best.to(tl.int64))
         q = tl.where(offs == best, -1.0, q)
+
+
+@triton.jit
+def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E, K, s_x, s_r, eps,
+                   TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (token t, group g): the router logits of experts g * BLOCK_G.. for token t (with NORM, of the
+    RMSNorm of x with the weight at `nw_ptr`, its 1 / RMS taken from the same x tiles and applied after the loop),
+    rounded to x's dtype as the router's product is; the last of the token's GROUPS programs to finish (an atomic
+    count, reset for the next launch) routes the token (`_route_row`)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    kk = tl.arange(0, BLOCK_K)
+    rows = rw_ptr + e[:, None].to(tl.int64) * s_r
+    acc = tl.zeros([BLOCK_G, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        xk = tl.load(x_ptr + t.to(tl.int64) * s_x + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:
+            sq += xk * xk
+            xk = xk * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += tl.load(rows + k[None, :], mask=(e[:, None] < E) & (k[None, :] < K), other=0.0).to(tl.float32) \
+            * xk[None, :]
+    logit = tl.sum(acc, axis=1)
+    if NORM:
+        logit = logit * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t * E + e, logit, mask=e < E)
+    tl.debug_barrier()  # every thread's logits are stored before the count is released
+    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == GROUPS - 1:
+        tl.store(cnt_ptr + t, 0)  # ready for the next launch
+        offs = tl.arange(0, BLOCK_E)
+        x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=0.0, cache_modifier=".cg")
+        _route_row(x, w_ptr, ids_ptr, t, E, TOPK, NORMALIZE, BLOCK_E)
+
+
+ROUTER_GROUP = 4  # experts a router program takes: 32 programs a token for 128 experts
+
+
+def moe_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool, counters: torch.Tensor,
+               norm: tuple[torch.Tensor, float] | None = None, block_g: int = ROUTER_GROUP, block_k: int = 512,
+               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route(F.linear(x, router_w), ...)` in one launch, for small steps: a program per (token, group of
+    `block_g` experts) takes those logits, and the token's last program to finish routes it. `norm` (weight [H],
+    eps): x is the residual stream and its RMSNorm is what is routed. `counters`: an int32 count per token, zero,
+    which every launch leaves zero. The logits are summed in another order than cuBLAS's, so a near tie between
+    two experts may go the other way."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    T, H = x.shape
+    check("router_w", router_w, dtype=x.dtype, shape=(None, H), device=x.device)
+    check_contiguous("router_w", router_w)
+    E = router_w.shape[0]
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k {top_k} not in 1..{E}")
+    check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
+    if counters.numel() < T:
+        raise ValueError(f"counters: {counters.numel()}, this launch needs {T} (one a token)")
+    if norm is not None:
+        check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    if T:
+        groups = triton.cdiv(E, block_g)
+        nw, eps = norm if norm is not None else (x, 0.0)
+        _router_kernel[(T, groups)](
+            x, router_w, nw, logits, weights, ids, counters, E, H, x.stride(0), router_w.stride(0), float(eps),
+            TOPK=top_k, NORMALIZE=bool(normalize), NORM=norm is not None, GROUPS=groups, BLOCK_G=block_g,
+            BLOCK_K=min(block_k, next_pow2(H)), BLOCK_E=next_pow2(E), USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        )
+    return weights, ids
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -218,8 +300,9 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, s_x, s_we, s_wn, s_o, TOPK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we, s_wn, s_o, eps,
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -230,15 +313,23 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, s_x, s_we, s_wn, 
     up = gate + I * s_wn  # I * H < 2^31: half of one expert's matrix
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)  # NORM: x's squares, summed after the loop
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         kmask = k < K
-        xk = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        xk = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+        if NORM:  # RMSNorm(x) * weight: the weight here, 1 / RMS on the sums
+            sq += xk * xk
+            xk = xk * tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
         wmask = nmask[:, None] & kmask[None, :]
-        acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
-        acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+        acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk[None, :]
+        acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk[None, :]
     g = tl.sum(acc_g, axis=1)
-    y = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        g, u = g * rstd, u * rstd
+    y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + p.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -248,9 +339,12 @@ def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> No
 
 
 def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor | None = None,
-                     block_n: int = 4, block_k: int = 512, pdl: bool = False) -> torch.Tensor:
+                     block_n: int = 4, block_k: int = 512, pdl: bool = False,
+                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows first), expert_ids [T, k] -> out [T * k, I] =
-    silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s).
+    silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s). `norm` (weight [H], eps): x is
+    the residual stream and RMSNorm(x) * weight takes its place (the weight on the x tiles, 1 / RMS on the sums
+    before the SiLU; no rounding of the normalised x).
 
     Grid (pair, I / block_n): 2 columns give 3,072 programs for the 8 pairs of a Qwen3-30B-A3B
     batch-1 step (I = 768): the time is the weight read, and what keeps HBM busy is how many loads are
@@ -275,12 +369,15 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
     if out is None:
         out = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     check("out", out, dtype=x.dtype, shape=(T * top_k, I), device=x.device)
+    if norm is not None:
+        check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
     if out.shape[0] == 0:
         return out
+    nw, eps = norm if norm is not None else (x, 0.0)
     _gate_up_silu_kernel[(T * top_k, triton.cdiv(I, block_n))](
-        x, gate_up, expert_ids, out, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
-        TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), USE_PDL=pdl, num_warps=4,
-        **pdl_launch(pdl),
+        x, gate_up, expert_ids, out, nw, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
+        float(eps), TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), NORM=norm is not None,
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )
     return out
 
@@ -367,7 +464,8 @@ def small_path(tokens: int, top_k: int) -> bool:
 
 
 def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, pdl: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                      ids: torch.Tensor, pdl: bool = False, residual: torch.Tensor | None = None,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
     per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
     token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
@@ -375,8 +473,9 @@ def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
     GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance). `pdl`: both kernels
     launched with programmatic dependent launch (`kernels.pdl`). `residual`: the output added into it
-    (`moe_down_sum`)."""
-    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl), down, ids, weights, pdl=pdl, residual=residual)
+    (`moe_down_sum`); `norm`: x's RMSNorm taken in the gate_up kernel (`moe_gate_up_silu`)."""
+    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl, norm=norm), down, ids, weights, pdl=pdl,
+                        residual=residual)
 
 
 def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -396,17 +495,26 @@ def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 
 def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None,
-              pdl: bool = False, residual: torch.Tensor | None = None):
+              pdl: bool = False, residual: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+              norm: tuple[torch.Tensor, float] | None = None):
     """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
     sorted one (`block_m` is the sorted path's). `pdl`: the routing and the sort-free path's kernels launched with
-    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without. `residual`
-    (small steps only): the output added into it, which is returned (`moe_down_sum`)."""
+    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without. Small steps only:
+    `residual`, the output added into it, which is returned (`moe_down_sum`); `counters` (one a token, zero), the
+    router's product and the routing in one launch (`moe_router`); `norm` (with `counters`), x is the residual
+    stream and its RMSNorm is taken in the router's and the gate_up kernels, so the layer's MLP is three launches
+    and no norm."""
     small = small_path(x.shape[0], top_k)
-    if residual is not None and not small:
-        raise ValueError(f"residual: only a step of at most {SMALL_PAIRS} (token, expert) pairs adds into it")
-    weights, ids = moe_route(F.linear(x, router_w), top_k, normalize, pdl=pdl)
+    if not small and (residual is not None or counters is not None or norm is not None):
+        raise ValueError(f"residual, counters, norm: only for a step of at most {SMALL_PAIRS} (token, expert) pairs")
+    if norm is not None and counters is None:
+        raise ValueError("norm: taken in the router's kernel, which needs counters")
+    if counters is not None:
+        weights, ids = moe_router(x, router_w, top_k, normalize, counters, norm=norm, pdl=pdl)
+    else:
+        weights, ids = moe_route(F.linear(x, router_w), top_k, normalize, pdl=pdl)
     if small:
-        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl, residual=residual)
+        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl, residual=residual, norm=norm)
     return moe_experts_sorted(x, gate_up, down, weights, ids, block_m)
 
 

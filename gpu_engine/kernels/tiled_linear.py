@@ -310,11 +310,12 @@ DEFAULT_PLANS = {"NVIDIA H200": "h200"}
 class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
-    (`glu`), the o and down outputs added into the residual stream (`add`; an MoE layer's sort-free experts add
-    theirs too, `kernels.moe.moe_down_sum`), and `qkv_prep` as the qkv product's output (`heads`: a program a
-    head). A product that goes to cuBLAS or the skinny matmul takes the unfused kernels. And `fold`: the decode
-    attention's splits folded by the last of their programs (`attention.decode_attention`'s "last" form), one
-    launch a layer fewer, at every step size."""
+    (`glu`), the o and down outputs added into the residual stream (`add`), and `qkv_prep` as the qkv product's
+    output (`heads`: a program a head). An MoE layer's small steps take the same in its own kernels
+    (`kernels.moe.fused_moe`: the norm in the router's and gate_up kernels, the router's product and the routing
+    in one launch, the experts' output added into the stream). A product that goes to cuBLAS or the skinny matmul
+    takes the unfused kernels. And `fold`: the decode attention's splits folded by the last of their programs
+    (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
 
     norm_rows: int
     glu: bool = True
