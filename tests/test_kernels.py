@@ -492,6 +492,22 @@ def test_gpu_fused_moe_real_sizes(tokens):
     weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), 8, True)
     small = moe.moe_experts_small(x, gate_up, down, weights, ids)
     assert ((small.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    if not moe.small_path(tokens, 8):
+        return
+    # the fused MLP of a small step (the runner's +fused): the norm in the router's and gate_up kernels, the
+    # routing in the router's launch, the output added into the stream; against the reference on the normalised x
+    from gpu_engine.kernels.rmsnorm import rms_norm_ref
+
+    nw = (torch.rand(2048, device=DEV, generator=g) + 0.5).bfloat16()
+    ref = moe.fused_moe_ref(rms_norm_ref(x, nw, 1e-6)[0], router, gate_up, down, 8, True).float() + x.float()
+    stream, counters = x.clone(), torch.zeros(8, dtype=torch.int32, device=DEV)
+    moe.fused_moe(stream, router, gate_up, down, 8, True, residual=stream, counters=counters, norm=(nw, 1e-6))
+    assert ((stream.float() - ref).norm() / ref.norm()) < 1e-2 and not counters.any()
+    # the router kernel alone, fp32 so that no rounding tie decides: the experts and weights of `moe_route`
+    w32, ids32 = moe.moe_router(x.float(), router.float(), 8, True, counters)
+    want_w, want_ids = moe.moe_route(torch.nn.functional.linear(x.float(), router.float()), 8, True)
+    assert torch.equal(ids32, want_ids)
+    torch.testing.assert_close(w32, want_w, rtol=1e-4, atol=1e-5)
 
 
 @gpu
