@@ -26,7 +26,8 @@
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches; roofline_<variant>.json each, side by side in one call),
+# launches; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
+# setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
@@ -168,6 +169,7 @@ run_step() {
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
     roofline_moe | roofline_mixed) [ -f "$OUT/decode_roofline.json" ] || cp bench/results/decode_roofline.json "$OUT/" ;;&
     roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --out "$OUT/decode_roofline.json" ;;
+    roofline_moe_fused) step roofline_moe_fused "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --tiled "${MOE_TILED:-h200_wide+fused}" --out "$OUT/roofline_moe_fused.json" ;;
     roofline_mixed) step roofline_mixed "${T_ROOFLINE_MIXED:-300}" "$PY" bench/roofline.py --models mixed --out "$OUT/decode_roofline.json" ;;
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
