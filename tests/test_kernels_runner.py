@@ -265,3 +265,28 @@ def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(tiled, nor
     runner.stage(torch.arange(4), meta)
     runner.forward(4, 4, True)
     assert calls == {"norm": norms, "route": routes}
+
+
+def test_a_fused_decode_layer_is_five_launches(monkeypatch):
+    """Triton launches of a one-row decode step of the 2-layer llama with every product through one tiled
+    configuration: 10 a layer unfused (norm, qkv, q/k/v preparation, attention, its fold, o, norm, gate_up, SiLU,
+    down), 5 fused (qkv, attention, o, gate_up, down); the rest of the step (embedding, final norm, LM head,
+    sampling) the same either way."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = []
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    counts = {}
+    for tiled in ("n64_k64_s6", "n64_k64_s6+fused"):
+        cfg, model, runner = _setup("llama", None, tiled)
+        runner.stage(torch.arange(1), build_metadata([(5, 1, [0, 1])], 4))
+        launches.clear()
+        runner.forward(1, 1, True)
+        counts[tiled] = len(launches)
+    assert counts["n64_k64_s6"] - counts["n64_k64_s6+fused"] == 5 * len(runner.layers), counts
