@@ -1,5 +1,6 @@
 """The GPU runner's forward (Triton kernels, interpreter on CPU) vs the reference CausalLM, all families."""
 
+import functools
 import os
 
 import numpy as np
@@ -195,6 +196,14 @@ def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size(monkeyp
     assert with_skinny.matmul_for(2, o) not in (None, with_skinny.skinny)
 
 
+def _counted(calls: dict, name: str, fn):
+    """`fn`, counting its calls in calls[name]."""
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 @pytest.mark.parametrize(("tiled", "norms", "silus", "preps"), [
     ("n64_k64_s6", 5, 2, 2), ("n64_k64_s6+fused", 1, 0, 0), ("n64_k64_s6+fused:2", 5, 0, 0), ("mlp_o+fused", 3, 0, 2)])
 def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, silus, preps, monkeypatch):
@@ -210,13 +219,7 @@ def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, s
     monkeypatch.setitem(TILED_PLANS, "mlp_o", {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)})
     cfg, model, runner = _setup("llama", None, tiled)
     calls = {"norm": 0, "silu": 0, "prep": 0, "last": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
+    counted = functools.partial(_counted, calls)
     monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
     monkeypatch.setattr(runner_module, "silu_and_mul", counted("silu", runner_module.silu_and_mul))
     monkeypatch.setattr(runner_module, "qkv_prep", counted("prep", runner_module.qkv_prep))
@@ -252,13 +255,7 @@ def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(tiled, nor
 
     cfg, model, runner = _setup("qwen3_moe", None, tiled)
     calls = {"norm": 0, "route": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
+    counted = functools.partial(_counted, calls)
     monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
     monkeypatch.setattr(moe_module, "moe_route", counted("route", moe_module.moe_route))
     meta = build_metadata([(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])], 4)

@@ -237,12 +237,6 @@ PDL_KERNELS = {
                     "scale_log2:fp32 NSPLIT:i32"),
                {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
                 "FORM": "split", "PREC": "tf32"}),
-    "decode_last": ("gpu_engine.kernels.attention", "_decode_kernel",
-                    _sig("q_ptr:*bf16 kc_ptr:*bf16 vc_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
-                         "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
-                         "scale_log2:fp32 NSPLIT:i32"),
-                    {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-                     "FORM": "last", "PREC": "tf32"}),
     "fold": ("gpu_engine.kernels.attention", "_fold_kernel",
              _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
              {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256}),
@@ -270,6 +264,8 @@ PDL_KERNELS = {
                           "s_we:i32 s_wn:i32 s_o:i32"), {"TOPK": 8, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256,
                                                           "ADD": True}),
 }
+
+PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "last"})
 
 
 @pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
+from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
@@ -141,11 +142,7 @@ def _decode_kernel(
     if FORM == "last":
         n_active = tl.cdiv(n_ctx, PART)
         if lo < n_active:
-            tl.debug_barrier()  # every thread's partial is stored before the count is released
-            count = cnt_ptr + b * HKV + kvh
-            done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-            if done == n_active - 1:
-                tl.store(count, 0)  # ready for the next launch
+            if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
                 base = (b * (HKV * G) + heads) * NSPLIT
                 run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
                 _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
+from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.models.moe import route as route_ref
@@ -95,10 +96,7 @@ def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E
         logit = logit * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + e, logit, mask=e < E)
-    tl.debug_barrier()  # every thread's logits are stored before the count is released
-    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == GROUPS - 1:
-        tl.store(cnt_ptr + t, 0)  # ready for the next launch
+    if last_to_finish(cnt_ptr + t, GROUPS):
         offs = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=0.0, cache_modifier=".cg")
         _route_row(x, w_ptr, ids_ptr, t, E, TOPK, NORMALIZE, BLOCK_E)

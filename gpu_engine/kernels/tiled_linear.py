@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import check
+from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.activation import silu_and_mul_ref
 from gpu_engine.kernels.gemv import _x_tile, check_linear, gemv_ref
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
@@ -55,6 +56,15 @@ def _weighted(x, sq, nw_ptr, k, K):
 def _rms_scale(sq, K, eps):
     """The [M, 1] factor 1 / RMS of the rows from their sums of squares over all of K."""
     return tl.rsqrt(sq / K + eps)[:, None]
+
+
+@triton.jit
+def _slices_rms_scale(sq_ptr, m, M, K, eps, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`_rms_scale` from the slices' sums of squares ([SPLIT_K, M] at `sq_ptr`), summed in slice order."""
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        sq += tl.load(sq_ptr + i * M + m, mask=m < M, other=0.0, cache_modifier=".cg")
+    return _rms_scale(sq, K, eps)
 
 
 @triton.jit
@@ -112,10 +122,7 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
             tl.store(ws_ptr + s.to(tl.int64) * M * width + part + N, acc_u, mask=omask)
         if NORM:
             tl.store(ws_ptr + SPLIT_K * M * width + s * M + m, sq, mask=m < M)
-        tl.debug_barrier()  # every thread's partial is stored before the count is released
-        done = tl.atomic_add(cnt_ptr + pn, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            tl.store(cnt_ptr + pn, 0)  # ready for the next launch
+        if last_to_finish(cnt_ptr + pn, SPLIT_K):
             # slice order whichever program sums; loads bypass L1 (`.cg`): other SMs wrote them
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -125,11 +132,8 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
                     total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0,
                                        cache_modifier=".cg")
             if NORM:
-                sq = tl.zeros([BLOCK_M], tl.float32)
-                for i in tl.static_range(SPLIT_K):
-                    sq += tl.load(ws_ptr + SPLIT_K * M * width + i * M + m, mask=m < M, other=0.0,
-                                  cache_modifier=".cg")
-                total, total_u = total * _rms_scale(sq, K, eps), total_u * _rms_scale(sq, K, eps)
+                scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * width, m, M, K, eps, BLOCK_M, SPLIT_K)
+                total, total_u = total * scale, total_u * scale
             _finish(optrs, omask, total, total_u, GLU, ADD)
 
 
@@ -213,10 +217,7 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
         tl.store(at + n3[None, :], a3, mask=pm)
         if NORM:
             tl.store(ws_ptr + SPLIT_K * M * N + s * M + m, sq, mask=m < M)
-        tl.debug_barrier()  # every thread's partial is stored before the count is released
-        done = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            tl.store(cnt_ptr + head, 0)  # ready for the next launch
+        if last_to_finish(cnt_ptr + head, SPLIT_K):
             a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
             a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
             a3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
@@ -226,10 +227,7 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                 a2 += tl.load(at + n2[None, :], mask=rm, other=0.0, cache_modifier=".cg")
                 a3 += tl.load(at + n3[None, :], mask=pm, other=0.0, cache_modifier=".cg")
             if NORM:
-                sq = tl.zeros([BLOCK_M], tl.float32)
-                for i in tl.static_range(SPLIT_K):
-                    sq += tl.load(ws_ptr + SPLIT_K * M * N + i * M + m, mask=m < M, other=0.0, cache_modifier=".cg")
-                scale = _rms_scale(sq, K, eps)
+                scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * N, m, M, K, eps, BLOCK_M, SPLIT_K)
                 a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
             _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
                           kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)

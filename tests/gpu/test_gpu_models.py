@@ -125,16 +125,13 @@ def test_bf16_logits_match_transformers(family, size):
     _check_bf16(runner, hf, hf32, full, 4, True, f"{family}-{size} decode")
 
 
-@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200", "h200+fused"])
-def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
-    """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
-    2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
-    (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
-    which take each of its configurations; "h200+fused" the same with the norms, SiLU and residual
-    adds fused into the plan's products."""
+def _prefill_then_decode(family: str, tiled: str, tag: str):
+    """At full layer sizes through `tiled`: a 127-token prefill of two prompts (padded to 128) and a 2-row decode
+    on top, each step's bf16 logits checked against transformers (`_check_bf16`). Returns what a caller needs to go
+    on: (hf, hf32, runner, cfg, generator, the next tokens, the prompts with them)."""
     import copy
 
-    hf = _hf_model("llama", "full", torch.bfloat16, 0.02)
+    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     hf32 = copy.deepcopy(hf).float()
     runner, cfg = _ours(hf, max_tokens=128, tiled=tiled)
     g = torch.Generator().manual_seed(0)
@@ -142,13 +139,24 @@ def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
     runner.buffers.logits.fill_(float("nan"))
     runner.stage(torch.cat(prompts).cuda(), _meta([(0, 37, [0, 1, 2]), (0, 90, list(range(3, 9)))]))
     runner.forward(4, 128, False)
-    _check_bf16(runner, hf, hf32, prompts, 128, False, f"tiled {tiled} prefill")
+    _check_bf16(runner, hf, hf32, prompts, 128, False, f"{tag} prefill")
     nxt = torch.tensor([5, 7])
     runner.buffers.logits.fill_(float("nan"))
     runner.stage(nxt.cuda(), _meta([(37, 1, [0, 1, 2]), (90, 1, list(range(3, 9)))]))
     runner.forward(4, 4, True)
     full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
-    _check_bf16(runner, hf, hf32, full, 4, True, f"tiled {tiled} decode")
+    _check_bf16(runner, hf, hf32, full, 4, True, f"{tag} decode")
+    return hf, hf32, runner, cfg, g, nxt, full
+
+
+@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200", "h200+fused"])
+def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
+    """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
+    2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
+    (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
+    which take each of its configurations; "h200+fused" the same with the norms, SiLU and residual
+    adds fused into the plan's products."""
+    hf, hf32, runner, cfg, g, nxt, full = _prefill_then_decode("llama", tiled, f"tiled {tiled}")
     if not tiled.startswith("h200"):
         return
     for lens, tokens in (((20, 12), 32), ((30, 34), 64)):
@@ -170,23 +178,7 @@ def test_bf16_logits_through_the_fused_layer_match_transformers(family):
     (Qwen3's QK norms, Phi-3's partial rotary), SiLU and residual adds in the products, the MoE experts' output
     added into the stream, the decode attention folded in its own launch; within the bf16 bound of the unfused
     test."""
-    import copy
-
-    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
-    hf32 = copy.deepcopy(hf).float()
-    runner, cfg = _ours(hf, max_tokens=128, tiled="n64_k128_s4+fused")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (37, 90)]
-    runner.buffers.logits.fill_(float("nan"))
-    runner.stage(torch.cat(prompts).cuda(), _meta([(0, 37, [0, 1, 2]), (0, 90, list(range(3, 9)))]))
-    runner.forward(4, 128, False)
-    _check_bf16(runner, hf, hf32, prompts, 128, False, f"fused {family} prefill")
-    nxt = torch.tensor([5, 7])
-    runner.buffers.logits.fill_(float("nan"))
-    runner.stage(nxt.cuda(), _meta([(37, 1, [0, 1, 2]), (90, 1, list(range(3, 9)))]))
-    runner.forward(4, 4, True)
-    full = [torch.cat([p, nxt[b: b + 1]]) for b, p in enumerate(prompts)]
-    _check_bf16(runner, hf, hf32, full, 4, True, f"fused {family} decode")
+    _prefill_then_decode(family, "n64_k128_s4+fused", f"fused {family}")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
