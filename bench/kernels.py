@@ -7,7 +7,8 @@ QK-norm / RoPE / KV write, cuBLAS and a separate SiLU-and-multiply at M <= 8, th
 small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
-`--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; none in the default sets)
+`--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; `--only fused`: its fused forms
+against the kernels they replace; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -470,6 +471,73 @@ def tiled_rows(gbps: float) -> list[dict]:
     return _against_cublas(gbps, "tiled", (*LLAMA_PROJECTIONS, *MOE_ATTENTION), (1, 8, 16, 32, 64, 128), variants)
 
 
+FUSED_CANDIDATES = ("n64_k128_s4", "n64_k128_s4_x2", "n128_k64_s4_w8", "n128_k128_s3_w8", "n256_k64_s4_w8")
+
+
+def fused_rows(gbps: float, copies: int = 4, shapes=LLAMA_PROJECTIONS, heads=(32, 8, 128),
+               batches=(1, 8, 16, 32, 64), device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    """The tiled linear's fused forms (`kernels.tiled_linear`, `+fused`) against the kernels they replace, at the
+    Llama-3-8B projections and decode steps of 1-64 rows, per configuration of `FUSED_CANDIDATES`:
+    - `fused_qkv`: RMSNorm, the product and `qkv_prep` (case `apart_NAME`; `apart_cublas`) against the product with
+      the norm and the preparation in it (case NAME);
+    - `fused_gate_up`: RMSNorm, the product and the SiLU-and-multiply against the glu product with the norm;
+    - `fused_o`, `fused_down`: the product (down's SiLU apart) against the same with its output added into a
+      residual (`NAME_add`); the norm that would have done the add keeps running, without it.
+    Weights taken in turn from `copies`, as `_against_cublas` does; bytes: the weight read. `shapes` and `heads`
+    (query heads, KV heads, head size): the model's, the Llama-3-8B's by default (`device`, `dtype`: the check of
+    these calls on tiny shapes in the CPU interpreter, tests/test_bench_kernels_fused.py)."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.qkv_prep import qkv_prep
+    from gpu_engine.kernels.rmsnorm import rms_norm
+    from gpu_engine.kernels.rope import build_rope_cache
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_linear, tiled_scratch
+
+    (hq, hk, d), eps = heads, 1e-5
+    rows = []
+    for name, N, K in shapes:
+        ws = [(torch.randn(N, K, device=device) * 0.02).to(dtype) for _ in range(copies)]
+        nw = torch.ones(K, device=device, dtype=dtype)
+        for M in batches:
+            x = torch.randn(M, 2 * K if name == "down" else K, device=device, dtype=dtype)
+            res = torch.randn(M, N, device=device, dtype=dtype)
+            pos, slots = torch.arange(M, device=device), torch.arange(M, device=device)
+            cache = build_rope_cache(d, 4096, 500000.0, device=device)
+            kc, vc = (torch.zeros(max(1, M // 16 + 1), 16, hk, d, device=device, dtype=dtype) for _ in "kv")
+            out_heads = Heads(hq, hk, pos, cache, kc, vc, slots)
+
+            def prep(y, pos=pos, slots=slots, cache=cache, kc=kc, vc=vc, M=M):
+                return qkv_prep(y[:, : hq * d].view(M, hq, d), y[:, hq * d: (hq + hk) * d].view(M, hk, d),
+                                y[:, (hq + hk) * d:].view(M, hk, d), pos, cache, kc, vc, slots)
+
+            cases = {}
+            for case in FUSED_CANDIDATES:
+                keys = {**TILED_CONFIGS[case]._asdict(), "scratch": tiled_scratch(
+                    [(N, K)], [TILED_CONFIGS[case], TILED_CONFIGS[case]._replace(block_n=d)], device)}
+                tiled = functools.partial(tiled_linear, **keys)
+                if name == "qkv":
+                    cases[f"apart_{case}"] = lambda w, t=tiled, x=x, nw=nw: prep(t(rms_norm(x, nw, eps), w))
+                    cases[case] = lambda w, t=tiled, x=x, h=out_heads, nw=nw: t(x, w, norm=(nw, eps), heads=h)
+                elif name == "gate_up":
+                    cases[f"apart_{case}"] = lambda w, t=tiled, x=x, nw=nw: silu_and_mul(t(rms_norm(x, nw, eps), w))
+                    cases[case] = lambda w, t=tiled, x=x, nw=nw: t(x, w, act="glu", norm=(nw, eps))
+                else:
+                    a = silu_and_mul(x) if name == "down" else x
+                    cases[case] = lambda w, t=tiled, a=a: t(a, w)
+                    cases[f"{case}_add"] = lambda w, t=tiled, a=a, r=res: t(a, w, residual=r)
+            if name == "qkv":
+                cases["apart_cublas"] = lambda w, x=x, nw=nw: prep(F.linear(rms_norm(x, nw, eps), w))
+            elif name == "gate_up":
+                cases["apart_cublas"] = lambda w, x=x, nw=nw: silu_and_mul(F.linear(rms_norm(x, nw, eps), w))
+            else:
+                a = silu_and_mul(x) if name == "down" else x
+                cases["cublas"] = lambda w, a=a: F.linear(a, w)
+            for case, call in cases.items():
+                rows.append({"kernel": f"fused_{name}", "case": case, "batch": M,
+                             **entry(graph_ms(_in_turn(ws, call)), _nbytes(ws[0]), gbps)})
+        del ws
+    return rows
+
+
 def q8_rows(gbps: float) -> list[dict]:
     """The Q8_0 linear (int8 codes + fp16 scales, `kernels.q8_linear`) against cuBLAS on the same weights in bf16,
     at the Llama-3-8B projections: decode batches (bytes: the weight read) and prefill chunks."""
@@ -555,7 +623,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "tiled, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill and tiled")
+                        "tiled, fused, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill, tiled and "
+                        "fused")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -563,10 +632,10 @@ def main() -> None:
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
-            "tiled": tiled_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows, "blas": blas_rows,
-            "prefill": prefill_rows}
+            "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
+            "blas": blas_rows, "prefill": prefill_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill",
-                                                                                       "tiled")]
+                                                                                       "tiled", "fused")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

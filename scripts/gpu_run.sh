@@ -20,7 +20,8 @@
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
 # matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, cuBLAS past them, into OUTDIR's roofline_skinny.json), kernels_tiled (the
-# tiled linear's configurations against cuBLAS at 1-128 rows), roofline_tiled (the dense rows with the tiled linear
+# tiled linear's configurations against cuBLAS at 1-128 rows), kernels_fused (its fused forms against the kernels
+# they replace, per configuration, at 1-64 rows), roofline_tiled (the dense rows with the tiled linear
 # plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
 # roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
@@ -178,6 +179,7 @@ run_step() {
     roofline_skinny)
       if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
       else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --tiled off --out "$OUT/roofline_skinny.json"; fi ;;
+    kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-300}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     roofline_tiled)
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
