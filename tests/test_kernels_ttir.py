@@ -194,16 +194,22 @@ def test_tiled_heads_kernel_compiles_for_sm90_within_a_blocks_shared_memory(spli
     assert got is not None and int(got.group()) <= SHARED_BYTES, out
 
 
+GLU_CHECKED = ("n128_k64_s4_w8", "n256_k64_s4_w8", "n64_k128_s4")  # gate_up's: the h200 plans', and wider
+
+
 def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
-    """Each named configuration at 128 rows, plain, with the SiLU, and as a glu (half the columns, two weight tiles
-    of half the width), compiled for sm_90 to its cubin with the stages the launcher gives it (`tiled_stages`): no
-    more shared memory than a block may take (a launch past it fails with out-of-resources on the GPU)."""
+    """Each named configuration at 128 rows, plain, with the SiLU, and (gate_up's) as a glu (half the columns, two
+    weight tiles of half the width), compiled for sm_90 to its cubin with the stages the launcher gives it
+    (`tiled_stages`): no more shared memory than a block may take (a launch past it fails with out-of-resources on
+    the GPU)."""
     from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
 
     sig = TILED_SIG
     divisible = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "nw_ptr", "N", "K", "sx", "sw", "so", "k_split"]
     for name, c in TILED_CONFIGS.items():
-        for silu, split, glu in ((False, 1, False), (True, 4, False), (False, 1, True)):
+        # glu: its two half-width tiles take what one plain tile takes; compiled for the gate_up configurations
+        forms = ((False, 1, False), (True, 4, False)) + (((False, 1, True),) if name in GLU_CHECKED else ())
+        for silu, split, glu in forms:
             consts = {"SILU": silu, "BLOCK_M": 128, "BLOCK_N": c.block_n // 2 if glu else c.block_n,
                       "BLOCK_K": c.block_k, "SPLIT_K": split, "PREC": "tf32", "USE_PDL": False, **PLAIN, "GLU": glu}
             options = {"num_warps": c.num_warps,
