@@ -123,7 +123,12 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     }
     parts |= _mlp_parts(runner, w, x, batch, fused_moe)
     if getattr(runner, "fusion", None) is not None and w.router is None:
-        parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row)
+        from gpu_engine.kernels.tiled_linear import Heads
+
+        heads = (Heads(hq, hk, buf.positions[:batch], runner.rope_cache, kc, vc, buf.slot_mapping[:batch], w.q_norm,
+                       w.k_norm, eps)
+                 if runner.fused and runner.fusion.heads and runner.fused_for(batch, w.qkv) is not None else None)
+        parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row, heads)
     per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
     out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
            for name, e in per_layer.items()}
@@ -178,18 +183,20 @@ def prefill_breakdown(runner, tokens: int, gbps: float, tflops: float) -> dict[s
             for name, e in per_layer.items()}
 
 
-def _fused_parts(runner, w, parts: dict, x, res, attn, row: int) -> dict:
+def _fused_parts(runner, w, parts: dict, x, res, attn, row: int, heads) -> dict:
     """A fused runner's (`+fused` tiled setting) dense layer: its four products as the runner launches them in a step
     where every add was fused before them (`_norm_linear`, `_add_linear`), each with the kernels it takes in or
     leaves apart (a norm the fusion does not take at this step size runs inside `norm_qkv` or `norm_gate_up`), in
-    place of the norms, the products and the SiLU apart."""
+    place of the norms, the products and the SiLU apart; with `heads` (`tiled_linear.Heads`, where the runner gives
+    qkv its q/k/v preparation) `norm_qkv` takes the preparation too and there is no `qkv_prep` part."""
     rows, glu = x.shape[0], runner.fusion.glu and runner.fused_for(x.shape[0], w.gate_up) is not None
     h = torch.empty(rows, w.down.shape[1], device=x.device, dtype=x.dtype)  # silu(gate) * up, or gate_up whole
     gu = h if glu else runner._linear(x, w.gate_up)
     stream = res.clone()  # the o and down outputs are added into it, rep after rep (a copy back would be timed too)
-    kept = {name: parts[name] for name in parts if name in ("qkv_prep", "decode_attention")}
+    kept = {name: parts[name] for name in parts if name == "decode_attention" or name == "qkv_prep" and heads is None}
     return kept | {
-        "norm_qkv": (lambda: runner._norm_linear(res, None, w.attn_norm, w.qkv), _nbytes(w.qkv, w.attn_norm) + 2 * row),
+        "norm_qkv": (lambda: runner._norm_linear(res, None, w.attn_norm, w.qkv, heads=heads),
+                     _nbytes(w.qkv, w.attn_norm) + 2 * row),
         "o_add": (lambda: runner._add_linear(attn, w.o, stream), _nbytes(w.o, attn) + 2 * row),
         "norm_gate_up": (lambda: runner._norm_linear(res, None, w.mlp_norm, w.gate_up, act="glu" if glu else None),
                          _nbytes(w.gate_up, w.mlp_norm, gu) + row),

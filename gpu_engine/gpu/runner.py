@@ -455,7 +455,7 @@ class GpuModelRunner:
             # (nothing pending) and adds its output into the stream (`kernels.moe.fused_moe`)
             fuse = self.fusion is not None and small_path(rows, cfg.num_experts_per_tok)
             add = fuse and self.fusion is not None and self.fusion.add
-            if fuse and pending is None and self.fusion is not None and rows <= self.fusion.norm_rows:
+            if fuse and pending is None and self._norm_fuses(rows):
                 x, norm = residual, (w.mlp_norm, cfg.rms_norm_eps)
             else:
                 x, norm = self._normed(residual, pending, w.mlp_norm), None
@@ -476,6 +476,11 @@ class GpuModelRunner:
             return rms_norm(residual, weight, eps, out=out, pdl=pdl)
         return rms_norm(pending, weight, eps, residual=residual, out=out, pdl=pdl)
 
+    def _norm_fuses(self, rows: int) -> bool:
+        """Whether a norm goes into the product after it at this step size (`Fusion.norm_rows`; not for an fp16
+        model, whose un-normalised x times the norm's weight could pass fp16's range: `tiled_linear`)."""
+        return self.fusion is not None and rows <= self.fusion.norm_rows and self.dtype != torch.float16
+
     def fused_for(self, rows: int, w: Linear) -> Callable[..., torch.Tensor] | None:
         """The tiled launcher that takes the product of a `rows`-row step with `w` in the fused forms (the runner's
         `tiled` setting has +fused and its plan gives this step and weight to the tiled linear), else None."""
@@ -493,7 +498,7 @@ class GpuModelRunner:
         rows = residual.shape[0]
         launch = self.fused_for(rows, w)
         fused = {"act": act, "heads": heads} if heads is not None else {"act": act}
-        if launch is not None and pending is None and self.fusion is not None and rows <= self.fusion.norm_rows:
+        if launch is not None and pending is None and self._norm_fuses(rows):
             return launch(residual, w, norm=(weight, self.config.rms_norm_eps), **fused)
         x = self._normed(residual, pending, weight)
         if act is not None or heads is not None:

@@ -140,7 +140,8 @@ def _decode_kernel(
     if FORM == "walk":
         _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
     if FORM == "last":
-        n_active = tl.cdiv(n_ctx, PART)
+        # the splits that have a program (a context past the block table's would leave a count never reset)
+        n_active = tl.minimum(tl.cdiv(n_ctx, PART), NSPLIT)
         if lo < n_active:
             if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
                 base = (b * (HKV * G) + heads) * NSPLIT
@@ -313,18 +314,18 @@ def decode_attention(
     (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
     launch folds them; "last", the same programs, the last of each (row, KV head) to finish folding them, in one
     launch (`counters`: an int32 count per (row, KV head), zero, which every launch leaves zero; allocated when
-    None, which a CUDA graph's capture cannot replay); "walk", a program per (row, KV head) walks the row's splits
-    and folds them as it goes (no partials, one launch). All give the same bits; only the split size and the tile
-    size change a sum, and they are the same for every batch. The runner does not walk: with equal contexts walking
-    is up to 20% faster from batch 33 up, but a served step's contexts are uneven and a walked step waits on its
-    longest row (H200, `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10
-    req/s, TPOT p50 16.2 ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form,
-    programs sharing out the step's list of (row, split) pairs so that none is launched for a split past its row's
-    context, measured 6-18% slower than "split" on served contexts at batches 32-128 and was dropped: the programs
-    that find their split empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells
-    (batches 1-128, contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200
-    (`bench/kernels.py`, bf16: against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against
-    77.2 at batch 128; BENCHMARKS.md). "last" is not measured yet."""
+    None, a memset more); "walk", a program per (row, KV head) walks the row's splits and folds them as it goes (no
+    partials, one launch). All give the same bits; only the split size and the tile size change a sum, and they are
+    the same for every batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch
+    33 up, but a served step's contexts are uneven and a walked step waits on its longest row (H200,
+    `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2
+    ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form, programs sharing out the
+    step's list of (row, split) pairs so that none is launched for a split past its row's context, measured 6-18%
+    slower than "split" on served contexts at batches 32-128 and was dropped: the programs that find their split
+    empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128,
+    contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16:
+    against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128;
+    BENCHMARKS.md). "last" is not measured yet."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]

@@ -378,7 +378,7 @@ def tiled_scratch(shapes, configs, device: torch.device | str) -> tuple[torch.Te
     """(workspace, counters) for launches of at most MAX_ROWS rows with any of `configs` (`TiledConfig`s) over
     weights of `shapes` ((N, K) pairs): fp32 partials for the widest split launch, and one zeroed int32 count a
     column tile, which every launch leaves zero. A runner allocates them once for all its launches, which run
-    one after another (a CUDA graph replays no memset). A glu launch over a gate_up weight of shape (N, K) takes
+    one after another, so that none needs a memset before it. A glu launch over a gate_up weight of shape (N, K) takes
     the same as a plain one: half the columns in tiles of half the width."""
     device = torch.device(device)
     parts, tiles = 1, 1
@@ -414,11 +414,12 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     - act="glu": w is a gate_up weight, gate rows then up rows; out = silu(x @ gate.T) * (x @ up.T). Each program
       reads block_n / 2 gate rows and the matching up rows (the same tile as block_n plain rows), so the
       SiLU-and-multiply costs no launch and the [M, 2N] product is never written.
-    - `norm` (weight [K], eps): x is the residual stream, and RMSNorm(x) * weight is what is multiplied, normalised
-      tile by tile: each x tile times the norm's weight goes into the dot, the rows' sums of squares are taken from
-      the same tiles, and the product is scaled by 1 / RMS after the loop (by the last program, from the slices'
-      sums, where K is split). So no pass over x comes before the weight's first tile; the result differs from
-      the unfused kernels' by the rounding of the normalised x they make (within an ulp of the product's terms).
+    - `norm` (weight [K], eps; x bf16 or fp32): x is the residual stream, and RMSNorm(x) * weight is what is
+      multiplied, normalised tile by tile: each x tile times the norm's weight goes into the dot, the rows' sums
+      of squares are taken from the same tiles, and the product is scaled by 1 / RMS after the loop (by the last
+      program, from the slices' sums, where K is split). So no pass over x comes before the weight's first tile;
+      the result differs from the unfused kernels' by the rounding of the normalised x they make (within an ulp of
+      the product's terms).
     - `residual` [M, N]: the output is added into it (rounded as `kernels.rmsnorm`'s residual add rounds) and it is
       returned; `out` is then unused.
     - `heads` (`Heads`): w is a qkv weight and the product goes through `qkv_prep` (QK norms, RoPE, the KV cache
@@ -426,7 +427,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
       of `out` are written.
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
-    allocates its own (not for a CUDA graph's capture: the counters' zeroing would not replay). `pdl`: launched
+    allocates its own (and zeroes its counters: a memset more). `pdl`: launched
     with programmatic dependent launch (`kernels.pdl`; CUDA only)."""
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
@@ -439,6 +440,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     if norm is not None:
         if act == "silu_mul":
             raise ValueError("norm: the fused RMSNorm takes a plain x, not silu_mul")
+        if x.dtype == torch.float16:  # x * weight is rounded before 1 / RMS scales it: a large x passes 65,504
+            raise ValueError("norm: the fused RMSNorm takes bf16 or fp32 (fp16 would overflow before the scale)")
         check("norm weight", norm[0], dtype=x.dtype, shape=(K,), device=x.device)
     if residual is not None and (residual.data_ptr() == x.data_ptr() or residual.data_ptr() == w.data_ptr()):
         raise ValueError("residual: must not alias x or w (it is written while they are read)")

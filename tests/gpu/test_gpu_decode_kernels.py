@@ -175,7 +175,7 @@ def test_gpu_tiled_linear_fused_forms_real_sizes(M):
                        (4096, 14336, "n64_k128_s4_x2")):
         config = TILED_CONFIGS[name]
         w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).bfloat16()
-        scratch = tiled_scratch([(N, K)], [config], DEV)
+        scratch = tiled_scratch([(N, K)], [config, config._replace(block_n=128)], DEV)  # and head-wide tiles
         run = {**config._asdict(), "scratch": scratch}
         if N == 28672:
             half = {**run, "block_n": config.block_n // 2}
