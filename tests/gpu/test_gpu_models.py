@@ -211,24 +211,27 @@ def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     graphs.close()
 
 
+@pytest.mark.parametrize("tiled", ["h200", "n64_k128_s4+fused"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device(family):
+def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device(family, tiled):
     """Programmatic dependent launch (`BLINK_PDL`) changes when the kernels are scheduled, not what they compute. At
     full layer sizes with the tiled linear's plan (Llama) or the MoE routing and sort-free experts (Qwen3-MoE's
     decode), a prefill and then a decode step through captured graphs give the same logits and tokens bit for bit
     with and without it, replayed from the host; the PDL graphs, which hold programmatic edges, give them too when
-    launched once from the device as the persistent scheduler launches them (`blink_launch_once`)."""
+    launched once from the device as the persistent scheduler launches them (`blink_launch_once`). The same with
+    every product through one tiled configuration and the fused forms (`+fused`: the norms, q/k/v preparation,
+    SiLU and adds in the products, the last-program folds and routing, whose counts every launch leaves zero)."""
     from gpu_engine.gpu.sm_share import reserve_sms
 
     hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     reserve_sms(1)  # as the engines capture: one SM for the scheduler's block (given back at the end)
     try:
-        _pdl_bits(hf)
+        _pdl_bits(hf, tiled)
     finally:
         reserve_sms(0)
 
 
-def _pdl_bits(hf) -> None:
+def _pdl_bits(hf, tiled: str) -> None:
     import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
@@ -244,7 +247,7 @@ def _pdl_bits(hf) -> None:
               _meta(list(zip(lens, [1] * 4, tables, strict=True))), (True, 4, 4))]
     results = {}
     for pdl in (False, True):
-        runner, _ = _ours(hf, tiled="h200", pdl=pdl)
+        runner, _ = _ours(hf, tiled=tiled, pdl=pdl)
         graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
         graphs.capture(progress=False)
         for how in ("replay", "device") if pdl else ("replay",):
@@ -264,6 +267,7 @@ def _pdl_bits(hf) -> None:
                 torch.cuda.synchronize()
                 outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
             results[pdl, how] = outs
+            assert not runner.attn_counters.any() and not runner.route_counters.any(), (pdl, how)  # left at rest
         graphs.close()
     plain = results[False, "replay"]
     assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
