@@ -1,5 +1,5 @@
 """bench.kernels' fused-form rows without a GPU: every case it would time runs, on tiny shapes in the Triton
-interpreter, and does what its name says (a GPU session's device minutes are not spent finding a broken case)."""
+interpreter, and does what its name says (so that a broken case shows here, not in a GPU run)."""
 
 import os
 
