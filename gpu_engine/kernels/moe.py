@@ -10,7 +10,8 @@ for one row each, so its time is the weight read; the sorted path's grid there i
 blocks (one valid row in 16) and the 8 experts of a batch-1 step stream through a few hundred
 programs. `moe_gate_up_silu` gives every (pair, column tile) a program that writes silu(gate) * up,
 and `moe_down_sum` every (token, column tile) one that sums the token's top_k experts in registers,
-so a step is four launches (router GEMM, routing, the two kernels) with thousands of programs.
+so a step is four launches (router GEMM, routing, the two kernels) with thousands of programs, or three with
+`moe_router`, which takes the router's product and the routing in one (a fused runner's, `fused_moe`).
 """
 
 from __future__ import annotations
