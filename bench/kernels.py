@@ -123,12 +123,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     }
     parts |= _mlp_parts(runner, w, x, batch, fused_moe)
     if getattr(runner, "fusion", None) is not None and w.router is None:
-        from gpu_engine.kernels.tiled_linear import Heads
-
-        heads = (Heads(hq, hk, buf.positions[:batch], runner.rope_cache, kc, vc, buf.slot_mapping[:batch], w.q_norm,
-                       w.k_norm, eps)
-                 if runner.fused and runner.fusion.heads and runner.fused_for(batch, w.qkv) is not None else None)
-        parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row, heads)
+        parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row, runner.qkv_heads(0, w, batch))
     per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
     out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
            for name, e in per_layer.items()}
@@ -189,7 +184,7 @@ def _fused_parts(runner, w, parts: dict, x, res, attn, row: int, heads) -> dict:
     leaves apart (a norm the fusion does not take at this step size runs inside `norm_qkv` or `norm_gate_up`), in
     place of the norms, the products and the SiLU apart; with `heads` (`tiled_linear.Heads`, where the runner gives
     qkv its q/k/v preparation) `norm_qkv` takes the preparation too and there is no `qkv_prep` part."""
-    rows, glu = x.shape[0], runner.fusion.glu and runner.fused_for(x.shape[0], w.gate_up) is not None
+    rows, glu = x.shape[0], runner.fused_for(x.shape[0], w.gate_up) is not None
     h = torch.empty(rows, w.down.shape[1], device=x.device, dtype=x.dtype)  # silu(gate) * up, or gate_up whole
     gu = h if glu else runner._linear(x, w.gate_up)
     stream = res.clone()  # the o and down outputs are added into it, rep after rep (a copy back would be timed too)

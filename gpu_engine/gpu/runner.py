@@ -335,7 +335,7 @@ class GpuModelRunner:
                              if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
             names = sorted({name for steps in plan.values() for _, name in steps})
             configs = [TILED_CONFIGS[name] for name in names]
-            if self.fusion is not None and self.fusion.heads:  # qkv with its heads out: a tile a head
+            if self.fusion is not None:  # qkv with its heads out: a tile a head
                 configs += [c._replace(block_n=model.config.head_dim) for c in configs]
             scratch = tiled_scratch(shapes, configs, self.device)
             bound = {name: functools.partial(_silu_apart, functools.partial(
@@ -346,10 +346,9 @@ class GpuModelRunner:
         self.rope_cache = cache_from_cos_sin(cos, sin)
         self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device, (cfg.hidden_size, self.dtype))
         self.scale = cfg.head_dim ** -0.5
-        # the decode attention's per-(row, KV head) counts for its "last" form (`Fusion.fold`), zero at rest
-        fold = self.fusion is not None and self.fusion.fold
-        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if fold else 0, dtype=torch.int32,
-                                         device=self.device)
+        # the decode attention's per-(row, KV head) counts for its "last" form (fused), zero at rest
+        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if self.fusion is not None else 0,
+                                         dtype=torch.int32, device=self.device)
         # the fused MoE router's per-token counts (`kernels.moe.moe_router`), zero at rest
         self.route_counters = torch.zeros(SMALL_PAIRS if self.fusion is not None else 0, dtype=torch.int32,
                                           device=self.device)
@@ -414,11 +413,7 @@ class GpuModelRunner:
         cfg, buf = self.config, self.buffers
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kc, vc = self.kv.k[i], self.kv.v[i]
-        # the q/k norms, RoPE and the cache write as the qkv product's output where the fusion takes it
-        heads = (Heads(hq, hkv, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens], w.q_norm,
-                       w.k_norm, cfg.rms_norm_eps)
-                 if self.fused and self.fusion is not None and self.fusion.heads
-                 and self.fused_for(tokens, w.qkv) is not None else None)
+        heads = self.qkv_heads(i, w, tokens)
         qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv, heads=heads)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
@@ -434,8 +429,7 @@ class GpuModelRunner:
             apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
             write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
-        fold = self.attn_counters.numel() > 0
-        form, counters = ("last", self.attn_counters) if fold else ("split", None)
+        form, counters = ("last", self.attn_counters) if self.fusion is not None else ("split", None)
         part = decode_partition(batch, hkv)
         if decode:
             out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl, form=form,
@@ -454,16 +448,15 @@ class GpuModelRunner:
             # fused, a small step's MoE routes in one launch, takes the norm in its router and gate_up kernels
             # (nothing pending) and adds its output into the stream (`kernels.moe.fused_moe`)
             fuse = self.fusion is not None and small_path(rows, cfg.num_experts_per_tok)
-            add = fuse and self.fusion is not None and self.fusion.add
             if fuse and pending is None and self._norm_fuses(rows):
                 x, norm = residual, (w.mlp_norm, cfg.rms_norm_eps)
             else:
                 x, norm = self._normed(residual, pending, w.mlp_norm), None
             out = fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                            pdl=self.pdl, residual=residual if add else None,
+                            pdl=self.pdl, residual=residual if fuse else None,
                             counters=self.route_counters if fuse else None, norm=norm)
-            return None if add else out
-        glu = self.fusion is not None and self.fusion.glu and self.fused_for(residual.shape[0], w.gate_up) is not None
+            return None if fuse else out
+        glu = self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)
         return self._add_linear(h, w.down, residual, silu_mul=not glu)
 
@@ -475,6 +468,16 @@ class GpuModelRunner:
         if pending is None:
             return rms_norm(residual, weight, eps, out=out, pdl=pdl)
         return rms_norm(pending, weight, eps, residual=residual, out=out, pdl=pdl)
+
+    def qkv_heads(self, i: int, w: LayerWeights, tokens: int) -> Heads | None:
+        """Where layer i's q/k norms, RoPE and KV cache write go into its qkv product for a step of `tokens` rows (a
+        fused runner whose plan gives qkv to the tiled linear there, with the fused q/k/v preparation), the
+        `Heads` that says so; else None (the preparation runs on its own)."""
+        if not self.fused or self.fused_for(tokens, w.qkv) is None:
+            return None
+        cfg, buf = self.config, self.buffers
+        return Heads(cfg.num_heads, cfg.num_kv_heads, buf.positions[:tokens], self.rope_cache, self.kv.k[i],
+                     self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps)
 
     def _norm_fuses(self, rows: int) -> bool:
         """Whether a norm goes into the product after it at this step size (`Fusion.norm_rows`; not for an fp16
@@ -512,7 +515,7 @@ class GpuModelRunner:
         """linear(x, w) (of silu(gate) * up when `silu_mul`) added into the residual stream by the tiled linear
         where the fusion takes this step (returns None), else returned to be added by the next norm."""
         launch = self.fused_for(x.shape[0], w)
-        if launch is not None and self.fusion is not None and self.fusion.add:
+        if launch is not None:
             launch(x, w, act="silu_mul" if silu_mul else None, residual=residual)
             return None
         return self._linear(x, w, silu_mul=silu_mul)

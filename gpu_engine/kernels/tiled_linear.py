@@ -112,7 +112,8 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
     optrs = out_ptr + m[:, None] * so + n[None, :]
     if SPLIT_K == 1:
         if NORM:
-            acc, acc_u = acc * _rms_scale(sq, K, eps), acc_u * _rms_scale(sq, K, eps)
+            scale = _rms_scale(sq, K, eps)
+            acc, acc_u = acc * scale, acc_u * scale
         _finish(optrs, omask, acc, acc_u, GLU, ADD)
     else:
         width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]; then NORM's [M] sums
@@ -308,18 +309,14 @@ DEFAULT_PLANS = {"NVIDIA H200": "h200"}
 class Fusion(NamedTuple):
     """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
     gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
-    (`glu`), the o and down outputs added into the residual stream (`add`), and `qkv_prep` as the qkv product's
-    output (`heads`: a program a head). An MoE layer's small steps take the same in its own kernels
+    (act="glu"), the o and down outputs added into the residual stream (`residual=`), and `qkv_prep` as the qkv
+    product's output (`heads=`: a program a head). An MoE layer's small steps take the same in its own kernels
     (`kernels.moe.fused_moe`: the norm in the router's and gate_up kernels, the router's product and the routing
     in one launch, the experts' output added into the stream). A product that goes to cuBLAS or the skinny matmul
-    takes the unfused kernels. And `fold`: the decode attention's splits folded by the last of their programs
+    takes the unfused kernels. And the decode attention's splits are folded by the last of their programs
     (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
 
     norm_rows: int
-    glu: bool = True
-    add: bool = True
-    fold: bool = True
-    heads: bool = True
 
 
 NORM_ROWS = MAX_ROWS  # the fused RMSNorm's default row limit (NAME+fused): every step the tiled linear takes
@@ -402,6 +399,24 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def _split_scratch(scratch: tuple[torch.Tensor, torch.Tensor] | None, split: int, parts: int, tiles: int,
+                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace, counters) for a launch of `split` slices that needs `parts` fp32 partials and `tiles` counts: the
+    given `scratch`, checked, or (with None) its own; for a launch that does not split, `out` twice (unread)."""
+    if split == 1:
+        return out, out
+    if scratch is None:
+        return (torch.empty(parts, dtype=torch.float32, device=out.device),
+                torch.zeros(tiles, dtype=torch.int32, device=out.device))
+    ws, cnt = scratch
+    check("workspace", ws, dtype=(torch.float32,), shape=(None,), device=out.device)
+    check("counters", cnt, dtype=(torch.int32,), shape=(None,), device=out.device)
+    if ws.numel() < parts or cnt.numel() < tiles:
+        raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs {parts} and "
+                         f"{tiles}")
+    return ws, cnt
+
+
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
                  block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
@@ -456,18 +471,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     split, width = tiled_split(N, K, tile_n, block_k, per_sm, _sms(x.device))
     tiles = triton.cdiv(N, tile_n)
     parts = split * M * (N * (2 if glu else 1) + (1 if norm is not None else 0))  # + the norm's sums of squares
-    if split > 1:
-        if scratch is None:
-            scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),
-                       torch.zeros(tiles, dtype=torch.int32, device=x.device))
-        ws, cnt = scratch
-        check("workspace", ws, dtype=(torch.float32,), shape=(None,), device=x.device)
-        check("counters", cnt, dtype=(torch.int32,), shape=(None,), device=x.device)
-        if ws.numel() < parts or cnt.numel() < tiles:
-            raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs "
-                             f"{parts} and {tiles}")
-    else:
-        ws = cnt = out  # unused: the kernel stores the tile directly
+    ws, cnt = _split_scratch(scratch, split, parts, tiles, out)
     block_m, silu = max(16, triton.next_power_of_2(M)), act == "silu_mul"
     nw, eps = norm if norm is not None else (out, 0.0)
     _tiled_kernel[(tiles, split)](
@@ -494,16 +498,7 @@ def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Hea
                 heads.k_norm)
     split, width = tiled_split(N, K, D, block_k, per_sm, _sms(x.device))
     parts, tiles = split * M * (N + (1 if norm is not None else 0)), HQ + 2 * HK
-    if split > 1:
-        if scratch is None:
-            scratch = (torch.empty(parts, dtype=torch.float32, device=x.device),
-                       torch.zeros(tiles, dtype=torch.int32, device=x.device))
-        ws, cnt = scratch
-        if ws.numel() < parts or cnt.numel() < tiles:
-            raise ValueError(f"scratch: {ws.numel()} partials and {cnt.numel()} counters, this launch needs "
-                             f"{parts} and {tiles}")
-    else:
-        ws = cnt = out
+    ws, cnt = _split_scratch(scratch, split, parts, tiles, out)
     rot_half = heads.cache.shape[1] // 2
     block_m = max(16, triton.next_power_of_2(M))
     block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
