@@ -30,6 +30,8 @@ names its shapes but `h200_wide`), and a `+fused` setting fuses the kernels arou
 the decode layer in five launches). `--skinny` takes the steps of up to its
 rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: the dense and MoE models' decode
 kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
+`--walk N`: the decode attention's rows of at most N splits walked in one program at batches of 33 and more, as
+`BLINK_DECODE_WALK` has the engine do (`kernels.attention.decode_walk`; the file's `walk` and `moe_walk` keys).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -311,7 +313,7 @@ def replaced(row: dict, kinds) -> bool:
 
 
 def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
-        pdl: bool = False) -> dict:
+        pdl: bool = False, walk: str = "") -> dict:
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
@@ -319,7 +321,8 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
             run_model(*MODELS[m], gbps, tflops, iters,
-                      {"skinny": skinny, "tiled": tiled, "pdl": pdl} if m == "dense" else {"tiled": tiled, "pdl": pdl})
+                      {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk} if m == "dense"
+                      else {"tiled": tiled, "pdl": pdl, "walk": walk})
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -328,14 +331,15 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    if "moe" in models:  # moe_pdl / moe_tiled: the MoE rows' PDL and tiled setting (absent: not, cuBLAS)
-        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled)):
+    if "moe" in models:  # moe_pdl / moe_tiled / moe_walk: the MoE rows' settings (absent: not, cuBLAS, not)
+        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled), ("moe_walk", walk or None)):
             result.pop(key, None)
             result.update({} if value is None else {key: value})
     if "dense" in models:  # how the dense rows ran; a key absent is the default (cuBLAS, no PDL)
         # skinny: their linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS); tiled: the tiled
-        # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL
-        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None)):
+        # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL; walk:
+        # the decode attention's short rows walked (kernels.attention.decode_walk)
+        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None), ("walk", walk or None)):
             if value is None:
                 result.pop(key, None)
             else:
@@ -429,6 +433,9 @@ def main() -> None:
                         "(BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own --out)")
     parser.add_argument("--pdl", action="store_true", help="the dense and MoE models' decode kernels launched with "
                         "programmatic dependent launch (BLINK_PDL; give the run its own --out)")
+    parser.add_argument("--walk", default="", help="N or N:BATCH: in decode steps of at least 33 (BATCH) rows, the "
+                        "decode attention walks the rows of at most N splits in one program (BLINK_DECODE_WALK; give "
+                        "the run its own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -441,7 +448,10 @@ def main() -> None:
     from gpu_engine.kernels.tiled_linear import resolve_tiled
 
     tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
-    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl)
+    from gpu_engine.kernels.attention import decode_walk
+
+    decode_walk(args.walk)  # a malformed setting fails before the run
+    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

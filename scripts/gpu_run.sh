@@ -27,7 +27,7 @@
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
+# launches, /walk2 for BLINK_DECODE_WALK=2's; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
@@ -185,13 +185,22 @@ run_step() {
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
       else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
     # The dense roofline once per variant, one after another on the same machine: a kernels.tiled_linear setting
-    # (a plan or configuration, +fused[:ROWS], off), /pdl after it for BLINK_PDL's launches; one JSON each.
+    # (a plan or configuration, +fused[:ROWS], off), then /pdl for BLINK_PDL's launches and /walkN for
+    # BLINK_DECODE_WALK=N, in any order; one JSON each.
     roofline_variants)
-      for v in ${VARIANTS:-h200 h200+fused h200_wide+fused h200+fused/pdl}; do
-        local setting=${v%/pdl} pdl="" name
-        [ "$setting" != "$v" ] && pdl="--pdl"
+      for v in ${VARIANTS:-h200 h200+fused h200_wide+fused h200+fused/pdl h200/walk2}; do
+        local setting=${v%%/*} extra=() name flag
+        if [ "$setting" != "$v" ]; then
+          for flag in $(printf '%s' "${v#*/}" | tr '/' ' '); do
+            case "$flag" in
+              pdl) extra+=(--pdl) ;;
+              walk*) extra+=(--walk "${flag#walk}") ;;
+              *) summary "roofline_variants: unknown flag /$flag in $v" ;;
+            esac
+          done
+        fi
         name=$(printf '%s' "$v" | tr '+:/' '_._')
-        step "roofline_$name" "${T_ROOFLINE_VARIANT:-120}" "$PY" bench/roofline.py --tiled "$setting" $pdl --out "$OUT/roofline_$name.json"
+        step "roofline_$name" "${T_ROOFLINE_VARIANT:-120}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" --out "$OUT/roofline_$name.json"
       done ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;

@@ -102,6 +102,10 @@ class Env:
                      "programmatic dependent launch, each "
                      "scheduled while the one before it finishes; being measured (bench/roofline.py --pdl), so off "
                      "by default", _bool)
+    decode_walk: str = _var("BLINK_DECODE_WALK", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
+                            "with N:BATCH), decode attention walks each row of at most N splits of 256 tokens in one "
+                            "program and splits the longer ones (the same bits); being measured (bench/roofline.py "
+                            "--walk), so off by default")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

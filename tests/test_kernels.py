@@ -128,6 +128,18 @@ def test_decode_attention_forms_give_the_same_bits():
         assert not counters.any()
     with pytest.raises(ValueError, match="counters"):
         attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="last", counters=counters[:5])
+    # rows of at most 1, 2 or 3 splits (32 tokens each: rows of 1-70 tokens) walked by their first split's program,
+    # the longer ones split, folded by the second launch or by their last program
+    for upto in (1, 2, 3):
+        for form in ("split", "last"):
+            hybrid = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                                partition_size=32, block_n=16, form=form, walk_upto=upto,
+                                                counters=counters if form == "last" else None)
+            assert torch.equal(hybrid, split), (upto, form)
+            assert not counters.any()
+    for bad in ({"walk_upto": -1}, {"walk_upto": 2, "form": "walk"}):
+        with pytest.raises(ValueError, match="walk_upto"):
+            attention.decode_attention(q, kc, vc, bt, ctx, 0.25, **bad)
     assert not split[2].any()
     _close(split, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
     with pytest.raises(ValueError, match="form"):

@@ -32,12 +32,12 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None, pdl=False):
+def _setup(family, skinny=None, tiled=None, pdl=False, walk=""):
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
     runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny, tiled=tiled,
-                            pdl=pdl)
+                            pdl=pdl, walk=walk)
     return cfg, model, runner
 
 
@@ -84,6 +84,32 @@ def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
             runner.buffers.next_tokens.fill_(-1)
             runner.forward(4, tokens, decode, filtered=False)
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
+
+
+@pytest.mark.parametrize("tiled", [None, "n64_k64_s6+fused"])
+def test_walked_short_rows_give_the_split_form_s_logits(tiled):
+    """BLINK_DECODE_WALK=1:4: decode and mixed steps of 4 rows walk the rows of one split (all of these) in one
+    program each; the logits have the split form's bits (the fold of partials, or with +fused the last program's)."""
+    logits = []
+    for walk in ("", "1:4"):
+        cfg, _, runner = _setup("llama", tiled=tiled, walk=walk)
+        assert (runner.walk_upto, runner.walk_from) == ((1, 4) if walk else (0, 33))
+        g = torch.Generator().manual_seed(3)
+        got = []
+        for seqs, decode, tokens in [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),
+                                     ([(5, 1, [0, 1]), (9, 1, [2, 3, 4])], True, 4),
+                                     ([(6, 3, [0, 1, 5]), (10, 1, [2, 3, 4])], False, 16)]:
+            meta = build_metadata(seqs, 4)
+            runner.buffers.logits.fill_(float("nan"))
+            runner.stage(torch.randint(0, cfg.vocab_size, (meta.positions.shape[0],), generator=g), meta)
+            runner.forward(4, tokens, decode)
+            got.append(runner.buffers.logits[: len(seqs)].clone())
+        logits.append(got)
+    for split, walked in zip(*logits, strict=True):
+        assert not split.isnan().any() and torch.equal(walked, split)
+    for bad in ("x", "2:0", "2:", "-1"):
+        with pytest.raises(ValueError, match="decode walk"):
+            _setup("llama", walk=bad)
 
 
 def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():

@@ -96,21 +96,22 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize("form", ["split", "last", "walk"])
+@pytest.mark.parametrize(("form", "walk_upto"), [("split", 0), ("last", 0), ("walk", 0), ("split", 2), ("last", 2)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> None:
+def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str, walk_upto: int) -> None:
     """The decode attention in its three forms (a program per split; the same with the last to finish folding, an
-    atomic count; a row walked by one program) at the runner's shape, and the fold of the partials."""
+    atomic count; a row walked by one program), the first two with short rows walked, at the runner's shape, and the
+    fold of the partials."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
            f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False}
+              "FORM": form, "WALK_UPTO": walk_upto, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
     sig = f"po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*{dtype} so_b:i32 so_h:i32 NSPLIT:i32"
-    consts = {k: consts[k] for k in ("HKV", "D", "G", "BLOCK_G", "BLOCK_D", "PART", "USE_PDL")}
+    consts = {k: consts[k] for k in ("HKV", "D", "G", "BLOCK_G", "BLOCK_D", "PART", "WALK_UPTO", "USE_PDL")}
     out = compiles("gpu_engine.kernels.attention", "_fold_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
@@ -242,10 +243,10 @@ PDL_KERNELS = {
                     "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
                     "scale_log2:fp32 NSPLIT:i32"),
                {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-                "FORM": "split", "PREC": "tf32"}),
+                "FORM": "split", "WALK_UPTO": 0, "PREC": "tf32"}),
     "fold": ("gpu_engine.kernels.attention", "_fold_kernel",
              _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
-             {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256}),
+             {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "WALK_UPTO": 0}),
     "tiled": ("gpu_engine.kernels.tiled_linear", "_tiled_kernel",
               _sig(TILED_SIG), {"SILU": False, **PLAIN, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2,
                                 "PREC": "tf32"}),

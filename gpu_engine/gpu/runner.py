@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.attention import decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.attention import decode_attention, decode_partition, decode_walk, prefill_attention
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
@@ -270,7 +270,7 @@ class GpuModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
                  quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
-                 tiled: str | None = None, pdl: bool = False) -> None:
+                 tiled: str | None = None, pdl: bool = False, walk: str = "") -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -291,7 +291,9 @@ class GpuModelRunner:
         (`tiled_linear.resolve_tiled`: the H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
-        `bench/roofline.py --pdl`)."""
+        `bench/roofline.py --pdl`). `walk` (`kernels.attention.decode_walk`, e.g. "2"): in decode steps of at least
+        33 rows (or "N:ROWS"), decode attention walks the rows of at most N splits in one program each and splits
+        the longer ones (`decode_attention`'s `walk_upto`; the same bits)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -327,6 +329,7 @@ class GpuModelRunner:
             raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                              f"later (griddepcontrol), the model is on {self.device}")
         self.pdl = pdl
+        self.walk_upto, self.walk_from = decode_walk(walk)
         # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
         self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
@@ -431,13 +434,14 @@ class GpuModelRunner:
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         form, counters = ("last", self.attn_counters) if self.fusion is not None else ("split", None)
         part = decode_partition(batch, hkv)
+        walk = self.walk_upto if batch >= self.walk_from else 0
         if decode:
             out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl, form=form,
-                                   counters=counters)
+                                   counters=counters, walk_upto=walk)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             partition_size=part, pdl=self.pdl, form=form, counters=counters)
+                             partition_size=part, pdl=self.pdl, form=form, counters=counters, walk_upto=walk)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 

@@ -25,6 +25,7 @@ from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
+from gpu_engine.kernels.attention import decode_walk
 from gpu_engine.kernels.tiled_linear import resolve_tiled
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
@@ -98,6 +99,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear);
     # an unknown name fails here, before the weights load
     tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
+    decode_walk(env.env().decode_walk)  # a malformed BLINK_DECODE_WALK fails here too
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
              gpu_weights=cfg.gpu_weights)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
@@ -123,9 +125,10 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
-    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl)
+    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl,
+             decode_walk=env.env().decode_walk or None)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=tiled, pdl=env.env().pdl)
+                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

@@ -87,18 +87,48 @@ def _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G: tl.c
 
 
 @triton.jit
+def _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV: tl.constexpr,
+                   G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Split s's (unnormalised output, max, sum) of a row's G heads, for the fold."""
+    at = (b * (HKV * G) + heads) * NSPLIT + s
+    tl.store(po_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(pm_ptr + at, m, mask=gmask)
+    tl.store(pl_ptr + at, lsum, mask=gmask)
+
+
+@triton.jit
+def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d, gmask,
+                   omask, run_acc, run_l, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PART: tl.constexpr, FORM: tl.constexpr):
+    """After a split program's split: "last", the last of the (row, KV head)'s programs to finish folds the row's
+    partials and stores its output; "split" leaves them to `_fold_kernel`."""
+    if FORM == "last":
+        # the splits that have a program (a context past the block table's would leave a count never reset)
+        n_active = tl.minimum(tl.cdiv(n_ctx, PART), NSPLIT)
+        if lo < n_active:
+            if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
+                base = (b * (HKV * G) + heads) * NSPLIT
+                run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
+                _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+        elif lo == 0:  # an empty row (padding): zeros, as the fold of nothing gives
+            _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr,
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
     `_fold_kernel`; "last", the same, and the last of a (row, KV head)'s programs to finish (an atomic count a
     pair, which it resets for the next launch) folds the partials as `_fold_kernel` does, in one launch; "walk",
     program (row b, KV head) computes the row's splits in order and folds each into a running result as it goes,
-    then writes the output. A split's partial is the same whichever program computes it."""
+    then writes the output. A split's partial is the same whichever program computes it. WALK_UPTO (split and
+    last): a row of at most that many splits is walked by its split-0 program, and its other programs find no
+    split; the fold leaves it alone."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,11 +138,14 @@ def _decode_kernel(
     gmask = g < G
     omask = gmask[:, None] & (d[None, :] < D)
     n_ctx = tl.load(ctx_ptr + b)
+    n_splits = tl.cdiv(n_ctx, PART)
     lo = 0
-    hi = tl.cdiv(n_ctx, PART)
+    hi = n_splits
     if FORM != "walk":
         lo = tl.program_id(2)
-        hi = tl.minimum(lo + 1, hi)
+        hi = tl.minimum(lo + 1, n_splits)
+        if WALK_UPTO > 0:
+            hi = tl.where(n_splits <= WALK_UPTO, tl.where(lo == 0, n_splits, 0), hi)
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
@@ -132,35 +165,31 @@ def _decode_kernel(
                                         scale_log2, HKV, D, BS, PREC, True)
         if FORM == "walk":
             run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+        elif WALK_UPTO > 0:
+            if n_splits <= WALK_UPTO:
+                run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+            else:
+                _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
         else:
-            at = (b * (HKV * G) + heads) * NSPLIT + s
-            tl.store(po_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
-            tl.store(pm_ptr + at, m, mask=gmask)
-            tl.store(pl_ptr + at, lsum, mask=gmask)
+            _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
     if FORM == "walk":
         _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-    if FORM == "last":
-        # the splits that have a program (a context past the block table's would leave a count never reset)
-        n_active = tl.minimum(tl.cdiv(n_ctx, PART), NSPLIT)
-        if lo < n_active:
-            if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
-                base = (b * (HKV * G) + heads) * NSPLIT
-                run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
+    elif WALK_UPTO > 0:
+        if n_splits <= WALK_UPTO:  # walked here (an empty row too: zeros, as the fold of nothing gives)
+            if lo == 0:
                 _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-        elif lo == 0:  # an empty row (padding): zeros, as the fold of nothing gives
-            _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+        else:
+            _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d,
+                           gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
+    else:
+        _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d,
+                       gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
 
 
 @triton.jit
-def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, HKV: tl.constexpr, D: tl.constexpr,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as a walking
-    program folds them, so the output has the same bits in every form."""
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n_active = tl.cdiv(tl.load(ctx_ptr + b), PART)
+def _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV: tl.constexpr,
+              D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output of a row's G heads from its first `n_active` split partials."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
@@ -168,6 +197,25 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
     base = (b * (HKV * G) + heads) * NSPLIT
     run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
     _store_folded(out_ptr, b, so_b, so_h, heads, d, gmask[:, None] & (d[None, :] < D), run_acc, run_l)
+
+
+@triton.jit
+def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, HKV: tl.constexpr, D: tl.constexpr,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
+                 WALK_UPTO: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as a walking
+    program folds them, so the output has the same bits in every form. A row of at most WALK_UPTO splits was
+    walked by the split kernel, which stored its output."""
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_active = tl.cdiv(tl.load(ctx_ptr + b), PART)
+    if WALK_UPTO > 0:
+        if n_active > WALK_UPTO:
+            _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G,
+                      BLOCK_D)
+    else:
+        _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G, BLOCK_D)
 
 
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
@@ -297,12 +345,25 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 
 DECODE_FORMS = ("split", "last", "walk")
+WALK_FROM = 33  # the decode steps `decode_walk` gives walked short rows by default: two programs an SM and more
+
+
+def decode_walk(setting: str) -> tuple[int, int]:
+    """(`walk_upto`, least batch) from a setting (`BLINK_DECODE_WALK`, `bench/roofline.py --walk`): "" or "0", no
+    row walked; "N", rows of at most N splits walked in decode steps of at least `WALK_FROM` rows; "N:B", in steps of
+    at least B rows. Walking a row or splitting it gives the same bits, so the choice by step size keeps a request's
+    tokens independent of its neighbours."""
+    upto, sep, least = (setting.strip() or "0").partition(":")
+    if not upto.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
+        raise ValueError(f"decode walk: {setting!r}, expected N or N:BATCH (splits, and the least batch, >= 1)")
+    return int(upto), int(least) if sep else WALK_FROM
 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
     num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, counters: torch.Tensor | None = None,
+    walk_upto: int = 0,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -325,7 +386,12 @@ def decode_attention(
     empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128,
     contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16:
     against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128;
-    BENCHMARKS.md). "last" is not measured yet."""
+    BENCHMARKS.md). "last" is not measured yet.
+
+    `walk_upto` (split and last): a row of at most that many splits is walked by its first split's program, which
+    writes its output (no partials, nothing for the fold), and a longer row is split as the form says; the same
+    bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7 us at
+    batch 64 / 128, and a short row walked leaves a served step's long rows split. Not measured yet itself."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -335,6 +401,8 @@ def decode_attention(
         raise ValueError("partition_size must be a multiple of block_n")
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
+    if walk_upto < 0 or (walk_upto and form == "walk"):
+        raise ValueError(f"walk_upto: a count of splits >= 0 for the split and last forms, got {walk_upto} ({form})")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
     bd = next_pow2(D)
@@ -356,12 +424,13 @@ def decode_attention(
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), USE_PDL=pdl, num_warps=num_warps, **consts,
+        BS=bs, BLOCK_N=block_n, FORM=form, WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl,
+        num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
     )
     if form == "split":
-        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, USE_PDL=pdl,
-                               num_warps=4, **consts, **pdl_launch(pdl))
+        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
+                               WALK_UPTO=walk_upto, USE_PDL=pdl, num_warps=4, **consts, **pdl_launch(pdl))
     return out
 
 

@@ -65,16 +65,19 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     counters = torch.zeros(batch * 8, dtype=torch.int32, device=DEV)
 
     def run(form="split", out=None):
+        form, _, upto = form.partition("<=")  # "split<=2": rows of at most 2 splits walked (`walk_upto`)
         return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, form=form,
-                                          counters=counters if form == "last" else None)
+                                          counters=counters if form == "last" else None, walk_upto=int(upto or 0))
 
     split = run()
     assert torch.equal(run("walk"), split)
     assert torch.equal(run("last"), split) and not counters.any()
+    for hybrid in ("split<=2", "split<=4", "last<=2"):
+        assert torch.equal(run(hybrid), split) and not counters.any(), hybrid
     for stages in (1, 2):  # how deep the tiles are staged changes when they arrive, not the sums
         staged = attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, num_stages=stages)
         assert torch.equal(staged, split), stages
-    for form in ("split", "last", "walk"):
+    for form in ("split", "last", "walk", "split<=2", "last<=2"):
         out = torch.full_like(q, float("nan"))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
