@@ -195,7 +195,7 @@ run_step() {
             case "$flag" in
               pdl) extra+=(--pdl) ;;
               walk*) extra+=(--walk "${flag#walk}") ;;
-              *) summary "roofline_variants: unknown flag /$flag in $v" ;;
+              *) summary "roofline_variants: unknown flag /$flag in $v, skipped"; continue 2 ;;
             esac
           done
         fi
