@@ -239,7 +239,8 @@ def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, s
     the SiLUs and preparations still fuse and the norms run apart; with a plan of o and gate_up only (qkv and down
     to cuBLAS), the norm before qkv runs apart (with the down output's add from layer 1), and so does the
     preparation, the one before gate_up fuses (o added its output). The decode attention's fold is counted by its
-    launcher's form: the last program's under +fused."""
+    launcher's form: the fold's own launch at 4 rows, fused or not (the last program's is for one-row steps:
+    `attention.LAST_FOLD_ROWS`; `test_a_fused_decode_layer_is_five_launches`)."""
     import gpu_engine.gpu.runner as runner_module
 
     monkeypatch.setitem(TILED_PLANS, "mlp_o", {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)})
@@ -256,7 +257,7 @@ def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, s
     meta = build_metadata([(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])], 4)
     runner.stage(torch.arange(4), meta)
     runner.forward(4, 4, True)
-    assert calls == {"norm": norms, "silu": silus, "prep": preps, "last": 2 if "+fused" in tiled else 0}
+    assert calls == {"norm": norms, "silu": silus, "prep": preps, "last": 0}
 
 
 def test_tiled_settings_take_a_fusion_suffix():

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 
 from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.attention import decode_attention, decode_partition, decode_walk, prefill_attention
+from gpu_engine.kernels.attention import (
+    LAST_FOLD_ROWS,
+    decode_attention,
+    decode_partition,
+    decode_walk,
+    prefill_attention,
+)
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
@@ -286,7 +292,7 @@ class GpuModelRunner:
         suffix (`tiled_linear.tiled_fusion`), the products it takes are fused with the kernels around them: the
         RMSNorm before qkv and gate_up, the SiLU-and-multiply as gate_up's output, the residual add after o and down
         (`_norm_linear`, `_add_linear`), the q/k norms, RoPE and KV cache write as the qkv product's output, and
-        the decode attention folds its splits in its own launch; the numerics are the unfused kernels' (the fused
+        at one row (`LAST_FOLD_ROWS`) the decode attention folds its splits in its own launch; the numerics are the unfused kernels' (the fused
         norm's rounding aside: `tiled_linear`). None here is cuBLAS; the engines resolve `BLINK_TILED_LINEAR`
         (`tiled_linear.resolve_tiled`: the H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
@@ -432,7 +438,8 @@ class GpuModelRunner:
             apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
             write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
-        form, counters = ("last", self.attn_counters) if self.fusion is not None else ("split", None)
+        fold_here = self.fusion is not None and batch <= LAST_FOLD_ROWS
+        form, counters = ("last", self.attn_counters) if fold_here else ("split", None)
         part = decode_partition(batch, hkv)
         walk = self.walk_upto if batch >= self.walk_from else 0
         if decode:

@@ -345,6 +345,11 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 
 DECODE_FORMS = ("split", "last", "walk")
+# Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
+# (`tiled_linear.Fusion`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
+# two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
+# and its registers in every program; BENCHMARKS.md).
+LAST_FOLD_ROWS = 1
 WALK_FROM = 33  # the decode steps `decode_walk` gives walked short rows by default: two programs an SM and more
 
 

@@ -314,7 +314,8 @@ class Fusion(NamedTuple):
     (`kernels.moe.fused_moe`: the norm in the router's and gate_up kernels, the router's product and the routing
     in one launch, the experts' output added into the stream). A product that goes to cuBLAS or the skinny matmul
     takes the unfused kernels. And the decode attention's splits are folded by the last of their programs
-    (`attention.decode_attention`'s "last" form), one launch a layer fewer, at every step size."""
+    (`attention.decode_attention`'s "last" form), one launch a layer fewer, in decode steps of one row
+    (`attention.LAST_FOLD_ROWS`)."""
 
     norm_rows: int
 
