@@ -95,8 +95,8 @@ class Env:
                              "cuBLAS for the rest; auto: the plan measured on this GPU (h200 on an NVIDIA H200; "
                              "cuBLAS elsewhere); off: cuBLAS. NAME+fused (or +fused:ROWS) also fuses the kernels "
                              "around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, residual "
-                             "add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in one launch; being "
-                             "measured, so not the default")
+                             "add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in one "
+                             "launch; being measured, so not the default")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
                      "programmatic dependent launch, each "
