@@ -293,8 +293,8 @@ class GpuModelRunner:
         RMSNorm before qkv and gate_up, the SiLU-and-multiply as gate_up's output, the residual add after o and down
         (`_norm_linear`, `_add_linear`), the q/k norms, RoPE and KV cache write as the qkv product's output, and
         at one row (`LAST_FOLD_ROWS`) the decode attention folds its splits in its own launch; the numerics are
-        the unfused kernels' (the fused norm's rounding aside: `tiled_linear`). None here is cuBLAS; the engines resolve `BLINK_TILED_LINEAR`
-        (`tiled_linear.resolve_tiled`: the H200 gets a plan).
+        the unfused kernels' (the fused norm's rounding aside: `tiled_linear`). None here is cuBLAS; the engines
+        resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
         `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
         `bench/roofline.py --pdl`). `walk` (`kernels.attention.decode_walk`, e.g. "2"): in decode steps of at least
