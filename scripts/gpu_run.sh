@@ -179,7 +179,7 @@ run_step() {
     roofline_skinny)
       if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
       else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --tiled off --out "$OUT/roofline_skinny.json"; fi ;;
-    kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-300}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
+    kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-540}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     roofline_tiled)
       if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
@@ -200,7 +200,7 @@ run_step() {
           done
         fi
         name=$(printf '%s' "$v" | tr '+:/' '_._')
-        step "roofline_$name" "${T_ROOFLINE_VARIANT:-120}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" --out "$OUT/roofline_$name.json"
+        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" --out "$OUT/roofline_$name.json"
       done ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;

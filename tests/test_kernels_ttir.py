@@ -177,22 +177,31 @@ HEADS_SIG = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw
              "HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32")
 
 
-@pytest.mark.parametrize(("split_k", "qk_norm", "norm"), [(1, False, True), (8, False, True), (8, True, False)])
-def test_tiled_heads_kernel_compiles_for_sm90_within_a_blocks_shared_memory(split_k: int, qk_norm: bool,
-                                                                            norm: bool) -> None:
-    """The qkv product with `qkv_prep` as its output at the Llama-3-8B head (128 wide, full rotary: a 16-wide
-    empty pass-through tile) and the h200 plan's qkv configuration, whole and split over K, with the QK norms of
-    Qwen3 or the layer's RMSNorm: it compiles to a cubin that fits a block's shared memory."""
-    from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
+@pytest.mark.parametrize(("block_m", "split_k", "qk_norm", "norm", "d", "rot_half"),
+                         [(16, 1, False, True, 128, 64), (16, 8, False, True, 128, 64), (16, 8, True, False, 128, 64),
+                          (64, 8, True, True, 128, 64), (128, 8, True, True, 128, 64), (16, 8, False, True, 96, 16)])
+def test_tiled_heads_kernel_compiles_for_sm90_within_half_a_blocks_shared_memory(
+        block_m: int, split_k: int, qk_norm: bool, norm: bool, d: int, rot_half: int) -> None:
+    """The qkv product with `qkv_prep` as its output at the Llama-3-8B head (128 wide, full rotary: no pass-through
+    tile) and at Phi-3's (96 wide, 32 rotary: a pass-through tile), with the h200 plan's qkv configuration, whole
+    and split over K, with the QK norms of Qwen3 or the layer's RMSNorm, at 16 to 128 rows, with the warps and
+    stages the launcher gives it (`_tiled_heads`, `heads_stages`): it compiles to a cubin within half a block's
+    shared memory, so two programs share an SM (a block's at 128 rows, where half would leave one stage). Its slices' width is divisible by 16, as a launch's is (then its
+    loads are pipelined and the stages take their shared memory)."""
+    from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, heads_stages
 
     c = TILED_CONFIGS["n64_k128_s4"]
-    consts = {"NORM": norm, "QK_NORM": qk_norm, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
-              "BLOCK_P": 16, "BLOCK_K": c.block_k, "SPLIT_K": split_k, "PREC": "tf32", "USE_PDL": False}
-    options = {"num_warps": c.num_warps, "num_stages": tiled_stages(c.num_stages, 16, 144, c.block_k, False, 2)}
+    block_r, block_p = (max(16, 1 << max(0, n - 1).bit_length()) for n in (rot_half, d - 2 * rot_half))
+    passing = d > 2 * rot_half
+    consts = {"NORM": norm, "QK_NORM": qk_norm, "D": d, "ROT_HALF": rot_half, "BLOCK_M": block_m, "BLOCK_R": block_r,
+              "BLOCK_P": block_p, "PASS": passing, "BLOCK_K": c.block_k, "SPLIT_K": split_k, "PREC": "tf32",
+              "USE_PDL": False}
+    options = {"num_warps": 8 if block_m >= 64 else c.num_warps,
+               "num_stages": heads_stages(c.num_stages, block_m, block_r, block_p if passing else 0, c.block_k, 2)}
     out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(HEADS_SIG), consts,
-                   options=options, divisible=["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "K", "sx", "sw", "so"])
+                   options=options, divisible=["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "K", "sx", "sw", "so", "k_split"])
     got = re.match(r"\d+", out)
-    assert got is not None and int(got.group()) <= SHARED_BYTES, out
+    assert got is not None and int(got.group()) <= (SHARED_BYTES if block_m == 128 else SHARED_BYTES // 2), out
 
 
 GLU_CHECKED = ("n128_k64_s4_w8", "n256_k64_s4_w8", "n64_k128_s4")  # gate_up's: the h200 plans', and wider
@@ -255,7 +264,7 @@ PDL_KERNELS = {
                                       "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "PREC": "tf32"}),
     "tiled_heads": ("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(HEADS_SIG),
                     {"NORM": True, "QK_NORM": True, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
-                     "BLOCK_P": 16, "BLOCK_K": 128, "SPLIT_K": 8, "PREC": "tf32"}),
+                     "BLOCK_P": 16, "PASS": False, "BLOCK_K": 128, "SPLIT_K": 8, "PREC": "tf32"}),
     "moe_route": ("gpu_engine.kernels.moe", "_route_kernel",
                   _sig("logits_ptr:*bf16 w_ptr:*fp32 ids_ptr:*i64 E:i32 s_t:i32"),
                   {"TOPK": 8, "NORMALIZE": True, "BLOCK_E": 128}),

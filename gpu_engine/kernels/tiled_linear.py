@@ -178,11 +178,12 @@ def _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_pt
 def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
                         qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps,
                         NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PASS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
     """The qkv product with `qkv_prep` as its output: program (head, slice) takes one head's D weight rows in three
-    tiles (the rotary halves and the pass-through), so the rotation pairs lie in one program; the sums of the slices
-    of K meet as in `_tiled_kernel` (the workspace's columns are the product's)."""
+    tiles (the rotary halves and the pass-through, PASS: whether the head has one, D > 2 x ROT_HALF), so the rotation
+    pairs lie in one program; the sums of the slices of K meet as in `_tiled_kernel` (the workspace's columns are
+    the product's)."""
     pdl_enter(USE_PDL)
     head = tl.program_id(0)
     s = tl.program_id(1)
@@ -204,10 +205,11 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
         kin = k[None, :] < K
         w1 = tl.load(w_ptr + n1[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
         w2 = tl.load(w_ptr + n2[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
-        w3 = tl.load(w_ptr + n3[:, None].to(tl.int64) * sw + k[None, :], mask=pmask[:, None] & kin, other=0.0)
         a1 += tl.dot(x, tl.trans(w1), input_precision=PREC)
         a2 += tl.dot(x, tl.trans(w2), input_precision=PREC)
-        a3 += tl.dot(x, tl.trans(w3), input_precision=PREC)
+        if PASS:  # a full rotary head has no pass-through columns: no load, no product
+            w3 = tl.load(w_ptr + n3[:, None].to(tl.int64) * sw + k[None, :], mask=pmask[:, None] & kin, other=0.0)
+            a3 += tl.dot(x, tl.trans(w3), input_precision=PREC)
     if SPLIT_K > 1:
         N = (HQ + 2 * HK) * D
         rows = m[:, None].to(tl.int64) * N
@@ -215,7 +217,8 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
         at = ws_ptr + s.to(tl.int64) * M * N + rows
         tl.store(at + n1[None, :], a1, mask=rm)
         tl.store(at + n2[None, :], a2, mask=rm)
-        tl.store(at + n3[None, :], a3, mask=pm)
+        if PASS:
+            tl.store(at + n3[None, :], a3, mask=pm)
         if NORM:
             tl.store(ws_ptr + SPLIT_K * M * N + s * M + m, sq, mask=m < M)
         if last_to_finish(cnt_ptr + head, SPLIT_K):
@@ -226,7 +229,8 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                 at = ws_ptr + i * M * N + rows
                 a1 += tl.load(at + n1[None, :], mask=rm, other=0.0, cache_modifier=".cg")
                 a2 += tl.load(at + n2[None, :], mask=rm, other=0.0, cache_modifier=".cg")
-                a3 += tl.load(at + n3[None, :], mask=pm, other=0.0, cache_modifier=".cg")
+                if PASS:
+                    a3 += tl.load(at + n3[None, :], mask=pm, other=0.0, cache_modifier=".cg")
             if NORM:
                 scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * N, m, M, K, eps, BLOCK_M, SPLIT_K)
                 a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
@@ -389,11 +393,22 @@ def tiled_scratch(shapes, configs, device: torch.device | str) -> tuple[torch.Te
             torch.zeros(tiles, dtype=torch.int32, device=device))
 
 
-def tiled_stages(num_stages: int, block_m: int, block_n: int, block_k: int, silu: bool, itemsize: int) -> int:
+def tiled_stages(num_stages: int, block_m: int, block_n: int, block_k: int, silu: bool, itemsize: int,
+                 budget: int = SHARED_BYTES) -> int:
     """`num_stages`, or fewer where that many stages of the x and w tiles (the gate and up tiles apart with the
-    SiLU) would not fit in a block's shared memory. The depth changes no sum, only how many loads are in flight."""
+    SiLU) would not fit in `budget` bytes of shared memory (a block's, by default). The depth changes no sum, only
+    how many loads are in flight."""
     per_stage = (block_m * block_k * (2 if silu else 1) + block_n * block_k) * itemsize
-    return max(1, min(num_stages, SHARED_BYTES // per_stage))
+    return max(1, min(num_stages, budget // per_stage))
+
+
+def heads_stages(num_stages: int, block_m: int, block_r: int, block_p: int, block_k: int, itemsize: int) -> int:
+    """The heads kernel's stages (`_tiled_heads`): its x tile and the head's rotary halves and pass-through (block_p
+    0 for a full rotary head), within half a block's shared memory, for two programs an SM, unless that leaves
+    fewer than two (128 rows): then within a block's, one program an SM with its loads still staged."""
+    block_n = 2 * block_r + block_p
+    two = tiled_stages(num_stages, block_m, block_n, block_k, False, itemsize, SHARED_BYTES // 2)
+    return two if two >= 2 else tiled_stages(num_stages, block_m, block_n, block_k, False, itemsize)
 
 
 def _sms(device: torch.device) -> int:
@@ -505,13 +520,18 @@ def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Hea
     block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
     nw, eps = norm if norm is not None else (out, 0.0)
     qk = heads.q_norm is not None
+    passing = D > 2 * rot_half
+    # Its three accumulators and the rotation take about 250 registers a thread at 4 warps, and spill from 64 rows:
+    # 8 warps there. Shared memory for two programs an SM where that leaves two stages (`heads_stages`): at one row
+    # the launch is 48 heads x 8 slices on the H200, which one program an SM would run in three waves.
     _tiled_heads_kernel[(tiles, split)](
         x, w, out, ws, cnt, nw, heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping,
         heads.q_norm if qk else out, heads.k_norm if qk else out, M, K, HQ, HK, x.stride(0), w.stride(0),
         out.stride(0), width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
-        ROT_HALF=rot_half, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_K=block_k, SPLIT_K=split,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=num_warps,
-        num_stages=tiled_stages(num_stages, block_m, 2 * block_r + block_p, block_k, False, x.element_size()),
+        ROT_HALF=rot_half, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_P=block_p, PASS=passing, BLOCK_K=block_k,
+        SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=max(num_warps, 8) if block_m >= 64 else num_warps,
+        num_stages=heads_stages(num_stages, block_m, block_r, block_p if passing else 0, block_k, x.element_size()),
         **pdl_launch(pdl),
     )
 
