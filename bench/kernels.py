@@ -598,12 +598,21 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
         "sorted": (lambda i: moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
         "align_one_launch": (lambda i: moe.moe_align(routes[i][1], E, 16), _nbytes(routes[0][1])),
         "align_torch_sort": (lambda i: moe.moe_align_ref(routes[i][1], E, 16), _nbytes(routes[0][1]))}
-    for bn in (2, 4, 8, 16):
-        cases[f"small_gate_up bn={bn}"] = (lambda i, bn=bn: moe.moe_gate_up_silu(
-            xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=bn), active * 2 * I * H * 2)
-    for bn in (1, 2, 4, 8):
-        cases[f"small_down bn={bn}"] = (lambda i, bn=bn: moe.moe_down_sum(
-            acts[i], down[i], routes[i][1], routes[i][0], out=outs[i], block_n=bn), active * H * I * 2)
+    # column tiles at the launchers' K steps (512 for gate_up, 256 for down), and the K step that takes a row whole
+    # (2,048 and 1,024: every load of a program in flight at once, no loop) or half of it
+    for bn, bk in ((2, 512), (4, 512), (8, 512), (16, 512), (2, 1024), (2, 2048), (4, 2048)):
+        name = f"small_gate_up bn={bn}" + ("" if bk == 512 else f" bk={bk}")
+        cases[name] = (lambda i, bn=bn, bk=bk: moe.moe_gate_up_silu(
+            xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=bn, block_k=bk), active * 2 * I * H * 2)
+    # the down kernel's [8, bn, bk] fp32 sums: 8 columns at 4 warps spill (255 registers), at 8 warps not
+    for bn, bk, warps in ((1, 256, 4), (2, 256, 4), (4, 256, 4), (8, 256, 4), (8, 256, 8), (1, 1024, 4),
+                          (2, 1024, 4), (2, 1024, 8)):
+        name = f"small_down bn={bn}" + ("" if bk == 256 else f" bk={bk}") + ("" if warps == 4 else f" w{warps}")
+        cases[name] = (lambda i, bn=bn, bk=bk, warps=warps: moe.moe_down_sum(
+            acts[i], down[i], routes[i][1], routes[i][0], out=outs[i], block_n=bn, block_k=bk, num_warps=warps),
+            active * H * I * 2)
+    cases["small_gate_up bn=4 bk=2048 w8"] = (lambda i: moe.moe_gate_up_silu(
+        xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=4, block_k=2048, num_warps=8), active * 2 * I * H * 2)
     rows = []
     for name, (fn, nbytes) in cases.items():
         order = itertools.cycle(range(layers))
@@ -616,7 +625,7 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
 def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
     """The Qwen3-30B-A3B experts in bf16: the sort-free path beside the sorted one at batch 1-64 (the
     runner takes the sort-free one up to `kernels.moe.SMALL_PAIRS` pairs, batch 8), and each sort-free
-    kernel over a few column-tile widths, all against the weight bytes of the experts their routing
+    kernel over a few column-tile widths and K steps, all against the weight bytes of the experts their routing
     activates (the floor). The repeats of a graph take `layers` weight sets in turn, so one repeat's
     experts are not in L2 for the next."""
     E, H, I = MOE_SHAPE["experts"], MOE_SHAPE["hidden"], MOE_SHAPE["inter"]

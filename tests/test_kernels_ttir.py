@@ -186,8 +186,9 @@ def test_tiled_heads_kernel_compiles_for_sm90_within_half_a_blocks_shared_memory
     tile) and at Phi-3's (96 wide, 32 rotary: a pass-through tile), with the h200 plan's qkv configuration, whole
     and split over K, with the QK norms of Qwen3 or the layer's RMSNorm, at 16 to 128 rows, with the warps and
     stages the launcher gives it (`_tiled_heads`, `heads_stages`): it compiles to a cubin within half a block's
-    shared memory, so two programs share an SM (a block's at 128 rows, where half would leave one stage). Its slices' width is divisible by 16, as a launch's is (then its
-    loads are pipelined and the stages take their shared memory)."""
+    shared memory, so two programs share an SM (a block's at 128 rows, where half would leave one stage). Its
+    slices' width is divisible by 16, as a launch's is (then its loads are pipelined and the stages take their
+    shared memory)."""
     from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, heads_stages
 
     c = TILED_CONFIGS["n64_k128_s4"]

@@ -339,15 +339,15 @@ def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> No
 
 def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor | None = None,
                      block_n: int = 4, block_k: int = 512, pdl: bool = False,
-                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                     norm: tuple[torch.Tensor, float] | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows first), expert_ids [T, k] -> out [T * k, I] =
     silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s). `norm` (weight [H], eps): x is
     the residual stream and RMSNorm(x) * weight takes its place (the weight on the x tiles, 1 / RMS on the sums
     before the SiLU; no rounding of the normalised x).
 
-    Grid (pair, I / block_n): 2 columns give 3,072 programs for the 8 pairs of a Qwen3-30B-A3B
-    batch-1 step (I = 768): the time is the weight read, and what keeps HBM busy is how many loads are
-    in flight. Measured on the H200 (`bench/kernels.py`, bf16): 2 columns 17.0 / 86.2 / 157.7 us at batch
+    Grid (pair, I / block_n): the default 4 columns give 1,536 programs for the 8 pairs of a Qwen3-30B-A3B
+    batch-1 step (I = 768), 2 columns 3,072: the time is the weight read, and what keeps HBM busy is how many
+    loads are in flight. Measured on the H200 (`bench/kernels.py`, bf16): 2 columns 17.0 / 86.2 / 157.7 us at batch
     1 / 8 / 16, 4 columns 18.8 / 106.2 / 194.4, 16 columns 18.0 / 88.3 / 158.1 (in sequence with
     `moe_down_sum` the pair measured the same as with the earlier 4 and 2 columns). Each program streams its
     2 x block_n contiguous weight rows (gate and up) in block_k chunks, loaded at their
@@ -376,7 +376,7 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
     _gate_up_silu_kernel[(T * top_k, triton.cdiv(I, block_n))](
         x, gate_up, expert_ids, out, nw, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
         float(eps), TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), NORM=norm is not None,
-        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        USE_PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )
     return out
 
@@ -414,16 +414,17 @@ def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_
 
 def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
                  out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256,
-                 pdl: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 pdl: bool = False, residual: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """act [T * k, I], down [E, H, I], expert_ids / route_weights [T, k] -> out [T, H] =
     sum over s of route_weights[t, s] * act[t * k + s] @ down[ids[t, s]].T, in registers: no
     [T * k, H] intermediate, no atomics (deterministic). `residual` [T, H]: the sum, rounded, is added into it
     (the residual stream; rounded again, as `kernels.rmsnorm`'s residual add does) and it is returned.
 
-    Grid (token, H / block_n): 8 columns give 256 programs at batch 1 (H = 2048); each program
-    loads all top_k experts' [block_n, block_k] tiles in one [slots, block_n, block_k] tile per step
+    Grid (token, H / block_n): the default 2 columns give 1,024 programs at batch 1 (H = 2048), 8 columns 256;
+    each program loads all top_k experts' [block_n, block_k] tiles in one [slots, block_n, block_k] tile per step
     (slots = top_k rounded up to a power of two), so its loads in flight are top_k times a single
-    expert's (32 KiB a step in bf16 at the defaults) and the loop is I / block_k steps long (3 at
+    expert's (8 KiB a step in bf16 at the defaults; 8 columns: 32 KiB, and 255 registers a thread with a spill
+    for sm_90) and the loop is I / block_k steps long (3 at
     I = 768), not top_k times that. Measured on the H200 (`bench/kernels.py`, bf16): 8 columns 9.1 / 46.3 /
     80.7 us at batch 1 / 8 / 16, 2 columns 10.9 / 50.8 / 88.9, 1 column 9.4 / 46.6 / 83.8. Tokens vary fastest
     in the grid, as pairs do in `moe_gate_up_silu`. `pdl`: launched with programmatic dependent launch
@@ -451,7 +452,7 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     _down_sum_kernel[(T, triton.cdiv(H, block_n))](
         act, down, expert_ids, route_weights, out, H, I, act.stride(0), down.stride(0), down.stride(1),
         out.stride(0), TOPK=top_k, SLOTS=next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(I)),
-        ADD=residual is not None, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        ADD=residual is not None, USE_PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )
     return out
 
