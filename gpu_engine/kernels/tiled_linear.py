@@ -279,6 +279,11 @@ TILED_CONFIGS = {
     "n64_k64_s6": TiledConfig(64, 64, 1, 4, 6), "n64_k128_s4_x2": TiledConfig(64, 128, 2, 4, 4),
     "n32_k128_s4": TiledConfig(32, 128, 1, 4, 4), "n128_k64_s4_w8_x2": TiledConfig(128, 64, 2, 8, 4),
     "n256_k64_s4_w8": TiledConfig(256, 64, 1, 8, 4),
+    # for 64-128 rows (not measured yet): stages and K tiles small enough that two programs share an SM (by the
+    # formula above, 96 KB at 64 rows for the first, 96 KB at 128 for the other two), where those above hold one
+    # from 64 rows and cuBLAS measured faster at 128
+    "n64_k128_s3_x2": TiledConfig(64, 128, 2, 4, 3), "n64_k64_s4_x2": TiledConfig(64, 64, 2, 4, 4),
+    "n128_k64_s3_w8_x2": TiledConfig(128, 64, 2, 8, 3),
 }
 MAX_SPLIT = 8
 
