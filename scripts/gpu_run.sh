@@ -16,7 +16,8 @@
 # both GPU backends), roofline_moe (bench/roofline.py's Qwen3-30B-A3B rows, merged into OUTDIR's
 # decode_roofline.json), roofline_mixed (its chunked-prefill steps: decode rows plus a prompt chunk filling
 # budgets of 512 to 8,192 tokens, beside each part alone; merged the same way; both start from the tree's
-# bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate),
+# bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate;
+# KERNELS_ONLY=attention,moe picks row sets),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
 # matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, cuBLAS past them, into OUTDIR's roofline_skinny.json), kernels_tiled (the
@@ -173,7 +174,7 @@ run_step() {
     roofline_moe_fused) step roofline_moe_fused "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --tiled "${MOE_TILED:-h200_wide+fused}" --out "$OUT/roofline_moe_fused.json" ;;
     roofline_mixed) step roofline_mixed "${T_ROOFLINE_MIXED:-300}" "$PY" bench/roofline.py --models mixed --out "$OUT/decode_roofline.json" ;;
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
-    kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels --out "$OUT/kernels.json" ;;
+    kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} --out "$OUT/kernels.json" ;;
     kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
     kernels_gemv) step kernels_gemv "${T_KERNELS_GEMV:-200}" "$PY" -m bench.kernels --only gemv --out "$OUT/kernels_gemv.json" ;;
     roofline_skinny)
