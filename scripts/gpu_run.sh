@@ -17,7 +17,8 @@
 # decode_roofline.json), roofline_mixed (its chunked-prefill steps: decode rows plus a prompt chunk filling
 # budgets of 512 to 8,192 tokens, beside each part alone; merged the same way; both start from the tree's
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate;
-# KERNELS_ONLY=attention,moe picks row sets),
+# KERNELS_ONLY=attention,moe picks row sets; the kernels step's KERNELS_TESTS, its GPU test paths, to split it
+# over two calls),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
 # matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
 # matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, cuBLAS past them, into OUTDIR's roofline_skinny.json), kernels_tiled (the
@@ -162,7 +163,7 @@ run_step() {
     build) step build "${T_BUILD:-180}" bash -c "$PY setup.py -q build_ext --inplace && $PY -c 'from gpu_engine.gpu.persistent import build_library; print(build_library())'" ;;
     soakstart) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;;
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
-    kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_kernels_runner.py tests/gpu; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
+    kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider ${KERNELS_TESTS:-tests/test_kernels.py tests/test_kernels_runner.py tests/gpu}; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
     faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
     persistent) step persistent "${T_PERSISTENT:-560}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
