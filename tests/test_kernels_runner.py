@@ -86,13 +86,14 @@ def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
 
 
-@pytest.mark.parametrize("tiled", [None, "n64_k64_s6+fused"])
-def test_walked_short_rows_give_the_split_form_s_logits(tiled):
+@pytest.mark.parametrize(("family", "tiled"), [("llama", None), ("llama", "n64_k64_s6+fused"),
+                                               ("qwen3_moe", "n32_k128_s4+fused:4"), ("phi3", None)])
+def test_walked_short_rows_give_the_split_form_s_logits(family, tiled):
     """BLINK_DECODE_WALK=1:4: decode and mixed steps of 4 rows walk the rows of one split (all of these) in one
-    program each; the logits have the split form's bits (the fold of partials, or with +fused the last program's)."""
+    program each; the logits have the split form's bits (the fold of partials), fused or not, dense or MoE."""
     logits = []
     for walk in ("", "1:4"):
-        cfg, _, runner = _setup("llama", tiled=tiled, walk=walk)
+        cfg, _, runner = _setup(family, tiled=tiled, walk=walk)
         assert (runner.walk_upto, runner.walk_from) == ((1, 4) if walk else (0, 33))
         g = torch.Generator().manual_seed(3)
         got = []
