@@ -96,7 +96,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     as the runner multiplies them (cuBLAS, or the skinny matmul or tiled linear it was given; where the down
     projection goes through one of those, the SiLU-and-multiply is timed inside `down_gemm` and there is no
     `silu_mul` part)."""
-    from gpu_engine.kernels.attention import decode_attention, decode_partition
+    from gpu_engine.kernels.attention import decode_attention
     from gpu_engine.kernels.moe import fused_moe
     from gpu_engine.kernels.qkv_prep import qkv_prep
     from gpu_engine.kernels.rmsnorm import rms_norm
@@ -107,8 +107,6 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
     kc, vc = runner.kv.k[0], runner.kv.v[0]
     row = batch * cfg.hidden_size * x.element_size()  # one [batch, hidden] activation
     eps = cfg.rms_norm_eps
-    counters = getattr(runner, "attn_counters", None)  # a fused runner's decode attention folds in its own launch
-    fold = {"form": "last", "counters": counters} if counters is not None and counters.numel() else {}
     parts = {  # per layer: (launch, bytes it must move)
         "norms": (lambda: (rms_norm(x, w.attn_norm, eps, residual=res), rms_norm(x, w.mlp_norm, eps, residual=res)),
                   8 * row + 2 * _nbytes(w.attn_norm)),
@@ -116,8 +114,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
         "qkv_prep": (lambda: qkv_prep(q, k, v, buf.positions[:batch], runner.rope_cache, kc, vc,
                                       buf.slot_mapping[:batch], w.q_norm, w.k_norm), 2 * _nbytes(qkv)),
         "decode_attention": (lambda: decode_attention(q, kc, vc, buf.block_tables[:batch], buf.context_lens[:batch],
-                                                      runner.scale, out=attn,
-                                                      partition_size=decode_partition(batch, hk), **fold),
+                                                      runner.scale, out=attn, **runner.decode_form(batch)),
                              batch * ctx * 2 * hk * d * kc.element_size() + 2 * _nbytes(q)),
         "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -438,17 +439,13 @@ class GpuModelRunner:
             apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
             write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
-        fold_here = self.fusion is not None and batch <= LAST_FOLD_ROWS
-        form, counters = ("last", self.attn_counters) if fold_here else ("split", None)
-        part = decode_partition(batch, hkv)
-        walk = self.walk_upto if batch >= self.walk_from else 0
+        how = self.decode_form(batch)
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale, partition_size=part, pdl=self.pdl, form=form,
-                                   counters=counters, walk_upto=walk)
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, pdl=self.pdl, **how)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             partition_size=part, pdl=self.pdl, form=form, counters=counters, walk_upto=walk)
+                             pdl=self.pdl, **how)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
@@ -479,6 +476,15 @@ class GpuModelRunner:
         if pending is None:
             return rms_norm(residual, weight, eps, out=out, pdl=pdl)
         return rms_norm(pending, weight, eps, residual=residual, out=out, pdl=pdl)
+
+    def decode_form(self, batch: int) -> dict[str, Any]:
+        """How the decode attention of a step with `batch` decode rows runs (`decode_attention`'s keywords): its
+        split size; the fused runner's one-row steps fold in the split launch (`LAST_FOLD_ROWS`); from
+        `walk_from` rows, rows of at most `walk_upto` splits are walked. Every choice gives the same bits."""
+        fold_here = self.fusion is not None and batch <= LAST_FOLD_ROWS
+        return {"partition_size": decode_partition(batch, self.config.num_kv_heads),
+                "form": "last" if fold_here else "split", "counters": self.attn_counters if fold_here else None,
+                "walk_upto": self.walk_upto if batch >= self.walk_from else 0}
 
     def qkv_heads(self, i: int, w: LayerWeights, tokens: int) -> Heads | None:
         """Where layer i's q/k norms, RoPE and KV cache write go into its qkv product for a step of `tokens` rows (a
