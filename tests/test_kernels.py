@@ -509,19 +509,20 @@ def test_gpu_fused_moe_real_sizes(tokens):
     # the fused MLP of a small step (the runner's +fused): the norm in the router's and gate_up kernels, the
     # routing in the router's launch, the output added into the stream. Its routing sums the normalised x unrounded,
     # so a near tie may pick another expert than a reference on the rounded x would: the routing is checked against
-    # fp32 logits up to such ties, and the experts' output against the reference experts on the routing it chose.
+    # fp32 logits up to such ties (its weights against theirs rounded as the kernel rounds them), and the experts'
+    # output against the reference experts on the routing it chose.
     from gpu_engine.kernels.rmsnorm import rms_norm_ref
 
     nw = (torch.rand(2048, device=DEV, generator=g) + 0.5).bfloat16()
     counters = torch.zeros(8, dtype=torch.int32, device=DEV)
     w_f, ids_f = moe.moe_router(x, router, 8, True, counters, norm=(nw, 1e-6))
     xn32 = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
-    logits = xn32 @ router.float().T
+    logits = xn32 @ router.float().T  # the kernel rounds its logits to bf16 (as cuBLAS's product is), then routes
     chosen = logits.gather(1, ids_f)
     unchosen = logits.scatter(1, ids_f, float("-inf")).max(-1).values
-    assert (chosen.min(-1).values >= unchosen - 1e-3).all() and not counters.any()
-    probs = logits.softmax(-1).gather(1, ids_f)
-    torch.testing.assert_close(w_f, probs / probs.sum(-1, keepdim=True), rtol=1e-3, atol=1e-4)
+    assert (chosen.min(-1).values >= unchosen - 2e-2).all() and not counters.any()  # within a bf16 step of a tie
+    probs = logits.bfloat16().float().softmax(-1).gather(1, ids_f)
+    torch.testing.assert_close(w_f, probs / probs.sum(-1, keepdim=True), rtol=1e-2, atol=2e-3)
     xn = rms_norm_ref(x, nw, 1e-6)[0].float()
     ref = x.float().clone()
     for t in range(tokens):

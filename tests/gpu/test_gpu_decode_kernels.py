@@ -195,7 +195,7 @@ def test_gpu_tiled_linear_fused_forms_real_sizes(M):
             qk = [(torch.rand(128, device=DEV, generator=g) + 0.5).bfloat16() for _ in range(2)]
             caches = [torch.zeros(64, 16, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
             got = tiled_linear(x, w, norm=(nw, 1e-5), heads=Heads(32, 8, pos, cache, *caches[:2], slots, *qk), **run)
-            want = tiled_ref(x, w, None, (nw, 1e-5), Heads(32, 8, pos, cache, *caches[2:], slots, *qk))
+            want = tiled_ref(x, w, None, (nw, 1e-5), heads=Heads(32, 8, pos, cache, *caches[2:], slots, *qk))
             close(got[:, :4096], want[:, :4096], "heads q")
             close(caches[0], caches[2], "heads k")
             close(caches[1], caches[3], "heads v")
