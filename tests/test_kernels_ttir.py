@@ -96,7 +96,8 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("form", "walk_upto"), [("split", 0), ("last", 0), ("walk", 0), ("split", 2), ("last", 2)])
+@pytest.mark.parametrize(("form", "walk_upto"), [("split", 0), ("last", 0), ("walk", 0), ("split", 2), ("last", 2),
+                                               ("walk", 2)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str, walk_upto: int) -> None:
     """The decode attention in its three forms (a program per split; the same with the last to finish folding, an

@@ -87,6 +87,25 @@ def _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G: tl.c
 
 
 @triton.jit
+def _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV: tl.constexpr, D: tl.constexpr,
+                BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
+                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Split s's online softmax of the G query heads over its tokens (exp2 domain, fp32): (unnormalised output,
+    max, sum)."""
+    start = s * PART
+    end = tl.minimum(start + PART, n_ctx)
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, valid[None, :], kvh, d, acc, m, lsum,
+                                    scale_log2, HKV, D, BS, PREC, True)
+    return acc, m, lsum
+
+
+@triton.jit
 def _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV: tl.constexpr,
                    G: tl.constexpr, BLOCK_D: tl.constexpr):
     """Split s's (unnormalised output, max, sum) of a row's G heads, for the fold."""
@@ -126,9 +145,10 @@ def _decode_kernel(
     `_fold_kernel`; "last", the same, and the last of a (row, KV head)'s programs to finish (an atomic count a
     pair, which it resets for the next launch) folds the partials as `_fold_kernel` does, in one launch; "walk",
     program (row b, KV head) computes the row's splits in order and folds each into a running result as it goes,
-    then writes the output. A split's partial is the same whichever program computes it. WALK_UPTO (split and
-    last): a row of at most that many splits is walked by its split-0 program, and its other programs find no
-    split; the fold leaves it alone."""
+    then writes the output. A split's partial is the same whichever program computes it. WALK_UPTO > 0: "walk" takes
+    only the rows of at most that many splits, "split" and "last" only the others (`decode_attention`'s `walk_upto`
+    launches both; one kernel holding both paths, either as a branch inside its loop or as two loops, measured
+    10-27% slower than either form alone on the H200, the rows of neither form excepted)."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -139,51 +159,40 @@ def _decode_kernel(
     omask = gmask[:, None] & (d[None, :] < D)
     n_ctx = tl.load(ctx_ptr + b)
     n_splits = tl.cdiv(n_ctx, PART)
-    lo = 0
-    hi = n_splits
-    if FORM != "walk":
-        lo = tl.program_id(2)
-        hi = tl.minimum(lo + 1, n_splits)
-        if WALK_UPTO > 0:
-            hi = tl.where(n_splits <= WALK_UPTO, tl.where(lo == 0, n_splits, 0), hi)
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
-    for s in range(lo, hi):
-        # online softmax of the G query heads over this split's tokens, exp2 domain, fp32
-        start = s * PART
-        end = tl.minimum(start + PART, n_ctx)
-        m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-        lsum = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < end
-            acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, valid[None, :], kvh, d, acc, m, lsum,
-                                        scale_log2, HKV, D, BS, PREC, True)
-        if FORM == "walk":
-            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
-        elif WALK_UPTO > 0:
-            if n_splits <= WALK_UPTO:
-                run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
-            else:
-                _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
-        else:
-            _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
     if FORM == "walk":
-        _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-    elif WALK_UPTO > 0:
-        if n_splits <= WALK_UPTO:  # walked here (an empty row too: zeros, as the fold of nothing gives)
-            if lo == 0:
+        hi = n_splits
+        if WALK_UPTO > 0:  # the short rows only (a split launch takes the others)
+            hi = tl.where(n_splits <= WALK_UPTO, n_splits, 0)
+        for s in range(0, hi):
+            acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
+                                       BLOCK_D, PART, BLOCK_N, PREC)
+            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
+        if WALK_UPTO > 0:
+            if n_splits <= WALK_UPTO:  # an empty row too: zeros, as the fold of nothing gives
                 _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+        else:
+            _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
+    else:
+        lo = tl.program_id(2)
+        hi = tl.minimum(lo + 1, n_splits)
+        if WALK_UPTO > 0:  # the long rows only (a walk launch takes the others)
+            hi = tl.where(n_splits > WALK_UPTO, hi, 0)
+        for s in range(lo, hi):
+            acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
+                                       BLOCK_D, PART, BLOCK_N, PREC)
+            _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
+        if WALK_UPTO > 0:
+            if n_splits > WALK_UPTO:
+                _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads,
+                               d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
         else:
             _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d,
                            gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
-    else:
-        _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d,
-                       gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
 
 
 @triton.jit
@@ -393,10 +402,11 @@ def decode_attention(
     against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128;
     BENCHMARKS.md). "last" is not measured yet.
 
-    `walk_upto` (split and last): a row of at most that many splits is walked by its first split's program, which
-    writes its output (no partials, nothing for the fold), and a longer row is split as the form says; the same
-    bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7 us at
-    batch 64 / 128, and a short row walked leaves a served step's long rows split. Not measured yet itself."""
+    `walk_upto` (split and last): the rows of at most that many splits are walked, a program a row, in a launch
+    before the split one, which takes the longer rows as the form says (the fold leaves the walked rows alone); the
+    same bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7
+    us at batch 64 / 128, and a short row walked leaves a served step's long rows split. In one kernel (a branch of
+    the split program) it measured slower than both forms; as two launches it is not measured yet."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -425,6 +435,13 @@ def decode_attention(
         return out
     consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
               "PART": partition_size}
+    if walk_upto:  # the short rows walked in a launch of their own, before the long rows' split launch
+        _decode_kernel[(B, hkv)](
+            q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out, q.stride(0), q.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit, BS=bs, BLOCK_N=block_n,
+            FORM="walk", WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl, num_warps=num_warps, **consts,
+            **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
+        )
     grid = (B, hkv) if walk else (B, hkv, nsplit)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
