@@ -96,16 +96,16 @@ class Env:
                              "cuBLAS elsewhere); off: cuBLAS. NAME+fused (or +fused:ROWS) also fuses the kernels "
                              "around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, residual "
                              "add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in one "
-                             "launch; being measured, so not the default")
+                             "launch; measured slower than the default on the H200 (BENCHMARKS.md), so not it")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
                      "programmatic dependent launch, each "
-                     "scheduled while the one before it finishes; being measured (bench/roofline.py --pdl), so off "
-                     "by default", _bool)
+                     "scheduled while the one before it finishes; measured slower on the H200 (bench/roofline.py "
+                     "--pdl, BENCHMARKS.md), so off by default", _bool)
     decode_walk: str = _var("BLINK_DECODE_WALK", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
                             "with N:BATCH), decode attention walks each row of at most N splits of 256 tokens in one "
-                            "program and splits the longer ones (the same bits); being measured (bench/roofline.py "
-                            "--walk), so off by default")
+                            "program and splits the longer ones (the same bits); not measured in its present form "
+                            "(bench/roofline.py --walk), so off by default")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "
