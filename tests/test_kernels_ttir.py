@@ -288,9 +288,10 @@ PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode
 
 @pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))
 def test_pdl_kernels_wait_for_the_kernel_before_only_when_launched_so(kernel: str) -> None:
-    """Compiled for sm_90 to PTX: with USE_PDL each kernel waits on the grid before it (griddepcontrol.wait), then
-    releases the one after it, both before its first access to global memory (a load, store, atomic or async copy,
-    predicated or not); without it, neither is in the code (the default launch is the kernel it was)."""
+    """Compiled for sm_90 to PTX: with USE_PDL each kernel waits on the grid before it (griddepcontrol.wait) before
+    its first access to global memory (a load, store, atomic or async copy, predicated or not), and lets the one
+    after it in only as it finishes (no griddepcontrol.launch_dependents: an early one measured 1.57x slower steps
+    on the H200); without it, neither is in the code (the default launch is the kernel it was)."""
     module, name, signature, consts = PDL_KERNELS[kernel]
     for on in (False, True):
         out = compiles(module, name, signature, {**consts, "USE_PDL": on}, ptx=True)
@@ -298,7 +299,7 @@ def test_pdl_kernels_wait_for_the_kernel_before_only_when_launched_so(kernel: st
         got = json.JSONDecoder().raw_decode(out)[0]  # stdout, then stderr's tail
         assert got["first_memory"] >= 0, (kernel, got)  # the pattern finds the kernel's memory accesses
         if on:
-            assert got["wait"] >= 1 and got["launch_dependents"] >= 1, (kernel, got)
-            assert 0 <= got["first_wait"] < got["first_launch_dependents"] < got["first_memory"], (kernel, got)
+            assert got["wait"] >= 1 and got["launch_dependents"] == 0, (kernel, got)
+            assert 0 <= got["first_wait"] < got["first_memory"], (kernel, got)
         else:
             assert got["wait"] == 0 and got["launch_dependents"] == 0, (kernel, got)
