@@ -400,7 +400,8 @@ def decode_attention(
     empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128,
     contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16:
     against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128;
-    BENCHMARKS.md). "last" is not measured yet.
+    BENCHMARKS.md). "last" measured level with "split" at batch 1 (7.5 against 7.7 us a layer at context 512), as an
+    earlier one-launch fold did, which was up to 25% slower at batches 8-64 (`LAST_FOLD_ROWS`).
 
     `walk_upto` (split and last): the rows of at most that many splits are walked, a program a row, in a launch
     before the split one, which takes the longer rows as the form says (the fold leaves the walked rows alone); the
