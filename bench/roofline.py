@@ -305,22 +305,29 @@ MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS
 KINDS = (*MODELS, "mixed")
 
 
-def replaced(row: dict, kinds) -> bool:
-    """Whether a row of an existing result is one that a run of `kinds` measures again."""
+def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
+    """Whether a row of an existing result is one that a run of `kinds` (of only these decode `batches`, where
+    given) measures again."""
     if row.get("phase") == "mixed":
         return "mixed" in kinds
+    if batches and (row.get("phase") != "decode" or row.get("batch") not in batches):
+        return False
     return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
 def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
-        pdl: bool = False, walk: str = "") -> dict:
+        pdl: bool = False, walk: str = "", batches: tuple[int, ...] = ()) -> dict:
+    """`batches`: only those decode batches of each model and no prefill rows (all where empty)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    rows = [r for r in old.get("rows", []) if not replaced(r, models)]
+    rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
     for m in models:
+        name, hf, model_batches, prefill = MODELS.get(m, (m, {}, (), ()))
+        if batches:
+            model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
-            run_model(*MODELS[m], gbps, tflops, iters,
+            run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
                       {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk} if m == "dense"
                       else {"tiled": tiled, "pdl": pdl, "walk": walk})
         torch.cuda.empty_cache()  # the model is gone with the run's frame
@@ -436,6 +443,9 @@ def main() -> None:
     parser.add_argument("--walk", default="", help="N or N:BATCH: in decode steps of at least 33 (BATCH) rows, the "
                         "decode attention walks the rows of at most N splits in one program (BLINK_DECODE_WALK; give "
                         "the run its own --out)")
+    parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
+                        "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
+                        "rows not run stay as --out has them")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
@@ -443,6 +453,13 @@ def main() -> None:
     models = tuple(m for m in args.models.split(",") if m)
     if not models or any(m not in KINDS for m in models):
         raise SystemExit(f"--models: pick from {', '.join(KINDS)}")
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+    except ValueError:
+        raise SystemExit(f"--batches: {args.batches!r}, expected comma-separated integers") from None
+    known = {b for m in models if m in MODELS for b in MODELS[m][2]}
+    if batches and not set(batches) & known:
+        raise SystemExit(f"--batches: none of {list(batches)} is a decode batch of {', '.join(models)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
     from gpu_engine.kernels.tiled_linear import resolve_tiled
@@ -451,7 +468,8 @@ def main() -> None:
     from gpu_engine.kernels.attention import decode_walk
 
     decode_walk(args.walk)  # a malformed setting fails before the run
-    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk)
+    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk,
+                 batches=batches)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

