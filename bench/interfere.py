@@ -197,7 +197,7 @@ class Interference:
 
     def __init__(self, cores: list[int] | None = None, kinds: tuple[str, ...] = ("compress", "thrash"),
                  duration_s: float | None = None, thrash_mb: int | None = None, block_kb: int = 256,
-                 grace_s: float = 1.5, per_core: int = 1, churn_mb: int = 32) -> None:
+                 grace_s: float = 5.0, per_core: int = 1, churn_mb: int = 32) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown or not kinds:
             raise ValueError(f"kinds must be among {KINDS}, got {kinds}")
