@@ -31,6 +31,7 @@
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
 # launches, /walk2 for BLINK_DECODE_WALK=2's; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
+# norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
@@ -206,6 +207,7 @@ run_step() {
         name=$(printf '%s' "$v" | tr '+:/' '_._')
         step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_$name.json"
       done ;;
+    norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;
     real_weights)
