@@ -324,8 +324,10 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
     for m in models:
         name, hf, model_batches, prefill = MODELS.get(m, (m, {}, (), ()))
-        if batches:
+        if batches and m != "mixed":
             model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
+            if not model_batches:  # none of this model's batches asked for: its rows stay as they are
+                continue
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
             run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
                       {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk} if m == "dense"
@@ -445,7 +447,8 @@ def main() -> None:
                         "the run its own --out)")
     parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
-                        "rows not run stay as --out has them")
+                        "rows not run stay as --out has them (so with settings other than its rows', give the run its "
+                        "own --out)")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
