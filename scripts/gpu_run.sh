@@ -42,10 +42,12 @@
 # T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
 # on the host may be put in .whl/ (they are installed into a private folder first). For the H200's Python 3.12,
-# made on any host (3 MB; the tokenizer assets, for the serving and peer steps, go in .whl/tokenizer-assets):
+# made on any host (about 8 MB; the tokenizer assets, for the serving and peer steps, go in .whl/tokenizer-assets):
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl msgspec==0.22.0 structlog==26.1.0 \
-#     pytest-asyncio==1.5.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet openai==3.57.0 gguf==0.19.0 safetensors==0.8.0
+#     pytest-asyncio==1.5.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet==2.1.2 gguf==0.19.0 safetensors==0.8.0 \
+#     openai==3.57.0 pydantic==2.14.4 pydantic-core==2.50.5 jiter==0.19.0 distro==1.9.0 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 anyio==4.16.0 sniffio==1.3.1
 set -u
 OUT="${1:?usage: scripts/gpu_run.sh OUTDIR [STEP ...]}"
 shift
