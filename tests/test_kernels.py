@@ -146,6 +146,32 @@ def test_decode_attention_forms_give_the_same_bits():
         attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="walked")
 
 
+def test_decode_attention_row_past_its_block_table_folds_the_table_s_splits_in_every_form():
+    """A context longer than its block table holds (a caller's error: the runner sizes tables for its longest
+    request) still gets one answer from the split and the "last" forms, with and without walked short rows: the
+    splits that have programs (the table's), folded; the fold reads no partial past them (before, it read the next
+    head's and, for the last row, past the partials' end)."""
+    kc, vc, bt, ctx = _paged([68, 64])  # 18 blocks of 4 a row (the last of row 0 unset: -1), 3 splits of 32
+    bt[0, 17] = bt[1, 16] = 39  # any valid block, so that no token is read through a -1
+    ctx[0] = 100  # 4 splits' worth: the 4th has no program; its tokens' table entries would be the next row's
+    q = torch.randn(2, 8, 16, device=DEV)
+    split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                       partition_size=32, block_n=16)
+    counters = torch.zeros(2 * 2, dtype=torch.int32, device=DEV)
+    for upto in (0, 1):
+        for form in ("split", "last"):
+            got = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                             partition_size=32, block_n=16, form=form, walk_upto=upto,
+                                             counters=counters if form == "last" else None)
+            assert torch.equal(got, split), (form, upto)
+            assert not counters.any()
+    # what it is: the row's first 96 tokens (3 splits), whose last 24 took the next row's table entries
+    wide = torch.cat([bt[0], bt[1, :6]])[None]
+    first = attention.decode_attention(q[:1], kc, vc, wide, torch.tensor([96], dtype=torch.int32, device=DEV), 0.25,
+                                       partition_size=32, block_n=16)
+    assert torch.equal(split[:1], first)
+
+
 def test_prefill_attention_varlen_with_prefix():
     lens_q = [5, 0, 19, 1]
     ctx_lens = [5, 3, 27, 9]

@@ -284,6 +284,11 @@ PDL_KERNELS = {
 }
 
 PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "last"})
+# walked short rows (`walk_upto`): the walk launch, the split launch of the long rows, and the fold that skips the rest
+PDL_KERNELS["decode_walked"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "walk",
+                                                             "WALK_UPTO": 2})
+PDL_KERNELS["decode_long_rows"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "WALK_UPTO": 2})
+PDL_KERNELS["fold_long_rows"] = (*PDL_KERNELS["fold"][:3], {**PDL_KERNELS["fold"][3], "WALK_UPTO": 2})
 
 
 @pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))

@@ -218,9 +218,12 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    n_active = tl.cdiv(tl.load(ctx_ptr + b), PART)
+    # the splits that have partials: a context past the block table's (NSPLIT splits) has none beyond them, as the
+    # "last" form counts them
+    n_splits = tl.cdiv(tl.load(ctx_ptr + b), PART)
+    n_active = tl.minimum(n_splits, NSPLIT)
     if WALK_UPTO > 0:
-        if n_active > WALK_UPTO:
+        if n_splits > WALK_UPTO:  # as the walk and split launches choose
             _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G,
                       BLOCK_D)
     else:
