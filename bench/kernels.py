@@ -283,13 +283,24 @@ def prep_rows(gbps: float) -> list[dict]:
 
 
 ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_stages); the first is the runner's;
-    # "form<=N": rows of at most N splits walked by one program (walk_upto)
+    # "form<=N": rows of at most N splits walked by one program (walk_upto); "*P": P programs a row and KV head (lanes)
     "p256_bn128": (256, 128, "split", 4, None), "p256_bn128_walk": (256, 128, "walk", 4, None),
     "p256_bn128_last": (256, 128, "last", 4, None), "p256_bn128_walk2": (256, 128, "split<=2", 4, None),
     "p256_bn128_walk4": (256, 128, "split<=4", 4, None), "p256_bn128_last_walk2": (256, 128, "last<=2", 4, None),
+    "p256_bn128_lanes2": (256, 128, "split*2", 4, None), "p256_bn128_lanes4": (256, 128, "split*4", 4, None),
+    "p256_bn128_walk2_lanes4": (256, 128, "split<=2*4", 4, None),
     "p256_bn64": (256, 64, "split", 4, None), "p128_bn128": (128, 128, "split", 4, None),
     "p256_bn128_s1": (256, 128, "split", 4, 1), "p256_bn128_s2": (256, 128, "split", 4, 2),
     "p256_bn128_w8": (256, 128, "split", 8, None), "p256_bn64_s1": (256, 64, "split", 4, 1)}
+
+
+def attention_variant(name: str) -> dict:
+    """`decode_attention`'s keywords for an `ATTENTION_VARIANTS` entry."""
+    part, bn, variant, warps, stages = ATTENTION_VARIANTS[name]
+    walked, _, lanes = variant.partition("*")
+    form, _, upto = walked.partition("<=")
+    return {"partition_size": part, "block_n": bn, "form": form, "num_warps": warps, "num_stages": stages,
+            "walk_upto": int(upto or 0), "lanes": int(lanes or 0)}
 
 
 def served_contexts(batch: int, seed: int = 0) -> list[int]:
@@ -317,7 +328,9 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
     second launch (the runner's form), or by the last of them to finish (`_last`, the fused runner's), or walked by
     one program (`_walk`), or walked where a row has at most 2 or 4 splits and split past that (`_walk2`, `_walk4`,
-    `_last_walk2`: BLINK_DECODE_WALK's), and the split form's programs with their tiles staged 1 or 2 deep (`_s1`,
+    `_last_walk2`: BLINK_DECODE_WALK's), or split by 2 or 4 programs a row and KV head that take its splits in turn
+    (`_lanes2`, `_lanes4`, `_walk2_lanes4`: BLINK_DECODE_LANES's; the table's 33 splits otherwise have a program
+    each, most of which exit at once), and the split form's programs with their tiles staged 1 or 2 deep (`_s1`,
     `_s2`) or with 8 warps (`_w8`). Contexts equal (512 or 2,048) or as a
     served step's are (`served_contexts`, context -1 in the rows; `context_mean`). Block tables `width` blocks wide
     (8,208 tokens), as a runner's are, whatever the context."""
@@ -335,13 +348,11 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
         counters = torch.zeros(B * hkv, device="cuda", dtype=torch.int32)  # the "last" form's, zero at rest
         nbytes = 2 * sum(lens) * hkv * 128 * 2 + 2 * _nbytes(q)
         equal = len(set(lens)) == 1
-        for name, (part, bn, variant, warps, stages) in ATTENTION_VARIANTS.items():
-            form, _, upto = variant.partition("<=")
-            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, part=part, bn=bn, form=form,
-                          warps=warps, stages=stages, c=counters, upto=int(upto or 0):
-                          decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o, block_n=bn, form=form,
-                                           partition_size=part, num_warps=warps, num_stages=stages,
-                                           counters=c if form == "last" else None, walk_upto=upto))
+        for name in ATTENTION_VARIANTS:
+            how = attention_variant(name)
+            ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=ctx_lens, o=out, c=counters, how=how:
+                          decode_attention(q, kc, vc, t, n, 128 ** -0.5, out=o,
+                                           counters=c if how["form"] == "last" else None, **how))
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": lens[0] if equal else -1,
                          "context_mean": sum(lens) / B, "context_max": max(lens), "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})

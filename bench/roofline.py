@@ -32,6 +32,8 @@ rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: 
 kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
 `--walk N`: the decode attention's rows of at most N splits walked in one program at batches of 33 and more, as
 `BLINK_DECODE_WALK` has the engine do (`kernels.attention.decode_walk`; the file's `walk` and `moe_walk` keys).
+`--lanes P`: the decode attention's split launch with P programs a row and KV head at batches of 33 and more, as
+`BLINK_DECODE_LANES` has the engine do (`kernels.attention.decode_lanes`; the file's `lanes` and `moe_lanes` keys).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -316,7 +318,7 @@ def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
 
 
 def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
-        pdl: bool = False, walk: str = "", batches: tuple[int, ...] = ()) -> dict:
+        pdl: bool = False, walk: str = "", batches: tuple[int, ...] = (), lanes: str = "") -> dict:
     """`batches`: only those decode batches of each model and no prefill rows (all where empty)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
@@ -330,8 +332,8 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
                 continue
         rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
             run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
-                      {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk} if m == "dense"
-                      else {"tiled": tiled, "pdl": pdl, "walk": walk})
+                      {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes} if m == "dense"
+                      else {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes})
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -340,15 +342,19 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    if "moe" in models:  # moe_pdl / moe_tiled / moe_walk: the MoE rows' settings (absent: not, cuBLAS, not)
-        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled), ("moe_walk", walk or None)):
+    if "moe" in models:  # moe_pdl / moe_tiled / moe_walk / moe_lanes: the MoE rows' settings (absent: not, cuBLAS,
+        # not, a program a split)
+        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled), ("moe_walk", walk or None),
+                           ("moe_lanes", lanes or None)):
             result.pop(key, None)
             result.update({} if value is None else {key: value})
     if "dense" in models:  # how the dense rows ran; a key absent is the default (cuBLAS, no PDL)
         # skinny: their linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS); tiled: the tiled
         # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL; walk:
-        # the decode attention's short rows walked (kernels.attention.decode_walk)
-        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None), ("walk", walk or None)):
+        # the decode attention's short rows walked (kernels.attention.decode_walk); lanes: its programs a row and KV
+        # head (kernels.attention.decode_lanes)
+        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None), ("walk", walk or None),
+                           ("lanes", lanes or None)):
             if value is None:
                 result.pop(key, None)
             else:
@@ -445,6 +451,9 @@ def main() -> None:
     parser.add_argument("--walk", default="", help="N or N:BATCH: in decode steps of at least 33 (BATCH) rows, the "
                         "decode attention walks the rows of at most N splits in one program (BLINK_DECODE_WALK; give "
                         "the run its own --out)")
+    parser.add_argument("--lanes", default="", help="P or P:BATCH: in decode steps of at least 33 (BATCH) rows, the "
+                        "decode attention's split launch runs P programs a row and KV head (BLINK_DECODE_LANES; give "
+                        "the run its own --out)")
     parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
                         "rows not run stay as --out has them (so with settings other than its rows', give the run its "
@@ -468,11 +477,12 @@ def main() -> None:
     from gpu_engine.kernels.tiled_linear import resolve_tiled
 
     tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
-    from gpu_engine.kernels.attention import decode_walk
+    from gpu_engine.kernels.attention import decode_lanes, decode_walk
 
     decode_walk(args.walk)  # a malformed setting fails before the run
+    decode_lanes(args.lanes)
     result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk,
-                 batches=batches)
+                 batches=batches, lanes=args.lanes)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

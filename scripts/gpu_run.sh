@@ -29,7 +29,7 @@
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches, /walk2 for BLINK_DECODE_WALK=2's; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
+# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
@@ -206,6 +206,7 @@ run_step() {
             case "$flag" in
               pdl) extra+=(--pdl) ;;
               walk*) extra+=(--walk "${flag#walk}") ;;
+              lanes*) extra+=(--lanes "${flag#lanes}") ;;
               *) summary "roofline_variants: unknown flag /$flag in $v, skipped"; continue 2 ;;
             esac
           done

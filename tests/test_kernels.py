@@ -137,8 +137,19 @@ def test_decode_attention_forms_give_the_same_bits():
                                                 counters=counters if form == "last" else None)
             assert torch.equal(hybrid, split), (upto, form)
             assert not counters.any()
-    for bad in ({"walk_upto": -1}, {"walk_upto": 2, "form": "walk"}):
-        with pytest.raises(ValueError, match="walk_upto"):
+    # fewer programs than splits (lanes): each lane computes every lanes-th split, stored as its own program would
+    # (the table has 5 splits of 32; rows of 0-5 splits), with and without walked short rows
+    for lanes in (1, 2, 3, 5, 9):
+        for form in ("split", "last"):
+            for upto in (0, 2):
+                laned = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                                   partition_size=32, block_n=16, form=form, walk_upto=upto,
+                                                   lanes=lanes, counters=counters if form == "last" else None)
+                assert torch.equal(laned, split), (lanes, form, upto)
+                assert not counters.any()
+    for bad, word in (({"walk_upto": -1}, "walk_upto"), ({"walk_upto": 2, "form": "walk"}, "walk_upto"),
+                      ({"lanes": -1}, "lanes"), ({"lanes": 2, "form": "walk"}, "lanes")):
+        with pytest.raises(ValueError, match=word):
             attention.decode_attention(q, kc, vc, bt, ctx, 0.25, **bad)
     assert not split[2].any()
     _close(split, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)

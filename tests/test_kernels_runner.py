@@ -113,6 +113,40 @@ def test_walked_short_rows_give_the_split_form_s_logits(family, tiled):
             _setup("llama", walk=bad)
 
 
+def test_decode_lanes_give_the_split_form_s_logits(monkeypatch):
+    """BLINK_DECODE_LANES=1:2: a decode step of 2 rows runs one program a row and KV head over its splits (128 tokens
+    each here, two a row) instead of one a split; the logits have the split form's bits, and the setting reaches the
+    decode attention only from its least batch on."""
+    import gpu_engine.gpu.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "decode_partition", lambda batch, kv_heads: 128)
+    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
+    model = build_empty(cfg, torch.float32, "cpu")
+    init_random(model, 0)
+    kv = KVCache(cfg, 120, 4)
+    g = torch.Generator().manual_seed(5)
+    for layer in range(cfg.num_layers):  # a context the step did not write: the same cache for both forms
+        kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=g))
+        kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=g))
+    runner = GpuModelRunner(model, kv, RunnerLimits(4, 32, 64), lanes="1:2")  # tables of 256 tokens: 2 splits
+    assert (runner.lanes, runner.lanes_from) == (1, 2)
+    assert runner.decode_form(1)["lanes"] == 0 and runner.decode_form(2)["lanes"] == 1
+    seqs = [(199, 1, list(range(50))), (254, 1, list(range(50, 114)))]
+    meta = build_metadata(seqs, 4)
+    ids = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+    logits = []
+    for lanes_from in (5, 2):  # past the step's rows: a program a split; then one program a row and KV head
+        runner.lanes_from = lanes_from
+        runner.buffers.logits.fill_(float("nan"))
+        runner.stage(ids, meta)
+        runner.forward(4, 4, True)
+        logits.append(runner.buffers.logits[:2].clone())
+    assert not logits[0].isnan().any() and torch.equal(logits[1], logits[0])
+    for bad in ("x", "2:0", "2:", "-1"):
+        with pytest.raises(ValueError, match="decode lanes"):
+            GpuModelRunner(model, kv, RunnerLimits(4, 32, 64), lanes=bad)
+
+
 def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():
     with pytest.raises(ValueError, match="skinny"):
         _setup("llama", "fma_tiny")

@@ -96,18 +96,20 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("form", "walk_upto"), [("split", 0), ("last", 0), ("walk", 0), ("split", 2), ("last", 2),
-                                               ("walk", 2)])
+@pytest.mark.parametrize(("form", "walk_upto", "laned"),
+                         [("split", 0, False), ("last", 0, False), ("walk", 0, False), ("split", 2, False),
+                          ("last", 2, False), ("walk", 2, False), ("split", 0, True), ("last", 2, True)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str, walk_upto: int) -> None:
+def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str, walk_upto: int, laned: bool) -> None:
     """The decode attention in its three forms (a program per split; the same with the last to finish folding, an
-    atomic count; a row walked by one program), the first two with short rows walked, at the runner's shape, and the
-    fold of the partials."""
+    atomic count; a row walked by one program), the first two with short rows walked and with fewer programs than
+    splits (lanes), at the runner's shape, and the fold of the partials."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
            f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "WALK_UPTO": walk_upto, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False}
+              "FORM": form, "WALK_UPTO": walk_upto, "PREC": "ieee" if dtype == "fp32" else "tf32", "USE_PDL": False,
+              "LANED": laned}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
@@ -254,7 +256,7 @@ PDL_KERNELS = {
                     "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
                     "scale_log2:fp32 NSPLIT:i32"),
                {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-                "FORM": "split", "WALK_UPTO": 0, "PREC": "tf32"}),
+                "FORM": "split", "WALK_UPTO": 0, "PREC": "tf32", "LANED": False}),
     "fold": ("gpu_engine.kernels.attention", "_fold_kernel",
              _sig("po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*bf16 so_b:i32 so_h:i32 NSPLIT:i32"),
              {"HKV": 8, "D": 128, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "WALK_UPTO": 0}),
@@ -288,6 +290,7 @@ PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode
 PDL_KERNELS["decode_walked"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "walk",
                                                              "WALK_UPTO": 2})
 PDL_KERNELS["decode_long_rows"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "WALK_UPTO": 2})
+PDL_KERNELS["decode_laned"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "LANED": True})
 PDL_KERNELS["fold_long_rows"] = (*PDL_KERNELS["fold"][:3], {**PDL_KERNELS["fold"][3], "WALK_UPTO": 2})
 
 

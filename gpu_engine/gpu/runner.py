@@ -30,6 +30,7 @@ from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import (
     LAST_FOLD_ROWS,
     decode_attention,
+    decode_lanes,
     decode_partition,
     decode_walk,
     prefill_attention,
@@ -277,7 +278,7 @@ class GpuModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
                  quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
-                 tiled: str | None = None, pdl: bool = False, walk: str = "") -> None:
+                 tiled: str | None = None, pdl: bool = False, walk: str = "", lanes: str = "") -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -300,7 +301,10 @@ class GpuModelRunner:
         sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
         `bench/roofline.py --pdl`). `walk` (`kernels.attention.decode_walk`, e.g. "2"): in decode steps of at least
         33 rows (or "N:ROWS"), decode attention walks the rows of at most N splits in one program each and splits
-        the longer ones (`decode_attention`'s `walk_upto`; the same bits)."""
+        the longer ones (`decode_attention`'s `walk_upto`; the same bits). `lanes` (`kernels.attention.decode_lanes`,
+        e.g. "2"): in decode steps of at least 33 rows (or "P:ROWS"), the split launch runs P programs a row and KV
+        head, each computing every P-th split, instead of one a split (`decode_attention`'s `lanes`; the same
+        bits)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -337,6 +341,7 @@ class GpuModelRunner:
                              f"later (griddepcontrol), the model is on {self.device}")
         self.pdl = pdl
         self.walk_upto, self.walk_from = decode_walk(walk)
+        self.lanes, self.lanes_from = decode_lanes(lanes)
         # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
         self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
@@ -480,11 +485,13 @@ class GpuModelRunner:
     def decode_form(self, batch: int) -> dict[str, Any]:
         """How the decode attention of a step with `batch` decode rows runs (`decode_attention`'s keywords): its
         split size; the fused runner's one-row steps fold in the split launch (`LAST_FOLD_ROWS`); from
-        `walk_from` rows, rows of at most `walk_upto` splits are walked. Every choice gives the same bits."""
+        `walk_from` rows, rows of at most `walk_upto` splits are walked; from `lanes_from` rows, `lanes` programs a
+        row and KV head take its splits in turn. Every choice gives the same bits."""
         fold_here = self.fusion is not None and batch <= LAST_FOLD_ROWS
         return {"partition_size": decode_partition(batch, self.config.num_kv_heads),
                 "form": "last" if fold_here else "split", "counters": self.attn_counters if fold_here else None,
-                "walk_upto": self.walk_upto if batch >= self.walk_from else 0}
+                "walk_upto": self.walk_upto if batch >= self.walk_from else 0,
+                "lanes": self.lanes if batch >= self.lanes_from else 0}
 
     def qkv_heads(self, i: int, w: LayerWeights, tokens: int) -> Heads | None:
         """Where layer i's q/k norms, RoPE and KV cache write go into its qkv product for a step of `tokens` rows (a

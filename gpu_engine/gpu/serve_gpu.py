@@ -25,7 +25,7 @@ from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
-from gpu_engine.kernels.attention import decode_walk
+from gpu_engine.kernels.attention import decode_lanes, decode_walk
 from gpu_engine.kernels.tiled_linear import resolve_tiled
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
@@ -100,6 +100,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     # an unknown name fails here, before the weights load
     tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
     decode_walk(env.env().decode_walk)  # a malformed BLINK_DECODE_WALK fails here too
+    decode_lanes(env.env().decode_lanes)  # and BLINK_DECODE_LANES
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
              gpu_weights=cfg.gpu_weights)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
@@ -126,9 +127,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
     log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl,
-             decode_walk=env.env().decode_walk or None)
+             decode_walk=env.env().decode_walk or None, decode_lanes=env.env().decode_lanes or None)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk)
+                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

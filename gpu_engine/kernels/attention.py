@@ -116,16 +116,18 @@ def _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, 
 
 
 @triton.jit
-def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d, gmask,
-                   omask, run_acc, run_l, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT, heads, d,
+                   gmask, omask, run_acc, run_l, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, PART: tl.constexpr, FORM: tl.constexpr):
-    """After a split program's split: "last", the last of the (row, KV head)'s programs to finish folds the row's
-    partials and stores its output; "split" leaves them to `_fold_kernel`."""
+    """After a split program's splits (lane `lo` of `lanes`): "last", the last of the (row, KV head)'s programs that
+    computed a split to finish folds the row's partials and stores its output; "split" leaves them to
+    `_fold_kernel`."""
     if FORM == "last":
         # the splits that have a program (a context past the block table's would leave a count never reset)
         n_active = tl.minimum(tl.cdiv(n_ctx, PART), NSPLIT)
-        if lo < n_active:
-            if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
+        if lo < n_active:  # so lo < lanes: the lanes that computed a split count, each once (lanes >= NSPLIT:
+            # a program a split)
+            if last_to_finish(cnt_ptr + b * HKV + kvh, tl.minimum(n_active, lanes)):
                 base = (b * (HKV * G) + heads) * NSPLIT
                 run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
                 _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
@@ -139,7 +141,7 @@ def _decode_kernel(
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr, LANED: tl.constexpr,
 ):
     """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
     `_fold_kernel`; "last", the same, and the last of a (row, KV head)'s programs to finish (an atomic count a
@@ -148,7 +150,9 @@ def _decode_kernel(
     then writes the output. A split's partial is the same whichever program computes it. WALK_UPTO > 0: "walk" takes
     only the rows of at most that many splits, "split" and "last" only the others (`decode_attention`'s `walk_upto`
     launches both; one kernel holding both paths, either as a branch inside its loop or as two loops, measured
-    10-27% slower than either form alone on the H200, the rows of neither form excepted)."""
+    10-27% slower than either form alone on the H200, the rows of neither form excepted). LANED ("split" and
+    "last"): the launch has fewer programs a (row, KV head) than the table has splits, and program l computes splits
+    l, l + lanes, ... (`decode_attention`'s `lanes`); without it the loop is the one-split loop as measured."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,20 +183,27 @@ def _decode_kernel(
             _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
     else:
         lo = tl.program_id(2)
-        hi = tl.minimum(lo + 1, n_splits)
+        lanes = NSPLIT
+        step = 1
+        if LANED:  # lane lo computes splits lo, lo + lanes, ... of the table's NSPLIT
+            lanes = tl.num_programs(2)
+            step = lanes
+            hi = tl.minimum(n_splits, NSPLIT)
+        else:  # a program a split (the loop as it was measured, whose code LANED leaves alone)
+            hi = tl.minimum(lo + 1, n_splits)
         if WALK_UPTO > 0:  # the long rows only (a walk launch takes the others)
             hi = tl.where(n_splits > WALK_UPTO, hi, 0)
-        for s in range(lo, hi):
+        for s in range(lo, hi, step):
             acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
                                        BLOCK_D, PART, BLOCK_N, PREC)
             _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
         if WALK_UPTO > 0:
             if n_splits > WALK_UPTO:
-                _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads,
-                               d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
+                _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT,
+                               heads, d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
         else:
-            _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, n_ctx, so_b, so_h, NSPLIT, heads, d,
-                           gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
+            _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT,
+                           heads, d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
 
 
 @triton.jit
@@ -376,11 +387,23 @@ def decode_walk(setting: str) -> tuple[int, int]:
     return int(upto), int(least) if sep else WALK_FROM
 
 
+def decode_lanes(setting: str) -> tuple[int, int]:
+    """(`lanes`, least batch) from a setting (`BLINK_DECODE_LANES`, `bench/roofline.py --lanes`): "" or "0", a
+    program a split; "P", P programs a (row, KV head) in decode steps of at least `WALK_FROM` rows; "P:B", in steps
+    of at least B rows. Any count gives the same bits, so the choice by step size keeps a request's tokens
+    independent of its neighbours."""
+    count, sep, least = (setting.strip() or "0").partition(":")
+    if not count.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
+        raise ValueError(f"decode lanes: {setting!r}, expected P or P:BATCH (programs a row and KV head, and the "
+                         f"least batch, >= 1)")
+    return int(count), int(least) if sep else WALK_FROM
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
     num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, counters: torch.Tensor | None = None,
-    walk_upto: int = 0,
+    walk_upto: int = 0, lanes: int = 0,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -410,7 +433,13 @@ def decode_attention(
     before the split one, which takes the longer rows as the form says (the fold leaves the walked rows alone); the
     same bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7
     us at batch 64 / 128, and a short row walked leaves a served step's long rows split. In one kernel (a branch of
-    the split program) it measured slower than both forms; as two launches it is not measured yet."""
+    the split program) it measured slower than both forms; as two launches it is not measured yet.
+
+    `lanes` (split and last; 0: a program a split): `lanes` programs a (row, KV head), lane l computing splits l,
+    l + lanes, ... and storing each one's partial as a program of its own would, so the bits are the same for any
+    count. The split launch is (rows x KV heads x the table's splits) programs, and those past a row's context
+    exit at once: at batch 128 and context 512 in a table of 2,048 tokens, 6,144 of 8,192. Fewer lanes launch
+    fewer programs at a price: a long row's splits run in turn within its lanes. Not measured yet."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -422,6 +451,8 @@ def decode_attention(
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
     if walk_upto < 0 or (walk_upto and form == "walk"):
         raise ValueError(f"walk_upto: a count of splits >= 0 for the split and last forms, got {walk_upto} ({form})")
+    if lanes < 0 or (lanes and form == "walk"):
+        raise ValueError(f"lanes: a count of programs >= 0 for the split and last forms, got {lanes} ({form})")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
     bd = next_pow2(D)
@@ -443,15 +474,16 @@ def decode_attention(
         _decode_kernel[(B, hkv)](
             q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out, q.stride(0), q.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit, BS=bs, BLOCK_N=block_n,
-            FORM="walk", WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl, num_warps=num_warps, **consts,
+            FORM="walk", WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl, LANED=False, num_warps=num_warps,
+            **consts,
             **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
         )
-    grid = (B, hkv) if walk else (B, hkv, nsplit)
+    grid = (B, hkv) if walk else (B, hkv, lanes if 0 < lanes < nsplit else nsplit)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
         BS=bs, BLOCK_N=block_n, FORM=form, WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl,
-        num_warps=num_warps, **consts,
+        LANED=bool(lanes) and not walk and lanes < nsplit, num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
     )
     if form == "split":

@@ -1,0 +1,47 @@
+"""bench.kernels' decode-attention cases without a GPU: each variant it times, given as keywords by
+`attention_variant`, runs in the Triton interpreter and gives the runner's form's result (the same bits where only
+the launch differs: walked short rows, lanes, the last program's fold; within rounding where the split size, tile or
+staging differs), so that a broken case shows here, not in a GPU run."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import bench.kernels as bk  # noqa: E402
+from gpu_engine.kernels.attention import decode_attention  # noqa: E402
+
+
+def test_every_attention_variant_gives_the_runner_form_s_result():
+    g = torch.Generator().manual_seed(0)
+    lens, bs, hkv, d = [700, 1, 300, 0, 520], 16, 2, 16
+    width = 48  # 768 tokens: 3 splits of 256 in the table, rows of 0-3 splits
+    kc = torch.randn(100, bs, hkv, d, generator=g)  # the rows take 97 blocks
+    vc = torch.randn(100, bs, hkv, d, generator=g)
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = torch.arange(used, used + nb, dtype=torch.int32)
+        used += nb
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 8, d, generator=g)
+    runner = bk.attention_variant(next(iter(bk.ATTENTION_VARIANTS)))
+    assert runner == {"partition_size": 256, "block_n": 128, "form": "split", "num_warps": 4, "num_stages": None,
+                      "walk_upto": 0, "lanes": 0}
+    want = decode_attention(q, kc, vc, tables, ctx, 0.25, **runner)
+    assert not want.isnan().any() and not want[3].any()  # the empty row: zeros
+    assert bk.attention_variant("p256_bn128_walk2_lanes4")["walk_upto"] == 2
+    assert bk.attention_variant("p256_bn128_walk2_lanes4")["lanes"] == 4
+    for name in bk.ATTENTION_VARIANTS:
+        how = bk.attention_variant(name)
+        counters = torch.zeros(len(lens) * hkv, dtype=torch.int32) if how["form"] == "last" else None
+        got = decode_attention(q, kc, vc, tables, ctx, 0.25, out=torch.full_like(q, float("nan")), counters=counters,
+                               **how)
+        if (how["partition_size"], how["block_n"]) == (256, 128):
+            assert torch.equal(got, want), name
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert counters is None or not counters.any()
