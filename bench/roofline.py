@@ -324,16 +324,18 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
+    settings = {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes}
     for m in models:
-        name, hf, model_batches, prefill = MODELS.get(m, (m, {}, (), ()))
-        if batches and m != "mixed":
-            model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
-            if not model_batches:  # none of this model's batches asked for: its rows stay as they are
-                continue
-        rows += run_mixed(gbps, tflops, iters) if m == "mixed" else \
-            run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
-                      {"skinny": skinny, "tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes} if m == "dense"
-                      else {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes})
+        if m == "mixed":
+            rows += run_mixed(gbps, tflops, iters)
+        else:
+            name, hf, model_batches, prefill = MODELS[m]
+            if batches:
+                model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
+                if not model_batches:  # none of this model's batches asked for: its rows stay as they are
+                    continue
+            rows += run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
+                              {"skinny": skinny, **settings} if m == "dense" else settings)
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}

@@ -376,15 +376,21 @@ LAST_FOLD_ROWS = 1
 WALK_FROM = 33  # the decode steps `decode_walk` gives walked short rows by default: two programs an SM and more
 
 
+def _count_from(setting: str, what: str, letter: str, unit: str) -> tuple[int, int]:
+    """(count, least batch) from "" or "0" (none), "N" (from `WALK_FROM` rows) or "N:B" (from B rows)."""
+    count, sep, least = (setting.strip() or "0").partition(":")
+    if not count.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
+        raise ValueError(f"decode {what}: {setting!r}, expected {letter} or {letter}:BATCH ({unit}, and the least "
+                         f"batch, >= 1)")
+    return int(count), int(least) if sep else WALK_FROM
+
+
 def decode_walk(setting: str) -> tuple[int, int]:
     """(`walk_upto`, least batch) from a setting (`BLINK_DECODE_WALK`, `bench/roofline.py --walk`): "" or "0", no
     row walked; "N", rows of at most N splits walked in decode steps of at least `WALK_FROM` rows; "N:B", in steps of
     at least B rows. Walking a row or splitting it gives the same bits, so the choice by step size keeps a request's
     tokens independent of its neighbours."""
-    upto, sep, least = (setting.strip() or "0").partition(":")
-    if not upto.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
-        raise ValueError(f"decode walk: {setting!r}, expected N or N:BATCH (splits, and the least batch, >= 1)")
-    return int(upto), int(least) if sep else WALK_FROM
+    return _count_from(setting, "walk", "N", "splits")
 
 
 def decode_lanes(setting: str) -> tuple[int, int]:
@@ -392,11 +398,7 @@ def decode_lanes(setting: str) -> tuple[int, int]:
     program a split; "P", P programs a (row, KV head) in decode steps of at least `WALK_FROM` rows; "P:B", in steps
     of at least B rows. Any count gives the same bits, so the choice by step size keeps a request's tokens
     independent of its neighbours."""
-    count, sep, least = (setting.strip() or "0").partition(":")
-    if not count.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
-        raise ValueError(f"decode lanes: {setting!r}, expected P or P:BATCH (programs a row and KV head, and the "
-                         f"least batch, >= 1)")
-    return int(count), int(least) if sep else WALK_FROM
+    return _count_from(setting, "lanes", "P", "programs a row and KV head")
 
 
 def decode_attention(
@@ -478,12 +480,13 @@ def decode_attention(
             **consts,
             **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
         )
-    grid = (B, hkv) if walk else (B, hkv, lanes if 0 < lanes < nsplit else nsplit)
+    laned = 0 < lanes < nsplit  # fewer programs than the table's splits (never with "walk": refused above)
+    grid = (B, hkv) if walk else (B, hkv, lanes if laned else nsplit)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
         BS=bs, BLOCK_N=block_n, FORM=form, WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl,
-        LANED=bool(lanes) and not walk and lanes < nsplit, num_warps=num_warps, **consts,
+        LANED=laned, num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
     )
     if form == "split":
