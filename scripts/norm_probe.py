@@ -12,6 +12,10 @@ probe times one loop in five forms (a constexpr MODE of one kernel, else the sam
     both      weight and squares: the fused norm as the engine has it
     prologue  1 / RMS from a loop over x before the main loop (x is small and stays in L2), the norm's weight folded
               into w beforehand (w * weight along K), then the plain loop: a design whose loop is the plain one's
+    dotsq     the squares as the diagonal of x @ x.T, a second small dot on the same x tile (its fp32 sums of exact
+              bf16 products), so that x never leaves the dot's operands
+    both_dot  weight, with the squares as dotsq takes them
+    fold_dot  the norm's weight folded into w (as prologue) and the squares as dotsq: the plain loop and one more dot
 
 beside the engine's own `tiled_linear` plain and with `norm=` (the same configuration), at 1 and 8 rows. Each form is
 checked against a float32 reference first (outputs poisoned with NaN), then timed in a CUDA graph that cycles through
@@ -38,19 +42,21 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-MODES = ("plain", "weight", "squares", "both", "prologue")
+MODES = ("plain", "weight", "squares", "both", "prologue", "dotsq", "both_dot", "fold_dot")
+FOLDED = ("prologue", "fold_dot")  # the modes that take w with the norm's weight in it
 EPS = 1e-5
 
 
 @triton.jit
 def _probe_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, N, K, eps, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """out [M, N] = the MODE's product of x [M, K] and w [N, K] (module docstring); a program per BLOCK_N columns."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # dotsq, both_dot, fold_dot: x @ x.T, its diagonal the squares
     if MODE == 4:  # prologue: the rows' squares first, from x alone
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -64,10 +70,14 @@ def _probe_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, N, K, eps, MODE: tl.constexp
         if MODE == 2 or MODE == 3:
             xf = x.to(tl.float32)
             sq += xf * xf
-        if MODE == 1 or MODE == 3:
+        if MODE >= 5:
+            gram += tl.dot(x, tl.trans(x), input_precision=PREC)
+        if MODE == 1 or MODE == 3 or MODE == 6:
             nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * nw[None, :]).to(x_ptr.dtype.element_ty)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+    if MODE >= 5:
+        sq = tl.where(m[:, None] == tl.arange(0, BLOCK_M)[None, :], gram, 0.0)
     if MODE >= 2:
         acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -81,7 +91,8 @@ def probe(x: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, out: torch.Tensor,
     N = w.shape[0]
     block_m = max(16, triton.next_power_of_2(M))
     _probe_kernel[(triton.cdiv(N, block_n),)](x, w, nw, out, M, N, K, EPS, MODE=MODES.index(mode), BLOCK_M=block_m,
-                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                                              BLOCK_N=block_n, BLOCK_K=block_k,
+                                              PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
                                               num_stages=num_stages)
     return out
 
@@ -94,9 +105,9 @@ def reference(x: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, mode: str) -> 
         return xf @ wf.T
     if mode == "weight":
         return (xf * nwf) @ wf.T
-    if mode == "squares":
+    if mode in ("squares", "dotsq"):
         return xf @ wf.T * rstd
-    return (xf * nwf) @ wf.T * rstd  # both, prologue (w * nw folded: the same product)
+    return (xf * nwf) @ wf.T * rstd  # both, both_dot, prologue and fold_dot (w * nw folded: the same product)
 
 
 def check(modes, x, w, w_folded, nw, cfg, device: str) -> dict[str, float]:
@@ -105,7 +116,7 @@ def check(modes, x, w, w_folded, nw, cfg, device: str) -> dict[str, float]:
     errs = {}
     for mode in modes:
         out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=device)
-        probe(x, w_folded if mode == "prologue" else w, nw, out, mode, *cfg)
+        probe(x, w_folded if mode in FOLDED else w, nw, out, mode, *cfg)
         want = reference(x, w, nw, mode)
         err = float((out.float() - want).abs().max() / want.abs().max())
         if not err < 1e-2:
@@ -135,13 +146,6 @@ def _time_us(fn, copies: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def copy_gbps(iters: int) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = _time_us(lambda i: b.copy_(a), 1, iters)
-    return 2 * a.numel() / (us * 1e-6) / 1e9
-
-
 def time_forms(x, ws, folded, nw, cfg, c, iters: int) -> dict[str, float]:
     """us a call of each probe form, and of the engine's tiled linear plain and with the norm (configuration `c`),
     each cycling through the weight copies `ws` (`folded`: the same with the norm's weight in them)."""
@@ -151,7 +155,7 @@ def time_forms(x, ws, folded, nw, cfg, c, iters: int) -> dict[str, float]:
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     times = {}
     for mode in MODES:
-        src = folded if mode == "prologue" else ws
+        src = folded if mode in FOLDED else ws
         times[mode] = _time_us(lambda i, mode=mode, src=src: probe(x, src[i], nw, out, mode, *cfg), len(ws), iters)
     eng = dict(block_n=c.block_n, block_k=c.block_k, per_sm=c.per_sm, num_warps=c.num_warps, num_stages=c.num_stages,
                scratch=tiled_scratch([(N, K)], [c], x.device))
@@ -190,7 +194,9 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "shape": [N, K], "dtype": args.dtype,
               "config": args.config, "triton": triton.__version__, "rows": []}
     if dev == "cuda" and not args.check_only:
-        result["copy_gbps"] = copy_gbps(args.iters)
+        from bench.kernels import copy_gbps  # timed outside a graph: a captured copy is not the ceiling
+
+        result["copy_gbps"] = copy_gbps()
     for M in (int(r) for r in args.rows.split(",")):
         x = torch.randn(M, K, device=dev).to(dt)
         block_m = max(16, triton.next_power_of_2(M))

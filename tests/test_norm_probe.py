@@ -19,5 +19,5 @@ def test_every_form_of_the_norm_probe_matches_its_reference() -> None:
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert [r["rows"] for r in rows] == [1, 3]
     for r in rows:
-        assert set(r["errors"]) == {"plain", "weight", "squares", "both", "prologue"}
+        assert set(r["errors"]) == {"plain", "weight", "squares", "both", "prologue", "dotsq", "both_dot", "fold_dot"}
         assert max(r["errors"].values()) < 1e-5, r

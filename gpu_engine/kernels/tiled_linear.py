@@ -43,14 +43,22 @@ SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
 
 
 @triton.jit
-def _weighted(x, sq, nw_ptr, k, K):
-    """An x tile times the RMSNorm weight (rounded to x's dtype, for the dot), and the squares of its own added into
-    `sq` ([BLOCK_M, BLOCK_K] fp32, summed over K once after the loop: a reduction across the tile every step measured
-    1.8x the product's time on the H200): the 1 / RMS scales the product after the loop (`_rms_scale`), so no pass
-    over the rows comes before the weight's first tile."""
-    xf = x.to(tl.float32)
+def _weighted(x, gram, nw_ptr, k, K, PREC: tl.constexpr):
+    """An x tile times the RMSNorm weight (rounded to x's dtype, for the dot), and its Gram product x @ x.T added into
+    `gram` ([BLOCK_M, BLOCK_M] fp32), whose diagonal is the rows' sums of squares (`_diagonal`, once after the loop):
+    the 1 / RMS scales the product after the loop (`_rms_scale`), so no pass over the rows comes before the weight's
+    first tile. The squares taken as a second small dot keep x among the dot's operands: squared and summed in
+    registers every step they cost the H200 1.7-1.8x the product's time (`scripts/norm_probe.py`: gate_up at one row
+    102 us with the squares against 58 plain), the weight's product alone nothing there."""
     nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return (xf * nw[None, :]).to(x.dtype), sq + xf * xf
+    return (x.to(tl.float32) * nw[None, :]).to(x.dtype), gram + tl.dot(x, tl.trans(x), input_precision=PREC)
+
+
+@triton.jit
+def _diagonal(gram, BLOCK_M: tl.constexpr):
+    """The [BLOCK_M] diagonal of a [BLOCK_M, BLOCK_M] tile."""
+    i = tl.arange(0, BLOCK_M)
+    return tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1)
 
 
 @triton.jit
@@ -96,7 +104,7 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
     rows = w_ptr + n[:, None].to(tl.int64) * sw
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: the up half's sums (rows N.. of w)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # NORM: the rows' squares over this slice of K, summed after
+    gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # NORM: x @ x.T over this slice of K, the squares its diagonal
     k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -104,14 +112,14 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
         w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
         x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
         if NORM:
-            x, sq = _weighted(x, sq, nw_ptr, k, K)
+            x, gram = _weighted(x, gram, nw_ptr, k, K, PREC)
         acc += tl.dot(x, tl.trans(w), input_precision=PREC)
         if GLU:
             w_u = tl.load(rows + N * sw + k[None, :], mask=wmask, other=0.0)
             acc_u += tl.dot(x, tl.trans(w_u), input_precision=PREC)
     omask = (m[:, None] < M) & (n[None, :] < N)
     optrs = out_ptr + m[:, None] * so + n[None, :]
-    sq_rows = tl.sum(sq, axis=1)
+    sq_rows = _diagonal(gram, BLOCK_M)
     if SPLIT_K == 1:
         if NORM:
             scale = _rms_scale(sq_rows, K, eps)
@@ -197,13 +205,13 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
     a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     a3 = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
     k_lo = s * k_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = _x_tile(x_ptr, sx, m, k, M, K, False)
         if NORM:
-            x, sq = _weighted(x, sq, nw_ptr, k, K)
+            x, gram = _weighted(x, gram, nw_ptr, k, K, PREC)
         kin = k[None, :] < K
         w1 = tl.load(w_ptr + n1[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
         w2 = tl.load(w_ptr + n2[:, None].to(tl.int64) * sw + k[None, :], mask=rmask[:, None] & kin, other=0.0)
@@ -222,7 +230,7 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
         if PASS:
             tl.store(at + n3[None, :], a3, mask=pm)
         if NORM:
-            tl.store(ws_ptr + SPLIT_K * M * N + s * M + m, tl.sum(sq, axis=1), mask=m < M)
+            tl.store(ws_ptr + SPLIT_K * M * N + s * M + m, _diagonal(gram, BLOCK_M), mask=m < M)
         if last_to_finish(cnt_ptr + head, SPLIT_K):
             a1 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
             a2 = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -240,7 +248,7 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                           kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
     else:
         if NORM:
-            scale = _rms_scale(tl.sum(sq, axis=1), K, eps)
+            scale = _rms_scale(_diagonal(gram, BLOCK_M), K, eps)
             a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
         _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
                       kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
