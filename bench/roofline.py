@@ -87,8 +87,10 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None):
-    """The model, its KV cache and a runner; `dense`: the runner's skinny / tiled / pdl settings (`run`'s)."""
+def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None, served: tuple[list[int], ...] = ()):
+    """The model, its KV cache and a runner; `dense`: the runner's skinny / tiled / pdl settings (`run`'s); `served`:
+    the uneven contexts of steps to be staged too (their longest row sets the block tables' width, their sum the
+    cache's blocks where that is more)."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -100,11 +102,21 @@ def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    blocks, limits = sizes(max_ctx, batches, prefill, served)
+    kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), **(dense or {}))
+
+
+def sizes(max_ctx: int, batches, prefill, served: tuple[list[int], ...] = ()) -> tuple[int, tuple[int, int, int]]:
+    """(the KV cache's blocks, the runner's limits: batch, tokens, blocks a sequence) for decode steps of `batches`
+    rows at up to `max_ctx` tokens each and at the `served` contexts, and one-sequence prefills of `prefill`
+    tokens; every step's sequences lie in the cache one after another (`stage_step`)."""
     per_seq = max_ctx // BLOCK + 1
-    kv = KVCache(cfg, max(batches) * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
+    widest = max((n // BLOCK + 1 for lens in served for n in lens), default=per_seq)
+    most = max((sum(n // BLOCK + 1 for n in lens) for lens in served), default=0)
     tokens = max(prefill, default=max(batches))
-    limits = RunnerLimits(max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq))
-    return cfg, model, GpuModelRunner(model, kv, limits, **(dense or {}))
+    return (max(max(batches) * per_seq, most),
+            (max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq, widest)))
 
 
 def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> None:
@@ -190,18 +202,18 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
               dense: dict | None = None) -> list[dict]:
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, dense)
+    from bench.kernels import served_contexts
+
+    # steps as served (dense only): uneven contexts (equal ones hid a form that waits on the longest row)
+    served = [] if hf.get("num_experts") else [b for b in SERVED_BATCHES if b in batches]
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, dense, tuple(served_contexts(b) for b in served))
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
           f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
     rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters)
             for ctx in CONTEXTS for b in batches]
-    if not cfg.num_experts:  # steps as served: uneven contexts (equal ones hid a form that waits on the longest row)
-        from bench.kernels import served_contexts
-
-        rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters)
-                 for b in SERVED_BATCHES if b in batches]
+    rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters) for b in served]
     for t in prefill:
         stage_step(runner, 1, t, t)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))

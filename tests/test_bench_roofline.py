@@ -79,3 +79,21 @@ def test_batches_that_no_model_runs_are_refused(tmp_path: Path) -> None:
                           "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "--batches: none of [32]" in res.stderr
+
+
+def test_a_run_of_large_batches_alone_sizes_its_tables_for_the_served_contexts() -> None:
+    """`--batches 64,128` (no prefill rows, whose token counts used to widen the block tables) still stages the
+    served steps' uneven contexts, rows of up to 6,144 tokens: the tables are as wide as the longest row and the
+    cache holds every row's blocks; without served contexts the widths are the equal contexts' as before."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernels import served_contexts
+    from bench.roofline import BLOCK, sizes
+
+    served = tuple(served_contexts(b) for b in (64, 128))
+    blocks, (batch, tokens, width) = sizes(2048, (64, 128), (), served)
+    assert (batch, tokens) == (128, 128)
+    assert width >= max(-(-n // BLOCK) for lens in served for n in lens) > 2048 // BLOCK + 1
+    assert blocks >= max(sum(-(-n // BLOCK) for n in lens) for lens in served)
+    assert blocks >= 128 * (2048 // BLOCK + 1)
+    assert sizes(2048, (1, 8), ()) == (8 * 129, (8, 8, 129))
+    assert sizes(2048, (1, 8), (8192,))[1] == (8, 8192, 512)

@@ -159,7 +159,7 @@ def test_no_product_module_reads_blink_variables_itself() -> None:
 
 def test_the_skinny_matmul_is_off_unless_named_and_the_tiled_linear_follows_the_gpu() -> None:
     """BLINK_SKINNY_MATMUL names a configuration of the skinny matmul (unset: none). BLINK_TILED_LINEAR is "auto"
-    unset: the tiled linear's plan measured on the GPU the engine runs on (the "h200" plan on an NVIDIA H200),
+    unset: the tiled linear's plan measured on the GPU the engine runs on (the "h200" plan, fused, on an NVIDIA H200),
     cuBLAS on any other; "off" is cuBLAS everywhere; a plan or configuration name is taken as it is, and an unknown
     one fails the engine's start with the known names."""
     from gpu_engine.kernels.tiled_linear import resolve_tiled
@@ -167,7 +167,8 @@ def test_the_skinny_matmul_is_off_unless_named_and_the_tiled_linear_follows_the_
     assert Env.from_environ({}).skinny_matmul == ""
     assert Env.from_environ({"BLINK_SKINNY_MATMUL": "fma_n16_k256"}).skinny_matmul == "fma_n16_k256"
     unset = Env.from_environ({}).tiled_linear
-    assert resolve_tiled(unset, "NVIDIA H200") == "h200" and resolve_tiled(unset, "NVIDIA A100-SXM4-80GB") is None
+    assert resolve_tiled(unset, "NVIDIA H200") == "h200+fused"
+    assert resolve_tiled(unset, "NVIDIA A100-SXM4-80GB") is None
     assert resolve_tiled("off", "NVIDIA H200") is None
     for name in ("h200", "n64_k128_s4"):
         assert resolve_tiled(Env.from_environ({"BLINK_TILED_LINEAR": name}).tiled_linear, "NVIDIA L4") == name

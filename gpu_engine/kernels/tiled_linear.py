@@ -301,13 +301,19 @@ MAX_SPLIT = 8
 # weights of shapes a plan does not name (other models, whose kernels were not measured), go to cuBLAS. "h200": the
 # Llama-3-8B projections' fastest configurations where they beat cuBLAS by more than the run's noise on the H200
 # (`bench/results/kernels_tiled.json`; the down projection with the SiLU apart): 1-3 us a projection at 1-64 rows,
-# none at 128, none on the LM head.
+# none at 128, none on the LM head. And Qwen3-30B-A3B's qkv and o up to 8 rows, the steps its MoE layers take
+# sort-free (`moe.small_path`): alone, its qkv was 0.4 us slower than cuBLAS's, but with the fused forms
+# ("h200+fused", the H200's default) the norm, q/k preparation and residual adds come with them, and its decode
+# step at batch 1 and 8 measured 0.34-0.38 ms shorter (3.30 against 3.66 ms at batch 1, context 512;
+# `bench/results/roofline_moe_b1_8_*.json`).
 Plan = dict[tuple[int, int] | None, tuple[tuple[int, str], ...]]  # None: any shape
 TILED_PLANS: dict[str, Plan] = {
     "h200": {(6144, 4096): ((1, "n64_k128_s4"),),  # qkv
              (4096, 4096): ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),  # o
              (28672, 4096): ((64, "n128_k64_s4_w8"),),  # gate_up
-             (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # down
+             (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4")),  # down
+             (5120, 2048): ((8, "n64_k128_s4"),),  # Qwen3-30B-A3B qkv
+             (2048, 4096): ((8, "n64_k128_s4_x2"),)},  # Qwen3-30B-A3B o
     # h200 with qkv and o tiled up to 64 rows, where cuBLAS was 0.6-1.8 us faster alone, and Qwen3-30B-A3B's qkv
     # and o with the same configurations (not measured alone): for the fused forms (NAME+fused), whose norm, q/k/v
     # preparation and residual add come only with the tiled linear. To be measured against h200+fused
@@ -321,8 +327,11 @@ TILED_PLANS: dict[str, Plan] = {
 }
 
 
-# The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS.
-DEFAULT_PLANS = {"NVIDIA H200": "h200"}
+# The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS. On
+# the H200 with the fused forms: the Llama-3-8B step at batch 1 and 8 measured 1.25x and 1.31x its floor against
+# 1.31x and 1.33x unfused, side by side (`bench/results/roofline_b1_8_h200*.json`), once the norm's squares came
+# from a dot (`_weighted`).
+DEFAULT_PLANS = {"NVIDIA H200": "h200+fused"}
 
 
 class Fusion(NamedTuple):
