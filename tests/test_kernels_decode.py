@@ -284,7 +284,8 @@ def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
 
 def test_tiled_plans_name_weight_shapes_and_configurations_in_increasing_rows():
     """A plan the runner can follow: (N, K) weight shapes, configurations that exist, row limits rising within
-    1..MAX_ROWS; the H200's names the Llama-3-8B projections and not its LM head; a configuration's name alone is
+    1..MAX_ROWS; the H200's names the Llama-3-8B projections and not its LM head, and Qwen3-30B-A3B's attention up to
+    the MoE's sort-free steps; a configuration's name alone is
     that configuration for every shape; anything else refused."""
     from gpu_engine.kernels.tiled_linear import MAX_ROWS, TILED_CONFIGS, TILED_PLANS, tiled_plan
 
@@ -295,7 +296,13 @@ def test_tiled_plans_name_weight_shapes_and_configurations_in_increasing_rows():
             rows = [r for r, _ in steps]
             assert rows == sorted(set(rows)) and 1 <= rows[0] and rows[-1] <= MAX_ROWS, (name, steps)
             assert all(config in TILED_CONFIGS for _, config in steps), (name, steps)
-    assert set(TILED_PLANS["h200"]) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert set(TILED_PLANS["h200"]) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # Llama-3-8B
+                                        (5120, 2048), (2048, 4096)}  # Qwen3-30B-A3B's attention
+    # Qwen3-30B-A3B's up to the steps its MoE layers take sort-free, whose fused kernels come with the fused plan
+    from gpu_engine.kernels.moe import small_path
+
+    most = max(t for t in range(1, MAX_ROWS + 1) if small_path(t, 8))  # its 8 experts a token
+    assert {rows for shape in ((5120, 2048), (2048, 4096)) for rows, _ in TILED_PLANS["h200"][shape]} == {most}
     assert tiled_plan("n64_k64_s6") == {None: ((MAX_ROWS, "n64_k64_s6"),)}
     with pytest.raises(ValueError, match="neither a plan"):
         tiled_plan("fastest")
