@@ -471,7 +471,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
       SiLU-and-multiply costs no launch and the [M, 2N] product is never written.
     - `norm` (weight [K], eps; x bf16 or fp32): x is the residual stream, and RMSNorm(x) * weight is what is
       multiplied, normalised tile by tile: each x tile times the norm's weight goes into the dot, the rows' sums
-      of squares are taken from the same tiles, and the product is scaled by 1 / RMS after the loop (by the last
+      of squares are taken from the same tiles (as the diagonal of x @ x.T, a second small dot: `_weighted`), and
+      the product is scaled by 1 / RMS after the loop (by the last
       program, from the slices' sums, where K is split). So no pass over x comes before the weight's first tile;
       the result differs from the unfused kernels' by the rounding of the normalised x they make (within an ulp of
       the product's terms).
