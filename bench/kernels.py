@@ -621,6 +621,8 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
             active * H * I * 2)
     cases["small_gate_up bn=4 bk=2048 w8"] = (lambda i: moe.moe_gate_up_silu(
         xs[i], gate_up[i], routes[i][1], out=acts[i], block_n=4, block_k=2048, num_warps=8), active * 2 * I * H * 2)
+    if moe.small_path(B, k):
+        cases.update(_moe_fused_cases(B, xs, gate_up, down, routes, acts, active))
     rows = []
     for name, (fn, nbytes) in cases.items():
         order = itertools.cycle(range(layers))
@@ -628,6 +630,40 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
         rows.append({"kernel": "moe_experts", "case": name, "batch": B, "experts": round(active, 1),
                      "small_path": moe.small_path(B, k), **entry(ms, nbytes, gbps)})
     return rows
+
+
+def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> dict:
+    """A sort-free step's MLP half as the fused plan runs it beside the unfused kernels: the gate_up kernel with the
+    RMSNorm on its x (`_norm`), the down kernel adding into the residual stream (`_add`), and the whole half
+    (`layer_unfused`: the norm with the pending add, the router's cuBLAS product, the routing and the two expert
+    kernels, five launches, whose output the next norm adds, as the runner runs it unfused; `layer_fused`:
+    `fused_moe` with counters, norm and residual, three launches), against the active experts' weights (and the
+    router's, for the halves)."""
+    from gpu_engine.kernels import moe
+    from gpu_engine.kernels.rmsnorm import rms_norm
+
+    E, H, I, k = (MOE_SHAPE[n] for n in ("experts", "hidden", "inter", "top_k"))
+    layers, eps = len(xs), 1e-6
+    nw = torch.empty(H, device="cuda", dtype=torch.bfloat16).normal_(1.0, 0.1)
+    routers = [torch.empty(E, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
+    stream = [torch.randn(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    normed = [torch.empty(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    counters = torch.zeros(B, device="cuda", dtype=torch.int32)
+    half = active * (2 * I * H + H * I) * 2 + E * H * 2
+
+    def unfused(i: int) -> torch.Tensor:
+        rms_norm(xs[i], nw, eps, residual=stream[i], out=normed[i])
+        return moe.fused_moe(normed[i], routers[i], gate_up[i], down[i], k, True)
+
+    return {
+        "small_gate_up bn=4 norm": (lambda i: moe.moe_gate_up_silu(
+            xs[i], gate_up[i], routes[i][1], out=acts[i], norm=(nw, eps)), active * 2 * I * H * 2),
+        "small_down bn=2 add": (lambda i: moe.moe_down_sum(
+            acts[i], down[i], routes[i][1], routes[i][0], residual=stream[i]), active * H * I * 2),
+        "layer_unfused": (unfused, half),
+        "layer_fused": (lambda i: moe.fused_moe(stream[i], routers[i], gate_up[i], down[i], k, True,
+                                                residual=stream[i], counters=counters, norm=(nw, eps)), half),
+    }
 
 
 def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
