@@ -25,9 +25,9 @@ bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the 
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
 The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
 linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
-them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS); the MoE model's too (`moe_tiled`; no plan
-names its shapes but `h200_wide`), and a `+fused` setting fuses the kernels around them (`kernels.tiled_linear.Fusion`:
-the decode layer in five launches). `--skinny` takes the steps of up to its
+them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS); the MoE model's too (`moe_tiled`;
+`h200` names its attention's shapes up to 8 rows, `h200_wide` up to 64), and a `+fused` setting fuses the kernels
+around them (`kernels.tiled_linear.Fusion`: the decode layer in five launches). `--skinny` takes the steps of up to its
 rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: the dense and MoE models' decode
 kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
 `--walk N`: the decode attention's rows of at most N splits walked in one program at batches of 33 and more, as

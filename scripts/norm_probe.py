@@ -4,7 +4,7 @@ On the H200 the tiled linear with the RMSNorm fused into its x tiles (`tiled_lin
 the plain product at one row (gate_up of Llama-3-8B, n128_k64_s4_w8: 105.8 against 59.1 us), while the SiLU as its
 output cost nothing. Compiled for sm_90 (Triton 3.6, as on the H200) the two main loops are pipelined alike (the
 same stages of loads in flight) and differ by some 40 instructions a K step, which should not cost that much. This
-probe times one loop in five forms (a constexpr MODE of one kernel, else the same code):
+probe times one loop in eight forms (a constexpr MODE of one kernel, else the same code):
 
     plain     acc += x @ w.T                                          (the plain product)
     weight    x times the norm's weight (rounded) before the dot      (half of the fused norm)
@@ -86,7 +86,7 @@ def _probe_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, M, N, K, eps, MODE: tl.constexp
 
 def probe(x: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, out: torch.Tensor, mode: str, block_n: int,
           block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
-    """One launch of the probe kernel in `mode` (for "prologue", `w` is the weight with the norm's folded in)."""
+    """One launch of the probe kernel in `mode` (for the FOLDED modes, `w` is the weight with the norm's folded in)."""
     M, K = x.shape
     N = w.shape[0]
     block_m = max(16, triton.next_power_of_2(M))
