@@ -291,7 +291,10 @@ ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_sta
     "p256_bn128_walk2_lanes4": (256, 128, "split<=2*4", 4, None),
     "p256_bn64": (256, 64, "split", 4, None), "p128_bn128": (128, 128, "split", 4, None),
     "p256_bn128_s1": (256, 128, "split", 4, 1), "p256_bn128_s2": (256, 128, "split", 4, 2),
-    "p256_bn128_w8": (256, 128, "split", 8, None), "p256_bn64_s1": (256, 64, "split", 4, 1)}
+    "p256_bn128_w8": (256, 128, "split", 8, None), "p256_bn64_s1": (256, 64, "split", 4, 1),
+    # 512-token splits: half the programs, each with 4 tiles in its loop (2 at 256) for the loads to pipeline over
+    "p512_bn128": (512, 128, "split", 4, None), "p512_bn64": (512, 64, "split", 4, None),
+    "p512_bn128_last": (512, 128, "last", 4, None)}
 
 
 def attention_variant(name: str) -> dict:
