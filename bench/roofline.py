@@ -356,23 +356,17 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    if "moe" in models:  # moe_pdl / moe_tiled / moe_walk / moe_lanes: the MoE rows' settings (absent: not, cuBLAS,
-        # not, a program a split)
-        for key, value in (("moe_pdl", pdl or None), ("moe_tiled", tiled), ("moe_walk", walk or None),
-                           ("moe_lanes", lanes or None)):
-            result.pop(key, None)
-            result.update({} if value is None else {key: value})
-    if "dense" in models:  # how the dense rows ran; a key absent is the default (cuBLAS, no PDL)
-        # skinny: their linears of steps of up to kernels.gemv.SKINNY_ROWS rows (or :ROWS); tiled: the tiled
-        # linear's plan or configuration (past the skinny ones); pdl: their Triton kernels launched with PDL; walk:
-        # the decode attention's short rows walked (kernels.attention.decode_walk); lanes: its programs a row and KV
-        # head (kernels.attention.decode_lanes)
-        for key, value in (("skinny", skinny), ("tiled", tiled), ("pdl", pdl or None), ("walk", walk or None),
-                           ("lanes", lanes or None)):
-            if value is None:
-                result.pop(key, None)
-            else:
-                result[key] = value
+    # how the rows ran, a key absent being the default (cuBLAS, no PDL, no walk, a program a split): the dense rows'
+    # skinny (their linears of steps of up to kernels.gemv.SKINNY_ROWS rows, or :ROWS), tiled (the tiled linear's
+    # plan or configuration, past the skinny ones), pdl (their Triton kernels launched with PDL), walk (the decode
+    # attention's short rows walked, kernels.attention.decode_walk) and lanes (its programs a row and KV head,
+    # kernels.attention.decode_lanes); the MoE rows' the same, moe_ before each, skinny aside
+    marks = {key: value or None for key, value in settings.items()}
+    keyed = ({f"moe_{k}": v for k, v in marks.items()} if "moe" in models else {}) | (
+        {"skinny": skinny, **marks} if "dense" in models else {})
+    for key, value in keyed.items():
+        result.pop(key, None)
+        result.update({} if value is None else {key: value})
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)

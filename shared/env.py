@@ -104,13 +104,13 @@ class Env:
                      "--pdl, BENCHMARKS.md), so off by default", _bool)
     decode_walk: str = _var("BLINK_DECODE_WALK", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
                             "with N:BATCH), decode attention walks each row of at most N splits of 256 tokens in one "
-                            "program and splits the longer ones (the same bits); not measured in its present form "
-                            "(bench/roofline.py --walk), so off by default")
+                            "program and splits the longer ones (the same bits); measured slower than splitting every "
+                            "row on the H200 (BENCHMARKS.md), so off by default")
     decode_lanes: str = _var("BLINK_DECODE_LANES", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
                              "with P:BATCH), decode attention's split launch runs P programs a row and KV head, each "
                              "taking every P-th split, instead of a program a split of the block table (those past a "
-                             "row's context exit at once); the same bits; not measured yet (bench/roofline.py "
-                             "--lanes), so off by default")
+                             "row's context exit at once); the same bits; measured faster with equal short contexts "
+                             "but slower on served ones on the H200 (BENCHMARKS.md), so off by default")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

@@ -32,12 +32,13 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None, pdl=False, walk=""):
+def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8):
+    """A runner over a random model of the family, a cache of `blocks` 4-token blocks, tables `width` blocks wide."""
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
-    runner = GpuModelRunner(model, KVCache(cfg, 16, 4), RunnerLimits(4, 32, 8), skinny=skinny, tiled=tiled,
-                            pdl=pdl, walk=walk)
+    runner = GpuModelRunner(model, KVCache(cfg, blocks, 4), RunnerLimits(4, 32, width), skinny=skinny, tiled=tiled,
+                            pdl=pdl, walk=walk, lanes=lanes)
     return cfg, model, runner
 
 
@@ -120,15 +121,11 @@ def test_decode_lanes_give_the_split_form_s_logits(monkeypatch):
     import gpu_engine.gpu.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "decode_partition", lambda batch, kv_heads: 128)
-    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
-    model = build_empty(cfg, torch.float32, "cpu")
-    init_random(model, 0)
-    kv = KVCache(cfg, 120, 4)
-    g = torch.Generator().manual_seed(5)
+    cfg, _, runner = _setup("llama", lanes="1:2", blocks=120, width=64)  # tables of 256 tokens: 2 splits
+    kv, g = runner.kv, torch.Generator().manual_seed(5)
     for layer in range(cfg.num_layers):  # a context the step did not write: the same cache for both forms
         kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=g))
         kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=g))
-    runner = GpuModelRunner(model, kv, RunnerLimits(4, 32, 64), lanes="1:2")  # tables of 256 tokens: 2 splits
     assert (runner.lanes, runner.lanes_from) == (1, 2)
     assert runner.decode_form(1)["lanes"] == 0 and runner.decode_form(2)["lanes"] == 1
     seqs = [(199, 1, list(range(50))), (254, 1, list(range(50, 114)))]
@@ -144,7 +141,7 @@ def test_decode_lanes_give_the_split_form_s_logits(monkeypatch):
     assert not logits[0].isnan().any() and torch.equal(logits[1], logits[0])
     for bad in ("x", "2:0", "2:", "-1"):
         with pytest.raises(ValueError, match="decode lanes"):
-            GpuModelRunner(model, kv, RunnerLimits(4, 32, 64), lanes=bad)
+            _setup("llama", lanes=bad)
 
 
 def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():

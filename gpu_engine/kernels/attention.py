@@ -435,7 +435,9 @@ def decode_attention(
     before the split one, which takes the longer rows as the form says (the fold leaves the walked rows alone); the
     same bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7
     us at batch 64 / 128, and a short row walked leaves a served step's long rows split. In one kernel (a branch of
-    the split program) it measured slower than both forms; as two launches it is not measured yet.
+    the split program) it measured slower than both forms, and as two launches too: 106.4 against 100.7 us at batch
+    128 with equal contexts of 512, 112.1 against 100.7 at batch 64 on served contexts (`bench/kernels.py`,
+    `p256_bn128_walk2`).
 
     `lanes` (split and last; 0: a program a split): `lanes` programs a (row, KV head), lane l computing splits l,
     l + lanes, ... and storing each one's partial as a program of its own would, so the bits are the same for any
