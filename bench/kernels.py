@@ -640,8 +640,8 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
     RMSNorm on its x (`_norm`), the down kernel adding into the residual stream (`_add`), and the whole half
     (`layer_unfused`: the norm with the pending add, the router's cuBLAS product, the routing and the two expert
     kernels, five launches, whose output the next norm adds, as the runner runs it unfused; `layer_fused`:
-    `fused_moe` with counters, norm and residual, three launches), against the active experts' weights (and the
-    router's, for the halves)."""
+    `fused_moe` with counters, norm and residual, three launches; `layer_one_launch`: the same three as phases of
+    one launch, `moe_mlp_one_launch`), against the active experts' weights (and the router's, for the halves)."""
     from gpu_engine.kernels import moe
     from gpu_engine.kernels.rmsnorm import rms_norm
 
@@ -652,6 +652,7 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
     stream = [torch.randn(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     normed = [torch.empty(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     counters = torch.zeros(B, device="cuda", dtype=torch.int32)
+    phases = torch.zeros(moe.PHASE_COUNTERS + B, device="cuda", dtype=torch.int32)
     half = active * (2 * I * H + H * I) * 2 + E * H * 2
 
     def unfused(i: int) -> torch.Tensor:
@@ -666,6 +667,8 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
         "layer_unfused": (unfused, half),
         "layer_fused": (lambda i: moe.fused_moe(stream[i], routers[i], gate_up[i], down[i], k, True,
                                                 residual=stream[i], counters=counters, norm=(nw, eps)), half),
+        "layer_one_launch": (lambda i: moe.moe_mlp_one_launch(stream[i], routers[i], gate_up[i], down[i], k, True,
+                                                              phases, norm=(nw, eps), residual=stream[i]), half),
     }
 
 

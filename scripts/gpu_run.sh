@@ -29,7 +29,8 @@
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's; roofline_<variant>.json each, side by side in one call), roofline_moe_fused (the MoE rows with the tiled
+# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's, /moe1 for BLINK_MOE_ONE_LAUNCH=1's;
+# roofline_<variant>.json each, side by side in one call; VARIANT_MODELS=moe (or dense,moe) for the MoE rows), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
@@ -207,12 +208,13 @@ run_step() {
               pdl) extra+=(--pdl) ;;
               walk*) extra+=(--walk "${flag#walk}") ;;
               lanes*) extra+=(--lanes "${flag#lanes}") ;;
+              moe1) extra+=(--moe-one) ;;
               *) summary "roofline_variants: unknown flag /$flag in $v, skipped"; continue 2 ;;
             esac
           done
         fi
         name=$(printf '%s' "$v" | tr '+:/' '_._')
-        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --tiled "$setting" "${extra[@]}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_$name.json"
+        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --models "${VARIANT_MODELS:-dense}" --tiled "$setting" "${extra[@]}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_$name.json"
       done ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;
     pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;

@@ -92,11 +92,15 @@ class Env:
                              "128 rows (past the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where "
                              "this plan (a gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes their weight's "
                              "shape and the step's size, or through this configuration (a TILED_CONFIGS name), "
-                             "cuBLAS for the rest; auto: the plan measured on this GPU (h200 on an NVIDIA H200; "
-                             "cuBLAS elsewhere); off: cuBLAS. NAME+fused (or +fused:ROWS) also fuses the kernels "
-                             "around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, residual "
-                             "add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in one "
-                             "launch; measured slower than the default on the H200 (BENCHMARKS.md), so not it")
+                             "cuBLAS for the rest; auto: the plan measured on this GPU (h200+fused on an NVIDIA "
+                             "H200; cuBLAS elsewhere); off: cuBLAS. NAME+fused (or +fused:ROWS) also fuses the "
+                             "kernels around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, "
+                             "residual add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in "
+                             "one launch; measured faster than NAME alone on the H200 (BENCHMARKS.md)")
+    moe_one_launch: bool = _var("BLINK_MOE_ONE_LAUNCH", False, "GPU backends, with a +fused BLINK_TILED_LINEAR: an "
+                                "MoE layer's small decode steps (at most 64 token-expert pairs) run their router, "
+                                "experts' gate_up and down products as phases of one launch instead of three (the "
+                                "same bits); not yet measured on a GPU, so off by default", _bool)
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
                      "programmatic dependent launch, each "

@@ -312,6 +312,42 @@ def test_fused_moe_takes_the_norm_and_the_residual_add_in_its_kernels(T):
         moe.fused_moe(x, router, gate_up, down, 2, True, norm=(nw, 1e-6))
 
 
+@pytest.mark.parametrize("T,E,H,I,top_k,norm,add", [
+    (1, 6, 40, 22, 2, True, True),  # the runner's fused step: norm and residual add; odd H and I
+    (3, 8, 33, 24, 3, False, False),  # 3 slots padded to 4, nothing fused around it
+    (8, 8, 64, 16, 8, True, False),  # SMALL_PAIRS pairs, each token on every expert
+])
+def test_moe_in_one_launch_gives_the_three_launches_bits(T, E, H, I, top_k, norm, add):
+    """The router, gate_up and down of a small step as phases of one launch (`moe_mlp_one_launch`): the same code
+    and block sizes as the three launches, so the same bits, twice over the same counters (each launch leaves
+    them zero); near the reference. Refused past SMALL_PAIRS pairs and with too few counters."""
+    from gpu_engine.kernels.rmsnorm import rms_norm_ref
+
+    x, router, gate_up, down = _moe_weights(T, E, H, I, torch.float32)
+    nw = (torch.rand(H, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEV)
+    how = {"norm": (nw, 1e-6)} if norm else {}
+    counters = torch.zeros(moe.PHASE_COUNTERS + T, dtype=torch.int32, device=DEV)
+    three_stream = x.clone()
+    three = moe.fused_moe(three_stream, router, gate_up, down, top_k, True, counters=counters[moe.PHASE_COUNTERS:],
+                          residual=three_stream if add else None, **how)
+    for _ in range(2):
+        stream = x.clone()
+        got = moe.fused_moe(stream, router, gate_up, down, top_k, True, counters=counters, one_launch=True,
+                            residual=stream if add else None, **how)
+        assert torch.equal(got, three) and not counters.any()
+        assert (got is stream) == add
+    src = rms_norm_ref(x, nw, 1e-6)[0] if norm else x
+    _close(got, moe.fused_moe_ref(src, router, gate_up, down, top_k, True) + (x if add else 0), 1e-4)
+    with pytest.raises(ValueError, match="counters"):
+        moe.moe_mlp_one_launch(x, router, gate_up, down, top_k, True, counters[: moe.PHASE_COUNTERS + T - 1])
+    with pytest.raises(ValueError, match="needs counters"):
+        moe.fused_moe(x, router, gate_up, down, top_k, True, one_launch=True)
+    big = x.repeat(moe.SMALL_PAIRS // top_k + 1, 1)
+    with pytest.raises(ValueError, match="at most"):
+        moe.moe_mlp_one_launch(big, router, gate_up, down, top_k, True,
+                               torch.zeros(moe.PHASE_COUNTERS + big.shape[0], dtype=torch.int32, device=DEV))
+
+
 def _moe_weights(T, E, H, I, dtype, seed=2):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(DEV, dtype)
@@ -569,6 +605,13 @@ def test_gpu_fused_moe_real_sizes(tokens):
     stream = x.clone()
     moe.fused_moe(stream, router, gate_up, down, 8, True, residual=stream, counters=counters, norm=(nw, 1e-6))
     assert ((stream.float() - ref).norm() / ref.norm()) < 1e-2 and not counters.any()
+    # the same three kernels as phases of one launch (`moe_mlp_one_launch`): the same bits, the counts left at rest
+    phases = torch.zeros(moe.PHASE_COUNTERS + tokens, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        one = x.clone()
+        moe.fused_moe(one, router, gate_up, down, 8, True, residual=one, counters=phases, norm=(nw, 1e-6),
+                      one_launch=True)
+        assert torch.equal(one, stream) and not phases.any()
     # the router kernel alone, fp32 so that no rounding tie decides: the experts and weights of `moe_route`
     w32, ids32 = moe.moe_router(x.float(), router.float(), 8, True, counters)
     want_w, want_ids = moe.moe_route(torch.nn.functional.linear(x.float(), router.float()), 8, True)

@@ -32,13 +32,13 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8):
+def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8, moe_one=False):
     """A runner over a random model of the family, a cache of `blocks` 4-token blocks, tables `width` blocks wide."""
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
     runner = GpuModelRunner(model, KVCache(cfg, blocks, 4), RunnerLimits(4, 32, width), skinny=skinny, tiled=tiled,
-                            pdl=pdl, walk=walk, lanes=lanes)
+                            pdl=pdl, walk=walk, lanes=lanes, moe_one=moe_one)
     return cfg, model, runner
 
 
@@ -346,3 +346,33 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
         runner.forward(1, 1, True)
         counts[tiled] = len(launches)
     assert counts["n64_k64_s6"] - counts["n64_k64_s6+fused"] == 5 * len(runner.layers), counts
+
+
+def test_an_moe_step_in_one_launch_has_the_bits_of_three_and_two_launches_fewer_a_layer(monkeypatch):
+    """The 2-layer Qwen3-MoE, fused, at a one-row and a 4-row decode step (the sort-free path) with `moe_one`: the
+    router, gate_up and down kernels of each layer in one launch, so 2 Triton launches a layer fewer, and the same
+    logits and tokens bit for bit, the counts left at rest; refused without a fused setting."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = []
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    seqs = [(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])]
+    for rows in (1, 4):
+        got = {}
+        for one in (False, True):
+            cfg, model, runner = _setup("qwen3_moe", None, "n32_k128_s4+fused", moe_one=one)
+            runner.stage(torch.arange(rows), build_metadata(seqs[:rows], 4))
+            launches.clear()
+            runner.forward(rows, rows, True)
+            got[one] = (len(launches), runner.buffers.logits[:rows].clone(), runner.buffers.next_tokens[:rows].clone())
+            assert not runner.route_counters.any()
+        assert got[False][0] - got[True][0] == 2 * len(runner.layers), (rows, got[False][0], got[True][0])
+        assert torch.equal(got[True][1], got[False][1]) and torch.equal(got[True][2], got[False][2])
+    with pytest.raises(ValueError, match="moe_one"):
+        _setup("qwen3_moe", None, "n32_k128_s4", moe_one=True)

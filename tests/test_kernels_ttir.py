@@ -59,6 +59,12 @@ def test_row_softmax_kernels_compile_for_sm90(module: str) -> None:
     assert out.startswith("True"), out
 
 
+MOE_MLP_SIG = ("x_ptr:*bf16 rw_ptr:*bf16 nw_ptr:*bf16 logits_ptr:*fp32 w_ptr:*fp32 ids_ptr:*i64 act_ptr:*bf16 "
+               "gu_ptr:*bf16 dn_ptr:*bf16 out_ptr:*bf16 ctr_ptr:*i32 tok_ptr:*i32 T:i32 E:i32 H:i32 I:i32 s_x:i32 "
+               "s_r:i32 s_gue:i32 s_gun:i32 s_a:i32 s_de:i32 s_dn:i32 s_o:i32 eps:fp32")
+MOE_MLP_CONSTS = {"TOPK": 8, "NORMALIZE": True, "NORM": True, "GROUPS": 32, "BLOCK_G": 4, "ROUTER_K": 512,
+                  "BLOCK_E": 128, "GATE_N": 4, "GATE_K": 512, "DOWN_N": 2, "DOWN_K": 256, "SLOTS": 8, "ADD": True,
+                  "ASM": True}
 ROUTER_SIG = ("x_ptr:*bf16 rw_ptr:*bf16 nw_ptr:*bf16 logits_ptr:*fp32 w_ptr:*fp32 ids_ptr:*i64 cnt_ptr:*i32 E:i32 "
               "K:i32 s_x:i32 s_r:i32 eps:fp32")
 
@@ -84,6 +90,10 @@ def test_moe_small_kernels_compile_for_sm90(dtype: str, top_k: int) -> None:
     for add in (False, True):  # the sum alone, or added into the residual stream
         out = compiles("gpu_engine.kernels.moe", "_down_sum_kernel", dict(item.split(":") for item in sig.split()),
                        {"TOPK": top_k, "SLOTS": 8, "BLOCK_N": 2, "BLOCK_K": 256, "ADD": add, "USE_PDL": False})
+        assert out.startswith("True"), out
+    for fused in (False, True):  # the three in one launch, with and without the norm and the residual add
+        out = compiles("gpu_engine.kernels.moe", "_moe_mlp_kernel", _sig(MOE_MLP_SIG.replace("bf16", dtype)),
+                       {**MOE_MLP_CONSTS, "TOPK": top_k, "NORM": fused, "ADD": fused, "USE_PDL": False})
         assert out.startswith("True"), out
 
 
@@ -285,6 +295,7 @@ PDL_KERNELS = {
                                                           "ADD": True}),
 }
 
+PDL_KERNELS["moe_mlp_one_launch"] = ("gpu_engine.kernels.moe", "_moe_mlp_kernel", _sig(MOE_MLP_SIG), MOE_MLP_CONSTS)
 PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "last"})
 # walked short rows (`walk_upto`): the walk launch, the split launch of the long rows, and the fold that skips the rest
 PDL_KERNELS["decode_walked"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "walk",

@@ -37,7 +37,7 @@ from gpu_engine.kernels.attention import (
 )
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
-from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
+from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -278,7 +278,8 @@ class GpuModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
                  max_positions: int | None = None, fused: bool = True,
                  quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
-                 tiled: str | None = None, pdl: bool = False, walk: str = "", lanes: str = "") -> None:
+                 tiled: str | None = None, pdl: bool = False, walk: str = "", lanes: str = "",
+                 moe_one: bool = False) -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -304,7 +305,8 @@ class GpuModelRunner:
         the longer ones (`decode_attention`'s `walk_upto`; the same bits). `lanes` (`kernels.attention.decode_lanes`,
         e.g. "2"): in decode steps of at least 33 rows (or "P:ROWS"), the split launch runs P programs a row and KV
         head, each computing every P-th split, instead of one a split (`decode_attention`'s `lanes`; the same
-        bits)."""
+        bits). `moe_one` (with a +fused `tiled`): an MoE layer's small steps run their router, gate_up and down
+        kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`; the same bits)."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -342,6 +344,9 @@ class GpuModelRunner:
         self.pdl = pdl
         self.walk_upto, self.walk_from = decode_walk(walk)
         self.lanes, self.lanes_from = decode_lanes(lanes)
+        if moe_one and self.fusion is None:
+            raise ValueError("moe_one: the MoE step in one launch is a fused form: it needs a +fused tiled setting")
+        self.moe_one = moe_one
         # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
         self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
@@ -364,9 +369,10 @@ class GpuModelRunner:
         # the decode attention's per-(row, KV head) counts for its "last" form (fused), zero at rest
         self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if self.fusion is not None else 0,
                                          dtype=torch.int32, device=self.device)
-        # the fused MoE router's per-token counts (`kernels.moe.moe_router`), zero at rest
-        self.route_counters = torch.zeros(SMALL_PAIRS if self.fusion is not None else 0, dtype=torch.int32,
-                                          device=self.device)
+        # the fused MoE router's per-token counts (`kernels.moe.moe_router`), after the one-launch step's phase
+        # counts (`moe_mlp_one_launch`), zero at rest
+        self.route_counters = torch.zeros(PHASE_COUNTERS + SMALL_PAIRS if self.fusion is not None else 0,
+                                          dtype=torch.int32, device=self.device)
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -467,7 +473,8 @@ class GpuModelRunner:
                 x, norm = self._normed(residual, pending, w.mlp_norm), None
             out = fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                             pdl=self.pdl, residual=residual if fuse else None,
-                            counters=self.route_counters if fuse else None, norm=norm)
+                            counters=self.route_counters if fuse else None, norm=norm,
+                            one_launch=fuse and self.moe_one)
             return None if fuse else out
         glu = self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)

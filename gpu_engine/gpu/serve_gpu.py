@@ -127,9 +127,11 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
     log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl,
-             decode_walk=env.env().decode_walk or None, decode_lanes=env.env().decode_lanes or None)
+             decode_walk=env.env().decode_walk or None, decode_lanes=env.env().decode_lanes or None,
+             moe_one_launch=env.env().moe_one_launch)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes)
+                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes,
+                            moe_one=env.env().moe_one_launch)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

@@ -19,3 +19,40 @@ def last_to_finish(count_ptr, n):
     if last:
         tl.store(count_ptr, 0)
     return last
+
+
+# Phases in one launch. A launch of N programs whose work comes in phases, each needing the whole of the one before
+# (an MoE layer's routing, then its experts' gate_up, then their down products), can run them without a launch
+# between: each program takes a ticket (`ticket`), which says its phase and its place in it, so the phases' programs
+# start in phase order whatever order the hardware starts them in; a program that needs an earlier phase spins until
+# that phase's programs have all said they are done (`arrive`, `wait_for`). A program gets a ticket only once it
+# runs, so every program of an earlier phase is running or done when a later one spins: it never waits on a program
+# that has no place on the GPU, whatever the grid's size.
+
+
+@triton.jit
+def ticket(count_ptr):
+    """This program's place in the launch (0, 1, ... in the order the programs start): an atomic count, which the
+    launch's last program sets back to zero."""
+    return tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def arrive(count_ptr):
+    """This program's phase work is done: every thread's stores come before the count (a barrier, then a release
+    atomic at GPU scope), so a program that sees the count (`wait_for`) sees them (loaded past L1, `.cg`)."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_for(count_ptr, n, ASM: tl.constexpr):
+    """Spin until `n` programs have arrived at `count_ptr` (`arrive`): plain volatile loads (many programs spin on
+    one count: atomics on one address would queue, and an acquiring load invalidates the SM's L1 each time), then
+    one acquiring load, after which this program's loads see what the arrivals stored. ASM: on a GPU (PTX's
+    `ld.acquire`); the interpreter runs programs one after another, so the count is reached at the first look."""
+    while tl.load(count_ptr, volatile=True) < n:
+        pass
+    if ASM:
+        tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [count_ptr], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -11,7 +11,8 @@ blocks (one valid row in 16) and the 8 experts of a batch-1 step stream through 
 programs. `moe_gate_up_silu` gives every (pair, column tile) a program that writes silu(gate) * up,
 and `moe_down_sum` every (token, column tile) one that sums the token's top_k experts in registers,
 so a step is four launches (router GEMM, routing, the two kernels) with thousands of programs, or three with
-`moe_router`, which takes the router's product and the routing in one (a fused runner's, `fused_moe`).
+`moe_router`, which takes the router's product and the routing in one (a fused runner's, `fused_moe`), or one with
+`moe_mlp_one_launch`, which runs those three as phases of one launch (`_sync.ticket`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
-from gpu_engine.kernels._sync import last_to_finish
+from gpu_engine.kernels._sync import arrive, last_to_finish, ticket, wait_for
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.models.moe import route as route_ref
@@ -70,16 +71,12 @@ def _route_row(x, w_ptr, ids_ptr, t, E, TOPK: tl.constexpr, NORMALIZE: tl.conste
 
 
 @triton.jit
-def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E, K, s_x, s_r, eps,
-                   TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (token t, group g): the router logits of experts g * BLOCK_G.. for token t (with NORM, of the
-    RMSNorm of x with the weight at `nw_ptr`, its 1 / RMS taken from the same x tiles and applied after the loop),
-    rounded to x's dtype as the router's product is; the last of the token's GROUPS programs to finish (an atomic
-    count, reset for the next launch) routes the token (`_route_row`)."""
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+def _router_logits(x_ptr, rw_ptr, nw_ptr, logits_ptr, t, grp, E, K, s_x, s_r, eps, NORM: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The router logits of experts grp * BLOCK_G.. for token t (with NORM, of the RMSNorm of x with the weight at
+    `nw_ptr`, its 1 / RMS taken from the same x tiles and applied after the loop), rounded to x's dtype as the
+    router's product is, stored."""
+    e = grp * BLOCK_G + tl.arange(0, BLOCK_G)
     kk = tl.arange(0, BLOCK_K)
     rows = rw_ptr + e[:, None].to(tl.int64) * s_r
     acc = tl.zeros([BLOCK_G, BLOCK_K], tl.float32)
@@ -97,10 +94,31 @@ def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E
         logit = logit * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + t * E + e, logit, mask=e < E)
-    if last_to_finish(cnt_ptr + t, GROUPS):
+
+
+@triton.jit
+def _route_last(cnt_ptr, logits_ptr, w_ptr, ids_ptr, t, E, GROUPS, TOPK: tl.constexpr, NORMALIZE: tl.constexpr,
+                BLOCK_E: tl.constexpr):
+    """After a router program's logits: the last of token t's GROUPS programs to finish (an atomic count, reset for
+    the next launch) routes the token (`_route_row`). Whether this program did."""
+    last = last_to_finish(cnt_ptr + t, GROUPS)
+    if last:
         offs = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=0.0, cache_modifier=".cg")
         _route_row(x, w_ptr, ids_ptr, t, E, TOPK, NORMALIZE, BLOCK_E)
+    return last
+
+
+@triton.jit
+def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E, K, s_x, s_r, eps,
+                   TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (token t, group g): `_router_logits` of experts g * BLOCK_G.., then `_route_last`."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    _router_logits(x_ptr, rw_ptr, nw_ptr, logits_ptr, t, tl.program_id(1), E, K, s_x, s_r, eps, NORM, BLOCK_G,
+                   BLOCK_K)
+    _route_last(cnt_ptr, logits_ptr, w_ptr, ids_ptr, t, E, GROUPS, TOPK, NORMALIZE, BLOCK_E)
 
 
 ROUTER_GROUP = 4  # experts a router program takes: 32 programs a token for 128 experts
@@ -299,16 +317,20 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we, s_wn, s_o, eps,
-                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    p = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, p, nt, I, K, s_x, s_we, s_wn, s_o, eps,
+                  TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                  CG: tl.constexpr):
+    """silu(gate) * up of pair p's expert, columns nt * BLOCK_N.., stored. CG: the expert id was written by
+    another program of this launch (loaded past L1)."""
+    n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (p // TOPK).to(tl.int64) * s_x
-    gate = w_ptr + tl.load(ids_ptr + p) * s_we + n[:, None].to(tl.int64) * s_wn  # ids are int64
+    if CG:
+        e = tl.load(ids_ptr + p, cache_modifier=".cg")
+    else:
+        e = tl.load(ids_ptr + p)
+    gate = w_ptr + e * s_we + n[:, None].to(tl.int64) * s_wn  # ids are int64
     up = gate + I * s_wn  # I * H < 2^31: half of one expert's matrix
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -330,6 +352,15 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we
         g, u = g * rstd, u * rstd
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + p.to(tl.int64) * s_o + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we, s_wn, s_o, eps,
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, tl.program_id(0), tl.program_id(1), I, K, s_x, s_we, s_wn,
+                  s_o, eps, TOPK, BLOCK_N, BLOCK_K, NORM, False)
 
 
 def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> None:
@@ -382,34 +413,66 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
 
 
 @triton.jit
+def _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, nt, N, s_a, s_we, s_wn, TOPK: tl.constexpr, SLOTS: tl.constexpr,
+                BLOCK_N: tl.constexpr, CG: tl.constexpr):
+    """Token t's route weights, and the pointers and masks of its top_k experts' down rows nt * BLOCK_N.. and
+    activations. CG: the routing and the activations were written by other programs of this launch."""
+    n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    s = tl.arange(0, SLOTS)
+    smask = s < TOPK
+    pair = t.to(tl.int64) * TOPK + s
+    if CG:
+        rw = tl.load(rw_ptr + pair, mask=smask, other=0.0, cache_modifier=".cg")
+        e = tl.load(ids_ptr + pair, mask=smask, other=0, cache_modifier=".cg")
+    else:
+        rw = tl.load(rw_ptr + pair, mask=smask, other=0.0)
+        e = tl.load(ids_ptr + pair, mask=smask, other=0)
+    rows = w_ptr + e[:, None, None] * s_we + n[None, :, None].to(tl.int64) * s_wn  # [SLOTS, BLOCK_N, 1]
+    acts = a_ptr + pair[:, None] * s_a  # [SLOTS, 1]
+    rmask = smask[:, None, None] & nmask[None, :, None]
+    return rw, rows, acts, rmask, smask, n, nmask
+
+
+@triton.jit
+def _down_steps(acc, rows, acts, rmask, smask, start, K, BLOCK_K: tl.constexpr, CG: tl.constexpr):
+    """`acc` plus the products of the K steps from `start` on, in order."""
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(start, K, BLOCK_K):
+        k = k0 + kk
+        kmask = k < K
+        if CG:
+            a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+        else:
+            a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+    return acc
+
+
+@triton.jit
+def _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD: tl.constexpr):
+    """The route-weighted sum over the slots, stored as token t's columns `n` (ADD: added into what is there, the
+    residual stream, rounded as `kernels.rmsnorm`'s residual add rounds)."""
+    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0).to(out_ptr.dtype.element_ty)
+    optrs = out_ptr + t.to(tl.int64) * s_o + n
+    if ADD:
+        y = (y.to(tl.float32) + tl.load(optrs, mask=nmask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(optrs, y, mask=nmask)
+
+
+@triton.jit
 def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_wn, s_o, TOPK: tl.constexpr,
                      SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    s = tl.arange(0, SLOTS)
-    smask = s < TOPK
-    pair = t.to(tl.int64) * TOPK + s
-    rw = tl.load(rw_ptr + pair, mask=smask, other=0.0)
-    e = tl.load(ids_ptr + pair, mask=smask, other=0)
-    rows = w_ptr + e[:, None, None] * s_we + n[None, :, None].to(tl.int64) * s_wn  # [SLOTS, BLOCK_N, 1]
-    acts = a_ptr + pair[:, None] * s_a  # [SLOTS, 1]
-    rmask = smask[:, None, None] & nmask[None, :, None]
-    kk = tl.arange(0, BLOCK_K)
+    rw, rows, acts, rmask, smask, n, nmask = _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, tl.program_id(1), N, s_a,
+                                                         s_we, s_wn, TOPK, SLOTS, BLOCK_N, False)
     acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        kmask = k < K
-        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0).to(tl.float32)
-        acc += w * a[:, None, :]
-    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0).to(out_ptr.dtype.element_ty)
-    optrs = out_ptr + t.to(tl.int64) * s_o + n
-    if ADD:  # into the residual stream, rounded as `kernels.rmsnorm`'s residual add rounds
-        y = (y.to(tl.float32) + tl.load(optrs, mask=nmask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(optrs, y, mask=nmask)
+    acc = _down_steps(acc, rows, acts, rmask, smask, 0, K, BLOCK_K, False)
+    _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD)
 
 
 def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
@@ -457,6 +520,118 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     return out
 
 
+# A one-launch step's counts before its per-token ones: the ticket, the tokens routed, the gate_up programs done, the
+# down programs done (`_moe_mlp_kernel`).
+PHASE_COUNTERS = 4
+
+
+@triton.jit
+def _moe_mlp_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, act_ptr, gu_ptr, dn_ptr, out_ptr, ctr_ptr,
+                    tok_ptr, T, E, H, I, s_x, s_r, s_gue, s_gun, s_a, s_de, s_dn, s_o, eps,
+                    TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
+                    BLOCK_G: tl.constexpr, ROUTER_K: tl.constexpr, BLOCK_E: tl.constexpr, GATE_N: tl.constexpr,
+                    GATE_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, SLOTS: tl.constexpr,
+                    ADD: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr):
+    """The three kernels of a small step in one launch, by ticket (`_sync.ticket`): the first T x GROUPS programs are
+    `_router_kernel`'s (token fastest), the next (pairs x gate_up tiles) `_gate_up_silu_kernel`'s (pair fastest),
+    the last (T x down tiles) `_down_sum_kernel`'s (token fastest), each with the same code as there. A gate_up
+    program waits for every token's route; a down program waits for the routes too, loads its first weight tile,
+    then waits for every gate_up program. The last down program to finish sets the counts back to zero. `ctr_ptr`:
+    the `PHASE_COUNTERS` counts; `tok_ptr`: the router's, one a token."""
+    pdl_enter(USE_PDL)
+    pairs = T * TOPK
+    n_route = T * GROUPS
+    n_gate = pairs * tl.cdiv(I, GATE_N)
+    tk = ticket(ctr_ptr)
+    if tk < n_route:
+        t = tk % T
+        _router_logits(x_ptr, rw_ptr, nw_ptr, logits_ptr, t, tk // T, E, H, s_x, s_r, eps, NORM, BLOCK_G, ROUTER_K)
+        if _route_last(tok_ptr, logits_ptr, w_ptr, ids_ptr, t, E, GROUPS, TOPK, NORMALIZE, BLOCK_E):
+            arrive(ctr_ptr + 1)
+    elif tk < n_route + n_gate:
+        q = tk - n_route
+        wait_for(ctr_ptr + 1, T, ASM)
+        _gate_up_tile(x_ptr, gu_ptr, ids_ptr, act_ptr, nw_ptr, q % pairs, q // pairs, I, H, s_x, s_gue, s_gun, s_a,
+                      eps, TOPK, GATE_N, GATE_K, NORM, True)
+        arrive(ctr_ptr + 2)
+    else:
+        q = tk - n_route - n_gate
+        t = q % T
+        wait_for(ctr_ptr + 1, T, ASM)
+        rw, rows, acts, rmask, smask, n, nmask = _down_setup(act_ptr, dn_ptr, ids_ptr, w_ptr, t, q // T, H, s_a, s_de,
+                                                             s_dn, TOPK, SLOTS, DOWN_N, True)
+        k = tl.arange(0, DOWN_K)
+        kmask = k < I
+        w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0)  # before the wait
+        wait_for(ctr_ptr + 2, n_gate, ASM)
+        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        acc = tl.zeros([SLOTS, DOWN_N, DOWN_K], tl.float32)
+        acc += w.to(tl.float32) * a[:, None, :]  # the first K step, as `_down_steps` takes each
+        acc = _down_steps(acc, rows, acts, rmask, smask, DOWN_K, I, DOWN_K, True)
+        _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD)
+        if last_to_finish(ctr_ptr + 3, T * tl.cdiv(H, DOWN_N)):  # every program has its ticket: all start over
+            tl.store(ctr_ptr, 0)
+            tl.store(ctr_ptr + 1, 0)
+            tl.store(ctr_ptr + 2, 0)
+
+
+def moe_mlp_one_launch(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                       normalize: bool, counters: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+                       residual: torch.Tensor | None = None, pdl: bool = False, block_g: int = ROUTER_GROUP,
+                       router_k: int = 512, gate_n: int = 4, gate_k: int = 512, down_n: int = 2,
+                       down_k: int = 256) -> torch.Tensor:
+    """`moe_experts_small(x, gate_up, down, *moe_router(x, router_w, ...))` in one launch (`_moe_mlp_kernel`), for
+    steps of at most `SMALL_PAIRS` pairs: the routing, the experts' gate_up and their down products, each phase's
+    programs waiting in the launch for the phase before instead of a launch's end, and the down programs loading
+    their first weight tile while the gate_up programs finish. The same code and block sizes as the three launches,
+    so the same bits. `counters`: int32, zero, `PHASE_COUNTERS` + one a token, which every launch leaves zero.
+    `norm`, `residual` as `fused_moe` takes them; returns the output ([T, H], or `residual` with it added)."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    T, H = x.shape
+    check("router_w", router_w, dtype=x.dtype, shape=(None, H), device=x.device)
+    check_contiguous("router_w", router_w)
+    E = router_w.shape[0]
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k {top_k} not in 1..{E}")
+    if not small_path(T, top_k):
+        raise ValueError(f"one launch: for a step of at most {SMALL_PAIRS} (token, expert) pairs, got {T} x {top_k}")
+    check("gate_up", gate_up, dtype=x.dtype, shape=(E, None, H), device=x.device)
+    check_contiguous("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: expected [E, 2I, H], got {tuple(gate_up.shape)}")
+    I = gate_up.shape[1] // 2
+    check("down", down, dtype=x.dtype, shape=(E, H, I), device=x.device)
+    check_contiguous("down", down)
+    check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
+    if counters.numel() < PHASE_COUNTERS + T:
+        raise ValueError(f"counters: {counters.numel()}, this launch needs {PHASE_COUNTERS + T} "
+                         f"({PHASE_COUNTERS} and one a token)")
+    if norm is not None:
+        check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
+    check("residual", out, dtype=x.dtype, shape=(T, H), device=x.device)
+    if T == 0:
+        return out
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    act = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
+    groups = triton.cdiv(E, block_g)
+    programs = T * groups + T * top_k * triton.cdiv(I, gate_n) + T * triton.cdiv(H, down_n)
+    nw, eps = norm if norm is not None else (x, 0.0)
+    _moe_mlp_kernel[(programs,)](
+        x, router_w, nw, logits, weights, ids, act, gate_up, down, out, counters, counters[PHASE_COUNTERS:], T, E, H, I,
+        x.stride(0),
+        router_w.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), float(eps), TOPK=top_k, NORMALIZE=bool(normalize), NORM=norm is not None, GROUPS=groups,
+        BLOCK_G=block_g, ROUTER_K=min(router_k, next_pow2(H)), BLOCK_E=next_pow2(E), GATE_N=gate_n,
+        GATE_K=min(gate_k, next_pow2(H)), DOWN_N=down_n, DOWN_K=min(down_k, next_pow2(I)), SLOTS=next_pow2(top_k),
+        ADD=residual is not None, USE_PDL=pdl, ASM=x.device.type == "cuda", num_warps=4, **pdl_launch(pdl),
+    )
+    return out
+
+
 def small_path(tokens: int, top_k: int) -> bool:
     """Whether `fused_moe` takes the sort-free path for a step of `tokens` rows (a static shape, so
     a captured graph always holds one path)."""
@@ -496,19 +671,25 @@ def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None,
               pdl: bool = False, residual: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-              norm: tuple[torch.Tensor, float] | None = None):
+              norm: tuple[torch.Tensor, float] | None = None, one_launch: bool = False):
     """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
     sorted one (`block_m` is the sorted path's). `pdl`: the routing and the sort-free path's kernels launched with
     programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without. Small steps only:
     `residual`, the output added into it, which is returned (`moe_down_sum`); `counters` (one a token, zero), the
     router's product and the routing in one launch (`moe_router`); `norm` (with `counters`), x is the residual
     stream and its RMSNorm is taken in the router's and the gate_up kernels, so the layer's MLP is three launches
-    and no norm."""
+    and no norm; `one_launch` (with `counters`, `PHASE_COUNTERS` more than a token's), those three in one launch
+    (`moe_mlp_one_launch`)."""
     small = small_path(x.shape[0], top_k)
     if not small and (residual is not None or counters is not None or norm is not None):
         raise ValueError(f"residual, counters, norm: only for a step of at most {SMALL_PAIRS} (token, expert) pairs")
     if norm is not None and counters is None:
         raise ValueError("norm: taken in the router's kernel, which needs counters")
+    if one_launch:
+        if counters is None:
+            raise ValueError("one_launch: routes in its launch, which needs counters")
+        return moe_mlp_one_launch(x, router_w, gate_up, down, top_k, normalize, counters, norm=norm,
+                                  residual=residual, pdl=pdl)
     if counters is not None:
         weights, ids = moe_router(x, router_w, top_k, normalize, counters, norm=norm, pdl=pdl)
     else:

@@ -55,7 +55,7 @@ def _hf_model(family: str, size: str, dtype, std: float):
     return model
 
 
-def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None, pdl=False):
+def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None, **options):
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -72,7 +72,7 @@ def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=N
     model = build_empty(cfg, dtype, "cuda")
     assign_weights(model, map_hf_weights(cfg, sd.__getitem__, sd.__contains__), "hf")
     kv = KVCache(cfg, num_blocks, BLOCK, dtype=dtype, device="cuda")
-    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled, pdl=pdl), cfg
+    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled, **options), cfg
 
 
 def _meta(seqs):
@@ -226,12 +226,29 @@ def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_de
     hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     reserve_sms(1)  # as the engines capture: one SM for the scheduler's block (given back at the end)
     try:
-        _pdl_bits(hf, tiled)
+        _same_bits(hf, tiled, "pdl")
     finally:
         reserve_sms(0)
 
 
-def _pdl_bits(hf, tiled: str) -> None:
+def test_moe_in_one_launch_has_the_bits_of_three_replayed_and_launched_from_the_device():
+    """An MoE layer's small step with its router, gate_up and down kernels as phases of one launch (`moe_one`,
+    `BLINK_MOE_ONE_LAUNCH`: programs that spin on counts the earlier phases raise) gives the three launches' logits
+    and tokens bit for bit at Qwen3-30B-A3B's layer sizes, through captured graphs replayed from the host and
+    launched from the device, and leaves its counts at rest (a hang here is a phase that never completes)."""
+    from gpu_engine.gpu.sm_share import reserve_sms
+
+    hf = _hf_model("qwen3_moe", "full", torch.bfloat16, 0.02)
+    reserve_sms(1)
+    try:
+        _same_bits(hf, "n64_k128_s4+fused", "moe_one")
+    finally:
+        reserve_sms(0)
+
+
+def _same_bits(hf, tiled: str, option: str) -> None:
+    """A prefill and a decode step through graphs captured with the runner's `option` off and on: the same logits
+    and tokens, replayed, and (on) launched once from the device."""
     import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
@@ -246,11 +263,11 @@ def _pdl_bits(hf, tiled: str) -> None:
              (torch.tensor([5, 7, 9, 11], device="cuda"),
               _meta(list(zip(lens, [1] * 4, tables, strict=True))), (True, 4, 4))]
     results = {}
-    for pdl in (False, True):
-        runner, _ = _ours(hf, tiled=tiled, pdl=pdl)
+    for on in (False, True):
+        runner, _ = _ours(hf, tiled=tiled, **{option: on})
         graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
         graphs.capture(progress=False)
-        for how in ("replay", "device") if pdl else ("replay",):
+        for how in ("replay", "device") if on else ("replay",):
             outs = []
             for ids, meta, (decode, batch, tokens) in steps:
                 runner.stage(ids, meta)
@@ -266,8 +283,8 @@ def _pdl_bits(hf, tiled: str) -> None:
                     assert err.value == 0, f"device-side cudaGraphLaunch returned {err.value}"
                 torch.cuda.synchronize()
                 outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
-            results[pdl, how] = outs
-            assert not runner.attn_counters.any() and not runner.route_counters.any(), (pdl, how)  # left at rest
+            results[on, how] = outs
+            assert not runner.attn_counters.any() and not runner.route_counters.any(), (on, how)  # left at rest
         graphs.close()
     plain = results[False, "replay"]
     assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
