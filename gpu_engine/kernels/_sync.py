@@ -45,14 +45,36 @@ def arrive(count_ptr):
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
 
+# Thread 0 of a program polls the count (a volatile load, then a short sleep while it is short), the others wait at
+# the barrier after: one poll a program, not one a warp, on an address that every waiting program polls.
+_POLL = tl.constexpr("""{
+.reg .pred %blink_p;
+.reg .b32 %blink_v;
+mov.u32 %blink_v, %tid.x;
+setp.ne.u32 %blink_p, %blink_v, 0;
+@%blink_p bra BLINK_DONE;
+BLINK_POLL:
+ld.volatile.global.b32 %blink_v, [$1];
+setp.ge.s32 %blink_p, %blink_v, $2;
+@%blink_p bra BLINK_DONE;
+nanosleep.u32 128;
+bra BLINK_POLL;
+BLINK_DONE:
+mov.u32 $0, 0;
+}""")
+
+
 @triton.jit
 def wait_for(count_ptr, n, ASM: tl.constexpr):
-    """Spin until `n` programs have arrived at `count_ptr` (`arrive`): plain volatile loads (many programs spin on
-    one count: atomics on one address would queue, and an acquiring load invalidates the SM's L1 each time), then
-    one acquiring load, after which this program's loads see what the arrivals stored. ASM: on a GPU (PTX's
-    `ld.acquire`); the interpreter runs programs one after another, so the count is reached at the first look."""
-    while tl.load(count_ptr, volatile=True) < n:
-        pass
+    """Spin until `n` programs have arrived at `count_ptr` (`arrive`); then this program's loads see what the
+    arrivals stored (an acquiring load by every thread: on sm_90 it invalidates the SM's L1, so it is not the poll).
+    ASM: on a GPU, thread 0 polls (`_POLL`, PTX) and the others wait at a barrier; without it (the interpreter, whose
+    programs run one after another, so the count is reached at the first look) every thread loads the count."""
     if ASM:
+        tl.inline_asm_elementwise(_POLL, "=r,l,r", [count_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
         tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [count_ptr], dtype=tl.int32,
                                   is_pure=False, pack=1)
+    else:
+        while tl.load(count_ptr, volatile=True) < n:
+            pass
