@@ -331,14 +331,14 @@ def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
 
 def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
         pdl: bool = False, walk: str = "", batches: tuple[int, ...] = (), lanes: str = "",
-        moe_one: bool = False) -> dict:
-    """`batches`: only those decode batches of each model and no prefill rows (all where empty). `moe_one`: the MoE
-    model's small steps in one launch (the runner's `moe_one`)."""
+        one_launch: str = "") -> dict:
+    """`batches`: only those decode batches of each model and no prefill rows (all where empty). `one_launch`: the
+    runner's (`kernels.phased.one_launch_parts`)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
-    settings = {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes}
+    settings = {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes, "one_launch": one_launch}
     for m in models:
         if m == "mixed":
             rows += run_mixed(gbps, tflops, iters)
@@ -349,7 +349,7 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
                 if not model_batches:  # none of this model's batches asked for: its rows stay as they are
                     continue
             rows += run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
-                              {"skinny": skinny, **settings} if m == "dense" else {**settings, "moe_one": moe_one})
+                              {"skinny": skinny, **settings} if m == "dense" else settings)
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -362,11 +362,10 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     # skinny (their linears of steps of up to kernels.gemv.SKINNY_ROWS rows, or :ROWS), tiled (the tiled linear's
     # plan or configuration, past the skinny ones), pdl (their Triton kernels launched with PDL), walk (the decode
     # attention's short rows walked, kernels.attention.decode_walk) and lanes (its programs a row and KV head,
-    # kernels.attention.decode_lanes); the MoE rows' the same, moe_ before each, skinny aside, and moe_one_launch
-    # (their small steps' MoE in one launch)
+    # kernels.attention.decode_lanes) and one_launch (the parts in one launch each, kernels.phased); the MoE rows' the
+    # same, moe_ before each, skinny aside
     marks = {key: value or None for key, value in settings.items()}
-    keyed = ({f"moe_{k}": v for k, v in marks.items()} | {"moe_one_launch": moe_one or None}
-             if "moe" in models else {}) | (
+    keyed = ({f"moe_{k}": v for k, v in marks.items()} if "moe" in models else {}) | (
         {"skinny": skinny, **marks} if "dense" in models else {})
     for key, value in keyed.items():
         result.pop(key, None)
@@ -466,8 +465,8 @@ def main() -> None:
     parser.add_argument("--lanes", default="", help="P or P:BATCH: in decode steps of at least 33 (BATCH) rows, the "
                         "decode attention's split launch runs P programs a row and KV head (BLINK_DECODE_LANES; give "
                         "the run its own --out)")
-    parser.add_argument("--moe-one", action="store_true", help="the MoE model's small decode steps run their router, "
-                        "gate_up and down kernels in one launch (BLINK_MOE_ONE_LAUNCH; with a +fused --tiled; give "
+    parser.add_argument("--one-launch", default="", help="attention, moe (comma-separated) or all: those parts of "
+                        "the decode step as phases of one launch each (BLINK_ONE_LAUNCH; with a +fused --tiled; give "
                         "the run its own --out)")
     parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
@@ -492,14 +491,16 @@ def main() -> None:
     from gpu_engine.kernels.tiled_linear import resolve_tiled
 
     tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
-    if args.moe_one and "+fused" not in (tiled or ""):
-        raise SystemExit(f"--moe-one: a fused form, for a +fused --tiled setting (this one: {tiled or 'cuBLAS'})")
+    from gpu_engine.kernels.phased import one_launch_parts
+
+    if one_launch_parts(args.one_launch) and "+fused" not in (tiled or ""):
+        raise SystemExit(f"--one-launch: fused forms, for a +fused --tiled setting (this one: {tiled or 'cuBLAS'})")
     from gpu_engine.kernels.attention import decode_lanes, decode_walk
 
     decode_walk(args.walk)  # a malformed setting fails before the run
     decode_lanes(args.lanes)
     result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk,
-                 batches=batches, lanes=args.lanes, moe_one=args.moe_one)
+                 batches=batches, lanes=args.lanes, one_launch=args.one_launch)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

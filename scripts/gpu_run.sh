@@ -29,7 +29,8 @@
 # launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
 # PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
 # each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's, /moe1 for BLINK_MOE_ONE_LAUNCH=1's;
+# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's, /1moe, /1attention or /1all for
+# BLINK_ONE_LAUNCH's;
 # roofline_<variant>.json each, side by side in one call; VARIANT_MODELS=moe (or dense,moe) for the MoE rows), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
@@ -208,7 +209,7 @@ run_step() {
               pdl) extra+=(--pdl) ;;
               walk*) extra+=(--walk "${flag#walk}") ;;
               lanes*) extra+=(--lanes "${flag#lanes}") ;;
-              moe1) extra+=(--moe-one) ;;
+              1*) extra+=(--one-launch "${flag#1}") ;;
               *) summary "roofline_variants: unknown flag /$flag in $v, skipped"; continue 2 ;;
             esac
           done

@@ -97,10 +97,12 @@ class Env:
                              "kernels around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, "
                              "residual add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in "
                              "one launch; measured faster than NAME alone on the H200 (BENCHMARKS.md)")
-    moe_one_launch: bool = _var("BLINK_MOE_ONE_LAUNCH", False, "GPU backends, with a +fused BLINK_TILED_LINEAR: an "
-                                "MoE layer's small decode steps (at most 64 token-expert pairs) run their router, "
-                                "experts' gate_up and down products as phases of one launch instead of three (the "
-                                "same bits); not yet measured on a GPU, so off by default", _bool)
+    one_launch: str = _var("BLINK_ONE_LAUNCH", "", "GPU backends, with a +fused BLINK_TILED_LINEAR: parts of the "
+                           "decode step run as phases of one launch each (the same bits): attention (qkv with its "
+                           "norm and q/k/v preparation, decode attention, o with its residual add, where the fused "
+                           "forms take them all), moe (an MoE layer's router, gate_up and down in steps of at most 64 "
+                           "token-expert pairs); comma-separated, or all; not yet measured on a GPU, so none by "
+                           "default")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
                      "programmatic dependent launch, each "

@@ -32,13 +32,13 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8, moe_one=False):
+def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8, one_launch=""):
     """A runner over a random model of the family, a cache of `blocks` 4-token blocks, tables `width` blocks wide."""
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
     runner = GpuModelRunner(model, KVCache(cfg, blocks, 4), RunnerLimits(4, 32, width), skinny=skinny, tiled=tiled,
-                            pdl=pdl, walk=walk, lanes=lanes, moe_one=moe_one)
+                            pdl=pdl, walk=walk, lanes=lanes, one_launch=one_launch)
     return cfg, model, runner
 
 
@@ -348,10 +348,17 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
     assert counts["n64_k64_s6"] - counts["n64_k64_s6+fused"] == 5 * len(runner.layers), counts
 
 
-def test_an_moe_step_in_one_launch_has_the_bits_of_three_and_two_launches_fewer_a_layer(monkeypatch):
-    """The 2-layer Qwen3-MoE, fused, at a one-row and a 4-row decode step (the sort-free path) with `moe_one`: the
-    router, gate_up and down kernels of each layer in one launch, so 2 Triton launches a layer fewer, and the same
-    logits and tokens bit for bit, the counts left at rest; refused without a fused setting."""
+@pytest.mark.parametrize(("family", "parts", "fewer"), [
+    ("llama", "attention", {1: 2, 4: 3}),  # qkv, attention, o (and the fold at 4 rows) in one
+    ("qwen3_moe", "moe", {1: 2, 4: 2}),  # router, gate_up, down in one
+    ("qwen3_moe", "all", {1: 4, 4: 5}),
+])
+def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(family, parts, fewer, monkeypatch):
+    """The 2-layer models, fused through one 4-warp tiled configuration, at a one-row and a 4-row decode step with
+    `one_launch`: the attention half (qkv with its norm and preparation, attention with its fold, o with its add)
+    and an MoE layer's router, gate_up and down (the sort-free path) as phases of one launch each, so that many
+    Triton launches a layer fewer, and the same logits and tokens bit for bit, the counts left at rest. Refused
+    without a fused setting, and for an unknown part."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches = []
@@ -365,14 +372,17 @@ def test_an_moe_step_in_one_launch_has_the_bits_of_three_and_two_launches_fewer_
     seqs = [(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])]
     for rows in (1, 4):
         got = {}
-        for one in (False, True):
-            cfg, model, runner = _setup("qwen3_moe", None, "n32_k128_s4+fused", moe_one=one)
+        for one in ("", parts):
+            cfg, model, runner = _setup(family, None, "n32_k128_s4+fused", one_launch=one)
             runner.stage(torch.arange(rows), build_metadata(seqs[:rows], 4))
             launches.clear()
             runner.forward(rows, rows, True)
             got[one] = (len(launches), runner.buffers.logits[:rows].clone(), runner.buffers.next_tokens[:rows].clone())
-            assert not runner.route_counters.any()
-        assert got[False][0] - got[True][0] == 2 * len(runner.layers), (rows, got[False][0], got[True][0])
-        assert torch.equal(got[True][1], got[False][1]) and torch.equal(got[True][2], got[False][2])
-    with pytest.raises(ValueError, match="moe_one"):
-        _setup("qwen3_moe", None, "n32_k128_s4", moe_one=True)
+            assert not runner.route_counters.any() and not runner.half_counters.any()
+            assert not runner.attn_counters.any() and not runner.scratch[1].any()
+        assert got[""][0] - got[parts][0] == fewer[rows] * len(runner.layers), (rows, got[""][0], got[parts][0])
+        assert torch.equal(got[parts][1], got[""][1]) and torch.equal(got[parts][2], got[""][2])
+    with pytest.raises(ValueError, match="one_launch"):
+        _setup(family, None, "n32_k128_s4", one_launch=parts)
+    with pytest.raises(ValueError, match="one launch"):
+        _setup(family, None, "n32_k128_s4+fused", one_launch="attention,mlp")

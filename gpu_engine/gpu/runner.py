@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ from gpu_engine.kernels.attention import (
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
+from gpu_engine.kernels.phased import HALF_COUNTERS, attention_half_one_launch, one_launch_parts
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -47,6 +48,7 @@ from gpu_engine.kernels.sampling import Processors, sample
 from gpu_engine.kernels.tiled_linear import (
     TILED_CONFIGS,
     Heads,
+    TiledConfig,
     tiled_fusion,
     tiled_linear,
     tiled_plan,
@@ -272,6 +274,17 @@ def _silu_apart(matmul: Callable[..., torch.Tensor], pdl: bool, x: torch.Tensor,
     return matmul(x, w, act=act, **fused)
 
 
+class _OneHalf(NamedTuple):
+    """What `kernels.phased.attention_half_one_launch` takes of a layer besides the step's buffers."""
+
+    w_qkv: torch.Tensor
+    heads: Heads
+    qkv: TiledConfig
+    w_o: torch.Tensor
+    o: TiledConfig
+    scratch: tuple[torch.Tensor, torch.Tensor]
+
+
 class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
@@ -279,7 +292,7 @@ class GpuModelRunner:
                  max_positions: int | None = None, fused: bool = True,
                  quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
                  tiled: str | None = None, pdl: bool = False, walk: str = "", lanes: str = "",
-                 moe_one: bool = False) -> None:
+                 one_launch: str = "") -> None:
         """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
         SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
         name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
@@ -305,8 +318,11 @@ class GpuModelRunner:
         the longer ones (`decode_attention`'s `walk_upto`; the same bits). `lanes` (`kernels.attention.decode_lanes`,
         e.g. "2"): in decode steps of at least 33 rows (or "P:ROWS"), the split launch runs P programs a row and KV
         head, each computing every P-th split, instead of one a split (`decode_attention`'s `lanes`; the same
-        bits). `moe_one` (with a +fused `tiled`): an MoE layer's small steps run their router, gate_up and down
-        kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`; the same bits)."""
+        bits). `one_launch` (`one_launch_parts`; with a +fused `tiled`): "attention", a decode step's attention half
+        (qkv with its norm and preparation, attention, o with its add) as phases of one launch where the fused forms
+        take all of it (`kernels.phased.attention_half_one_launch`); "moe", an MoE layer's small steps run their
+        router, gate_up and down kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated,
+        "all" for both. The same bits as the separate launches."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -344,9 +360,12 @@ class GpuModelRunner:
         self.pdl = pdl
         self.walk_upto, self.walk_from = decode_walk(walk)
         self.lanes, self.lanes_from = decode_lanes(lanes)
-        if moe_one and self.fusion is None:
-            raise ValueError("moe_one: the MoE step in one launch is a fused form: it needs a +fused tiled setting")
-        self.moe_one = moe_one
+        self.one_launch = one_launch_parts(one_launch)
+        if self.one_launch and self.fusion is None:
+            raise ValueError(f"one_launch: {one_launch!r}: the launches in one are fused forms: they need a +fused "
+                             "tiled setting")
+        self.plan = plan
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
         self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
         if plan:
@@ -357,7 +376,7 @@ class GpuModelRunner:
             configs = [TILED_CONFIGS[name] for name in names]
             if self.fusion is not None:  # qkv with its heads out: a tile a head
                 configs += [c._replace(block_n=model.config.head_dim) for c in configs]
-            scratch = tiled_scratch(shapes, configs, self.device)
+            scratch = self.scratch = tiled_scratch(shapes, configs, self.device)
             bound = {name: functools.partial(_silu_apart, functools.partial(
                 tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
             self.tiled = {shape: tuple((rows, bound[name]) for rows, name in steps) for shape, steps in plan.items()}
@@ -373,6 +392,8 @@ class GpuModelRunner:
         # counts (`moe_mlp_one_launch`), zero at rest
         self.route_counters = torch.zeros(PHASE_COUNTERS + SMALL_PAIRS if self.fusion is not None else 0,
                                           dtype=torch.int32, device=self.device)
+        self.half_counters = torch.zeros(HALF_COUNTERS if "attention" in self.one_launch else 0, dtype=torch.int32,
+                                         device=self.device)  # the attention half's phase counts, zero at rest
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -435,6 +456,14 @@ class GpuModelRunner:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kc, vc = self.kv.k[i], self.kv.v[i]
         heads = self.qkv_heads(i, w, tokens)
+        one = self._attention_in_one(w, heads, pending, batch, tokens, decode)
+        if one is not None:
+            how = self.decode_form(batch)
+            attention_half_one_launch(residual, one.w_qkv, one.heads, (w.attn_norm, cfg.rms_norm_eps), one.qkv,
+                                      buf.block_tables[:batch], buf.context_lens[:batch], self.scale, one.w_o,
+                                      residual, one.o, one.scratch, self.half_counters, attn_counters=how["counters"],
+                                      partition_size=how["partition_size"], pdl=self.pdl)
+            return None
         qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv, heads=heads)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
@@ -460,6 +489,32 @@ class GpuModelRunner:
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
+    def _attention_in_one(self, w: LayerWeights, heads: Heads | None, pending: torch.Tensor | None, batch: int,
+                          tokens: int, decode: bool) -> _OneHalf | None:
+        """What the attention half of this step takes to run in one launch (`one_launch` has "attention"): a
+        decode step whose qkv takes the fused norm and heads and whose o the fused add, at 4 warps each (fewer than
+        64 rows: `_tiled_heads`' warps), with neither walked rows nor lanes; else None."""
+        if "attention" not in self.one_launch or not decode or heads is None or pending is not None:
+            return None
+        if not self._norm_fuses(tokens) or self.fused_for(tokens, w.o) is None or tokens >= 64:
+            return None
+        how = self.decode_form(batch)
+        if how["walk_upto"] or how["lanes"] or not isinstance(w.qkv, torch.Tensor) or not isinstance(w.o, torch.Tensor):
+            return None
+        qkv, o = self.config_for(tokens, w.qkv), self.config_for(tokens, w.o)
+        if qkv is None or o is None or qkv.num_warps != 4 or o.num_warps != 4 or self.scratch is None:
+            return None
+        return _OneHalf(w.qkv, heads, qkv, w.o, o, self.scratch)
+
+    def config_for(self, rows: int, w: torch.Tensor) -> TiledConfig | None:
+        """The tiled linear's configuration for weight `w` ([N, K]) in a step of `rows` rows (`matmul_for`'s, by the
+        plan), or None where it goes elsewhere."""
+        shape = (int(w.shape[0]), int(w.shape[1]))
+        for most, name in self.plan.get(shape, self.plan.get(None, ())):
+            if rows <= most:
+                return TILED_CONFIGS[name]
+        return None
+
     def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
         """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
@@ -474,7 +529,7 @@ class GpuModelRunner:
             out = fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                             pdl=self.pdl, residual=residual if fuse else None,
                             counters=self.route_counters if fuse else None, norm=norm,
-                            one_launch=fuse and self.moe_one)
+                            one_launch=fuse and "moe" in self.one_launch)
             return None if fuse else out
         glu = self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)

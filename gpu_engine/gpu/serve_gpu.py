@@ -26,6 +26,7 @@ from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresiden
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kernels.attention import decode_lanes, decode_walk
+from gpu_engine.kernels.phased import one_launch_parts
 from gpu_engine.kernels.tiled_linear import resolve_tiled
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
@@ -101,6 +102,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
     decode_walk(env.env().decode_walk)  # a malformed BLINK_DECODE_WALK fails here too
     decode_lanes(env.env().decode_lanes)  # and BLINK_DECODE_LANES
+    if one_launch_parts(env.env().one_launch) and "+fused" not in (tiled or ""):  # and BLINK_ONE_LAUNCH
+        raise ValueError(f"BLINK_ONE_LAUNCH={env.env().one_launch!r}: fused forms, for a +fused BLINK_TILED_LINEAR "
+                         f"(this one: {tiled or 'cuBLAS'})")
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
              gpu_weights=cfg.gpu_weights)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
@@ -128,10 +132,10 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
     log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl,
              decode_walk=env.env().decode_walk or None, decode_lanes=env.env().decode_lanes or None,
-             moe_one_launch=env.env().moe_one_launch)
+             one_launch=env.env().one_launch or None)
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
                             tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes,
-                            moe_one=env.env().moe_one_launch)
+                            one_launch=env.env().one_launch)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

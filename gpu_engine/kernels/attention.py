@@ -154,8 +154,21 @@ def _decode_kernel(
     "last"): the launch has fewer programs a (row, KV head) than the table has splits, and program l computes splits
     l, l + lanes, ... (`decode_attention`'s `lanes`); without it the loop is the one-split loop as measured."""
     pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    _decode_program(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, sq_b, sq_h,
+                    sbt_b, so_b, so_h, scale_log2, NSPLIT, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    tl.num_programs(2), HKV, D, BS, G, BLOCK_G, BLOCK_D, PART, BLOCK_N, FORM, WALK_UPTO, PREC, LANED)
+
+
+@triton.jit
+def _decode_program(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr,
+    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT, b, kvh, lo, lanes_n,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, LANED: tl.constexpr,
+):
+    """Program (row b, KV head kvh, split or lane lo; `lanes_n` programs a (row, KV head) where LANED) of
+    `_decode_kernel`."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
@@ -182,11 +195,10 @@ def _decode_kernel(
         else:
             _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
     else:
-        lo = tl.program_id(2)
         lanes = NSPLIT
         step = 1
         if LANED:  # lane lo computes splits lo, lo + lanes, ... of the table's NSPLIT
-            lanes = tl.num_programs(2)
+            lanes = lanes_n
             step = lanes
             hi = tl.minimum(n_splits, NSPLIT)
         else:  # a program a split (the loop as it was measured, whose code LANED leaves alone)
@@ -227,8 +239,15 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
     program folds them, so the output has the same bits in every form. A row of at most WALK_UPTO splits was
     walked by the split kernel, which stored its output."""
     pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    _fold_program(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, tl.program_id(0), tl.program_id(1),
+                  HKV, D, G, BLOCK_G, BLOCK_D, PART, WALK_UPTO)
+
+
+@triton.jit
+def _fold_program(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, b, kvh, HKV: tl.constexpr,
+                  D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
+                  WALK_UPTO: tl.constexpr):
+    """Program (row b, KV head kvh) of `_fold_kernel`."""
     # the splits that have partials: a context past the block table's (NSPLIT splits) has none beyond them, as the
     # "last" form counts them
     n_splits = tl.cdiv(tl.load(ctx_ptr + b), PART)

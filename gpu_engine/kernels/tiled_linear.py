@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import check
-from gpu_engine.kernels._sync import last_to_finish
+from gpu_engine.kernels._sync import last_to_finish, wait_for
 from gpu_engine.kernels.activation import silu_and_mul_ref
 from gpu_engine.kernels.gemv import _x_tile, check_linear, gemv_ref
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
@@ -97,8 +97,19 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   PREC: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    pn = tl.program_id(0)
-    s = tl.program_id(1)
+    _tiled_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
+                   tl.program_id(0), tl.program_id(1), x_ptr, 0, SILU, GLU, NORM, ADD, BLOCK_M, BLOCK_N, BLOCK_K,
+                   SPLIT_K, PREC, False, False)
+
+
+@triton.jit
+def _tiled_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps, pn, s,
+                   wait_ptr, wait_n, SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   PREC: tl.constexpr, WAIT: tl.constexpr, ASM: tl.constexpr):
+    """Column tile pn, slice s of K (`_tiled_kernel`'s program). WAIT (a phase of a launch whose x is written by an
+    earlier phase, `_sync.wait_for`): the slice's first weight tile is loaded, then the program waits for `wait_n`
+    arrivals at `wait_ptr`, then goes on as without it (the first K step taken before the loop: the same sums)."""
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     rows = w_ptr + n[:, None].to(tl.int64) * sw
@@ -106,7 +117,22 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: the up half's sums (rows N.. of w)
     gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # NORM: x @ x.T over this slice of K, the squares its diagonal
     k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
-    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
+    start = k_lo
+    if WAIT:
+        k = k_lo + tl.arange(0, BLOCK_K)
+        wmask = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
+        if GLU:
+            w_u = tl.load(rows + N * sw + k[None, :], mask=wmask, other=0.0)
+        wait_for(wait_ptr, wait_n, ASM)
+        x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
+        if NORM:
+            x, gram = _weighted(x, gram, nw_ptr, k, K, PREC)
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        if GLU:
+            acc_u += tl.dot(x, tl.trans(w_u), input_precision=PREC)
+        start = k_lo + BLOCK_K
+    for k0 in range(start, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         wmask = (n[:, None] < N) & (k[None, :] < K)
         w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
@@ -195,8 +221,18 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
     pairs lie in one program; the sums of the slices of K meet as in `_tiled_kernel` (the workspace's columns are
     the product's)."""
     pdl_enter(USE_PDL)
-    head = tl.program_id(0)
-    s = tl.program_id(1)
+    _heads_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
+                   qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps, tl.program_id(0), tl.program_id(1),
+                   NORM, QK_NORM, D, ROT_HALF, BLOCK_M, BLOCK_R, BLOCK_P, PASS, BLOCK_K, SPLIT_K, PREC)
+
+
+@triton.jit
+def _heads_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
+                   qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps, head, s,
+                   NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PASS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr):
+    """Head `head`, slice s of K (`_tiled_heads_kernel`'s program)."""
     m = tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)

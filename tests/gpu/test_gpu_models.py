@@ -231,24 +231,27 @@ def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_de
         reserve_sms(0)
 
 
-def test_moe_in_one_launch_has_the_bits_of_three_replayed_and_launched_from_the_device():
-    """An MoE layer's small step with its router, gate_up and down kernels as phases of one launch (`moe_one`,
-    `BLINK_MOE_ONE_LAUNCH`: programs that spin on counts the earlier phases raise) gives the three launches' logits
-    and tokens bit for bit at Qwen3-30B-A3B's layer sizes, through captured graphs replayed from the host and
-    launched from the device, and leaves its counts at rest (a hang here is a phase that never completes)."""
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_parts_in_one_launch_have_the_bits_of_separate_ones_replayed_and_launched_from_the_device(family):
+    """The attention half (qkv with its norm and preparation, attention, o with its add) and an MoE layer's small
+    step (router, gate_up, down) as phases of one launch each (`one_launch="all"`, `BLINK_ONE_LAUNCH`: programs that
+    spin on counts the earlier phases raise) give the separate launches' logits and tokens bit for bit at full layer
+    sizes (Llama-3-8B, Qwen3-30B-A3B) through one 4-warp tiled configuration with the fused forms, through captured
+    graphs replayed from the host and launched from the device, and leave their counts at rest (a hang here is a
+    phase that never completes)."""
     from gpu_engine.gpu.sm_share import reserve_sms
 
-    hf = _hf_model("qwen3_moe", "full", torch.bfloat16, 0.02)
+    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     reserve_sms(1)
     try:
-        _same_bits(hf, "n64_k128_s4+fused", "moe_one")
+        _same_bits(hf, "n64_k128_s4+fused", "one_launch", "all")
     finally:
         reserve_sms(0)
 
 
-def _same_bits(hf, tiled: str, option: str) -> None:
-    """A prefill and a decode step through graphs captured with the runner's `option` off and on: the same logits
-    and tokens, replayed, and (on) launched once from the device."""
+def _same_bits(hf, tiled: str, option: str, value: object = True) -> None:
+    """A prefill and a decode step through graphs captured with the runner's `option` off and at `value`: the same
+    logits and tokens, replayed, and (on) launched once from the device."""
     import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
@@ -264,7 +267,7 @@ def _same_bits(hf, tiled: str, option: str) -> None:
               _meta(list(zip(lens, [1] * 4, tables, strict=True))), (True, 4, 4))]
     results = {}
     for on in (False, True):
-        runner, _ = _ours(hf, tiled=tiled, **{option: on})
+        runner, _ = _ours(hf, tiled=tiled, **{option: value if on else type(value)()})
         graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
         graphs.capture(progress=False)
         for how in ("replay", "device") if on else ("replay",):
@@ -285,6 +288,7 @@ def _same_bits(hf, tiled: str, option: str) -> None:
                 outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
             results[on, how] = outs
             assert not runner.attn_counters.any() and not runner.route_counters.any(), (on, how)  # left at rest
+            assert not runner.half_counters.any() and (runner.scratch is None or not runner.scratch[1].any())
         graphs.close()
     plain = results[False, "replay"]
     assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
