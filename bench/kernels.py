@@ -590,6 +590,77 @@ def silu_rows(gbps: float) -> list[dict]:
     return rows
 
 
+# (name, query heads, KV heads, head size, hidden, qkv configuration, o configuration, decode batches): the models
+# whose attention half the H200 plans give to the fused tiled linear (`kernels.tiled_linear.TILED_PLANS["h200"]`)
+PHASED_MODELS = (("llama3-8b", 32, 8, 128, 4096, "n64_k128_s4", "n64_k128_s4_x2", (1,)),
+                 ("qwen3-30b-a3b", 32, 4, 128, 2048, "n64_k128_s4", "n64_k128_s4_x2", (1, 8)))
+
+
+def _attention_half_calls(stream, heads, norm, qc, oc, tables, ctx, attn_counters, counters, scratch, how):
+    """(apart, one launch): calls of weights (qkv, o) for `phased_rows`."""
+    from gpu_engine.kernels.attention import decode_attention
+    from gpu_engine.kernels.phased import attention_half_one_launch
+    from gpu_engine.kernels.tiled_linear import tiled_linear
+
+    M, hq, d = stream.shape[0], heads.num_heads, heads.k_cache.shape[-1]
+
+    def apart(w):
+        qkv = tiled_linear(stream, w[0], **qc._asdict(), scratch=scratch, norm=norm, heads=heads)
+        att = decode_attention(qkv[:, : hq * d].view(M, hq, d), heads.k_cache, heads.v_cache, tables, ctx, d ** -0.5,
+                               form="split" if attn_counters is None else "last", counters=attn_counters, **how)
+        return tiled_linear(att.view(M, hq * d), w[1], **oc._asdict(), scratch=scratch, residual=stream)
+
+    def one(w):
+        return attention_half_one_launch(stream, w[0], heads, norm, qc, tables, ctx, d ** -0.5, w[1], stream, oc,
+                                         scratch, counters, attn_counters=attn_counters, **how)
+
+    return apart, one
+
+
+def phased_rows(gbps: float, copies: int = 4, models=PHASED_MODELS, context: int = 512, device: str = "cuda",
+                dtype=torch.bfloat16, block: int = 16) -> list[dict]:
+    """A decode step's attention half (`kernels.phased`): the fused kernels one after another (case `apart`: the
+    qkv product with its norm and preparation, decode attention with its fold, o added into the stream, as the
+    `+fused` runner launches them) against the same as phases of one launch (`one_launch`), every row at `context`
+    tokens, weights taken in turn from `copies`; bytes: both weights and the K/V read. `models`, `device`, `dtype`:
+    the check of these calls on tiny shapes in the CPU interpreter (tests/test_bench_kernels_fused.py)."""
+    from gpu_engine.kernels.attention import LAST_FOLD_ROWS
+    from gpu_engine.kernels.phased import HALF_COUNTERS
+    from gpu_engine.kernels.rope import build_rope_cache
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_scratch
+
+    rows, eps = [], 1e-5
+    for name, hq, hk, d, hidden, q_name, o_name, batches in models:
+        qc, oc = TILED_CONFIGS[q_name], TILED_CONFIGS[o_name]
+        n_qkv = (hq + 2 * hk) * d
+        weights = [((torch.randn(n_qkv, hidden, device=device) * 0.02).to(dtype),
+                    (torch.randn(hidden, hq * d, device=device) * 0.02).to(dtype)) for _ in range(copies)]
+        nw = torch.ones(hidden, device=device, dtype=dtype)
+        scratch = tiled_scratch([(n_qkv, hidden), (hidden, hq * d)], [qc, oc, qc._replace(block_n=d)], device)
+        cache = build_rope_cache(d, 4 * context, 500000.0, device=device)
+        per_row = -(-context // block)
+        for M in batches:
+            stream = torch.randn(M, hidden, device=device, dtype=dtype)
+            kc, vc = (torch.randn(M * per_row, block, hk, d, device=device).to(dtype) for _ in "kv")
+            tables = torch.arange(M * per_row, device=device, dtype=torch.int32).view(M, per_row)
+            ctx = torch.full((M,), context, device=device, dtype=torch.int32)
+            pos = torch.full((M,), context - 1, device=device)
+            slots = (tables[:, -1].long() * block + (context - 1) % block).contiguous()
+            heads = Heads(hq, hk, pos, cache, kc, vc, slots)
+            last = M <= LAST_FOLD_ROWS
+            attn_counters = torch.zeros(M * hk, device=device, dtype=torch.int32) if last else None
+            counters = torch.zeros(HALF_COUNTERS, device=device, dtype=torch.int32)
+            how = {"partition_size": 256 if context >= 256 else context, "block_n": min(128, context)}
+
+            apart, one = _attention_half_calls(stream, heads, (nw, eps), qc, oc, tables, ctx, attn_counters,
+                                               counters, scratch, how)
+            nbytes = _nbytes(*weights[0]) + 2 * M * context * hk * d * stream.element_size()
+            for case, call in (("apart", apart), ("one_launch", one)):
+                rows.append({"kernel": "attention_half", "case": case, "model": name, "batch": M,
+                             "context": context, **entry(graph_ms(_in_turn(weights, call)), nbytes, gbps)})
+    return rows
+
+
 MOE_SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}  # Qwen3-30B-A3B
 
 
@@ -688,8 +759,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "tiled, fused, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill, tiled and "
-                        "fused")
+                        "tiled, fused, silu, moe, q8, blas, prefill, phased); default: all but q8, blas, prefill, "
+                        "tiled, fused and phased")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -698,9 +769,9 @@ def main() -> None:
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
-            "blas": blas_rows, "prefill": prefill_rows}
+            "blas": blas_rows, "prefill": prefill_rows, "phased": phased_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill",
-                                                                                       "tiled", "fused")]
+                                                                                       "tiled", "fused", "phased")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):
