@@ -100,7 +100,9 @@ class Env:
     one_launch: str = _var("BLINK_ONE_LAUNCH", "", "GPU backends, with a +fused BLINK_TILED_LINEAR: parts of the "
                            "decode step run as phases of one launch each (the same bits): attention (qkv with its "
                            "norm and q/k/v preparation, decode attention, o with its residual add, where the fused "
-                           "forms take them all), moe (an MoE layer's router, gate_up and down in steps of at most 64 "
+                           "forms take them all through 4-warp configurations), mlp (a dense layer's gate_up with its "
+                           "norm and SiLU, down with its add, through configurations of equal warps, e.g. the "
+                           "h200_4w plan), moe (an MoE layer's router, gate_up and down in steps of at most 64 "
                            "token-expert pairs); comma-separated, or all; not yet measured on a GPU, so none by "
                            "default")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "

@@ -11,7 +11,13 @@ if not torch.cuda.is_available():
 
 from gpu_engine.kernels import rope  # noqa: E402
 from gpu_engine.kernels.attention import decode_attention  # noqa: E402
-from gpu_engine.kernels.phased import HALF_COUNTERS, attention_half_one_launch, one_launch_parts  # noqa: E402
+from gpu_engine.kernels.phased import (  # noqa: E402
+    HALF_COUNTERS,
+    MLP_COUNTERS,
+    attention_half_one_launch,
+    mlp_half_one_launch,
+    one_launch_parts,
+)
 from gpu_engine.kernels.tiled_linear import Heads, TiledConfig, tiled_linear, tiled_scratch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,7 +110,41 @@ def test_the_attention_half_in_one_launch_refuses_what_it_cannot_take():
         attention_half_one_launch(stream, w_qkv, heads._replace(num_heads=3), *args[3:], counters)
     with pytest.raises(ValueError, match="residual"):
         attention_half_one_launch(*args[:9], stream[:, :16], oc, scratch, counters)
-    assert one_launch_parts("") == frozenset() and one_launch_parts("all") == {"attention", "moe"}
+    assert one_launch_parts("") == frozenset() and one_launch_parts("all") == {"attention", "mlp", "moe"}
     assert one_launch_parts("moe, attention") == {"attention", "moe"}
     with pytest.raises(ValueError, match="one launch"):
         one_launch_parts("attention,all")
+
+
+@pytest.mark.parametrize(("M", "per_sm", "norm"), [(1, 1, True), (5, 8, True), (3, 2, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_half_in_one_launch_gives_the_bits_of_its_kernels_one_after_another(M, per_sm, norm, dtype):
+    """gate_up with the RMSNorm and the SiLU-and-multiply, then down added into the stream, as one launch: the
+    stream has the bits of `tiled_linear(act="glu", norm=)` then `tiled_linear(residual=)` (K split in more slices
+    with more programs an SM), twice over the same counts, which it leaves zero."""
+    g = torch.Generator().manual_seed(M + per_sm)
+    I = 48
+    stream = torch.randn(M, H, generator=g).to(DEV, dtype)
+    w_gu = (torch.randn(2 * I, H, generator=g) * 0.3).to(DEV, dtype)
+    w_d = (torch.randn(H, I, generator=g) * 0.3).to(DEV, dtype)
+    nw = (torch.rand(H, generator=g) + 0.5).to(DEV, dtype)
+    how = (nw, 1e-5) if norm else None
+    gc, dc = TiledConfig(32, 16, per_sm, 4, 2), TiledConfig(16, 16, per_sm, 4, 3)
+    scratch = tiled_scratch([(2 * I, H), (H, I)], [gc, dc], DEV)
+    want = stream.clone()
+    act = tiled_linear(want, w_gu, act="glu", block_n=gc.block_n, block_k=gc.block_k, per_sm=per_sm,
+                       num_stages=gc.num_stages, scratch=scratch, norm=how)
+    tiled_linear(act, w_d, block_n=dc.block_n, block_k=dc.block_k, per_sm=per_sm, num_stages=dc.num_stages,
+                 scratch=scratch, residual=want)
+    counters = torch.zeros(MLP_COUNTERS, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        got = stream.clone()
+        assert mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc, scratch, counters) is got
+        assert torch.equal(got, want) and not counters.any() and not scratch[1].any()
+    assert not torch.equal(want, stream)
+    with pytest.raises(ValueError, match="warps"):
+        mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc._replace(num_warps=8), scratch, counters)
+    with pytest.raises(ValueError, match="counters"):
+        mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc, scratch, counters[:2])
+    with pytest.raises(ValueError, match="w_down"):
+        mlp_half_one_launch(got, w_gu, how, gc, w_d[:, :8], got, dc, scratch, counters)

@@ -350,13 +350,16 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
 
 @pytest.mark.parametrize(("family", "parts", "fewer"), [
     ("llama", "attention", {1: 2, 4: 3}),  # qkv, attention, o (and the fold at 4 rows) in one
+    ("llama", "mlp", {1: 1, 4: 1}),  # gate_up, down in one
+    ("llama", "all", {1: 3, 4: 4}),
     ("qwen3_moe", "moe", {1: 2, 4: 2}),  # router, gate_up, down in one
     ("qwen3_moe", "all", {1: 4, 4: 5}),
 ])
 def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(family, parts, fewer, monkeypatch):
     """The 2-layer models, fused through one 4-warp tiled configuration, at a one-row and a 4-row decode step with
-    `one_launch`: the attention half (qkv with its norm and preparation, attention with its fold, o with its add)
-    and an MoE layer's router, gate_up and down (the sort-free path) as phases of one launch each, so that many
+    `one_launch`: the attention half (qkv with its norm and preparation, attention with its fold, o with its add),
+    the dense MLP half (gate_up with its norm and SiLU, down with its add) and an MoE layer's router, gate_up and
+    down (the sort-free path) as phases of one launch each, so that many
     Triton launches a layer fewer, and the same logits and tokens bit for bit, the counts left at rest. Refused
     without a fused setting, and for an unknown part."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -379,10 +382,10 @@ def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(fa
             runner.forward(rows, rows, True)
             got[one] = (len(launches), runner.buffers.logits[:rows].clone(), runner.buffers.next_tokens[:rows].clone())
             assert not runner.route_counters.any() and not runner.half_counters.any()
-            assert not runner.attn_counters.any() and not runner.scratch[1].any()
+            assert not runner.attn_counters.any() and not runner.scratch[1].any() and not runner.mlp_counters.any()
         assert got[""][0] - got[parts][0] == fewer[rows] * len(runner.layers), (rows, got[""][0], got[parts][0])
         assert torch.equal(got[parts][1], got[""][1]) and torch.equal(got[parts][2], got[""][2])
     with pytest.raises(ValueError, match="one_launch"):
         _setup(family, None, "n32_k128_s4", one_launch=parts)
     with pytest.raises(ValueError, match="one launch"):
-        _setup(family, None, "n32_k128_s4+fused", one_launch="attention,mlp")
+        _setup(family, None, "n32_k128_s4+fused", one_launch="attention,norms")

@@ -315,6 +315,19 @@ def test_the_attention_half_in_one_launch_compiles_for_sm90(form: str, qk_norm: 
     assert out.startswith("True"), out
 
 
+MLP_SIG = ("x_ptr:*bf16 wg_ptr:*bf16 act_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 wd_ptr:*bf16 res_ptr:*bf16 "
+           "ctr_ptr:*i32 M:i32 H:i32 I:i32 sx:i32 swg:i32 sa:i32 k_split:i32 eps:fp32 swd:i32 sres:i32 k_split_d:i32")
+MLP_CONSTS = {"NORM": True, "BLOCK_M": 16, "GU_N": 32, "GU_K": 128, "GU_SPLIT": 1, "DN_N": 64, "DN_K": 128,
+              "DN_SPLIT": 4, "PREC": "tf32", "ASM": True}
+
+
+def test_the_mlp_half_in_one_launch_compiles_for_sm90() -> None:
+    """The MLP half's phases in one kernel (`kernels.phased`) at the Llama-3-8B sizes of the `h200_4w` plan."""
+    out = compiles("gpu_engine.kernels.phased", "_mlp_half_kernel", _sig(MLP_SIG), {**MLP_CONSTS, "USE_PDL": False})
+    assert out.startswith("True"), out
+
+
+PDL_KERNELS["mlp_half_one_launch"] = ("gpu_engine.kernels.phased", "_mlp_half_kernel", _sig(MLP_SIG), MLP_CONSTS)
 PDL_KERNELS["attention_half_one_launch"] = ("gpu_engine.kernels.phased", "_attention_half_kernel", _sig(HALF_SIG),
                                             HALF_CONSTS)
 PDL_KERNELS["moe_mlp_one_launch"] = ("gpu_engine.kernels.moe", "_moe_mlp_kernel", _sig(MOE_MLP_SIG), MOE_MLP_CONSTS)

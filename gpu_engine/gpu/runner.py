@@ -38,7 +38,13 @@ from gpu_engine.kernels.attention import (
 from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
-from gpu_engine.kernels.phased import HALF_COUNTERS, attention_half_one_launch, one_launch_parts
+from gpu_engine.kernels.phased import (
+    HALF_COUNTERS,
+    MLP_COUNTERS,
+    attention_half_one_launch,
+    mlp_half_one_launch,
+    one_launch_parts,
+)
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
@@ -285,6 +291,16 @@ class _OneHalf(NamedTuple):
     scratch: tuple[torch.Tensor, torch.Tensor]
 
 
+class _OneMlp(NamedTuple):
+    """What `kernels.phased.mlp_half_one_launch` takes of a layer besides the step's stream."""
+
+    w_gate_up: torch.Tensor
+    gate_up: TiledConfig
+    w_down: torch.Tensor
+    down: TiledConfig
+    scratch: tuple[torch.Tensor, torch.Tensor]
+
+
 class GpuModelRunner:
     """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
 
@@ -320,9 +336,11 @@ class GpuModelRunner:
         head, each computing every P-th split, instead of one a split (`decode_attention`'s `lanes`; the same
         bits). `one_launch` (`one_launch_parts`; with a +fused `tiled`): "attention", a decode step's attention half
         (qkv with its norm and preparation, attention, o with its add) as phases of one launch where the fused forms
-        take all of it (`kernels.phased.attention_half_one_launch`); "moe", an MoE layer's small steps run their
-        router, gate_up and down kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated,
-        "all" for both. The same bits as the separate launches."""
+        take all of it (`kernels.phased.attention_half_one_launch`); "mlp", a dense MLP half (gate_up with its norm
+        and SiLU, down with its add) the same where both products' configurations have the same warps
+        (`mlp_half_one_launch`); "moe", an MoE layer's small steps run their router, gate_up and down kernels as
+        phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated, "all" for every one. The same bits
+        as the separate launches."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -392,8 +410,11 @@ class GpuModelRunner:
         # counts (`moe_mlp_one_launch`), zero at rest
         self.route_counters = torch.zeros(PHASE_COUNTERS + SMALL_PAIRS if self.fusion is not None else 0,
                                           dtype=torch.int32, device=self.device)
+        # the phase counts of the attention and the MLP half in one launch each, zero at rest
         self.half_counters = torch.zeros(HALF_COUNTERS if "attention" in self.one_launch else 0, dtype=torch.int32,
-                                         device=self.device)  # the attention half's phase counts, zero at rest
+                                         device=self.device)
+        self.mlp_counters = torch.zeros(MLP_COUNTERS if "mlp" in self.one_launch else 0, dtype=torch.int32,
+                                        device=self.device)
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -506,6 +527,20 @@ class GpuModelRunner:
             return None
         return _OneHalf(w.qkv, heads, qkv, w.o, o, self.scratch)
 
+    def _mlp_in_one(self, w: LayerWeights, pending: torch.Tensor | None, rows: int) -> _OneMlp | None:
+        """What this step's dense MLP half takes to run in one launch (`one_launch` has "mlp"): gate_up takes the
+        fused norm and SiLU, down the fused add, both through configurations of the same warps; else None."""
+        if "mlp" not in self.one_launch or pending is not None or not self._norm_fuses(rows) or self.scratch is None:
+            return None
+        if not isinstance(w.gate_up, torch.Tensor) or not isinstance(w.down, torch.Tensor):
+            return None
+        if self.fused_for(rows, w.gate_up) is None or self.fused_for(rows, w.down) is None:
+            return None
+        gate_up, down = self.config_for(rows, w.gate_up), self.config_for(rows, w.down)
+        if gate_up is None or down is None or gate_up.num_warps != down.num_warps:
+            return None
+        return _OneMlp(w.gate_up, gate_up, w.down, down, self.scratch)
+
     def config_for(self, rows: int, w: torch.Tensor) -> TiledConfig | None:
         """The tiled linear's configuration for weight `w` ([N, K]) in a step of `rows` rows (`matmul_for`'s, by the
         plan), or None where it goes elsewhere."""
@@ -531,7 +566,13 @@ class GpuModelRunner:
                             counters=self.route_counters if fuse else None, norm=norm,
                             one_launch=fuse and "moe" in self.one_launch)
             return None if fuse else out
-        glu = self.fused_for(residual.shape[0], w.gate_up) is not None
+        rows = residual.shape[0]
+        one = self._mlp_in_one(w, pending, rows)
+        if one is not None:
+            mlp_half_one_launch(residual, one.w_gate_up, (w.mlp_norm, self.config.rms_norm_eps), one.gate_up,
+                                one.w_down, residual, one.down, one.scratch, self.mlp_counters, pdl=self.pdl)
+            return None
+        glu = self.fused_for(rows, w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)
         return self._add_linear(h, w.down, residual, silu_mul=not glu)
 

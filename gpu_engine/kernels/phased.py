@@ -1,5 +1,6 @@
-"""A decode layer's attention half in one launch: the qkv product with its RMSNorm and q/k/v preparation, the decode
-attention (its splits folded), and the o product added into the residual stream, as phases of one grid.
+"""A decode layer's halves in one launch each: the attention half (the qkv product with its RMSNorm and q/k/v
+preparation, the decode attention with its splits folded, the o product added into the residual stream) and a dense
+MLP half (gate_up with its RMSNorm and SiLU-and-multiply, down added into the stream), as phases of one grid.
 
 The fused runner runs that half as three or four launches (`tiled_linear` with `heads=`, `decode_attention`, its
 fold where the step has more than one row, `tiled_linear` with `residual=`), each waiting for the last to end and
@@ -9,6 +10,8 @@ it, in the order the phases come, and a program of a later phase spins until the
 while the attention runs. Each phase runs the code of its own kernel (`_heads_program`, `_decode_program`,
 `_fold_program`, `_tiled_program`) at the same block sizes and splits, so the result has the same bits as the
 separate launches; the launch takes the heads kernel's stages (the depth of the loads in flight changes no sum).
+The MLP half is the same with two `_tiled_program` phases, the down programs loading their first weight tile before
+they wait for gate_up's.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ from gpu_engine.kernels.tiled_linear import (
     _tiled_program,
     heads_stages,
     tiled_split,
+    tiled_stages,
 )
 
-ONE_LAUNCH_PARTS = ("attention", "moe")
+ONE_LAUNCH_PARTS = ("attention", "mlp", "moe")
 
 
 def one_launch_parts(setting: str) -> frozenset[str]:
     """The parts a runner runs in one launch each (`BLINK_ONE_LAUNCH`, `bench/roofline.py --one-launch`): "" none;
-    comma-separated, of "attention" (`attention_half_one_launch`) and "moe" (`moe.moe_mlp_one_launch`); "all" both."""
+    comma-separated, of "attention" (`attention_half_one_launch`), "mlp" (`mlp_half_one_launch`) and "moe"
+    (`moe.moe_mlp_one_launch`); "all" every one."""
     parts = frozenset(p.strip() for p in setting.split(",") if p.strip())
     if parts == {"all"}:
         return frozenset(ONE_LAUNCH_PARTS)
@@ -200,5 +205,97 @@ def attention_half_one_launch(
         HKV=HK, BS=bs, G=HQ // HK, BLOCK_G=max(16, next_pow2(HQ // HK)), BLOCK_D=bd, PART=partition_size,
         ATT_N=block_n, FORM=form, O_N=o_config.block_n, O_K=o_config.block_k, O_SPLIT=o_split, PREC=_prec(x.dtype),
         USE_PDL=pdl, ASM=x.device.type == "cuda", num_warps=4, num_stages=stages, **pdl_launch(pdl),
+    )
+    return residual
+
+
+# The counts of an MLP half's launch: the ticket, then the programs done of gate_up and of down.
+MLP_COUNTERS = 3
+
+
+@triton.jit
+def _mlp_half_kernel(x_ptr, wg_ptr, act_ptr, ws_ptr, cnt_ptr, nw_ptr, wd_ptr, res_ptr, ctr_ptr, M, H, I, sx, swg, sa,
+                     k_split, eps, swd, sres, k_split_d, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     GU_N: tl.constexpr, GU_K: tl.constexpr, GU_SPLIT: tl.constexpr, DN_N: tl.constexpr,
+                     DN_K: tl.constexpr, DN_SPLIT: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+                     ASM: tl.constexpr):
+    """By ticket: the gate_up programs (`_tiled_program` with GLU, and NORM; column tile fastest), then the down
+    programs (with ADD into the stream), which load their first weight tile, then wait for every gate_up program.
+    The last down program to finish sets the counts back to zero."""
+    pdl_enter(USE_PDL)
+    gu_tiles = tl.cdiv(I, GU_N)
+    n_gate = gu_tiles * GU_SPLIT
+    tk = ticket(ctr_ptr)
+    if tk < n_gate:
+        _tiled_program(x_ptr, wg_ptr, act_ptr, ws_ptr, cnt_ptr, nw_ptr, M, I, H, sx, swg, sa, k_split, eps,
+                       tk % gu_tiles, tk // gu_tiles, ctr_ptr, 0, False, True, NORM, False, BLOCK_M, GU_N, GU_K,
+                       GU_SPLIT, PREC, False, ASM)
+        arrive(ctr_ptr + 1)
+    else:
+        q = tk - n_gate
+        dn_tiles = tl.cdiv(H, DN_N)
+        _tiled_program(act_ptr, wd_ptr, res_ptr, ws_ptr, cnt_ptr, act_ptr, M, H, I, sa, swd, sres, k_split_d, 0.0,
+                       q % dn_tiles, q // dn_tiles, ctr_ptr + 1, n_gate, False, False, False, True, BLOCK_M, DN_N,
+                       DN_K, DN_SPLIT, PREC, True, ASM)
+        if last_to_finish(ctr_ptr + 2, dn_tiles * DN_SPLIT):
+            tl.store(ctr_ptr, 0)
+            tl.store(ctr_ptr + 1, 0)
+
+
+def mlp_half_one_launch(x: torch.Tensor, w_gate_up: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
+                        gate_up_config: TiledConfig, w_down: torch.Tensor, residual: torch.Tensor,
+                        down_config: TiledConfig, scratch: tuple[torch.Tensor, torch.Tensor], counters: torch.Tensor,
+                        pdl: bool = False) -> torch.Tensor:
+    """A dense MLP half in one launch (`_mlp_half_kernel`): `tiled_linear(x, w_gate_up, act="glu", norm=norm)` with
+    `gate_up_config`'s blocks, then `tiled_linear(act, w_down, residual=residual)` with `down_config`'s, giving
+    their bits. `x` may be `residual` itself (the fused runner's stream, with `norm`): the down phase adds into it
+    only once every gate_up program has finished. The two configurations must have the same warps (ValueError);
+    the launch takes the larger of their stages. `scratch`: the tiled linear's (`tiled_scratch`), for both
+    products; `counters`: int32, zero, `MLP_COUNTERS`, which every launch leaves zero. Returns `residual`."""
+    check("x", x, dtype=(torch.bfloat16, torch.float32), shape=(None, None))
+    M, H = x.shape
+    if not 0 < M <= MAX_ROWS:
+        raise ValueError(f"x: {M} rows, the MLP half in one launch takes 1 to {MAX_ROWS}")
+    I2 = w_gate_up.shape[0]
+    check("w_gate_up", w_gate_up, dtype=x.dtype, shape=(I2, H), device=x.device)
+    if I2 % 2:
+        raise ValueError(f"w_gate_up: {I2} rows, expected gate then up rows (an even count)")
+    I = I2 // 2
+    check("w_down", w_down, dtype=x.dtype, shape=(None, I), device=x.device)
+    check("residual", residual, dtype=x.dtype, shape=(M, H), device=x.device)
+    if w_down.shape[0] != H:
+        raise ValueError(f"w_down: {w_down.shape[0]} rows, the stream has {H} columns")
+    if w_gate_up.stride(1) != 1 or w_down.stride(1) != 1:
+        raise ValueError("w_gate_up, w_down: rows must be contiguous")
+    if norm is not None:
+        check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
+    check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
+    if counters.numel() < MLP_COUNTERS:
+        raise ValueError(f"counters: {counters.numel()}, this launch needs {MLP_COUNTERS}")
+    if gate_up_config.num_warps != down_config.num_warps:
+        raise ValueError(f"one launch: gate_up's {gate_up_config.num_warps} warps and down's "
+                         f"{down_config.num_warps} differ")
+    sms = _sms(x.device)
+    act = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    gu_n = gate_up_config.block_n // 2  # output columns a glu program takes (`tiled_linear`)
+    split, width = tiled_split(I, H, gu_n, gate_up_config.block_k, gate_up_config.per_sm, sms)
+    _split_scratch(scratch, split, split * M * (2 * I + (1 if norm is not None else 0)), triton.cdiv(I, gu_n), act)
+    d_split, d_width = tiled_split(H, I, down_config.block_n, down_config.block_k, down_config.per_sm, sms)
+    d_tiles = triton.cdiv(H, down_config.block_n)
+    _split_scratch(scratch, d_split, d_split * M * H, d_tiles, residual)
+    ws, cnt = scratch
+    block_m = max(16, triton.next_power_of_2(M))
+    stages = max(tiled_stages(gate_up_config.num_stages, block_m, gate_up_config.block_n, gate_up_config.block_k,
+                              False, x.element_size()),
+                 tiled_stages(down_config.num_stages, block_m, down_config.block_n, down_config.block_k, False,
+                              x.element_size()))
+    nw, eps = norm if norm is not None else (x, 0.0)
+    programs = triton.cdiv(I, gu_n) * split + d_tiles * d_split
+    _mlp_half_kernel[(programs,)](
+        x, w_gate_up, act, ws, cnt, nw, w_down, residual, counters, M, H, I, x.stride(0), w_gate_up.stride(0),
+        act.stride(0), width, float(eps), w_down.stride(0), residual.stride(0), d_width, NORM=norm is not None,
+        BLOCK_M=block_m, GU_N=gu_n, GU_K=gate_up_config.block_k, GU_SPLIT=split, DN_N=down_config.block_n,
+        DN_K=down_config.block_k, DN_SPLIT=d_split, PREC=_prec(x.dtype), USE_PDL=pdl, ASM=x.device.type == "cuda",
+        num_warps=gate_up_config.num_warps, num_stages=stages, **pdl_launch(pdl),
     )
     return residual

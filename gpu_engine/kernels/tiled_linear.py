@@ -361,6 +361,10 @@ TILED_PLANS: dict[str, Plan] = {
                   (5120, 2048): ((64, "n64_k128_s4"),),  # Qwen3-30B-A3B qkv
                   (2048, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # Qwen3-30B-A3B o
 }
+# h200 with gate_up through a 4-warp configuration (`n64_k128_s3_x2`, level with the best on gate_up alone at 1-64
+# rows on the H200, not measured fused): every product of a step then has 4 warps, which a dense MLP half in one
+# launch needs (`kernels.phased.mlp_half_one_launch`, BLINK_ONE_LAUNCH=mlp). To be measured against h200+fused.
+TILED_PLANS["h200_4w"] = {**TILED_PLANS["h200"], (28672, 4096): ((64, "n64_k128_s3_x2"),)}
 
 
 # The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS. On
