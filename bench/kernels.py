@@ -625,7 +625,7 @@ def phased_rows(gbps: float, copies: int = 4, models=PHASED_MODELS, context: int
     tokens, weights taken in turn from `copies`; bytes: both weights and the K/V read. `models`, `device`, `dtype`:
     the check of these calls on tiny shapes in the CPU interpreter (tests/test_bench_kernels_fused.py)."""
     from gpu_engine.kernels.attention import LAST_FOLD_ROWS
-    from gpu_engine.kernels.phased import HALF_COUNTERS
+    from gpu_engine.kernels.phased import LAYER_COUNTERS
     from gpu_engine.kernels.rope import build_rope_cache
     from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_scratch
 
@@ -649,7 +649,7 @@ def phased_rows(gbps: float, copies: int = 4, models=PHASED_MODELS, context: int
             heads = Heads(hq, hk, pos, cache, kc, vc, slots)
             last = M <= LAST_FOLD_ROWS
             attn_counters = torch.zeros(M * hk, device=device, dtype=torch.int32) if last else None
-            counters = torch.zeros(HALF_COUNTERS, device=device, dtype=torch.int32)
+            counters = torch.zeros(LAYER_COUNTERS, device=device, dtype=torch.int32)
             how = {"partition_size": 256 if context >= 256 else context, "block_n": min(128, context)}
 
             apart, one = _attention_half_calls(stream, heads, (nw, eps), qc, oc, tables, ctx, attn_counters,

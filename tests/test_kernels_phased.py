@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
 from gpu_engine.kernels import rope  # noqa: E402
 from gpu_engine.kernels.attention import decode_attention  # noqa: E402
 from gpu_engine.kernels.phased import (  # noqa: E402
-    HALF_COUNTERS,
-    MLP_COUNTERS,
+    LAYER_COUNTERS,
     attention_half_one_launch,
+    layer_one_launch,
     mlp_half_one_launch,
     one_launch_parts,
 )
@@ -82,7 +82,7 @@ def test_the_attention_half_in_one_launch_gives_the_bits_of_its_kernels_one_afte
                            form="split" if attn_counters is None else "last", counters=attn_counters, **how)
     tiled_linear(att.view(M, HQ * D), w_o, block_n=oc.block_n, block_k=oc.block_k, per_sm=per_sm,
                  num_stages=oc.num_stages, scratch=scratch, residual=want)
-    counters = torch.zeros(HALF_COUNTERS, dtype=torch.int32, device=DEV)
+    counters = torch.zeros(LAYER_COUNTERS, dtype=torch.int32, device=DEV)
     for _ in range(2):
         got, got_k, got_v = stream.clone(), kc.clone(), vc.clone()
         out = attention_half_one_launch(got, w_qkv, heads(got_k, got_v), (nw, 1e-5), qc, tables, ctx_t, D ** -0.5,
@@ -100,17 +100,17 @@ def test_the_attention_half_in_one_launch_refuses_what_it_cannot_take():
     qc, oc = TiledConfig(32, 16, 1, 4, 2), TiledConfig(16, 32, 1, 4, 3)
     scratch = tiled_scratch([(w_qkv.shape[0], H), (H, HQ * D)], [qc, oc, qc._replace(block_n=D)], DEV)
     heads = Heads(HQ, HK, pos, cache, kc, vc, slots)
-    counters = torch.zeros(HALF_COUNTERS, dtype=torch.int32, device=DEV)
+    counters = torch.zeros(LAYER_COUNTERS, dtype=torch.int32, device=DEV)
     args = (stream, w_qkv, heads, (nw, 1e-5), qc, tables, ctx_t, 0.25, w_o, stream, oc, scratch)
     with pytest.raises(ValueError, match="4 warps|be the attention's 4"):
         attention_half_one_launch(*args[:10], oc._replace(num_warps=8), scratch, counters)
     with pytest.raises(ValueError, match="counters"):
-        attention_half_one_launch(*args, counters[:3])
+        attention_half_one_launch(*args, counters[:5])
     with pytest.raises(ValueError, match="heads: 3 query"):
         attention_half_one_launch(stream, w_qkv, heads._replace(num_heads=3), *args[3:], counters)
     with pytest.raises(ValueError, match="residual"):
         attention_half_one_launch(*args[:9], stream[:, :16], oc, scratch, counters)
-    assert one_launch_parts("") == frozenset() and one_launch_parts("all") == {"attention", "mlp", "moe"}
+    assert one_launch_parts("") == frozenset() and one_launch_parts("all") == {"attention", "mlp", "layer", "moe"}
     assert one_launch_parts("moe, attention") == {"attention", "moe"}
     with pytest.raises(ValueError, match="one launch"):
         one_launch_parts("attention,all")
@@ -136,7 +136,7 @@ def test_the_mlp_half_in_one_launch_gives_the_bits_of_its_kernels_one_after_anot
                        num_stages=gc.num_stages, scratch=scratch, norm=how)
     tiled_linear(act, w_d, block_n=dc.block_n, block_k=dc.block_k, per_sm=per_sm, num_stages=dc.num_stages,
                  scratch=scratch, residual=want)
-    counters = torch.zeros(MLP_COUNTERS, dtype=torch.int32, device=DEV)
+    counters = torch.zeros(LAYER_COUNTERS, dtype=torch.int32, device=DEV)
     for _ in range(2):
         got = stream.clone()
         assert mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc, scratch, counters) is got
@@ -145,6 +145,46 @@ def test_the_mlp_half_in_one_launch_gives_the_bits_of_its_kernels_one_after_anot
     with pytest.raises(ValueError, match="warps"):
         mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc._replace(num_warps=8), scratch, counters)
     with pytest.raises(ValueError, match="counters"):
-        mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc, scratch, counters[:2])
+        mlp_half_one_launch(got, w_gu, how, gc, w_d, got, dc, scratch, counters[:5])
     with pytest.raises(ValueError, match="w_down"):
         mlp_half_one_launch(got, w_gu, how, gc, w_d[:, :8], got, dc, scratch, counters)
+
+
+@pytest.mark.parametrize(("ctx", "per_sm"), [([37], 1), ([5, 40, 17], 8)])
+def test_a_layer_in_one_launch_gives_the_bits_of_its_halves_in_turn(ctx, per_sm):
+    """Both halves as phases of one launch (gate_up's programs waiting for o's): the stream and caches of
+    `attention_half_one_launch` then `mlp_half_one_launch` (each the bits of its kernels in turn, above), the
+    counts left zero."""
+    dtype = torch.bfloat16
+    stream, w_qkv, w_o, nw, (qn, kn), kc, vc, tables, ctx_t, pos, slots, cache = _case(ctx, 16, True, dtype, seed=3)
+    M, I = len(ctx), 48
+    g = torch.Generator().manual_seed(5)
+    w_gu = (torch.randn(2 * I, H, generator=g) * 0.3).to(DEV, dtype)
+    w_d = (torch.randn(H, I, generator=g) * 0.3).to(DEV, dtype)
+    mw = (torch.rand(H, generator=g) + 0.5).to(DEV, dtype)
+    qc, oc = TiledConfig(32, 16, per_sm, 4, 2), TiledConfig(16, 32, per_sm, 4, 3)
+    gc, dc = TiledConfig(32, 16, per_sm, 4, 2), TiledConfig(16, 16, per_sm, 4, 3)
+    scratch = tiled_scratch([(w_qkv.shape[0], H), (H, HQ * D), (2 * I, H), (H, I)],
+                            [qc, oc, gc, dc, qc._replace(block_n=D)], DEV)
+    attn_counters = torch.zeros(M * HK, dtype=torch.int32, device=DEV) if M == 1 else None
+    counters = torch.zeros(LAYER_COUNTERS, dtype=torch.int32, device=DEV)
+    how = {"partition_size": 16, "block_n": 8}
+
+    def heads(k_cache, v_cache):
+        return Heads(HQ, HK, pos, cache, k_cache, v_cache, slots, qn, kn, 1e-6)
+
+    want, want_k, want_v = stream.clone(), kc.clone(), vc.clone()
+    attention_half_one_launch(want, w_qkv, heads(want_k, want_v), (nw, 1e-5), qc, tables, ctx_t, D ** -0.5, w_o,
+                              want, oc, scratch, counters, attn_counters=attn_counters, **how)
+    mlp_half_one_launch(want, w_gu, (mw, 1e-5), gc, w_d, want, dc, scratch, counters)
+    for _ in range(2):
+        got, got_k, got_v = stream.clone(), kc.clone(), vc.clone()
+        assert layer_one_launch(got, w_qkv, heads(got_k, got_v), (nw, 1e-5), qc, tables, ctx_t, D ** -0.5, w_o, oc,
+                                w_gu, (mw, 1e-5), gc, w_d, dc, scratch, counters, attn_counters=attn_counters,
+                                **how) is got
+        assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert not counters.any() and not scratch[1].any()
+    with pytest.raises(ValueError, match="warps"):
+        layer_one_launch(got, w_qkv, heads(got_k, got_v), (nw, 1e-5), qc, tables, ctx_t, D ** -0.5, w_o, oc, w_gu,
+                         (mw, 1e-5), gc._replace(num_warps=8), w_d, dc._replace(num_warps=8), scratch, counters,
+                         attn_counters=attn_counters, **how)

@@ -351,7 +351,9 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
 @pytest.mark.parametrize(("family", "parts", "fewer"), [
     ("llama", "attention", {1: 2, 4: 3}),  # qkv, attention, o (and the fold at 4 rows) in one
     ("llama", "mlp", {1: 1, 4: 1}),  # gate_up, down in one
-    ("llama", "all", {1: 3, 4: 4}),
+    ("llama", "attention,mlp", {1: 3, 4: 4}),
+    ("llama", "layer", {1: 4, 4: 5}),  # the five or six in one
+    ("llama", "all", {1: 4, 4: 5}),
     ("qwen3_moe", "moe", {1: 2, 4: 2}),  # router, gate_up, down in one
     ("qwen3_moe", "all", {1: 4, 4: 5}),
 ])
@@ -381,8 +383,8 @@ def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(fa
             launches.clear()
             runner.forward(rows, rows, True)
             got[one] = (len(launches), runner.buffers.logits[:rows].clone(), runner.buffers.next_tokens[:rows].clone())
-            assert not runner.route_counters.any() and not runner.half_counters.any()
-            assert not runner.attn_counters.any() and not runner.scratch[1].any() and not runner.mlp_counters.any()
+            assert not runner.route_counters.any() and not runner.layer_counters.any()
+            assert not runner.attn_counters.any() and not runner.scratch[1].any()
         assert got[""][0] - got[parts][0] == fewer[rows] * len(runner.layers), (rows, got[""][0], got[parts][0])
         assert torch.equal(got[parts][1], got[""][1]) and torch.equal(got[parts][2], got[""][2])
     with pytest.raises(ValueError, match="one_launch"):

@@ -295,41 +295,35 @@ PDL_KERNELS = {
                                                           "ADD": True}),
 }
 
-HALF_SIG = ("x_ptr:*bf16 wq_ptr:*bf16 qkv_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 pos_ptr:*i64 rope_ptr:*fp32 "
-            "kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 "
-            "pm_ptr:*fp32 pl_ptr:*fp32 att_ptr:*bf16 acnt_ptr:*i32 wo_ptr:*bf16 res_ptr:*bf16 ctr_ptr:*i32 M:i32 K:i32 "
-            "HQ:i32 HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32 sbt_b:i32 sa_b:i32 sa_h:i32 "
-            "scale_log2:fp32 NSPLIT:i32 N_O:i32 K_O:i32 swo:i32 sres:i32 k_split_o:i32")
-HALF_CONSTS = {"NORM": True, "QK_NORM": False, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64, "BLOCK_P": 16,
-               "PASS": False, "HEAD_K": 128, "HEAD_SPLIT": 8, "HKV": 8, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128,
-               "PART": 256, "ATT_N": 128, "FORM": "last", "O_N": 64, "O_K": 128, "O_SPLIT": 4, "PREC": "tf32",
-               "ASM": True}
+LAYER_SIG = ("x_ptr:*bf16 wq_ptr:*bf16 qkv_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 pos_ptr:*i64 "
+             "rope_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 "
+             "po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 att_ptr:*bf16 acnt_ptr:*i32 wo_ptr:*bf16 res_ptr:*bf16 "
+             "ctr_ptr:*i32 M:i32 K:i32 HQ:i32 HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32 sbt_b:i32 "
+             "sa_b:i32 sa_h:i32 scale_log2:fp32 NSPLIT:i32 N_O:i32 K_O:i32 swo:i32 sres:i32 k_split_o:i32 "
+             "mw_ptr:*bf16 wg_ptr:*bf16 act_ptr:*bf16 wd_ptr:*bf16 I:i32 swg:i32 s_act:i32 k_split_g:i32 m_eps:fp32 "
+             "swd:i32 k_split_d:i32")
+# Llama-3-8B at one row with the h200_4w plan: qkv n64_k128_s4, o and down n64_k128_s4_x2, gate_up n64_k128_s3_x2
+LAYER_CONSTS = {"NORM": True, "QK_NORM": False, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
+                "BLOCK_P": 16, "PASS": False, "HEAD_K": 128, "HEAD_SPLIT": 8, "HKV": 8, "BS": 16, "G": 4,
+                "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "ATT_N": 128, "FORM": "last", "O_N": 64, "O_K": 128,
+                "O_SPLIT": 4, "M_NORM": True, "GU_N": 32, "GU_K": 128, "GU_SPLIT": 1, "DN_N": 64, "DN_K": 128,
+                "DN_SPLIT": 4, "ATTENTION": True, "MLP": True, "PREC": "tf32", "ASM": True}
 
 
-@pytest.mark.parametrize(("form", "qk_norm"), [("last", False), ("split", True)])
-def test_the_attention_half_in_one_launch_compiles_for_sm90(form: str, qk_norm: bool) -> None:
-    """The attention half's phases in one kernel (`kernels.phased`) at Llama-3-8B sizes: one row (the attention's
-    last program folds) and more (a fold phase; Qwen3's q/k norms)."""
-    out = compiles("gpu_engine.kernels.phased", "_attention_half_kernel", _sig(HALF_SIG),
-                   {**HALF_CONSTS, "FORM": form, "QK_NORM": qk_norm, "USE_PDL": False})
+@pytest.mark.parametrize(("attention", "mlp", "form", "qk_norm"), [
+    (True, False, "last", False), (True, False, "split", True), (False, True, "last", False),
+    (True, True, "last", False), (True, True, "split", True)])
+def test_a_layer_or_its_halves_in_one_launch_compile_for_sm90(attention: bool, mlp: bool, form: str,
+                                                              qk_norm: bool) -> None:
+    """The phases of a decode layer in one kernel (`kernels.phased`) at Llama-3-8B sizes: the attention half at one
+    row (its last program folds) and more (a fold phase; Qwen3's q/k norms), the MLP half, both."""
+    out = compiles("gpu_engine.kernels.phased", "_layer_kernel", _sig(LAYER_SIG),
+                   {**LAYER_CONSTS, "ATTENTION": attention, "MLP": mlp, "FORM": form, "QK_NORM": qk_norm,
+                    "USE_PDL": False})
     assert out.startswith("True"), out
 
 
-MLP_SIG = ("x_ptr:*bf16 wg_ptr:*bf16 act_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 wd_ptr:*bf16 res_ptr:*bf16 "
-           "ctr_ptr:*i32 M:i32 H:i32 I:i32 sx:i32 swg:i32 sa:i32 k_split:i32 eps:fp32 swd:i32 sres:i32 k_split_d:i32")
-MLP_CONSTS = {"NORM": True, "BLOCK_M": 16, "GU_N": 32, "GU_K": 128, "GU_SPLIT": 1, "DN_N": 64, "DN_K": 128,
-              "DN_SPLIT": 4, "PREC": "tf32", "ASM": True}
-
-
-def test_the_mlp_half_in_one_launch_compiles_for_sm90() -> None:
-    """The MLP half's phases in one kernel (`kernels.phased`) at the Llama-3-8B sizes of the `h200_4w` plan."""
-    out = compiles("gpu_engine.kernels.phased", "_mlp_half_kernel", _sig(MLP_SIG), {**MLP_CONSTS, "USE_PDL": False})
-    assert out.startswith("True"), out
-
-
-PDL_KERNELS["mlp_half_one_launch"] = ("gpu_engine.kernels.phased", "_mlp_half_kernel", _sig(MLP_SIG), MLP_CONSTS)
-PDL_KERNELS["attention_half_one_launch"] = ("gpu_engine.kernels.phased", "_attention_half_kernel", _sig(HALF_SIG),
-                                            HALF_CONSTS)
+PDL_KERNELS["layer_one_launch"] = ("gpu_engine.kernels.phased", "_layer_kernel", _sig(LAYER_SIG), LAYER_CONSTS)
 PDL_KERNELS["moe_mlp_one_launch"] = ("gpu_engine.kernels.moe", "_moe_mlp_kernel", _sig(MOE_MLP_SIG), MOE_MLP_CONSTS)
 PDL_KERNELS["decode_last"] = (*PDL_KERNELS["decode"][:3], {**PDL_KERNELS["decode"][3], "FORM": "last"})
 # walked short rows (`walk_upto`): the walk launch, the split launch of the long rows, and the fold that skips the rest

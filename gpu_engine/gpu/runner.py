@@ -39,9 +39,9 @@ from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
 from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.phased import (
-    HALF_COUNTERS,
-    MLP_COUNTERS,
+    LAYER_COUNTERS,
     attention_half_one_launch,
+    layer_one_launch,
     mlp_half_one_launch,
     one_launch_parts,
 )
@@ -338,9 +338,10 @@ class GpuModelRunner:
         (qkv with its norm and preparation, attention, o with its add) as phases of one launch where the fused forms
         take all of it (`kernels.phased.attention_half_one_launch`); "mlp", a dense MLP half (gate_up with its norm
         and SiLU, down with its add) the same where both products' configurations have the same warps
-        (`mlp_half_one_launch`); "moe", an MoE layer's small steps run their router, gate_up and down kernels as
-        phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated, "all" for every one. The same bits
-        as the separate launches."""
+        (`mlp_half_one_launch`); "layer", both halves of a dense layer in one launch where both would be and every
+        product has 4 warps (`layer_one_launch`); "moe", an MoE layer's small steps run their router, gate_up and
+        down kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated, "all" for every
+        one. The same bits as the separate launches."""
         skinny_name, sep, rows = (skinny or "").partition(":")
         if skinny is not None and (skinny_name not in GEMV_CONFIGS
                                    or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
@@ -410,11 +411,9 @@ class GpuModelRunner:
         # counts (`moe_mlp_one_launch`), zero at rest
         self.route_counters = torch.zeros(PHASE_COUNTERS + SMALL_PAIRS if self.fusion is not None else 0,
                                           dtype=torch.int32, device=self.device)
-        # the phase counts of the attention and the MLP half in one launch each, zero at rest
-        self.half_counters = torch.zeros(HALF_COUNTERS if "attention" in self.one_launch else 0, dtype=torch.int32,
-                                         device=self.device)
-        self.mlp_counters = torch.zeros(MLP_COUNTERS if "mlp" in self.one_launch else 0, dtype=torch.int32,
-                                        device=self.device)
+        # the phase counts of a layer or its halves in one launch (`kernels.phased`), zero at rest
+        self.layer_counters = torch.zeros(LAYER_COUNTERS if self.one_launch - {"moe"} else 0, dtype=torch.int32,
+                                          device=self.device)
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.fused = fused
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -437,6 +436,8 @@ class GpuModelRunner:
         residual = self._embedding(self.buffers.input_ids[:tokens])
         pending = None
         for i, w in enumerate(self.layers):
+            if self._layer_in_one(i, w, residual, pending, batch, tokens, decode):
+                continue
             pending = self._attention(i, w, residual, pending, batch, tokens, decode)
             pending = self._mlp(w, residual, pending)
         if keep_hidden:
@@ -482,7 +483,7 @@ class GpuModelRunner:
             how = self.decode_form(batch)
             attention_half_one_launch(residual, one.w_qkv, one.heads, (w.attn_norm, cfg.rms_norm_eps), one.qkv,
                                       buf.block_tables[:batch], buf.context_lens[:batch], self.scale, one.w_o,
-                                      residual, one.o, one.scratch, self.half_counters, attn_counters=how["counters"],
+                                      residual, one.o, one.scratch, self.layer_counters, attn_counters=how["counters"],
                                       partition_size=how["partition_size"], pdl=self.pdl)
             return None
         qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv, heads=heads)  # [T, (hq + 2 hkv) d]
@@ -511,11 +512,11 @@ class GpuModelRunner:
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
     def _attention_in_one(self, w: LayerWeights, heads: Heads | None, pending: torch.Tensor | None, batch: int,
-                          tokens: int, decode: bool) -> _OneHalf | None:
+                          tokens: int, decode: bool, part: str = "attention") -> _OneHalf | None:
         """What the attention half of this step takes to run in one launch (`one_launch` has "attention"): a
         decode step whose qkv takes the fused norm and heads and whose o the fused add, at 4 warps each (fewer than
         64 rows: `_tiled_heads`' warps), with neither walked rows nor lanes; else None."""
-        if "attention" not in self.one_launch or not decode or heads is None or pending is not None:
+        if part not in self.one_launch or not decode or heads is None or pending is not None:
             return None
         if not self._norm_fuses(tokens) or self.fused_for(tokens, w.o) is None or tokens >= 64:
             return None
@@ -527,10 +528,30 @@ class GpuModelRunner:
             return None
         return _OneHalf(w.qkv, heads, qkv, w.o, o, self.scratch)
 
-    def _mlp_in_one(self, w: LayerWeights, pending: torch.Tensor | None, rows: int) -> _OneMlp | None:
+    def _layer_in_one(self, i: int, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None,
+                      batch: int, tokens: int, decode: bool) -> bool:
+        """Layer i of this step in one launch (`one_launch` has "layer"; `kernels.phased.layer_one_launch`) where
+        both its halves would each run in one (`_attention_in_one`, `_mlp_in_one`) and every product of it has 4
+        warps: whether it did."""
+        if "layer" not in self.one_launch:
+            return False
+        half = self._attention_in_one(w, self.qkv_heads(i, w, tokens), pending, batch, tokens, decode, "layer")
+        mlp = None if half is None else self._mlp_in_one(w, None, tokens, "layer")
+        if half is None or mlp is None or mlp.gate_up.num_warps != 4:
+            return False
+        eps, how = self.config.rms_norm_eps, self.decode_form(batch)
+        buf = self.buffers
+        layer_one_launch(residual, half.w_qkv, half.heads, (w.attn_norm, eps), half.qkv, buf.block_tables[:batch],
+                         buf.context_lens[:batch], self.scale, half.w_o, half.o, mlp.w_gate_up, (w.mlp_norm, eps),
+                         mlp.gate_up, mlp.w_down, mlp.down, half.scratch, self.layer_counters,
+                         attn_counters=how["counters"], partition_size=how["partition_size"], pdl=self.pdl)
+        return True
+
+    def _mlp_in_one(self, w: LayerWeights, pending: torch.Tensor | None, rows: int,
+                    part: str = "mlp") -> _OneMlp | None:
         """What this step's dense MLP half takes to run in one launch (`one_launch` has "mlp"): gate_up takes the
         fused norm and SiLU, down the fused add, both through configurations of the same warps; else None."""
-        if "mlp" not in self.one_launch or pending is not None or not self._norm_fuses(rows) or self.scratch is None:
+        if part not in self.one_launch or pending is not None or not self._norm_fuses(rows) or self.scratch is None:
             return None
         if not isinstance(w.gate_up, torch.Tensor) or not isinstance(w.down, torch.Tensor):
             return None
@@ -570,7 +591,7 @@ class GpuModelRunner:
         one = self._mlp_in_one(w, pending, rows)
         if one is not None:
             mlp_half_one_launch(residual, one.w_gate_up, (w.mlp_norm, self.config.rms_norm_eps), one.gate_up,
-                                one.w_down, residual, one.down, one.scratch, self.mlp_counters, pdl=self.pdl)
+                                one.w_down, residual, one.down, one.scratch, self.layer_counters, pdl=self.pdl)
             return None
         glu = self.fused_for(rows, w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)

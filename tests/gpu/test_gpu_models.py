@@ -288,7 +288,7 @@ def _same_bits(hf, tiled: str, option: str, value: object = True) -> None:
                 outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
             results[on, how] = outs
             assert not runner.attn_counters.any() and not runner.route_counters.any(), (on, how)  # left at rest
-            assert not runner.half_counters.any() and (runner.scratch is None or not runner.scratch[1].any())
+            assert not runner.layer_counters.any() and (runner.scratch is None or not runner.scratch[1].any())
         graphs.close()
     plain = results[False, "replay"]
     assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
