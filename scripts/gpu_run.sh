@@ -34,6 +34,7 @@
 # roofline_<variant>.json each, side by side in one call; VARIANT_MODELS=moe (or dense,moe) for the MoE rows), roofline_moe_fused (the MoE rows with the tiled
 # setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
+# phased (the tests of the step's parts in one launch, BLINK_ONE_LAUNCH: the tiny ones on the GPU, then full sizes),
 # pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
 # after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
@@ -175,6 +176,10 @@ run_step() {
     soakstart) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;;
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
     kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider ${KERNELS_TESTS:-tests/test_kernels.py tests/test_kernels_runner.py tests/gpu}; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
+    # the parts of a step in one launch (kernels/phased.py, moe_mlp_one_launch): the kernel tests on the GPU (tiny
+    # shapes, real phases and waits), then the full-size ones (bits against the separate launches, replayed and
+    # launched from the device)
+    phased) step phased "${T_PHASED:-300}" bash -c "$PY -m pytest -q -rf -p no:cacheprovider -n 0 tests/test_kernels_phased.py tests/test_kernels.py tests/test_kernels_runner.py -k 'one_launch or phased or layer or half or gpu_fused_moe'; a=\$?; $PY -m pytest -m gpu -q -rf -p no:cacheprovider -n 0 tests/gpu/test_gpu_models.py -k one_launch; b=\$?; exit \$((a | b))" ;;
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
     faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
     persistent) step persistent "${T_PERSISTENT:-560}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;

@@ -102,9 +102,9 @@ class Env:
                            "norm and q/k/v preparation, decode attention, o with its residual add, where the fused "
                            "forms take them all through 4-warp configurations), mlp (a dense layer's gate_up with its "
                            "norm and SiLU, down with its add, through configurations of equal warps, e.g. the "
-                           "h200_4w plan), moe (an MoE layer's router, gate_up and down in steps of at most 64 "
-                           "token-expert pairs); comma-separated, or all; not yet measured on a GPU, so none by "
-                           "default")
+                           "h200_4w plan), layer (both halves of a dense layer in one launch, every product at 4 "
+                           "warps), moe (an MoE layer's router, gate_up and down in steps of at most 64 token-expert "
+                           "pairs); comma-separated, or all; not yet measured on a GPU, so none by default")
     pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
                      "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
                      "programmatic dependent launch, each "
