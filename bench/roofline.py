@@ -465,9 +465,9 @@ def main() -> None:
     parser.add_argument("--lanes", default="", help="P or P:BATCH: in decode steps of at least 33 (BATCH) rows, the "
                         "decode attention's split launch runs P programs a row and KV head (BLINK_DECODE_LANES; give "
                         "the run its own --out)")
-    parser.add_argument("--one-launch", default="", help="attention, moe (comma-separated) or all: those parts of "
-                        "the decode step as phases of one launch each (BLINK_ONE_LAUNCH; with a +fused --tiled; give "
-                        "the run its own --out)")
+    parser.add_argument("--one-launch", default="", help="attention, mlp, layer, moe (comma-separated) or all: "
+                        "those parts of the decode step as phases of one launch each (BLINK_ONE_LAUNCH; with a +fused "
+                        "--tiled; give the run its own --out)")
     parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
                         "rows not run stay as --out has them (so with settings other than its rows', give the run its "

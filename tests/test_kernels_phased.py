@@ -112,8 +112,11 @@ def test_the_attention_half_in_one_launch_refuses_what_it_cannot_take():
         attention_half_one_launch(*args[:9], stream[:, :16], oc, scratch, counters)
     assert one_launch_parts("") == frozenset() and one_launch_parts("all") == {"attention", "mlp", "layer", "moe"}
     assert one_launch_parts("moe, attention") == {"attention", "moe"}
+    assert one_launch_parts("attention,all") == one_launch_parts("all")
     with pytest.raises(ValueError, match="one launch"):
-        one_launch_parts("attention,all")
+        one_launch_parts("attention,norm")
+    with pytest.raises(ValueError, match="scratch"):
+        attention_half_one_launch(*args[:11], None, counters)
 
 
 @pytest.mark.parametrize(("M", "per_sm", "norm"), [(1, 1, True), (5, 8, True), (3, 2, False)])

@@ -391,3 +391,30 @@ def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(fa
         _setup(family, None, "n32_k128_s4", one_launch=parts)
     with pytest.raises(ValueError, match="one launch"):
         _setup(family, None, "n32_k128_s4+fused", one_launch="attention,norms")
+
+
+def test_one_launch_parts_fall_back_where_a_step_cannot_take_them():
+    """A 33-row decode step: the heads kernel takes 8 warps from 33 rows, so the attention half and the layer run as
+    separate launches (the same bits as without `one_launch`) while the MLP half still takes one. And which parts a
+    one-row step takes with each model and plan (`one_launch_takes`, logged at an engine's start)."""
+    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
+    model = build_empty(cfg, torch.float32, "cpu")
+    init_random(model, 0)
+    seqs = [(i % 4, 1, [i]) for i in range(33)]
+    got = {}
+    for one in ("", "attention,layer,mlp"):
+        runner = GpuModelRunner(model, KVCache(cfg, 40, 4), RunnerLimits(33, 33, 2), tiled="n32_k128_s4+fused",
+                                one_launch=one)
+        runner.stage(torch.arange(33) % 90, build_metadata(seqs, 4))
+        runner.forward(33, 33, True)
+        got[one] = runner.buffers.logits[:33].clone()
+        assert not runner.layer_counters.any()
+    assert torch.equal(got[""], got["attention,layer,mlp"])
+    takes = {}
+    for family, tiled in (("llama", "n32_k128_s4+fused"), ("qwen3_moe", "n32_k128_s4+fused"),
+                          ("llama", "n128_k64_s4_w8+fused")):
+        takes[family, tiled] = _setup(family, None, tiled, one_launch="all")[2].one_launch_takes()
+    assert takes["llama", "n32_k128_s4+fused"] == {"attention": True, "layer": True, "mlp": True, "moe": False}
+    assert takes["qwen3_moe", "n32_k128_s4+fused"] == {"attention": True, "layer": False, "mlp": False,
+                                                       "moe": True}
+    assert takes["llama", "n128_k64_s4_w8+fused"] == {"attention": False, "layer": False, "mlp": True, "moe": False}

@@ -296,12 +296,12 @@ PDL_KERNELS = {
 }
 
 LAYER_SIG = ("x_ptr:*bf16 wq_ptr:*bf16 qkv_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 pos_ptr:*i64 "
-             "rope_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 bt_ptr:*i32 ctx_ptr:*i32 "
-             "po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 att_ptr:*bf16 acnt_ptr:*i32 wo_ptr:*bf16 res_ptr:*bf16 "
-             "ctr_ptr:*i32 M:i32 K:i32 HQ:i32 HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32 sbt_b:i32 "
-             "sa_b:i32 sa_h:i32 scale_log2:fp32 NSPLIT:i32 N_O:i32 K_O:i32 swo:i32 sres:i32 k_split_o:i32 "
-             "mw_ptr:*bf16 wg_ptr:*bf16 act_ptr:*bf16 wd_ptr:*bf16 I:i32 swg:i32 s_act:i32 k_split_g:i32 m_eps:fp32 "
-             "swd:i32 k_split_d:i32")
+             "rope_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 bt_ptr:*i32 "
+             "ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 att_ptr:*bf16 acnt_ptr:*i32 wo_ptr:*bf16 "
+             "res_ptr:*bf16 ctr_ptr:*i32 M:i32 K:i32 HQ:i32 HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 "
+             "qk_eps:fp32 sbt_b:i32 sa_b:i32 sa_h:i32 scale_log2:fp32 NSPLIT:i32 N_O:i32 K_O:i32 swo:i32 sres:i32 "
+             "k_split_o:i32 mw_ptr:*bf16 wg_ptr:*bf16 act_ptr:*bf16 wd_ptr:*bf16 I:i32 swg:i32 s_act:i32 "
+             "k_split_g:i32 m_eps:fp32 swd:i32 k_split_d:i32")
 # Llama-3-8B at one row with the h200_4w plan: qkv n64_k128_s4, o and down n64_k128_s4_x2, gate_up n64_k128_s3_x2
 LAYER_CONSTS = {"NORM": True, "QK_NORM": False, "D": 128, "ROT_HALF": 64, "BLOCK_M": 16, "BLOCK_R": 64,
                 "BLOCK_P": 16, "PASS": False, "HEAD_K": 128, "HEAD_SPLIT": 8, "HKV": 8, "BS": 16, "G": 4,

@@ -40,6 +40,7 @@ from gpu_engine.kernels.kv_cache import write_kv
 from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.phased import (
     LAYER_COUNTERS,
+    attention_fits,
     attention_half_one_launch,
     layer_one_launch,
     mlp_half_one_launch,
@@ -439,7 +440,7 @@ class GpuModelRunner:
             if self._layer_in_one(i, w, residual, pending, batch, tokens, decode):
                 continue
             pending = self._attention(i, w, residual, pending, batch, tokens, decode)
-            pending = self._mlp(w, residual, pending)
+            pending = self._mlp(w, residual, pending, decode)
         if keep_hidden:
             self.kept_hidden = self._normed(residual.clone(), pending, self.final_norm, pdl=False)
         self._head(pending, residual, batch, tokens, decode)
@@ -513,18 +514,19 @@ class GpuModelRunner:
 
     def _attention_in_one(self, w: LayerWeights, heads: Heads | None, pending: torch.Tensor | None, batch: int,
                           tokens: int, decode: bool, part: str = "attention") -> _OneHalf | None:
-        """What the attention half of this step takes to run in one launch (`one_launch` has "attention"): a
-        decode step whose qkv takes the fused norm and heads and whose o the fused add, at 4 warps each (fewer than
-        64 rows: `_tiled_heads`' warps), with neither walked rows nor lanes; else None."""
+        """What the attention half of this step takes to run in one launch (`one_launch` has `part`): a decode
+        step whose qkv takes the fused norm and heads and whose o the fused add, both at the attention's 4 warps
+        (`kernels.phased.attention_fits`: the heads kernel takes 8 from 33 rows), with neither walked rows nor lanes;
+        else None."""
         if part not in self.one_launch or not decode or heads is None or pending is not None:
             return None
-        if not self._norm_fuses(tokens) or self.fused_for(tokens, w.o) is None or tokens >= 64:
+        if not self._norm_fuses(tokens) or self.fused_for(tokens, w.o) is None:
             return None
         how = self.decode_form(batch)
         if how["walk_upto"] or how["lanes"] or not isinstance(w.qkv, torch.Tensor) or not isinstance(w.o, torch.Tensor):
             return None
         qkv, o = self.config_for(tokens, w.qkv), self.config_for(tokens, w.o)
-        if qkv is None or o is None or qkv.num_warps != 4 or o.num_warps != 4 or self.scratch is None:
+        if qkv is None or o is None or not attention_fits(tokens, qkv, o) or self.scratch is None:
             return None
         return _OneHalf(w.qkv, heads, qkv, w.o, o, self.scratch)
 
@@ -549,8 +551,8 @@ class GpuModelRunner:
 
     def _mlp_in_one(self, w: LayerWeights, pending: torch.Tensor | None, rows: int,
                     part: str = "mlp") -> _OneMlp | None:
-        """What this step's dense MLP half takes to run in one launch (`one_launch` has "mlp"): gate_up takes the
-        fused norm and SiLU, down the fused add, both through configurations of the same warps; else None."""
+        """What a decode step's dense MLP half takes to run in one launch (`one_launch` has `part`): gate_up takes
+        the fused norm and SiLU, down the fused add, both through configurations of the same warps; else None."""
         if part not in self.one_launch or pending is not None or not self._norm_fuses(rows) or self.scratch is None:
             return None
         if not isinstance(w.gate_up, torch.Tensor) or not isinstance(w.down, torch.Tensor):
@@ -562,6 +564,21 @@ class GpuModelRunner:
             return None
         return _OneMlp(w.gate_up, gate_up, w.down, down, self.scratch)
 
+    def one_launch_takes(self) -> dict[str, bool]:
+        """For each part of `one_launch`, whether a one-row decode step takes it with this model and plan (a part
+        that does not there takes no step: the engines log it at start)."""
+        layers = list(enumerate(self.layers))
+        takes = {
+            "attention": any(self._attention_in_one(w, self.qkv_heads(i, w, 1), None, 1, 1, True) is not None
+                             for i, w in layers),
+            "mlp": any(w.router is None and self._mlp_in_one(w, None, 1) is not None for _, w in layers),
+            "layer": any(w.router is None and self._mlp_in_one(w, None, 1, "layer") is not None
+                         and self._attention_in_one(w, self.qkv_heads(i, w, 1), None, 1, 1, True, "layer") is not None
+                         for i, w in layers),
+            "moe": self.fusion is not None and any(w.router is not None for _, w in layers),
+        }
+        return {part: takes[part] for part in sorted(self.one_launch)}
+
     def config_for(self, rows: int, w: torch.Tensor) -> TiledConfig | None:
         """The tiled linear's configuration for weight `w` ([N, K]) in a step of `rows` rows (`matmul_for`'s, by the
         plan), or None where it goes elsewhere."""
@@ -571,7 +588,8 @@ class GpuModelRunner:
                 return TILED_CONFIGS[name]
         return None
 
-    def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
+    def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None,
+             decode: bool = True) -> torch.Tensor | None:
         """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
             cfg, rows = self.config, residual.shape[0]
@@ -588,7 +606,7 @@ class GpuModelRunner:
                             one_launch=fuse and "moe" in self.one_launch)
             return None if fuse else out
         rows = residual.shape[0]
-        one = self._mlp_in_one(w, pending, rows)
+        one = self._mlp_in_one(w, pending, rows) if decode else None
         if one is not None:
             mlp_half_one_launch(residual, one.w_gate_up, (w.mlp_norm, self.config.rms_norm_eps), one.gate_up,
                                 one.w_down, residual, one.down, one.scratch, self.layer_counters, pdl=self.pdl)

@@ -136,6 +136,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
                             tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes,
                             one_launch=env.env().one_launch)
+    idle = [part for part, takes in runner.one_launch_takes().items() if not takes]
+    if idle:  # accepted, but no step of this model and plan takes them (kernels.phased)
+        log.warning("BLINK_ONE_LAUNCH parts that no decode step takes here", parts=idle, tiled=tiled)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

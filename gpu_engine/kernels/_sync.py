@@ -1,5 +1,7 @@
-"""The one way programs of a launch hand work to each other: the last of a group to finish does what needs all of
-them (sums split partials, folds attention splits, routes a token), after an atomic count that it resets."""
+"""How programs of a launch hand work to each other: the last of a group to finish does what needs all of them (sums
+split partials, folds attention splits, routes a token), after an atomic count that it resets; and a launch whose
+work comes in phases has each program take a ticket that gives its phase, and the programs of a phase wait until
+the phase before it has finished."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def ticket(count_ptr):
 @triton.jit
 def arrive(count_ptr):
     """This program's phase work is done: every thread's stores come before the count (a barrier, then a release
-    atomic at GPU scope), so a program that sees the count (`wait_for`) sees them (loaded past L1, `.cg`)."""
+    atomic at GPU scope), so a program that has waited for the count (`wait_for`, whose acquiring load orders its
+    later loads, plain ones included) sees them."""
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
@@ -68,13 +71,14 @@ mov.u32 $0, 0;
 def wait_for(count_ptr, n, ASM: tl.constexpr):
     """Spin until `n` programs have arrived at `count_ptr` (`arrive`); then this program's loads see what the
     arrivals stored (an acquiring load by every thread: on sm_90 it invalidates the SM's L1, so it is not the poll).
-    ASM: on a GPU, thread 0 polls (`_POLL`, PTX) and the others wait at a barrier; without it (the interpreter, whose
-    programs run one after another, so the count is reached at the first look) every thread loads the count."""
+    ASM: on a GPU, thread 0 polls (`_POLL`, PTX) and the others wait at a barrier. Without it (the interpreter, whose
+    programs run one after another) the count must be exactly `n` when a program waits, since the phase before has
+    just ended and no other adds to it: checked (an interpreter error), so that a phase's count that is off fails
+    the tests instead of passing or hanging."""
     if ASM:
         tl.inline_asm_elementwise(_POLL, "=r,l,r", [count_ptr, n], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [count_ptr], dtype=tl.int32,
                                   is_pure=False, pack=1)
     else:
-        while tl.load(count_ptr, volatile=True) < n:
-            pass
+        tl.assume(tl.load(count_ptr, volatile=True) == n)

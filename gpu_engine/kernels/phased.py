@@ -9,7 +9,8 @@ it, in the order the phases come, and a program of a later phase spins until the
 (`_sync.wait_for`). The o programs load their first weight tile before they wait, so part of the o weight streams in
 while the attention runs. Each phase runs the code of its own kernel (`_heads_program`, `_decode_program`,
 `_fold_program`, `_tiled_program`) at the same block sizes and splits, so the result has the same bits as the
-separate launches; the launch takes the heads kernel's stages (the depth of the loads in flight changes no sum).
+separate launches; the launch takes the fewest of its kernels' stages (the depth of the loads in flight changes
+no sum).
 The MLP half is the same with two `_tiled_program` phases, the down programs loading their first weight tile before
 they wait for gate_up's; a whole layer is both, gate_up's programs loading theirs before they wait for o's.
 """
@@ -27,6 +28,7 @@ from gpu_engine.kernels._checks import check, next_pow2
 from gpu_engine.kernels._sync import arrive, last_to_finish, ticket, wait_for
 from gpu_engine.kernels.attention import LOG2E, _check_paged, _decode_program, _fold_program, _prec
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
+from gpu_engine.kernels.qkv_prep import _check as _check_prep
 from gpu_engine.kernels.tiled_linear import (
     MAX_ROWS,
     Heads,
@@ -49,8 +51,8 @@ def one_launch_parts(setting: str) -> frozenset[str]:
     halves in one, `layer_one_launch`, where a step's layer takes both) and "moe" (`moe.moe_mlp_one_launch`); "all"
     every one."""
     parts = frozenset(p.strip() for p in setting.split(",") if p.strip())
-    if parts == {"all"}:
-        return frozenset(ONE_LAUNCH_PARTS)
+    if "all" in parts:
+        parts = (parts - {"all"}) | frozenset(ONE_LAUNCH_PARTS)
     if parts - set(ONE_LAUNCH_PARTS):
         raise ValueError(f"one launch: {setting!r}, expected a comma-separated list of {', '.join(ONE_LAUNCH_PARTS)} "
                          "or all")
@@ -82,8 +84,9 @@ def _layer_kernel(
     grid), M x HKV x NSPLIT attention programs (row fastest, then KV head), with FORM "split" M x HKV fold programs,
     then the o programs (column tile fastest, as every tiled phase); then with MLP the gate_up programs (GLU, M_NORM)
     and the down programs (ADD). Each phase waits for every program of the one before; the o, gate_up (after o) and
-    down programs load their first weight tile first. The stream `res_ptr` is x for both norms. The last program of
-    the last phase to finish sets the counts back to zero."""
+    down programs load their first weight tile first. The heads phase's x is `x_ptr` (the stream itself in the
+    runner), the MLP's the stream `res_ptr`. The last program of the last phase to finish sets the counts back to
+    zero."""
     pdl_enter(USE_PDL)
     tk = ticket(ctr_ptr)
     n_att_phases = 0
@@ -157,6 +160,18 @@ def _reset_if_last(ctr_ptr, n):
             tl.store(ctr_ptr + i, 0)
 
 
+def heads_warps(rows: int, qkv_config: TiledConfig) -> int:
+    """The warps of the heads kernel for a step of `rows` rows, as `tiled_linear` launches it (8 from 64 padded
+    rows, 33 rows and more)."""
+    return 8 if max(16, triton.next_power_of_2(rows)) >= 64 else qkv_config.num_warps
+
+
+def attention_fits(rows: int, qkv_config: TiledConfig, o_config: TiledConfig) -> bool:
+    """Whether the attention half of a `rows`-row step can be one launch: the heads kernel and the o product at the
+    attention's 4 warps."""
+    return heads_warps(rows, qkv_config) == 4 and o_config.num_warps == 4
+
+
 @dataclass
 class _Part:
     """A part's kernel arguments by name, its programs, and the stages and warps its kernels take."""
@@ -185,11 +200,13 @@ def _attention_part(x, w_qkv, heads: Heads, norm, qkv_config: TiledConfig, block
         raise ValueError("w_qkv, w_o: rows must be contiguous")
     if norm is not None:
         check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
-    warps = 8 if max(16, triton.next_power_of_2(M)) >= 64 else qkv_config.num_warps  # as `_tiled_heads` takes them
-    if warps != 4 or o_config.num_warps != 4:
-        raise ValueError(f"one launch: the heads kernel's {warps} warps and the o product's {o_config.num_warps} must "
-                         "be the attention's 4")
+    if not attention_fits(M, qkv_config, o_config):
+        raise ValueError(f"one launch: the heads kernel's {heads_warps(M, qkv_config)} warps and the o product's "
+                         f"{o_config.num_warps} must be the attention's 4")
     qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _check_prep(qkv[:, : HQ * D].view(M, HQ, D), qkv[:, HQ * D: (HQ + HK) * D].view(M, HK, D),
+                qkv[:, (HQ + HK) * D:].view(M, HK, D), heads.positions, heads.cache, heads.k_cache, heads.v_cache,
+                heads.slot_mapping, heads.q_norm, heads.k_norm)  # as `_tiled_heads` checks them
     _check_paged(qkv[:, : HQ * D].view(M, HQ, D), heads.k_cache, heads.v_cache, block_tables, context_lens, M)
     if partition_size % block_n:
         raise ValueError("partition_size must be a multiple of block_n")
@@ -232,8 +249,11 @@ def _attention_part(x, w_qkv, heads: Heads, norm, qkv_config: TiledConfig, block
         BLOCK_D=bd, PART=partition_size, ATT_N=block_n, FORM=form, O_N=o_config.block_n, O_K=o_config.block_k,
         O_SPLIT=o_split, N_O=N_O, ATTENTION=True)
     programs = (HQ + 2 * HK) * split + M * HK * nsplit + (M * HK if form == "split" else 0) + o_tiles * o_split
-    return _Part(args, programs, heads_stages(qkv_config.num_stages, block_m, block_r, block_p if passing else 0,
-                                              qkv_config.block_k, x.element_size()), 4)
+    stages = min(heads_stages(qkv_config.num_stages, block_m, block_r, block_p if passing else 0, qkv_config.block_k,
+                              x.element_size()),
+                 tiled_stages(o_config.num_stages, block_m, o_config.block_n, o_config.block_k, False,
+                              x.element_size()))
+    return _Part(args, programs, stages, 4)
 
 
 def _mlp_part(x, w_gate_up, norm, gate_up_config: TiledConfig, w_down, residual, down_config: TiledConfig,
@@ -270,7 +290,7 @@ def _mlp_part(x, w_gate_up, norm, gate_up_config: TiledConfig, w_down, residual,
                  s_act=act.stride(0), k_split_g=width, m_eps=float(eps), swd=w_down.stride(0), k_split_d=d_width,
                  M_NORM=norm is not None, GU_N=gu_n, GU_K=gate_up_config.block_k, GU_SPLIT=split,
                 DN_N=down_config.block_n, DN_K=down_config.block_k, DN_SPLIT=d_split, MLP=True, N_O=H)
-    stages = max(tiled_stages(gate_up_config.num_stages, block_m, gate_up_config.block_n, gate_up_config.block_k,
+    stages = min(tiled_stages(gate_up_config.num_stages, block_m, gate_up_config.block_n, gate_up_config.block_k,
                               False, x.element_size()),
                  tiled_stages(down_config.num_stages, block_m, down_config.block_n, down_config.block_k, False,
                               x.element_size()))
@@ -291,7 +311,8 @@ _NO_MLP = dict(mw_ptr=None, wg_ptr=None, act_ptr=None, wd_ptr=None, I=0, swg=0, 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor, scratch, counters: torch.Tensor, pdl: bool,
             attention: _Part | None, mlp: _Part | None) -> torch.Tensor:
-    """One `_layer_kernel` launch of the parts given; the stages the largest of theirs."""
+    """One `_layer_kernel` launch of the parts given, at the fewest of their stages (the depth of the loads in
+    flight changes no sum; the fewest keep shared memory within each configuration's programs an SM)."""
     check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
     if counters.numel() < LAYER_COUNTERS:
         raise ValueError(f"counters: {counters.numel()}, this launch needs {LAYER_COUNTERS}")
@@ -307,13 +328,15 @@ def _launch(x: torch.Tensor, residual: torch.Tensor, scratch, counters: torch.Te
     _layer_kernel[(sum(p.programs for p in parts),)](
         x_ptr=x, ws_ptr=ws, cnt_ptr=cnt, res_ptr=residual, ctr_ptr=counters, M=M, K=x.shape[1], sx=x.stride(0),
         sres=residual.stride(0), BLOCK_M=max(16, triton.next_power_of_2(M)), PREC=_prec(x.dtype), USE_PDL=pdl,
-        ASM=x.device.type == "cuda", num_warps=parts[0].warps, num_stages=max(p.stages for p in parts), **args,
+        ASM=x.device.type == "cuda", num_warps=parts[0].warps, num_stages=min(p.stages for p in parts), **args,
         **pdl_launch(pdl))
     return residual
 
 
-def _rows(x: torch.Tensor) -> None:
+def _rows(x: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     check("x", x, dtype=(torch.bfloat16, torch.float32), shape=(None, None))
+    if scratch is None:
+        raise ValueError("scratch: the tiled linear's (tiled_scratch), for the launch's products")
     if not 0 < x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: {x.shape[0]} rows, a decode layer's parts in one launch take 1 to {MAX_ROWS}")
 
@@ -333,7 +356,7 @@ def attention_half_one_launch(
     reads it has finished. `scratch`: the tiled linear's (`tiled_scratch`), for both products; `counters`: int32,
     zero, `LAYER_COUNTERS`, which every launch leaves zero. Both configurations must have the attention's 4 warps
     (else ValueError, and the runner launches the kernels apart). Returns `residual`."""
-    _rows(x)
+    _rows(x, scratch)
     part = _attention_part(x, w_qkv, heads, norm, qkv_config, block_tables, context_lens, scale, w_o, residual,
                            o_config, scratch, attn_counters, partition_size, block_n)
     return _launch(x, residual, scratch, counters, pdl, part, None)
@@ -347,9 +370,9 @@ def mlp_half_one_launch(x: torch.Tensor, w_gate_up: torch.Tensor, norm: tuple[to
     `gate_up_config`'s blocks, then `tiled_linear(act, w_down, residual=residual)` with `down_config`'s, giving
     their bits. `x` must be `residual` (the fused runner's stream): the down phase adds into it only once every
     gate_up program has finished. The two configurations must have the same warps (ValueError); the launch takes
-    the larger of their stages. `scratch`, `counters`: as `attention_half_one_launch` takes them. Returns
+    the fewer of their stages. `scratch`, `counters`: as `attention_half_one_launch` takes them. Returns
     `residual`."""
-    _rows(x)
+    _rows(x, scratch)
     if x.data_ptr() != residual.data_ptr():
         raise ValueError("x: the MLP half's x is the stream it adds into (residual)")
     part = _mlp_part(x, w_gate_up, norm, gate_up_config, w_down, residual, down_config, scratch)
@@ -366,7 +389,7 @@ def layer_one_launch(
 ) -> torch.Tensor:
     """A whole dense decode layer in one launch: `attention_half_one_launch` then `mlp_half_one_launch` on the
     stream `x` (both halves' products through 4-warp configurations), the same bits. Returns `x`."""
-    _rows(x)
+    _rows(x, scratch)
     attention = _attention_part(x, w_qkv, heads, attn_norm, qkv_config, block_tables, context_lens, scale, w_o, x,
                                 o_config, scratch, attn_counters, partition_size, block_n)
     mlp = _mlp_part(x, w_gate_up, mlp_norm, gate_up_config, w_down, x, down_config, scratch)
