@@ -323,11 +323,8 @@ def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(tiled, nor
     assert calls == {"norm": norms, "route": routes}
 
 
-def test_a_fused_decode_layer_is_five_launches(monkeypatch):
-    """Triton launches of a one-row decode step of the 2-layer llama with every product through one tiled
-    configuration: 10 a layer unfused (norm, qkv, q/k/v preparation, attention, its fold, o, norm, gate_up, SiLU,
-    down), 5 fused (qkv, attention, o, gate_up, down); the rest of the step (embedding, final norm, LM head,
-    sampling) the same either way."""
+def _launches(monkeypatch) -> list:
+    """The Triton launches made from here on (interpreter), in a list."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches = []
@@ -338,6 +335,15 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return launches
+
+
+def test_a_fused_decode_layer_is_five_launches(monkeypatch):
+    """Triton launches of a one-row decode step of the 2-layer llama with every product through one tiled
+    configuration: 10 a layer unfused (norm, qkv, q/k/v preparation, attention, its fold, o, norm, gate_up, SiLU,
+    down), 5 fused (qkv, attention, o, gate_up, down); the rest of the step (embedding, final norm, LM head,
+    sampling) the same either way."""
+    launches = _launches(monkeypatch)
     counts = {}
     for tiled in ("n64_k64_s6", "n64_k64_s6+fused"):
         cfg, model, runner = _setup("llama", None, tiled)
@@ -364,16 +370,7 @@ def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(fa
     down (the sort-free path) as phases of one launch each, so that many
     Triton launches a layer fewer, and the same logits and tokens bit for bit, the counts left at rest. Refused
     without a fused setting, and for an unknown part."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    launches = []
-    run = InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        launches.append(self)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    launches = _launches(monkeypatch)
     seqs = [(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])]
     for rows in (1, 4):
         got = {}

@@ -124,6 +124,18 @@ def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E
 ROUTER_GROUP = 4  # experts a router program takes: 32 programs a token for 128 experts
 
 
+def _check_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[int, int, int]:
+    """(tokens, hidden, experts) of a routed step's x [T, H] and router weight [E, H], checked."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    T, H = x.shape
+    check("router_w", router_w, dtype=x.dtype, shape=(None, H), device=x.device)
+    check_contiguous("router_w", router_w)
+    E = router_w.shape[0]
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k {top_k} not in 1..{E}")
+    return T, H, E
+
+
 def moe_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool, counters: torch.Tensor,
                norm: tuple[torch.Tensor, float] | None = None, block_g: int = ROUTER_GROUP, block_k: int = 512,
                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,13 +144,7 @@ def moe_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: b
     eps): x is the residual stream and its RMSNorm is what is routed. `counters`: an int32 count per token, zero,
     which every launch leaves zero. The logits are summed in another order than cuBLAS's, so a near tie between
     two experts may go the other way."""
-    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
-    T, H = x.shape
-    check("router_w", router_w, dtype=x.dtype, shape=(None, H), device=x.device)
-    check_contiguous("router_w", router_w)
-    E = router_w.shape[0]
-    if not 0 < top_k <= E:
-        raise ValueError(f"top_k {top_k} not in 1..{E}")
+    T, H, E = _check_router(x, router_w, top_k)
     check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
     if counters.numel() < T:
         raise ValueError(f"counters: {counters.numel()}, this launch needs {T} (one a token)")
@@ -587,13 +593,7 @@ def moe_mlp_one_launch(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.T
     their first weight tile while the gate_up programs finish. The same code and block sizes as the three launches,
     so the same bits. `counters`: int32, zero, `PHASE_COUNTERS` + one a token, which every launch leaves zero.
     `norm`, `residual` as `fused_moe` takes them; returns the output ([T, H], or `residual` with it added)."""
-    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
-    T, H = x.shape
-    check("router_w", router_w, dtype=x.dtype, shape=(None, H), device=x.device)
-    check_contiguous("router_w", router_w)
-    E = router_w.shape[0]
-    if not 0 < top_k <= E:
-        raise ValueError(f"top_k {top_k} not in 1..{E}")
+    T, H, E = _check_router(x, router_w, top_k)
     if not small_path(T, top_k):
         raise ValueError(f"one launch: for a step of at most {SMALL_PAIRS} (token, expert) pairs, got {T} x {top_k}")
     check("gate_up", gate_up, dtype=x.dtype, shape=(E, None, H), device=x.device)
