@@ -315,7 +315,7 @@ def test_fused_moe_takes_the_norm_and_the_residual_add_in_its_kernels(T):
 @pytest.mark.parametrize("T,E,H,I,top_k,norm,add", [
     (1, 6, 40, 22, 2, True, True),  # the runner's fused step: norm and residual add; odd H and I
     (3, 8, 33, 24, 3, False, False),  # 3 slots padded to 4, nothing fused around it
-    (8, 8, 64, 16, 8, True, False),  # SMALL_PAIRS pairs, each token on every expert
+    (8, 8, 32, 16, 8, True, False),  # SMALL_PAIRS pairs, each token on every expert
 ])
 def test_moe_in_one_launch_gives_the_three_launches_bits(T, E, H, I, top_k, norm, add):
     """The router, gate_up and down of a small step as phases of one launch (`moe_mlp_one_launch`): the same code
