@@ -49,17 +49,25 @@ def arrive(count_ptr):
 
 
 # Thread 0 of a program polls the count (a volatile load, then a short sleep while it is short), the others wait at
-# the barrier after: one poll a program, not one a warp, on an address that every waiting program polls.
+# the barrier after: one poll a program, not one a warp, on an address that every waiting program polls. A count
+# still short after 2^22 polls (each a load from L2 and a 128-ns sleep: seconds, where a phase takes microseconds)
+# is a phase that will not finish: the program traps, a launch error (a device failure to the engines, which
+# restart) instead of a hang.
 _POLL = tl.constexpr("""{
 .reg .pred %blink_p;
 .reg .b32 %blink_v;
+.reg .b32 %blink_n;
 mov.u32 %blink_v, %tid.x;
 setp.ne.u32 %blink_p, %blink_v, 0;
 @%blink_p bra BLINK_DONE;
+mov.u32 %blink_n, 0;
 BLINK_POLL:
 ld.volatile.global.b32 %blink_v, [$1];
 setp.ge.s32 %blink_p, %blink_v, $2;
 @%blink_p bra BLINK_DONE;
+add.u32 %blink_n, %blink_n, 1;
+setp.gt.u32 %blink_p, %blink_n, 4194304;
+@%blink_p trap;
 nanosleep.u32 128;
 bra BLINK_POLL;
 BLINK_DONE:
