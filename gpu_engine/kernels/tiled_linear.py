@@ -365,6 +365,12 @@ TILED_PLANS: dict[str, Plan] = {
 # rows on the H200, not measured fused): every product of a step then has 4 warps, which a dense MLP half in one
 # launch needs (`kernels.phased.mlp_half_one_launch`, BLINK_ONE_LAUNCH=mlp). To be measured against h200+fused.
 TILED_PLANS["h200_4w"] = {**TILED_PLANS["h200"], (28672, 4096): ((64, "n64_k128_s3_x2"),)}
+# h200_4w with qkv's K split for the two heads programs an SM run (the heads kernel's stages fit two: `heads_stages`),
+# not one: at one row the Llama-3-8B heads take 5 slices, 240 programs in one wave of 264, where the `n64_k128_s4`
+# split (8 slices, 384 programs) takes 1.45 waves; Qwen3-30B-A3B's 6 slices, 240 programs, where 3 left 120 of the
+# 264 places empty. Other sums than h200's (the slices). Not measured.
+TILED_PLANS["h200_4wq"] = {**TILED_PLANS["h200_4w"], (6144, 4096): ((1, "n64_k128_s4_x2"),),
+                           (5120, 2048): ((8, "n64_k128_s4_x2"),)}
 
 
 # The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS. On
