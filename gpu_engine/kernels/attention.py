@@ -9,6 +9,7 @@ Softmax runs in the exp2 domain in fp32.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -420,6 +421,20 @@ def decode_lanes(setting: str) -> tuple[int, int]:
     return _count_from(setting, "lanes", "P", "programs a row and KV head")
 
 
+def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int, partition_size: int,
+                    walk: bool = False) -> tuple[int, tuple[torch.Tensor, ...], dict[str, Any]]:
+    """(splits of a block table of `table_tokens` tokens, the split partials (output, max, sum; placeholders for a
+    walk), the decode kernel's shape constants) for queries `q` [B, H, D] over `hkv` KV heads: the same for every
+    launch that runs its program (`kernels.phased`), so that the sums are the same."""
+    B, H, D = q.shape
+    nsplit, bd = triton.cdiv(table_tokens, partition_size), next_pow2(D)
+    po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
+    pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)
+    consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
+              "PART": partition_size}
+    return nsplit, (po, pm, torch.empty_like(pm)), consts
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
@@ -479,12 +494,8 @@ def decode_attention(
     if lanes < 0 or (lanes and form == "walk"):
         raise ValueError(f"lanes: a count of programs >= 0 for the split and last forms, got {lanes} ({form})")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    bd = next_pow2(D)
     walk = form == "walk"
-    po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
-    pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
+    nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size, walk)
     if form == "last":
         if counters is None:
             counters = torch.zeros(max(B, 1) * hkv, dtype=torch.int32, device=q.device)
@@ -493,8 +504,6 @@ def decode_attention(
             raise ValueError(f"counters: {counters.numel()}, this launch needs {B * hkv} (rows x KV heads)")
     if B == 0:
         return out
-    consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
-              "PART": partition_size}
     if walk_upto:  # the short rows walked in a launch of their own, before the long rows' split launch
         _decode_kernel[(B, hkv)](
             q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out, q.stride(0), q.stride(1),

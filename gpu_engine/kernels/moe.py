@@ -324,19 +324,13 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
 
 @triton.jit
 def _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, p, nt, I, K, s_x, s_we, s_wn, s_o, eps,
-                  TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                  CG: tl.constexpr):
-    """silu(gate) * up of pair p's expert, columns nt * BLOCK_N.., stored. CG: the expert id was written by
-    another program of this launch (loaded past L1)."""
+                  TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """silu(gate) * up of pair p's expert, columns nt * BLOCK_N.., stored."""
     n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     kk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (p // TOPK).to(tl.int64) * s_x
-    if CG:
-        e = tl.load(ids_ptr + p, cache_modifier=".cg")
-    else:
-        e = tl.load(ids_ptr + p)
-    gate = w_ptr + e * s_we + n[:, None].to(tl.int64) * s_wn  # ids are int64
+    gate = w_ptr + tl.load(ids_ptr + p) * s_we + n[:, None].to(tl.int64) * s_wn  # ids are int64
     up = gate + I * s_wn  # I * H < 2^31: half of one expert's matrix
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -366,7 +360,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we
                          USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, tl.program_id(0), tl.program_id(1), I, K, s_x, s_we, s_wn,
-                  s_o, eps, TOPK, BLOCK_N, BLOCK_K, NORM, False)
+                  s_o, eps, TOPK, BLOCK_N, BLOCK_K, NORM)
 
 
 def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> None:
@@ -420,20 +414,16 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
 
 @triton.jit
 def _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, nt, N, s_a, s_we, s_wn, TOPK: tl.constexpr, SLOTS: tl.constexpr,
-                BLOCK_N: tl.constexpr, CG: tl.constexpr):
+                BLOCK_N: tl.constexpr):
     """Token t's route weights, and the pointers and masks of its top_k experts' down rows nt * BLOCK_N.. and
-    activations. CG: the routing and the activations were written by other programs of this launch."""
+    activations."""
     n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     s = tl.arange(0, SLOTS)
     smask = s < TOPK
     pair = t.to(tl.int64) * TOPK + s
-    if CG:
-        rw = tl.load(rw_ptr + pair, mask=smask, other=0.0, cache_modifier=".cg")
-        e = tl.load(ids_ptr + pair, mask=smask, other=0, cache_modifier=".cg")
-    else:
-        rw = tl.load(rw_ptr + pair, mask=smask, other=0.0)
-        e = tl.load(ids_ptr + pair, mask=smask, other=0)
+    rw = tl.load(rw_ptr + pair, mask=smask, other=0.0)
+    e = tl.load(ids_ptr + pair, mask=smask, other=0)
     rows = w_ptr + e[:, None, None] * s_we + n[None, :, None].to(tl.int64) * s_wn  # [SLOTS, BLOCK_N, 1]
     acts = a_ptr + pair[:, None] * s_a  # [SLOTS, 1]
     rmask = smask[:, None, None] & nmask[None, :, None]
@@ -441,17 +431,13 @@ def _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, nt, N, s_a, s_we, s_wn, TOPK: 
 
 
 @triton.jit
-def _down_steps(acc, rows, acts, rmask, smask, start, K, BLOCK_K: tl.constexpr, CG: tl.constexpr):
+def _down_steps(acc, rows, acts, rmask, smask, start, K, BLOCK_K: tl.constexpr):
     """`acc` plus the products of the K steps from `start` on, in order."""
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(start, K, BLOCK_K):
         k = k0 + kk
         kmask = k < K
-        if CG:
-            a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-        else:
-            a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0).to(tl.float32)
         acc += w * a[:, None, :]
     return acc
@@ -475,9 +461,9 @@ def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     rw, rows, acts, rmask, smask, n, nmask = _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, tl.program_id(1), N, s_a,
-                                                         s_we, s_wn, TOPK, SLOTS, BLOCK_N, False)
+                                                         s_we, s_wn, TOPK, SLOTS, BLOCK_N)
     acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
-    acc = _down_steps(acc, rows, acts, rmask, smask, 0, K, BLOCK_K, False)
+    acc = _down_steps(acc, rows, acts, rmask, smask, 0, K, BLOCK_K)
     _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD)
 
 
@@ -558,23 +544,22 @@ def _moe_mlp_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, act_ptr, 
         q = tk - n_route
         wait_for(ctr_ptr + 1, T, ASM)
         _gate_up_tile(x_ptr, gu_ptr, ids_ptr, act_ptr, nw_ptr, q % pairs, q // pairs, I, H, s_x, s_gue, s_gun, s_a,
-                      eps, TOPK, GATE_N, GATE_K, NORM, True)
+                      eps, TOPK, GATE_N, GATE_K, NORM)
         arrive(ctr_ptr + 2)
     else:
         q = tk - n_route - n_gate
         t = q % T
         wait_for(ctr_ptr + 1, T, ASM)
         rw, rows, acts, rmask, smask, n, nmask = _down_setup(act_ptr, dn_ptr, ids_ptr, w_ptr, t, q // T, H, s_a, s_de,
-                                                             s_dn, TOPK, SLOTS, DOWN_N, True)
+                                                             s_dn, TOPK, SLOTS, DOWN_N)
         k = tl.arange(0, DOWN_K)
         kmask = k < I
         w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0)  # before the wait
         wait_for(ctr_ptr + 2, n_gate, ASM)
-        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
+        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc = tl.zeros([SLOTS, DOWN_N, DOWN_K], tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]  # the first K step, as `_down_steps` takes each
-        acc = _down_steps(acc, rows, acts, rmask, smask, DOWN_K, I, DOWN_K, True)
+        acc = _down_steps(acc, rows, acts, rmask, smask, DOWN_K, I, DOWN_K)
         _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD)
         if last_to_finish(ctr_ptr + 3, T * tl.cdiv(H, DOWN_N)):  # every program has its ticket: all start over
             tl.store(ctr_ptr, 0)

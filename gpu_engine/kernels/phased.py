@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_engine.kernels._checks import check, next_pow2
+from gpu_engine.kernels._checks import check
 from gpu_engine.kernels._sync import arrive, last_to_finish, ticket, wait_for
-from gpu_engine.kernels.attention import LOG2E, _check_paged, _decode_program, _fold_program, _prec
+from gpu_engine.kernels.attention import LOG2E, _check_paged, _decode_program, _fold_program, _prec, decode_partials
 from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.kernels.qkv_prep import _check as _check_prep
 from gpu_engine.kernels.tiled_linear import (
@@ -34,12 +34,11 @@ from gpu_engine.kernels.tiled_linear import (
     Heads,
     TiledConfig,
     _heads_program,
-    _sms,
     _split_scratch,
     _tiled_program,
-    heads_stages,
-    tiled_split,
-    tiled_stages,
+    heads_grid,
+    heads_warps,
+    tiled_grid,
 )
 
 ONE_LAUNCH_PARTS = ("attention", "mlp", "layer", "moe")
@@ -160,12 +159,6 @@ def _reset_if_last(ctr_ptr, n):
             tl.store(ctr_ptr + i, 0)
 
 
-def heads_warps(rows: int, qkv_config: TiledConfig) -> int:
-    """The warps of the heads kernel for a step of `rows` rows, as `tiled_linear` launches it (8 from 64 padded
-    rows, 33 rows and more)."""
-    return 8 if max(16, triton.next_power_of_2(rows)) >= 64 else qkv_config.num_warps
-
-
 def attention_fits(rows: int, qkv_config: TiledConfig, o_config: TiledConfig) -> bool:
     """Whether the attention half of a `rows`-row step can be one launch: the heads kernel and the o product at the
     attention's 4 warps."""
@@ -189,10 +182,8 @@ def _attention_part(x, w_qkv, heads: Heads, norm, qkv_config: TiledConfig, block
     M, H = x.shape
     N = w_qkv.shape[0]
     check("w_qkv", w_qkv, dtype=x.dtype, shape=(N, H), device=x.device)
-    HQ, HK = heads.num_heads, heads.num_kv_heads
-    D = N // max(1, HQ + 2 * HK)
-    if HQ <= 0 or HK <= 0 or (HQ + 2 * HK) * D != N:
-        raise ValueError(f"heads: {HQ} query and {HK} KV heads do not divide the product's {N} columns")
+    hg = heads_grid(x, w_qkv, heads, norm is not None, qkv_config)  # as `_tiled_heads` launches it (checks heads)
+    HQ, HK, D = heads.num_heads, heads.num_kv_heads, hg.D
     check("w_o", w_o, dtype=x.dtype, shape=(None, HQ * D), device=x.device)
     N_O = w_o.shape[0]
     check("residual", residual, dtype=x.dtype, shape=(M, N_O), device=x.device)
@@ -201,38 +192,28 @@ def _attention_part(x, w_qkv, heads: Heads, norm, qkv_config: TiledConfig, block
     if norm is not None:
         check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
     if not attention_fits(M, qkv_config, o_config):
-        raise ValueError(f"one launch: the heads kernel's {heads_warps(M, qkv_config)} warps and the o product's "
+        raise ValueError(f"one launch: the heads kernel's {hg.warps} warps and the o product's "
                          f"{o_config.num_warps} must be the attention's 4")
     qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _check_prep(qkv[:, : HQ * D].view(M, HQ, D), qkv[:, HQ * D: (HQ + HK) * D].view(M, HK, D),
-                qkv[:, (HQ + HK) * D:].view(M, HK, D), heads.positions, heads.cache, heads.k_cache, heads.v_cache,
-                heads.slot_mapping, heads.q_norm, heads.k_norm)  # as `_tiled_heads` checks them
-    _check_paged(qkv[:, : HQ * D].view(M, HQ, D), heads.k_cache, heads.v_cache, block_tables, context_lens, M)
+    q = qkv[:, : HQ * D].view(M, HQ, D)
+    _check_prep(q, qkv[:, HQ * D: (HQ + HK) * D].view(M, HK, D), qkv[:, (HQ + HK) * D:].view(M, HK, D),
+                heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping, heads.q_norm,
+                heads.k_norm)  # as `_tiled_heads` checks them
+    _check_paged(q, heads.k_cache, heads.v_cache, block_tables, context_lens, M)
     if partition_size % block_n:
         raise ValueError("partition_size must be a multiple of block_n")
     if attn_counters is not None:
         check("attn_counters", attn_counters, dtype=(torch.int32,), shape=(None,), device=x.device)
         if attn_counters.numel() < M * HK:
             raise ValueError(f"attn_counters: {attn_counters.numel()}, this launch needs {M * HK} (rows x KV heads)")
-    sms = _sms(x.device)
-    # the heads product, as `_tiled_heads` launches it
-    split, width = tiled_split(N, H, D, qkv_config.block_k, qkv_config.per_sm, sms)
-    _split_scratch(scratch, split, split * M * (N + (1 if norm is not None else 0)), HQ + 2 * HK, qkv)  # checks
-    rot_half = heads.cache.shape[1] // 2
-    block_m = max(16, triton.next_power_of_2(M))
-    block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
-    passing = D > 2 * rot_half
+    _split_scratch(scratch, hg.split, hg.parts, HQ + 2 * HK, qkv)  # checks its size
     # the attention, as `decode_attention` launches it
     bs = heads.k_cache.shape[1]
-    nsplit = triton.cdiv(block_tables.shape[1] * bs, partition_size)
-    bd = next_pow2(D)
+    nsplit, (po, pm, pl), consts = decode_partials(q, HK, block_tables.shape[1] * bs, partition_size)
     att = torch.empty((M, HQ, D), dtype=x.dtype, device=x.device)
-    po = torch.empty((M, HQ, nsplit, bd), dtype=torch.float32, device=x.device)
-    pm = torch.empty((M, HQ, nsplit), dtype=torch.float32, device=x.device)
     # the o product, as `tiled_linear` launches it with a residual
-    o_split, o_width = tiled_split(N_O, HQ * D, o_config.block_n, o_config.block_k, o_config.per_sm, sms)
-    o_tiles = triton.cdiv(N_O, o_config.block_n)
-    _split_scratch(scratch, o_split, o_split * M * N_O, o_tiles, residual)
+    og = tiled_grid(M, N_O, HQ * D, o_config, x)
+    _split_scratch(scratch, og.split, og.parts, og.tiles, residual)
     form = "split" if attn_counters is None else "last"
     nw, eps = norm if norm is not None else (qkv, 0.0)
     qk = heads.q_norm is not None
@@ -240,19 +221,15 @@ def _attention_part(x, w_qkv, heads: Heads, norm, qkv_config: TiledConfig, block
         wq_ptr=w_qkv, qkv_ptr=qkv, nw_ptr=nw, pos_ptr=heads.positions, rope_ptr=heads.cache, kc_ptr=heads.k_cache,
         vc_ptr=heads.v_cache, slot_ptr=heads.slot_mapping, qw_ptr=heads.q_norm if qk else qkv,
         kw_ptr=heads.k_norm if qk else qkv, bt_ptr=block_tables, ctx_ptr=context_lens, po_ptr=po, pm_ptr=pm,
-        pl_ptr=torch.empty_like(pm), att_ptr=att, acnt_ptr=qkv if attn_counters is None else attn_counters,
-        wo_ptr=w_o, HQ=HQ, HK=HK, sw=w_qkv.stride(0), so=qkv.stride(0), k_split=width, eps=float(eps),
+        pl_ptr=pl, att_ptr=att, acnt_ptr=qkv if attn_counters is None else attn_counters,
+        wo_ptr=w_o, HQ=HQ, HK=HK, sw=w_qkv.stride(0), so=qkv.stride(0), k_split=hg.width, eps=float(eps),
         qk_eps=float(heads.eps), sbt_b=block_tables.stride(0), sa_b=att.stride(0), sa_h=att.stride(1),
-        scale_log2=scale * LOG2E, NSPLIT=nsplit, K_O=HQ * D, swo=w_o.stride(0), k_split_o=o_width,
-        NORM=norm is not None, QK_NORM=qk, D=D, ROT_HALF=rot_half, BLOCK_R=block_r, BLOCK_P=block_p, PASS=passing,
-        HEAD_K=qkv_config.block_k, HEAD_SPLIT=split, HKV=HK, BS=bs, G=HQ // HK, BLOCK_G=max(16, next_pow2(HQ // HK)),
-        BLOCK_D=bd, PART=partition_size, ATT_N=block_n, FORM=form, O_N=o_config.block_n, O_K=o_config.block_k,
-        O_SPLIT=o_split, N_O=N_O, ATTENTION=True)
-    programs = (HQ + 2 * HK) * split + M * HK * nsplit + (M * HK if form == "split" else 0) + o_tiles * o_split
-    stages = min(heads_stages(qkv_config.num_stages, block_m, block_r, block_p if passing else 0, qkv_config.block_k,
-                              x.element_size()),
-                 tiled_stages(o_config.num_stages, block_m, o_config.block_n, o_config.block_k, False,
-                              x.element_size()))
+        scale_log2=scale * LOG2E, NSPLIT=nsplit, K_O=HQ * D, swo=w_o.stride(0), k_split_o=og.width,
+        NORM=norm is not None, QK_NORM=qk, ROT_HALF=hg.rot_half, BLOCK_R=hg.block_r, BLOCK_P=hg.block_p,
+        PASS=hg.passing, HEAD_K=qkv_config.block_k, HEAD_SPLIT=hg.split, BS=bs, ATT_N=block_n, FORM=form,
+        O_N=og.tile_n, O_K=o_config.block_k, O_SPLIT=og.split, N_O=N_O, ATTENTION=True, **consts)
+    programs = (HQ + 2 * HK) * hg.split + M * HK * nsplit + (M * HK if form == "split" else 0) + og.tiles * og.split
+    stages = min(hg.stages, og.stages)
     return _Part(args, programs, stages, 4)
 
 
@@ -276,25 +253,19 @@ def _mlp_part(x, w_gate_up, norm, gate_up_config: TiledConfig, w_down, residual,
     if gate_up_config.num_warps != down_config.num_warps:
         raise ValueError(f"one launch: gate_up's {gate_up_config.num_warps} warps and down's "
                          f"{down_config.num_warps} differ")
-    sms = _sms(x.device)
     act = torch.empty((M, I), dtype=x.dtype, device=x.device)
-    gu_n = gate_up_config.block_n // 2  # output columns a glu program takes (`tiled_linear`)
-    split, width = tiled_split(I, H, gu_n, gate_up_config.block_k, gate_up_config.per_sm, sms)
-    _split_scratch(scratch, split, split * M * (2 * I + (1 if norm is not None else 0)), triton.cdiv(I, gu_n), act)
-    d_split, d_width = tiled_split(H, I, down_config.block_n, down_config.block_k, down_config.per_sm, sms)
-    d_tiles = triton.cdiv(H, down_config.block_n)
-    _split_scratch(scratch, d_split, d_split * M * H, d_tiles, residual)
-    block_m = max(16, triton.next_power_of_2(M))
+    # both products as `tiled_linear` launches them: gate_up with glu (and the norm), down with a residual
+    gg = tiled_grid(M, I, H, gate_up_config, x, glu=True, norm=norm is not None)
+    _split_scratch(scratch, gg.split, gg.parts, gg.tiles, act)
+    dg = tiled_grid(M, H, I, down_config, x)
+    _split_scratch(scratch, dg.split, dg.parts, dg.tiles, residual)
     nw, eps = norm if norm is not None else (x, 0.0)
     args = dict(mw_ptr=nw, wg_ptr=w_gate_up, act_ptr=act, wd_ptr=w_down, I=I, swg=w_gate_up.stride(0),
-                 s_act=act.stride(0), k_split_g=width, m_eps=float(eps), swd=w_down.stride(0), k_split_d=d_width,
-                 M_NORM=norm is not None, GU_N=gu_n, GU_K=gate_up_config.block_k, GU_SPLIT=split,
-                DN_N=down_config.block_n, DN_K=down_config.block_k, DN_SPLIT=d_split, MLP=True, N_O=H)
-    stages = min(tiled_stages(gate_up_config.num_stages, block_m, gate_up_config.block_n, gate_up_config.block_k,
-                              False, x.element_size()),
-                 tiled_stages(down_config.num_stages, block_m, down_config.block_n, down_config.block_k, False,
-                              x.element_size()))
-    return _Part(args, triton.cdiv(I, gu_n) * split + d_tiles * d_split, stages, gate_up_config.num_warps)
+                s_act=act.stride(0), k_split_g=gg.width, m_eps=float(eps), swd=w_down.stride(0), k_split_d=dg.width,
+                M_NORM=norm is not None, GU_N=gg.tile_n, GU_K=gate_up_config.block_k, GU_SPLIT=gg.split,
+                DN_N=dg.tile_n, DN_K=down_config.block_k, DN_SPLIT=dg.split, MLP=True, N_O=H)
+    return _Part(args, gg.tiles * gg.split + dg.tiles * dg.split, min(gg.stages, dg.stages),
+                 gate_up_config.num_warps)
 
 
 # what an absent part's arguments are (never read: the phases that would read them are not compiled in)

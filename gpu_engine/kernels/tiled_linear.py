@@ -554,56 +554,109 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
             raise ValueError("heads: the qkv_prep output takes a plain product, without act or residual")
         _tiled_heads(x, w, out, heads, norm, block_k, per_sm, num_warps, num_stages, scratch, pdl)
         return out
-    tile_n = block_n // 2 if glu else block_n  # output columns a program takes: half its weight rows with glu
-    split, width = tiled_split(N, K, tile_n, block_k, per_sm, _sms(x.device))
-    tiles = triton.cdiv(N, tile_n)
-    parts = split * M * (N * (2 if glu else 1) + (1 if norm is not None else 0))  # + the norm's sums of squares
-    ws, cnt = _split_scratch(scratch, split, parts, tiles, out)
-    block_m, silu = max(16, triton.next_power_of_2(M)), act == "silu_mul"
+    silu = act == "silu_mul"
+    grid = tiled_grid(M, N, K, TiledConfig(block_n, block_k, per_sm, num_warps, num_stages), x, glu, silu,
+                      norm is not None)
+    ws, cnt = _split_scratch(scratch, grid.split, grid.parts, grid.tiles, out)
     nw, eps = norm if norm is not None else (out, 0.0)
-    _tiled_kernel[(tiles, split)](
-        x, w, out, ws, cnt, nw, M, N, K, x.stride(0), w.stride(0), out.stride(0), width, float(eps), SILU=silu,
-        GLU=glu, NORM=norm is not None, ADD=residual is not None, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k,
-        SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=num_warps,
-        num_stages=tiled_stages(num_stages, block_m, block_n, block_k, silu, x.element_size()), **pdl_launch(pdl),
+    _tiled_kernel[(grid.tiles, grid.split)](
+        x, w, out, ws, cnt, nw, M, N, K, x.stride(0), w.stride(0), out.stride(0), grid.width, float(eps), SILU=silu,
+        GLU=glu, NORM=norm is not None, ADD=residual is not None, BLOCK_M=grid.block_m, BLOCK_N=grid.tile_n,
+        BLOCK_K=block_k, SPLIT_K=grid.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=num_warps, num_stages=grid.stages, **pdl_launch(pdl),
     )
     return out
+
+
+class TiledGrid(NamedTuple):
+    """How a tiled launch of an [M, K] x [N, K] product is cut (`tiled_grid`)."""
+
+    tile_n: int  # output columns a program takes
+    split: int  # slices of K
+    width: int  # a slice's width
+    tiles: int  # column tiles
+    parts: int  # fp32 partials of a split launch (the norm's sums of squares included)
+    block_m: int
+    stages: int
+
+
+def tiled_grid(M: int, N: int, K: int, config: TiledConfig, x: torch.Tensor, glu: bool = False, silu: bool = False,
+               norm: bool = False) -> TiledGrid:
+    """The cut of `tiled_linear`'s launch with `config` (N output columns: half the weight's rows with glu), the same
+    for every launch that runs its program (`kernels.phased`), so that the sums are the same."""
+    tile_n = config.block_n // 2 if glu else config.block_n  # glu: half its weight rows a program
+    split, width = tiled_split(N, K, tile_n, config.block_k, config.per_sm, _sms(x.device))
+    block_m = max(16, triton.next_power_of_2(M))
+    return TiledGrid(tile_n, split, width, triton.cdiv(N, tile_n), split * M * (N * (2 if glu else 1) + int(norm)),
+                     block_m, tiled_stages(config.num_stages, block_m, config.block_n, config.block_k, silu,
+                                           x.element_size()))
+
+
+class HeadsGrid(NamedTuple):
+    """How a tiled launch of a qkv product with its heads out is cut (`heads_grid`)."""
+
+    D: int
+    split: int
+    width: int
+    parts: int
+    rot_half: int
+    block_m: int
+    block_r: int
+    block_p: int
+    passing: bool  # whether a head has pass-through columns (a partial rotary)
+    stages: int
+    warps: int
+
+
+def heads_warps(rows: int, config: TiledConfig) -> int:
+    """The heads kernel's warps for a step of `rows` rows: 8 from 64 padded rows (33 rows and more), where its
+    three accumulators and the rotation would spill at 4, else the configuration's."""
+    return max(config.num_warps, 8) if max(16, triton.next_power_of_2(rows)) >= 64 else config.num_warps
+
+
+def heads_grid(x: torch.Tensor, w: torch.Tensor, heads: Heads, norm: bool, config: TiledConfig) -> HeadsGrid:
+    """The cut of `tiled_linear`'s launch with `heads` and `config` (checked: the heads divide the product), the same
+    for every launch that runs its program (`kernels.phased`)."""
+    (M, K), N = x.shape, w.shape[0]
+    HQ, HK = heads.num_heads, heads.num_kv_heads
+    D = N // max(1, HQ + 2 * HK)
+    if HQ <= 0 or HK <= 0 or (HQ + 2 * HK) * D != N:
+        raise ValueError(f"heads: {HQ} query and {HK} KV heads do not divide the product's {N} columns")
+    split, width = tiled_split(N, K, D, config.block_k, config.per_sm, _sms(x.device))
+    rot_half = heads.cache.shape[1] // 2
+    block_m = max(16, triton.next_power_of_2(M))
+    block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
+    passing = D > 2 * rot_half
+    # Its three accumulators and the rotation take about 250 registers a thread at 4 warps (`heads_warps`). Shared
+    # memory for two programs an SM where that leaves two stages (`heads_stages`): at one row the launch is 48 heads
+    # x 8 slices on the H200, which one program an SM would run in three waves.
+    return HeadsGrid(D, split, width, split * M * (N + int(norm)), rot_half, block_m, block_r, block_p, passing,
+                     heads_stages(config.num_stages, block_m, block_r, block_p if passing else 0, config.block_k,
+                                  x.element_size()), heads_warps(M, config))
 
 
 def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Heads,
                  norm: tuple[torch.Tensor, float] | None, block_k: int, per_sm: int, num_warps: int, num_stages: int,
                  scratch: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool) -> None:
     """`tiled_linear` with `heads`: checks, then `_tiled_heads_kernel` (a program a head and slice of K)."""
-    (M, K), N = x.shape, w.shape[0]
+    M = x.shape[0]
     HQ, HK = heads.num_heads, heads.num_kv_heads
-    D = N // max(1, HQ + 2 * HK)
-    if HQ <= 0 or HK <= 0 or (HQ + 2 * HK) * D != N:
-        raise ValueError(f"heads: {HQ} query and {HK} KV heads do not divide the product's {N} columns")
+    g = heads_grid(x, w, heads, norm is not None, TiledConfig(0, block_k, per_sm, num_warps, num_stages))
+    D = g.D
     q = out[:, : HQ * D].view(M, HQ, D)
     _check_prep(q, out[:, HQ * D: (HQ + HK) * D].view(M, HK, D), out[:, (HQ + HK) * D:].view(M, HK, D),
                 heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping, heads.q_norm,
                 heads.k_norm)
-    split, width = tiled_split(N, K, D, block_k, per_sm, _sms(x.device))
-    parts, tiles = split * M * (N + (1 if norm is not None else 0)), HQ + 2 * HK
-    ws, cnt = _split_scratch(scratch, split, parts, tiles, out)
-    rot_half = heads.cache.shape[1] // 2
-    block_m = max(16, triton.next_power_of_2(M))
-    block_r, block_p = max(16, triton.next_power_of_2(rot_half)), max(16, triton.next_power_of_2(D - 2 * rot_half))
+    ws, cnt = _split_scratch(scratch, g.split, g.parts, HQ + 2 * HK, out)
     nw, eps = norm if norm is not None else (out, 0.0)
     qk = heads.q_norm is not None
-    passing = D > 2 * rot_half
-    # Its three accumulators and the rotation take about 250 registers a thread at 4 warps, and spill from 64 rows:
-    # 8 warps there. Shared memory for two programs an SM where that leaves two stages (`heads_stages`): at one row
-    # the launch is 48 heads x 8 slices on the H200, which one program an SM would run in three waves.
-    _tiled_heads_kernel[(tiles, split)](
+    _tiled_heads_kernel[(HQ + 2 * HK, g.split)](
         x, w, out, ws, cnt, nw, heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping,
-        heads.q_norm if qk else out, heads.k_norm if qk else out, M, K, HQ, HK, x.stride(0), w.stride(0),
-        out.stride(0), width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
-        ROT_HALF=rot_half, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_P=block_p, PASS=passing, BLOCK_K=block_k,
-        SPLIT_K=split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        num_warps=max(num_warps, 8) if block_m >= 64 else num_warps,
-        num_stages=heads_stages(num_stages, block_m, block_r, block_p if passing else 0, block_k, x.element_size()),
-        **pdl_launch(pdl),
+        heads.q_norm if qk else out, heads.k_norm if qk else out, M, x.shape[1], HQ, HK, x.stride(0), w.stride(0),
+        out.stride(0), g.width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
+        ROT_HALF=g.rot_half, BLOCK_M=g.block_m, BLOCK_R=g.block_r, BLOCK_P=g.block_p, PASS=g.passing,
+        BLOCK_K=block_k, SPLIT_K=g.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=g.warps, num_stages=g.stages, **pdl_launch(pdl),
     )
 
 
