@@ -1,4 +1,5 @@
-"""Import layering of the engine: no import cycles, and the KV cache stands below the models."""
+"""Import layering: the house rule between the product packages (the engine and the frontend meet only in the
+ring, both standing on ``shared/``), no import cycles, and the KV cache stands below the models."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("shared", "gpu_engine", "blink")
+ENGINE = ("gpu_engine",)
+FRONTEND = ("dpu_gateway", "dpu_tokenizer")
 
 
 def module_name(path: Path) -> str:
@@ -23,6 +26,51 @@ def imported(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
     return names
+
+
+def imports_by_line(path: Path, module: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) for every import of a file, at the top or inside a function; a relative import resolved
+    against the package of ``module`` (the file's own name by default): ``from . import x`` in ``a.b`` is ``a.x``."""
+    parts = (module or module_name(path)).split(".")
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *([node.module] if node.module else [])])
+            found += [(node.lineno, name)] + [(node.lineno, f"{name}.{a.name}".lstrip(".")) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def edges_into(importers: tuple[str, ...], imported_pkgs: tuple[str, ...]) -> list[str]:
+    """``file:line imports module`` wherever a file of ``importers`` imports a module of ``imported_pkgs``."""
+    hits = []
+    for pkg in importers:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            hits += [f"{path.relative_to(ROOT)}:{line} imports {mod}" for line, mod in imports_by_line(path)
+                     if mod.split(".")[0] in imported_pkgs]
+    return hits
+
+
+def test_the_engine_and_the_frontend_never_import_each_other() -> None:
+    """The house rule (docs/DESIGN.md): no edge between ``gpu_engine`` and the ``dpu_*`` packages, either way."""
+    edges = edges_into(ENGINE, FRONTEND) + edges_into(FRONTEND, ENGINE)
+    assert not edges, edges
+
+
+def test_shared_imports_no_other_product_package() -> None:
+    """``shared/`` is the ground floor both sides stand on: it imports neither of them, nor the ``blink`` command."""
+    edges = edges_into(("shared",), (*ENGINE, *FRONTEND, "blink"))
+    assert not edges, edges
+
+
+def test_the_rule_sees_imports_inside_functions_and_relative_ones(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    import dpu_gateway.app\n\n\nfrom . import runner\nfrom ..kv_cache import KVCache\n")
+    found = {name for _, name in imports_by_line(probe, "gpu_engine.gpu.probe")}
+    assert {"dpu_gateway.app", "gpu_engine.gpu.runner", "gpu_engine.kv_cache.KVCache"} <= found, found
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared import rdma
 from shared import ring_layout as L
 from shared.messages import Sampling
-from shared.rdma import Flag, Opcode, WorkRequest
 from shared.ring import HEADER_OFF, RingGeometry, attach_ring, init_ring
 from shared.slots import SlotRequest, SlotWriter
-from shared.transport import MemoryTransport, RingError
+from shared.transport import MemoryTransport, RingError, rdma
+from shared.transport.rdma import Flag, Opcode, WorkRequest
 
 SIZE = 1 << 16
 
@@ -239,7 +238,7 @@ def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - n
 def test_connecting_without_pyverbs_or_a_device_says_which() -> None:
     import sys
 
-    assert "pyverbs" not in sys.modules  # importing shared.rdma does not import it
+    assert "pyverbs" not in sys.modules  # importing shared.transport.rdma does not import it
     a, b = socket.socketpair()
     with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
         rdma.connect_ring(a)

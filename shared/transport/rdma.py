@@ -14,6 +14,13 @@ Three layers, so that everything but the wire can be tested without a device:
   the frontend's queue pair, and the engine side that registers the ring memory, exchanges queue
   pair numbers and keys over a socket, then leaves the data path.
 
+Why here, in ``shared.transport`` beside the shared-memory transport: both sides of a ring use this
+module. The engine registers its ring and answers the connection exchange (``RingExport``); the ring's
+frontend users, the slot tracker and the token reader, reach it through ``RdmaTransport`` as they reach
+a local ring through ``ShmTransport``. ``shared/`` is the one package both the engine and the frontend
+may import (docs/DESIGN.md; ``tests/test_layers.py`` holds that rule), and this is the ``Transport``
+interface's second implementation, so it sits with the first.
+
 What has and has not run is in ``docs/RDMA.md``.
 """
 

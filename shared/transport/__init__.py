@@ -4,7 +4,9 @@ The services never know which one they use. A transport offers the four things t
 ownership rules need (schema/OWNERSHIP.md): read a range, write a range, compare-and-swap a
 word, fence; plus acquire loads / release stores of single words and an atomic add for the
 doorbell. ``ShmTransport`` maps a POSIX shared-memory segment (the single-host and CPU
-modes); an RDMA transport implements the same methods with one-sided verbs.
+modes); ``shared.transport.rdma`` implements the same methods with one-sided verbs, for a frontend
+on another host than the engine (docs/RDMA.md). This package holds the interface and every transport
+beside it, so that the services choose one without importing another's dependencies.
 """
 
 from __future__ import annotations
