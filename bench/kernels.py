@@ -93,8 +93,8 @@ def _layer_inputs(runner, rows: int):
 
 def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]:
     """Per-component time of one decode step of `batch` rows at context `ctx`, as staged in `runner`; its linears
-    as the runner multiplies them (cuBLAS, or the skinny matmul or tiled linear it was given; where the down
-    projection goes through one of those, the SiLU-and-multiply is timed inside `down_gemm` and there is no
+    as the runner's plan multiplies them (cuBLAS or the tiled linear; where the down projection goes through the
+    tiled linear, the SiLU-and-multiply is timed inside `down_gemm` and there is no
     `silu_mul` part)."""
     from gpu_engine.kernels.attention import decode_attention
     from gpu_engine.kernels.moe import fused_moe
@@ -119,7 +119,7 @@ def step_breakdown(runner, batch: int, ctx: int, gbps: float) -> dict[str, dict]
         "o_gemm": (lambda: runner._linear(attn.view(batch, hq * d), w.o), _nbytes(w.o, attn) + row),
     }
     parts |= _mlp_parts(runner, w, x, batch, fused_moe)
-    if getattr(runner, "fusion", None) is not None and w.router is None:
+    if runner.plan.fused and w.router is None:
         parts = _fused_parts(runner, w, parts, x, res, attn.view(batch, hq * d), row, runner.qkv_heads(0, w, batch))
     per_layer = {name: entry(graph_ms(fn), nbytes, gbps) for name, (fn, nbytes) in parts.items()}
     out = {name: {key: val * (L if key in ("ms", "bytes", "floor_ms") else 1) for key, val in e.items()}
@@ -176,7 +176,7 @@ def prefill_breakdown(runner, tokens: int, gbps: float, tflops: float) -> dict[s
 
 
 def _fused_parts(runner, w, parts: dict, x, res, attn, row: int, heads) -> dict:
-    """A fused runner's (`+fused` tiled setting) dense layer: its four products as the runner launches them in a step
+    """A fused plan's dense layer: its four products as the runner launches them in a step
     where every add was fused before them (`_norm_linear`, `_add_linear`), each with the kernels it takes in or
     leaves apart (a norm the fusion does not take at this step size runs inside `norm_qkv` or `norm_gate_up`), in
     place of the norms, the products and the SiLU apart; with `heads` (`tiled_linear.Heads`, where the runner gives
@@ -196,11 +196,15 @@ def _fused_parts(runner, w, parts: dict, x, res, attn, row: int, heads) -> dict:
     }
 
 
+def active_experts(cfg, batch: int) -> float:
+    """Expected distinct experts per MoE layer for `batch` tokens under uniform routing (top-k of E)."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
 def _mlp_parts(runner, w, x, batch: int, fused_moe) -> dict:
     cfg = runner.config
     if w.router is not None:
-        from bench.roofline import active_experts
-
         frac = active_experts(cfg, batch) / cfg.num_experts
         nbytes = (_nbytes(w.gate_up) + _nbytes(w.down)) * frac + _nbytes(w.router)
         return {"moe": (lambda: fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok,
@@ -282,13 +286,8 @@ def prep_rows(gbps: float) -> list[dict]:
     return rows
 
 
-ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_stages); the first is the runner's;
-    # "form<=N": rows of at most N splits walked by one program (walk_upto); "*P": P programs a row and KV head (lanes)
-    "p256_bn128": (256, 128, "split", 4, None), "p256_bn128_walk": (256, 128, "walk", 4, None),
-    "p256_bn128_last": (256, 128, "last", 4, None), "p256_bn128_walk2": (256, 128, "split<=2", 4, None),
-    "p256_bn128_walk4": (256, 128, "split<=4", 4, None), "p256_bn128_last_walk2": (256, 128, "last<=2", 4, None),
-    "p256_bn128_lanes2": (256, 128, "split*2", 4, None), "p256_bn128_lanes4": (256, 128, "split*4", 4, None),
-    "p256_bn128_walk2_lanes4": (256, 128, "split<=2*4", 4, None),
+ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_stages); the first is the runner's
+    "p256_bn128": (256, 128, "split", 4, None), "p256_bn128_last": (256, 128, "last", 4, None),
     "p256_bn64": (256, 64, "split", 4, None), "p128_bn128": (128, 128, "split", 4, None),
     "p256_bn128_s1": (256, 128, "split", 4, 1), "p256_bn128_s2": (256, 128, "split", 4, 2),
     "p256_bn128_w8": (256, 128, "split", 8, None), "p256_bn64_s1": (256, 64, "split", 4, 1),
@@ -299,11 +298,8 @@ ATTENTION_VARIANTS = {  # name: (split tokens, block_n, form, num_warps, num_sta
 
 def attention_variant(name: str) -> dict:
     """`decode_attention`'s keywords for an `ATTENTION_VARIANTS` entry."""
-    part, bn, variant, warps, stages = ATTENTION_VARIANTS[name]
-    walked, _, lanes = variant.partition("*")
-    form, _, upto = walked.partition("<=")
-    return {"partition_size": part, "block_n": bn, "form": form, "num_warps": warps, "num_stages": stages,
-            "walk_upto": int(upto or 0), "lanes": int(lanes or 0)}
+    part, bn, form, warps, stages = ATTENTION_VARIANTS[name]
+    return {"partition_size": part, "block_n": bn, "form": form, "num_warps": warps, "num_stages": stages}
 
 
 def served_contexts(batch: int, seed: int = 0) -> list[int]:
@@ -329,12 +325,9 @@ def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int 
 def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     """Decode attention (bf16, 128-wide heads, 32 query heads over 8 KV heads, Llama-3-8B, and over 4 at batch 64 and
     128, Qwen3-30B-A3B) over split sizes and tiles, each row's splits computed by a program each and folded in a
-    second launch (the runner's form), or by the last of them to finish (`_last`, the fused runner's), or walked by
-    one program (`_walk`), or walked where a row has at most 2 or 4 splits and split past that (`_walk2`, `_walk4`,
-    `_last_walk2`: BLINK_DECODE_WALK's), or split by 2 or 4 programs a row and KV head that take its splits in turn
-    (`_lanes2`, `_lanes4`, `_walk2_lanes4`: BLINK_DECODE_LANES's; the table's 33 splits otherwise have a program
-    each, most of which exit at once), and the split form's programs with their tiles staged 1 or 2 deep (`_s1`,
-    `_s2`) or with 8 warps (`_w8`). Contexts equal (512 or 2,048) or as a
+    second launch (the runner's form), or by the last of them to finish (`_last`, the fused plan's at one row), and
+    the split form's programs with their tiles staged 1 or 2 deep (`_s1`, `_s2`) or with 8 warps (`_w8`). Contexts
+    equal (512 or 2,048) or as a
     served step's are (`served_contexts`, context -1 in the rows; `context_mean`). Block tables `width` blocks wide
     (8,208 tokens), as a runner's are, whatever the context."""
     from gpu_engine.kernels.attention import decode_attention
@@ -459,15 +452,6 @@ def _against_cublas(gbps: float, kernel: str, shapes, batches, variants, copies:
     return rows
 
 
-def gemv_rows(gbps: float) -> list[dict]:
-    """The skinny matmul's configurations (`kernels.gemv.GEMV_CONFIGS`: form and tiles) against cuBLAS at the
-    Llama-3-8B projections and LM head, M = 1 and 8; the down projection with the SiLU-and-multiply fused."""
-    from gpu_engine.kernels.gemv import GEMV_CONFIGS, gemv
-
-    return _against_cublas(gbps, "linear", (*LLAMA_PROJECTIONS, LM_HEAD), (1, 8), lambda x, act, N, K: {
-        case: functools.partial(gemv, x, act=act, **config._asdict()) for case, config in GEMV_CONFIGS.items()})
-
-
 def tiled_rows(gbps: float) -> list[dict]:
     """The tiled linear's configurations (`kernels.tiled_linear.TILED_CONFIGS`: tiles, the split of K, warps,
     stages) against cuBLAS at the Llama-3-8B projections and Qwen3-30B-A3B's attention linears (`moe_qkv`,
@@ -590,77 +574,6 @@ def silu_rows(gbps: float) -> list[dict]:
     return rows
 
 
-# (name, query heads, KV heads, head size, hidden, qkv configuration, o configuration, decode batches): the models
-# whose attention half the H200 plans give to the fused tiled linear (`kernels.tiled_linear.TILED_PLANS["h200"]`)
-PHASED_MODELS = (("llama3-8b", 32, 8, 128, 4096, "n64_k128_s4", "n64_k128_s4_x2", (1,)),
-                 ("qwen3-30b-a3b", 32, 4, 128, 2048, "n64_k128_s4", "n64_k128_s4_x2", (1, 8)))
-
-
-def _attention_half_calls(stream, heads, norm, qc, oc, tables, ctx, attn_counters, counters, scratch, how):
-    """(apart, one launch): calls of weights (qkv, o) for `phased_rows`."""
-    from gpu_engine.kernels.attention import decode_attention
-    from gpu_engine.kernels.phased import attention_half_one_launch
-    from gpu_engine.kernels.tiled_linear import tiled_linear
-
-    M, hq, d = stream.shape[0], heads.num_heads, heads.k_cache.shape[-1]
-
-    def apart(w):
-        qkv = tiled_linear(stream, w[0], **qc._asdict(), scratch=scratch, norm=norm, heads=heads)
-        att = decode_attention(qkv[:, : hq * d].view(M, hq, d), heads.k_cache, heads.v_cache, tables, ctx, d ** -0.5,
-                               form="split" if attn_counters is None else "last", counters=attn_counters, **how)
-        return tiled_linear(att.view(M, hq * d), w[1], **oc._asdict(), scratch=scratch, residual=stream)
-
-    def one(w):
-        return attention_half_one_launch(stream, w[0], heads, norm, qc, tables, ctx, d ** -0.5, w[1], stream, oc,
-                                         scratch, counters, attn_counters=attn_counters, **how)
-
-    return apart, one
-
-
-def phased_rows(gbps: float, copies: int = 4, models=PHASED_MODELS, context: int = 512, device: str = "cuda",
-                dtype=torch.bfloat16, block: int = 16) -> list[dict]:
-    """A decode step's attention half (`kernels.phased`): the fused kernels one after another (case `apart`: the
-    qkv product with its norm and preparation, decode attention with its fold, o added into the stream, as the
-    `+fused` runner launches them) against the same as phases of one launch (`one_launch`), every row at `context`
-    tokens, weights taken in turn from `copies`; bytes: both weights and the K/V read. `models`, `device`, `dtype`:
-    the check of these calls on tiny shapes in the CPU interpreter (tests/test_bench_kernels_fused.py)."""
-    from gpu_engine.kernels.attention import LAST_FOLD_ROWS
-    from gpu_engine.kernels.phased import LAYER_COUNTERS
-    from gpu_engine.kernels.rope import build_rope_cache
-    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_scratch
-
-    rows, eps = [], 1e-5
-    for name, hq, hk, d, hidden, q_name, o_name, batches in models:
-        qc, oc = TILED_CONFIGS[q_name], TILED_CONFIGS[o_name]
-        n_qkv = (hq + 2 * hk) * d
-        weights = [((torch.randn(n_qkv, hidden, device=device) * 0.02).to(dtype),
-                    (torch.randn(hidden, hq * d, device=device) * 0.02).to(dtype)) for _ in range(copies)]
-        nw = torch.ones(hidden, device=device, dtype=dtype)
-        scratch = tiled_scratch([(n_qkv, hidden), (hidden, hq * d)], [qc, oc, qc._replace(block_n=d)], device)
-        cache = build_rope_cache(d, 4 * context, 500000.0, device=device)
-        per_row = -(-context // block)
-        for M in batches:
-            stream = torch.randn(M, hidden, device=device, dtype=dtype)
-            kc, vc = (torch.randn(M * per_row, block, hk, d, device=device).to(dtype) for _ in "kv")
-            tables = torch.arange(M * per_row, device=device, dtype=torch.int32).view(M, per_row)
-            ctx = torch.full((M,), context, device=device, dtype=torch.int32)
-            pos = torch.full((M,), context - 1, device=device)
-            slots = (tables[:, -1].long() * block + (context - 1) % block).contiguous()
-            heads = Heads(hq, hk, pos, cache, kc, vc, slots)
-            last = M <= LAST_FOLD_ROWS
-            attn_counters = torch.zeros(M * hk, device=device, dtype=torch.int32) if last else None
-            counters = torch.zeros(LAYER_COUNTERS, device=device, dtype=torch.int32)
-            how = {"partition_size": 256 if context >= 256 else context, "block_n": min(128, context)}
-
-            apart, one = _attention_half_calls(stream, heads, (nw, eps), qc, oc, tables, ctx, attn_counters,
-                                               counters, scratch, how)
-            nbytes = _nbytes(*weights[0]) + 2 * M * context * hk * d * stream.element_size()
-            for case, call in (("apart", apart), ("one_launch", one)):
-                rows.append({"kernel": "attention_half", "case": case, "model": name, "batch": M,
-                             "context": context, **entry(graph_ms(_in_turn(weights, call)), nbytes, gbps)})
-    return rows
-
-
 MOE_SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}  # Qwen3-30B-A3B
 
 
@@ -711,8 +624,8 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
     RMSNorm on its x (`_norm`), the down kernel adding into the residual stream (`_add`), and the whole half
     (`layer_unfused`: the norm with the pending add, the router's cuBLAS product, the routing and the two expert
     kernels, five launches, whose output the next norm adds, as the runner runs it unfused; `layer_fused`:
-    `fused_moe` with counters, norm and residual, three launches; `layer_one_launch`: the same three as phases of
-    one launch, `moe_mlp_one_launch`), against the active experts' weights (and the router's, for the halves)."""
+    `fused_moe` with counters, norm and residual, three launches), against the active experts' weights (and the
+    router's, for the halves)."""
     from gpu_engine.kernels import moe
     from gpu_engine.kernels.rmsnorm import rms_norm
 
@@ -723,7 +636,6 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
     stream = [torch.randn(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     normed = [torch.empty(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     counters = torch.zeros(B, device="cuda", dtype=torch.int32)
-    phases = torch.zeros(moe.PHASE_COUNTERS + B, device="cuda", dtype=torch.int32)
     half = active * (2 * I * H + H * I) * 2 + E * H * 2
 
     def unfused(i: int) -> torch.Tensor:
@@ -738,8 +650,6 @@ def _moe_fused_cases(B: int, xs, gate_up, down, routes, acts, active: float) -> 
         "layer_unfused": (unfused, half),
         "layer_fused": (lambda i: moe.fused_moe(stream[i], routers[i], gate_up[i], down[i], k, True,
                                                 residual=stream[i], counters=counters, norm=(nw, eps)), half),
-        "layer_one_launch": (lambda i: moe.moe_mlp_one_launch(stream[i], routers[i], gate_up[i], down[i], k, True,
-                                                              phases, norm=(nw, eps), residual=stream[i]), half),
     }
 
 
@@ -758,20 +668,20 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
-    parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, gemv, "
-                        "tiled, fused, silu, moe, q8, blas, prefill, phased); default: all but q8, blas, prefill, "
-                        "tiled, fused and phased")
+    parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, "
+                        "tiled, fused, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill, tiled and "
+                        "fused")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
     gbps = copy_gbps()
     print(f"device copy {gbps:.0f} GB/s", flush=True)
     rows = []
-    sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows, "gemv": gemv_rows,
+    sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
-            "blas": blas_rows, "prefill": prefill_rows, "phased": phased_rows}
+            "blas": blas_rows, "prefill": prefill_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill",
-                                                                                       "tiled", "fused", "phased")]
+                                                                                       "tiled", "fused")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

@@ -23,17 +23,11 @@ the same decode rows alone and a prompt of the budget's tokens alone. Floor: the
 bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
 `mixed_saturated_rate`: the serving rate each budget would saturate at by a model of these steps
 (`saturated_rate`), which ranks the budgets for the peer study's workload.
-The dense model's linears are multiplied as the engine multiplies them on this GPU (`--tiled auto`: the tiled
-linear's plan where `kernels.tiled_linear.DEFAULT_PLANS` has one, the H200's; cuBLAS elsewhere); `--tiled off` runs
-them through cuBLAS, and the file's `tiled` key says which (absent: cuBLAS); the MoE model's too (`moe_tiled`;
-`h200` names its attention's shapes up to 8 rows, `h200_wide` up to 64), and a `+fused` setting fuses the kernels
-around them (`kernels.tiled_linear.Fusion`: the decode layer in five launches). `--skinny` takes the steps of up to its
-rows and leaves the rest to `--tiled` (with `--tiled off`, to cuBLAS). `--pdl`: the dense and MoE models' decode
-kernels launched with programmatic dependent launch, as `BLINK_PDL=1` has the engine do (`kernels/pdl.py`).
-`--walk N`: the decode attention's rows of at most N splits walked in one program at batches of 33 and more, as
-`BLINK_DECODE_WALK` has the engine do (`kernels.attention.decode_walk`; the file's `walk` and `moe_walk` keys).
-`--lanes P`: the decode attention's split launch with P programs a row and KV head at batches of 33 and more, as
-`BLINK_DECODE_LANES` has the engine do (`kernels.attention.decode_lanes`; the file's `lanes` and `moe_lanes` keys).
+Both models' products are taken as the engine takes them on this GPU (`--plan auto`: `kernels.plan.resolve_plan`,
+the H200's plan on an H200, cuBLAS elsewhere); `--plan` names another plan of `kernels.plan.PLANS`, or a
+`tiled_linear.TILED_CONFIGS` configuration for every dense weight up to 128 rows (`+fused` after it: with the fused
+forms), which the benchmark builds itself (`KernelPlan.every_weight`). The file's `plan` key (the MoE rows'
+`moe_plan`) names the plan its rows ran with.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -49,6 +43,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.kernels import active_experts
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -87,8 +83,8 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None, served: tuple[list[int], ...] = ()):
-    """The model, its KV cache and a runner; `dense`: the runner's skinny / tiled / pdl settings (`run`'s); `served`:
+def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = ()):
+    """The model, its KV cache and a runner with `plan` (a `KernelPlan`; cuBLAS where None); `served`:
     the uneven contexts of steps to be staged too (their longest row sets the block tables' width, their sum the
     cache's blocks where that is more)."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
@@ -104,7 +100,7 @@ def build(hf: dict, max_ctx: int, batches, prefill, dense: dict | None = None, s
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     blocks, limits = sizes(max_ctx, batches, prefill, served)
     kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
-    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), **(dense or {}))
+    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), **({} if plan is None else {"plan": plan}))
 
 
 def sizes(max_ctx: int, batches, prefill, served: tuple[list[int], ...] = ()) -> tuple[int, tuple[int, int, int]]:
@@ -131,12 +127,6 @@ def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> Non
     meta = build_metadata(seqs, BLOCK, device="cuda")
     ids = torch.randint(0, runner.config.vocab_size, (batch * new,), device="cuda")
     runner.stage(ids, meta, {"want_logprobs": torch.full((batch,), int(logprobs), dtype=torch.int32)})
-
-
-def active_experts(cfg, batch: int) -> float:
-    """Expected distinct experts per MoE layer for `batch` tokens under uniform routing (top-k of E)."""
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    return e * (1.0 - (1.0 - k / e) ** batch)
 
 
 def weight_bytes(model, batch: int = 1) -> float:
@@ -201,12 +191,12 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              dense: dict | None = None) -> list[dict]:
+              plan=None) -> list[dict]:
     from bench.kernels import served_contexts
 
     # steps as served (dense only): uneven contexts (equal ones hid a form that waits on the longest row)
     served = [] if hf.get("num_experts") else [b for b in SERVED_BATCHES if b in batches]
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, dense, tuple(served_contexts(b) for b in served))
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, plan, tuple(served_contexts(b) for b in served))
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -256,7 +246,7 @@ def mixed_floor_ms(cfg, model, decodes: int, ctx: int, chunk: int, gbps: float, 
     return max(bytes_read / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
 
 
-def run_mixed(gbps: float, tflops: float, iters: int) -> list[dict]:
+def run_mixed(gbps: float, tflops: float, iters: int, plan=None) -> list[dict]:
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
@@ -272,7 +262,7 @@ def run_mixed(gbps: float, tflops: float, iters: int) -> list[dict]:
     blocks = max(MIXED_DECODES) * -(-MIXED_CONTEXT // BLOCK) + -(-top // BLOCK)
     kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
     limits = RunnerLimits(max(MIXED_DECODES) + 1, top, max(-(-MIXED_CONTEXT // BLOCK), -(-top // BLOCK)))
-    runner = GpuModelRunner(model, kv, limits)
+    runner = GpuModelRunner(model, kv, limits, **({} if plan is None else {"plan": plan}))
     buckets = [(d + 1, t) for t in MIXED_BUDGETS for d in MIXED_DECODES] + [(1, t) for t in MIXED_BUDGETS]
     graphs = GraphCache(runner, list(MIXED_DECODES), buckets, prefill_variants=True)
     t0 = time.perf_counter()
@@ -329,27 +319,23 @@ def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
     return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
 
 
-def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = None, tiled: str | None = None,
-        pdl: bool = False, walk: str = "", batches: tuple[int, ...] = (), lanes: str = "",
-        one_launch: str = "") -> dict:
-    """`batches`: only those decode batches of each model and no prefill rows (all where empty). `one_launch`: the
-    runner's (`kernels.phased.one_launch_parts`)."""
+def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tuple[int, ...] = ()) -> dict:
+    """`plan`: the runner's `KernelPlan` (cuBLAS where None). `batches`: only those decode batches of each model and
+    no prefill rows (all where empty)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
-    settings = {"tiled": tiled, "pdl": pdl, "walk": walk, "lanes": lanes, "one_launch": one_launch}
     for m in models:
         if m == "mixed":
-            rows += run_mixed(gbps, tflops, iters)
+            rows += run_mixed(gbps, tflops, iters, plan)
         else:
             name, hf, model_batches, prefill = MODELS[m]
             if batches:
                 model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
                 if not model_batches:  # none of this model's batches asked for: its rows stay as they are
                     continue
-            rows += run_model(name, hf, model_batches, prefill, gbps, tflops, iters,
-                              {"skinny": skinny, **settings} if m == "dense" else settings)
+            rows += run_model(name, hf, model_batches, prefill, gbps, tflops, iters, plan)
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -358,23 +344,29 @@ def run(out: Path, iters: int, models=("dense", "moe"), skinny: str | None = Non
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
         if m != "dense":
             result[f"{m}_rows_measured"] = ceilings
-    # how the rows ran, a key absent being the default (cuBLAS, no PDL, no walk, a program a split): the dense rows'
-    # skinny (their linears of steps of up to kernels.gemv.SKINNY_ROWS rows, or :ROWS), tiled (the tiled linear's
-    # plan or configuration, past the skinny ones), pdl (their Triton kernels launched with PDL), walk (the decode
-    # attention's short rows walked, kernels.attention.decode_walk) and lanes (its programs a row and KV head,
-    # kernels.attention.decode_lanes) and one_launch (the parts in one launch each, kernels.phased); the MoE rows' the
-    # same, moe_ before each, skinny aside
-    marks = {key: value or None for key, value in settings.items()}
-    keyed = ({f"moe_{k}": v for k, v in marks.items()} if "moe" in models else {}) | (
-        {"skinny": skinny, **marks} if "dense" in models else {})
-    for key, value in keyed.items():
-        result.pop(key, None)
-        result.update({} if value is None else {key: value})
+    name = "cublas" if plan is None else plan.name
+    result.update({"plan": name} if "dense" in models else {})
+    result.update({"moe_plan": name} if "moe" in models else {})
     if "mixed" in models:
         result["mixed_saturated_rate"] = {str(t): v for t, v in saturated_rate(rows).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def bench_plan(setting: str, device_name: str):
+    """The `KernelPlan` of a --plan setting: auto or a `kernels.plan.PLANS` name (`resolve_plan`), or a
+    `TILED_CONFIGS` name for every dense weight, +fused for the fused forms (`KernelPlan.every_weight`)."""
+    from gpu_engine.kernels.plan import PLANS, KernelPlan, resolve_plan
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS
+
+    if setting == "auto" or setting in PLANS:
+        return resolve_plan(setting, device_name)
+    config, sep, rest = setting.partition("+")
+    if config not in TILED_CONFIGS or sep and rest != "fused":
+        raise SystemExit(f"--plan {setting!r}: auto, one of {sorted(PLANS)}, or a configuration of "
+                         f"{sorted(TILED_CONFIGS)} with an optional +fused")
+    return KernelPlan.every_weight(config, fused=bool(sep))
 
 
 def _chunk_token_us(row: dict) -> float:
@@ -449,25 +441,9 @@ def main() -> None:
     parser.add_argument("--models", default="dense", help="comma-separated, of: " + ", ".join(KINDS))
     parser.add_argument("--plot", type=Path, help="a PNG of each decode row's time over its floor")
     parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
-    parser.add_argument("--skinny", help="the dense model's steps of up to kernels.gemv.SKINNY_ROWS rows (ROWS with "
-                        "NAME:ROWS) through this kernels.gemv.GEMV_CONFIGS configuration instead of cuBLAS (give the "
-                        "run its own --out)")
-    parser.add_argument("--tiled", default="auto", help="the models' linears (the dense one's past the --skinny ones) "
-                        "through the tiled linear where this kernels.tiled_linear.TILED_PLANS plan takes them, or "
-                        "through this TILED_CONFIGS configuration up to 128 rows, cuBLAS for the rest; +fused after "
-                        "it fuses the kernels around them; auto (default): what the engine takes on this GPU "
-                        "(BLINK_TILED_LINEAR unset); off: cuBLAS (give such a run its own --out)")
-    parser.add_argument("--pdl", action="store_true", help="the dense and MoE models' decode kernels launched with "
-                        "programmatic dependent launch (BLINK_PDL; give the run its own --out)")
-    parser.add_argument("--walk", default="", help="N or N:BATCH: in decode steps of at least 33 (BATCH) rows, the "
-                        "decode attention walks the rows of at most N splits in one program (BLINK_DECODE_WALK; give "
-                        "the run its own --out)")
-    parser.add_argument("--lanes", default="", help="P or P:BATCH: in decode steps of at least 33 (BATCH) rows, the "
-                        "decode attention's split launch runs P programs a row and KV head (BLINK_DECODE_LANES; give "
-                        "the run its own --out)")
-    parser.add_argument("--one-launch", default="", help="attention, mlp, layer, moe (comma-separated) or all: "
-                        "those parts of the decode step as phases of one launch each (BLINK_ONE_LAUNCH; with a +fused "
-                        "--tiled; give the run its own --out)")
+    parser.add_argument("--plan", default="auto", help="the kernel plan: auto (what the engine takes on this GPU), "
+                        "a kernels.plan.PLANS name, or a kernels.tiled_linear.TILED_CONFIGS name for every dense "
+                        "weight up to 128 rows (+fused for the fused forms; give such a run its own --out)")
     parser.add_argument("--batches", default="", help="comma-separated: only these decode batches of the models' "
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
                         "rows not run stay as --out has them (so with settings other than its rows', give the run its "
@@ -488,19 +464,9 @@ def main() -> None:
         raise SystemExit(f"--batches: none of {list(batches)} is a decode batch of {', '.join(models)}")
     if not torch.cuda.is_available():
         raise SystemExit("roofline needs a CUDA device")
-    from gpu_engine.kernels.tiled_linear import resolve_tiled
-
-    tiled = resolve_tiled(args.tiled, torch.cuda.get_device_name())
-    from gpu_engine.kernels.phased import one_launch_parts
-
-    if one_launch_parts(args.one_launch) and "+fused" not in (tiled or ""):
-        raise SystemExit(f"--one-launch: fused forms, for a +fused --tiled setting (this one: {tiled or 'cuBLAS'})")
-    from gpu_engine.kernels.attention import decode_lanes, decode_walk
-
-    decode_walk(args.walk)  # a malformed setting fails before the run
-    decode_lanes(args.lanes)
-    result = run(args.out, args.iters, models, skinny=args.skinny, tiled=tiled, pdl=args.pdl, walk=args.walk,
-                 batches=batches, lanes=args.lanes, one_launch=args.one_launch)
+    plan = bench_plan(args.plan, torch.cuda.get_device_name())
+    print(f"kernel plan: {plan.summary()}", flush=True)
+    result = run(args.out, args.iters, models, plan=plan, batches=batches)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

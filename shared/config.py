@@ -23,6 +23,8 @@ BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
 CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 GPU_WEIGHTS = ("auto", "dense")
+# --kernel-plan: auto and the names of gpu_engine.kernels.plan.PLANS (a test keeps them equal)
+KERNEL_PLANS = ("auto", "cublas", "h200")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
@@ -75,6 +77,10 @@ class EngineConfig:
                              "Triton kernel, every other tensor dequantized to --dtype; dense: every tensor "
                              "dequantized to --dtype",
                              choices=GPU_WEIGHTS)
+    kernel_plan: str = _flag("auto", "GPU backends: which kernels take each product of a step (gpu_engine/kernels/"
+                             "plan.py). auto: the plan measured fastest on this GPU (h200 on an NVIDIA H200), cuBLAS "
+                             "and the plain kernels on any other; cublas: cuBLAS for every product, whatever the GPU; "
+                             "h200: the H200's tiled linears and fused forms", choices=KERNEL_PLANS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
@@ -174,6 +180,8 @@ class EngineConfig:
         if self.cpu_weights != "auto" and (self.backend not in ("auto", "cpu") or self.dtype != "auto"):
             raise ValueError(f"--cpu-weights {self.cpu_weights} applies to the CPU backend with --dtype auto "
                              f"(got --backend {self.backend}, --dtype {self.dtype})")
+        if self.kernel_plan != "auto" and self.backend == "cpu":
+            raise ValueError(f"--kernel-plan {self.kernel_plan} applies to the GPU backends (got --backend cpu)")
         if self.gpu_weights != "auto" and self.backend == "cpu":
             raise ValueError(f"--gpu-weights {self.gpu_weights} applies to the GPU backends (got --backend cpu)")
         if self.max_model_len == 1:

@@ -20,47 +20,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gpu_engine.gpu.sched_structs import PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.attention import (
-    LAST_FOLD_ROWS,
-    decode_attention,
-    decode_lanes,
-    decode_partition,
-    decode_walk,
-    prefill_attention,
-)
-from gpu_engine.kernels.gemv import GEMV_CONFIGS, SKINNY_ROWS, gemv
-from gpu_engine.kernels.kv_cache import write_kv
-from gpu_engine.kernels.moe import PHASE_COUNTERS, SMALL_PAIRS, fused_moe, small_path
-from gpu_engine.kernels.phased import (
-    LAYER_COUNTERS,
-    attention_fits,
-    attention_half_one_launch,
-    layer_one_launch,
-    mlp_half_one_launch,
-    one_launch_parts,
-)
+from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
+from gpu_engine.kernels.plan import PLANS, KernelPlan
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
 from gpu_engine.kernels.q8_linear import q8_linear
 from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
-from gpu_engine.kernels.rope import apply_rope, cache_from_cos_sin
+from gpu_engine.kernels.rope import cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
-from gpu_engine.kernels.tiled_linear import (
-    TILED_CONFIGS,
-    Heads,
-    TiledConfig,
-    tiled_fusion,
-    tiled_linear,
-    tiled_plan,
-    tiled_scratch,
-)
+from gpu_engine.kernels.tiled_linear import Heads, tiled_linear, tiled_scratch
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -272,95 +248,47 @@ def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = No
     return out
 
 
-def _silu_apart(matmul: Callable[..., torch.Tensor], pdl: bool, x: torch.Tensor, w: torch.Tensor,
-                act: str | None = None, **fused) -> torch.Tensor:
+def _silu_apart(matmul: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, act: str | None = None,
+                **fused) -> torch.Tensor:
     """`matmul`(x, w) with a SiLU-and-multiply of x run before it by its own kernel (the tiled linear's on its x
     tiles is the slower; `kernels.tiled_linear`); the other forms (`act="glu"`, `norm`, `residual`) passed on."""
     if act == "silu_mul":
-        x, act = silu_and_mul(x, pdl=pdl), None
+        x, act = silu_and_mul(x), None
     return matmul(x, w, act=act, **fused)
 
 
-class _OneHalf(NamedTuple):
-    """What `kernels.phased.attention_half_one_launch` takes of a layer besides the step's buffers."""
-
-    w_qkv: torch.Tensor
-    heads: Heads
-    qkv: TiledConfig
-    w_o: torch.Tensor
-    o: TiledConfig
-    scratch: tuple[torch.Tensor, torch.Tensor]
-
-
-class _OneMlp(NamedTuple):
-    """What `kernels.phased.mlp_half_one_launch` takes of a layer besides the step's stream."""
-
-    w_gate_up: torch.Tensor
-    gate_up: TiledConfig
-    w_down: torch.Tensor
-    down: TiledConfig
-    scratch: tuple[torch.Tensor, torch.Tensor]
-
-
 class GpuModelRunner:
-    """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`."""
+    """Runs `CausalLM` weights with the Triton kernels over a paged `KVCache`, through `StepBuffers`, taking each
+    product where its `KernelPlan` says (`kernels.plan`; cuBLAS for every product by default)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits,
-                 max_positions: int | None = None, fused: bool = True,
-                 quantized: Mapping[str, Q8Weight] | None = None, skinny: str | None = None,
-                 tiled: str | None = None, pdl: bool = False, walk: str = "", lanes: str = "",
-                 one_launch: str = "") -> None:
-        """`fused=False` runs the unfused kernels (QK norms, RoPE, KV write apart; cuBLAS and a separate
-        SiLU-and-multiply at every M), kept for comparison. `quantized`: linears kept as Q8_0 by parameter
-        name (`GGUFSource.q8_0_linears`, on the model's device), used instead of the model's (empty) ones.
-        `skinny`: a `kernels.gemv.GEMV_CONFIGS` name, optionally ":ROWS" after it (1 to `SKINNY_ROWS`, the
-        default); the dense linears of steps of at most that many rows then go through that skinny matmul (the
-        SiLU-and-multiply fused into the down projection) instead of cuBLAS. Off by default: it is measured
-        (`bench/roofline.py --skinny`) before it serves, and with it a request's last bits depend on whether its
-        step has more rows than that, as they do between cuBLAS's own kernels. `tiled`: a
-        `kernels.tiled_linear.TILED_PLANS` name (each weight of a shape the plan names goes through the
-        configuration it names up to the plan's rows; cuBLAS past them and for other shapes) or a `TILED_CONFIGS`
-        name (every dense weight through it up to 128 rows). Either takes the steps past the skinny ones when
-        `skinny` is given too, with the SiLU-and-multiply run apart before the down projection. With a +fused
-        suffix (`tiled_linear.tiled_fusion`), the products it takes are fused with the kernels around them: the
-        RMSNorm before qkv and gate_up, the SiLU-and-multiply as gate_up's output, the residual add after o and down
-        (`_norm_linear`, `_add_linear`), the q/k norms, RoPE and KV cache write as the qkv product's output, and
-        at one row (`LAST_FOLD_ROWS`) the decode attention folds its splits in its own launch; the numerics are
-        the unfused kernels' (the fused norm's rounding aside: `tiled_linear`). None here is cuBLAS; the engines
-        resolve `BLINK_TILED_LINEAR` (`tiled_linear.resolve_tiled`: the H200 gets a plan).
-        `pdl`: the step's norms, q/k/v preparation, decode attention, SiLU, tiled linears, and the MoE routing and
-        sort-free experts launched with programmatic dependent launch (`kernels.pdl`; sm_90 and later;
-        `bench/roofline.py --pdl`). `walk` (`kernels.attention.decode_walk`, e.g. "2"): in decode steps of at least
-        33 rows (or "N:ROWS"), decode attention walks the rows of at most N splits in one program each and splits
-        the longer ones (`decode_attention`'s `walk_upto`; the same bits). `lanes` (`kernels.attention.decode_lanes`,
-        e.g. "2"): in decode steps of at least 33 rows (or "P:ROWS"), the split launch runs P programs a row and KV
-        head, each computing every P-th split, instead of one a split (`decode_attention`'s `lanes`; the same
-        bits). `one_launch` (`one_launch_parts`; with a +fused `tiled`): "attention", a decode step's attention half
-        (qkv with its norm and preparation, attention, o with its add) as phases of one launch where the fused forms
-        take all of it (`kernels.phased.attention_half_one_launch`); "mlp", a dense MLP half (gate_up with its norm
-        and SiLU, down with its add) the same where both products' configurations have the same warps
-        (`mlp_half_one_launch`); "layer", both halves of a dense layer in one launch where both would be and every
-        product has 4 warps (`layer_one_launch`); "moe", an MoE layer's small steps run their router, gate_up and
-        down kernels as phases of one launch (`kernels.moe.moe_mlp_one_launch`); comma-separated, "all" for every
-        one. The same bits as the separate launches."""
-        skinny_name, sep, rows = (skinny or "").partition(":")
-        if skinny is not None and (skinny_name not in GEMV_CONFIGS
-                                   or sep and not (rows.isdigit() and 1 <= int(rows) <= SKINNY_ROWS)):
-            raise ValueError(f"skinny: {skinny!r} is not one of {sorted(GEMV_CONFIGS)}, optionally followed by "
-                             f":ROWS (1-{SKINNY_ROWS})")
-        self.skinny_rows = int(rows) if rows else SKINNY_ROWS
-        plan = {} if tiled is None else tiled_plan(tiled)
-        self.fusion = None if tiled is None else tiled_fusion(tiled)[1]
-        # the launchers with their configurations bound, built once (see `matmul_for`)
-        self.skinny = None if skinny is None else functools.partial(gemv, **GEMV_CONFIGS[skinny_name]._asdict())
+    def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits, plan: KernelPlan = PLANS["cublas"],
+                 quantized: Mapping[str, Q8Weight] | None = None, max_positions: int | None = None) -> None:
+        """`quantized`: linears kept as Q8_0 by parameter name (`GGUFSource.q8_0_linears`, on the model's device),
+        used instead of the model's (empty) ones. `max_positions`: the RoPE table's length (default: the cache's)."""
         cfg: ModelConfig = model.config
-        self.config, self.limits, self.kv = cfg, limits, kv_cache
-        self.device = model.embed.weight.device
-        self.dtype = model.embed.weight.dtype
+        self.config, self.limits, self.kv, self.plan = cfg, limits, kv_cache, plan
+        self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
         if kv_cache.dtype != self.dtype or kv_cache.k[0].device != self.device:
             raise ValueError(f"KV cache is {kv_cache.dtype} on {kv_cache.k[0].device}, "
                              f"model is {self.dtype} on {self.device}")
-        q = dict(quantized or {})
+        self._take_weights(model, dict(quantized or {}))
+        self.tiled = self._bind_linears()
+        n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
+        cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
+        self.rope_cache = cache_from_cos_sin(cos, sin)
+        self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device, (cfg.hidden_size, self.dtype))
+        self.scale = cfg.head_dim ** -0.5
+        # the decode attention's per-(row, KV head) counts for its "last" form (fused), zero at rest
+        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if plan.fused else 0,
+                                         dtype=torch.int32, device=self.device)
+        # the fused MoE router's per-token counts (`kernels.moe.moe_router`), zero at rest
+        self.route_counters = torch.zeros(SMALL_PAIRS if plan.fused else 0, dtype=torch.int32, device=self.device)
+        self._processors_staged = False  # the processor buffers hold something other than identity
+        self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _take_weights(self, model: CausalLM, q: dict[str, Q8Weight]) -> None:
+        """The model's weights as the step reads them: the embedding, LM head and each layer's, a Q8_0 one where
+        `q` names it (checked: on the model's device, and a path that has a linear)."""
         for name, w in q.items():
             if w.device != self.device:
                 raise ValueError(f"{name}: Q8_0 weight on {w.device}, model on {self.device}")
@@ -374,50 +302,21 @@ class GpuModelRunner:
                  for p in ("attn.qkv", "attn.o") + (() if hasattr(layer.mlp, "router") else dense_mlp)}
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
-        if pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
-            raise ValueError(f"pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
-                             f"later (griddepcontrol), the model is on {self.device}")
-        self.pdl = pdl
-        self.walk_upto, self.walk_from = decode_walk(walk)
-        self.lanes, self.lanes_from = decode_lanes(lanes)
-        self.one_launch = one_launch_parts(one_launch)
-        if self.one_launch and self.fusion is None:
-            raise ValueError(f"one_launch: {one_launch!r}: the launches in one are fused forms: they need a +fused "
-                             "tiled setting")
-        self.plan = plan
-        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        # (most rows, tiled linear) steps by weight shape (None: any), the launchers bound once, sharing one scratch
-        self.tiled: dict[tuple[int, int] | None, tuple[tuple[int, Callable[..., torch.Tensor]], ...]] = {}
-        if plan:
-            shapes = sorted({tuple(w.shape) for layer in self.layers
-                             for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
-                             if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
-            names = sorted({name for steps in plan.values() for _, name in steps})
-            configs = [TILED_CONFIGS[name] for name in names]
-            if self.fusion is not None:  # qkv with its heads out: a tile a head
-                configs += [c._replace(block_n=model.config.head_dim) for c in configs]
-            scratch = self.scratch = tiled_scratch(shapes, configs, self.device)
-            bound = {name: functools.partial(_silu_apart, functools.partial(
-                tiled_linear, **TILED_CONFIGS[name]._asdict(), scratch=scratch, pdl=pdl), pdl) for name in names}
-            self.tiled = {shape: tuple((rows, bound[name]) for rows, name in steps) for shape, steps in plan.items()}
-        n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
-        cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
-        self.rope_cache = cache_from_cos_sin(cos, sin)
-        self.buffers = StepBuffers.allocate(limits, cfg.vocab_size, self.device, (cfg.hidden_size, self.dtype))
-        self.scale = cfg.head_dim ** -0.5
-        # the decode attention's per-(row, KV head) counts for its "last" form (fused), zero at rest
-        self.attn_counters = torch.zeros(limits.max_batch * cfg.num_kv_heads if self.fusion is not None else 0,
-                                         dtype=torch.int32, device=self.device)
-        # the fused MoE router's per-token counts (`kernels.moe.moe_router`), after the one-launch step's phase
-        # counts (`moe_mlp_one_launch`), zero at rest
-        self.route_counters = torch.zeros(PHASE_COUNTERS + SMALL_PAIRS if self.fusion is not None else 0,
-                                          dtype=torch.int32, device=self.device)
-        # the phase counts of a layer or its halves in one launch (`kernels.phased`), zero at rest
-        self.layer_counters = torch.zeros(LAYER_COUNTERS if self.one_launch - {"moe"} else 0, dtype=torch.int32,
-                                          device=self.device)
-        self._processors_staged = False  # the processor buffers hold something other than identity
-        self.fused = fused
-        self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _bind_linears(self) -> dict[tuple[int, int], Callable[..., torch.Tensor]]:
+        """The plan's tiled launchers, their configurations bound, by (weight shape, configuration), sharing one
+        scratch (`matmul_for` picks one per step size)."""
+        if not self.plan.linears:
+            return {}
+        shapes = sorted({(int(w.shape[0]), int(w.shape[1])) for layer in self.layers
+                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head)
+                         if isinstance(w, torch.Tensor) and w.dim() == 2})  # not Q8_0 weights, nor MoE experts
+        configs = self.plan.configs()
+        if self.plan.fused:  # qkv with its heads out: a tile a head
+            configs += [c._replace(block_n=self.config.head_dim) for c in configs]
+        scratch = tiled_scratch(shapes, configs, self.device)
+        return {config: functools.partial(_silu_apart, functools.partial(
+            tiled_linear, **config._asdict(), scratch=scratch)) for config in self.plan.configs()}
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True, keep_hidden: bool = False) -> None:
@@ -437,12 +336,10 @@ class GpuModelRunner:
         residual = self._embedding(self.buffers.input_ids[:tokens])
         pending = None
         for i, w in enumerate(self.layers):
-            if self._layer_in_one(i, w, residual, pending, batch, tokens, decode):
-                continue
             pending = self._attention(i, w, residual, pending, batch, tokens, decode)
-            pending = self._mlp(w, residual, pending, decode)
+            pending = self._mlp(w, residual, pending)
         if keep_hidden:
-            self.kept_hidden = self._normed(residual.clone(), pending, self.final_norm, pdl=False)
+            self.kept_hidden = self._normed(residual.clone(), pending, self.final_norm)
         self._head(pending, residual, batch, tokens, decode)
         self._sample(batch, filtered)
 
@@ -479,195 +376,91 @@ class GpuModelRunner:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kc, vc = self.kv.k[i], self.kv.v[i]
         heads = self.qkv_heads(i, w, tokens)
-        one = self._attention_in_one(w, heads, pending, batch, tokens, decode)
-        if one is not None:
-            how = self.decode_form(batch)
-            attention_half_one_launch(residual, one.w_qkv, one.heads, (w.attn_norm, cfg.rms_norm_eps), one.qkv,
-                                      buf.block_tables[:batch], buf.context_lens[:batch], self.scale, one.w_o,
-                                      residual, one.o, one.scratch, self.layer_counters, attn_counters=how["counters"],
-                                      partition_size=how["partition_size"], pdl=self.pdl)
-            return None
         qkv = self._norm_linear(residual, pending, w.attn_norm, w.qkv, heads=heads)  # [T, (hq + 2 hkv) d]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-        # with `heads` the product did it: q normalised and rotated in place, k and v in the caches
-        if heads is None and self.fused:
+        if heads is None:  # with `heads` the product did it: q normalised and rotated in place, k and v in the caches
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
-                     w.q_norm, w.k_norm, cfg.rms_norm_eps, pdl=self.pdl)
-        elif heads is None:
-            if w.q_norm is not None and w.k_norm is not None:
-                rms_norm(q, w.q_norm, cfg.rms_norm_eps, out=q)
-                rms_norm(k, w.k_norm, cfg.rms_norm_eps, out=k)
-            apply_rope(q, k, buf.positions[:tokens], self.rope_cache)
-            write_kv(k, v, kc, vc, buf.slot_mapping[:tokens])
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
         how = self.decode_form(batch)
         if decode:
-            out = decode_attention(q, kc, vc, tables, ctx, self.scale, pdl=self.pdl, **how)
+            out = decode_attention(q, kc, vc, tables, ctx, self.scale, **how)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
-            decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch],
-                             pdl=self.pdl, **how)
+            decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch], **how)
             prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
-    def _attention_in_one(self, w: LayerWeights, heads: Heads | None, pending: torch.Tensor | None, batch: int,
-                          tokens: int, decode: bool, part: str = "attention") -> _OneHalf | None:
-        """What the attention half of this step takes to run in one launch (`one_launch` has `part`): a decode
-        step whose qkv takes the fused norm and heads and whose o the fused add, both at the attention's 4 warps
-        (`kernels.phased.attention_fits`: the heads kernel takes 8 from 33 rows), with neither walked rows nor lanes;
-        else None."""
-        if part not in self.one_launch or not decode or heads is None or pending is not None:
-            return None
-        if not self._norm_fuses(tokens) or self.fused_for(tokens, w.o) is None:
-            return None
-        how = self.decode_form(batch)
-        if how["walk_upto"] or how["lanes"] or not isinstance(w.qkv, torch.Tensor) or not isinstance(w.o, torch.Tensor):
-            return None
-        qkv, o = self.config_for(tokens, w.qkv), self.config_for(tokens, w.o)
-        if qkv is None or o is None or not attention_fits(tokens, qkv, o) or self.scratch is None:
-            return None
-        return _OneHalf(w.qkv, heads, qkv, w.o, o, self.scratch)
-
-    def _layer_in_one(self, i: int, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None,
-                      batch: int, tokens: int, decode: bool) -> bool:
-        """Layer i of this step in one launch (`one_launch` has "layer"; `kernels.phased.layer_one_launch`) where
-        both its halves would each run in one (`_attention_in_one`, `_mlp_in_one`) and every product of it has 4
-        warps: whether it did."""
-        if "layer" not in self.one_launch:
-            return False
-        half = self._attention_in_one(w, self.qkv_heads(i, w, tokens), pending, batch, tokens, decode, "layer")
-        mlp = None if half is None else self._mlp_in_one(w, None, tokens, "layer")
-        if half is None or mlp is None or mlp.gate_up.num_warps != 4:
-            return False
-        eps, how = self.config.rms_norm_eps, self.decode_form(batch)
-        buf = self.buffers
-        layer_one_launch(residual, half.w_qkv, half.heads, (w.attn_norm, eps), half.qkv, buf.block_tables[:batch],
-                         buf.context_lens[:batch], self.scale, half.w_o, half.o, mlp.w_gate_up, (w.mlp_norm, eps),
-                         mlp.gate_up, mlp.w_down, mlp.down, half.scratch, self.layer_counters,
-                         attn_counters=how["counters"], partition_size=how["partition_size"], pdl=self.pdl)
-        return True
-
-    def _mlp_in_one(self, w: LayerWeights, pending: torch.Tensor | None, rows: int,
-                    part: str = "mlp") -> _OneMlp | None:
-        """What a decode step's dense MLP half takes to run in one launch (`one_launch` has `part`): gate_up takes
-        the fused norm and SiLU, down the fused add, both through configurations of the same warps; else None."""
-        if part not in self.one_launch or pending is not None or not self._norm_fuses(rows) or self.scratch is None:
-            return None
-        if not isinstance(w.gate_up, torch.Tensor) or not isinstance(w.down, torch.Tensor):
-            return None
-        if self.fused_for(rows, w.gate_up) is None or self.fused_for(rows, w.down) is None:
-            return None
-        gate_up, down = self.config_for(rows, w.gate_up), self.config_for(rows, w.down)
-        if gate_up is None or down is None or gate_up.num_warps != down.num_warps:
-            return None
-        return _OneMlp(w.gate_up, gate_up, w.down, down, self.scratch)
-
-    def one_launch_takes(self) -> dict[str, bool]:
-        """For each part of `one_launch`, whether a one-row decode step takes it with this model and plan (a part
-        that does not there takes no step: the engines log it at start)."""
-        layers = list(enumerate(self.layers))
-        takes = {
-            "attention": any(self._attention_in_one(w, self.qkv_heads(i, w, 1), None, 1, 1, True) is not None
-                             for i, w in layers),
-            "mlp": any(w.router is None and self._mlp_in_one(w, None, 1) is not None for _, w in layers),
-            "layer": any(w.router is None and self._mlp_in_one(w, None, 1, "layer") is not None
-                         and self._attention_in_one(w, self.qkv_heads(i, w, 1), None, 1, 1, True, "layer") is not None
-                         for i, w in layers),
-            "moe": self.fusion is not None and any(w.router is not None for _, w in layers),
-        }
-        return {part: takes[part] for part in sorted(self.one_launch)}
-
-    def config_for(self, rows: int, w: torch.Tensor) -> TiledConfig | None:
-        """The tiled linear's configuration for weight `w` ([N, K]) in a step of `rows` rows (`matmul_for`'s, by the
-        plan), or None where it goes elsewhere."""
-        shape = (int(w.shape[0]), int(w.shape[1]))
-        for most, name in self.plan.get(shape, self.plan.get(None, ())):
-            if rows <= most:
-                return TILED_CONFIGS[name]
-        return None
-
-    def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None,
-             decode: bool = True) -> torch.Tensor | None:
+    def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
         """The MLP sublayer on the stream, as `_attention`."""
         if w.router is not None:
             cfg, rows = self.config, residual.shape[0]
             # fused, a small step's MoE routes in one launch, takes the norm in its router and gate_up kernels
             # (nothing pending) and adds its output into the stream (`kernels.moe.fused_moe`)
-            fuse = self.fusion is not None and small_path(rows, cfg.num_experts_per_tok)
-            if fuse and pending is None and self._norm_fuses(rows):
+            fuse = self.plan.fused and small_path(rows, cfg.num_experts_per_tok)
+            if fuse and pending is None and self._norm_fuses():
                 x, norm = residual, (w.mlp_norm, cfg.rms_norm_eps)
             else:
                 x, norm = self._normed(residual, pending, w.mlp_norm), None
             out = fused_moe(x, w.router, w.gate_up, w.down, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                            pdl=self.pdl, residual=residual if fuse else None,
-                            counters=self.route_counters if fuse else None, norm=norm,
-                            one_launch=fuse and "moe" in self.one_launch)
+                            residual=residual if fuse else None, counters=self.route_counters if fuse else None,
+                            norm=norm)
             return None if fuse else out
-        rows = residual.shape[0]
-        one = self._mlp_in_one(w, pending, rows) if decode else None
-        if one is not None:
-            mlp_half_one_launch(residual, one.w_gate_up, (w.mlp_norm, self.config.rms_norm_eps), one.gate_up,
-                                one.w_down, residual, one.down, one.scratch, self.layer_counters, pdl=self.pdl)
-            return None
-        glu = self.fused_for(rows, w.gate_up) is not None
+        glu = self.fused_for(residual.shape[0], w.gate_up) is not None
         h = self._norm_linear(residual, pending, w.mlp_norm, w.gate_up, act="glu" if glu else None)
         return self._add_linear(h, w.down, residual, silu_mul=not glu)
 
     def _normed(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor,
-                out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(residual + pending) * weight, the sum written into `residual` (`kernels.rmsnorm`); of the
         stream as it is where nothing is pending."""
-        eps, pdl = self.config.rms_norm_eps, self.pdl if pdl is None else pdl
+        eps = self.config.rms_norm_eps
         if pending is None:
-            return rms_norm(residual, weight, eps, out=out, pdl=pdl)
-        return rms_norm(pending, weight, eps, residual=residual, out=out, pdl=pdl)
+            return rms_norm(residual, weight, eps, out=out)
+        return rms_norm(pending, weight, eps, residual=residual, out=out)
 
     def decode_form(self, batch: int) -> dict[str, Any]:
         """How the decode attention of a step with `batch` decode rows runs (`decode_attention`'s keywords): its
-        split size; the fused runner's one-row steps fold in the split launch (`LAST_FOLD_ROWS`); from
-        `walk_from` rows, rows of at most `walk_upto` splits are walked; from `lanes_from` rows, `lanes` programs a
-        row and KV head take its splits in turn. Every choice gives the same bits."""
-        fold_here = self.fusion is not None and batch <= LAST_FOLD_ROWS
+        split size, and whether it folds in the split launch (a fused plan's one-row steps, `LAST_FOLD_ROWS`). Every
+        choice gives the same bits."""
+        fold_here = self.plan.fused and batch <= LAST_FOLD_ROWS
         return {"partition_size": decode_partition(batch, self.config.num_kv_heads),
-                "form": "last" if fold_here else "split", "counters": self.attn_counters if fold_here else None,
-                "walk_upto": self.walk_upto if batch >= self.walk_from else 0,
-                "lanes": self.lanes if batch >= self.lanes_from else 0}
+                "form": "last" if fold_here else "split", "counters": self.attn_counters if fold_here else None}
 
     def qkv_heads(self, i: int, w: LayerWeights, tokens: int) -> Heads | None:
         """Where layer i's q/k norms, RoPE and KV cache write go into its qkv product for a step of `tokens` rows (a
         fused runner whose plan gives qkv to the tiled linear there, with the fused q/k/v preparation), the
         `Heads` that says so; else None (the preparation runs on its own)."""
-        if not self.fused or self.fused_for(tokens, w.qkv) is None:
+        if self.fused_for(tokens, w.qkv) is None:
             return None
         cfg, buf = self.config, self.buffers
         return Heads(cfg.num_heads, cfg.num_kv_heads, buf.positions[:tokens], self.rope_cache, self.kv.k[i],
                      self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps)
 
-    def _norm_fuses(self, rows: int) -> bool:
-        """Whether a norm goes into the product after it at this step size (`Fusion.norm_rows`; not for an fp16
-        model, whose un-normalised x times the norm's weight could pass fp16's range: `tiled_linear`)."""
-        return self.fusion is not None and rows <= self.fusion.norm_rows and self.dtype != torch.float16
+    def _norm_fuses(self) -> bool:
+        """Whether a norm goes into the product after it (a fused plan; not for an fp16 model, whose un-normalised x
+        times the norm's weight could pass fp16's range: `tiled_linear`)."""
+        return self.plan.fused and self.dtype != torch.float16
 
     def fused_for(self, rows: int, w: Linear) -> Callable[..., torch.Tensor] | None:
-        """The tiled launcher that takes the product of a `rows`-row step with `w` in the fused forms (the runner's
-        `tiled` setting has +fused and its plan gives this step and weight to the tiled linear), else None."""
-        if self.fusion is None or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        """The tiled launcher that takes the product of a `rows`-row step with `w` in the fused forms (a fused plan
+        gives this step and weight to the tiled linear), else None."""
+        if not self.plan.fused or not isinstance(w, torch.Tensor) or w.dim() != 2:
             return None
-        launch = self.matmul_for(rows, (w.shape[0], w.shape[1]))
-        return None if launch is None or launch is self.skinny else launch
+        return self.matmul_for(rows, (w.shape[0], w.shape[1]))
 
     def _norm_linear(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, w: Linear,
                      act: str | None = None, heads: Heads | None = None) -> torch.Tensor:
         """linear(RMSNorm(residual + pending) * weight, w): the norm in the tiled linear's x tiles where the fusion
-        takes this step (nothing pending, at most `Fusion.norm_rows` rows), else its own kernel first. `act="glu"`
+        takes this step (nothing pending), else its own kernel first. `act="glu"`
         (gate_up) returns silu(gate) * up, and `heads` (qkv) applies `qkv_prep` to the product, both only where
         `fused_for` gives a launcher."""
         rows = residual.shape[0]
         launch = self.fused_for(rows, w)
         fused = {"act": act, "heads": heads} if heads is not None else {"act": act}
-        if launch is not None and pending is None and self._norm_fuses(rows):
+        if launch is not None and pending is None and self._norm_fuses():
             return launch(residual, w, norm=(weight, self.config.rms_norm_eps), **fused)
         x = self._normed(residual, pending, weight)
         if act is not None or heads is not None:
@@ -696,24 +489,18 @@ class GpuModelRunner:
         return rows.view(len(ids), -1).to(self.dtype)
 
     def matmul_for(self, rows: int, shape: tuple[int, int]) -> Callable[..., torch.Tensor] | None:
-        """The launcher a dense weight of `shape` ([N, K]) goes through in a step of `rows` rows, its configuration
-        bound (it takes x, w and act, the SiLU-and-multiply included), or None for cuBLAS."""
-        if self.skinny is not None and rows <= self.skinny_rows:
-            return self.skinny
-        for most, launch in self.tiled.get(shape, self.tiled.get(None, ())):
-            if rows <= most:
-                return launch
-        return None
+        """The tiled launcher a dense weight of `shape` ([N, K]) goes through in a step of `rows` rows by the plan,
+        its configuration bound (it takes x, w and act, the SiLU-and-multiply included), or None for cuBLAS."""
+        config = self.plan.config_for(rows, shape)
+        return None if config is None else self.tiled[config]
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
-        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), through cuBLAS unless the runner was given a
-        `skinny` configuration (`kernels.gemv`, for steps of at most `skinny_rows` rows) or a `tiled` plan or
-        configuration (`kernels.tiled_linear`) that takes this step and weight; a Q8_0 weight through
-        `kernels.q8_linear`."""
+        """F.linear(x, w) (of silu(gate) * up when `silu_mul`), through cuBLAS unless the plan gives this step and
+        weight to the tiled linear (`kernels.tiled_linear`); a Q8_0 weight through `kernels.q8_linear`."""
         matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], (w.shape[0], w.shape[1]))
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
-        x = silu_and_mul(x, pdl=self.pdl) if silu_mul else x
+        x = silu_and_mul(x) if silu_mul else x
         if isinstance(w, Q8Weight):
             return q8_linear(x, w.codes, w.scales)
         return F.linear(x, w)
@@ -727,7 +514,7 @@ class GpuModelRunner:
             last = (self.buffers.cu_seqlens_q[1: batch + 1] - 1).clamp_(min=0).long()
             if self.limits.score_rows:
                 kept = self.buffers.hidden[:tokens]
-                self._normed(residual, pending, self.final_norm, out=kept, pdl=False)
+                self._normed(residual, pending, self.final_norm, out=kept)
                 self.buffers.logits[:batch].copy_(self._linear(kept[last], self.lm_head))
                 return
             residual, pending = residual[last], None if pending is None else pending[last]

@@ -25,9 +25,7 @@ from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
-from gpu_engine.kernels.attention import decode_lanes, decode_walk
-from gpu_engine.kernels.phased import one_launch_parts
-from gpu_engine.kernels.tiled_linear import resolve_tiled
+from gpu_engine.kernels.plan import resolve_plan
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
@@ -97,14 +95,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
     dtype = getattr(torch, cfg.gpu_torch_dtype_name())
     path = Path(cfg.model) if cfg.model else default_model_path()
-    # the tiled linear's plan for this GPU unless BLINK_TILED_LINEAR names another or "off" (kernels.tiled_linear);
-    # an unknown name fails here, before the weights load
-    tiled = resolve_tiled(env.env().tiled_linear, torch.cuda.get_device_name())
-    decode_walk(env.env().decode_walk)  # a malformed BLINK_DECODE_WALK fails here too
-    decode_lanes(env.env().decode_lanes)  # and BLINK_DECODE_LANES
-    if one_launch_parts(env.env().one_launch) and "+fused" not in (tiled or ""):  # and BLINK_ONE_LAUNCH
-        raise ValueError(f"BLINK_ONE_LAUNCH={env.env().one_launch!r}: fused forms, for a +fused BLINK_TILED_LINEAR "
-                         f"(this one: {tiled or 'cuBLAS'})")
+    plan = resolve_plan(cfg.kernel_plan, torch.cuda.get_device_name())  # before the weights load
+    log.info("kernel plan", gpu=torch.cuda.get_device_name(), **plan.summary())
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
              gpu_weights=cfg.gpu_weights)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
@@ -130,15 +122,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
-    log.info("dense linears", tiled=tiled or "cuBLAS", skinny=env.env().skinny_matmul or None, pdl=env.env().pdl,
-             decode_walk=env.env().decode_walk or None, decode_lanes=env.env().decode_lanes or None,
-             one_launch=env.env().one_launch or None)
-    runner = GpuModelRunner(model, kv, limits, quantized=loaded.quantized, skinny=env.env().skinny_matmul or None,
-                            tiled=tiled, pdl=env.env().pdl, walk=env.env().decode_walk, lanes=env.env().decode_lanes,
-                            one_launch=env.env().one_launch)
-    idle = [part for part, takes in runner.one_launch_takes().items() if not takes]
-    if idle:  # accepted, but no step of this model and plan takes them (kernels.phased)
-        log.warning("BLINK_ONE_LAUNCH parts that no decode step takes here", parts=idle, tiled=tiled)
+    runner = GpuModelRunner(model, kv, limits, plan, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)

@@ -7,12 +7,10 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, sx, so, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, I, sx, so, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -27,8 +25,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """x [T, 2I] -> out [T, I]. `pdl`: launched with programmatic dependent launch (`kernels.pdl`; CUDA only)."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2I] -> out [T, I]."""
     check("x", x, dtype=FLOAT_DTYPES)
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x: expected [T, 2I], got {tuple(x.shape)}")
@@ -40,6 +38,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = F
         return out
     block = 1024 if I2 // 2 >= 1024 else 128
     _silu_mul_kernel[(T, triton.cdiv(I2 // 2, block))](
-        x, out, I2 // 2, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl)
+        x, out, I2 // 2, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
     )
     return out

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
 from gpu_engine.kernels._sync import last_to_finish
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -57,7 +56,7 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
 @triton.jit
 def _merge_step(acc, m, lsum, acc_s, m_s, l_s):
     """Fold split s's (unnormalised output, max, sum) into the running ones: the one merge formula, whether the
-    splits come from registers (one program walks them all) or from memory (the last program reads them)."""
+    splits come from the fold kernel or from the last program of a row."""
     m_new = tl.maximum(m, m_s)
     a = tl.exp2(m - m_new)
     b = tl.exp2(m_s - m_new)
@@ -74,7 +73,7 @@ def _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l):
 @triton.jit
 def _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """The (unnormalised output, sum) of a row's first `n_active` split partials folded in split order by
-    `_merge_step`, as a walking program folds them. Loads bypass L1 (`.cg`): other SMs wrote the partials."""
+    `_merge_step`. Loads bypass L1 (`.cg`): other SMs wrote the partials."""
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
@@ -117,22 +116,20 @@ def _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, 
 
 
 @triton.jit
-def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT, heads, d,
-                   gmask, omask, run_acc, run_l, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, s, n_ctx, so_b, so_h, NSPLIT, heads, d, gmask,
+                   omask, run_acc, run_l, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, PART: tl.constexpr, FORM: tl.constexpr):
-    """After a split program's splits (lane `lo` of `lanes`): "last", the last of the (row, KV head)'s programs that
-    computed a split to finish folds the row's partials and stores its output; "split" leaves them to
-    `_fold_kernel`."""
+    """After split s's program: "last", the last of the (row, KV head)'s programs that computed a split to finish
+    folds the row's partials and stores its output; "split" leaves them to `_fold_kernel`."""
     if FORM == "last":
         # the splits that have a program (a context past the block table's would leave a count never reset)
         n_active = tl.minimum(tl.cdiv(n_ctx, PART), NSPLIT)
-        if lo < n_active:  # so lo < lanes: the lanes that computed a split count, each once (lanes >= NSPLIT:
-            # a program a split)
-            if last_to_finish(cnt_ptr + b * HKV + kvh, tl.minimum(n_active, lanes)):
+        if s < n_active:
+            if last_to_finish(cnt_ptr + b * HKV + kvh, n_active):
                 base = (b * (HKV * G) + heads) * NSPLIT
                 run_acc, run_l = _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G, BLOCK_D)
                 _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-        elif lo == 0:  # an empty row (padding): zeros, as the fold of nothing gives
+        elif s == 0:  # an empty row (padding): zeros, as the fold of nothing gives
             _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
 
 
@@ -142,81 +139,28 @@ def _decode_kernel(
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr, LANED: tl.constexpr,
+    FORM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """By FORM: "split", program (row b, KV head, split s) computes split s and writes its partial for
-    `_fold_kernel`; "last", the same, and the last of a (row, KV head)'s programs to finish (an atomic count a
-    pair, which it resets for the next launch) folds the partials as `_fold_kernel` does, in one launch; "walk",
-    program (row b, KV head) computes the row's splits in order and folds each into a running result as it goes,
-    then writes the output. A split's partial is the same whichever program computes it. WALK_UPTO > 0: "walk" takes
-    only the rows of at most that many splits, "split" and "last" only the others (`decode_attention`'s `walk_upto`
-    launches both; one kernel holding both paths, either as a branch inside its loop or as two loops, measured
-    10-27% slower than either form alone on the H200, the rows of neither form excepted). LANED ("split" and
-    "last"): the launch has fewer programs a (row, KV head) than the table has splits, and program l computes splits
-    l, l + lanes, ... (`decode_attention`'s `lanes`); without it the loop is the one-split loop as measured."""
-    pdl_enter(USE_PDL)
-    _decode_program(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, sq_b, sq_h,
-                    sbt_b, so_b, so_h, scale_log2, NSPLIT, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                    tl.num_programs(2), HKV, D, BS, G, BLOCK_G, BLOCK_D, PART, BLOCK_N, FORM, WALK_UPTO, PREC, LANED)
-
-
-@triton.jit
-def _decode_program(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr,
-    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT, b, kvh, lo, lanes_n,
-    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, WALK_UPTO: tl.constexpr, PREC: tl.constexpr, LANED: tl.constexpr,
-):
-    """Program (row b, KV head kvh, split or lane lo; `lanes_n` programs a (row, KV head) where LANED) of
-    `_decode_kernel`."""
+    """Program (row b, KV head kvh, split s) computes split s and writes its partial. By FORM: "split", for
+    `_fold_kernel`; "last", and the last of a (row, KV head)'s programs to finish (an atomic count a pair, which it
+    resets for the next launch) folds the partials as `_fold_kernel` does, in one launch."""
+    b, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * G + g
     gmask = g < G
     omask = gmask[:, None] & (d[None, :] < D)
     n_ctx = tl.load(ctx_ptr + b)
-    n_splits = tl.cdiv(n_ctx, PART)
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    run_m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
-    if FORM == "walk":
-        hi = n_splits
-        if WALK_UPTO > 0:  # the short rows only (a split launch takes the others)
-            hi = tl.where(n_splits <= WALK_UPTO, n_splits, 0)
-        for s in range(0, hi):
-            acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
-                                       BLOCK_D, PART, BLOCK_N, PREC)
-            run_acc, run_m, run_l = _merge_step(run_acc, run_m, run_l, acc, m, lsum)
-        if WALK_UPTO > 0:
-            if n_splits <= WALK_UPTO:  # an empty row too: zeros, as the fold of nothing gives
-                _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-        else:
-            _store_folded(out_ptr, b, so_b, so_h, heads, d, omask, run_acc, run_l)
-    else:
-        lanes = NSPLIT
-        step = 1
-        if LANED:  # lane lo computes splits lo, lo + lanes, ... of the table's NSPLIT
-            lanes = lanes_n
-            step = lanes
-            hi = tl.minimum(n_splits, NSPLIT)
-        else:  # a program a split (the loop as it was measured, whose code LANED leaves alone)
-            hi = tl.minimum(lo + 1, n_splits)
-        if WALK_UPTO > 0:  # the long rows only (a walk launch takes the others)
-            hi = tl.where(n_splits > WALK_UPTO, hi, 0)
-        for s in range(lo, hi, step):
-            acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
-                                       BLOCK_D, PART, BLOCK_N, PREC)
-            _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
-        if WALK_UPTO > 0:
-            if n_splits > WALK_UPTO:
-                _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT,
-                               heads, d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
-        else:
-            _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, lo, lanes, n_ctx, so_b, so_h, NSPLIT,
-                           heads, d, gmask, omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
+    if s < tl.cdiv(n_ctx, PART):  # a split past the row's context has nothing to compute
+        acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
+                                   BLOCK_D, PART, BLOCK_N, PREC)
+        _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
+    _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, s, n_ctx, so_b, so_h, NSPLIT, heads, d, gmask,
+                   omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
 
 
 @triton.jit
@@ -234,31 +178,15 @@ def _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSP
 
 @triton.jit
 def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, HKV: tl.constexpr, D: tl.constexpr,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
-                 WALK_UPTO: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as a walking
-    program folds them, so the output has the same bits in every form. A row of at most WALK_UPTO splits was
-    walked by the split kernel, which stored its output."""
-    pdl_enter(USE_PDL)
-    _fold_program(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, tl.program_id(0), tl.program_id(1),
-                  HKV, D, G, BLOCK_G, BLOCK_D, PART, WALK_UPTO)
-
-
-@triton.jit
-def _fold_program(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, b, kvh, HKV: tl.constexpr,
-                  D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
-                  WALK_UPTO: tl.constexpr):
-    """Program (row b, KV head kvh) of `_fold_kernel`."""
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr):
+    """Program (row b, KV head): the row's split partials folded in split order by `_merge_step`, as the "last" form
+    folds them, so the output has the same bits in both forms."""
+    b = tl.program_id(0)
     # the splits that have partials: a context past the block table's (NSPLIT splits) has none beyond them, as the
     # "last" form counts them
-    n_splits = tl.cdiv(tl.load(ctx_ptr + b), PART)
-    n_active = tl.minimum(n_splits, NSPLIT)
-    if WALK_UPTO > 0:
-        if n_splits > WALK_UPTO:  # as the walk and split launches choose
-            _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G,
-                      BLOCK_D)
-    else:
-        _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, kvh, n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G, BLOCK_D)
+    n_active = tl.minimum(tl.cdiv(tl.load(ctx_ptr + b), PART), NSPLIT)
+    _fold_row(po_ptr, pm_ptr, pl_ptr, out_ptr, b, tl.program_id(1), n_active, so_b, so_h, NSPLIT, HKV, D, G, BLOCK_G,
+              BLOCK_D)
 
 
 def _gather_kv(k_cache, v_cache, block_table, n_tokens):
@@ -387,49 +315,22 @@ def decode_partition(batch: int, kv_heads: int) -> int:
     return 256
 
 
-DECODE_FORMS = ("split", "last", "walk")
+DECODE_FORMS = ("split", "last")
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
-# (`tiled_linear.Fusion`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
+# (`KernelPlan.fusion`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
-# and its registers in every program; BENCHMARKS.md).
+# and its registers in every program).
 LAST_FOLD_ROWS = 1
-WALK_FROM = 33  # the decode steps `decode_walk` gives walked short rows by default: two programs an SM and more
 
 
-def _count_from(setting: str, what: str, letter: str, unit: str) -> tuple[int, int]:
-    """(count, least batch) from "" or "0" (none), "N" (from `WALK_FROM` rows) or "N:B" (from B rows)."""
-    count, sep, least = (setting.strip() or "0").partition(":")
-    if not count.isdigit() or sep and not (least.isdigit() and int(least) >= 1):
-        raise ValueError(f"decode {what}: {setting!r}, expected {letter} or {letter}:BATCH ({unit}, and the least "
-                         f"batch, >= 1)")
-    return int(count), int(least) if sep else WALK_FROM
-
-
-def decode_walk(setting: str) -> tuple[int, int]:
-    """(`walk_upto`, least batch) from a setting (`BLINK_DECODE_WALK`, `bench/roofline.py --walk`): "" or "0", no
-    row walked; "N", rows of at most N splits walked in decode steps of at least `WALK_FROM` rows; "N:B", in steps of
-    at least B rows. Walking a row or splitting it gives the same bits, so the choice by step size keeps a request's
-    tokens independent of its neighbours."""
-    return _count_from(setting, "walk", "N", "splits")
-
-
-def decode_lanes(setting: str) -> tuple[int, int]:
-    """(`lanes`, least batch) from a setting (`BLINK_DECODE_LANES`, `bench/roofline.py --lanes`): "" or "0", a
-    program a split; "P", P programs a (row, KV head) in decode steps of at least `WALK_FROM` rows; "P:B", in steps
-    of at least B rows. Any count gives the same bits, so the choice by step size keeps a request's tokens
-    independent of its neighbours."""
-    return _count_from(setting, "lanes", "P", "programs a row and KV head")
-
-
-def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int, partition_size: int,
-                    walk: bool = False) -> tuple[int, tuple[torch.Tensor, ...], dict[str, Any]]:
-    """(splits of a block table of `table_tokens` tokens, the split partials (output, max, sum; placeholders for a
-    walk), the decode kernel's shape constants) for queries `q` [B, H, D] over `hkv` KV heads: the same for every
-    launch that runs its program (`kernels.phased`), so that the sums are the same."""
+def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int,
+                    partition_size: int) -> tuple[int, tuple[torch.Tensor, ...], dict[str, Any]]:
+    """(splits of a block table of `table_tokens` tokens, the split partials (output, max, sum), the decode kernel's
+    shape constants) for queries `q` [B, H, D] over `hkv` KV heads."""
     B, H, D = q.shape
     nsplit, bd = triton.cdiv(table_tokens, partition_size), next_pow2(D)
-    po = torch.empty((1, 1) if walk else (B, H, nsplit, bd), dtype=torch.float32, device=q.device)
-    pm = torch.empty((1,) if walk else (B, H, nsplit), dtype=torch.float32, device=q.device)
+    po = torch.empty((B, H, nsplit, bd), dtype=torch.float32, device=q.device)
+    pm = torch.empty((B, H, nsplit), dtype=torch.float32, device=q.device)
     consts = {"HKV": hkv, "D": D, "G": H // hkv, "BLOCK_G": max(16, next_pow2(H // hkv)), "BLOCK_D": bd,
               "PART": partition_size}
     return nsplit, (po, pm, torch.empty_like(pm)), consts
@@ -438,48 +339,21 @@ def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int, partition_size
 def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
-    num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, counters: torch.Tensor | None = None,
-    walk_upto: int = 0, lanes: int = 0,
+    num_warps: int = 4, num_stages: int | None = None, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
     `num_stages` (Triton's default where None) are the split kernel's, for the benchmark's sweep: its K and V tiles
-    are staged in shared memory `num_stages` deep, which bounds how many programs an SM holds. `pdl`: both launches
-    with programmatic dependent launch (`kernels.pdl`; CUDA only).
+    are staged in shared memory `num_stages` deep, which bounds how many programs an SM holds.
 
     Each program computes all the query heads of one KV head (GQA), so each K/V tile is read once. `form`
-    (`_decode_kernel`): "split" (the runner's), a program per (row, KV head, split) writes partials and a second
-    launch folds them; "last", the same programs, the last of each (row, KV head) to finish folding them, in one
-    launch (`counters`: an int32 count per (row, KV head), zero, which every launch leaves zero; allocated when
-    None, a memset more); "walk", a program per (row, KV head) walks the row's splits and folds them as it goes (no
-    partials, one launch). All give the same bits; only the split size and the tile size change a sum, and they are
-    the same for every batch. The runner does not walk: with equal contexts walking is up to 20% faster from batch
-    33 up, but a served step's contexts are uneven and a walked step waits on its longest row (H200,
-    `bench/kernels.py` on served context lengths: 149 against 94 us at batch 64; serving at 10 req/s, TPOT p50 16.2
-    ms with walking from batch 33 up against 11.9 ms without; BENCHMARKS.md). A third form, programs sharing out the
-    step's list of (row, split) pairs so that none is launched for a split past its row's context, measured 6-18%
-    slower than "split" on served contexts at batches 32-128 and was dropped: the programs that find their split
-    empty exit at once. Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128,
-    contexts 512 and 2,048, 8 and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16:
-    against 64-token tiles 7.6 against 9.0 us at batch 1 and context 512, 73.0 against 77.2 at batch 128;
-    BENCHMARKS.md). "last" measured level with "split" at batch 1 (7.5 against 7.7 us a layer at context 512), as an
-    earlier one-launch fold did, which was up to 25% slower at batches 8-64 (`LAST_FOLD_ROWS`).
-
-    `walk_upto` (split and last): the rows of at most that many splits are walked, a program a row, in a launch
-    before the split one, which takes the longer rows as the form says (the fold leaves the walked rows alone); the
-    same bits either way. With equal contexts of 512 (two splits) walking measured 40.0 / 73.2 against 52.6 / 100.7
-    us at batch 64 / 128, and a short row walked leaves a served step's long rows split. In one kernel (a branch of
-    the split program) it measured slower than both forms, and as two launches too: 106.4 against 100.7 us at batch
-    128 with equal contexts of 512, 112.1 against 100.7 at batch 64 on served contexts (`bench/kernels.py`,
-    `p256_bn128_walk2`).
-
-    `lanes` (split and last; 0: a program a split): `lanes` programs a (row, KV head), lane l computing splits l,
-    l + lanes, ... and storing each one's partial as a program of its own would, so the bits are the same for any
-    count. The split launch is (rows x KV heads x the table's splits) programs, and those past a row's context
-    exit at once: at batch 128 and context 512 in a table of 2,048 tokens, 6,144 of 8,192. Fewer lanes launch
-    fewer programs at a price: a long row's splits run in turn within its lanes. On the H200 (`bench/kernels.py`,
-    BENCHMARKS.md) 4 lanes took 75.5 against 100.7 us at batch 128 with every row at 512 tokens, but 110.5 against
-    100.7 at batch 64 and 66.8 against 55.4 at 32 on served contexts, so the runner does not use them."""
+    (`_decode_kernel`): "split", a program per (row, KV head, split) writes partials and a second launch folds them;
+    "last", the same programs, the last of each (row, KV head) to finish folding them, in one launch (`counters`: an
+    int32 count per (row, KV head), zero, which every launch leaves zero; allocated when None, a memset more). Both
+    give the same bits; only the split size and the tile size change a sum, and they are the same for every batch.
+    Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and 2,048, 8
+    and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16). "last" measured level
+    with "split" at batch 1 (7.5 against 7.7 us a layer at context 512)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -489,13 +363,8 @@ def decode_attention(
         raise ValueError("partition_size must be a multiple of block_n")
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
-    if walk_upto < 0 or (walk_upto and form == "walk"):
-        raise ValueError(f"walk_upto: a count of splits >= 0 for the split and last forms, got {walk_upto} ({form})")
-    if lanes < 0 or (lanes and form == "walk"):
-        raise ValueError(f"lanes: a count of programs >= 0 for the split and last forms, got {lanes} ({form})")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    walk = form == "walk"
-    nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size, walk)
+    nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size)
     if form == "last":
         if counters is None:
             counters = torch.zeros(max(B, 1) * hkv, dtype=torch.int32, device=q.device)
@@ -504,26 +373,15 @@ def decode_attention(
             raise ValueError(f"counters: {counters.numel()}, this launch needs {B * hkv} (rows x KV heads)")
     if B == 0:
         return out
-    if walk_upto:  # the short rows walked in a launch of their own, before the long rows' split launch
-        _decode_kernel[(B, hkv)](
-            q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out, q.stride(0), q.stride(1),
-            block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit, BS=bs, BLOCK_N=block_n,
-            FORM="walk", WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl, LANED=False, num_warps=num_warps,
-            **consts,
-            **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
-        )
-    laned = 0 < lanes < nsplit  # fewer programs than the table's splits (never with "walk": refused above)
-    grid = (B, hkv) if walk else (B, hkv, lanes if laned else nsplit)
-    _decode_kernel[grid](
+    _decode_kernel[(B, hkv, nsplit)](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, WALK_UPTO=walk_upto, PREC=_prec(q.dtype), USE_PDL=pdl,
-        LANED=laned, num_warps=num_warps, **consts,
-        **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(pdl),
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if form == "split":
-        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit,
-                               WALK_UPTO=walk_upto, USE_PDL=pdl, num_warps=4, **consts, **pdl_launch(pdl))
+        _fold_kernel[(B, hkv)](po, pm, pl, context_lens, out, out.stride(0), out.stride(1), nsplit, num_warps=4,
+                               **consts)
     return out
 
 

@@ -11,8 +11,7 @@ blocks (one valid row in 16) and the 8 experts of a batch-1 step stream through 
 programs. `moe_gate_up_silu` gives every (pair, column tile) a program that writes silu(gate) * up,
 and `moe_down_sum` every (token, column tile) one that sums the token's top_k experts in registers,
 so a step is four launches (router GEMM, routing, the two kernels) with thousands of programs, or three with
-`moe_router`, which takes the router's product and the routing in one (a fused runner's, `fused_moe`), or one with
-`moe_mlp_one_launch`, which runs those three as phases of one launch (`_sync.ticket`).
+`moe_router`, which takes the router's product and the routing in one (a fused runner's, `fused_moe`).
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
-from gpu_engine.kernels._sync import arrive, last_to_finish, ticket, wait_for
+from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.activation import silu_and_mul
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.models.moe import route as route_ref
 
 # Steps of at most this many (token, slot) pairs take the sort-free path. 64 = batch 8 of a top-8
@@ -36,8 +34,7 @@ SMALL_PAIRS = 64
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, TOPK: tl.constexpr, NORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                  BLOCK_E: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * s_t + offs, mask=offs < E, other=0.0).to(tl.float32)
@@ -112,9 +109,8 @@ def _route_last(cnt_ptr, logits_ptr, w_ptr, ids_ptr, t, E, GROUPS, TOPK: tl.cons
 @triton.jit
 def _router_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, cnt_ptr, E, K, s_x, s_r, eps,
                    TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     """Program (token t, group g): `_router_logits` of experts g * BLOCK_G.., then `_route_last`."""
-    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     _router_logits(x_ptr, rw_ptr, nw_ptr, logits_ptr, t, tl.program_id(1), E, K, s_x, s_r, eps, NORM, BLOCK_G,
                    BLOCK_K)
@@ -137,8 +133,8 @@ def _check_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[
 
 
 def moe_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: bool, counters: torch.Tensor,
-               norm: tuple[torch.Tensor, float] | None = None, block_g: int = ROUTER_GROUP, block_k: int = 512,
-               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               norm: tuple[torch.Tensor, float] | None = None, block_g: int = ROUTER_GROUP,
+               block_k: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_route(F.linear(x, router_w), ...)` in one launch, for small steps: a program per (token, group of
     `block_g` experts) takes those logits, and the token's last program to finish routes it. `norm` (weight [H],
     eps): x is the residual stream and its RMSNorm is what is routed. `counters`: an int32 count per token, zero,
@@ -159,17 +155,15 @@ def moe_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, normalize: b
         _router_kernel[(T, groups)](
             x, router_w, nw, logits, weights, ids, counters, E, H, x.stride(0), router_w.stride(0), float(eps),
             TOPK=top_k, NORMALIZE=bool(normalize), NORM=norm is not None, GROUPS=groups, BLOCK_G=block_g,
-            BLOCK_K=min(block_k, next_pow2(H)), BLOCK_E=next_pow2(E), USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+            BLOCK_K=min(block_k, next_pow2(H)), BLOCK_E=next_pow2(E), num_warps=4,
         )
     return weights, ids
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool,
-              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, top-k (first index wins ties), optional renormalisation.
 
-    Returns (weights [T, k] fp32, expert ids [T, k] int64), like `gpu_engine.models.moe.route`. `pdl`: launched
-    with programmatic dependent launch (`kernels.pdl`).
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), like `gpu_engine.models.moe.route`.
     """
     check("router_logits", router_logits, dtype=FLOAT_DTYPES, shape=(None, None))
     T, E = router_logits.shape
@@ -179,8 +173,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool,
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
         _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), TOPK=top_k,
-                            NORMALIZE=bool(normalize), BLOCK_E=next_pow2(E), USE_PDL=pdl, num_warps=1,
-                            **pdl_launch(pdl))
+                            NORMALIZE=bool(normalize), BLOCK_E=next_pow2(E), num_warps=1)
     return weights, ids
 
 
@@ -356,9 +349,7 @@ def _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, p, nt, I, K, s_x, s_we
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, I, K, s_x, s_we, s_wn, s_o, eps,
-                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                         TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
     _gate_up_tile(x_ptr, w_ptr, ids_ptr, out_ptr, nw_ptr, tl.program_id(0), tl.program_id(1), I, K, s_x, s_we, s_wn,
                   s_o, eps, TOPK, BLOCK_N, BLOCK_K, NORM)
 
@@ -369,7 +360,7 @@ def _check_routing(ids: torch.Tensor, T: int | None, device: torch.device) -> No
 
 
 def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor | None = None,
-                     block_n: int = 4, block_k: int = 512, pdl: bool = False,
+                     block_n: int = 4, block_k: int = 512,
                      norm: tuple[torch.Tensor, float] | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows first), expert_ids [T, k] -> out [T * k, I] =
     silu(x[t] @ gate.T) * (x[t] @ up.T) of expert ids[t, s] for each pair (t, s). `norm` (weight [H], eps): x is
@@ -384,8 +375,7 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
     2 x block_n contiguous weight rows (gate and up) in block_k chunks, loaded at their
     own width, accumulated in fp32. Pairs vary fastest in the grid, so
     pairs that share an expert read its tile at about the same time (from L2 for all but the
-    first). Expert ids must lie in [0, E) (`moe_route` guarantees it). `pdl`: launched with programmatic
-    dependent launch (`kernels.pdl`).
+    first). Expert ids must lie in [0, E) (`moe_route` guarantees it).
     """
     check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
     T, H = x.shape
@@ -407,7 +397,7 @@ def moe_gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.T
     _gate_up_silu_kernel[(T * top_k, triton.cdiv(I, block_n))](
         x, gate_up, expert_ids, out, nw, I, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
         float(eps), TOPK=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(H)), NORM=norm is not None,
-        USE_PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
+        num_warps=num_warps,
     )
     return out
 
@@ -456,9 +446,7 @@ def _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD: tl.constexpr):
 
 @triton.jit
 def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_wn, s_o, TOPK: tl.constexpr,
-                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0)
     rw, rows, acts, rmask, smask, n, nmask = _down_setup(a_ptr, w_ptr, ids_ptr, rw_ptr, t, tl.program_id(1), N, s_a,
                                                          s_we, s_wn, TOPK, SLOTS, BLOCK_N)
@@ -469,7 +457,7 @@ def _down_sum_kernel(a_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, s_a, s_we, s_
 
 def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor,
                  out: torch.Tensor | None = None, block_n: int = 2, block_k: int = 256,
-                 pdl: bool = False, residual: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """act [T * k, I], down [E, H, I], expert_ids / route_weights [T, k] -> out [T, H] =
     sum over s of route_weights[t, s] * act[t * k + s] @ down[ids[t, s]].T, in registers: no
     [T * k, H] intermediate, no atomics (deterministic). `residual` [T, H]: the sum, rounded, is added into it
@@ -482,8 +470,7 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     for sm_90) and the loop is I / block_k steps long (3 at
     I = 768), not top_k times that. Measured on the H200 (`bench/kernels.py`, bf16): 8 columns 9.1 / 46.3 /
     80.7 us at batch 1 / 8 / 16, 2 columns 10.9 / 50.8 / 88.9, 1 column 9.4 / 46.6 / 83.8. Tokens vary fastest
-    in the grid, as pairs do in `moe_gate_up_silu`. `pdl`: launched with programmatic dependent launch
-    (`kernels.pdl`).
+    in the grid, as pairs do in `moe_gate_up_silu`.
     """
     check("act", act, dtype=FLOAT_DTYPES, shape=(None, None))
     E, H, I = down.shape
@@ -507,112 +494,7 @@ def moe_down_sum(act: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor
     _down_sum_kernel[(T, triton.cdiv(H, block_n))](
         act, down, expert_ids, route_weights, out, H, I, act.stride(0), down.stride(0), down.stride(1),
         out.stride(0), TOPK=top_k, SLOTS=next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(I)),
-        ADD=residual is not None, USE_PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
-    )
-    return out
-
-
-# A one-launch step's counts before its per-token ones: the ticket, the tokens routed, the gate_up programs done, the
-# down programs done (`_moe_mlp_kernel`).
-PHASE_COUNTERS = 4
-
-
-@triton.jit
-def _moe_mlp_kernel(x_ptr, rw_ptr, nw_ptr, logits_ptr, w_ptr, ids_ptr, act_ptr, gu_ptr, dn_ptr, out_ptr, ctr_ptr,
-                    tok_ptr, T, E, H, I, s_x, s_r, s_gue, s_gun, s_a, s_de, s_dn, s_o, eps,
-                    TOPK: tl.constexpr, NORMALIZE: tl.constexpr, NORM: tl.constexpr, GROUPS: tl.constexpr,
-                    BLOCK_G: tl.constexpr, ROUTER_K: tl.constexpr, BLOCK_E: tl.constexpr, GATE_N: tl.constexpr,
-                    GATE_K: tl.constexpr, DOWN_N: tl.constexpr, DOWN_K: tl.constexpr, SLOTS: tl.constexpr,
-                    ADD: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr):
-    """The three kernels of a small step in one launch, by ticket (`_sync.ticket`): the first T x GROUPS programs are
-    `_router_kernel`'s (token fastest), the next (pairs x gate_up tiles) `_gate_up_silu_kernel`'s (pair fastest),
-    the last (T x down tiles) `_down_sum_kernel`'s (token fastest), each with the same code as there. A gate_up
-    program waits for every token's route; a down program waits for the routes too, loads its first weight tile,
-    then waits for every gate_up program. The last down program to finish sets the counts back to zero. `ctr_ptr`:
-    the `PHASE_COUNTERS` counts; `tok_ptr`: the router's, one a token."""
-    pdl_enter(USE_PDL)
-    pairs = T * TOPK
-    n_route = T * GROUPS
-    n_gate = pairs * tl.cdiv(I, GATE_N)
-    tk = ticket(ctr_ptr)
-    if tk < n_route:
-        t = tk % T
-        _router_logits(x_ptr, rw_ptr, nw_ptr, logits_ptr, t, tk // T, E, H, s_x, s_r, eps, NORM, BLOCK_G, ROUTER_K)
-        if _route_last(tok_ptr, logits_ptr, w_ptr, ids_ptr, t, E, GROUPS, TOPK, NORMALIZE, BLOCK_E):
-            arrive(ctr_ptr + 1)
-    elif tk < n_route + n_gate:
-        q = tk - n_route
-        wait_for(ctr_ptr + 1, T, ASM)
-        _gate_up_tile(x_ptr, gu_ptr, ids_ptr, act_ptr, nw_ptr, q % pairs, q // pairs, I, H, s_x, s_gue, s_gun, s_a,
-                      eps, TOPK, GATE_N, GATE_K, NORM)
-        arrive(ctr_ptr + 2)
-    else:
-        q = tk - n_route - n_gate
-        t = q % T
-        wait_for(ctr_ptr + 1, T, ASM)
-        rw, rows, acts, rmask, smask, n, nmask = _down_setup(act_ptr, dn_ptr, ids_ptr, w_ptr, t, q // T, H, s_a, s_de,
-                                                             s_dn, TOPK, SLOTS, DOWN_N)
-        k = tl.arange(0, DOWN_K)
-        kmask = k < I
-        w = tl.load(rows + k[None, None, :], mask=rmask & kmask[None, None, :], other=0.0)  # before the wait
-        wait_for(ctr_ptr + 2, n_gate, ASM)
-        a = tl.load(acts + k[None, :], mask=smask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.zeros([SLOTS, DOWN_N, DOWN_K], tl.float32)
-        acc += w.to(tl.float32) * a[:, None, :]  # the first K step, as `_down_steps` takes each
-        acc = _down_steps(acc, rows, acts, rmask, smask, DOWN_K, I, DOWN_K)
-        _down_store(out_ptr, acc, rw, t, n, nmask, s_o, ADD)
-        if last_to_finish(ctr_ptr + 3, T * tl.cdiv(H, DOWN_N)):  # every program has its ticket: all start over
-            tl.store(ctr_ptr, 0)
-            tl.store(ctr_ptr + 1, 0)
-            tl.store(ctr_ptr + 2, 0)
-
-
-def moe_mlp_one_launch(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                       normalize: bool, counters: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-                       residual: torch.Tensor | None = None, pdl: bool = False, block_g: int = ROUTER_GROUP,
-                       router_k: int = 512, gate_n: int = 4, gate_k: int = 512, down_n: int = 2,
-                       down_k: int = 256) -> torch.Tensor:
-    """`moe_experts_small(x, gate_up, down, *moe_router(x, router_w, ...))` in one launch (`_moe_mlp_kernel`), for
-    steps of at most `SMALL_PAIRS` pairs: the routing, the experts' gate_up and their down products, each phase's
-    programs waiting in the launch for the phase before instead of a launch's end, and the down programs loading
-    their first weight tile while the gate_up programs finish. The same code and block sizes as the three launches,
-    so the same bits. `counters`: int32, zero, `PHASE_COUNTERS` + one a token, which every launch leaves zero.
-    `norm`, `residual` as `fused_moe` takes them; returns the output ([T, H], or `residual` with it added)."""
-    T, H, E = _check_router(x, router_w, top_k)
-    if not small_path(T, top_k):
-        raise ValueError(f"one launch: for a step of at most {SMALL_PAIRS} (token, expert) pairs, got {T} x {top_k}")
-    check("gate_up", gate_up, dtype=x.dtype, shape=(E, None, H), device=x.device)
-    check_contiguous("gate_up", gate_up)
-    if gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up: expected [E, 2I, H], got {tuple(gate_up.shape)}")
-    I = gate_up.shape[1] // 2
-    check("down", down, dtype=x.dtype, shape=(E, H, I), device=x.device)
-    check_contiguous("down", down)
-    check("counters", counters, dtype=(torch.int32,), shape=(None,), device=x.device)
-    if counters.numel() < PHASE_COUNTERS + T:
-        raise ValueError(f"counters: {counters.numel()}, this launch needs {PHASE_COUNTERS + T} "
-                         f"({PHASE_COUNTERS} and one a token)")
-    if norm is not None:
-        check("norm weight", norm[0], dtype=x.dtype, shape=(H,), device=x.device)
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
-    check("residual", out, dtype=x.dtype, shape=(T, H), device=x.device)
-    if T == 0:
-        return out
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
-    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    act = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
-    groups = triton.cdiv(E, block_g)
-    programs = T * groups + T * top_k * triton.cdiv(I, gate_n) + T * triton.cdiv(H, down_n)
-    nw, eps = norm if norm is not None else (x, 0.0)
-    _moe_mlp_kernel[(programs,)](
-        x, router_w, nw, logits, weights, ids, act, gate_up, down, out, counters, counters[PHASE_COUNTERS:], T, E, H, I,
-        x.stride(0),
-        router_w.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), float(eps), TOPK=top_k, NORMALIZE=bool(normalize), NORM=norm is not None, GROUPS=groups,
-        BLOCK_G=block_g, ROUTER_K=min(router_k, next_pow2(H)), BLOCK_E=next_pow2(E), GATE_N=gate_n,
-        GATE_K=min(gate_k, next_pow2(H)), DOWN_N=down_n, DOWN_K=min(down_k, next_pow2(I)), SLOTS=next_pow2(top_k),
-        ADD=residual is not None, USE_PDL=pdl, ASM=x.device.type == "cuda", num_warps=4, **pdl_launch(pdl),
+        ADD=residual is not None, num_warps=num_warps,
     )
     return out
 
@@ -624,17 +506,16 @@ def small_path(tokens: int, top_k: int) -> bool:
 
 
 def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, pdl: bool = False, residual: torch.Tensor | None = None,
+                      ids: torch.Tensor, residual: torch.Tensor | None = None,
                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
     per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
     token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
-    product before that sum), so an MoE
-    request's greedy tokens may depend on whether its step was small, as cuBLAS's choice of kernel by
-    GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch invariance). `pdl`: both kernels
-    launched with programmatic dependent launch (`kernels.pdl`). `residual`: the output added into it
-    (`moe_down_sum`); `norm`: x's RMSNorm taken in the gate_up kernel (`moe_gate_up_silu`)."""
-    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, pdl=pdl, norm=norm), down, ids, weights, pdl=pdl,
+    product before that sum), so an MoE request's greedy tokens may depend on whether its step was small, as
+    cuBLAS's choice of kernel by GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch
+    invariance). `residual`: the output added into it (`moe_down_sum`); `norm`: x's RMSNorm taken in the gate_up
+    kernel (`moe_gate_up_silu`)."""
+    return moe_down_sum(moe_gate_up_silu(x, gate_up, ids, norm=norm), down, ids, weights,
                         residual=residual)
 
 
@@ -655,32 +536,25 @@ def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 
 def fused_moe(x, router_w, gate_up, down, top_k: int, normalize: bool, block_m: int | None = None,
-              pdl: bool = False, residual: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-              norm: tuple[torch.Tensor, float] | None = None, one_launch: bool = False):
+              residual: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+              norm: tuple[torch.Tensor, float] | None = None):
     """x [T, H] -> [T, H]: route, then the sort-free path for small steps (`small_path`), else the
-    sorted one (`block_m` is the sorted path's). `pdl`: the routing and the sort-free path's kernels launched with
-    programmatic dependent launch (`kernels.pdl`); the sorted path's launch as they do without. Small steps only:
+    sorted one (`block_m` is the sorted path's). Small steps only:
     `residual`, the output added into it, which is returned (`moe_down_sum`); `counters` (one a token, zero), the
     router's product and the routing in one launch (`moe_router`); `norm` (with `counters`), x is the residual
     stream and its RMSNorm is taken in the router's and the gate_up kernels, so the layer's MLP is three launches
-    and no norm; `one_launch` (with `counters`, `PHASE_COUNTERS` more than a token's), those three in one launch
-    (`moe_mlp_one_launch`)."""
+    and no norm."""
     small = small_path(x.shape[0], top_k)
     if not small and (residual is not None or counters is not None or norm is not None):
         raise ValueError(f"residual, counters, norm: only for a step of at most {SMALL_PAIRS} (token, expert) pairs")
     if norm is not None and counters is None:
         raise ValueError("norm: taken in the router's kernel, which needs counters")
-    if one_launch:
-        if counters is None:
-            raise ValueError("one_launch: routes in its launch, which needs counters")
-        return moe_mlp_one_launch(x, router_w, gate_up, down, top_k, normalize, counters, norm=norm,
-                                  residual=residual, pdl=pdl)
     if counters is not None:
-        weights, ids = moe_router(x, router_w, top_k, normalize, counters, norm=norm, pdl=pdl)
+        weights, ids = moe_router(x, router_w, top_k, normalize, counters, norm=norm)
     else:
-        weights, ids = moe_route(F.linear(x, router_w), top_k, normalize, pdl=pdl)
+        weights, ids = moe_route(F.linear(x, router_w), top_k, normalize)
     if small:
-        return moe_experts_small(x, gate_up, down, weights, ids, pdl=pdl, residual=residual, norm=norm)
+        return moe_experts_small(x, gate_up, down, weights, ids, residual=residual, norm=norm)
     return moe_experts_sorted(x, gate_up, down, weights, ids, block_m)
 
 

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
 from gpu_engine.kernels.kv_cache import write_kv_ref
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.kernels.rmsnorm import rms_norm_ref
 from gpu_engine.kernels.rope import rope_ref
 
@@ -72,9 +71,7 @@ def _store_heads(ptr, sh, y1, y2, y3, rm, pm, ROT_HALF: tl.constexpr, BLOCK_H: t
 def _prep_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr,
                  sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, HQ, HK, eps,
                  NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                 BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                 BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     r = tl.arange(0, BLOCK_R)[None, :]
@@ -111,13 +108,12 @@ def qkv_prep_ref(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, q_no
 
 def qkv_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-             pdl: bool = False) -> None:
+             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> None:
     """`qkv_prep_ref` in one launch: q [T, Hq, D] rotated in place, k/v [T, Hkv, D] into the caches.
 
     q, k, v may be views of one fused QKV output (row and head strides free, last dim contiguous).
     Caches [num_blocks, block_size, Hkv, D] contiguous; cache [max_pos, rotary_dim] fp32 (cos | sin);
-    q_norm / k_norm [D] both or neither. `pdl`: launched with programmatic dependent launch (`kernels.pdl`).
+    q_norm / k_norm [D] both or neither.
     """
     _check(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, q_norm, k_norm)
     T, HQ, D = q.shape
@@ -130,7 +126,7 @@ def qkv_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), HQ, HK, float(eps),
         NORM=norm, D=D, ROT_HALF=rot // 2, BLOCK_HQ=next_pow2(HQ), BLOCK_HK=next_pow2(HK),
         BLOCK_R=next_pow2(max(rot // 2, 1)), BLOCK_P=next_pow2(max(D - rot, 1)), BLOCK_D=next_pow2(D),
-        USE_PDL=pdl, num_warps=4 if HQ * D <= 4096 else 8, **pdl_launch(pdl),
+        num_warps=4 if HQ * D <= 4096 else 8,
     )
 
 

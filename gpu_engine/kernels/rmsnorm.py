@@ -11,16 +11,14 @@ import triton
 import triton.language as tl
 
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check, next_pow2
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     n_inner, sx_m, sx_n, sr_m, so_m, so_n, D, eps,
-    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     m = row // n_inner
     n = row % n_inner
@@ -63,13 +61,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """out = RMSNorm(x [+ residual]) * weight over the last dim of a 2D or 3D `x`.
 
     With `residual` ([M, D], contiguous rows) the sum x + residual is written back into `residual`
-    (the next layer's residual). `out` may alias `x` (used in place for per-head QK-norm). `pdl`: launched with
-    programmatic dependent launch (`kernels.pdl`; CUDA only).
+    (the next layer's residual). `out` may alias `x` (used in place for per-head QK-norm).
     """
     check("x", x, dtype=FLOAT_DTYPES)
     if x.dim() not in (2, 3):
@@ -90,7 +86,6 @@ def rms_norm(
     res = residual if residual is not None else x
     _rmsnorm_kernel[(M * N,)](
         x, res, weight, out, N, sx_m, sx_n, res.stride(0), so_m, so_n, D, float(eps),
-        HAS_RES=residual is not None, BLOCK_D=next_pow2(D), USE_PDL=pdl, num_warps=4 if D <= 4096 else 8,
-        **pdl_launch(pdl),
+        HAS_RES=residual is not None, BLOCK_D=next_pow2(D), num_warps=4 if D <= 4096 else 8,
     )
     return out

@@ -10,15 +10,12 @@ to a workspace; the last program of a tile to finish (an atomic count, which it 
 launch) sums the slices in slice order and writes the tile, all in one launch. The sums therefore do
 not depend on which program finishes last, and a row's output does not depend on the other rows of its
 step among steps that pad to the same power of two (tested). `act="silu_mul"` takes x as the gate_up
-output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded, as `kernels.gemv` does. The
-reference is `kernels.gemv.gemv_ref`.
+output [M, 2K] and applies silu(gate) * up to each x tile as it is loaded. The reference is `tiled_ref`.
 
-Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). The runner uses it only when given a
-configuration or a plan (`tiled=`): a plan (`TILED_PLANS`) names, for each weight shape measured, the configuration
-that beat cuBLAS up to some number of rows on one GPU, and leaves the rest to cuBLAS. An engine takes the plan of
-the GPU it runs on where there is one (`DEFAULT_PLANS`, `resolve_tiled`; `BLINK_TILED_LINEAR` overrides it). On the H200
-the SiLU fused here ran 1.4-8x slower than `activation.silu_and_mul` followed by the plain tiled linear
-(`tiled_down` rows, NAME against NAME_apart), so the runner applies it apart.
+Measured beside cuBLAS by `bench/kernels.py --only tiled` (`TILED_CONFIGS`). A runner takes it only where its
+`KernelPlan` (`kernels.plan`) names a configuration for the weight's shape and the step's rows. On the H200 the SiLU
+fused here ran 1.4-8x slower than `activation.silu_and_mul` followed by the plain tiled linear (`tiled_down` rows,
+NAME against NAME_apart), so the runner applies it apart.
 """
 
 from __future__ import annotations
@@ -29,17 +26,61 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_engine.kernels._checks import check
-from gpu_engine.kernels._sync import last_to_finish, wait_for
+from gpu_engine.kernels._checks import FLOAT_DTYPES, check
+from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.activation import silu_and_mul_ref
-from gpu_engine.kernels.gemv import _x_tile, check_linear, gemv_ref
-from gpu_engine.kernels.pdl import pdl_enter, pdl_launch
 from gpu_engine.kernels.qkv_prep import _check as _check_prep
 from gpu_engine.kernels.qkv_prep import _norm_rotate_values, qkv_prep_ref
 from gpu_engine.kernels.rmsnorm import rms_norm_ref
 
 MAX_ROWS = 128
 SHARED_BYTES = 227 * 1024  # shared memory a block may take on sm_90
+
+
+@triton.jit
+def _x_tile(x_ptr, sx, m, k, M, K, SILU: tl.constexpr):
+    mask = (m[:, None] < M) & (k[None, :] < K)
+    ptrs = x_ptr + m[:, None] * sx + k[None, :]
+    if SILU:
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    """Plain PyTorch: F.linear(act(x), w) in fp32, rounded to x's dtype."""
+    xf = x.float()
+    if act == "silu_mul":
+        g, u = xf.chunk(2, dim=-1)
+        xf = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
+    return (xf @ w.float().T).to(x.dtype)
+
+
+
+def check_linear(x: torch.Tensor, w: torch.Tensor, act: str | None, out: torch.Tensor | None, max_rows: int,
+                 what: str, acts: tuple[str, ...] = ("silu_mul",)) -> tuple[int, int, int, torch.Tensor]:
+    """The launcher's checks: x [M, K] (or [M, 2K] with
+    act="silu_mul") of at most `max_rows` rows, w [N, K] (or [2N, K], gate rows then up rows, with act="glu", where
+    `acts` allows it) of x's dtype and device, `out` [M, N] (allocated when None); each with a contiguous last
+    dimension. Returns (M, N, K, out)."""
+    check("x", x, dtype=FLOAT_DTYPES, shape=(None, None))
+    check("w", w, dtype=x.dtype, shape=(None, None), device=x.device)
+    if act is not None and act not in acts:
+        raise ValueError(f"act: {act!r} is not None or one of {acts}")
+    if act == "silu_mul" and x.shape[1] % 2:
+        raise ValueError(f"x: silu_mul needs [M, 2K], got {tuple(x.shape)}")
+    if act == "glu" and w.shape[0] % 2:
+        raise ValueError(f"w: glu needs [2N, K] (gate rows, then up rows), got {tuple(w.shape)}")
+    M, K = x.shape[0], x.shape[1] // 2 if act == "silu_mul" else x.shape[1]
+    if M > max_rows:
+        raise ValueError(f"x: {M} rows, {what} takes at most {max_rows}")
+    N = w.shape[0] // 2 if act == "glu" else w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w: shape {tuple(w.shape)} does not match K = {K}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, dtype=x.dtype, shape=(M, N), device=x.device)
+    return M, N, K, out
 
 
 @triton.jit
@@ -95,21 +136,9 @@ def _finish(optrs, omask, acc, acc_u, GLU: tl.constexpr, ADD: tl.constexpr):
 def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
                   SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  PREC: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    _tiled_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
-                   tl.program_id(0), tl.program_id(1), x_ptr, 0, SILU, GLU, NORM, ADD, BLOCK_M, BLOCK_N, BLOCK_K,
-                   SPLIT_K, PREC, False, False)
-
-
-@triton.jit
-def _tiled_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps, pn, s,
-                   wait_ptr, wait_n, SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   PREC: tl.constexpr, WAIT: tl.constexpr, ASM: tl.constexpr):
-    """Column tile pn, slice s of K (`_tiled_kernel`'s program). WAIT (a phase of a launch whose x is written by an
-    earlier phase, `_sync.wait_for`): the slice's first weight tile is loaded, then the program waits for `wait_n`
-    arrivals at `wait_ptr`, then goes on as without it (the first K step taken before the loop: the same sums)."""
+                  PREC: tl.constexpr):
+    """Program (column tile pn, slice s of K)."""
+    pn, s = tl.program_id(0), tl.program_id(1)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     rows = w_ptr + n[:, None].to(tl.int64) * sw
@@ -117,22 +146,7 @@ def _tiled_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, 
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: the up half's sums (rows N.. of w)
     gram = tl.zeros([BLOCK_M, BLOCK_M], tl.float32)  # NORM: x @ x.T over this slice of K, the squares its diagonal
     k_lo = s * k_split  # k_split is a multiple of BLOCK_K: a tile never straddles two slices
-    start = k_lo
-    if WAIT:
-        k = k_lo + tl.arange(0, BLOCK_K)
-        wmask = (n[:, None] < N) & (k[None, :] < K)
-        w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
-        if GLU:
-            w_u = tl.load(rows + N * sw + k[None, :], mask=wmask, other=0.0)
-        wait_for(wait_ptr, wait_n, ASM)
-        x = _x_tile(x_ptr, sx, m, k, M, K, SILU)
-        if NORM:
-            x, gram = _weighted(x, gram, nw_ptr, k, K, PREC)
-        acc += tl.dot(x, tl.trans(w), input_precision=PREC)
-        if GLU:
-            acc_u += tl.dot(x, tl.trans(w_u), input_precision=PREC)
-        start = k_lo + BLOCK_K
-    for k0 in range(start, tl.minimum(k_lo + k_split, K), BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         wmask = (n[:, None] < N) & (k[None, :] < K)
         w = tl.load(rows + k[None, :], mask=wmask, other=0.0)
@@ -215,24 +229,12 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                         qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps,
                         NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PASS: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr):
     """The qkv product with `qkv_prep` as its output: program (head, slice) takes one head's D weight rows in three
     tiles (the rotary halves and the pass-through, PASS: whether the head has one, D > 2 x ROT_HALF), so the rotation
     pairs lie in one program; the sums of the slices of K meet as in `_tiled_kernel` (the workspace's columns are
     the product's)."""
-    pdl_enter(USE_PDL)
-    _heads_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
-                   qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps, tl.program_id(0), tl.program_id(1),
-                   NORM, QK_NORM, D, ROT_HALF, BLOCK_M, BLOCK_R, BLOCK_P, PASS, BLOCK_K, SPLIT_K, PREC)
-
-
-@triton.jit
-def _heads_program(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
-                   qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps, head, s,
-                   NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PASS: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr):
-    """Head `head`, slice s of K (`_tiled_heads_kernel`'s program)."""
+    head, s = tl.program_id(0), tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
@@ -333,105 +335,6 @@ TILED_CONFIGS = {
 }
 MAX_SPLIT = 8
 
-# Plans: for each weight shape (N, K), (most rows, configuration) pairs in increasing rows; steps past the last, and
-# weights of shapes a plan does not name (other models, whose kernels were not measured), go to cuBLAS. "h200": the
-# Llama-3-8B projections' fastest configurations where they beat cuBLAS by more than the run's noise on the H200
-# (`bench/results/kernels_tiled.json`; the down projection with the SiLU apart): 1-3 us a projection at 1-64 rows,
-# none at 128, none on the LM head. And Qwen3-30B-A3B's qkv and o up to 8 rows, the steps its MoE layers take
-# sort-free (`moe.small_path`): alone, its qkv was 0.4 us slower than cuBLAS's, but with the fused forms
-# ("h200+fused", the H200's default) the norm, q/k preparation and residual adds come with them, and its decode
-# step at batch 1 and 8 measured 0.34-0.38 ms shorter (3.30 against 3.66 ms at batch 1, context 512;
-# `bench/results/roofline_moe_b1_8_*.json`).
-Plan = dict[tuple[int, int] | None, tuple[tuple[int, str], ...]]  # None: any shape
-TILED_PLANS: dict[str, Plan] = {
-    "h200": {(6144, 4096): ((1, "n64_k128_s4"),),  # qkv
-             (4096, 4096): ((16, "n64_k128_s4_x2"), (32, "n64_k128_s4")),  # o
-             (28672, 4096): ((64, "n128_k64_s4_w8"),),  # gate_up
-             (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4")),  # down
-             (5120, 2048): ((8, "n64_k128_s4"),),  # Qwen3-30B-A3B qkv
-             (2048, 4096): ((8, "n64_k128_s4_x2"),)},  # Qwen3-30B-A3B o
-    # h200 with qkv and o tiled up to 64 rows, where cuBLAS was 0.6-1.8 us faster alone, and Qwen3-30B-A3B's qkv
-    # and o with the same configurations (not measured alone): for the fused forms (NAME+fused), whose norm, q/k/v
-    # preparation and residual add come only with the tiled linear. To be measured against h200+fused
-    # (`scripts/gpu_run.sh` roofline_variants; the MoE rows with `bench/roofline.py --models moe --tiled`).
-    "h200_wide": {(6144, 4096): ((64, "n64_k128_s4"),),
-                  (4096, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4")),
-                  (28672, 4096): ((64, "n128_k64_s4_w8"),),
-                  (4096, 14336): ((32, "n64_k128_s4_x2"), (64, "n64_k128_s4")),
-                  (5120, 2048): ((64, "n64_k128_s4"),),  # Qwen3-30B-A3B qkv
-                  (2048, 4096): ((16, "n64_k128_s4_x2"), (64, "n64_k128_s4"))},  # Qwen3-30B-A3B o
-}
-# h200 with gate_up through a 4-warp configuration (`n64_k128_s3_x2`, level with the best on gate_up alone at 1-64
-# rows on the H200, not measured fused): every product of a step then has 4 warps, which a dense MLP half in one
-# launch needs (`kernels.phased.mlp_half_one_launch`, BLINK_ONE_LAUNCH=mlp). To be measured against h200+fused.
-TILED_PLANS["h200_4w"] = {**TILED_PLANS["h200"], (28672, 4096): ((64, "n64_k128_s3_x2"),)}
-# h200_4w with qkv's K split for the two heads programs an SM run (the heads kernel's stages fit two: `heads_stages`),
-# not one: at one row the Llama-3-8B heads take 5 slices, 240 programs in one wave of 264, where the `n64_k128_s4`
-# split (8 slices, 384 programs) takes 1.45 waves; Qwen3-30B-A3B's 6 slices, 240 programs, where 3 left 120 of the
-# 264 places empty. Other sums than h200's (the slices). Not measured.
-TILED_PLANS["h200_4wq"] = {**TILED_PLANS["h200_4w"], (6144, 4096): ((1, "n64_k128_s4_x2"),),
-                           (5120, 2048): ((8, "n64_k128_s4_x2"),)}
-
-
-# The plan an engine takes by default on the GPU it was measured on (by torch's device name); elsewhere cuBLAS. On
-# the H200 with the fused forms: the Llama-3-8B step at batch 1 and 8 measured 1.25x and 1.31x its floor against
-# 1.31x and 1.33x unfused, side by side (`bench/results/roofline_b1_8_h200*.json`), once the norm's squares came
-# from a dot (`_weighted`).
-DEFAULT_PLANS = {"NVIDIA H200": "h200+fused"}
-
-
-class Fusion(NamedTuple):
-    """The fused forms a runner gives a decode layer's tiled linears (`tiled_linear`): the RMSNorm before qkv and
-    gate_up in their x tiles for steps of at most `norm_rows` rows, the SiLU-and-multiply as gate_up's output
-    (act="glu"), the o and down outputs added into the residual stream (`residual=`), and `qkv_prep` as the qkv
-    product's output (`heads=`: a program a head). An MoE layer's small steps take the same in its own kernels
-    (`kernels.moe.fused_moe`: the norm in the router's and gate_up kernels, the router's product and the routing
-    in one launch, the experts' output added into the stream). A product that goes to cuBLAS or the skinny matmul
-    takes the unfused kernels. And the decode attention's splits are folded by the last of their programs
-    (`attention.decode_attention`'s "last" form), one launch a layer fewer, in decode steps of one row
-    (`attention.LAST_FOLD_ROWS`)."""
-
-    norm_rows: int
-
-
-NORM_ROWS = MAX_ROWS  # the fused RMSNorm's default row limit (NAME+fused): every step the tiled linear takes
-
-
-def tiled_fusion(setting: str) -> tuple[str, Fusion | None]:
-    """(plan or configuration name, fusion) of a `tiled` setting: NAME alone, no fusion; NAME+fused, every fused form
-    with the RMSNorm up to NORM_ROWS rows; NAME+fused:ROWS, up to ROWS (0 to MAX_ROWS; 0, never)."""
-    name, sep, rest = setting.partition("+")
-    if not sep:
-        return setting, None
-    kind, colon, rows = rest.partition(":")
-    if kind != "fused" or colon and not (rows.isdigit() and int(rows) <= MAX_ROWS):
-        raise ValueError(f"tiled: {setting!r}: after the name, only +fused or +fused:ROWS (0-{MAX_ROWS})")
-    return name, Fusion(int(rows) if colon else NORM_ROWS)
-
-
-def resolve_tiled(setting: str, device_name: str) -> str | None:
-    """What the runner's `tiled` gets from a setting (`BLINK_TILED_LINEAR`, `bench/roofline.py --tiled`): "" or
-    "auto", this GPU's default plan (None, cuBLAS, where there is none); "off", None; otherwise the name itself,
-    a plan or a configuration, optionally +fused (`tiled_fusion`), checked by `tiled_plan`."""
-    if setting in ("", "auto"):
-        return DEFAULT_PLANS.get(device_name)
-    if setting == "off":
-        return None
-    tiled_plan(setting)
-    return setting
-
-
-def tiled_plan(setting: str) -> Plan:
-    """The `TILED_PLANS` entry the setting names, or, for a `TILED_CONFIGS` name, that configuration for every
-    weight of up to MAX_ROWS rows (key None); a +fused suffix (`tiled_fusion`) is checked and left aside."""
-    name, _ = tiled_fusion(setting)
-    if name in TILED_PLANS:
-        return TILED_PLANS[name]
-    if name in TILED_CONFIGS:
-        return {None: ((MAX_ROWS, name),)}
-    raise ValueError(f"tiled: {name!r} is neither a plan ({sorted(TILED_PLANS)}) nor a configuration "
-                     f"({sorted(TILED_CONFIGS)})")
-
 
 def tiled_split(N: int, K: int, block_n: int, block_k: int, per_sm: int, sms: int) -> tuple[int, int]:
     """(slices, slice width in K), the width a multiple of block_k. One slice where the column tiles alone fill
@@ -505,7 +408,7 @@ def _split_scratch(scratch: tuple[torch.Tensor, torch.Tensor] | None, split: int
 
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: torch.Tensor | None = None,
                  block_n: int = 64, block_k: int = 128, per_sm: int = 1, num_warps: int = 4, num_stages: int = 4,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                  norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
                  heads: Heads | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with act="silu_mul") and w [N, K] (or [2N, K] with act="glu") -> out [M, N];
@@ -529,8 +432,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
       of `out` are written.
 
     `scratch`: (workspace, counters) from `tiled_scratch`, large enough for N; without it a launch that splits K
-    allocates its own (and zeroes its counters: a memset more). `pdl`: launched
-    with programmatic dependent launch (`kernels.pdl`; CUDA only)."""
+    allocates its own (and zeroes its counters: a memset more)."""
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two >= 16")
     glu = act == "glu"
@@ -552,7 +454,7 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     if heads is not None:
         if act is not None or residual is not None:
             raise ValueError("heads: the qkv_prep output takes a plain product, without act or residual")
-        _tiled_heads(x, w, out, heads, norm, block_k, per_sm, num_warps, num_stages, scratch, pdl)
+        _tiled_heads(x, w, out, heads, norm, block_k, per_sm, num_warps, num_stages, scratch)
         return out
     silu = act == "silu_mul"
     grid = tiled_grid(M, N, K, TiledConfig(block_n, block_k, per_sm, num_warps, num_stages), x, glu, silu,
@@ -562,8 +464,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, act: str | None = None, out: 
     _tiled_kernel[(grid.tiles, grid.split)](
         x, w, out, ws, cnt, nw, M, N, K, x.stride(0), w.stride(0), out.stride(0), grid.width, float(eps), SILU=silu,
         GLU=glu, NORM=norm is not None, ADD=residual is not None, BLOCK_M=grid.block_m, BLOCK_N=grid.tile_n,
-        BLOCK_K=block_k, SPLIT_K=grid.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        num_warps=num_warps, num_stages=grid.stages, **pdl_launch(pdl),
+        BLOCK_K=block_k, SPLIT_K=grid.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        num_stages=grid.stages,
     )
     return out
 
@@ -582,8 +484,7 @@ class TiledGrid(NamedTuple):
 
 def tiled_grid(M: int, N: int, K: int, config: TiledConfig, x: torch.Tensor, glu: bool = False, silu: bool = False,
                norm: bool = False) -> TiledGrid:
-    """The cut of `tiled_linear`'s launch with `config` (N output columns: half the weight's rows with glu), the same
-    for every launch that runs its program (`kernels.phased`), so that the sums are the same."""
+    """The cut of `tiled_linear`'s launch with `config` (N output columns: half the weight's rows with glu)."""
     tile_n = config.block_n // 2 if glu else config.block_n  # glu: half its weight rows a program
     split, width = tiled_split(N, K, tile_n, config.block_k, config.per_sm, _sms(x.device))
     block_m = max(16, triton.next_power_of_2(M))
@@ -615,8 +516,7 @@ def heads_warps(rows: int, config: TiledConfig) -> int:
 
 
 def heads_grid(x: torch.Tensor, w: torch.Tensor, heads: Heads, norm: bool, config: TiledConfig) -> HeadsGrid:
-    """The cut of `tiled_linear`'s launch with `heads` and `config` (checked: the heads divide the product), the same
-    for every launch that runs its program (`kernels.phased`)."""
+    """The cut of `tiled_linear`'s launch with `heads` and `config` (checked: the heads divide the product)."""
     (M, K), N = x.shape, w.shape[0]
     HQ, HK = heads.num_heads, heads.num_kv_heads
     D = N // max(1, HQ + 2 * HK)
@@ -637,7 +537,7 @@ def heads_grid(x: torch.Tensor, w: torch.Tensor, heads: Heads, norm: bool, confi
 
 def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Heads,
                  norm: tuple[torch.Tensor, float] | None, block_k: int, per_sm: int, num_warps: int, num_stages: int,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None, pdl: bool) -> None:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """`tiled_linear` with `heads`: checks, then `_tiled_heads_kernel` (a program a head and slice of K)."""
     M = x.shape[0]
     HQ, HK = heads.num_heads, heads.num_kv_heads
@@ -655,8 +555,8 @@ def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Hea
         heads.q_norm if qk else out, heads.k_norm if qk else out, M, x.shape[1], HQ, HK, x.stride(0), w.stride(0),
         out.stride(0), g.width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
         ROT_HALF=g.rot_half, BLOCK_M=g.block_m, BLOCK_R=g.block_r, BLOCK_P=g.block_p, PASS=g.passing,
-        BLOCK_K=block_k, SPLIT_K=g.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        num_warps=g.warps, num_stages=g.stages, **pdl_launch(pdl),
+        BLOCK_K=block_k, SPLIT_K=g.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=g.warps,
+        num_stages=g.stages,
     )
 
 
@@ -667,7 +567,7 @@ def tiled_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None, norm: tu
     them (the caches written as it writes them)."""
     if norm is not None:
         x = rms_norm_ref(x, norm[0], norm[1])[0]
-    y = gemv_ref(x, w, act if act == "silu_mul" else None)
+    y = linear_ref(x, w, act if act == "silu_mul" else None)
     if act == "glu":
         y = silu_and_mul_ref(y)
     if residual is not None:
