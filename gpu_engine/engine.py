@@ -87,8 +87,8 @@ class RingEngine:
                 self._end(self.by_slot[idx], Finish.CANCELLED)
 
     def _accept(self, idx: int, seq: int, meta: np.void) -> None:
-        plen, max_new = int(meta["prompt_len"]), int(meta["max_new_tokens"])
-        if plen + max_new > self.max_context or not self.policy.can_ever_fit(plen, max_new):
+        plen, max_new_tokens = int(meta["prompt_len"]), int(meta["max_new_tokens"])
+        if plen + max_new_tokens > self.max_context or not self.policy.can_ever_fit(plen, max_new_tokens):
             self._refuse(idx, L.ErrorCode.NO_CAPACITY)
             return
         prompt, bias = self.slots.prompt(idx, plen), self._logit_bias(idx, plen, meta["sampling"])
@@ -106,7 +106,7 @@ class RingEngine:
         if spec.prompt_logprobs >= 0 and not self._prompt_logprobs_fit(plen, spec.prompt_logprobs):
             self._refuse(idx, L.ErrorCode.BAD_PARAMS)
             return
-        req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new,
+        req = Request(slot=idx, seq=seq, request_id=rid, prompt=prompt.tolist(), max_new_tokens=max_new_tokens,
                       arrival=self.arrivals, sampling=spec, salt=int(meta["cache_salt"]))
         self.arrivals += 1
         self.by_slot[idx] = req

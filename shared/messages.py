@@ -57,6 +57,15 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     are OpenAI's (``presence_penalty``, ``frequency_penalty``: over output tokens) and vLLM's
     (``repetition_penalty``: over prompt and output tokens, 1 = off); ``min_tokens`` suppresses the
     stop ids and EOS until that many tokens were generated.
+
+    Names along the route: a field keeps its name from here to the ring (``Slot`` in ``schema/ring.fbs``),
+    the Python engine (``SamplingSpec``, ``Request``) and the CUDA scheduler (``ReqInfo`` in
+    ``gpu_engine/csrc/sched_state.cuh``). Where a name changes, it changes at the API, for a reason:
+    ``max_new_tokens`` is what is left of OpenAI's ``max_tokens`` or ``max_completion_tokens`` once the
+    gateway has cut it to the server's limits (``dpu_gateway/params.max_new_tokens``), a different
+    value; ``top_logprobs`` is the ring's ``num_top_logprobs`` and ``prompt_logprobs`` its
+    ``num_prompt_logprobs`` (the ring's counts are unsigned, with a flag for "none"); the penalties are
+    ``rep``, ``freq``, ``pres`` inside the CUDA scheduler only.
     """
 
     max_new_tokens: int

@@ -85,9 +85,9 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->seq = sl->seq;
   r->request_id = sl->request_id;
   r->prompt_len = sl->prompt_len;
-  r->max_new = sl->max_new_tokens;
+  r->max_new_tokens = sl->max_new_tokens;
   r->flags = sl->sampling.flags;
-  r->temp = sl->sampling.temperature;
+  r->temperature = sl->sampling.temperature;
   r->top_p = sl->sampling.top_p;
   r->top_k = sl->sampling.top_k;
   r->min_p = sl->sampling.min_p;
@@ -111,9 +111,9 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->num_hashed = r->num_registered = 0;
   r->cached_tokens = -1;
   const blink_sched_config &c = s->cfg;
-  uint32_t total = r->prompt_len + r->max_new;
-  bool ok = r->prompt_len >= 1 && r->prompt_len <= c.max_prompt && r->max_new >= 1 && r->max_new <= c.max_output &&
-            total <= c.max_context && blocks_for(s, total) <= c.num_blocks &&
+  uint32_t total = r->prompt_len + r->max_new_tokens;
+  bool ok = r->prompt_len >= 1 && r->prompt_len <= c.max_prompt && r->max_new_tokens >= 1 &&
+            r->max_new_tokens <= c.max_output && total <= c.max_context && blocks_for(s, total) <= c.num_blocks &&
             blocks_for(s, total) <= c.max_blocks_per_seq && (c.chunked || total - 1 <= c.max_tokens);
   st_rel64(const_cast<uint64_t *>(&sl->admit_ns), now_ns() + c.clock_offset_ns);
   return ok;

@@ -281,7 +281,7 @@ __device__ uint32_t finish_reason(SchedState *s, const ReqInfo *r, int32_t tok) 
   if (!(r->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS))
     for (uint32_t k = 0; k < s->cfg.num_eos; ++k)
       if (s->cfg.eos_ids[k] == tok) return BLINK_FINISH_REASON_EOS;
-  if (r->out_len + 1 >= r->max_new) return BLINK_FINISH_REASON_LENGTH;
+  if (r->out_len + 1 >= r->max_new_tokens) return BLINK_FINISH_REASON_LENGTH;
   return BLINK_FINISH_REASON_NONE;
 }
 

@@ -32,13 +32,13 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 
 struct ReqInfo {
   uint64_t request_id, seed;
-  uint32_t seq, phase, arrival, prompt_len, max_new, out_len, num_blocks, flags;
+  uint32_t seq, phase, arrival, prompt_len, max_new_tokens, out_len, num_blocks, flags;
   uint32_t cached;                      // tokens whose KV is in the cache (a chunked prefill's progress)
   uint64_t salt;                        // the prefix cache's salt (Slot.cache_salt)
   uint32_t num_hashed, num_registered;  // blocks of req_hashes computed; leading blocks in the prefix cache
   int32_t cached_tokens;                // prompt tokens found at the first admission (-1: not yet)
   uint32_t num_stop, num_top;
-  float temp, top_p, min_p;
+  float temperature, top_p, min_p;
   int32_t top_k;
   int32_t stop_ids[kMaxStopIds];
   float rep, freq, pres;          // the penalties (rep 1: off; an older writer's 0 read as 1)

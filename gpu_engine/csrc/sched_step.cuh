@@ -23,7 +23,7 @@ enum Action : uint32_t { kActionIdle = 0, kActionRun = 1, kActionRelaunch = 2, k
 // policy.needs_filter: a row samples (temperature > 0) with top-k, top-p or min-p not off, "off"
 // read exactly as filter_logits reads it (so a NaN counts as on, like on the Python side).
 __device__ bool row_filters(const ReqInfo *q) {
-  return q->temp > 0.f && !(q->top_k <= 0 && q->top_p >= 1.f && q->min_p <= 0.f);
+  return q->temperature > 0.f && !(q->top_k <= 0 && q->top_p >= 1.f && q->min_p <= 0.f);
 }
 
 // SeqWork.samples: the row's token is used (a decode, or the chunk that ends its prompt).
@@ -127,7 +127,7 @@ __device__ void stage_rows(SchedState *s, const uint32_t *cu, uint32_t n, uint32
     c.decode_ctx[r] = real && r < nd ? s->plan_cached[r] + s->plan_new[r] : 0;
     // log-probs only for the rows that asked and whose token is used (runner.StepBuffers.want_logprobs)
     c.want_logprobs[r] = real && (q->flags & BLINK_SAMPLING_FLAGS_WANT_LOGPROBS) && row_samples(s, r) ? 1 : 0;
-    c.temperature[r] = real ? q->temp : 0.f;
+    c.temperature[r] = real ? q->temperature : 0.f;
     c.top_k[r] = real ? q->top_k : 0;
     c.top_p[r] = real ? q->top_p : 1.f;
     c.min_p[r] = real ? q->min_p : 0.f;
