@@ -98,8 +98,8 @@ def load_cpu_weights(cfg: EngineConfig) -> CpuWeights:
     own_pool = fmt.packed and cfg.cpu_weights in ("auto", "int8act") and quant_kernels_available()
     # The quantized kernels split their products over their own pool, by default on every core: its workers
     # sleep while the engine idles, and it runs on one thread while the cores are contended (measured on 2
-    # cores beside llama.cpp: every speed row better than one thread, BENCHMARKS.md). torch keeps one thread
-    # then: its OpenMP workers, spinning after every op, took the pool's core (a decode step of 21.6 ms with
+    # cores beside llama.cpp: every speed row better than one thread, docs/benchmarks-history.md). torch keeps one
+    # thread then: its OpenMP workers, spinning after every op, took the pool's core (a decode step of 21.6 ms with
     # both on two threads, 17.6 ms with the pool alone).
     threads = (cfg.threads or len(os.sched_getaffinity(0))) if own_pool else cfg.cpu_threads
     KernelThreads.count = threads if own_pool else 0

@@ -29,8 +29,8 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
 # half as long as in a 2,048-token one: beside 2,048 on the same machine it gave 0.91-0.96x the TPOT p50 and
-# 1.01-1.05x the throughput of the peer study, for 1.07x the TTFT p99 at 10 req/s (BENCHMARKS.md, the step's
-# token budget). On the CPU a 256-token chunk of the embedded model takes about as long as a few decode steps,
+# 1.01-1.05x the throughput of the peer study, for 1.07x the TTFT p99 at 10 req/s (docs/benchmarks-history.md,
+# the peer study). On the CPU a 256-token chunk of the embedded model takes about as long as a few decode steps,
 # so a long prompt delays the other streams by a fraction of a second per chunk.
 DEFAULT_TOKEN_BUDGET = {"gpu": 1024, "cpu": 256}
 
@@ -70,7 +70,7 @@ class EngineConfig:
                              "first (llama.cpp's arithmetic: faster, greedy tokens within the bound "
                              "tests/test_cpu_q4.py states); fp16: every linear fp16; int4: the decoder layers' "
                              "linears as int4 (groups of 32 with a scale and a minimum, bf16 activations: greedy "
-                             "tokens within the bound BENCHMARKS.md states)", choices=CPU_WEIGHTS)
+                             "tokens within the bound tests/test_cpu_int4.py holds)", choices=CPU_WEIGHTS)
     gpu_weights: str = _flag("auto", "GPU backends: the weights' form. auto: a GGUF's Q8_0 linears (the decoder "
                              "layers' dense projections and an untied LM head) and Q8_0 token table kept as int8 "
                              "codes with their fp16 scales (8.5 bits a weight), the linears multiplied by the Q8_0 "

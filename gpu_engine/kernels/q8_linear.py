@@ -8,7 +8,7 @@ dtype holds). Held that way the weight takes 8.5 bits against bf16's 16.
 The product dequantizes the weight, ``CHUNK`` values (whole rows) at a time, into a scratch that cuBLAS
 multiplies: the dense model's weights and product (the same bits where the weight is one chunk, as every
 projection of an 8B Llama is; its LM head goes in four). Measured on the H200 (``bench/kernels.py --only q8``,
-BENCHMARKS.md): a prefill chunk of 2,048 rows costs 1.07-1.21x cuBLAS on the bf16 weight, but a decode step
+docs/benchmarks-history.md): a prefill chunk of 2,048 rows costs 1.07-1.21x cuBLAS on the bf16 weight, but a decode step
 2.5-3.3x, since it reads the codes and writes and reads the bf16 scratch. Kernels that dequantized inside the
 product (Triton ``tl.dot`` tiles, then the same split along K for decode steps) ran 9.6-19x slower than cuBLAS
 at decode sizes and were dropped, and so was a matrix-vector kernel without the dot for steps of up to 8 rows
