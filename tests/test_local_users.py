@@ -10,7 +10,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -266,9 +265,8 @@ def test_a_symlink_under_the_rings_name_is_not_followed(ring_name: str, tmp_path
 @as_root
 def test_serve_refuses_a_ring_name_taken_by_another_user(ring_name: str, tmp_path: Path) -> None:
     squat(ring_name)
-    started = time.monotonic()
     out = blink("serve", "--ring", ring_name, "--run-dir", str(tmp_path / "run"),
                 "--engine-module", "tests.helpers.fake_engine")
-    assert out.returncode == 2 and time.monotonic() - started < 30
+    assert out.returncode == 2
     assert f"blink serve: ring {ring_name}: {SHM_DIR / ring_name} is a segment owned by uid {OTHER}" in out.stderr
     assert os.lstat(SHM_DIR / ring_name).st_uid == OTHER

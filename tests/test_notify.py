@@ -127,8 +127,8 @@ def test_the_engine_wakes_the_reader_per_step_and_the_tracker_wakes_the_engine(r
         cache.writer.publish(idx, seq, SlotRequest(9, np.array([5, 6, 7], np.int32), m.Sampling(3, ignore_eos=True)))
         lane.wake_engine()
         t0 = time.monotonic()
-        engine.wait_for_work(5.0)  # woken at once
-        assert time.monotonic() - t0 < 1.0
+        engine.wait_for_work(60.0)  # woken, not after the whole timeout (however slow the host)
+        assert time.monotonic() - t0 < 60.0
         assert not readable(reader_end)
         assert engine.step()
         engine.wake_reader()

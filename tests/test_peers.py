@@ -4,7 +4,8 @@ End to end on the CPU: two invocations into one results file, one serving the em
 ``blink serve`` started from a command line (the peer's code path, the one vLLM takes), one through Blink's own
 mode; the records' shape, their counts, the same requests for both systems, and both kept after the merge.
 Nothing may be left running. The window's bookkeeping, the plateau's bisection, the vLLM log parser, the merge
-and the table run on plain data.
+and the table run on plain data. In CI the end-to-end part is its short form (one system, one point); the long
+one, with a co-tenant and two invocations merged, is marked ``slow`` (``python -m pytest -m slow tests/test_peers.py``).
 """
 
 from __future__ import annotations
@@ -79,14 +80,38 @@ def check_record(rec: dict[str, Any], served: bool = True) -> None:
     assert cache is not None and cache["hits"] <= cache["queries"], cache
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for co-tenants")
-def test_blink_and_a_command_line_peer_in_one_file(tmp_path: Path) -> None:
+def peer_command(tmp_path: Path) -> tuple[str, str]:
+    """(ring, the ``--peer`` command): ``blink serve`` on the CPU started from a command line, as vLLM is."""
     ring = f"blink-peer-{uuid.uuid4().hex[:8]}"
     command = (f"BLINK_LOG_JSON=1 BLINK_HEARTBEAT_TIMEOUT_S=10 exec {{python}} -m blink.cli serve --backend cpu "
                f"--port {{port}} --ring {ring} --run-dir {tmp_path / 'peer-run'} --max-batch {{max_num_seqs}} "
                "--max-prompt-tokens 64 --max-output-tokens 16 --drain-timeout 5 --no-standby-engine")
-    first, log = invoke(tmp_path, "cpupeer", "none,moderate", ["--peer", f"cpupeer:blink={command}"])
+    return ring, f"cpupeer:blink={command}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
+def test_a_command_line_peer_measured_and_stopped(tmp_path: Path) -> None:
+    """The short form: one system started from its command line, one point; the record, the settings read from
+    the peer's log, the plots, and nothing left running. The long form below adds a co-tenant and a merge."""
+    ring, peer = peer_command(tmp_path)
+    out, log = invoke(tmp_path, "cpupeer", "none", ["--peer", peer])
+    assert not wait_none(ring), "the peer outlived the study"
+    assert [(r["system"], r["cotenant"]) for r in out["records"]] == [("cpupeer", "none")], log
+    check_record(out["records"][0])
+    peer_info = out["systems"]["cpupeer"]
+    assert peer_info["kind"] == "blink" and peer_info["settings"]["max_context"] == 80 and peer_info["exit_code"] == 0
+    assert {(p["system"], p["cotenant"]) for p in out["plateau"]} == {("cpupeer", "none")} and not out["errors"]
+    for name in ("peers_latency.png", "peers_throughput.png"):
+        assert (tmp_path / name).stat().st_size > 10000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for co-tenants")
+def test_blink_and_a_command_line_peer_in_one_file(tmp_path: Path) -> None:
+    ring, peer = peer_command(tmp_path)
+    first, log = invoke(tmp_path, "cpupeer", "none,moderate", ["--peer", peer])
     assert not wait_none(ring), "the peer outlived the study"
     assert [(r["system"], r["cotenant"]) for r in first["records"]] == [
         ("cpupeer", "none"), ("cpupeer", "moderate")], log

@@ -11,7 +11,9 @@ engine is restarted. Requests fail only where the design lets them: those in fli
 its restart, with the defined error. No stream is lost or changed when the reader is replaced: the
 streams it carried at the moment it was stopped all complete, and every completed stream has the
 same text (one greedy prompt), so a token lost or repeated shows. The ring's slots and KV blocks all
-come back after each round. The counts are printed.
+come back after each round. The counts are printed. CI runs the short form (a gateway, then the previous minor's
+tracker and reader); the long one, every service and the engine, is marked ``slow``
+(``python -m pytest -m slow tests/test_rolling_upgrade.py``).
 """
 
 from __future__ import annotations
@@ -283,19 +285,26 @@ class Outcome:
     rests: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
-async def drive(dep: Deployment, old_tree: Path) -> Outcome:
-    """Three rounds of load, the ring read at rest after each: the services but the reader, the reader
-    (by this build, then by the previous minor's), the engine."""
+def rounds_of(old_tree: Path, long: bool) -> dict[str, list[tuple[str, Path]]]:
+    """The long form: three rounds, the services but the reader, the reader (by this build, then by the previous
+    minor's), the engine. The short one: a new gateway and the previous minor's tracker, then its reader."""
+    if not long:
+        return {"gateway, tracker": [("gateway", ROOT), ("tracker", old_tree)], "reader": [("reader", old_tree)]}
+    return {"gateway, tokenizer, tracker": [("gateway", ROOT), ("tokenizer", old_tree), ("tracker", old_tree)],
+            "reader": [("reader", ROOT), ("reader", old_tree)], "engine": [("engine", ROOT)]}
+
+
+async def drive(dep: Deployment, rounds: dict[str, list[tuple[str, Path]]]) -> Outcome:
+    """Rounds of load, the ring read at rest after each."""
     out = Outcome()
-    rounds = {"gateway, tokenizer, tracker": [("gateway", ROOT), ("tokenizer", old_tree), ("tracker", old_tree)],
-              "reader": [("reader", ROOT), ("reader", old_tree)], "engine": [("engine", ROOT)]}
     for label, steps in rounds.items():
         out.results += await under_load(dep, out.phases, steps)
         out.rests[label] = await asyncio.to_thread(rest_after, dep.ring, REST_TIMEOUT_S)
     return out
 
 
-def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> None:
+@pytest.mark.parametrize("long", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["short", "long"])
+def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path, long: bool) -> None:
     commit = previous_minor_commit()
     if commit is None:
         pytest.skip("no commit of the previous schema minor in this checkout's history (needs a git clone)")
@@ -305,7 +314,7 @@ def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> N
                                                                                              "gateway-0")]
     for svc in started:
         wait_ready(dep, svc)
-    out = asyncio.run(drive(dep, old_tree))
+    out = asyncio.run(drive(dep, rounds_of(old_tree, long)))
     counts = loadgen.summary(out.results)
     failed_by_phase, wrong = loadgen.classify_failures(out.results, out.phases)
     handed_over = loadgen.across_cuts(out.results, out.phases)
@@ -314,7 +323,7 @@ def test_rolling_upgrade_under_load(deployment: Deployment, tmp_path: Path) -> N
         "streams_across_reader_replacement": {k: len(v) for k, v in handed_over.items()},
         "phases_s": {p.name: round(p.end - p.start, 2) for p in out.phases},
         "ring_at_rest": out.rests}))
-    assert counts["completed"] >= 20, counts
+    assert counts["completed"] >= 1, counts  # how many depends on the host's speed; that none went wrong does not
     assert not wrong, wrong
     for name, streams in handed_over.items():  # the reader's streams were handed over, not lost
         assert streams, f"{name}: no stream was in flight when the old reader stopped"

@@ -249,12 +249,10 @@ async def test_drain_limit_cuts_and_a_stuck_engine_stops_the_mode(fake: FakeServ
     fake.hang = True
     out = ss.ModeResult()
     budget = ss.Budget(time.monotonic() + 60.0, 2.0)
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="not serving"):
         await ss.sweep(None, fake.url, plan([20.0, 20.0], drain_s=0.5), "persistent", "cpu", budget, False, [],
                        5.0, out)
-    assert time.monotonic() - t0 < 5.0
-    (only,) = out.runs
+    (only,) = out.runs  # the mode stopped at its first rate: the second was not run
     assert only["completed"] == 0 and only["failed"] == 0 and only["unfinished"] == only["sent"] >= 1
     with pytest.raises(RuntimeError, match="no warm-up request completed"):
         await ss.sweep(None, fake.url, plan([20.0], warmup=2), "host", "cpu", budget, False, [], 0.5,
