@@ -87,7 +87,11 @@ def add_tokenizer_flags(ap: argparse.ArgumentParser, model: bool = True) -> None
 
 def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
-    ap.add_argument("--port", type=int, default=8000, help="port the gateways share (SO_REUSEPORT)")
+    ap.add_argument("--port", type=int, default=8000, help="port the gateways listen on")
+    ap.add_argument("--reuse-port", action="store_true",
+                    help="listen with SO_REUSEPORT, so that other sockets of this user may share the port and the "
+                    "kernel splits connections between them (blink serve sets it for its own gateways when "
+                    "--gateways > 1; off, a port already in use is refused)")
     add_tokenizer_flags(ap, model)
     ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                     help="names in the API: the first is reported, every one is answered (default: the "
@@ -124,6 +128,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from dpu_gateway.server import run_gateway
     from dpu_gateway.state import GatewayConfig
     from dpu_tokenizer.service import resolve_model
+    from shared.metrics import MetricsSpaceError
 
     name, aliases = served_names(args.served_model_name, args.model)
     cfg = GatewayConfig(run_dir=args.run_dir, ring_name=args.ring, model=args.tokenizer or resolve_model(args.model),
@@ -134,7 +139,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                         body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
                         log_requests=not args.disable_log_requests, data_parallel_size=args.data_parallel_size,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
-    asyncio.run(run_gateway(cfg, args.host, args.port, args.name))
+    try:
+        asyncio.run(run_gateway(cfg, args.host, args.port, args.name, reuse_port=args.reuse_port))
+    except MetricsSpaceError as exc:  # a full run-dir filesystem: said, not a SIGBUS at the first metric written
+        from shared.log import get_logger
+
+        get_logger("gateway").error("gateway not started: no room for its metrics files", reason=str(exc),
+                                    metrics_dir=str(env().metrics_dir))
+        return 1
     return 0
 
 

@@ -44,12 +44,14 @@ from pathlib import Path
 
 from prometheus_client import multiprocess
 
+from blink.locks import Owner, ServerLocks, ServerRunning
 from shared import ipc
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.data_parallel import DataParallelConfig, engine_devices
+from shared.env import HEARTBEAT_TIMEOUT_S, env
 from shared.log import get_logger
-from shared.ring import attach_shm_ring
+from shared.ring import Liveness, attach_shm_ring
 from shared.standby import Go, send_go
 from shared.token_dfa import remove_store
 from shared.transport import RingError, ShmTransport
@@ -82,6 +84,7 @@ class ServeConfig:
     engine_env: tuple[dict[str, str], ...] = ()  # each engine's extra environment (its GPU); () for none
     service_nice: int = 0  # every child's nice value (Child.nice)
     standby_engine: bool = True  # keep a spare engine for restarts (--no-standby-engine: cold restarts)
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S  # a READY engine silent this long is hung: killed, replaced
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -103,7 +106,8 @@ class ServeConfig:
         dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
                    tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
-                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice, a.standby_engine)
+                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice, a.standby_engine,
+                   env().heartbeat_timeout_s)
 
 
 def engine_argvs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[tuple[str, ...], ...]:
@@ -129,6 +133,8 @@ def gateway_argv(a: argparse.Namespace) -> list[str]:
             "--drain-timeout", str(a.drain_timeout), "--max-connections", str(a.max_connections),
             "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
             "--keepalive-timeout", str(a.keepalive_timeout)]
+    if a.reuse_port or a.gateways > 1:  # the gateways of one server share the port; others are refused
+        argv.append("--reuse-port")
     if a.served_model_name:
         argv += ["--served-model-name", *a.served_model_name]
     if a.chat_template is not None:
@@ -174,6 +180,7 @@ class Child:
     starts: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
     nice: int = 0  # --service-nice: below 0 keeps the child's share of the cores beside CPU-bound neighbours
     go_pipe: bool = False  # a spare engine: its stdin is a pipe from the supervisor, for the go
+    beats: tuple[int, Liveness] | None = None  # an engine: its pid and what the supervisor saw of its counter
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_before_exec(self.nice),
@@ -244,6 +251,7 @@ class Supervisor:
         self.standby = Child("standby-engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args[0],
                                                 "--standby"], keyless, go_pipe=True) if cfg.standby_engine else None
         self.spare_clock = SpareClock()
+        self.locks = ServerLocks(cfg.run_dir, tuple(dict.fromkeys((cfg.ring, *dp.ring_names))), cfg.port)
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
             Child("reader", [*py, "reader", *common], keyless),
@@ -288,10 +296,11 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        ipc.ensure_run_dir(self.cfg.run_dir)
-        self._fresh_metrics_dir()
-        for child in self.children:
-            ipc.clear_ready(self.cfg.run_dir, child.name)
+        problem = self._claim()
+        if problem is not None:
+            log.error("not started", reason=problem)
+            print(f"blink serve: {problem}", file=sys.stderr)
+            return 2
         code = 0
         try:
             for child in self.children:
@@ -303,7 +312,26 @@ class Supervisor:
                 code = self._watch()
         finally:
             self._stop_all()
+            self.locks.release()
         return code
+
+    def _claim(self) -> str | None:
+        """Take the run dir, the rings and the port for this server (``blink.locks``) and prepare the run dir;
+        why the server cannot start (another live server, a run dir it cannot write, no space), or None."""
+        cfg = self.cfg
+        try:
+            ipc.ensure_run_dir(cfg.run_dir)
+            self.locks.acquire(Owner(os.getpid(), str(cfg.run_dir), cfg.ring, cfg.port))
+            self._fresh_metrics_dir()
+            for child in self.children:
+                ipc.clear_ready(cfg.run_dir, child.name)
+        except (ServerRunning, ipc.RunDirError) as exc:
+            return str(exc)
+        except OSError as exc:
+            self.locks.release()
+            return f"run dir {cfg.run_dir}: {exc.strerror or exc} (it must be writable, with room for the sockets " \
+                   "and the metrics files)"
+        return None
 
     # ------------------------------------------------------------ readiness
     def _engine_ready(self, engine: Child) -> bool:
@@ -352,6 +380,7 @@ class Supervisor:
     # ------------------------------------------------------------ watching
     def _watch(self) -> int:
         while not self.stopping:
+            self._kill_hung_engines()
             for child in self.children:
                 if child.retired or child.alive():
                     continue
@@ -360,6 +389,42 @@ class Supervisor:
             self._keep_standby()
             time.sleep(0.2)
         return 0
+
+    def _kill_hung_engines(self) -> None:
+        """SIGKILL each engine whose ring says READY (as its process) while its beat counter has been silent, on
+        this process's clock, for the heartbeat timeout: a hung engine (SIGSTOP, a deadlock, a swap storm) is
+        then replaced like one that exited (its ring retired, the spare's go), the others untouched."""
+        for engine in self.engines:
+            if engine.retired or not engine.alive():
+                continue
+            silent = self._engine_silence(engine)
+            if silent is None or silent < self.cfg.heartbeat_timeout_s:
+                continue
+            assert engine.proc is not None
+            log.error("engine hung: killed, to be replaced", child=engine.name, pid=engine.proc.pid,
+                      silent_s=round(silent, 2), timeout_s=self.cfg.heartbeat_timeout_s)
+            engine.signal(signal.SIGKILL)
+            engine.proc.wait()
+
+    def _engine_silence(self, engine: Child) -> float | None:
+        """Seconds since the supervisor last saw this engine's beat counter move, while its ring is READY and
+        its own; None otherwise (loading, draining, no ring, another process's ring)."""
+        assert engine.ring is not None and engine.proc is not None
+        try:
+            ring = attach_shm_ring(engine.ring)
+        except (RingError, ValueError):
+            return None
+        try:
+            pid, state = ring.header_load32("engine_pid"), ring.header_load32("engine_state")
+            beat = ring.header_load64("heartbeat")
+        finally:
+            ring.close()
+        if pid != engine.proc.pid or state != L.EngineState.READY:
+            engine.beats = None
+            return None
+        if engine.beats is None or engine.beats[0] != pid:
+            engine.beats = (pid, Liveness())
+        return engine.beats[1].silent_s(beat)
 
     def _restart(self, child: Child) -> bool:
         """Start a child that exited again; False when serve must stop (it restarted too often)."""
@@ -449,6 +514,8 @@ class Supervisor:
     # ------------------------------------------------------------ stopping
     def _stop_all(self) -> None:
         self.stopping = True
+        for gateway in self.gateways:  # their drain starts now (new requests refused), not after the spares'
+            gateway.signal(signal.SIGTERM)
         self._stop(self.spares, signal.SIGTERM, 10)
         self._stop(self.gateways, signal.SIGTERM, self.cfg.drain_timeout_s + 10)
         self._stop(self.services, signal.SIGTERM, 10)

@@ -16,8 +16,6 @@ import sys
 import urllib.request
 from pathlib import Path
 
-HEARTBEAT_TIMEOUT_S = 5.0
-
 
 def engine_problem(ring_name: str) -> str | None:
     from shared.ring import attach_shm_ring
@@ -32,7 +30,10 @@ def engine_problem(ring_name: str) -> str | None:
 
         if ring.header_load32("engine_state") != L.EngineState.READY:
             return "the ring is not READY"
-        return None if ring.wait_for_beat(HEARTBEAT_TIMEOUT_S) else "the engine's beat counter did not move"
+        from shared.env import env
+
+        wait_s = env().heartbeat_timeout_s  # BLINK_HEARTBEAT_TIMEOUT_S, as every service reads it
+        return None if ring.wait_for_beat(wait_s) else f"the engine's beat counter did not move in {wait_s:g} s"
     finally:
         ring.close()
 

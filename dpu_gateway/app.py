@@ -26,6 +26,7 @@ from dpu_gateway.state import (
     BEATS,
     CODEC,
     CONFIG,
+    DRAINING,
     GRAMMARS,
     LIVE,
     METRICS,
@@ -121,6 +122,15 @@ def body_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
     return read_body
 
 
+@web.middleware
+async def drain_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """After SIGTERM the gateway drains: live requests finish, new ones get 503 with Retry-After (to another
+    gateway, or to this server once restarted) and their connection is closed."""
+    if request.app[DRAINING].is_set():
+        raise APIError(503, "the server is shutting down", code="server_draining", retry_after_s=1, close=True)
+    return await handler(request)
+
+
 async def on_startup(app: web.Application) -> None:
     cfg = app[CONFIG]
     app[BACKEND] = Backend(cfg.run_dir, cfg.gateway_id)
@@ -128,12 +138,21 @@ async def on_startup(app: web.Application) -> None:
     app[BEATS] = asyncio.create_task(app[RING].follow_beats(), name="engine beats")
 
 
-async def on_shutdown(app: web.Application) -> None:
-    """Let live requests finish for up to ``drain_timeout_s``, then end the rest with an error."""
+async def drain(app: web.Application) -> None:
+    """Refuse new requests (``drain_middleware``) and let live ones finish for up to ``drain_timeout_s``, with
+    the port still open: a client sent here meanwhile gets a 503 with Retry-After, not a refused connection."""
+    app[DRAINING].set()
     live = app[LIVE]
     deadline = time.monotonic() + app[CONFIG].drain_timeout_s
     while live and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+
+
+async def on_shutdown(app: web.Application) -> None:
+    """Drain (unless ``drain`` already did), then end the live requests left with an error."""
+    if not app[DRAINING].is_set():
+        await drain(app)
+    live = app[LIVE]
     if live:
         log.warning("stopping_live_streams", n=len(live))
     for stream in list(live):
@@ -158,7 +177,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
     metrics = metrics or FrontendMetrics(cfg.served_model_name)
     middlewares = [guard.middleware] if guard is not None else []
-    middlewares += [request_log_middleware(cfg, metrics), error_middleware]
+    middlewares += [request_log_middleware(cfg, metrics), error_middleware, drain_middleware]
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))
     middlewares.append(body_middleware(cfg, metrics))
@@ -169,6 +188,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name)
     app[METRICS] = metrics
     app[LIVE] = set()
+    app[DRAINING] = asyncio.Event()
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)

@@ -4,8 +4,11 @@ aiohttp closes idle connections itself (``keepalive_timeout``, counted from the 
 or its last response), and the app reads each body against a deadline (``app.body_middleware``).
 What aiohttp's server lacks is here, as a wrapper around its protocol factory:
 
-- past ``max_connections`` open connections, a new one is answered with a canned 503 at once and
-  closed (``blink:http_connections_refused``): those held cannot starve the ones that follow;
+- at ``max_connections`` open connections, the one idle longest (no request in progress, no request head
+  begun: a keep-alive between requests, or one that never sent a byte) is closed to make room
+  (``blink:http_connections_timed_out{phase="idle"}``): a peer holding every connection idle cannot lock the
+  other clients, or ``/health``, out; only when none is idle is a new one answered with a canned 503 at once
+  and closed (``blink:http_connections_refused``), so those held busy cannot starve the ones that follow;
 - a request head (request line and headers) must be complete ``header_timeout_s`` after its first
   byte, else the connection is closed (``blink:http_connections_timed_out{phase="header"}``): a
   client that trickles its headers holds a connection for that long, not for ever.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,11 +56,23 @@ class ConnectionGuard:
         self.open: dict[asyncio.BaseTransport, Guarded] = {}
 
     def __call__(self) -> asyncio.Protocol:
-        if len(self.open) >= self.limits.max_connections:
+        if len(self.open) >= self.limits.max_connections and not self._close_longest_idle():
             self.metrics.connections_refused.inc()
             return Refused()
         assert self.make_protocol is not None, "the guard serves once make_protocol is set"
         return Guarded(self, self.make_protocol())
+
+    def _close_longest_idle(self) -> bool:
+        """Close the connection idle longest, if any is idle; whether one was (its room is free at once)."""
+        idle = [c for c in self.open.values() if c.idle()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.idle_since)
+        assert victim.transport is not None
+        self.open.pop(victim.transport, None)
+        self.metrics.timed_out("idle")
+        victim.transport.close()
+        return True
 
     def opened(self, conn: Guarded) -> None:
         assert conn.transport is not None
@@ -77,7 +93,7 @@ class ConnectionGuard:
             return await handler(request)
         finally:
             if conn is not None:
-                conn.busy = False
+                conn.busy, conn.idle_since = False, time.monotonic()
 
 
 class Guarded(asyncio.Protocol):
@@ -88,6 +104,11 @@ class Guarded(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = False  # a request is being handled: its head is complete
         self._deadline: asyncio.TimerHandle | None = None
+        self.idle_since = time.monotonic()  # its start, or the end of its last request
+
+    def idle(self) -> bool:
+        """No request in progress and none begun (its head's deadline not running)."""
+        return not self.busy and self._deadline is None and self.transport is not None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)

@@ -31,6 +31,7 @@ class RingSet:
     def __init__(self, base_name: str, size: int, heartbeat_timeout_s: float) -> None:
         self.watches = [RingWatch(name, heartbeat_timeout_s) for name in engine_ring_names(base_name, size)]
         self.timeout_s = heartbeat_timeout_s
+        self.served = False  # whether an engine was seen serving since this gateway started
 
     @property
     def generation(self) -> int:
@@ -42,27 +43,33 @@ class RingSet:
         attached = None
         for watch in self.watches:
             ring = watch.current()
-            if ring is not None and ring.engine_alive(self.timeout_s):
+            if ring is not None and ring.engine_serving(self.timeout_s):
                 return ring
             attached = attached or ring
         return attached
 
     def alive(self) -> bool:
-        return any(w.alive() for w in self.watches)
+        alive = [w.alive() for w in self.watches]  # every engine looked at: each one's silence stays current
+        self.served = self.served or any(alive)
+        return any(alive)
+
+    def problems(self) -> dict[int, str]:
+        """Why each engine that does not serve does not (by index), for the log line of a 503."""
+        return {i: p for i, w in enumerate(self.watches) if (p := w.problem()) is not None}
 
     async def follow_beats(self) -> None:
-        """Look at every engine's beat counter at an eighth of the heartbeat timeout, for ever.
+        """Look at every engine's beat counter at an eighth of the heartbeat timeout (at least every 0.1 s), for ever.
 
         Liveness is what this process saw (``shared.ring.Liveness``): a gateway that looked only when a
         request came would see the counter's last move at its next look, however long ago the engine
-        stopped, and call a hung engine alive for another timeout. Sampled here, /health turns 503 within
+        stopped, and call a hung engine alive for another timeout; and a new ring is seen moving (serving) within
+        a beat or two of READY. Sampled here, /health turns 503 within
         an eighth of the timeout of the moment the reader ends the streams. A look that fails (a ring being
         replaced, no file descriptor left) is logged and the next one comes as usual."""
-        every_s, failing = max(self.timeout_s / 8, 0.01), False
+        every_s, failing = min(max(self.timeout_s / 8, 0.01), 0.1), False
         while True:
             try:
-                for watch in self.watches:
-                    watch.alive()
+                self.alive()
                 failing = False
             except Exception as exc:  # noqa: BLE001 - the sampler must outlive any one look
                 if not failing:
@@ -94,12 +101,7 @@ def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> Engi
     stats = ring.read_header()["stats"]
     values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
     values.update({name: ring.header_load64(name) for name in PREFIX_CACHE_COUNTERS})  # header words, minor 4
-    state = ring.header_load32("engine_state")
-    reason = ""
-    if state != L.EngineState.READY:
-        reason = f"its state is {L.EngineState(state).name}" if state in set(L.EngineState) else "unknown state"
-    elif not ring.engine_alive(watch.timeout_s):
-        reason = "its heartbeat is stale"
+    reason = ring.serving_problem(watch.timeout_s) or ""
     in_use = pending = 0
     if with_slots:
         states = ring.read_slots()["state"]

@@ -40,6 +40,7 @@ from shared import ipc
 from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
+from shared.env import HEARTBEAT_TIMEOUT_S
 from shared.log import get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
@@ -56,7 +57,7 @@ DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gatew
 class ReaderConfig:
     run_dir: Path
     ring_name: str                   # the base name: engine_ring_names(ring_name, data_parallel_size)
-    heartbeat_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     min_poll_s: float = 50e-6
     max_poll_s: float = 0.002
     health_every_s: float = 0.1
@@ -269,9 +270,14 @@ class RingReader:
             return
         self._open_notifier()  # the engine makes it just before READY: it may come after the segment
         if not ring.engine_alive(self.cfg.heartbeat_timeout_s):
-            for route in self.routes.values():
-                if not route.orphan:
-                    self._fail(route, 503, "the engine stopped responding")
+            live = [route for route in self.routes.values() if not route.orphan]
+            if live:
+                log.warning("engine stopped responding: streams failed with 503", streams=len(live),
+                            engine=self.index, timeout_s=self.cfg.heartbeat_timeout_s,
+                            silent_s=round(time.monotonic() - ring.liveness.moved_at, 3),
+                            state=ring.header_load32("engine_state"))
+            for route in live:
+                self._fail(route, 503, "the engine stopped responding")
 
     def _ring_gone(self, old: Ring) -> None:
         """The watch is about to close ``old``: end its requests and cancel their slots while it is mapped."""

@@ -54,8 +54,14 @@ class RingWatch:
         return self.ring
 
     def alive(self) -> bool:
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why the engine does not serve now (``Ring.serving_problem``), or None when it does."""
         ring = self.current()
-        return ring is not None and ring.engine_alive(self.timeout_s)
+        if ring is None:
+            return "no ring: the engine is not running or is restarting"
+        return ring.serving_problem(self.timeout_s)
 
     def ready(self) -> bool:
         ring = self.current()

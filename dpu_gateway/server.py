@@ -1,4 +1,7 @@
-"""The gateway process: serve the app on host:port (SO_REUSEPORT) until SIGTERM/SIGINT, then drain.
+"""The gateway process: serve the app on host:port until SIGTERM/SIGINT, then drain (new requests get 503).
+
+SO_REUSEPORT only when asked (``--reuse-port``; ``blink serve --gateways N`` asks for its own N): without it a
+port another server holds is refused at bind, not silently shared.
 
 The listening socket's connections go through a ``ConnectionGuard`` (the connection cap and the
 request-head deadline); aiohttp closes idle connections after ``keepalive_timeout_s``. The cap
@@ -15,9 +18,9 @@ import signal
 
 from aiohttp import web
 
-from dpu_gateway.app import create_app
+from dpu_gateway.app import create_app, drain
 from dpu_gateway.connguard import ConnectionGuard, ConnectionLimits
-from dpu_gateway.state import BACKEND, GatewayConfig
+from dpu_gateway.state import BACKEND, RING, GatewayConfig
 from shared import ipc
 from shared.env import env
 from shared.log import get_logger
@@ -46,9 +49,10 @@ def connection_cap(wanted: int) -> int:
 class GuardedSite(web.BaseSite):
     """A TCP site (like ``web.TCPSite``) whose connections are made by the guard."""
 
-    def __init__(self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int) -> None:
+    def __init__(self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int,
+                 reuse_port: bool = False) -> None:
         super().__init__(runner, backlog=1024)
-        self._guard, self._host, self._port = guard, host, port
+        self._guard, self._host, self._port, self._reuse_port = guard, host, port, reuse_port
 
     @property
     def port(self) -> int:
@@ -67,10 +71,11 @@ class GuardedSite(web.BaseSite):
         self._guard.make_protocol = server
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._guard, self._host, self._port, backlog=self._backlog,
-                                                reuse_port=True)
+                                                reuse_port=self._reuse_port)
 
 
-async def start_gateway(cfg: GatewayConfig, host: str, port: int) -> tuple[web.AppRunner, GuardedSite]:
+async def start_gateway(cfg: GatewayConfig, host: str, port: int,
+                        reuse_port: bool = False) -> tuple[web.AppRunner, GuardedSite]:
     """The app, served on host:port under the configured connection limits."""
     metrics = FrontendMetrics(cfg.served_model_name, env().metrics_dir)
     guard = ConnectionGuard(ConnectionLimits(connection_cap(cfg.max_connections), cfg.header_timeout_s), metrics)
@@ -78,19 +83,24 @@ async def start_gateway(cfg: GatewayConfig, host: str, port: int) -> tuple[web.A
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,
                            access_log=None, keepalive_timeout=cfg.keepalive_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
-    site = GuardedSite(runner, guard, host, port)
+    site = GuardedSite(runner, guard, host, port, reuse_port)
     await site.start()
     return runner, site
 
 
 async def _mark_ready_when_linked(app: web.Application, cfg: GatewayConfig, name: str) -> None:
+    """The ready marker once linked to the other services and once an engine was seen serving (so that the
+    server's ``ready`` is a ``/health`` of 200, not a ``model_loading`` while the first beats are seen)."""
     await app[BACKEND].wait_linked()
+    while not app[RING].served:
+        await asyncio.sleep(0.02)
     ipc.mark_ready(cfg.run_dir, name)
     log.info("gateway_ready", name=name)
 
 
-async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gateway") -> None:
-    runner, _ = await start_gateway(cfg, host, port)
+async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gateway",
+                      reuse_port: bool = False) -> None:
+    runner, _ = await start_gateway(cfg, host, port, reuse_port)
     app = runner.app
     log.info("gateway_listening", host=host, port=port, model=cfg.served_model_name)
     stop = asyncio.Event()
@@ -101,6 +111,7 @@ async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gat
     try:
         await stop.wait()
         log.info("gateway_draining")
+        await drain(app)
     finally:
         ready.cancel()
         with contextlib.suppress(asyncio.CancelledError):

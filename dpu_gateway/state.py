@@ -15,7 +15,8 @@ from dpu_gateway.errors import APIError
 from dpu_gateway.params import Limits
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import PARSERS
-from shared import ring_layout as L
+from shared.env import HEARTBEAT_TIMEOUT_S
+from shared.log import get_logger
 from shared.metrics import FrontendMetrics
 
 
@@ -33,7 +34,7 @@ class GatewayConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
-    heartbeat_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     gateway_id: int | None = None    # default: the pid, distinct per PID namespace (backend.default_gateway_id)
     data_parallel_size: int = 1      # engines, each with its own ring (shared/data_parallel.py names them)
     # connection limits (see dpu_gateway/connguard.py)
@@ -62,6 +63,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+log = get_logger("gateway")
 CONFIG = web.AppKey("config", GatewayConfig)
 CODEC = web.AppKey("codec", TextCodec)
 BACKEND = web.AppKey("backend", Backend)
@@ -70,6 +72,7 @@ METRICS = web.AppKey("metrics", FrontendMetrics)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
 BEATS = web.AppKey("beats", asyncio.Task)  # RingSet.follow_beats
+DRAINING = web.AppKey("draining", asyncio.Event)  # set at SIGTERM: new requests are refused (app.drain_middleware)
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,11 +89,14 @@ RECORD = "blink_record"  # the request's RequestRecord, in request[RECORD]
 
 
 def engine_unavailable(watch: RingSet) -> APIError:
-    """503 while no engine serves: "the model is loading" until this gateway first saw a ring whose engine
-    is past STARTING (the engine creates the ring once its weights are loaded and graphs captured)."""
-    ring = watch.current()
-    starting = ring is not None and ring.header_load32("engine_state") == L.EngineState.STARTING
-    if watch.generation == 0 or starting:
+    """503 while no engine serves, logged with each engine's reason (its state, or the silence this gateway
+    observed). "The model is loading" until this gateway first saw one of this server's engines serve: a ring
+    left by a crashed server (its counter never moves) is not taken for this server's engine."""
+    problems = watch.problems()
+    loading = not watch.served
+    log.warning("engine unavailable: 503", loading=loading, timeout_s=watch.timeout_s,
+                engines={str(i): p for i, p in problems.items()})
+    if loading:
         return APIError(503, "the model is loading", code="model_loading", retry_after_s=1)
     return APIError(503, "the engine is not running (no ring, or its heartbeat is stale)",
                     code="engine_unavailable", retry_after_s=1)
@@ -100,7 +106,7 @@ def engine_limits(app: web.Application) -> Limits:
     """The ring's limits, or 503 when the engine is not serving."""
     watch = app[RING]
     ring = watch.current()
-    if ring is None or not ring.engine_alive(watch.timeout_s):
+    if ring is None or not ring.engine_serving(watch.timeout_s):
         raise engine_unavailable(watch)
     if not app[BACKEND].linked():
         raise APIError(503, "frontend services are starting", code="service_unavailable", retry_after_s=1)

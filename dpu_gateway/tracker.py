@@ -29,6 +29,7 @@ from shared import ipc
 from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
+from shared.env import HEARTBEAT_TIMEOUT_S
 from shared.log import get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
@@ -47,7 +48,7 @@ class TrackerConfig:
     ring_name: str                   # the base name: engine_ring_names(ring_name, data_parallel_size)
     max_waiting: int = 256
     retry_after_s: float = 1.0
-    heartbeat_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     busy_poll_s: float = 0.001
     idle_poll_s: float = 0.1
     data_parallel_size: int = 1
@@ -119,6 +120,10 @@ class Lane:
         cache = self.slots()
         return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
 
+    def problem(self) -> str:
+        """Why this engine does not serve (for the log line of a refusal)."""
+        return self.watch.problem() or "it serves now"
+
     def load(self, cache: SlotCache) -> Load:
         """What the routing rule compares (``dpu_gateway/routing.py``): three words of the ring header's
         stats and the tracker's own count of slots in use."""
@@ -163,6 +168,7 @@ class SlotTracker:
     def submit(self, chan: ipc.Channel, sub: m.Submit) -> None:
         serving = self.serving()
         if not serving:
+            self._log_not_running(1)
             chan.send(m.Rejected(sub.req_id, 503, NOT_RUNNING))
             return
         if not self.waiting and self._publish(serving, chan, sub):
@@ -229,6 +235,10 @@ class SlotTracker:
             for idx in np.flatnonzero(snap["request_id"] == np.uint64(req_id)):
                 cache.writer.cancel(int(idx), int(snap["seq"][idx]))
 
+    def _log_not_running(self, refused: int) -> None:
+        log.warning("engine not running: 503", refused=refused, timeout_s=self.cfg.heartbeat_timeout_s,
+                    engines={str(lane.index): lane.problem() for lane in self.lanes})
+
     def drop_channel(self, chan: ipc.Channel) -> None:
         """A gateway went away: forget its queued requests and cancel its slots."""
         self.waiting = collections.deque(w for w in self.waiting if w[0] is not chan)
@@ -239,6 +249,8 @@ class SlotTracker:
     def admit_waiting(self) -> None:
         serving = self.serving()
         if not serving:
+            if self.waiting:
+                self._log_not_running(len(self.waiting))
             while self.waiting:
                 chan, sub = self.waiting.popleft()
                 chan.send(m.Rejected(sub.req_id, 503, NOT_RUNNING))

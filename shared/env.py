@@ -38,6 +38,12 @@ def default_run_dir() -> Path:
     return Path(f"/tmp/blink-{os.geteuid()}")
 
 
+# The one default of BLINK_HEARTBEAT_TIMEOUT_S, which every service's config and the container probe take:
+# far above the longest silence of a live CPU engine measured beside a co-tenant that loads both cores
+# (bench/beat_gaps.py; RELIABILITY.md, "False outages"), so a busy host makes Blink slower, never down.
+HEARTBEAT_TIMEOUT_S = 10.0
+
+
 def _var(name: str, default: Any, meaning: str, parse: Callable[[str], Any] = str,
          factory: Callable[[], Any] | None = None) -> Any:
     meta = {"var": name, "parse": parse, "help": meaning}
@@ -56,8 +62,10 @@ class Env:
     run_dir: Path = _var("BLINK_RUN_DIR", None, "Unix sockets of the services", Path, factory=default_run_dir)
     ring_name: str = _var("BLINK_RING_NAME", "blink-ring", "shared-memory segment name")
     api_key: str | None = _var("BLINK_API_KEY", None, "same as --api-key")
-    heartbeat_timeout_s: float = _var("BLINK_HEARTBEAT_TIMEOUT_S", 2.0,
-                                      "engine considered down after this much heartbeat silence", float)
+    heartbeat_timeout_s: float = _var("BLINK_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S,
+                                      "engine considered down (its streams failed, new requests refused, and "
+                                      "blink serve replacing it as hung) after this much heartbeat silence, on "
+                                      "each observer's own clock (RELIABILITY.md, 'False outages')", float)
     sched_yield_all: bool = _var("BLINK_SCHED_YIELD_ALL", False,
                                  "the persistent scheduler leaves its SM every step", _bool)
     sched_plain_claim: bool = _var("BLINK_SCHED_PLAIN_CLAIM", False,

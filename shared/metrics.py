@@ -19,6 +19,7 @@ it serves), ``dp_num_requests_running``, ``dp_num_requests_waiting``, ``dp_slots
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,42 @@ def per_engine_families(model_name: str, samples: Sequence[EngineSample]) -> lis
     return out
 
 
+# The files prometheus_client maps for one process's values (FILE_KIND_PID.db; a gauge's kind names its mode), and
+# the size each is given up front. The library creates them sparse and writes through a mapping, so on a full
+# filesystem the first write to a page is a SIGBUS; allocated here first (posix_fallocate), the library keeps them
+# at that size, and a full filesystem is an OSError at start-up instead.
+METRIC_FILE_KINDS = ("counter", "histogram", "gauge_livemostrecent", "gauge_livesum")
+METRIC_FILE_BYTES = 1 << 20
+
+
+class MetricsSpaceError(OSError):
+    """The metrics files could not be allocated (a full or read-only run-dir filesystem)."""
+
+
+def preallocate_metric_files(folder: Path, pid: int) -> None:
+    """Allocate this process's metrics files in ``folder`` before prometheus_client maps them."""
+    for kind in METRIC_FILE_KINDS:
+        path = folder / f"{kind}_{pid}.db"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, METRIC_FILE_BYTES)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise MetricsSpaceError(exc.errno, f"cannot allocate the metrics file {path} ({METRIC_FILE_BYTES} "
+                                    f"bytes): {exc.strerror}") from None
+
+
 class FrontendMetrics:
     def __init__(self, model_name: str, multiprocess_dir: Path | None = None) -> None:
         """``multiprocess_dir``: the folder every gateway's values go to (None: this process only). It
-        must be the ``PROMETHEUS_MULTIPROC_DIR`` this process started with."""
+        must be the ``PROMETHEUS_MULTIPROC_DIR`` this process started with. MetricsSpaceError when its
+        files cannot be allocated there."""
         self.multiprocess_dir = multiprocess_dir
+        if multiprocess_dir is not None:
+            preallocate_metric_files(multiprocess_dir, os.getpid())
         self.registry = CollectorRegistry(auto_describe=True)
         r, label = self.registry, ["model_name"]
         self.ttft = Histogram("blink:time_to_first_token_seconds", "Time to first token.", label,
@@ -140,7 +172,7 @@ class FrontendMetrics:
         self.failures.labels(self.model_name, str(status)).inc()
 
     def timed_out(self, phase: str) -> None:
-        """One connection ended for taking too long; ``phase`` is ``header`` or ``body``."""
+        """One connection ended for taking too long; ``phase`` is ``header``, ``body`` or ``idle`` (closed to make room)."""
         self.timeouts.labels(self.model_name, phase).inc()
 
     def finished(self, reason: str) -> None:

@@ -134,13 +134,20 @@ class Liveness:
     clock: Callable[[], float] = time.monotonic
     beat: int | None = None  # the counter when it last moved
     moved_at: float = 0.0
+    moves: int = 0  # changes seen, the first look included: 2 or more means the counter was seen moving
 
     def silent_s(self, beat: int) -> float:
         """Seconds, on ``clock``, since the counter was last seen to change (0 when it changed now)."""
         now = self.clock()
         if beat != self.beat:
-            self.beat, self.moved_at = beat, now
+            self.beat, self.moved_at, self.moves = beat, now, self.moves + 1
         return now - self.moved_at
+
+    @property
+    def seen_moving(self) -> bool:
+        """Whether this observer saw the counter change after its first look: a ring left by a crashed
+        server (SIGKILLed, its counter frozen) never is, however fresh it looked at that first look."""
+        return self.moves >= 2
 
 
 class Ring:
@@ -264,6 +271,23 @@ class Ring:
         process's monotonic clock (see ``Liveness``)."""
         silent = self.liveness.silent_s(self.header_load64("heartbeat"))
         return self.header_load32("engine_state") == L.EngineState.READY and silent < timeout_s
+
+    def serving_problem(self, timeout_s: float) -> str | None:
+        """Why this ring's engine does not serve (for admission and ``/health``), or None when it does:
+        READY, its counter seen moving since this process attached, and silent for less than ``timeout_s``.
+        The reason names the state or the observed silence, for the log line of a 503."""
+        silent = self.liveness.silent_s(self.header_load64("heartbeat"))
+        state = self.header_load32("engine_state")
+        if state != L.EngineState.READY:
+            return f"its state is {L.EngineState(state).name}" if state in set(L.EngineState) else "unknown state"
+        if silent >= timeout_s:
+            return f"its heartbeat is stale: silent {silent:.2f} s (timeout {timeout_s:g} s)"
+        if not self.liveness.seen_moving:
+            return "its heartbeat has not moved since this process attached"
+        return None
+
+    def engine_serving(self, timeout_s: float) -> bool:
+        return self.serving_problem(timeout_s) is None
 
     def wait_for_beat(self, timeout_s: float, poll_s: float = 0.01) -> bool:
         """For a one-shot check (a health probe): wait up to ``timeout_s`` for the beat counter to move."""

@@ -6,6 +6,7 @@ to drain and exit, the segment unlinked at exit. Its "model" echoes the prompt (
 first token) one token per step, then stops with EOS; with ``ignore_eos`` it keeps echoing
 until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
 ``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
+``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         if (go := wait_for_go(sys.stdin.buffer)) is None:
             return
         args.ring = go.ring
+    time.sleep(float(os.environ.get("FAKE_ENGINE_LOAD_S", "0")))  # a model load's time, before the ring exists
     geo = RingGeometry(args.num_slots, args.max_prompt_tokens, args.max_output_tokens, top_logprobs=5)
     ring = create_shm_ring(args.ring, geo)
     fake = FakeEngine(ring, args.max_context, args.step_ms / 1000)
