@@ -1,60 +1,98 @@
-"""The gateway's grammar compiler: a pattern and its key to a grammar id whose tables the engine can load.
+"""The gateway's grammar compiler: a constraint's key to a grammar id whose tables the engine can load.
 
 The id is a 64-bit hash of the key, the vocabulary's texts and its size, so two gateways (or a restarted
 one) agree on it and compile each grammar at most once per ring: a grammar already in the ring's store
-is not compiled again. Compiling runs in a worker thread so the event loop keeps serving.
+is not compiled again. Compiles run in worker processes (``grammar_pool``), bounded by ``grammar.Budget``;
+a grammar refused for good (a schema keyword not enforced, a limit of the budget) is remembered by id, so
+the same request again is refused at once. Every outcome is one log line, ``grammar_compile``, whose
+``result`` is ``compiled``, ``stored`` (already there), ``refused``, ``refused_cached`` or ``busy``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
-import threading
-from collections.abc import Callable
+from typing import NoReturn
 
 from dpu_gateway.errors import APIError
-from dpu_gateway.grammar import Pat, Vocab, byte_dfa, token_dfa
+from dpu_gateway.grammar_pool import GrammarPool, Job, PoolBusy, Refusal
 from dpu_gateway.textio import TextCodec
 from shared import token_dfa as store
-from shared.token_dfa import GrammarError
+from shared.log import get_logger
+
+log = get_logger("gateway")
+MAX_REFUSALS_KEPT = 1024
+BUSY_RETRY_AFTER_S = 2.0
 
 
 class GrammarCompiler:
-    def __init__(self, codec: TextCodec, ring_name: str) -> None:
+    def __init__(self, codec: TextCodec, ring_name: str, *, workers: int = 1, queue_bound: int = 8) -> None:
         self.codec, self.ring_name = codec, ring_name
-        self._vocab: dict[int, tuple[Vocab, bytes]] = {}
-        self._lock = threading.Lock()
+        self.workers, self.queue_bound = workers, queue_bound
+        self._texts: tuple[list[bytes | None], bytes] | None = None
+        self._pool: GrammarPool | None = None
+        self._refused: collections.OrderedDict[int, Refusal] = collections.OrderedDict()
 
-    def vocab(self, size: int) -> tuple[Vocab, bytes]:
-        """The matchable token texts for a model of ``size`` ids, and their fingerprint."""
-        with self._lock:
-            found = self._vocab.get(size)
-            if found is None:
-                tok = self.codec.tokenizer
-                texts = [None if tok.is_special(i) else self.codec.token_bytes(i)
-                         for i in range(min(size, tok.vocab_size))]
-                digest = hashlib.blake2b(digest_size=16)
-                for t in texts:
-                    digest.update(b"\xff" if t is None else len(t).to_bytes(2, "little") + t)
-                found = self._vocab[size] = (Vocab.of(texts, size), digest.digest())
-            return found
+    def texts(self) -> tuple[list[bytes | None], bytes]:
+        """The tokenizer's matchable token texts (None: special) and their fingerprint, computed once."""
+        if self._texts is None:
+            tok = self.codec.tokenizer
+            texts = [None if tok.is_special(i) else self.codec.token_bytes(i) for i in range(tok.vocab_size)]
+            digest = hashlib.blake2b(digest_size=16)
+            for t in texts:
+                digest.update(b"\xff" if t is None else len(t).to_bytes(2, "little") + t)
+            self._texts = (texts, digest.digest())
+        return self._texts
 
-    def grammar_id(self, key: str, pattern: Callable[[], Pat], vocab_size: int) -> int:
-        """The id of ``pattern`` (built only when not already stored), stored for the engine."""
-        vocab, fingerprint = self.vocab(vocab_size)
+    def grammar_id(self, key: str, vocab_size: int) -> int:
+        fingerprint = self.texts()[1]
         digest = hashlib.blake2b(key.encode() + fingerprint + vocab_size.to_bytes(4, "little"), digest_size=8)
-        gid = int.from_bytes(digest.digest(), "little") or 1
-        if not store.grammar_path(self.ring_name, gid).exists():
-            store.store(self.ring_name, gid, token_dfa(byte_dfa(pattern()), vocab))
-        return gid
+        return int.from_bytes(digest.digest(), "little") or 1
 
-    async def compile(self, key: str, pattern: Callable[[], Pat], vocab_size: int, param: str) -> int:
-        """``grammar_id`` off the event loop; a grammar that cannot be enforced is a 400 naming ``param``."""
+    async def compile(self, key: str, vocab_size: int, param: str) -> int:
+        """The id of the grammar ``key`` names, compiled and stored if it is not yet; a grammar that cannot
+        be enforced is a 400 naming ``param`` (and the keyword or limit), a full queue a 429."""
         if vocab_size <= 0:
             raise APIError(503, "the engine has not said its vocabulary yet", code="service_unavailable")
+        if self._texts is None:
+            await asyncio.to_thread(self.texts)
+        gid = self.grammar_id(key, vocab_size)
+        refused = self._refused.get(gid)
+        if refused is not None:
+            self._refused.move_to_end(gid)
+            return self._refuse(gid, refused, param, cached=True)
+        if store.grammar_path(self.ring_name, gid).exists():
+            log.debug("grammar_compile", result="stored", grammar_id=f"{gid:016x}")
+            return gid
         try:
-            return await asyncio.to_thread(self.grammar_id, key, pattern, vocab_size)
-        except GrammarError as exc:
-            keyword = getattr(exc, "keyword", "")
-            raise APIError(400, f"{param}: {exc}", param=f"{param}.{keyword}" if keyword else param,
-                           code="unsupported_value") from None
+            refusal = await self.pool().run(Job(key, gid, vocab_size))
+        except PoolBusy:
+            log.warning("grammar_compile", result="busy", grammar_id=f"{gid:016x}", **self.pool().stats())
+            raise APIError(429, f"{param}: the grammar compiler is busy ({self.queue_bound} compiles waiting); "
+                           "retry later", param=param, code="grammar_queue_full",
+                           retry_after_s=BUSY_RETRY_AFTER_S) from None
+        if refusal is not None:
+            return self._refuse(gid, refusal, param, cached=False)
+        log.info("grammar_compile", result="compiled", grammar_id=f"{gid:016x}")
+        return gid
+
+    def _refuse(self, gid: int, refusal: Refusal, param: str, cached: bool) -> NoReturn:
+        log.info("grammar_compile", result="refused_cached" if cached else "refused", grammar_id=f"{gid:016x}",
+                 reason=refusal.keyword)
+        if refusal.final and not cached:
+            self._refused[gid] = refusal
+            while len(self._refused) > MAX_REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+        raise APIError(400, f"{param}: {refusal.message}", param=f"{param}.{refusal.keyword}" if refusal.keyword
+                       else param, code="unsupported_value")
+
+    def pool(self) -> GrammarPool:
+        if self._pool is None:
+            self._pool = GrammarPool(self.texts()[0], self.ring_name, workers=self.workers,
+                                     queue_bound=self.queue_bound)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()

@@ -6,6 +6,11 @@ members) shares its continuation instead of being copied. ``byte_dfa`` makes the
 (subset construction over byte classes); ``token_dfa`` runs every token's bytes through that DFA from
 each state reachable at a token boundary, vectorised over the vocabulary, and keeps the tables the
 engine looks up.
+
+Every step is bounded by a ``Budget`` checked while it runs, so a grammar too big to serve is refused
+(``TooComplex``, naming the limit) after a bounded amount of work, never after its expansion: the NFA's
+size as patterns add states, the subset construction's states and work, and the minimized automaton's
+states before any token is walked through it.
 """
 
 from __future__ import annotations
@@ -17,15 +22,40 @@ import numpy as np
 
 from shared.token_dfa import GrammarError, TokenDFA
 
-MAX_TOKEN_STATES = 8192  # a grammar needing more token-boundary states is refused as too complex
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Budget:
+    """How much one compile may build. Each limit bounds the next step's time and memory: NFA states
+    bound the pattern's expansion; subset work (NFA states visited) bounds the determinization; token
+    states bound the walk of the vocabulary (one vectorised pass over every token per state)."""
+
+    nfa_states: int = 200_000
+    dfa_states: int = 20_000
+    subset_work: int = 4_000_000
+    token_states: int = 2048
+
+
+DEFAULT_BUDGET = Budget()
+
+
+class TooComplex(GrammarError):
+    """A grammar over one of ``Budget``'s limits; ``limit`` names the field."""
+
+    def __init__(self, what: str, limit: str, value: int) -> None:
+        super().__init__(f"the grammar is too complex to enforce: {what} more than {value} "
+                         f"(this server's limit {limit} = {value})")
+        self.limit = limit
 
 
 class NFA:
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget = DEFAULT_BUDGET) -> None:
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[frozenset[int], int]]] = []
+        self.max_states = budget.nfa_states
 
     def new(self) -> int:
+        if len(self.eps) >= self.max_states:
+            raise TooComplex("its pattern needs NFA states:", "nfa_states", self.max_states)
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -103,61 +133,92 @@ class ByteDFA:
     start: int = 0
 
 
-def byte_dfa(pattern: Pat, max_states: int = 65536) -> ByteDFA:
-    """Subset construction of ``pattern``'s NFA; state 0 is the start."""
-    nfa = NFA()
+def byte_dfa(pattern: Pat, budget: Budget = DEFAULT_BUDGET) -> ByteDFA:
+    """Subset construction of ``pattern``'s NFA, minimized; state 0 is the start. Refused (``TooComplex``)
+    as soon as a step goes over ``budget``, and before a token walk when the result has more states than
+    ``budget.token_states`` (every DFA state is a token-boundary state under a vocabulary of single bytes)."""
+    nfa = NFA(budget)
     final = nfa.new()
     start = pattern(nfa, final)
-    classes, members = _byte_classes(nfa)
-    closure = _Closure(nfa)
-    first = closure.of([start])
-    ids, order = {first: 0}, [first]
-    rows: list[list[int]] = []
-    while len(rows) < len(order):
-        moves: list[set[int]] = [set() for _ in members]
-        for s in order[len(rows)]:
-            for allowed, target in nfa.edges[s]:
-                for c in classes[allowed]:
-                    moves[c].add(target)
-        row = []
-        for targets in moves:
-            nxt = closure.of(targets) if targets else None
-            if nxt is not None and nxt not in ids:
-                ids[nxt] = len(order)
-                order.append(nxt)
-                if len(order) > max_states:
-                    raise GrammarError("the grammar is too complex (its automaton has too many states)")
-            row.append(-1 if nxt is None else ids[nxt])
-        rows.append(row)
+    rows, order, members = _Subsets(nfa, budget).build(start)
     by_class = np.array(rows, dtype=np.int32).reshape(len(rows), len(members))
+    accept = np.array([final in s for s in order], dtype=bool)
+    by_class, accept = minimize(by_class, accept, budget)
     byte_class = np.zeros(256, dtype=np.int64)
     for c, bs in enumerate(members):
         byte_class[list(bs)] = c
-    accept = np.array([final in s for s in order], dtype=bool)
-    return minimize(ByteDFA(by_class[:, byte_class], accept))
+    return ByteDFA(np.ascontiguousarray(by_class[:, byte_class]), accept)
 
 
-def minimize(dfa: ByteDFA) -> ByteDFA:
-    """Merge states no input tells apart (Moore's refinement); the start stays state 0."""
-    C = len(dfa.accept)
-    block = dfa.accept.astype(np.int64)
-    while True:
-        succ = np.where(dfa.trans < 0, -1, block[np.maximum(dfa.trans, 0)])
-        _, new = np.unique(np.hstack([block[:, None], succ]), axis=0, return_inverse=True)
-        new = new.reshape(-1)
-        if len(np.unique(new)) == len(np.unique(block)):
-            break
+def minimize(trans: np.ndarray, accept: np.ndarray, budget: Budget) -> tuple[np.ndarray, np.ndarray]:
+    """Merge states no input tells apart (Moore's refinement over byte classes); the start stays state 0.
+    Each round splits blocks, so more rounds than ``budget.token_states`` means more states than that."""
+    block = accept.astype(np.int64)
+    for rounds in range(1, budget.token_states + 2):
+        if rounds * len(block) > budget.subset_work:
+            raise TooComplex("minimizing its automaton takes steps:", "subset_work", budget.subset_work)
+        succ = np.where(trans < 0, -1, block[np.maximum(trans, 0)])
+        new = _row_ids(np.hstack([block[:, None], succ]))
+        stable = new.max() == len(np.unique(block)) - 1
         block = new
-    first = np.full(int(block.max()) + 1, -1, dtype=np.int64)  # renumber by first appearance: start is 0
-    order: list[int] = []
-    for s in range(C):
-        if first[block[s]] < 0:
-            first[block[s]] = len(order)
-            order.append(s)
-    rep_states = np.array(order)
-    trans = dfa.trans[rep_states]
-    trans = np.where(trans < 0, -1, first[block[np.maximum(trans, 0)]]).astype(np.int32)
-    return ByteDFA(trans, dfa.accept[rep_states], 0)
+        if block.max() + 1 > budget.token_states:
+            raise TooComplex("its minimal automaton has states:", "token_states", budget.token_states)
+        if stable:
+            break
+    # _row_ids numbers blocks by first appearance, so the start's block is 0
+    reps = np.unique(block, return_index=True)[1]
+    out = np.where(trans[reps] < 0, -1, block[np.maximum(trans[reps], 0)]).astype(np.int32)
+    return out, accept[reps]
+
+
+def _row_ids(table: np.ndarray) -> np.ndarray:
+    """One id per distinct row of ``table``, numbered by first appearance."""
+    ids: dict[bytes, int] = {}
+    data = np.ascontiguousarray(table)
+    return np.array([ids.setdefault(row.tobytes(), len(ids)) for row in data], dtype=np.int64)
+
+
+class _Subsets:
+    """The subset construction, counting its work (NFA states visited) against the budget."""
+
+    def __init__(self, nfa: NFA, budget: Budget) -> None:
+        self.nfa, self.budget, self.work = nfa, budget, 0
+        self.classes, self.members = _byte_classes(nfa)
+        self.closure = _Closure(nfa, self)
+
+    def charge(self, n: int) -> None:
+        self.work += n
+        if self.work > self.budget.subset_work:
+            raise TooComplex("making its automaton deterministic takes steps:", "subset_work",
+                             self.budget.subset_work)
+
+    def build(self, start: int) -> tuple[list[list[int]], list[frozenset[int]], list[list[int]]]:
+        first = self.closure.of([start])
+        ids, order = {first: 0}, [first]
+        rows: list[list[int]] = []
+        while len(rows) < len(order):
+            row = [-1] * len(self.members)
+            for c, targets in self.moves(order[len(rows)]).items():
+                nxt = self.closure.of(targets)
+                if nxt not in ids:
+                    if len(order) >= self.budget.dfa_states:
+                        raise TooComplex("its deterministic automaton needs states:", "dfa_states",
+                                         self.budget.dfa_states)
+                    ids[nxt] = len(order)
+                    order.append(nxt)
+                row[c] = ids[nxt]
+            rows.append(row)
+        return rows, order, self.members
+
+    def moves(self, subset: frozenset[int]) -> dict[int, set[int]]:
+        """Byte class -> the NFA states ``subset`` moves to on it (classes with none left out)."""
+        self.charge(len(subset))
+        moves: dict[int, set[int]] = {}
+        for s in subset:
+            for allowed, target in self.nfa.edges[s]:
+                for c in self.classes[allowed]:
+                    moves.setdefault(c, set()).add(target)
+        return moves
 
 
 def _byte_classes(nfa: NFA) -> tuple[dict[frozenset[int], list[int]], list[list[int]]]:
@@ -172,8 +233,8 @@ def _byte_classes(nfa: NFA) -> tuple[dict[frozenset[int], list[int]], list[list[
 
 
 class _Closure:
-    def __init__(self, nfa: NFA) -> None:
-        self.nfa = nfa
+    def __init__(self, nfa: NFA, subsets: _Subsets) -> None:
+        self.nfa, self.subsets = nfa, subsets
         self.memo: dict[frozenset[int], frozenset[int]] = {}
 
     def of(self, states: Sequence[int] | set[int]) -> frozenset[int]:
@@ -186,6 +247,7 @@ class _Closure:
                     if t not in seen:
                         seen.add(t)
                         stack.append(t)
+            self.subsets.charge(len(seen))
             found = self.memo[key] = frozenset(s for s in seen if self.nfa.edges[s] or not self.nfa.eps[s])
         return found
 
@@ -200,6 +262,7 @@ class Vocab:
     lengths: np.ndarray  # int64 [n]
     data: np.ndarray    # uint8 [n, max length], zero padded
     columns: tuple[np.ndarray, ...] = ()  # data's columns as contiguous int64 arrays
+    by_first: tuple[np.ndarray, ...] = ()  # per first byte, the rows starting with it (ascending)
 
     @classmethod
     def of(cls, texts: Sequence[bytes | None], size: int) -> Vocab:
@@ -210,33 +273,55 @@ class Vocab:
         for row, i in enumerate(ids):
             data[row, : lengths[row]] = np.frombuffer(texts[i] or b"", dtype=np.uint8)
         columns = tuple(np.ascontiguousarray(data[:, j], dtype=np.int64) for j in range(data.shape[1]))
-        return cls(size, np.array(ids, dtype=np.int64), lengths, data, columns)
+        first = columns[0] if columns else np.zeros(0, dtype=np.int64)
+        by_first = tuple(np.flatnonzero(first == b) for b in range(256))
+        return cls(size, np.array(ids, dtype=np.int64), lengths, data, columns, by_first)
 
 
-def token_dfa(dfa: ByteDFA, vocab: Vocab) -> TokenDFA:
+def token_dfa(dfa: ByteDFA, vocab: Vocab, budget: Budget = DEFAULT_BUDGET) -> TokenDFA:
     """The token-level DFA of ``dfa``: its states are the byte states reachable at token boundaries."""
     C = len(dfa.accept)
     dead = C
     trans = np.vstack([np.where(dfa.trans < 0, dead, dfa.trans), np.full((1, 256), dead)]).astype(np.int64)
     flat = trans.reshape(-1)  # state * 256 + byte: one 1-D gather per byte position
-    active = [int((vocab.lengths > j).sum()) for j in range(vocab.data.shape[1])]
     token_id = np.full(C + 1, -1, dtype=np.int64)  # byte state -> token state
     token_id[dfa.start] = 0
     found = [dfa.start]
     tables = _Tables(vocab.size)
     for c in found:  # grows while it is walked (breadth first)
-        cur = np.full(len(vocab.order), c, dtype=np.int64)
-        for j, k in enumerate(active):
-            cur[:k] = flat[cur[:k] * 256 + vocab.columns[j][:k]]
-        live = cur != dead
-        for u in np.unique(cur[live]):
+        rows, cur = _walk(flat, c, vocab, dead)
+        for u in np.unique(cur):
             if token_id[u] < 0:
                 token_id[u] = len(found)
                 found.append(int(u))
-                if len(found) > MAX_TOKEN_STATES:
-                    raise GrammarError("the grammar is too complex (too many states at token boundaries)")
-        tables.add(vocab.order[live], token_id[cur[live]])
+                if len(found) > budget.token_states:
+                    raise TooComplex("it has states at token boundaries:", "token_states", budget.token_states)
+        tables.add(vocab.order[rows], token_id[cur])
     return tables.finish(dfa.accept[found])
+
+
+def _walk(flat: np.ndarray, state: int, vocab: Vocab, dead: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every token's bytes from byte state ``state``: the rows (into ``vocab.order``) of the tokens that
+    stay alive, and the states they end in. A token is dropped at its first byte the grammar rules out, so
+    the work follows the live tokens (few, in a state that allows only a few bytes)."""
+    first = np.flatnonzero(flat[state * 256: state * 256 + 256] != dead)
+    rows = np.sort(np.concatenate([vocab.by_first[b] for b in first])) if len(first) else np.zeros(0, np.int64)
+    cur = np.full(len(rows), state, dtype=np.int64)
+    done_rows, done_states = [], []
+    for j in range(vocab.data.shape[1]):
+        cur = flat[cur * 256 + vocab.columns[j][rows]]
+        alive = cur != dead
+        rows, cur = rows[alive], cur[alive]
+        ended = vocab.lengths[rows] == j + 1  # rows stay longest first: the ended ones are the tail
+        k = len(rows) - int(np.count_nonzero(ended))
+        done_rows.append(rows[k:])
+        done_states.append(cur[k:])
+        rows, cur = rows[:k], cur[:k]
+        if not k:
+            break
+    if not done_rows:
+        return rows, cur
+    return np.concatenate(done_rows), np.concatenate(done_states)
 
 
 class _Tables:

@@ -140,13 +140,13 @@ def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan) -> Constraint
         raise APIError(400, f"{asked.param} cannot be combined with a forced tool call (tool_choice "
                        f"{tooling.choice.mode!r})", param=asked.param, code="unsupported_value")
     kind, value = tooling.pattern_key()
-    return Constraint(msgspec.json.encode([kind, value]).decode(), tooling.pattern, "tool_choice")
+    return Constraint(msgspec.json.encode([kind, value]).decode(), "tool_choice")
 
 
 async def grammar_id(app: web.Application, constraint: Constraint | None, limits: Limits) -> int:
     if constraint is None:
         return 0
-    return await app[GRAMMARS].compile(constraint.key, constraint.pattern, limits.vocab_size, constraint.param)
+    return await app[GRAMMARS].compile(constraint.key, limits.vocab_size, constraint.param)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

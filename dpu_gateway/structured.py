@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import Any
 
 from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import Pat, alt, lit
 from dpu_gateway.json_grammar import any_object, schema_pattern
 from dpu_gateway.protocol import _Common
+from dpu_gateway.tools import FORMATS, parse_tools
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Constraint:
-    """A grammar to enforce: ``key`` names it (canonical JSON), ``pattern`` builds it, ``param`` is the
-    request field it came from (errors name it)."""
+    """A grammar to enforce: ``key`` names it and is all it takes to build it (JSON ``[kind, value]``, see
+    ``pattern_of``; it travels to the compile worker), ``param`` is the request field it came from (errors
+    name it)."""
 
     key: str
-    pattern: Callable[[], Pat]
     param: str
 
 
@@ -29,7 +29,23 @@ def _bad(param: str, why: str) -> APIError:
 
 
 def _key(kind: str, value: Any) -> str:
-    return json.dumps([kind, value], sort_keys=True, separators=(",", ":"))
+    """Members keep their order: a schema's property order is the output's."""
+    return json.dumps([kind, value], separators=(",", ":"))
+
+
+def pattern_of(key: str) -> Pat:
+    """The pattern a constraint's ``key`` names (``json_object``, ``json_schema``, ``choice``, ``tool_call``)."""
+    kind, value = json.loads(key)
+    if kind == "json_object":
+        return any_object()
+    if kind == "json_schema":
+        return schema_pattern(value)
+    if kind == "choice":
+        return alt(*(lit(c) for c in value))
+    if kind == "tool_call":
+        fmt, many, tools = value
+        return FORMATS[fmt].pattern(parse_tools(tools), many)
+    raise ValueError(f"unknown constraint kind {kind!r}")
 
 
 def response_format(value: dict | None) -> Constraint | None:
@@ -39,7 +55,7 @@ def response_format(value: dict | None) -> Constraint | None:
     if kind == "text" and set(value) == {"type"}:
         return None
     if kind == "json_object" and set(value) == {"type"}:
-        return Constraint(_key("json_object", None), any_object, "response_format")
+        return Constraint(_key("json_object", None), "response_format")
     if kind == "json_schema" and set(value) == {"type", "json_schema"}:
         spec = value["json_schema"]
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
@@ -48,7 +64,7 @@ def response_format(value: dict | None) -> Constraint | None:
         if unknown:
             raise _bad(f"response_format.json_schema.{sorted(unknown)[0]}", "unknown field")
         schema = spec.get("schema", {})
-        return Constraint(_key("json_schema", schema), lambda: schema_pattern(schema), "response_format")
+        return Constraint(_key("json_schema", schema), "response_format")
     raise _bad("response_format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": ...}}")
 
@@ -62,12 +78,12 @@ def guided(req: _Common) -> Constraint | None:
                 schema = json.loads(schema)
             except ValueError:
                 raise _bad("guided_json", "must be a JSON Schema (an object, or its JSON text)") from None
-        return Constraint(_key("json_schema", schema), lambda: schema_pattern(schema), "guided_json")
+        return Constraint(_key("json_schema", schema), "guided_json")
     if req.guided_choice is not None:
         choices = req.guided_choice
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise _bad("guided_choice", "must be a non-empty list of non-empty strings")
-        return Constraint(_key("choice", choices), lambda: alt(*(lit(c) for c in choices)), "guided_choice")
+        return Constraint(_key("choice", choices), "guided_choice")
     return None
 
 

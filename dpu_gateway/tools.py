@@ -342,10 +342,6 @@ class ToolPlan:
         assert self.fmt is not None
         return "tool_call", [self.fmt.name, many, [t.openai() for t in self.forced()]]
 
-    def pattern(self) -> Pat:
-        assert self.fmt is not None
-        return self.fmt.pattern(self.forced(), self.parallel and self.choice.mode == "required")
-
 
 def plan_tools(raw_tools: list | None, raw_choice: Any, parallel: bool | None, parser: str | None,
                auto_enabled: bool) -> ToolPlan:

@@ -16,6 +16,7 @@ from blink.cli import tool_flags_problem
 from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import accepts, byte_dfa
 from dpu_gateway.protocol import ChatMessage
+from dpu_gateway.structured import pattern_of
 from dpu_gateway.tools import FORMATS, Call, Tool, parse_all, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
@@ -58,7 +59,7 @@ def test_llama3_json_calls() -> None:
 
 def test_forced_call_grammar_accepts_only_calls_of_the_tools() -> None:
     plan = plan_tools([WEATHER, TIME], "required", False, None, False)
-    dfa = byte_dfa(plan.pattern())
+    dfa = byte_dfa(pattern_of(json.dumps(plan.pattern_key())))
     assert accepts(dfa, b'<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     assert not accepts(dfa, b'<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
     assert not accepts(dfa, b'<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
