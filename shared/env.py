@@ -92,41 +92,6 @@ class Env:
     device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", True, "the persistent scheduler caches prefixes "
                                      "on the device where the policy does (0: not on that backend, whatever "
                                      "--enable-prefix-caching says)", _bool)
-    skinny_matmul: str = _var("BLINK_SKINNY_MATMUL", "", "GPU backends: the dense linears of steps of up to 8 rows "
-                              "(ROWS with NAME:ROWS) through this configuration of the skinny matmul (a "
-                              "gpu_engine.kernels.gemv.GEMV_CONFIGS name) instead of cuBLAS; unset: cuBLAS at "
-                              "every step size")
-    tiled_linear: str = _var("BLINK_TILED_LINEAR", "auto", "GPU backends: the dense linears of steps of up to "
-                             "128 rows (past the skinny ones with BLINK_SKINNY_MATMUL) through the tiled linear where "
-                             "this plan (a gpu_engine.kernels.tiled_linear.TILED_PLANS name) takes their weight's "
-                             "shape and the step's size, or through this configuration (a TILED_CONFIGS name), "
-                             "cuBLAS for the rest; auto: the plan measured on this GPU (h200+fused on an NVIDIA "
-                             "H200; cuBLAS elsewhere); off: cuBLAS. NAME+fused (or +fused:ROWS) also fuses the "
-                             "kernels around the products it takes (RMSNorm, up to ROWS rows where given, SiLU, "
-                             "residual add, q/k norms + RoPE + KV write) and, at one row, folds decode attention in "
-                             "one launch; measured faster than NAME alone on the H200 (BENCHMARKS.md)")
-    one_launch: str = _var("BLINK_ONE_LAUNCH", "", "GPU backends, with a +fused BLINK_TILED_LINEAR: parts of the "
-                           "decode step run as phases of one launch each (the same bits): attention (qkv with its "
-                           "norm and q/k/v preparation, decode attention, o with its residual add, where the fused "
-                           "forms take them all through 4-warp configurations), mlp (a dense layer's gate_up with its "
-                           "norm and SiLU, down with its add, through configurations of equal warps, e.g. the "
-                           "h200_4w plan), layer (both halves of a dense layer in one launch, every product at 4 "
-                           "warps), moe (an MoE layer's router, gate_up and down in steps of at most 64 token-expert "
-                           "pairs); comma-separated, or all; not yet measured on a GPU, so none by default")
-    pdl: bool = _var("BLINK_PDL", False, "GPU backends: the decode step's Triton kernels (norms, q/k/v preparation, "
-                     "decode attention, SiLU, tiled linears, MoE routing and sort-free experts) launched with "
-                     "programmatic dependent launch, each "
-                     "scheduled while the one before it finishes; measured slower on the H200 (bench/roofline.py "
-                     "--pdl, BENCHMARKS.md), so off by default", _bool)
-    decode_walk: str = _var("BLINK_DECODE_WALK", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
-                            "with N:BATCH), decode attention walks each row of at most N splits of 256 tokens in one "
-                            "program and splits the longer ones (the same bits); measured slower than splitting every "
-                            "row on the H200 (BENCHMARKS.md), so off by default")
-    decode_lanes: str = _var("BLINK_DECODE_LANES", "", "GPU backends: in decode steps of at least 33 rows (BATCH "
-                             "with P:BATCH), decode attention's split launch runs P programs a row and KV head, each "
-                             "taking every P-th split, instead of a program a split of the block table (those past a "
-                             "row's context exit at once); the same bits; measured faster with equal short contexts "
-                             "but slower on served ones on the H200 (BENCHMARKS.md), so off by default")
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

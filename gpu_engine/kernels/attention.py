@@ -317,7 +317,7 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 DECODE_FORMS = ("split", "last")
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
-# (`KernelPlan.fusion`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
+# (`KernelPlan.fused`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
 # and its registers in every program).
 LAST_FOLD_ROWS = 1
