@@ -44,8 +44,6 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import active_experts
-
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -132,6 +130,8 @@ def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> Non
 def weight_bytes(model, batch: int = 1) -> float:
     """Bytes a decode step of `batch` rows reads: every parameter except the embedding table (unless
     tied), and of the stacked experts only the active ones."""
+    from bench.kernels import active_experts
+
     total = 0.0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
@@ -167,7 +167,7 @@ def capture(runner, batches, prefill):
 def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters: int) -> dict:
     """One decode row: `ctx` tokens for every sequence, or a list of each sequence's (served contexts: the row's
     `context` is -1, `context_mean` their mean)."""
-    from bench.kernels import graph_ms, step_breakdown
+    from bench.kernels import active_experts, graph_ms, step_breakdown
 
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     total = sum(ctx) if isinstance(ctx, list) else b * ctx

@@ -1,7 +1,7 @@
 """bench.kernels' decode-attention cases without a GPU: each variant it times, given as keywords by
 `attention_variant`, runs in the Triton interpreter and gives the runner's form's result (the same bits where only
-the launch differs: walked short rows, lanes, the last program's fold; within rounding where the split size, tile or
-staging differs), so that a broken case shows here, not in a GPU run."""
+the launch differs: the last program's fold, the warps, the staging; within rounding where the split size or tile
+differs), so that a broken case shows here, not in a GPU run."""
 
 import os
 
@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import bench.kernels as bk  # noqa: E402
-from gpu_engine.kernels.attention import decode_attention  # noqa: E402
+from gpu_engine.kernels.attention import DECODE_FORMS, decode_attention  # noqa: E402
 
 
 def test_every_attention_variant_gives_the_runner_form_s_result():
@@ -29,12 +29,11 @@ def test_every_attention_variant_gives_the_runner_form_s_result():
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), 8, d, generator=g)
     runner = bk.attention_variant(next(iter(bk.ATTENTION_VARIANTS)))
-    assert runner == {"partition_size": 256, "block_n": 128, "form": "split", "num_warps": 4, "num_stages": None,
-                      "walk_upto": 0, "lanes": 0}
+    assert runner == {"partition_size": 256, "block_n": 128, "form": "split", "num_warps": 4, "num_stages": None}
     want = decode_attention(q, kc, vc, tables, ctx, 0.25, **runner)
     assert not want.isnan().any() and not want[3].any()  # the empty row: zeros
-    assert bk.attention_variant("p256_bn128_walk2_lanes4")["walk_upto"] == 2
-    assert bk.attention_variant("p256_bn128_walk2_lanes4")["lanes"] == 4
+    assert bk.attention_variant("p256_bn128_last")["form"] == "last"
+    assert {bk.attention_variant(name)["form"] for name in bk.ATTENTION_VARIANTS} == set(DECODE_FORMS)
     for name in bk.ATTENTION_VARIANTS:
         how = bk.attention_variant(name)
         counters = torch.zeros(len(lens) * hkv, dtype=torch.int32) if how["form"] == "last" else None

@@ -37,22 +37,3 @@ def test_fused_rows_time_each_form_against_what_it_replaces(monkeypatch):
     glu = [c for r, c in zip(rows, calls, strict=True) if r["kernel"] == "fused_gate_up" and r["batch"] == 3]
     assert all(tuple(c.shape) == (3, 96) for c in glu)
     torch.testing.assert_close(glu[0], glu[1], rtol=1e-4, atol=1e-4)
-
-
-def test_phased_rows_time_the_attention_half_apart_and_in_one_launch(monkeypatch):
-    """Both cases of each model and batch run, each adding the half's output into its batch's stream [rows,
-    hidden] (their bits are compared in tests/test_kernels_phased.py)."""
-    calls = []
-
-    def once(fn, *args, **kwargs):
-        calls.append(fn().clone())
-        return 1e-3
-
-    monkeypatch.setattr(bk, "graph_ms", once)
-    monkeypatch.setattr(bk, "entry", lambda ms, nbytes, gbps: {"ms": ms, "bytes": nbytes})
-    tiny = (("tiny", 4, 2, 16, 32, "n32_k128_s4", "n32_k128_s4", (1, 3)),)
-    rows = bk.phased_rows(1000.0, copies=1, models=tiny, context=32, device="cpu", dtype=torch.float32, block=4)
-    assert [(r["case"], r["batch"]) for r in rows] == [("apart", 1), ("one_launch", 1), ("apart", 3),
-                                                       ("one_launch", 3)]
-    assert all(r["bytes"] > 0 for r in rows)
-    assert all(tuple(c.shape) == (r["batch"], 32) for r, c in zip(rows, calls, strict=True))

@@ -97,3 +97,39 @@ def test_a_run_of_large_batches_alone_sizes_its_tables_for_the_served_contexts()
     assert blocks >= 128 * (2048 // BLOCK + 1)
     assert sizes(2048, (1, 8), ()) == (8 * 129, (8, 8, 129))
     assert sizes(2048, (1, 8), (8192,))[1] == (8, 8192, 512)
+
+
+def test_the_plan_setting_names_a_plan_or_one_configuration_for_every_weight() -> None:
+    """`--plan`: auto, the engine's plan for the GPU (`resolve_plan`: the H200's on an H200, cuBLAS on any other); a
+    `PLANS` name, that plan whatever the GPU; a `TILED_CONFIGS` name, that configuration for every dense weight, with
+    the fused forms after +fused; anything else refused, naming the choices."""
+    sys.path.insert(0, str(ROOT))
+    from bench.roofline import bench_plan
+    from gpu_engine.kernels.plan import PLANS, KernelPlan
+
+    assert bench_plan("auto", "NVIDIA H200") is PLANS["h200"]
+    assert bench_plan("auto", "NVIDIA H100 80GB HBM3") is PLANS["cublas"]
+    assert bench_plan("h200", "NVIDIA H100 80GB HBM3") is PLANS["h200"]
+    assert bench_plan("cublas", "NVIDIA H200") is PLANS["cublas"]
+    assert bench_plan("n64_k128_s4", "NVIDIA H200") == KernelPlan.every_weight("n64_k128_s4")
+    fused = bench_plan("n64_k128_s4+fused", "NVIDIA H200")
+    assert fused == KernelPlan.every_weight("n64_k128_s4", fused=True) and fused.name == "n64_k128_s4+fused"
+    for bad in ("fastest", "n64_k128_s4+fast", "n64_k128_s4+", "h200+fused", "off"):
+        with pytest.raises(SystemExit, match="--plan"):
+            bench_plan(bad, "NVIDIA H200")
+
+
+@pytest.mark.parametrize("first", ["bench.roofline", "bench.kernels"])
+def test_the_bench_modules_import_in_either_order(first: str) -> None:
+    """bench.kernels imports nothing of bench.roofline (which takes `active_experts` from it): either module imports
+    first in a fresh process, bench.kernels alone leaves bench.roofline unloaded, and `active_experts` is the
+    expected count of distinct experts under uniform routing (top-8 of 128: 8 at one token)."""
+    code = "\n".join((
+        "import importlib, sys",
+        "importlib.import_module(sys.argv[1])",
+        "assert sys.argv[1] == 'bench.roofline' or 'bench.roofline' not in sys.modules",
+        "import bench.roofline, bench.kernels as k",
+        "cfg = type('C', (), {'num_experts': 128, 'num_experts_per_tok': 8})",
+        "assert k.active_experts(cfg, 1) == 8 and 8 < k.active_experts(cfg, 8) < 64"))
+    res = subprocess.run([sys.executable, "-c", code, first], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

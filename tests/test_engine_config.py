@@ -81,8 +81,9 @@ def served_engine_argv(argv: list[str]) -> tuple[EngineConfig, list[str]]:
     [],
     ["--ring", "r-1", "--backend", "persistent", "--dtype", "bfloat16", "--random-weights", "--num-slots", "32",
      "--max-prompt-tokens", "100", "--max-output-tokens", "7", "--top-logprobs", "0", "--block-size", "8",
-     "--kv-blocks", "99", "--max-batch", "3", "--seed", "5", "--threads", "2"],
+     "--kv-blocks", "99", "--max-batch", "3", "--seed", "5", "--threads", "2", "--kernel-plan", "h200"],
     ["--model", str(ROOT / "README.md"), "--max-batch", "64", "--port", "9001", "--gateways", "2"],
+    ["--backend", "host", "--kernel-plan", "cublas"],
 ])
 def test_the_supervisors_engine_command_parses_back_to_the_same_config(argv: list[str]) -> None:
     cfg, child = served_engine_argv(argv)
@@ -101,6 +102,8 @@ def test_the_engine_gets_only_flags_that_differ_from_its_defaults() -> None:
     (["--model", "/no/such/model"], "--model: path /no/such/model does not exist"),
     (["--top-logprobs", "21"], "top_logprobs must be in 0..20"),
     (["--ring", ""], "--ring must not be empty"),
+    (["--backend", "cpu", "--kernel-plan", "h200"],
+     "--kernel-plan h200 applies to the GPU backends (got --backend cpu)"),
 ])
 def test_bad_values_are_refused_by_the_engine_and_by_serve(argv: list[str], message: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,20 +160,20 @@ def test_no_product_module_reads_blink_variables_itself() -> None:
     assert not offenders, offenders
 
 
-def test_the_skinny_matmul_is_off_unless_named_and_the_tiled_linear_follows_the_gpu() -> None:
-    """BLINK_SKINNY_MATMUL names a configuration of the skinny matmul (unset: none). BLINK_TILED_LINEAR is "auto"
-    unset: the tiled linear's plan measured on the GPU the engine runs on (the "h200" plan, fused, on an NVIDIA H200),
-    cuBLAS on any other; "off" is cuBLAS everywhere; a plan or configuration name is taken as it is, and an unknown
-    one fails the engine's start with the known names."""
-    from gpu_engine.kernels.tiled_linear import resolve_tiled
-
-    assert Env.from_environ({}).skinny_matmul == ""
-    assert Env.from_environ({"BLINK_SKINNY_MATMUL": "fma_n16_k256"}).skinny_matmul == "fma_n16_k256"
-    unset = Env.from_environ({}).tiled_linear
-    assert resolve_tiled(unset, "NVIDIA H200") == "h200+fused"
-    assert resolve_tiled(unset, "NVIDIA A100-SXM4-80GB") is None
-    assert resolve_tiled("off", "NVIDIA H200") is None
-    for name in ("h200", "n64_k128_s4"):
-        assert resolve_tiled(Env.from_environ({"BLINK_TILED_LINEAR": name}).tiled_linear, "NVIDIA L4") == name
-    with pytest.raises(ValueError, match="n64_k128_s4"):
-        resolve_tiled("fastest", "NVIDIA H200")
+def test_the_kernel_plan_is_a_flag_auto_by_default_not_a_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kernel-plan (auto unset: the plan measured on the engine's GPU) is a flag of the engine and of `blink serve`
+    that the supervisor passes on only where it is not auto; an unknown plan is refused by the parser; no BLINK_*
+    variable picks kernels any more."""
+    assert EngineConfig().kernel_plan == engine_serve.parse_args([]).kernel_plan == "auto"
+    assert engine_serve.parse_args(["--kernel-plan", "cublas"]).kernel_plan == "cublas"
+    _, child = served_engine_argv(["--ring", "r-3", "--kernel-plan", "h200"])
+    assert child == ["--ring", "r-3", "--kernel-plan", "h200"]
+    assert "--kernel-plan" not in served_engine_argv(["--ring", "r-3"])[1]
+    with pytest.raises(SystemExit):
+        engine_serve.parse_args(["--kernel-plan", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--kernel-plan", "h200_wide"])
+    assert "invalid choice: 'h200_wide'" in capsys.readouterr().err
+    assert not {v for v in Env.variables() if v.startswith(("BLINK_TILED", "BLINK_PDL", "BLINK_SKINNY",
+                                                             "BLINK_ONE_LAUNCH", "BLINK_DECODE_"))}

@@ -112,56 +112,35 @@ def test_decode_attention(dtype, tol):
 
 def test_decode_attention_forms_give_the_same_bits():
     """A row's splits computed by a program each and folded by a second launch, or by the last of them to finish
-    (its counts left zero for the next launch), or walked and folded by one program: the same sums in the same
-    order, so the outputs are equal bit for bit; within the reference's tolerance, empty rows zero (written: the
-    outputs start poisoned)."""
+    (its counts left zero for the next launch): the same sums in the same order, so the outputs are equal bit for
+    bit; within the reference's tolerance, empty rows zero (written: the outputs start poisoned)."""
     kc, vc, bt, ctx = _paged([1, 37, 0, 70, 129, 64], nblocks=100)
     q = torch.randn(6, 8, 16, device=DEV)
-    split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16)
-    walked = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, form="walk")
-    assert torch.equal(walked, split)
+    split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                       partition_size=32, block_n=16)
     counters = torch.zeros(6 * 4, dtype=torch.int32, device=DEV)
     for _ in range(2):
         last = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
                                           partition_size=32, block_n=16, form="last", counters=counters)
         assert torch.equal(last, split)
         assert not counters.any()
+    unset = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, partition_size=32, block_n=16, form="last")
+    assert torch.equal(unset, split)  # counters allocated by the launcher
     with pytest.raises(ValueError, match="counters"):
         attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="last", counters=counters[:5])
-    # rows of at most 1, 2 or 3 splits (32 tokens each: rows of 1-70 tokens) walked by their first split's program,
-    # the longer ones split, folded by the second launch or by their last program
-    for upto in (1, 2, 3):
-        for form in ("split", "last"):
-            hybrid = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
-                                                partition_size=32, block_n=16, form=form, walk_upto=upto,
-                                                counters=counters if form == "last" else None)
-            assert torch.equal(hybrid, split), (upto, form)
-            assert not counters.any()
-    # fewer programs than splits (lanes): each lane computes every lanes-th split, stored as its own program would
-    # (the table has 5 splits of 32; rows of 0-5 splits), with and without walked short rows
-    for lanes in (1, 2, 3, 5, 9):
-        for form in ("split", "last"):
-            for upto in (0, 2):
-                laned = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
-                                                   partition_size=32, block_n=16, form=form, walk_upto=upto,
-                                                   lanes=lanes, counters=counters if form == "last" else None)
-                assert torch.equal(laned, split), (lanes, form, upto)
-                assert not counters.any()
-    for bad, word in (({"walk_upto": -1}, "walk_upto"), ({"walk_upto": 2, "form": "walk"}, "walk_upto"),
-                      ({"lanes": -1}, "lanes"), ({"lanes": 2, "form": "walk"}, "lanes")):
-        with pytest.raises(ValueError, match=word):
-            attention.decode_attention(q, kc, vc, bt, ctx, 0.25, **bad)
     assert not split[2].any()
     _close(split, attention.decode_attention_ref(q, kc, vc, bt, ctx, 0.25), 1e-4)
-    with pytest.raises(ValueError, match="form"):
-        attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form="walked")
+    assert attention.DECODE_FORMS == ("split", "last")
+    for gone in ("walk", "walked"):
+        with pytest.raises(ValueError, match="form"):
+            attention.decode_attention(q, kc, vc, bt, ctx, 0.25, form=gone)
 
 
 def test_decode_attention_row_past_its_block_table_folds_the_table_s_splits_in_every_form():
     """A context longer than its block table holds (a caller's error: the runner sizes tables for its longest
-    request) still gets one answer from the split and the "last" forms, with and without walked short rows: the
-    splits that have programs (the table's), folded; the fold reads no partial past them (before, it read the next
-    head's and, for the last row, past the partials' end)."""
+    request) still gets one answer from the split and the "last" forms: the splits that have programs (the
+    table's), folded; the fold reads no partial past them (before, it read the next head's and, for the last row,
+    past the partials' end)."""
     kc, vc, bt, ctx = _paged([68, 64])  # 18 blocks of 4 a row (the last of row 0 unset: -1), 3 splits of 32
     bt[0, 17] = bt[1, 16] = 39  # any valid block, so that no token is read through a -1
     ctx[0] = 100  # 4 splits' worth: the 4th has no program; its tokens' table entries would be the next row's
@@ -169,13 +148,11 @@ def test_decode_attention_row_past_its_block_table_folds_the_table_s_splits_in_e
     split = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
                                        partition_size=32, block_n=16)
     counters = torch.zeros(2 * 2, dtype=torch.int32, device=DEV)
-    for upto in (0, 1):
-        for form in ("split", "last"):
-            got = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
-                                             partition_size=32, block_n=16, form=form, walk_upto=upto,
-                                             counters=counters if form == "last" else None)
-            assert torch.equal(got, split), (form, upto)
-            assert not counters.any()
+    for _ in range(2):
+        got = attention.decode_attention(q, kc, vc, bt, ctx, 0.25, out=torch.full_like(q, float("nan")),
+                                         partition_size=32, block_n=16, form="last", counters=counters)
+        assert torch.equal(got, split)
+        assert not counters.any()
     # what it is: the row's first 96 tokens (3 splits), whose last 24 took the next row's table entries
     wide = torch.cat([bt[0], bt[1, :6]])[None]
     first = attention.decode_attention(q[:1], kc, vc, wide, torch.tensor([96], dtype=torch.int32, device=DEV), 0.25,
@@ -310,42 +287,6 @@ def test_fused_moe_takes_the_norm_and_the_residual_add_in_its_kernels(T):
     _close(stream, want, 1e-4)
     with pytest.raises(ValueError, match="norm: taken in the router"):
         moe.fused_moe(x, router, gate_up, down, 2, True, norm=(nw, 1e-6))
-
-
-@pytest.mark.parametrize("T,E,H,I,top_k,norm,add", [
-    (1, 6, 40, 22, 2, True, True),  # the runner's fused step: norm and residual add; odd H and I
-    (3, 8, 33, 24, 3, False, False),  # 3 slots padded to 4, nothing fused around it
-    (8, 8, 32, 16, 8, True, False),  # SMALL_PAIRS pairs, each token on every expert
-])
-def test_moe_in_one_launch_gives_the_three_launches_bits(T, E, H, I, top_k, norm, add):
-    """The router, gate_up and down of a small step as phases of one launch (`moe_mlp_one_launch`): the same code
-    and block sizes as the three launches, so the same bits, twice over the same counters (each launch leaves
-    them zero); near the reference. Refused past SMALL_PAIRS pairs and with too few counters."""
-    from gpu_engine.kernels.rmsnorm import rms_norm_ref
-
-    x, router, gate_up, down = _moe_weights(T, E, H, I, torch.float32)
-    nw = (torch.rand(H, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEV)
-    how = {"norm": (nw, 1e-6)} if norm else {}
-    counters = torch.zeros(moe.PHASE_COUNTERS + T, dtype=torch.int32, device=DEV)
-    three_stream = x.clone()
-    three = moe.fused_moe(three_stream, router, gate_up, down, top_k, True, counters=counters[moe.PHASE_COUNTERS:],
-                          residual=three_stream if add else None, **how)
-    for _ in range(2):
-        stream = x.clone()
-        got = moe.fused_moe(stream, router, gate_up, down, top_k, True, counters=counters, one_launch=True,
-                            residual=stream if add else None, **how)
-        assert torch.equal(got, three) and not counters.any()
-        assert (got is stream) == add
-    src = rms_norm_ref(x, nw, 1e-6)[0] if norm else x
-    _close(got, moe.fused_moe_ref(src, router, gate_up, down, top_k, True) + (x if add else 0), 1e-4)
-    with pytest.raises(ValueError, match="counters"):
-        moe.moe_mlp_one_launch(x, router, gate_up, down, top_k, True, counters[: moe.PHASE_COUNTERS + T - 1])
-    with pytest.raises(ValueError, match="needs counters"):
-        moe.fused_moe(x, router, gate_up, down, top_k, True, one_launch=True)
-    big = x.repeat(moe.SMALL_PAIRS // top_k + 1, 1)
-    with pytest.raises(ValueError, match="at most"):
-        moe.moe_mlp_one_launch(big, router, gate_up, down, top_k, True,
-                               torch.zeros(moe.PHASE_COUNTERS + big.shape[0], dtype=torch.int32, device=DEV))
 
 
 def _moe_weights(T, E, H, I, dtype, seed=2):
@@ -605,13 +546,6 @@ def test_gpu_fused_moe_real_sizes(tokens):
     stream = x.clone()
     moe.fused_moe(stream, router, gate_up, down, 8, True, residual=stream, counters=counters, norm=(nw, 1e-6))
     assert ((stream.float() - ref).norm() / ref.norm()) < 1e-2 and not counters.any()
-    # the same three kernels as phases of one launch (`moe_mlp_one_launch`): the same bits, the counts left at rest
-    phases = torch.zeros(moe.PHASE_COUNTERS + tokens, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        one = x.clone()
-        moe.fused_moe(one, router, gate_up, down, 8, True, residual=one, counters=phases, norm=(nw, 1e-6),
-                      one_launch=True)
-        assert torch.equal(one, stream) and not phases.any()
     # the router kernel alone, fp32 so that no rounding tie decides: the experts and weights of `moe_route`
     w32, ids32 = moe.moe_router(x.float(), router.float(), 8, True, counters)
     want_w, want_ids = moe.moe_route(torch.nn.functional.linear(x.float(), router.float()), 8, True)

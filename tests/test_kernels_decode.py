@@ -88,31 +88,6 @@ def _linear_case(M, act, dtype):
     return x, w, torch.full((M, N), float("nan"), device=DEV, dtype=dtype)
 
 
-@pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("act", [None, "silu_mul"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("form", ["dot", "fma"])
-def test_gemv_matches_the_reference(M, act, dtype, tol, form):
-    from gpu_engine.kernels.gemv import gemv, gemv_ref
-
-    x, w, out = _linear_case(M, act, dtype)
-    gemv(x, w, act=act, out=out, block_n=32, block_k=64, form=form)
-    torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
-
-
-def test_gemv_fma_rows_do_not_depend_on_their_neighbours_within_a_size():
-    """In the fma form a row's sums are the same whether its step has 5, 6, 7 or 8 rows (all padded to 8): the
-    products of each tile are summed over the same columns in the same order."""
-    from gpu_engine.kernels.gemv import gemv
-
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(8, 200, generator=g).to(DEV)
-    w = (torch.randn(70, 200, generator=g) * 0.1).to(DEV)
-    full = gemv(x, w, block_n=32, block_k=64, form="fma")
-    for M in (5, 6, 7):
-        assert torch.equal(gemv(x[:M], w, block_n=32, block_k=64, form="fma"), full[:M]), M
-
-
 def _refuses_what_every_linear_refuses(launch, max_rows: int):
     """A K that does not match, too many rows, an unknown activation, mixed dtypes."""
     x, w = torch.zeros(2, 8, device=DEV), torch.zeros(4, 8, device=DEV)
@@ -127,27 +102,18 @@ def _refuses_what_every_linear_refuses(launch, max_rows: int):
     return x, w
 
 
-def test_gemv_rejects_bad_inputs():
-    from gpu_engine.kernels.gemv import MAX_ROWS, gemv
-
-    x, w = _refuses_what_every_linear_refuses(gemv, MAX_ROWS)
-    with pytest.raises(ValueError, match="form"):
-        gemv(x, w, form="mma")
-
-
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("per_sm", [1, 8])  # K in one slice or in four (the CPU counts as 4 SMs)
 def test_tiled_linear_matches_the_reference(M, act, dtype, tol, per_sm):
-    from gpu_engine.kernels.gemv import gemv_ref
-    from gpu_engine.kernels.tiled_linear import _sms, tiled_linear, tiled_split
+    from gpu_engine.kernels.tiled_linear import _sms, linear_ref, tiled_linear, tiled_split
 
     x, w, out = _linear_case(M, act, dtype)
     split, _ = tiled_split(w.shape[0], w.shape[1], 16, 32, per_sm, _sms(torch.device(DEV)))
     assert (split > 1) == (per_sm > 1) or DEV == "cuda"
     tiled_linear(x, w, act=act, out=out, block_n=16, block_k=32, per_sm=per_sm)
-    torch.testing.assert_close(out.float(), gemv_ref(x, w, act).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), linear_ref(x, w, act).float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("M", [1, 5, 17])
@@ -258,9 +224,6 @@ def test_tiled_linear_refuses_fused_forms_it_cannot_take():
         tiled_linear(x, w, residual=x)
     with pytest.raises(ValueError, match="writes into the residual"):
         tiled_linear(x, w, residual=torch.zeros(2, 64, device=DEV), out=torch.zeros(2, 64, device=DEV))
-    with pytest.raises(ValueError, match="act"):
-        from gpu_engine.kernels.gemv import gemv
-        gemv(x, w, act="glu")  # the skinny matmul has no glu form
 
 
 def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
@@ -280,32 +243,6 @@ def test_tiled_split_covers_k_once_and_splits_only_narrow_outputs():
                     split, width = tiled_split(N, K, 16, block_k, per_sm, 132)
                     assert 1 <= split <= MAX_SPLIT and width % block_k == 0
                     assert (split - 1) * width < K <= split * width, (N, K, block_k, per_sm)
-
-
-def test_tiled_plans_name_weight_shapes_and_configurations_in_increasing_rows():
-    """A plan the runner can follow: (N, K) weight shapes, configurations that exist, row limits rising within
-    1..MAX_ROWS; the H200's names the Llama-3-8B projections and not its LM head, and Qwen3-30B-A3B's attention up to
-    the MoE's sort-free steps; a configuration's name alone is
-    that configuration for every shape; anything else refused."""
-    from gpu_engine.kernels.tiled_linear import MAX_ROWS, TILED_CONFIGS, TILED_PLANS, tiled_plan
-
-    for name, plan in TILED_PLANS.items():
-        assert name not in TILED_CONFIGS, name
-        for shape, steps in plan.items():
-            assert shape is not None and len(shape) == 2 and min(shape) > 0, (name, shape)
-            rows = [r for r, _ in steps]
-            assert rows == sorted(set(rows)) and 1 <= rows[0] and rows[-1] <= MAX_ROWS, (name, steps)
-            assert all(config in TILED_CONFIGS for _, config in steps), (name, steps)
-    assert set(TILED_PLANS["h200"]) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # Llama-3-8B
-                                        (5120, 2048), (2048, 4096)}  # Qwen3-30B-A3B's attention
-    # Qwen3-30B-A3B's up to the steps its MoE layers take sort-free, whose fused kernels come with the fused plan
-    from gpu_engine.kernels.moe import small_path
-
-    most = max(t for t in range(1, MAX_ROWS + 1) if small_path(t, 8))  # its 8 experts a token
-    assert {rows for shape in ((5120, 2048), (2048, 4096)) for rows, _ in TILED_PLANS["h200"][shape]} == {most}
-    assert tiled_plan("n64_k64_s6") == {None: ((MAX_ROWS, "n64_k64_s6"),)}
-    with pytest.raises(ValueError, match="neither a plan"):
-        tiled_plan("fastest")
 
 
 def test_tiled_linear_leaves_its_counters_zero_and_repeats_its_bits():

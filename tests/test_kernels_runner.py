@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from gpu_engine.gpu.graph_cache import GraphCache  # noqa: E402
 from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits  # noqa: E402
-from gpu_engine.kernels.tiled_linear import TILED_PLANS  # noqa: E402
+from gpu_engine.kernels.plan import PLANS, KernelPlan  # noqa: E402
 from gpu_engine.kv_cache import KVCache  # noqa: E402
 from gpu_engine.models.attention import build_metadata  # noqa: E402
 from gpu_engine.models.config import ModelConfig  # noqa: E402
@@ -32,41 +32,52 @@ FAMILIES = {
 }
 
 
-def _setup(family, skinny=None, tiled=None, pdl=False, walk="", lanes="", blocks=16, width=8, one_launch=""):
-    """A runner over a random model of the family, a cache of `blocks` 4-token blocks, tables `width` blocks wide."""
+def _setup(family, plan=PLANS["cublas"], blocks=16, width=8):
+    """A runner over a random model of the family, a cache of `blocks` 4-token blocks, tables `width` blocks wide,
+    its products where `plan` says."""
     cfg = ModelConfig.from_hf({**BASE, **FAMILIES[family]})
     model = build_empty(cfg, torch.float32, "cpu")
     init_random(model, 0)
-    runner = GpuModelRunner(model, KVCache(cfg, blocks, 4), RunnerLimits(4, 32, width), skinny=skinny, tiled=tiled,
-                            pdl=pdl, walk=walk, lanes=lanes, one_launch=one_launch)
+    runner = GpuModelRunner(model, KVCache(cfg, blocks, 4), RunnerLimits(4, 32, width), plan)
     return cfg, model, runner
 
 
-# A plan over the llama test model's shapes: qkv [128, 64] tiled up to 4 rows, o [64, 64] in two configurations up to
-# 32, gate_up [192, 64] up to 32, down [64, 96] up to 4; the LM head [97, 64] never.
-MIXED_PLAN = {(128, 64): ((4, "n64_k64_s6"),), (64, 64): ((16, "n32_k128_s4"), (32, "n64_k128_s4_x2")),
-              (192, 64): ((32, "n128_k64_s4_w8"),), (64, 96): ((4, "n64_k64_s6"),)}
+def _at_rest(runner) -> bool:
+    """Whether the runner's counts are all back at zero (the decode attention's, the MoE router's, the tiled
+    linears' shared scratch's): a captured graph replays no memset."""
+    scratches = [launch.args[0].keywords["scratch"][1] for launch in runner.tiled.values()]
+    return not any(c.any() for c in (runner.attn_counters, runner.route_counters, *scratches))
 
 
-@pytest.mark.parametrize(("family", "skinny", "tiled"), [(f, None, None) for f in sorted(FAMILIES)]
-                         + [("llama", "fma_n16_k256", None), ("qwen3", "dot_n16_k128", None),
-                            ("llama", "fma_n8_k512:1", "n64_k64_s6"), ("qwen3_moe", "fma_n8_k512", "n128_k64_s4_w8"),
-                            ("llama", None, "mixed"), ("llama", None, "mixed+fused"),
-                            ("qwen3", None, "n64_k64_s6+fused:32"), ("qwen3_moe", None, "n32_k128_s4+fused:4"),
-                            ("phi3", "fma_n8_k512:1", "n128_k64_s4_w8+fused")])
-def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
-    """Prefill, decode and mixed steps; with `skinny`, the linears of the decode step (4 rows) and of the lm head
-    of every step (one row a sequence) go through the skinny matmul; with `tiled`, those of every step of up to
-    128 rows (all of these) not taken by the skinny one go through the tiled linear (64-deep tiles: the down
-    projection, 96 deep, in two slices through the runner's shared scratch); the rest through cuBLAS. The plan
-    "mixed" (`MIXED_PLAN`) takes cuBLAS and four configurations by weight shape and step size, sharing one
-    scratch. With +fused, the products the tiled linear takes carry the norm before them (every step by default,
-    up to 32 or 4 rows where named), gate_up's SiLU, q/k/v's preparation and the residual add after them, in
-    whatever mix the plan and step give (a pending add meets a fused norm, cuBLAS meets a fused add, the MoE layer
-    after a fused o, the skinny matmul at one row beside fused tiled steps), and the decode attention folds its
-    splits in its own launch."""
-    monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
-    cfg, model, runner = _setup(family, skinny, tiled)
+# A plan over the llama test model's shapes: qkv [128, 64] tiled up to 32 rows in two configurations, o [64, 64] in
+# two up to 32, gate_up [192, 64] up to 32, down [64, 96] up to 4 (past it, cuBLAS: its output pending when the next
+# layer's qkv takes the fused forms); the LM head [97, 64] never.
+MIXED_LINEARS = {(128, 64): ((4, "n64_k64_s6"), (32, "n32_k128_s4")),
+                 (64, 64): ((16, "n32_k128_s4"), (32, "n64_k128_s4_x2")),
+                 (192, 64): ((32, "n128_k64_s4_w8"),), (64, 96): ((4, "n64_k64_s6"),)}
+MIXED = KernelPlan("mixed", MIXED_LINEARS)
+MIXED_FUSED = KernelPlan("mixed+fused", MIXED_LINEARS, fused=True)
+
+
+@pytest.mark.parametrize(("family", "plan"), [(f, PLANS["cublas"]) for f in sorted(FAMILIES)]
+                         + [("llama", KernelPlan.every_weight("n64_k64_s6")),
+                            ("qwen3_moe", KernelPlan.every_weight("n128_k64_s4_w8")),
+                            ("llama", MIXED), ("llama", MIXED_FUSED),
+                            ("qwen3", KernelPlan.every_weight("n64_k64_s6", fused=True)),
+                            ("qwen3_moe", KernelPlan.every_weight("n32_k128_s4", fused=True)),
+                            ("phi3", KernelPlan.every_weight("n128_k64_s4_w8", fused=True))],
+                         ids=lambda v: v.name if isinstance(v, KernelPlan) else v)
+def test_runner_matches_reference_model(family, plan):
+    """Prefill, decode and mixed steps; with a plan of tiled linears, the products of every step of up to 128 rows
+    (all of these) that it names go through the tiled linear (64-deep tiles: the down projection, 96 deep, in two
+    slices through the runner's shared scratch); the rest through cuBLAS. `MIXED` takes cuBLAS and four
+    configurations by weight shape and step size, sharing one scratch. Fused, the products the tiled linear takes
+    carry the norm before them, gate_up's SiLU, q/k/v's preparation and the residual add after them, in whatever mix
+    the plan and step give (a pending add meets a fused norm and q/k/v preparation, cuBLAS meets a fused add, the
+    MoE layer after a fused o), the MoE layers route in their router's kernel and add into the stream, and the
+    decode attention folds its splits in its own launch; every count is left at rest."""
+    cfg, model, runner = _setup(family, plan)
+    assert runner.plan is plan
     ref_kv = KVCache(cfg, 16, 4)
     g = torch.Generator().manual_seed(1)
     steps = [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),  # prefill, padded to 4 seqs / 32 tokens
@@ -85,76 +96,7 @@ def test_runner_matches_reference_model(family, skinny, tiled, monkeypatch):
             runner.buffers.next_tokens.fill_(-1)
             runner.forward(4, tokens, decode, filtered=False)
             assert torch.equal(runner.buffers.next_tokens[: len(seqs)], want.argmax(-1))
-
-
-@pytest.mark.parametrize(("family", "tiled"), [("llama", None), ("llama", "n64_k64_s6+fused"),
-                                               ("qwen3_moe", "n32_k128_s4+fused:4"), ("phi3", None)])
-def test_walked_short_rows_give_the_split_form_s_logits(family, tiled):
-    """BLINK_DECODE_WALK=1:4: decode and mixed steps of 4 rows walk the rows of one split (all of these) in one
-    program each; the logits have the split form's bits (the fold of partials), fused or not, dense or MoE."""
-    logits = []
-    for walk in ("", "1:4"):
-        cfg, _, runner = _setup(family, tiled=tiled, walk=walk)
-        assert (runner.walk_upto, runner.walk_from) == ((1, 4) if walk else (0, 33))
-        g = torch.Generator().manual_seed(3)
-        got = []
-        for seqs, decode, tokens in [([(0, 5, [0, 1]), (0, 9, [2, 3, 4])], False, 32),
-                                     ([(5, 1, [0, 1]), (9, 1, [2, 3, 4])], True, 4),
-                                     ([(6, 3, [0, 1, 5]), (10, 1, [2, 3, 4])], False, 16)]:
-            meta = build_metadata(seqs, 4)
-            runner.buffers.logits.fill_(float("nan"))
-            runner.stage(torch.randint(0, cfg.vocab_size, (meta.positions.shape[0],), generator=g), meta)
-            runner.forward(4, tokens, decode)
-            got.append(runner.buffers.logits[: len(seqs)].clone())
-        logits.append(got)
-    for split, walked in zip(*logits, strict=True):
-        assert not split.isnan().any() and torch.equal(walked, split)
-    for bad in ("x", "2:0", "2:", "-1"):
-        with pytest.raises(ValueError, match="decode walk"):
-            _setup("llama", walk=bad)
-
-
-def test_decode_lanes_give_the_split_form_s_logits(monkeypatch):
-    """BLINK_DECODE_LANES=1:2: a decode step of 2 rows runs one program a row and KV head over its splits (128 tokens
-    each here, two a row) instead of one a split; the logits have the split form's bits, and the setting reaches the
-    decode attention only from its least batch on."""
-    import gpu_engine.gpu.runner as runner_mod
-
-    monkeypatch.setattr(runner_mod, "decode_partition", lambda batch, kv_heads: 128)
-    cfg, _, runner = _setup("llama", lanes="1:2", blocks=120, width=64)  # tables of 256 tokens: 2 splits
-    kv, g = runner.kv, torch.Generator().manual_seed(5)
-    for layer in range(cfg.num_layers):  # a context the step did not write: the same cache for both forms
-        kv.k[layer].copy_(torch.randn(kv.k[layer].shape, generator=g))
-        kv.v[layer].copy_(torch.randn(kv.v[layer].shape, generator=g))
-    assert (runner.lanes, runner.lanes_from) == (1, 2)
-    assert runner.decode_form(1)["lanes"] == 0 and runner.decode_form(2)["lanes"] == 1
-    seqs = [(199, 1, list(range(50))), (254, 1, list(range(50, 114)))]
-    meta = build_metadata(seqs, 4)
-    ids = torch.randint(0, cfg.vocab_size, (2,), generator=g)
-    logits = []
-    for lanes_from in (5, 2):  # past the step's rows: a program a split; then one program a row and KV head
-        runner.lanes_from = lanes_from
-        runner.buffers.logits.fill_(float("nan"))
-        runner.stage(ids, meta)
-        runner.forward(4, 4, True)
-        logits.append(runner.buffers.logits[:2].clone())
-    assert not logits[0].isnan().any() and torch.equal(logits[1], logits[0])
-    for bad in ("x", "2:0", "2:", "-1"):
-        with pytest.raises(ValueError, match="decode lanes"):
-            _setup("llama", lanes=bad)
-
-
-def test_runner_refuses_an_unknown_skinny_or_tiled_configuration():
-    with pytest.raises(ValueError, match="skinny"):
-        _setup("llama", "fma_tiny")
-    with pytest.raises(ValueError, match="tiled"):
-        _setup("llama", None, "n64_tiny")
-    for rows in ("0", "9", "x", ""):
-        with pytest.raises(ValueError, match="ROWS"):
-            _setup("llama", f"dot_n16_k128:{rows}" if rows else "dot_n16_k128:")
-    assert _setup("llama", "fma_n8_k512:1")[2].skinny_rows == 1 and _setup("llama", "fma_n8_k512")[2].skinny_rows == 8
-    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs a CUDA device"):
-        _setup("llama", pdl=True)
+        assert _at_rest(runner)
 
 
 def test_kept_hidden_states_give_every_token_s_logits():
@@ -225,33 +167,73 @@ def test_the_roofline_s_mixed_step_is_a_valid_step():
     torch.testing.assert_close(runner.buffers.logits[:4], want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size(monkeypatch):
-    """A plan's launchers by weight shape: qkv tiled up to 4 rows, o in two configurations up to 32 rows, the LM
-    head (a shape the plan does not name) never; a configuration's name alone takes every shape up to 128 rows;
-    the skinny matmul, where given, first."""
-    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS
+def test_a_tiled_plan_picks_each_weights_launcher_by_shape_and_step_size():
+    """A plan's launchers by weight shape: qkv in two configurations up to 32 rows, o in two up to 32 rows, the LM
+    head (a shape the plan does not name) never; one launcher a configuration, whatever the shapes that take it;
+    `KernelPlan.every_weight` takes every shape up to 128 rows; the cuBLAS plan binds none."""
+    from gpu_engine.kernels.tiled_linear import MAX_ROWS, TILED_CONFIGS
 
-    monkeypatch.setitem(TILED_PLANS, "mixed", MIXED_PLAN)
-    runner = _setup("llama", None, "mixed")[2]
+    runner = _setup("llama", MIXED)[2]
     qkv, o, head = tuple(runner.layers[0].qkv.shape), tuple(runner.layers[0].o.shape), tuple(runner.lm_head.shape)
     assert (qkv, o, head) == ((128, 64), (64, 64), (97, 64))
 
     def config(rows, shape):
         launch = runner.matmul_for(rows, shape)
-        return None if launch is None else (launch.args[0].keywords["block_n"], launch.args[0].keywords["per_sm"])
+        if launch is None:
+            assert runner.plan.config_for(rows, shape) is None
+            return None
+        bound = launch.args[0].keywords
+        assert launch is runner.tiled[runner.plan.config_for(rows, shape)]
+        return bound["block_n"], bound["per_sm"], bound["num_warps"]
 
     def named(name):
-        return TILED_CONFIGS[name].block_n, TILED_CONFIGS[name].per_sm
+        return TILED_CONFIGS[name].block_n, TILED_CONFIGS[name].per_sm, TILED_CONFIGS[name].num_warps
 
-    assert config(4, qkv) == named("n64_k64_s6") and config(5, qkv) is None
+    assert config(1, qkv) == config(4, qkv) == named("n64_k64_s6")
+    assert config(5, qkv) == config(32, qkv) == named("n32_k128_s4") and config(33, qkv) is None
     assert config(16, o) == named("n32_k128_s4") and config(17, o) == named("n64_k128_s4_x2")
     assert config(32, o) == named("n64_k128_s4_x2") and config(33, o) is None
+    assert config(5, (64, 96)) is None
     assert config(1, head) is None
-    one = _setup("llama", None, "n64_k64_s6")[2]
-    assert one.matmul_for(128, head) is not None and one.matmul_for(129, head) is None
-    with_skinny = _setup("llama", "fma_n8_k512:1", "mixed")[2]
-    assert with_skinny.matmul_for(1, o) is with_skinny.skinny
-    assert with_skinny.matmul_for(2, o) not in (None, with_skinny.skinny)
+    assert runner.matmul_for(16, o) is runner.matmul_for(5, qkv)  # n32_k128_s4 bound once
+    assert set(runner.tiled) == {TILED_CONFIGS[n] for n in ("n64_k64_s6", "n32_k128_s4", "n64_k128_s4_x2",
+                                                             "n128_k64_s4_w8")}
+    one = _setup("llama", KernelPlan.every_weight("n64_k64_s6"))[2]
+    assert one.matmul_for(MAX_ROWS, head) is not None and one.matmul_for(MAX_ROWS + 1, head) is None
+    assert all(one.fused_for(1, w) is None for w in (one.layers[0].qkv, one.lm_head))  # not a fused plan
+    cublas = _setup("llama")[2]
+    assert cublas.plan is PLANS["cublas"] and cublas.tiled == {} and cublas.matmul_for(1, qkv) is None
+    assert cublas.attn_counters.numel() == cublas.route_counters.numel() == 0
+
+
+def test_decode_form_and_fusions_follow_the_plan():
+    """The decode attention folds in its split launch only for a fused plan's one-row steps (`LAST_FOLD_ROWS`),
+    through the runner's counts; its split size is the same for every batch and plan. The norm goes into the
+    products only for a fused plan, and not for an fp16 model; q/k/v's preparation into qkv only where the fused
+    plan gives qkv to the tiled linear at that step size."""
+    from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_partition
+
+    fused = _setup("llama", MIXED_FUSED)[2]
+    plain = _setup("llama", MIXED)[2]
+    cublas = _setup("llama")[2]
+    size = decode_partition(1, 2)
+    for batch in (1, LAST_FOLD_ROWS + 1, 4):
+        folds = batch <= LAST_FOLD_ROWS
+        assert fused.decode_form(batch) == {"partition_size": size, "form": "last" if folds else "split",
+                                            "counters": fused.attn_counters if folds else None}
+        for runner in (plain, cublas):
+            assert runner.decode_form(batch) == {"partition_size": size, "form": "split", "counters": None}
+    assert fused.attn_counters.numel() == 4 * 2  # a count a row and KV head
+    assert fused._norm_fuses() and not plain._norm_fuses() and not cublas._norm_fuses()
+    w = fused.layers[0]
+    assert fused.qkv_heads(0, w, 32) is not None and fused.qkv_heads(0, w, 33) is None
+    assert plain.qkv_heads(0, w, 1) is None and cublas.qkv_heads(0, w, 1) is None
+    assert fused.fused_for(4, w.down) is fused.matmul_for(4, tuple(w.down.shape)) and fused.fused_for(5, w.down) is None
+    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
+    half = build_empty(cfg, torch.float16, "cpu")
+    init_random(half, 0)
+    runner = GpuModelRunner(half, KVCache(cfg, 16, 4, dtype=torch.float16), RunnerLimits(4, 32, 8), MIXED_FUSED)
+    assert not runner._norm_fuses() and runner.fused_for(1, runner.layers[0].o) is not None
 
 
 def _counted(calls: dict, name: str, fn):
@@ -262,21 +244,23 @@ def _counted(calls: dict, name: str, fn):
     return wrapper
 
 
-@pytest.mark.parametrize(("tiled", "norms", "silus", "preps"), [
-    ("n64_k64_s6", 5, 2, 2), ("n64_k64_s6+fused", 1, 0, 0), ("n64_k64_s6+fused:2", 5, 0, 0), ("mlp_o+fused", 3, 0, 2)])
-def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, silus, preps, monkeypatch):
+MLP_O = {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)}  # o and gate_up only
+
+
+@pytest.mark.parametrize(("plan", "norms", "silus", "preps"), [
+    (KernelPlan.every_weight("n64_k64_s6"), 5, 2, 2), (KernelPlan.every_weight("n64_k64_s6", fused=True), 1, 0, 0),
+    (KernelPlan("mlp_o", MLP_O, fused=True), 3, 0, 2)], ids=lambda v: v.name if isinstance(v, KernelPlan) else v)
+def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(plan, norms, silus, preps, monkeypatch):
     """A 4-row decode step of the 2-layer llama: unfused, 2 norms a layer and the final one, a SiLU and a q/k/v
-    preparation a layer; +fused, the tiled linear takes every layer norm (the final one stays, before the LM head,
-    which the tiled linear does not take here), every SiLU and every preparation; with the norm's limit at 2 rows,
-    the SiLUs and preparations still fuse and the norms run apart; with a plan of o and gate_up only (qkv and down
-    to cuBLAS), the norm before qkv runs apart (with the down output's add from layer 1), and so does the
-    preparation, the one before gate_up fuses (o added its output). The decode attention's fold is counted by its
+    preparation a layer; fused, the tiled linear takes every layer norm (the final one stays, before the LM head,
+    which the tiled linear does not take here), every SiLU and every preparation; with a plan of o and gate_up only
+    (qkv and down to cuBLAS), the norm before qkv runs apart (with the down output's add from layer 1), and so does
+    the preparation, the one before gate_up fuses (o added its output). The decode attention's fold is counted by its
     launcher's form: the fold's own launch at 4 rows, fused or not (the last program's is for one-row steps:
     `attention.LAST_FOLD_ROWS`; `test_a_fused_decode_layer_is_five_launches`)."""
     import gpu_engine.gpu.runner as runner_module
 
-    monkeypatch.setitem(TILED_PLANS, "mlp_o", {(64, 64): ((4, "n32_k128_s4"),), (192, 64): ((4, "n128_k64_s4_w8"),)})
-    cfg, model, runner = _setup("llama", None, tiled)
+    cfg, model, runner = _setup("llama", plan)
     calls = {"norm": 0, "silu": 0, "prep": 0, "last": 0}
     counted = functools.partial(_counted, calls)
     monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
@@ -292,27 +276,16 @@ def test_fused_tiled_linears_take_the_layers_norms_silu_and_adds(tiled, norms, s
     assert calls == {"norm": norms, "silu": silus, "prep": preps, "last": 0}
 
 
-def test_tiled_settings_take_a_fusion_suffix():
-    from gpu_engine.kernels.tiled_linear import NORM_ROWS, Fusion, resolve_tiled, tiled_fusion
-
-    assert tiled_fusion("h200") == ("h200", None)
-    assert tiled_fusion("h200+fused") == ("h200", Fusion(NORM_ROWS))
-    assert tiled_fusion("n64_k64_s6+fused:0") == ("n64_k64_s6", Fusion(0))
-    assert resolve_tiled("h200+fused:16", "NVIDIA L4") == "h200+fused:16"
-    for bad in ("h200+fast", "h200+fused:", "h200+fused:129", "h200+fused:x", "nothing+fused"):
-        with pytest.raises(ValueError, match="tiled"):
-            resolve_tiled(bad, "NVIDIA H200")
-
-
-@pytest.mark.parametrize(("tiled", "norms", "routes"), [("n32_k128_s4", 5, 2), ("n32_k128_s4+fused", 1, 0)])
-def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(tiled, norms, routes, monkeypatch):
-    """The 2-layer Qwen3-MoE at a 4-row decode step (the sort-free path): unfused, 2 norms a layer and the final
-    one, and the routing apart from the router's product; +fused, only the final norm runs apart (the MLP's in the
-    router's and gate_up kernels, the attention's in qkv) and the routing is the router kernel's."""
+@pytest.mark.parametrize(("fused", "norms", "routes"), [(False, 5, 2), (True, 1, 0)])
+def test_a_fused_moe_layer_takes_its_norms_and_routing_in_its_kernels(fused, norms, routes, monkeypatch):
+    """The 2-layer Qwen3-MoE at a 4-row decode step (the sort-free path), every dense product through one tiled
+    configuration: unfused, 2 norms a layer and the final one, and the routing apart from the router's product;
+    fused, only the final norm runs apart (the MLP's in the router's and gate_up kernels, the attention's in qkv) and
+    the routing is the router kernel's."""
     import gpu_engine.gpu.runner as runner_module
     import gpu_engine.kernels.moe as moe_module
 
-    cfg, model, runner = _setup("qwen3_moe", None, tiled)
+    cfg, model, runner = _setup("qwen3_moe", KernelPlan.every_weight("n32_k128_s4", fused))
     calls = {"norm": 0, "route": 0}
     counted = functools.partial(_counted, calls)
     monkeypatch.setattr(runner_module, "rms_norm", counted("norm", runner_module.rms_norm))
@@ -345,73 +318,11 @@ def test_a_fused_decode_layer_is_five_launches(monkeypatch):
     sampling) the same either way."""
     launches = _launches(monkeypatch)
     counts = {}
-    for tiled in ("n64_k64_s6", "n64_k64_s6+fused"):
-        cfg, model, runner = _setup("llama", None, tiled)
+    for fused in (False, True):
+        cfg, model, runner = _setup("llama", KernelPlan.every_weight("n64_k64_s6", fused))
         runner.stage(torch.arange(1), build_metadata([(5, 1, [0, 1])], 4))
         launches.clear()
         runner.forward(1, 1, True)
-        counts[tiled] = len(launches)
-    assert counts["n64_k64_s6"] - counts["n64_k64_s6+fused"] == 5 * len(runner.layers), counts
-
-
-@pytest.mark.parametrize(("family", "parts", "fewer"), [
-    ("llama", "attention", {1: 2, 4: 3}),  # qkv, attention, o (and the fold at 4 rows) in one
-    ("llama", "mlp", {1: 1, 4: 1}),  # gate_up, down in one
-    ("llama", "attention,mlp", {1: 3, 4: 4}),
-    ("llama", "layer", {1: 4, 4: 5}),  # the five or six in one
-    ("llama", "all", {1: 4, 4: 5}),
-    ("qwen3_moe", "moe", {1: 2, 4: 2}),  # router, gate_up, down in one
-    ("qwen3_moe", "all", {1: 4, 4: 5}),
-])
-def test_parts_of_a_step_in_one_launch_have_the_bits_of_the_separate_launches(family, parts, fewer, monkeypatch):
-    """The 2-layer models, fused through one 4-warp tiled configuration, at a one-row and a 4-row decode step with
-    `one_launch`: the attention half (qkv with its norm and preparation, attention with its fold, o with its add),
-    the dense MLP half (gate_up with its norm and SiLU, down with its add) and an MoE layer's router, gate_up and
-    down (the sort-free path) as phases of one launch each, so that many
-    Triton launches a layer fewer, and the same logits and tokens bit for bit, the counts left at rest. Refused
-    without a fused setting, and for an unknown part."""
-    launches = _launches(monkeypatch)
-    seqs = [(5, 1, [0, 1]), (9, 1, [2, 3, 4]), (3, 1, [5]), (2, 1, [6])]
-    for rows in (1, 4):
-        got = {}
-        for one in ("", parts):
-            cfg, model, runner = _setup(family, None, "n32_k128_s4+fused", one_launch=one)
-            runner.stage(torch.arange(rows), build_metadata(seqs[:rows], 4))
-            launches.clear()
-            runner.forward(rows, rows, True)
-            got[one] = (len(launches), runner.buffers.logits[:rows].clone(), runner.buffers.next_tokens[:rows].clone())
-            assert not runner.route_counters.any() and not runner.layer_counters.any()
-            assert not runner.attn_counters.any() and not runner.scratch[1].any()
-        assert got[""][0] - got[parts][0] == fewer[rows] * len(runner.layers), (rows, got[""][0], got[parts][0])
-        assert torch.equal(got[parts][1], got[""][1]) and torch.equal(got[parts][2], got[""][2])
-    with pytest.raises(ValueError, match="one_launch"):
-        _setup(family, None, "n32_k128_s4", one_launch=parts)
-    with pytest.raises(ValueError, match="one launch"):
-        _setup(family, None, "n32_k128_s4+fused", one_launch="attention,norms")
-
-
-def test_one_launch_parts_fall_back_where_a_step_cannot_take_them():
-    """A 33-row decode step: the heads kernel takes 8 warps from 33 rows, so the attention half and the layer run as
-    separate launches (the same bits as without `one_launch`) while the MLP half still takes one. And which parts a
-    one-row step takes with each model and plan (`one_launch_takes`, logged at an engine's start)."""
-    cfg = ModelConfig.from_hf({**BASE, **FAMILIES["llama"]})
-    model = build_empty(cfg, torch.float32, "cpu")
-    init_random(model, 0)
-    seqs = [(i % 4, 1, [i]) for i in range(33)]
-    got = {}
-    for one in ("", "attention,layer,mlp"):
-        runner = GpuModelRunner(model, KVCache(cfg, 40, 4), RunnerLimits(33, 33, 2), tiled="n32_k128_s4+fused",
-                                one_launch=one)
-        runner.stage(torch.arange(33) % 90, build_metadata(seqs, 4))
-        runner.forward(33, 33, True)
-        got[one] = runner.buffers.logits[:33].clone()
-        assert not runner.layer_counters.any()
-    assert torch.equal(got[""], got["attention,layer,mlp"])
-    takes = {}
-    for family, tiled in (("llama", "n32_k128_s4+fused"), ("qwen3_moe", "n32_k128_s4+fused"),
-                          ("llama", "n128_k64_s4_w8+fused")):
-        takes[family, tiled] = _setup(family, None, tiled, one_launch="all")[2].one_launch_takes()
-    assert takes["llama", "n32_k128_s4+fused"] == {"attention": True, "layer": True, "mlp": True, "moe": False}
-    assert takes["qwen3_moe", "n32_k128_s4+fused"] == {"attention": True, "layer": False, "mlp": False,
-                                                       "moe": True}
-    assert takes["llama", "n128_k64_s4_w8+fused"] == {"attention": False, "layer": False, "mlp": True, "moe": False}
+        counts[fused] = len(launches)
+        assert _at_rest(runner)
+    assert counts[False] - counts[True] == 5 * len(runner.layers), counts

@@ -51,9 +51,9 @@ def test_gpu_decode_attention_at_the_runner_split(batch):
 @pytest.mark.parametrize("batch", [1, 8, 64, 128])
 def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     """Each row's splits computed by a program each and folded by a second launch (the runner's form), or by the last
-    of them to finish (the fused runner's), or walked and folded by one program, with the tiles staged 1, 2 or the
-    default 3 deep: the same bits; a captured launch replayed gives them again (the last form's counts back at zero
-    each time), and follows new context lengths written into its buffer."""
+    of them to finish (a fused plan's at one row), with the tiles staged 1, 2 or the default 3 deep: the same bits; a
+    captured launch replayed gives them again (the last form's counts back at zero each time), and follows new context
+    lengths written into its buffer."""
     from tests.test_kernels import _paged
 
     lens = [int(x) for x in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(7 + batch))]
@@ -65,19 +65,15 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
     counters = torch.zeros(batch * 8, dtype=torch.int32, device=DEV)
 
     def run(form="split", out=None):
-        form, _, upto = form.partition("<=")  # "split<=2": rows of at most 2 splits walked (`walk_upto`)
         return attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, out=out, form=form,
-                                          counters=counters if form == "last" else None, walk_upto=int(upto or 0))
+                                          counters=counters if form == "last" else None)
 
     split = run()
-    assert torch.equal(run("walk"), split)
     assert torch.equal(run("last"), split) and not counters.any()
-    for hybrid in ("split<=2", "split<=4", "last<=2"):
-        assert torch.equal(run(hybrid), split) and not counters.any(), hybrid
     for stages in (1, 2):  # how deep the tiles are staged changes when they arrive, not the sums
         staged = attention.decode_attention(q, kc, vc, bt, ctx, 128 ** -0.5, num_stages=stages)
         assert torch.equal(staged, split), stages
-    for form in ("split", "last", "walk", "split<=2", "last<=2"):
+    for form in attention.DECODE_FORMS:
         out = torch.full_like(q, float("nan"))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -119,35 +115,18 @@ def test_gpu_moe_align_one_launch_equals_the_sort(tokens):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
-                                   (4096, 14336, "silu_mul"), (128256, 4096, None)])
-def test_gpu_gemv_real_sizes(M, shape):
-    """Every named configuration of the skinny matmul at the Llama-3-8B projections, against the fp32 reference."""
-    from gpu_engine.kernels.gemv import GEMV_CONFIGS, gemv, gemv_ref
-
-    N, K, act = shape
-    x = torch.randn(M, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
-    w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
-    want = gemv_ref(x, w, act).float()
-    for name, config in GEMV_CONFIGS.items():
-        got = gemv(x, w, act=act, **config._asdict()).float()
-        assert float((got - want).norm() / want.norm()) < 1e-2, name
-
-
-@pytest.mark.parametrize("M", [16, 64, 128])
+@pytest.mark.parametrize("M", [1, 8, 16, 64, 128])
 @pytest.mark.parametrize("shape", [(6144, 4096, None), (4096, 4096, None), (28672, 4096, None),
                                    (4096, 14336, "silu_mul")])
 def test_gpu_tiled_linear_real_sizes(M, shape):
     """Every named configuration of the tiled linear at the Llama-3-8B projections, against the fp32 reference,
     into a poisoned output, through a shared scratch left zeroed."""
-    from gpu_engine.kernels.gemv import gemv_ref
-    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, tiled_linear, tiled_scratch
+    from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, linear_ref, tiled_linear, tiled_scratch
 
     N, K, act = shape
     x = torch.randn(M, 2 * K if act else K, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(N, K, device=DEV) * 0.02).bfloat16()
-    want = gemv_ref(x, w, act).float()
+    want = linear_ref(x, w, act).float()
     for name, config in TILED_CONFIGS.items():
         scratch = tiled_scratch([(N, K)], [config], DEV)
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
@@ -158,13 +137,14 @@ def test_gpu_tiled_linear_real_sizes(M, shape):
 
 @pytest.mark.parametrize("M", [1, 8, 64])
 def test_gpu_tiled_linear_fused_forms_real_sizes(M):
-    """The fused forms at the Llama-3-8B sizes through the configurations the h200 plan gives them: gate_up with
-    its SiLU as output and with the RMSNorm on its x tiles; qkv with the norm, and with `qkv_prep` as its output
-    (a program a head); o and down (split over K) added into
-    a residual. Each against the unfused steps' fp32 reference; the glu output has the bits of the two halves'
-    products followed by `silu_and_mul`, and the add's those of the product followed by `rms_norm`'s residual add,
-    so turning the fusion on changes no bit there."""
+    """The fused forms at the Llama-3-8B sizes through the configurations the h200 plan gives them (`H200_LINEARS`):
+    gate_up with its SiLU as output and with the RMSNorm on its x tiles; qkv with the norm, and with `qkv_prep` as
+    its output (a program a head); o and down (split over K) added into a residual. Each against the unfused steps'
+    fp32 reference; the glu output has the bits of the two halves' products followed by `silu_and_mul`, and the
+    add's those of the product followed by `rms_norm`'s residual add, so turning the fusion on changes no bit
+    there."""
     from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.plan import H200_LINEARS
     from gpu_engine.kernels.rmsnorm import rms_norm
     from gpu_engine.kernels.tiled_linear import TILED_CONFIGS, Heads, tiled_linear, tiled_ref, tiled_scratch
 
@@ -176,6 +156,7 @@ def test_gpu_tiled_linear_fused_forms_real_sizes(M):
     x = (torch.randn(M, 4096, device=DEV, generator=g) * 4).bfloat16()
     for N, K, name in ((28672, 4096, "n128_k64_s4_w8"), (6144, 4096, "n64_k128_s4"), (4096, 4096, "n64_k128_s4_x2"),
                        (4096, 14336, "n64_k128_s4_x2")):
+        assert name in {c for _, c in H200_LINEARS[N, K]}, (N, K, name)
         config = TILED_CONFIGS[name]
         w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).bfloat16()
         scratch = tiled_scratch([(N, K)], [config, config._replace(block_n=128)], DEV)  # and head-wide tiles

@@ -55,8 +55,11 @@ def _hf_model(family: str, size: str, dtype, std: float):
     return model
 
 
-def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=None, **options):
+def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, plan=None):
+    """Our runner over transformers' weights, taking each product where `plan` (a `KernelPlan`) says; cuBLAS where
+    None."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kernels.plan import PLANS
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
     from gpu_engine.models.hf_weights import map_hf_weights
@@ -72,7 +75,8 @@ def _ours(hf, max_batch=4, max_tokens=256, max_blocks=32, num_blocks=64, tiled=N
     model = build_empty(cfg, dtype, "cuda")
     assign_weights(model, map_hf_weights(cfg, sd.__getitem__, sd.__contains__), "hf")
     kv = KVCache(cfg, num_blocks, BLOCK, dtype=dtype, device="cuda")
-    return GpuModelRunner(model, kv, RunnerLimits(max_batch, max_tokens, max_blocks), tiled=tiled, **options), cfg
+    limits = RunnerLimits(max_batch, max_tokens, max_blocks)
+    return GpuModelRunner(model, kv, limits, PLANS["cublas"] if plan is None else plan), cfg
 
 
 def _meta(seqs):
@@ -125,15 +129,15 @@ def test_bf16_logits_match_transformers(family, size):
     _check_bf16(runner, hf, hf32, full, 4, True, f"{family}-{size} decode")
 
 
-def _prefill_then_decode(family: str, tiled: str, tag: str):
-    """At full layer sizes through `tiled`: a 127-token prefill of two prompts (padded to 128) and a 2-row decode
+def _prefill_then_decode(family: str, plan, tag: str):
+    """At full layer sizes through `plan`: a 127-token prefill of two prompts (padded to 128) and a 2-row decode
     on top, each step's bf16 logits checked against transformers (`_check_bf16`). Returns what a caller needs to go
     on: (hf, hf32, runner, cfg, generator, the next tokens, the prompts with them)."""
     import copy
 
     hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     hf32 = copy.deepcopy(hf).float()
-    runner, cfg = _ours(hf, max_tokens=128, tiled=tiled)
+    runner, cfg = _ours(hf, max_tokens=128, plan=plan)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in (37, 90)]
     runner.buffers.logits.fill_(float("nan"))
@@ -149,36 +153,49 @@ def _prefill_then_decode(family: str, tiled: str, tag: str):
     return hf, hf32, runner, cfg, g, nxt, full
 
 
-@pytest.mark.parametrize("tiled", ["n64_k128_s4", "n128_k64_s4_w8", "h200", "h200+fused"])
-def test_bf16_logits_through_the_tiled_linear_match_transformers(tiled):
+def _plans():
+    """The plans the tiled-linear test runs: one configuration for every weight (two of them), the h200 plan's
+    linears unfused, and the h200 plan itself (fused)."""
+    from gpu_engine.kernels.plan import H200_LINEARS, PLANS, KernelPlan
+
+    return [KernelPlan.every_weight("n64_k128_s4"), KernelPlan.every_weight("n128_k64_s4_w8"),
+            KernelPlan("h200 unfused", H200_LINEARS), PLANS["h200"]]
+
+
+@pytest.mark.parametrize("which", range(4), ids=["n64_k128_s4", "n128_k64_s4_w8", "h200_unfused", "h200"])
+def test_bf16_logits_through_the_tiled_linear_match_transformers(which):
     """The Llama family at full layer sizes with every linear of its steps (a 127-token prefill padded to 128, a
-    2-row decode) through a tiled linear configuration, split over K where the output is narrow; the "h200" plan
-    (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
-    which take each of its configurations; "h200+fused" the same with the norms, SiLU and residual
-    adds fused into the plan's products."""
-    hf, hf32, runner, cfg, g, nxt, full = _prefill_then_decode("llama", tiled, f"tiled {tiled}")
-    if not tiled.startswith("h200"):
+    2-row decode) through a tiled linear configuration, split over K where the output is narrow; the h200 plan's
+    linears (cuBLAS past 64 rows and for the LM head) also through prefills of 32 and 64 tokens and a one-row decode,
+    which take each of its configurations, unfused and as the "h200" plan has them, with the norms, SiLU, q/k/v
+    preparation and residual adds fused into its products (and the one-row decode's attention folded by its last
+    program)."""
+    plan = _plans()[which]
+    hf, hf32, runner, cfg, g, nxt, full = _prefill_then_decode("llama", plan, f"plan {plan.name}")
+    if None in plan.linears:  # one configuration for every weight: the two steps above take it
         return
     for lens, tokens in (((20, 12), 32), ((30, 34), 64)):
         more = [torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in lens]
         runner.buffers.logits.fill_(float("nan"))
         runner.stage(torch.cat(more).cuda(), _meta([(0, lens[0], [20, 21]), (0, lens[1], [22, 23, 24])]))
         runner.forward(4, tokens, False)
-        _check_bf16(runner, hf, hf32, more, tokens, False, f"tiled {tiled} prefill of {tokens}")
+        _check_bf16(runner, hf, hf32, more, tokens, False, f"plan {plan.name} prefill of {tokens}")
     runner.buffers.logits.fill_(float("nan"))
     runner.stage(nxt[:1].cuda(), _meta([(37, 1, [0, 1, 2])]))
     runner.forward(1, 1, True)
-    _check_bf16(runner, hf, hf32, full[:1], 1, True, f"tiled {tiled} one-row decode")
+    _check_bf16(runner, hf, hf32, full[:1], 1, True, f"plan {plan.name} one-row decode")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
 def test_bf16_logits_through_the_fused_layer_match_transformers(family):
     """Every family at full layer sizes with every linear of a 127-token prefill (padded to 128) and a 2-row decode
-    through one tiled configuration with the fused forms (`n64_k128_s4+fused`): the norms, q/k/v preparation
-    (Qwen3's QK norms, Phi-3's partial rotary), SiLU and residual adds in the products, the MoE experts' output
-    added into the stream, the decode attention folded in its own launch; within the bf16 bound of the unfused
-    test."""
-    _prefill_then_decode(family, "n64_k128_s4+fused", f"fused {family}")
+    through one tiled configuration with the fused forms (`KernelPlan.every_weight("n64_k128_s4", fused=True)`): the
+    norms, q/k/v preparation (Qwen3's QK norms, Phi-3's partial rotary), SiLU and residual adds in the products, the
+    MoE experts' output added into the stream, the decode attention folded in its own launch; within the bf16 bound
+    of the unfused test."""
+    from gpu_engine.kernels.plan import KernelPlan
+
+    _prefill_then_decode(family, KernelPlan.every_weight("n64_k128_s4", fused=True), f"fused {family}")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
@@ -211,47 +228,37 @@ def test_fp32_greedy_64_steps_match_transformers_through_graphs(family):
     graphs.close()
 
 
-@pytest.mark.parametrize("tiled", ["h200", "n64_k128_s4+fused"])
+@pytest.mark.parametrize("plan", ["h200", "n64_k128_s4+fused"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_pdl_steps_have_the_bits_of_plain_ones_replayed_and_launched_from_the_device(family, tiled):
-    """Programmatic dependent launch (`BLINK_PDL`) changes when the kernels are scheduled, not what they compute. At
-    full layer sizes with the tiled linear's plan (Llama) or the MoE routing and sort-free experts (Qwen3-MoE's
-    decode), a prefill and then a decode step through captured graphs give the same logits and tokens bit for bit
-    with and without it, replayed from the host; the PDL graphs, which hold programmatic edges, give them too when
-    launched once from the device as the persistent scheduler launches them (`blink_launch_once`). The same with
-    every product through one tiled configuration and the fused forms (`+fused`: the norms, q/k/v preparation,
-    SiLU and adds in the products, the last-program folds and routing, whose counts every launch leaves zero)."""
+def test_fused_plan_steps_have_the_eager_bits_replayed_and_launched_from_the_device(family, plan):
+    """A fused plan's kernels count their programs (the tiled linear's split sums, the decode attention's and the MoE
+    router's last programs) and leave the counts at zero after every launch, so that a captured graph replays them
+    with no memset. At full layer sizes (Llama-3-8B, Qwen3-30B-A3B) with the h200 plan (its tiled linears where
+    measured, cuBLAS elsewhere) or every product through one tiled configuration, fused, a prefill and then a decode
+    step give the eager step's logits and tokens bit for bit through captured graphs replayed from the host and
+    launched once from the device as the persistent scheduler launches them (`blink_launch_once`), the counts at
+    rest after each."""
     from gpu_engine.gpu.sm_share import reserve_sms
+    from gpu_engine.kernels.plan import PLANS, KernelPlan
 
     hf = _hf_model(family, "full", torch.bfloat16, 0.02)
     reserve_sms(1)  # as the engines capture: one SM for the scheduler's block (given back at the end)
     try:
-        _same_bits(hf, tiled, "pdl")
+        _same_bits(hf, PLANS[plan] if plan in PLANS else KernelPlan.every_weight(plan.split("+")[0], fused=True))
     finally:
         reserve_sms(0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_parts_in_one_launch_have_the_bits_of_separate_ones_replayed_and_launched_from_the_device(family):
-    """The attention half (qkv with its norm and preparation, attention, o with its add) and an MoE layer's small
-    step (router, gate_up, down) as phases of one launch each (`one_launch="all"`, `BLINK_ONE_LAUNCH`: programs that
-    spin on counts the earlier phases raise) give the separate launches' logits and tokens bit for bit at full layer
-    sizes (Llama-3-8B, Qwen3-30B-A3B) through one 4-warp tiled configuration with the fused forms, through captured
-    graphs replayed from the host and launched from the device, and leave their counts at rest (a hang here is a
-    phase that never completes)."""
-    from gpu_engine.gpu.sm_share import reserve_sms
-
-    hf = _hf_model(family, "full", torch.bfloat16, 0.02)
-    reserve_sms(1)
-    try:
-        _same_bits(hf, "n64_k128_s4+fused", "one_launch", "all")
-    finally:
-        reserve_sms(0)
+def _at_rest(runner) -> bool:
+    """Whether the runner's counts are all zero: the decode attention's, the MoE router's, the tiled linears'
+    shared scratch's."""
+    scratches = [launch.args[0].keywords["scratch"][1] for launch in runner.tiled.values()]
+    return not any(bool(c.any()) for c in (runner.attn_counters, runner.route_counters, *scratches))
 
 
-def _same_bits(hf, tiled: str, option: str, value: object = True) -> None:
-    """A prefill and a decode step through graphs captured with the runner's `option` off and at `value`: the same
-    logits and tokens, replayed, and (on) launched once from the device."""
+def _same_bits(hf, plan) -> None:
+    """A prefill and a decode step of a runner with `plan`, run eagerly, through its captured graphs replayed, and
+    launched once from the device: the same logits and tokens, every count at rest after each."""
     import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
@@ -265,36 +272,39 @@ def _same_bits(hf, tiled: str, option: str, value: object = True) -> None:
               _meta(list(zip([0] * 4, lens, tables, strict=True))), (False, 4, sum(lens))),
              (torch.tensor([5, 7, 9, 11], device="cuda"),
               _meta(list(zip(lens, [1] * 4, tables, strict=True))), (True, 4, 4))]
+    runner, _ = _ours(hf, plan=plan)
+    assert runner.plan is plan and runner.plan.fused
+    graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
+    graphs.capture(progress=False)
     results = {}
-    for on in (False, True):
-        runner, _ = _ours(hf, tiled=tiled, **{option: value if on else type(value)()})
-        graphs = GraphCache(runner, [4], [(4, 256)], copies=1, device_launch=True)
-        graphs.capture(progress=False)
-        for how in ("replay", "device") if on else ("replay",):
-            outs = []
-            for ids, meta, (decode, batch, tokens) in steps:
-                runner.stage(ids, meta)
-                runner.buffers.logits.fill_(float("nan"))
-                runner.buffers.next_tokens.fill_(-1)
-                if how == "replay":
-                    graphs.replay((decode, batch, tokens))
-                else:
-                    torch.cuda.synchronize()  # the staging above is on this stream; the launch takes its own
-                    err = C.c_int(0)
-                    handle = graphs.exec_handles(graphs.captured(decode, batch, tokens))[0]
-                    lib.check(lib.lib.blink_launch_once(handle, 1, C.byref(err)), "device launch")
-                    assert err.value == 0, f"device-side cudaGraphLaunch returned {err.value}"
-                torch.cuda.synchronize()
-                outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
-            results[on, how] = outs
-            assert not runner.attn_counters.any() and not runner.route_counters.any(), (on, how)  # left at rest
-            assert not runner.layer_counters.any() and (runner.scratch is None or not runner.scratch[1].any())
-        graphs.close()
-    plain = results[False, "replay"]
-    assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in plain)
-    for key in ((True, "replay"), (True, "device")):
-        for (want_l, want_t), (got_l, got_t) in zip(plain, results[key], strict=True):
-            assert torch.equal(got_l, want_l) and torch.equal(got_t, want_t), key
+    for how in ("eager", "replay", "device"):
+        outs = []
+        for ids, meta, (decode, batch, tokens) in steps:
+            runner.stage(ids, meta)
+            runner.buffers.logits.fill_(float("nan"))
+            runner.buffers.next_tokens.fill_(-1)
+            index = graphs.captured(decode, batch, tokens)
+            if how == "eager":  # the step at the captured graph's shape
+                shape = graphs.shapes[index]
+                runner.forward(shape.batch, shape.tokens, shape.decode, shape.filtered)
+            elif how == "replay":
+                graphs.replay((decode, batch, tokens))
+            else:
+                torch.cuda.synchronize()  # the staging above is on this stream; the launch takes its own
+                err = C.c_int(0)
+                handle = graphs.exec_handles(index)[0]
+                lib.check(lib.lib.blink_launch_once(handle, 1, C.byref(err)), "device launch")
+                assert err.value == 0, f"device-side cudaGraphLaunch returned {err.value}"
+            torch.cuda.synchronize()
+            outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
+            assert _at_rest(runner), (how, decode)
+        results[how] = outs
+    graphs.close()
+    eager = results["eager"]
+    assert all(bool(logits.isfinite().all()) and bool((tokens >= 0).all()) for logits, tokens in eager)
+    for how in ("replay", "device"):
+        for (want_l, want_t), (got_l, got_t) in zip(eager, results[how], strict=True):
+            assert torch.equal(got_l, want_l) and torch.equal(got_t, want_t), how
 
 
 def test_graph_replay_is_bitwise_equal_to_eager():

@@ -45,37 +45,13 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
     return int(_compiled(fn, signature, constexprs, options, divisible).metadata.shared)
 
 
-def ptx_pdl(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dict[str, object]:
-    """The kernel's programmatic-dependent-launch instructions in its sm_90 PTX (`_compiled`): how many
-    `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, and the line of each first one and of the
-    first global-memory access (a load, store, atomic or async copy, predicated or not; -1 where there is none)."""
-    import re
-
-    ptx = _compiled(fn, signature, constexprs).asm["ptx"]
-    lines = ptx.splitlines()
-    memory = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red)\.global|^\s*(@!?%p\d+\s+)?cp\.async")
-
-    def first(match) -> int:
-        return next((i for i, line in enumerate(lines) if match(line)), -1)
-
-    return {"wait": ptx.count("griddepcontrol.wait"),
-            "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
-            "first_wait": first(lambda line: "griddepcontrol.wait" in line),
-            "first_launch_dependents": first(lambda line: "griddepcontrol.launch_dependents" in line),
-            "first_memory": first(memory.match)}
-
-
 def main() -> None:
     """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}; with "options"
-    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds; with
-    "ptx": true, its programmatic-dependent-launch instructions (`ptx_pdl`), as JSON."""
+    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds."""
     import importlib
 
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     fn = getattr(importlib.import_module(module), name)
-    if spec.get("ptx"):
-        print(json.dumps(ptx_pdl(fn, spec["signature"], spec["constexprs"])))
-        return
     if "options" in spec:
         divisible = tuple(spec.get("divisible", ()))
         print(shared_bytes(fn, spec["signature"], spec["constexprs"], spec["options"], divisible))
