@@ -175,6 +175,8 @@ class GrammarPool:
             worker.timer = loop.call_later(self.timeout_s, self._expire, worker)
             loop.add_reader(worker.conn.fileno(), self._on_reply, worker)
             worker.conn.send(job)
+            log.info("grammar_compile_started", grammar_id=f"{job.grammar_id:016x}", pid=worker.proc.pid,
+                     queued=len(self._queue))
 
     def _free_worker(self) -> _Worker | None:
         if self._idle:
