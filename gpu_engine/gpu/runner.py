@@ -36,7 +36,7 @@ from gpu_engine.kernels.qkv_prep import qkv_prep
 from gpu_engine.kernels.rmsnorm import rms_norm
 from gpu_engine.kernels.rope import cache_from_cos_sin
 from gpu_engine.kernels.sampling import Processors, sample
-from gpu_engine.kernels.tiled_linear import Heads, tiled_linear, tiled_scratch
+from gpu_engine.kernels.tiled_linear import Heads, TiledConfig, tiled_linear, tiled_scratch
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
@@ -303,9 +303,9 @@ class GpuModelRunner:
         if set(q) - paths:
             raise ValueError(f"no Q8_0 path for {sorted(set(q) - paths)}")
 
-    def _bind_linears(self) -> dict[tuple[int, int], Callable[..., torch.Tensor]]:
-        """The plan's tiled launchers, their configurations bound, by (weight shape, configuration), sharing one
-        scratch (`matmul_for` picks one per step size)."""
+    def _bind_linears(self) -> dict[TiledConfig, Callable[..., torch.Tensor]]:
+        """The plan's tiled launchers by configuration, each bound once, all sharing one scratch sized for this
+        model's weights (`matmul_for` picks one by the weight's shape and the step's rows)."""
         if not self.plan.linears:
             return {}
         shapes = sorted({(int(w.shape[0]), int(w.shape[1])) for layer in self.layers
