@@ -139,6 +139,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list | None = None                # dpu_gateway/tools.py
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    split_special_tokens: bool = False      # special-token text in messages stays text (dpu_gateway/textio.py)
     # OpenAI fields Blink does not serve
     functions: list | None = None
     function_call: Any = None
@@ -327,6 +328,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     return_token_strs: bool | None = None
     tools: list | None = None  # rendered into the prompt as chat completions do
+    split_special_tokens: bool = False  # as in chat completions
 
 
 class DetokenizeRequest(_Body, kw_only=True):

@@ -48,7 +48,7 @@ from dpu_gateway.state import (
     engine_unavailable,
 )
 from dpu_gateway.structured import Constraint, constraint_of
-from dpu_gateway.textio import TokenIdNames, message_text
+from dpu_gateway.textio import TokenIdNames, encode_parts, message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
 from shared.metrics import EngineSample
 
@@ -123,8 +123,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     constraint = chat_constraint(req, tooling)
     if constraint is not None:
         check_constraint(constraint, req, limits)
-    text = app[CODEC].render_chat(req.messages, req.add_generation_prompt, tooling.tools, tooling.fmt)
-    ids = await app[BACKEND].encode(text, add_special=bool(req.add_special_tokens))
+    parts = app[CODEC].render_chat_parts(req.messages, req.add_generation_prompt, tooling.tools, tooling.fmt,
+                                         req.split_special_tokens)
+    ids = await encode_parts(app[CODEC], parts, app[BACKEND].encode, bool(req.add_special_tokens))
     ids = truncate(ids, req.truncate_prompt_tokens)
     gid = await grammar_id(app, constraint, limits)
     plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
@@ -234,11 +235,13 @@ async def tokenize(request: web.Request) -> web.Response:
     check_model(app, req.model or app[CONFIG].served_model_name)
     if req.messages is not None:
         tools = parse_tools(req.tools)
-        text, special = app[CODEC].render_chat(req.messages, req.add_generation_prompt, tools), False
+        parts = app[CODEC].render_chat_parts(req.messages, req.add_generation_prompt, tools,
+                                             split_special=req.split_special_tokens)
+        special = False
     else:
-        text, special = req.prompt or "", True
+        parts, special = [(req.prompt or "", False)], True
     add = special if req.add_special_tokens is None else req.add_special_tokens
-    ids = await app[BACKEND].encode(text, add_special=add)
+    ids = await encode_parts(app[CODEC], parts, app[BACKEND].encode, add)
     return web.json_response({"count": len(ids), "max_model_len": max_model_len(app), "tokens": ids})
 
 

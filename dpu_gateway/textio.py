@@ -1,12 +1,23 @@
 """The gateway's use of the tokenizer library: chat template, detokenizer, token text.
 
 Every call into ``dpu_tokenizer`` from the gateway goes through ``TextCodec``.
+
+Special-token text in a message (a user writing ``<|im_end|>``) is, by default, the special token once the
+template's output is tokenized, as in vLLM and Hugging Face's ``apply_chat_template``. With the request's
+``split_special_tokens`` (Hugging Face's name for the tokenizer option), each such occurrence stays text:
+the message text is rendered with the occurrence hidden behind a tag, the prompt is cut at the tags, and
+each occurrence is encoded apart, in pieces that cannot spell a special token (``encode_parts``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from dpu_gateway.errors import APIError
 from dpu_gateway.protocol import ChatMessage, TextPart
 from dpu_gateway.tools import FORMATS, Format, Tool, history, plain_messages
 from dpu_tokenizer import load_tokenizer
@@ -14,10 +25,39 @@ from dpu_tokenizer.chat import load_chat_template, render_chat, renders_tools
 from dpu_tokenizer.detok import IncrementalDetokenizer
 
 
+def _cut_at_tags(text: str, tag: str, hidden: list[str]) -> list[Part]:
+    parts: list[Part] = []
+    pos = 0
+    for match in re.finditer(re.escape(tag) + r"([0-9]+)" + _TAG_END, text):
+        parts += [(text[pos: match.start()], False), (hidden[int(match.group(1))], True)]
+        pos = match.end()
+    if len(parts) != 2 * len(hidden):
+        raise APIError(400, "split_special_tokens: this model's chat template rewrites message text, so special-"
+                       "token text in it cannot be kept as text", param="split_special_tokens",
+                       code="unsupported_value")
+    return [*parts, (text[pos:], False)]
+
+
+async def encode_parts(codec: TextCodec, parts: list[Part], encode: Callable[[str, bool], Awaitable[list[int]]],
+                       add_special: bool) -> list[int]:
+    """The ids of ``parts`` (``encode(text, add_special)`` is the tokenizer service's): plain parts as they
+    are, literal ones in pieces that spell no special token. ``add_special`` applies to the first part."""
+    jobs = []
+    for i, (text, literal) in enumerate(parts):
+        for piece in codec.literal_pieces(text) if literal else [text]:
+            if piece or (i == 0 and add_special):
+                jobs.append(encode(piece, add_special and i == 0))
+    return [t for ids in await asyncio.gather(*jobs) for t in ids]
+
+
 def message_text(msg: ChatMessage) -> str:
     if msg.content is None or isinstance(msg.content, str):
         return msg.content or ""
     return "".join(p.text for p in msg.content if isinstance(p, TextPart))
+
+
+Part = tuple[str, bool]  # prompt text, and whether it is literal (special-token text in it stays text)
+_TAG_END = "\ue001"
 
 
 class TextCodec:
@@ -29,6 +69,10 @@ class TextCodec:
         self.bos = self._special_text(self.tokenizer.bos_token_id)
         eos = self.tokenizer.eos_token_ids
         self.eos = self._special_text(eos[0] if eos else None)
+        specials = {self.token_text(i) for i in range(self.tokenizer.vocab_size) if self.tokenizer.is_special(i)}
+        specials.discard("")
+        self.special_re = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
+            if specials else None
 
     def _special_text(self, token: int | None) -> str:
         return "" if token is None else self.token_text(token)
@@ -37,6 +81,11 @@ class TextCodec:
                     tools: list[Tool] | None = None, fmt: Format | None = None) -> str:
         """The prompt text. Tools and tool messages go to a template that renders them as Hugging Face's
         ``tools`` and message fields; otherwise into plain messages in ``fmt``'s words (Hermes by default)."""
+        msgs, extra = self._messages(messages, tools, fmt)
+        return self._render(msgs, add_generation_prompt, extra)
+
+    def _messages(self, messages: list[ChatMessage], tools: list[Tool] | None,
+                  fmt: Format | None) -> tuple[list[dict], dict[str, Any]]:
         msgs = history(messages, message_text)
         extra: dict[str, Any] = {}
         uses_tools = bool(tools) or any("tool_calls" in m or m["role"] == "tool" for m in msgs)
@@ -44,8 +93,36 @@ class TextCodec:
             msgs = plain_messages(fmt or FORMATS["hermes"], msgs, tools or [])
         elif tools:
             extra["tools"] = [t.openai() for t in tools]
+        return msgs, extra
+
+    def _render(self, msgs: list[dict], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         return render_chat(self.template, msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
                            eos_token=self.eos, **extra)
+
+    def render_chat_parts(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          tools: list[Tool] | None = None, fmt: Format | None = None,
+                          split_special: bool = False) -> list[Part]:
+        """``render_chat`` as parts for ``encode_parts``; with ``split_special`` the special-token text
+        found in the messages' text comes out as literal parts."""
+        msgs, extra = self._messages(messages, tools, fmt)
+        if not split_special or self.special_re is None:
+            return [(self._render(msgs, add_generation_prompt, extra), False)]
+        tag, hidden = "\ue000" + uuid.uuid4().hex, []
+
+        def hide(match: re.Match[str]) -> str:
+            hidden.append(match.group())
+            return f"{tag}{len(hidden) - 1}{_TAG_END}"
+        msgs = [{**m, "content": self.special_re.sub(hide, m["content"])} if isinstance(m.get("content"), str)
+                else m for m in msgs]
+        return _cut_at_tags(self._render(msgs, add_generation_prompt, extra), tag, hidden)
+
+    def literal_pieces(self, text: str) -> list[str]:
+        """``text`` cut one character into each special-token text, so that no piece spells one."""
+        pieces, pos = [], 0
+        while self.special_re is not None and (found := self.special_re.search(text, pos)) is not None:
+            pieces.append(text[pos: found.start() + 1])
+            pos = found.start() + 1
+        return [*pieces, text[pos:]]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
