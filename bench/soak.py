@@ -44,13 +44,17 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.interfere import Interference
 from harness.serve_proc import MODEL, CpuMeter, ServeProc
 from harness.sse import parse_event, request_body
 
 SERVE_ARGS = ("--max-output-tokens", "32", "--max-prompt-tokens", "64", "--num-slots", "64", "--max-waiting",
               "256", "--drain-timeout", "2")
-# The engine beats between steps; on a small shared CPU one step of a full batch can take seconds.
-SERVE_ENV = {"BLINK_HEARTBEAT_TIMEOUT_S": "10"}
+# The server runs with the product's liveness defaults (BLINK_HEARTBEAT_TIMEOUT_S unset): a soak that needed a
+# longer timeout than users get would hide the false outages it is there to catch.
+SERVE_ENV: dict[str, str] = {}
+# What a request failed for liveness says (the gateway, the tracker, the token reader).
+LIVENESS_ERRORS = ("the engine stopped responding", "the engine is not running", "the model is loading")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +453,13 @@ async def soak(serve: ServeProc, cfg: SoakConfig) -> dict[str, Any]:
             "latency_s": latency_summary(outs), "gauges": gauges, "rss": rss,
             "cpu_s_per_min": {"server": server_cpu, "load_processes": load.cpu_per_min},
             "samples": sampler.samples,
-            "failures_by_error": failure_kinds(outs), "violations": bad[:50], "violation_count": len(bad)}
+            "failures_by_error": failure_kinds(outs), "liveness_failures": liveness_failures(outs),
+            "violations": bad[:50], "violation_count": len(bad)}
+
+
+def liveness_failures(outs: list[Outcome]) -> int:
+    """Requests that failed because a frontend took the engine for down (``LIVENESS_ERRORS``)."""
+    return sum(1 for o in outs if o.kind == "failed" and any(e in o.error for e in LIVENESS_ERRORS))
 
 
 def failure_kinds(outs: list[Outcome], top: int = 10) -> dict[str, int]:
@@ -458,14 +468,24 @@ def failure_kinds(outs: list[Outcome], top: int = 10) -> dict[str, int]:
     return dict(kinds.most_common(top))
 
 
-def run_soak(cfg: SoakConfig, run_root: Path, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Start a server (``extra_args`` added to its flags), soak it, stop it; the summary with ``passed``."""
-    serve = ServeProc((*SERVE_ARGS, *extra_args), run_root, env=SERVE_ENV).start()
+def run_soak(cfg: SoakConfig, run_root: Path, extra_args: tuple[str, ...] = (),
+             co_tenant: Interference | None = None) -> dict[str, Any]:
+    """Start a server (``extra_args`` added to its flags), soak it, stop it; the summary with ``passed``. A
+    ``co_tenant`` runs from before the server starts until it stopped: every phase shares the cores with it."""
     t0 = time.time()
+    if co_tenant is not None:
+        co_tenant.start()
     try:
-        result = asyncio.run(soak(serve, cfg))
+        serve = ServeProc((*SERVE_ARGS, *extra_args), run_root, env=SERVE_ENV).start()
+        try:
+            result = asyncio.run(soak(serve, cfg))
+        finally:
+            code = serve.stop()
     finally:
-        code = serve.stop()
+        co_report = co_tenant.stop() if co_tenant is not None else None
+    result["co_tenant"] = co_report
+    if result["liveness_failures"]:
+        result["violations"].append(f"{result['liveness_failures']} requests failed for liveness")
     result["clean_exit"] = code == 0
     if code != 0:
         result["violations"].append(f"blink serve exited with {code}")
@@ -492,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="engine dtype (float32 keeps GPU greedy outputs batch-stable)")
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     ap.add_argument("--random-weights", action="store_true", help="the model's architecture with seeded random weights")
+    ap.add_argument("--interfere", default="", help="co-tenant kinds (bench/interfere.py) on every allowed core for "
+                    "the whole run, e.g. compress,thrash (default: none)")
+    ap.add_argument("--per-core", type=int, default=1, help="co-tenant workers of each kind per core")
     a = ap.parse_args(argv)
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, a.duration_s / 4)
     cfg = SoakConfig(duration_s=a.duration_s, load=a.load, disconnect=a.disconnect, max_tokens=a.max_tokens,
@@ -503,13 +526,14 @@ def main(argv: list[str] | None = None) -> int:
             extra += ("--model", a.model, "--served-model-name", cfg.served_name)
         if a.random_weights:
             extra += ("--random-weights",)
-        summary = run_soak(cfg, Path(tmp), extra)
+        co = Interference(kinds=tuple(a.interfere.split(",")), per_core=a.per_core) if a.interfere else None
+        summary = run_soak(cfg, Path(tmp), extra, co)
     text = json.dumps(summary, indent=1)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
     brief = {k: summary[k] for k in ("saturation", "target_rate_rps", "requests", "latency_s", "gauges", "rss",
-                                     "cpu_s_per_min", "violations", "passed")}
+                                     "cpu_s_per_min", "liveness_failures", "co_tenant", "violations", "passed")}
     print(json.dumps(brief, indent=1))
     return 0 if summary["passed"] else 1
 

@@ -181,6 +181,7 @@ class Child:
     nice: int = 0  # --service-nice: below 0 keeps the child's share of the cores beside CPU-bound neighbours
     go_pipe: bool = False  # a spare engine: its stdin is a pipe from the supervisor, for the go
     beats: tuple[int, Liveness] | None = None  # an engine: its pid and what the supervisor saw of its counter
+    stopped_since: float | None = None  # an engine: since when its process was seen stopped (SIGSTOP)
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_before_exec(self.nice),
@@ -329,8 +330,8 @@ class Supervisor:
             return str(exc)
         except OSError as exc:
             self.locks.release()
-            return f"run dir {cfg.run_dir}: {exc.strerror or exc} (it must be writable, with room for the sockets " \
-                   "and the metrics files)"
+            return (f"run dir {cfg.run_dir}: {exc.strerror or exc} (it must be writable, with room for the sockets "
+                    "and the metrics files)")
         return None
 
     # ------------------------------------------------------------ readiness
@@ -391,20 +392,39 @@ class Supervisor:
         return 0
 
     def _kill_hung_engines(self) -> None:
-        """SIGKILL each engine whose ring says READY (as its process) while its beat counter has been silent, on
-        this process's clock, for the heartbeat timeout: a hung engine (SIGSTOP, a deadlock, a swap storm) is
-        then replaced like one that exited (its ring retired, the spare's go), the others untouched."""
+        """SIGKILL each engine that is hung, then replaced like one that exited (its ring retired, the spare's
+        go), the others untouched. Hung: its ring says READY (as its process) while its beat counter has been
+        silent, on this process's clock, for the heartbeat timeout (a deadlock, a swap storm, a SIGSTOP); or its
+        process has been stopped (SIGSTOP, a debugger) for that long, which a device that keeps beating on its
+        own (the persistent scheduler) would not show in the counter."""
         for engine in self.engines:
             if engine.retired or not engine.alive():
                 continue
-            silent = self._engine_silence(engine)
-            if silent is None or silent < self.cfg.heartbeat_timeout_s:
-                continue
             assert engine.proc is not None
+            silent = self._engine_silence(engine) or 0.0
+            stopped = self._engine_stopped_s(engine)
+            if max(silent, stopped) < self.cfg.heartbeat_timeout_s:
+                continue
             log.error("engine hung: killed, to be replaced", child=engine.name, pid=engine.proc.pid,
-                      silent_s=round(silent, 2), timeout_s=self.cfg.heartbeat_timeout_s)
+                      silent_s=round(silent, 2), stopped_s=round(stopped, 2), timeout_s=self.cfg.heartbeat_timeout_s)
             engine.signal(signal.SIGKILL)
             engine.proc.wait()
+
+    @staticmethod
+    def _engine_stopped_s(engine: Child) -> float:
+        """Seconds the engine's process has been seen stopped (state T in /proc), on this process's clock."""
+        assert engine.proc is not None
+        try:
+            state = Path(f"/proc/{engine.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        now = time.monotonic()
+        if state not in ("T", "t"):
+            engine.stopped_since = None
+            return 0.0
+        if engine.stopped_since is None:
+            engine.stopped_since = now
+        return now - engine.stopped_since
 
     def _engine_silence(self, engine: Child) -> float | None:
         """Seconds since the supervisor last saw this engine's beat counter move, while its ring is READY and

@@ -11,11 +11,11 @@ case "$service" in
   engine)
     exec blink engine --ring "$RING" "$@" ;;
   gateway)
-    # Two gateways overlap while one replaces the other (same port, SO_REUSEPORT), each pid 1 of its
-    # own container: the default name, of its ready marker, is made distinct by the PID namespace.
+    # Two gateways overlap while one replaces the other (same port, so --reuse-port: SO_REUSEPORT), each pid 1
+    # of its own container: the default name, of its ready marker, is made distinct by the PID namespace.
     name=${BLINK_GATEWAY_NAME:-gateway-$(stat -L -c %i /proc/self/ns/pid)}
     rm -f "$RUN_DIR/$name.ready"
-    exec blink gateway --run-dir "$RUN_DIR" --ring "$RING" --name "$name" "$@" ;;
+    exec blink gateway --run-dir "$RUN_DIR" --ring "$RING" --name "$name" --reuse-port "$@" ;;
   tokenizer|reader|tracker)
     rm -f "$RUN_DIR/$service.ready"
     exec blink "$service" --run-dir "$RUN_DIR" --ring "$RING" "$@" ;;

@@ -5,7 +5,8 @@ or its last response), and the app reads each body against a deadline (``app.bod
 What aiohttp's server lacks is here, as a wrapper around its protocol factory:
 
 - at ``max_connections`` open connections, the one idle longest (no request in progress, no request head
-  begun: a keep-alive between requests, or one that never sent a byte) is closed to make room
+  begun: a keep-alive between requests, or one that never sent a byte), if idle for ``EVICTABLE_IDLE_S``, is
+  closed to make room
   (``blink:http_connections_timed_out{phase="idle"}``): a peer holding every connection idle cannot lock the
   other clients, or ``/health``, out; only when none is idle is a new one answered with a canned 503 at once
   and closed (``blink:http_connections_refused``), so those held busy cannot starve the ones that follow;
@@ -29,6 +30,10 @@ from aiohttp import web
 from shared.metrics import FrontendMetrics
 
 REFUSE_LINGER_S = 0.5  # how long a refused connection may still deliver its request before closing
+# An idle connection is closed to make room only once idle this long: a client that has just connected and is
+# about to send its request keeps its place, and a flood of new connections refuses itself rather than each new
+# one closing the one before.
+EVICTABLE_IDLE_S = 1.0
 _REFUSED_BODY = (b'{"error": {"message": "the server holds its maximum of open connections; retry later", '
                  b'"type": "service_unavailable", "param": null, "code": "too_many_connections"}}')
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
@@ -64,7 +69,8 @@ class ConnectionGuard:
 
     def _close_longest_idle(self) -> bool:
         """Close the connection idle longest, if any is idle; whether one was (its room is free at once)."""
-        idle = [c for c in self.open.values() if c.idle()]
+        now = time.monotonic()
+        idle = [c for c in self.open.values() if c.idle() and now - c.idle_since >= EVICTABLE_IDLE_S]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c.idle_since)
@@ -73,6 +79,12 @@ class ConnectionGuard:
         self.metrics.timed_out("idle")
         victim.transport.close()
         return True
+
+    def close_idle(self) -> None:
+        """Close every idle connection (a gateway that stops listening: their next request goes elsewhere)."""
+        for conn in [c for c in self.open.values() if c.idle()]:
+            assert conn.transport is not None
+            conn.transport.close()
 
     def opened(self, conn: Guarded) -> None:
         assert conn.transport is not None

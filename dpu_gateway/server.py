@@ -1,7 +1,9 @@
 """The gateway process: serve the app on host:port until SIGTERM/SIGINT, then drain (new requests get 503).
 
 SO_REUSEPORT only when asked (``--reuse-port``; ``blink serve --gateways N`` asks for its own N): without it a
-port another server holds is refused at bind, not silently shared.
+port another server holds is refused at bind, not silently shared. At SIGTERM a gateway that shares its port stops
+listening at once (the others take the new connections: a rolling replacement); one alone keeps listening through
+its drain, answering every new request 503 with Retry-After.
 
 The listening socket's connections go through a ``ConnectionGuard`` (the connection cap and the
 request-head deadline); aiohttp closes idle connections after ``keepalive_timeout_s``. The cap
@@ -55,6 +57,10 @@ class GuardedSite(web.BaseSite):
         self._guard, self._host, self._port, self._reuse_port = guard, host, port, reuse_port
 
     @property
+    def guard(self) -> ConnectionGuard:
+        return self._guard
+
+    @property
     def port(self) -> int:
         """The bound port (``port`` 0 asks the kernel for a free one)."""
         sockets = getattr(self._server, "sockets", None)
@@ -100,7 +106,7 @@ async def _mark_ready_when_linked(app: web.Application, cfg: GatewayConfig, name
 
 async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gateway",
                       reuse_port: bool = False) -> None:
-    runner, _ = await start_gateway(cfg, host, port, reuse_port)
+    runner, site = await start_gateway(cfg, host, port, reuse_port)
     app = runner.app
     log.info("gateway_listening", host=host, port=port, model=cfg.served_model_name)
     stop = asyncio.Event()
@@ -110,8 +116,11 @@ async def run_gateway(cfg: GatewayConfig, host: str, port: int, name: str = "gat
     ready = asyncio.create_task(_mark_ready_when_linked(app, cfg, name))
     try:
         await stop.wait()
-        log.info("gateway_draining")
-        await drain(app)
+        log.info("gateway_draining", listening=not reuse_port)
+        if reuse_port:  # another gateway may share the port: the kernel gives it the new connections from now,
+            await site.stop()  # and the clients of this one's idle connections reconnect there
+            site.guard.close_idle()
+        await drain(app)  # requests that still reach this gateway get 503 with Retry-After
     finally:
         ready.cancel()
         with contextlib.suppress(asyncio.CancelledError):

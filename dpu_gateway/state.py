@@ -16,7 +16,7 @@ from dpu_gateway.params import Limits
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import PARSERS
 from shared.env import HEARTBEAT_TIMEOUT_S
-from shared.log import get_logger
+from shared.log import admit_repeat, get_logger
 from shared.metrics import FrontendMetrics
 
 
@@ -92,10 +92,10 @@ def engine_unavailable(watch: RingSet) -> APIError:
     """503 while no engine serves, logged with each engine's reason (its state, or the silence this gateway
     observed). "The model is loading" until this gateway first saw one of this server's engines serve: a ring
     left by a crashed server (its counter never moves) is not taken for this server's engine."""
-    problems = watch.problems()
     loading = not watch.served
-    log.warning("engine unavailable: 503", loading=loading, timeout_s=watch.timeout_s,
-                engines={str(i): p for i, p in problems.items()})
+    if (repeated := admit_repeat("engine unavailable", loading)) is not None:
+        log.warning("engine unavailable: 503", loading=loading, timeout_s=watch.timeout_s, repeated=repeated,
+                    engines={str(i): p for i, p in watch.problems().items()})
     if loading:
         return APIError(503, "the model is loading", code="model_loading", retry_after_s=1)
     return APIError(503, "the engine is not running (no ring, or its heartbeat is stale)",

@@ -30,7 +30,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.env import HEARTBEAT_TIMEOUT_S
-from shared.log import get_logger
+from shared.log import admit_repeat, get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
 from shared.slots import SlotRequest
@@ -236,8 +236,9 @@ class SlotTracker:
                 cache.writer.cancel(int(idx), int(snap["seq"][idx]))
 
     def _log_not_running(self, refused: int) -> None:
-        log.warning("engine not running: 503", refused=refused, timeout_s=self.cfg.heartbeat_timeout_s,
-                    engines={str(lane.index): lane.problem() for lane in self.lanes})
+        if (repeated := admit_repeat("engine not running")) is not None:
+            log.warning("engine not running: 503", refused=refused, timeout_s=self.cfg.heartbeat_timeout_s,
+                        repeated=repeated, engines={str(lane.index): lane.problem() for lane in self.lanes})
 
     def drop_channel(self, chan: ipc.Channel) -> None:
         """A gateway went away: forget its queued requests and cancel its slots."""

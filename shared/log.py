@@ -75,6 +75,12 @@ class RepeatLimiter:
 _LIMITER = RepeatLimiter()
 
 
+def admit_repeat(*key: object) -> int | None:
+    """For a line that can repeat at the request rate (a 503 while the engine is down): None to leave this one
+    out, else write it with ``repeated``, the number left out since the last one with this key."""
+    return _LIMITER.admit(("line", *key))
+
+
 def _exc_type(exc_info: Any) -> str:
     if isinstance(exc_info, BaseException):
         return type(exc_info).__name__

@@ -25,6 +25,7 @@ import pytest
 from helpers.http_jobs import engine_events
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
+from dpu_gateway.connguard import EVICTABLE_IDLE_S
 from harness.serve_proc import ROOT, free_port, http_get, new_ready_engine, ring_engine_pid
 from shared.data_parallel import engine_ring_names
 from shared.ipc import SOCKET_SERVICES
@@ -256,7 +257,7 @@ def test_idle_connections_of_one_peer_do_not_lock_out_health(tmp_path: Path) -> 
     try:
         for _ in range(2):  # the lock-out was renewable: the cap filled again
             held += [socket.create_connection(("127.0.0.1", stack.port), timeout=10) for _ in range(32)]
-            time.sleep(0.5)  # every one accepted
+            time.sleep(EVICTABLE_IDLE_S + 0.5)  # every one accepted, and idle long enough to make room
             assert health(stack)[0] == 200
         assert stack.metrics().get("blink:http_connections_timed_out_total", 0) >= 1
     finally:

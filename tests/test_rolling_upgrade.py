@@ -81,12 +81,15 @@ class Deployment:
     logs: Path
     running: dict[str, Service] = dataclasses.field(default_factory=dict)
 
-    def argv(self, service: str, name: str) -> list[str]:
+    def argv(self, service: str, name: str, tree: Path = ROOT) -> list[str]:
         if service == "engine":
             return [sys.executable, "-m", "gpu_engine.serve", "--ring", self.ring, *ENGINE_FLAGS]
         argv = [sys.executable, "-m", "blink.cli", service, "--run-dir", str(self.run_dir), "--ring", self.ring]
         if service == "gateway":
             argv += ["--port", str(self.port), "--name", name, "--drain-timeout", "20"]
+            # the old and new gateways share the port while one replaces the other: asked for where the flag
+            # exists (before it, a gateway always listened with SO_REUSEPORT)
+            argv += ["--reuse-port"] if "--reuse-port" in (tree / "blink" / "cli.py").read_text() else []
         return argv
 
     def start(self, service: str, tree: Path = ROOT, name: str | None = None) -> Service:
@@ -94,7 +97,7 @@ class Deployment:
         path = self.logs / f"{name}-{time.monotonic_ns()}.log"
         log = open(path, "wb")  # noqa: SIM115 - the child owns it
         env = {**os.environ, "PYTHONPATH": str(tree), "BLINK_LOG_LEVEL": "info"}
-        proc = subprocess.Popen(self.argv(service, name), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(self.argv(service, name, tree), cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
         log.close()
         svc = Service(name, proc, tree, path)
