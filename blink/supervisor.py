@@ -62,6 +62,9 @@ RESTARTS_PER_MINUTE = 5
 # on the CPU it loads the weights on a core for about 6 s, which a restarted engine facing its backlog, or a
 # first request, needs. STANDBY_DEADLINE_S after READY it starts whatever the load, so a busy server gets one.
 STANDBY_IDLE_S = 2.0
+# An engine process seen stopped (state T: SIGSTOP, a debugger's stop) this long is hung. A busy host slows a
+# process but never stops it, so this needs none of the heartbeat timeout's margin for load.
+STOPPED_S = 2.0
 STANDBY_DEADLINE_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
@@ -395,7 +398,7 @@ class Supervisor:
         """SIGKILL each engine that is hung, then replaced like one that exited (its ring retired, the spare's
         go), the others untouched. Hung: its ring says READY (as its process) while its beat counter has been
         silent, on this process's clock, for the heartbeat timeout (a deadlock, a swap storm, a SIGSTOP); or its
-        process has been stopped (SIGSTOP, a debugger) for that long, which a device that keeps beating on its
+        process has been stopped (SIGSTOP, a debugger) for ``STOPPED_S``, which a device that keeps beating on its
         own (the persistent scheduler) would not show in the counter."""
         for engine in self.engines:
             if engine.retired or not engine.alive():
@@ -403,7 +406,7 @@ class Supervisor:
             assert engine.proc is not None
             silent = self._engine_silence(engine) or 0.0
             stopped = self._engine_stopped_s(engine)
-            if max(silent, stopped) < self.cfg.heartbeat_timeout_s:
+            if silent < self.cfg.heartbeat_timeout_s and stopped < STOPPED_S:
                 continue
             log.error("engine hung: killed, to be replaced", child=engine.name, pid=engine.proc.pid,
                       silent_s=round(silent, 2), stopped_s=round(stopped, 2), timeout_s=self.cfg.heartbeat_timeout_s)

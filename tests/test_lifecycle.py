@@ -25,6 +25,7 @@ import pytest
 from helpers.http_jobs import engine_events
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
+from blink.supervisor import STOPPED_S
 from dpu_gateway.connguard import EVICTABLE_IDLE_S
 from harness.serve_proc import ROOT, free_port, http_get, new_ready_engine, ring_engine_pid
 from shared.data_parallel import engine_ring_names
@@ -85,7 +86,8 @@ def health(stack: Stack) -> tuple[int, str | None]:
 
 # ---------------------------------------------------------------------- a hung engine
 def test_a_stopped_engine_is_killed_and_the_spare_takes_over(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, env=HANG_ENV, standby_engine=True)
+    """With the default heartbeat timeout: the stopped process is the verdict (``STOPPED_S``)."""
+    stack = start_stack(tmp_path, standby_engine=True)
     try:
         wait_until("the spare", lambda: engine_events(stack.log_path, "standby engine ready"), stack)
         hung = stack.engine_pid()
@@ -96,13 +98,29 @@ def test_a_stopped_engine_is_killed_and_the_spare_takes_over(tmp_path: Path) -> 
         thread.join(LIMIT_S)
         wait_until("/health 200", lambda: health(stack)[0] == 200, stack)
         killed = engine_events(stack.log_path, "engine hung: killed, to be replaced")
-        assert [e["pid"] for e in killed] == [hung] and killed[0]["silent_s"] >= 1.5
+        assert [e["pid"] for e in killed] == [hung] and killed[0]["stopped_s"] >= STOPPED_S
         assert not Path(f"/proc/{hung}").exists() or "zombie" in Path(f"/proc/{hung}/status").read_text()
         assert engine_events(stack.log_path, "standby engine took over")[0]["pid"] == new
         assert b'"finish_reason":"length"' not in streamed.body and b"error" in streamed.body
     finally:
         assert stop_stack(stack) == 0, stack.log()
     assert processes_of(stack) == []
+
+
+def test_an_engine_whose_beat_stops_is_killed_and_replaced(tmp_path: Path) -> None:
+    """A deadlock: the process runs, its beat stops; the silence past the timeout is the verdict."""
+    env = {**HANG_ENV, "FAKE_ENGINE_HANG_ONCE": str(tmp_path / "hung-once")}
+    stack = start_stack(tmp_path, env=env, standby_engine=True)
+    try:
+        killed = wait_until("the verdict", lambda: engine_events(stack.log_path, "engine hung: killed, to be replaced"),
+                            stack)
+        hung = killed[0]["pid"]
+        new = wait_until("a new engine", lambda: new_ready_engine(stack.ring, hung), stack)
+        wait_until("/health 200", lambda: health(stack)[0] == 200, stack)
+        assert killed[0]["silent_s"] >= 1.5 and killed[0]["stopped_s"] == 0 and len(killed) == 1
+        assert stack.engine_pid() == new and not Path(f"/proc/{hung}").exists()  # killed and reaped
+    finally:
+        assert stop_stack(stack) == 0, stack.log()
 
 
 def test_under_dp_only_the_hung_engine_is_replaced(tmp_path: Path) -> None:

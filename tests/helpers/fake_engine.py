@@ -6,7 +6,8 @@ to drain and exit, the segment unlinked at exit. Its "model" echoes the prompt (
 first token) one token per step, then stops with EOS; with ``ignore_eos`` it keeps echoing
 until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
 ``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
-``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load).
+``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load);
+``FAKE_ENGINE_HANG_ONCE``: see ``hang_once_at``.
 """
 
 from __future__ import annotations
@@ -103,9 +104,11 @@ class FakeEngine:
         self.ring.stats_store("kv_blocks_free", 1000 - 10 * len(self.jobs))
 
     def serve(self) -> None:
-        next_beat = 0.0
+        next_beat, hang_at = 0.0, hang_once_at()
         while not (self.stop or self.ring.header_load32("shutdown")):
             now = time.monotonic()
+            if now >= hang_at:  # a deadlock: the process runs on, its loop and its beat stop
+                time.sleep(3600)
             if now >= next_beat:
                 self.engine.beat()
                 self.stats()
@@ -113,6 +116,19 @@ class FakeEngine:
             self.admit()
             self.step()
             time.sleep(self.step_s)
+
+
+def hang_once_at() -> float:
+    """When this engine's loop hangs (``FAKE_ENGINE_HANG_ONCE``: a file path; the first engine that creates it hangs
+    a second after READY, the others never)."""
+    path = os.environ.get("FAKE_ENGINE_HANG_ONCE")
+    if not path:
+        return float("inf")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return float("inf")
+    return time.monotonic() + 1.0
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

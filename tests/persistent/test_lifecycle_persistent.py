@@ -5,7 +5,7 @@
   for liveness, and no engine may be taken for hung;
 - ``test_lifecycle_sigstop_of_the_engine_is_replaced``: SIGSTOP of the engine's host process while streams
   run; the supervisor's verdict (``engine hung``), the spare's takeover and READY are timed (the criterion:
-  READY within 10 s of the verdict, read from the figures).
+  READY within 10 s of the stop, ``ready_after_sigstop_s``, read from the figures).
 
 Figures go to ``$BLINK_GPU_OUT/lifecycle_gpu.json``. Run on the GPU machine with
 ``PERSISTENT_K=lifecycle bash scripts/gpu_run.sh OUT persistent``. ``BLINK_LIFECYCLE_BACKEND=cpu`` runs the
@@ -144,5 +144,5 @@ def test_lifecycle_sigstop_of_the_engine_is_replaced(tmp_path: Path) -> None:
         assert asyncio.run(closed_loops(serve.url, model, 2, time.monotonic() + 2, 16)).count(None) >= 1
     finally:
         serve.stop()
-    # the 10 s bound (READY within 10 s of the verdict) is read from the figures, not asserted: timings vary
+    # the 10 s bound (READY within 10 s of the stop) is read from the figures, not asserted: timings vary
     assert figures["took_over"], figures
