@@ -19,6 +19,7 @@ from typing import Any
 from blink.vllm_flags import add_refused_flags
 from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
+from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags
 
 ENGINE_MODULE = "gpu_engine.serve"
 
@@ -86,12 +87,9 @@ def add_tokenizer_flags(ap: argparse.ArgumentParser, model: bool = True) -> None
 
 
 def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
-    ap.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
-    ap.add_argument("--port", type=int, default=8000, help="port the gateways listen on")
-    ap.add_argument("--reuse-port", action="store_true",
-                    help="listen with SO_REUSEPORT, so that other sockets of this user may share the port and the "
-                    "kernel splits connections between them (blink serve sets it for its own gateways when "
-                    "--gateways > 1; off, a port already in use is refused)")
+    """The gateway's flags: those declared in ``shared.frontend_flags.GatewayFlags``, and those of the model's names,
+    chat template and key."""
+    add_flags(GatewayFlags, ap)
     add_tokenizer_flags(ap, model)
     ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                     help="names in the API: the first is reported, every one is answered (default: the "
@@ -102,25 +100,6 @@ def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
                     "(default: the tokenizer's own, else ChatML)")
     ap.add_argument("--api-key", default=env().api_key,
                     help="require 'Authorization: Bearer KEY' on /v1; BLINK_API_KEY sets the default")
-    ap.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body")
-    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get at shutdown")
-    ap.add_argument("--max-connections", type=int, default=1024,
-                    help="open connections per gateway; more get a quick 503")
-    ap.add_argument("--header-timeout", type=float, default=10.0,
-                    help="seconds a request head may take after its first byte (then the connection closes)")
-    ap.add_argument("--body-timeout", type=float, default=30.0,
-                    help="seconds a request body may take after its head (then 408)")
-    ap.add_argument("--keepalive-timeout", type=float, default=15.0,
-                    help="seconds an idle keep-alive connection stays open")
-    ap.add_argument("--disable-log-requests", action="store_true",
-                    help="no log line per answered request (as vLLM's flag)")
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="serve tool_choice \"auto\": the model decides whether to call a tool (needs "
-                    "--tool-call-parser; \"required\" and named choices are enforced without it)")
-    ap.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                    help="the format tool calls are read in: hermes (<tool_call> JSON </tool_call>, Hermes and "
-                    "Qwen) or llama3_json (Llama 3.x JSON); also the format forced calls are written in "
-                    "(default: none; forced calls use hermes)")
 
 
 # ---------------------------------------------------------------------- subcommands
@@ -349,17 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(serve, ring=False)
     add_frontend(serve, model=False)
     add_engine_flags(serve)
-    serve.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port")
-    serve.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
-    serve.add_argument("--startup-timeout", type=float, default=600.0,
-                       help="seconds the engine and services may take to become ready")
-    serve.add_argument("--service-nice", type=int, default=0, metavar="N",
-                       help="nice value (-20..19) of every process blink serve starts; below 0 needs CAP_SYS_NICE "
-                            "and keeps the frontend's share of the cores beside CPU-bound neighbours")
-    serve.add_argument("--standby-engine", action=argparse.BooleanOptionalAction, default=True,
-                       help="keep a spare engine process beside the live one, started and (on the CPU) loaded, that "
-                            "takes a failed engine's place at once; --no-standby-engine: restart engines cold "
-                            "(RELIABILITY.md)")
+    add_flags(TrackerFlags, serve)
+    add_flags(ServeFlags, serve)
     add_refused_flags(serve)
     serve.set_defaults(func=cmd_serve)
     gw = sub.add_parser("gateway", help="one HTTP gateway process", formatter_class=HELP)
@@ -373,8 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.set_defaults(func=cmd_tokenizer)
     tr = sub.add_parser("tracker", help="the slot tracker service", formatter_class=HELP)
     add_common(tr)
-    tr.add_argument("--max-waiting", type=int, default=256, help="requests queued when the ring is full")
-    tr.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on a 429")
+    add_flags(TrackerFlags, tr)
     tr.set_defaults(func=cmd_tracker)
     rd = sub.add_parser("reader", help="the token reader service", formatter_class=HELP)
     add_common(rd)

@@ -50,6 +50,7 @@ from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.data_parallel import DataParallelConfig, engine_devices
 from shared.env import HEARTBEAT_TIMEOUT_S, env
+from shared.frontend_flags import GATEWAY, SERVE, GatewayFlags, TrackerFlags, from_namespace, to_argv
 from shared.log import get_logger
 from shared.ring import Liveness, attach_shm_ring
 from shared.standby import Go, send_go
@@ -81,12 +82,12 @@ class ServeConfig:
     gateway_args: tuple[str, ...]
     tracker_args: tuple[str, ...]
     engine_module: str = "gpu_engine.serve"
-    drain_timeout_s: float = 30.0
-    startup_timeout_s: float = 600.0
+    drain_timeout_s: float = GATEWAY.drain_timeout
+    startup_timeout_s: float = SERVE.startup_timeout
     api_key: str | None = dataclasses.field(default=None, repr=False)  # to the gateways' environment only
     engine_env: tuple[dict[str, str], ...] = ()  # each engine's extra environment (its GPU); () for none
-    service_nice: int = 0  # every child's nice value (Child.nice)
-    standby_engine: bool = True  # keep a spare engine for restarts (--no-standby-engine: cold restarts)
+    service_nice: int = SERVE.service_nice  # every child's nice value (Child.nice)
+    standby_engine: bool = SERVE.standby_engine  # keep a spare engine for restarts (--no-standby-engine: cold)
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S  # a READY engine silent this long is hung: killed, replaced
 
     def __post_init__(self) -> None:
@@ -108,7 +109,8 @@ class ServeConfig:
         front += ["--tokenizer", a.tokenizer] if a.tokenizer else []
         dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
         return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
-                   tuple(gateway_argv(a)), ("--max-waiting", str(a.max_waiting)), a.engine_module, a.drain_timeout,
+                   tuple(gateway_argv(a)), tuple(to_argv(from_namespace(TrackerFlags, a))), a.engine_module,
+                   a.drain_timeout,
                    a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice, a.standby_engine,
                    env().heartbeat_timeout_s)
 
@@ -131,23 +133,16 @@ def engine_envs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[dict[str,
 
 
 def gateway_argv(a: argparse.Namespace) -> list[str]:
-    """The gateway flags of ``blink serve``'s arguments (every one, so the gateways' defaults cannot differ)."""
-    argv = ["--host", a.host, "--port", str(a.port), "--max-body-bytes", str(a.max_body_bytes),
-            "--drain-timeout", str(a.drain_timeout), "--max-connections", str(a.max_connections),
-            "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
-            "--keepalive-timeout", str(a.keepalive_timeout)]
-    if a.reuse_port or a.gateways > 1:  # the gateways of one server share the port; others are refused
-        argv.append("--reuse-port")
+    """The gateway flags of ``blink serve``'s arguments: ``GatewayFlags`` not at their default (one source for
+    every default), with SO_REUSEPORT where several gateways share the port, and the model's names and template."""
+    flags = from_namespace(GatewayFlags, a)
+    if a.gateways > 1:  # the gateways of one server share the port; others are refused
+        flags = dataclasses.replace(flags, reuse_port=True)
+    argv = to_argv(flags)
     if a.served_model_name:
         argv += ["--served-model-name", *a.served_model_name]
     if a.chat_template is not None:
         argv += ["--chat-template", a.chat_template]
-    if a.disable_log_requests:
-        argv.append("--disable-log-requests")
-    if a.enable_auto_tool_choice:
-        argv.append("--enable-auto-tool-choice")
-    if a.tool_call_parser is not None:
-        argv += ["--tool-call-parser", a.tool_call_parser]
     return argv
 
 

@@ -16,6 +16,7 @@ from dpu_gateway.params import Limits
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import PARSERS
 from shared.env import HEARTBEAT_TIMEOUT_S
+from shared.frontend_flags import GATEWAY
 from shared.log import admit_repeat, get_logger
 from shared.metrics import FrontendMetrics
 
@@ -32,16 +33,16 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
     tool_call_parser: str | None = None    # --tool-call-parser: the format tool calls are read in
     api_key: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
-    drain_timeout_s: float = 30.0
+    max_body_bytes: int = GATEWAY.max_body_bytes
+    drain_timeout_s: float = GATEWAY.drain_timeout
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     gateway_id: int | None = None    # default: the pid, distinct per PID namespace (backend.default_gateway_id)
     data_parallel_size: int = 1      # engines, each with its own ring (shared/data_parallel.py names them)
     # connection limits (see dpu_gateway/connguard.py)
-    max_connections: int = 1024      # open connections of this gateway; more get a quick 503
-    header_timeout_s: float = 10.0   # a request head must be complete this long after its first byte
-    body_timeout_s: float = 30.0     # and its body this long after the head
-    keepalive_timeout_s: float = 15.0  # a connection with no request in progress closes after this
+    max_connections: int = GATEWAY.max_connections      # open connections of this gateway; more get a quick 503
+    header_timeout_s: float = GATEWAY.header_timeout    # a request head must be complete this long after its first byte
+    body_timeout_s: float = GATEWAY.body_timeout        # and its body this long after the head
+    keepalive_timeout_s: float = GATEWAY.keepalive_timeout  # a connection with no request in progress closes after this
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from shared import messages as m
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.env import HEARTBEAT_TIMEOUT_S
+from shared.frontend_flags import TRACKER
 from shared.log import admit_repeat, get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
@@ -46,8 +47,8 @@ STAT_WAITING, STAT_KV_FREE, STAT_KV_TOTAL = (_STATS + L.FIELD_OFFSETS["EngineSta
 class TrackerConfig:
     run_dir: Path
     ring_name: str                   # the base name: engine_ring_names(ring_name, data_parallel_size)
-    max_waiting: int = 256
-    retry_after_s: float = 1.0
+    max_waiting: int = TRACKER.max_waiting
+    retry_after_s: float = TRACKER.retry_after
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     busy_poll_s: float = 0.001
     idle_poll_s: float = 0.1
