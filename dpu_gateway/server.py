@@ -31,6 +31,10 @@ from shared.metrics import FrontendMetrics
 log = get_logger("gateway")
 FD_RESERVE = 256  # descriptors kept for everything but client connections (links, ring, refused sockets)
 LINGER_S = 2.0    # how long an unread request body is drained after the answer, before closing
+# A gateway starts listening once linked to the other services and once it saw an engine serve (a ring's beat
+# seen moving), or after this long: a restarted gateway that shares its port lets the others answer meanwhile
+# instead of a 503 of its own.
+LISTEN_WAIT_S = 2.0
 
 
 def connection_cap(wanted: int) -> int:
@@ -89,9 +93,16 @@ async def start_gateway(cfg: GatewayConfig, host: str, port: int,
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,
                            access_log=None, keepalive_timeout=cfg.keepalive_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
+    await _until_serving(app, LISTEN_WAIT_S)
     site = GuardedSite(runner, guard, host, port, reuse_port)
     await site.start()
     return runner, site
+
+
+async def _until_serving(app: web.Application, limit_s: float) -> None:
+    end = asyncio.get_running_loop().time() + limit_s
+    while not (app[BACKEND].linked() and app[RING].served) and asyncio.get_running_loop().time() < end:
+        await asyncio.sleep(0.02)
 
 
 async def _mark_ready_when_linked(app: web.Application, cfg: GatewayConfig, name: str) -> None:

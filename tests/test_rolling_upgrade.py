@@ -89,7 +89,7 @@ class Deployment:
             argv += ["--port", str(self.port), "--name", name, "--drain-timeout", "20"]
             # the old and new gateways share the port while one replaces the other: asked for where the flag
             # exists (before it, a gateway always listened with SO_REUSEPORT)
-            argv += ["--reuse-port"] if "--reuse-port" in (tree / "blink" / "cli.py").read_text() else []
+            argv += ["--reuse-port"] if "reuse_port" in (tree / "blink" / "cli.py").read_text() else []
         return argv
 
     def start(self, service: str, tree: Path = ROOT, name: str | None = None) -> Service:
