@@ -172,7 +172,8 @@ class FrontendMetrics:
         self.failures.labels(self.model_name, str(status)).inc()
 
     def timed_out(self, phase: str) -> None:
-        """One connection ended for taking too long; ``phase`` is ``header``, ``body`` or ``idle`` (closed to make room)."""
+        """One connection ended for taking too long; ``phase`` is ``header``, ``body`` or ``idle`` (closed to make
+        room at the connection cap)."""
         self.timeouts.labels(self.model_name, phase).inc()
 
     def finished(self, reason: str) -> None:
