@@ -4,7 +4,10 @@ Each lock is an ``flock`` on a file that holds its owner's record (pid, run dir,
 run dir's ``serve.lock``, and for each ring name and for the port a file in this user's lock folder in the
 shared-memory directory (``/dev/shm/blink-locks-UID``, where the rings live: one namespace for both). The
 kernel drops an ``flock`` when its holder dies however it dies (SIGKILL included), so a crashed server
-never blocks the next one; a live one is named in the refusal. A second server that started anyway would
+never blocks the next one; a live one is named in the refusal. Lock files are never removed: removing one
+while another server has it open would let that server lock the removed file and a third one a new file of
+the same name, both believing they own it. The folder must be this user's alone (another local user could
+otherwise make it first and hold its locks). A second server that started anyway would
 replace the first one's sockets, attach its reader and tracker to the first one's ring, and delete its
 ``metrics/`` on exit.
 """
@@ -16,6 +19,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import stat
 from pathlib import Path
 
 from shared.transport import SHM_DIR
@@ -37,9 +41,15 @@ class Owner:
 
 
 def lock_folder() -> Path:
-    """This user's folder of ring and port locks, private to the user."""
+    """This user's folder of ring and port locks, made private; ServerRunning where a folder of that name is
+    not a directory of this user's closed to others (made by someone else, in a directory anyone may write)."""
     folder = SHM_DIR / f"blink-locks-{os.geteuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise ServerRunning(f"the lock folder {folder} is not a private directory of this user (another user may "
+                            "have made it): remove it, or ask its owner to")
     return folder
 
 
@@ -70,26 +80,22 @@ class ServerLocks:
 
     def __init__(self, run_dir: Path, rings: tuple[str, ...], port: int) -> None:
         self.run_dir, self.rings, self.port = run_dir, rings, port
-        self.held: list[tuple[int, Path | None]] = []  # (fd, a lock file to remove at release)
+        self.held: list[int] = []  # the lock files' descriptors
 
     def acquire(self, owner: Owner) -> None:
         """Every lock, or none (ServerRunning, naming the server that holds one)."""
         try:
-            self.held.append((_take(self.run_dir / "serve.lock", f"run dir {self.run_dir}", owner), None))
+            self.held.append(_take(self.run_dir / "serve.lock", f"run dir {self.run_dir}", owner))
             folder = lock_folder()
             for ring in self.rings:
-                path = folder / f"ring-{ring}.lock"
-                self.held.append((_take(path, f"ring {ring}", owner), path))
+                self.held.append(_take(folder / f"ring-{ring}.lock", f"ring {ring}", owner))
             if self.port:
-                path = folder / f"port-{self.port}.lock"
-                self.held.append((_take(path, f"port {self.port}", owner), path))
+                self.held.append(_take(folder / f"port-{self.port}.lock", f"port {self.port}", owner))
         except BaseException:
             self.release()
             raise
 
     def release(self) -> None:
-        for fd, path in reversed(self.held):
-            if path is not None:
-                path.unlink(missing_ok=True)
+        for fd in reversed(self.held):
             os.close(fd)
         self.held.clear()

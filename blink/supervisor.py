@@ -180,6 +180,7 @@ class Child:
     go_pipe: bool = False  # a spare engine: its stdin is a pipe from the supervisor, for the go
     beats: tuple[int, Liveness] | None = None  # an engine: its pid and what the supervisor saw of its counter
     stopped_since: float | None = None  # an engine: since when its process was seen stopped (SIGSTOP)
+    killed_pid: int | None = None  # an engine: the process the hung check killed (not killed again while it goes)
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_before_exec(self.nice),
@@ -394,11 +395,14 @@ class Supervisor:
         go), the others untouched. Hung: its ring says READY (as its process) while its beat counter has been
         silent, on this process's clock, for the heartbeat timeout (a deadlock, a swap storm, a SIGSTOP); or its
         process has been stopped (SIGSTOP, a debugger) for ``STOPPED_S``, which a device that keeps beating on its
-        own (the persistent scheduler) would not show in the counter."""
+        own (the persistent scheduler) would not show in the counter. A process stopped for a debugger (state t)
+        is left alone."""
         for engine in self.engines:
             if engine.retired or not engine.alive():
                 continue
             assert engine.proc is not None
+            if engine.killed_pid == engine.proc.pid:  # killed already, still leaving the driver
+                continue
             silent = self._engine_silence(engine) or 0.0
             stopped = self._engine_stopped_s(engine)
             if silent < self.cfg.heartbeat_timeout_s and stopped < STOPPED_S:
@@ -406,18 +410,23 @@ class Supervisor:
             log.error("engine hung: killed, to be replaced", child=engine.name, pid=engine.proc.pid,
                       silent_s=round(silent, 2), stopped_s=round(stopped, 2), timeout_s=self.cfg.heartbeat_timeout_s)
             engine.signal(signal.SIGKILL)
-            engine.proc.wait()
+            engine.killed_pid = engine.proc.pid
+            # a process in the driver (state D) may take a while to go: the watch loop does not wait on it, the
+            # exit path restarts it once it has gone (until then it is not alive() for this check)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                engine.proc.wait(timeout=1.0)
 
     @staticmethod
     def _engine_stopped_s(engine: Child) -> float:
-        """Seconds the engine's process has been seen stopped (state T in /proc), on this process's clock."""
+        """Seconds the engine's process has been seen stopped by a signal (state T in /proc; not t, a debugger's
+        stop), on this process's clock."""
         assert engine.proc is not None
         try:
             state = Path(f"/proc/{engine.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             state = "?"
         now = time.monotonic()
-        if state not in ("T", "t"):
+        if state != "T":
             engine.stopped_since = None
             return 0.0
         if engine.stopped_since is None:

@@ -164,6 +164,7 @@ async def on_cleanup(app: web.Application) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await app[BEATS]
     await app[BACKEND].close()
+    app[GRAMMARS].close()  # its workers would die with the gateway too; an app made in-process leaks none
     app[RING].close()
 
 

@@ -72,6 +72,10 @@ class GrammarCompiler:
             raise APIError(429, f"{param}: the grammar compiler is busy ({self.queue_bound} compiles waiting); "
                            "retry later", param=param, code="grammar_queue_full",
                            retry_after_s=BUSY_RETRY_AFTER_S) from None
+        except OSError as exc:  # no worker process could be started (a process or memory limit)
+            log.error("grammar_compile", result="no_worker", grammar_id=f"{gid:016x}", reason=str(exc))
+            raise APIError(503, f"{param}: the grammar compiler could not start a worker; retry later",
+                           param=param, code="service_unavailable", retry_after_s=BUSY_RETRY_AFTER_S) from None
         if refusal is not None:
             return self._refuse(gid, refusal, param, cached=False)
         log.info("grammar_compile", result="compiled", grammar_id=f"{gid:016x}")

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -101,7 +102,11 @@ def compile_one(job: Job, pattern_of: Any, vocab: Vocab, ring_name: str, budget:
 
 # ------------------------------------------------------------------------------------------------ pool
 class _Worker:
-    """One worker process (``python -m dpu_gateway.grammar_pool FD``) and its end of a socket pair."""
+    """One worker process (``python -m dpu_gateway.grammar_pool FD``) and its end of a socket pair. The setup
+    (every token's text: megabytes for a large vocabulary) is sent by a thread: a blocking send of it on the
+    event loop would wait for the new process to start and read it. Jobs follow it on the same thread where it
+    is still under way, so they arrive after it. A send that fails leaves the worker to be found dead by the
+    reply's reader."""
 
     def __init__(self, setup: tuple[list[bytes | None], str, Budget]) -> None:
         ours, theirs = socket.socketpair()
@@ -109,19 +114,34 @@ class _Worker:
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(setup)
+        self._setup = threading.Thread(target=self._send, args=(setup,), name="grammar-setup", daemon=True)
+        self._setup.start()
         self.job: Job | None = None
         self.timer: asyncio.TimerHandle | None = None
 
+    def _send(self, message: object, after: threading.Thread | None = None) -> None:
+        if after is not None:
+            after.join()
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(message)
+
+    def submit(self, job: Job) -> None:
+        """Send ``job``, after the setup where that is still being sent."""
+        if self._setup.is_alive():
+            threading.Thread(target=self._send, args=(job, self._setup), daemon=True).start()
+        else:
+            self._send(job)
+
     def kill(self) -> None:
+        """SIGKILL, the socket closed, and the process reaped by a thread (never a wait on the event loop)."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         self.conn.close()
-        self.proc.wait(timeout=5)
+        threading.Thread(target=self.proc.wait, name="grammar-reap", daemon=True).start()
 
 
 class GrammarPool:
-    def __init__(self, texts: list[bytes | None], ring_name: str, *, workers: int = 1, queue_bound: int = 8,
+    def __init__(self, texts: list[bytes | None], ring_name: str, *, workers: int, queue_bound: int,
                  budget: Budget = DEFAULT_BUDGET, timeout_s: float = 120.0) -> None:
         self.texts, self.ring_name, self.budget = texts, ring_name, budget
         self.workers, self.queue_bound, self.timeout_s = workers, queue_bound, timeout_s
@@ -139,7 +159,13 @@ class GrammarPool:
                 raise PoolBusy()
             fut = self._futures[job.grammar_id] = asyncio.get_running_loop().create_future()
             self._queue.append(job)
-            self._dispatch()
+            try:
+                self._dispatch()
+            except OSError:  # no worker could be started: nothing is left waiting on this job
+                self._futures.pop(job.grammar_id, None)
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(job)
+                raise
         self._waiters[job.grammar_id] += 1
         try:
             return await asyncio.shield(fut)
@@ -174,7 +200,7 @@ class GrammarPool:
             loop = asyncio.get_running_loop()
             worker.timer = loop.call_later(self.timeout_s, self._expire, worker)
             loop.add_reader(worker.conn.fileno(), self._on_reply, worker)
-            worker.conn.send(job)
+            worker.submit(job)
             log.info("grammar_compile_started", grammar_id=f"{job.grammar_id:016x}", pid=worker.proc.pid,
                      queued=len(self._queue))
 

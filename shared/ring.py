@@ -119,6 +119,9 @@ class RingGeometry:
         return _align(self.prompt_top_logprob_arena_offset + self.num_slots * per_slot)
 
 
+MAX_LOOK_GAP_S = 2.0  # of a gap between an observer's looks, what counts as the engine's silence (`Liveness`)
+
+
 @dataclasses.dataclass(slots=True)
 class Liveness:
     """The engine's liveness as one process sees it, on one clock: that process's own.
@@ -128,17 +131,25 @@ class Liveness:
     clock with the observer's: ``heartbeat_ns`` (the engine's time of its last beat) is for display
     only, so a wall-clock step or drift on either side, or a GPU timer, cannot make a live engine
     look dead or a hung one alive. The first observation counts as a move: an observer that attaches
-    to a hung engine declares it dead ``timeout`` after attaching.
+    to a hung engine declares it dead ``timeout`` after attaching. Silence accrues only while the observer
+    itself runs: of a gap between two of its looks, at most ``MAX_LOOK_GAP_S`` counts, so an observer that
+    was frozen with the engine (``docker pause``, a stopped process tree, a suspended VM) does not take the
+    freeze for the engine's silence at its first look after it. Every observer looks far more often.
     """
 
     clock: Callable[[], float] = time.monotonic
     beat: int | None = None  # the counter when it last moved
     moved_at: float = 0.0
     moves: int = 0  # changes seen, the first look included: 2 or more means the counter was seen moving
+    looked_at: float | None = None  # this observer's previous look
 
     def silent_s(self, beat: int) -> float:
-        """Seconds, on ``clock``, since the counter was last seen to change (0 when it changed now)."""
+        """Seconds, on ``clock``, since the counter was last seen to change (0 when it changed now), this
+        observer's own pauses past ``MAX_LOOK_GAP_S`` left out."""
         now = self.clock()
+        if self.looked_at is not None and now - self.looked_at > MAX_LOOK_GAP_S:
+            self.moved_at += now - self.looked_at - MAX_LOOK_GAP_S
+        self.looked_at = now
         if beat != self.beat:
             self.beat, self.moved_at, self.moves = beat, now, self.moves + 1
         return now - self.moved_at

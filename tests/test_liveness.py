@@ -165,3 +165,20 @@ async def test_the_gateways_beat_sampler_outlives_a_failed_look() -> None:
     await asyncio.sleep(0.1)  # looks every 10 ms (an eighth of 80 ms)
     assert not task.done() and len(looks) >= 4, looks
     task.cancel()
+
+
+def test_an_observer_frozen_with_the_engine_does_not_take_the_freeze_for_silence() -> None:
+    """The observer and the engine stopped together (``docker pause``, a suspended VM): at the observer's first
+    look after 30 s, at most ``MAX_LOOK_GAP_S`` of that gap counts, so a live engine is not declared hung;
+    looked at steadily, a counter that does not move still adds up to the timeout."""
+    from shared.ring import MAX_LOOK_GAP_S
+
+    clock = FakeClock()
+    live = Liveness(clock)
+    live.silent_s(5)
+    clock.t += 30.0
+    assert live.silent_s(5) == pytest.approx(MAX_LOOK_GAP_S)
+    for _ in range(20):
+        clock.t += 0.5
+        live.silent_s(5)
+    assert live.silent_s(5) == pytest.approx(MAX_LOOK_GAP_S + 10.0)
