@@ -109,9 +109,11 @@ def test_a_stopped_engine_is_killed_and_the_spare_takes_over(tmp_path: Path) -> 
 
 def test_an_engine_whose_beat_stops_is_killed_and_replaced(tmp_path: Path) -> None:
     """A deadlock: the process runs, its beat stops; the silence past the timeout is the verdict."""
-    env = {**HANG_ENV, "FAKE_ENGINE_HANG_ONCE": str(tmp_path / "hung-once")}
+    trigger = tmp_path / "hang-now"
+    env = {**HANG_ENV, "FAKE_ENGINE_HANG_ONCE": str(trigger)}
     stack = start_stack(tmp_path, env=env, standby_engine=True)
     try:
+        trigger.touch()  # the live engine takes it at its next beat and hangs
         killed = wait_until("the verdict", lambda: engine_events(stack.log_path, "engine hung: killed, to be replaced"),
                             stack)
         hung = killed[0]["pid"]
@@ -226,7 +228,7 @@ def test_a_killed_servers_ring_is_not_taken_for_this_servers_engine(tmp_path: Pa
     assert ring_engine_pid(first.ring) == old  # the crashed server's ring, READY, stays behind
     seen: list[tuple[int | None, tuple[int, str | None]]] = []
     second = Stack(("--drain-timeout", "2", "--no-standby-engine"), tmp_path / "b",
-                   env={"FAKE_ENGINE_LOAD_S": "3"}, engine_module="tests.helpers.fake_engine", ring=first.ring)
+                   env={"FAKE_ENGINE_LOAD_S": "15"}, engine_module="tests.helpers.fake_engine", ring=first.ring)
     stop = threading.Event()
 
     def probe() -> None:

@@ -7,7 +7,7 @@ first token) one token per step, then stops with EOS; with ``ignore_eos`` it kee
 until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
 ``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
 ``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load);
-``FAKE_ENGINE_HANG_ONCE``: see ``hang_once_at``.
+``FAKE_ENGINE_HANG_ONCE``: see ``hang_now``.
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ class FakeEngine:
         self.ring.stats_store("kv_blocks_free", 1000 - 10 * len(self.jobs))
 
     def serve(self) -> None:
-        next_beat, hang_at = 0.0, hang_once_at()
+        next_beat = 0.0
         while not (self.stop or self.ring.header_load32("shutdown")):
             now = time.monotonic()
-            if now >= hang_at:  # a deadlock: the process runs on, its loop and its beat stop
-                time.sleep(3600)
             if now >= next_beat:
+                if hang_now():  # a deadlock: the process runs on, its loop and its beat stop
+                    time.sleep(3600)
                 self.engine.beat()
                 self.stats()
                 next_beat = now + 0.1
@@ -118,17 +118,18 @@ class FakeEngine:
             time.sleep(self.step_s)
 
 
-def hang_once_at() -> float:
-    """When this engine's loop hangs (``FAKE_ENGINE_HANG_ONCE``: a file path; the first engine that creates it hangs
-    a second after READY, the others never)."""
+def hang_now() -> bool:
+    """Whether this engine's loop hangs now (``FAKE_ENGINE_HANG_ONCE``: a file path; once a test creates the file,
+    the first serving engine that takes it, by renaming it away, hangs; the others never). The test says when,
+    so a slow host cannot make the hang come before the server is ready."""
     path = os.environ.get("FAKE_ENGINE_HANG_ONCE")
     if not path:
-        return float("inf")
+        return False
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return float("inf")
-    return time.monotonic() + 1.0
+        os.rename(path, path + ".taken")
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
