@@ -63,8 +63,8 @@ RESTARTS_PER_MINUTE = 5
 # on the CPU it loads the weights on a core for about 6 s, which a restarted engine facing its backlog, or a
 # first request, needs. STANDBY_DEADLINE_S after READY it starts whatever the load, so a busy server gets one.
 STANDBY_IDLE_S = 2.0
-# An engine process seen stopped (state T: SIGSTOP, a debugger's stop) this long is hung. A busy host slows a
-# process but never stops it, so this needs none of the heartbeat timeout's margin for load.
+# An engine process seen stopped by a signal (state T: SIGSTOP; not a debugger's stop, t) this long is hung. A
+# busy host slows a process but never stops it, so this needs none of the heartbeat timeout's margin for load.
 STOPPED_S = 2.0
 STANDBY_DEADLINE_S = 60.0
 _PR_SET_PDEATHSIG = 1
