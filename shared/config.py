@@ -33,6 +33,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the
 # the peer study). On the CPU a 256-token chunk of the embedded model takes about as long as a few decode steps,
 # so a long prompt delays the other streams by a fraction of a second per chunk.
 DEFAULT_TOKEN_BUDGET = {"gpu": 1024, "cpu": 256}
+GPU_MAX_CONTEXT = 8192  # the largest prefill graph the GPU backends capture: their context limit
 
 
 def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
@@ -54,8 +55,9 @@ class EngineConfig:
 
     ring_name: str = _flag(None, "shared-memory name of the ring the engine creates; BLINK_RING_NAME sets the default",
                            flag="--ring", factory=_env_ring_name)
-    model: str | None = _flag(None, "Hugging Face folder (config.json + safetensors) or .gguf file "
-                              "(default: the embedded SmolLM2-135M-Instruct)")
+    model: str | None = _flag(None, "Hugging Face folder (config.json + safetensors) or .gguf file; blink serve "
+                              "also takes a Hugging Face Hub id, ORG/NAME or ORG/NAME-GGUF:QUANT, fetched before it "
+                              "starts anything (default: the embedded SmolLM2-135M-Instruct)")
     random_weights: bool = _flag(False, "the model's architecture with seeded random weights (for benchmarks)")
     backend: str = _flag("auto", "cpu: PyTorch on the CPU; host: host-driven GPU loop; persistent: the "
                          "persistent GPU scheduler; auto: persistent on an sm_90 GPU with nvcc, host on another "
@@ -162,6 +164,24 @@ class EngineConfig:
             return self.max_model_len
         g = self.geometry
         return min(model_context, g.max_prompt_tokens + g.max_output_tokens, *(() if cap is None else (cap,)))
+
+    @property
+    def context_cap(self) -> int | None:
+        """What the backend runs at most, prompt plus output: the GPU backends' largest graph; None on the CPU."""
+        return None if self.backend == "cpu" else GPU_MAX_CONTEXT
+
+    def refusal_on(self, backend: str, model_context: int | None) -> str | None:
+        """Why the engine would refuse this config once it runs ``backend`` (``--backend auto`` resolved), or None:
+        a flag that does not apply to that backend (the checks of ``__post_init__``), or a --max-model-len above
+        ``model_context`` or above what that backend runs (``context_limit``). The engine makes these checks as it
+        starts; blink serve makes them first, before it starts any process."""
+        try:
+            cfg = dataclasses.replace(self, backend=backend)
+            if model_context is not None:
+                cfg.context_limit(model_context, cap=cfg.context_cap)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def __post_init__(self) -> None:
         for fl in engine_flags():

@@ -36,7 +36,6 @@ from shared.log import get_logger
 from shared.ring import Liveness, Ring
 
 log = get_logger("engine")
-MAX_GRAPH_TOKENS = 8192  # the largest prefill graph: the context limit of the GPU backends
 STALL_S = 5.0       # device heartbeat silence before the host looks at the scheduler's stream
 QUERY_EVERY_S = 0.5  # while the heartbeat is silent: how often the host asks CUDA whether the kernel still runs
 # How the persistent scheduler's exit reasons that are failures reach the engine.
@@ -104,7 +103,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     model, mcfg = loaded.model, loaded.config
     log.info("weights loaded", **loaded.summary)
     g = cfg.geometry
-    max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=MAX_GRAPH_TOKENS)
+    max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=cfg.context_cap)
     budget = cfg.token_budget(gpu=True)
     max_tokens = max(max_context, budget or 0)
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_engine.models.errors import ModelLoadError
+from shared.model_context import hf_context
 
 # Hugging Face architecture name -> model family.
 ARCHITECTURES: dict[str, str] = {
@@ -165,7 +166,7 @@ def _hf_fields(data: Mapping[str, Any], family: str) -> dict[str, Any]:
         "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope_theta),
         "rope_scaling": _rope_scaling(rope_params, data),
-        "max_position_embeddings": int(data.get("max_position_embeddings", 4096)),
+        "max_position_embeddings": hf_context(data),
         "tie_word_embeddings": bool(data.get("tie_word_embeddings", False)),
         "bos_token_id": data.get("bos_token_id"),
         "eos_token_ids": _token_ids(data.get("eos_token_id")),

@@ -25,6 +25,7 @@ from gpu_engine.models.errors import ModelLoadError
 from gpu_engine.models.gguf_weights import map_gguf_blocks, map_gguf_q4_1, map_gguf_weights
 from gpu_engine.models.q8_weight import Q8Weight
 from shared.gguf_meta import GgufMeta, TensorInfo, read_meta
+from shared.model_context import gguf_context
 
 FAMILY_BY_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 Q = GGMLQuantizationType
@@ -108,7 +109,7 @@ class GGUFSource:
             "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
             "rope_scaling": self._rope_scaling(),
-            "max_position_embeddings": int(self._field(f"{a}.context_length", 4096)),
+            "max_position_embeddings": gguf_context(self._meta.fields, a),
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "bos_token_id": self._field("tokenizer.ggml.bos_token_id", None),
             "eos_token_ids": tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
