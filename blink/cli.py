@@ -14,12 +14,19 @@ import signal
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from blink.hub import HubError, Where, fetch_model, fetch_tokenizer, hub_model
 from blink.vllm_flags import add_refused_flags
 from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
 from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags
+from shared.model_context import model_context
+
+if TYPE_CHECKING:
+    from blink.supervisor import ServeConfig
+    from dpu_gateway.state import GatewayConfig
+    from dpu_gateway.tracker import TrackerConfig
 
 ENGINE_MODULE = "gpu_engine.serve"
 
@@ -103,21 +110,38 @@ def add_frontend(ap: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------- subcommands
+def gateway_config(args: argparse.Namespace, ring: str, model: str = "") -> GatewayConfig:
+    """The gateway's config from its flags: ``blink gateway``'s, or ``blink serve``'s, which checks them this way
+    before it starts anything (a bad value is a ValueError); ``model``: the tokenizer's files."""
+    from dpu_gateway.state import GatewayConfig
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be within 0..65535, got {args.port}")
+    name, aliases = served_names(args.served_model_name, args.model)
+    return GatewayConfig(run_dir=args.run_dir, ring_name=ring, model=model, served_model_name=name,
+                         model_aliases=aliases, chat_template=args.chat_template,
+                         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
+                         max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                         log_requests=not args.disable_log_requests, data_parallel_size=args.data_parallel_size,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+
+
+def tracker_config(args: argparse.Namespace, ring: str) -> TrackerConfig:
+    """The tracker's config from its flags (``blink tracker``'s, or ``blink serve``'s, checked before it starts)."""
+    from dpu_gateway.tracker import TrackerConfig
+
+    return TrackerConfig(args.run_dir, ring, max_waiting=args.max_waiting, retry_after_s=args.retry_after,
+                         heartbeat_timeout_s=env().heartbeat_timeout_s, data_parallel_size=args.data_parallel_size)
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     from dpu_gateway.server import run_gateway
-    from dpu_gateway.state import GatewayConfig
     from dpu_tokenizer.service import resolve_model
     from shared.metrics import MetricsSpaceError
 
-    name, aliases = served_names(args.served_model_name, args.model)
-    cfg = GatewayConfig(run_dir=args.run_dir, ring_name=args.ring, model=args.tokenizer or resolve_model(args.model),
-                        served_model_name=name, model_aliases=aliases, chat_template=args.chat_template,
-                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
-                        max_connections=args.max_connections, header_timeout_s=args.header_timeout,
-                        body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
-                        log_requests=not args.disable_log_requests, data_parallel_size=args.data_parallel_size,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+    cfg = gateway_config(args, args.ring, args.tokenizer or resolve_model(args.model))
     try:
         asyncio.run(run_gateway(cfg, args.host, args.port, args.name, reuse_port=args.reuse_port))
     except MetricsSpaceError as exc:  # a full run-dir filesystem: said, not a SIGBUS at the first metric written
@@ -137,11 +161,9 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_tracker(args: argparse.Namespace) -> int:
-    from dpu_gateway.tracker import TrackerConfig, run_tracker
+    from dpu_gateway.tracker import run_tracker
 
-    cfg = TrackerConfig(args.run_dir, args.ring, max_waiting=args.max_waiting, retry_after_s=args.retry_after,
-                        heartbeat_timeout_s=env().heartbeat_timeout_s, data_parallel_size=args.data_parallel_size)
-    return run_until_signalled(run_tracker(cfg))
+    return run_until_signalled(run_tracker(tracker_config(args, args.ring)))
 
 
 def cmd_reader(args: argparse.Namespace) -> int:
@@ -153,26 +175,105 @@ def cmd_reader(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from blink.supervisor import ServeConfig, Supervisor
-    from shared.ring import segment_problem
+    from blink.supervisor import Supervisor
 
     try:
-        engine = EngineConfig.from_namespace(args)
-    except ValueError as exc:
+        serve = serve_config(args)
+    except (ValueError, HubError) as exc:
         print(f"blink serve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        serve = ServeConfig.from_args(args, engine)
-    except ValueError as exc:
-        print(f"blink serve: {exc}", file=sys.stderr)
-        return 2
-    rings = serve.data_parallel.ring_names
-    problem = (next(filter(None, map(segment_problem, rings)), None) or chat_template_problem(args.chat_template)
-               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
-    if problem:
-        print(f"blink serve: {problem}", file=sys.stderr)
         return 2
     return Supervisor(serve).run()
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """What ``blink serve`` runs, once everything it can check before starting a process is checked, in order:
+    every flag that needs no model (the engine's under the backend it will run, the gateway's, the tracker's, the
+    supervisor's, the chat template, the tool parser, the rings' names), then the model (a Hub id fetched, a path
+    that exists), then what needs the model's config (--max-model-len against its context). A refusal is a
+    ValueError or a HubError that says why; nothing has been started then."""
+    from blink.supervisor import ServeConfig
+    from shared.ring import segment_problem
+
+    take_model_tag(args)
+    flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
+    serve = ServeConfig.from_args(args, flags_only)
+    for service, check in (("gateway", gateway_config), ("tracker", tracker_config)):
+        try:
+            check(args, flags_only.ring_name)
+        except ValueError as exc:
+            raise ValueError(f"{service}: {exc}") from None
+    problem = (engine_problem(flags_only, None)
+               or next(filter(None, map(segment_problem, serve.data_parallel.ring_names)), None)
+               or chat_template_problem(args.chat_template)
+               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
+    if problem:
+        raise ValueError(problem)
+    models_from_hub(args)
+    engine = EngineConfig.from_namespace(args)
+    problem = engine_problem(engine, model_context(engine.model or default_model_file()))
+    if problem:
+        raise ValueError(problem)
+    return ServeConfig.from_args(args, engine)
+
+
+def take_model_tag(args: argparse.Namespace) -> None:
+    """vLLM's positional model (``blink serve Qwen/Qwen3-8B``) is ``--model``; both, naming two models, are refused."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+    args.model = args.model_tag
+
+
+def models_from_hub(args: argparse.Namespace) -> None:
+    """--model and --tokenizer given as Hugging Face Hub ids: fetched into the Hub's cache (or found there) once,
+    here, and replaced by their local paths, which the processes get; the model's served name stays the id given,
+    as vLLM's. --revision and --gguf-file apply to a model from the Hub only."""
+    where = Where(args.revision, args.download_dir)
+    model = hub_model(args.model) if args.model else None
+    if model is None:
+        for name in ("revision", "gguf_file"):  # ServeFlags' fields (declared there alone)
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} applies to a model from the Hugging Face Hub (--model "
+                                 f"ORG/NAME); the model here is {args.model or 'the embedded one'}")
+    else:
+        if not args.served_model_name:
+            args.served_model_name = [args.model]
+        args.model = str(fetch_model(model, where, args.gguf_file))
+    tokenizer = hub_model(args.tokenizer) if args.tokenizer else None
+    if tokenizer is not None and tokenizer.quant is None:
+        args.tokenizer = str(fetch_tokenizer(tokenizer.repo, where))
+    elif args.tokenizer and not Path(args.tokenizer).exists():
+        raise ValueError(f"--tokenizer: path {args.tokenizer} does not exist (nor is it a Hub id ORG/NAME)")
+
+
+def engine_problem(engine: EngineConfig, context: int | None) -> str | None:
+    """Why the engine would refuse ``engine`` once started (``EngineConfig.refusal_on``: a flag its backend does not
+    take, --max-model-len above the model's ``context`` or the backend's), or None. Under --backend auto the
+    backend is the hardware's choice: it is asked (``auto_runs_on_cpu``) only when the answer would differ."""
+    if engine.backend != "auto":
+        return engine.refusal_on(engine.backend, context)
+    on_cpu, on_gpu = engine.refusal_on("cpu", context), engine.refusal_on("host", context)
+    if on_cpu == on_gpu:
+        return on_cpu
+    if auto_runs_on_cpu():
+        return on_cpu and f"{on_cpu}: --backend auto runs the CPU backend here (no CUDA GPU is visible)"
+    return on_gpu and f"{on_gpu}: --backend auto runs a GPU backend here (a CUDA GPU is visible)"
+
+
+def auto_runs_on_cpu() -> bool:
+    """Whether --backend auto runs the CPU backend here: torch sees no CUDA GPU, as the engine decides it
+    (``gpu_engine.backend.resolve_backend``). It imports torch, so it is asked only when it matters."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def default_model_file() -> str:
+    """The embedded model's file (what the engine loads without --model), found without importing torch."""
+    from dpu_tokenizer.service import resolve_model
+
+    return resolve_model(None)
 
 
 def chat_template_problem(value: str | None) -> str | None:
@@ -325,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)",
                            formatter_class=HELP)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as vLLM's positional argument: the same as --model")
     add_common(serve, ring=False)
     add_frontend(serve, model=False)
     add_engine_flags(serve)

@@ -36,8 +36,8 @@ REFUSED = (
             "none): pick --backend cpu|host|persistent", takes_value=False),
     Refused(("--trust-remote-code",), "Blink never runs a model's own code; it serves its built-in "
             "architectures: drop the flag", takes_value=False),
-    Refused(("--revision", "--download-dir", "--load-format"), "Blink loads a local folder or .gguf file "
-            "(--model PATH); download it first (e.g. `huggingface-cli download`)"),
+    Refused(("--load-format",), "Blink loads what the model's files are: safetensors (a Hugging Face folder or "
+            "Hub repo) or GGUF (a .gguf file, or --gguf-file of a Hub repo)", "auto"),
     Refused(("--max-logprobs",), "alternatives per token are set by --top-logprobs (0..20)"),
     Refused(("--swap-space", "--cpu-offload-gb"), "the KV cache lives on the engine's device only; size it "
             "with --kv-blocks or --gpu-memory-utilization"),

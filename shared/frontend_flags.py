@@ -62,6 +62,14 @@ class ServeFlags:
     standby_engine: bool = _flag(True, "keep a spare engine process beside the live one, started and (on the CPU) "
                                  "loaded, that takes a failed engine's place at once; --no-standby-engine: restart "
                                  "engines cold (RELIABILITY.md)", negatable=True)
+    revision: str | None = _flag(None, "a model from the Hugging Face Hub: the branch, tag or commit of its repo "
+                                 "(default: main)", kind=str)
+    download_dir: str | None = _flag(None, "a model from the Hugging Face Hub: the cache folder it is downloaded to "
+                                     "and read from (default: huggingface_hub's, HF_HUB_CACHE or HF_HOME/hub)",
+                                     kind=str)
+    gguf_file: str | None = _flag(None, "the GGUF file of a Hugging Face Hub repo to serve (--model ORG/NAME-GGUF "
+                                  "--gguf-file NAME.Q8_0.gguf); vLLM's ORG/NAME-GGUF:QUANT picks it by its "
+                                  "quantization instead", kind=str)
 
 
 GATEWAY, TRACKER, SERVE = GatewayFlags(), TrackerFlags(), ServeFlags()
