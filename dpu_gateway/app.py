@@ -20,6 +20,7 @@ from dpu_gateway.connguard import ConnectionGuard
 from dpu_gateway.constrain import GrammarCompiler
 from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError, error_middleware
+from dpu_gateway.openapi import API_KEY_PREFIX
 from dpu_gateway.routes import add_routes
 from dpu_gateway.state import (
     BACKEND,
@@ -49,7 +50,7 @@ def auth_middleware(api_key: str):
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(API_KEY_PREFIX):
             # aiohttp hands header bytes over as UTF-8 with surrogate escapes: any byte string compares
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not got:

@@ -11,11 +11,11 @@ import msgspec
 from aiohttp import web
 
 from dpu_gateway import openai_format as fmt
+from dpu_gateway import openapi as doc
 from dpu_gateway.backend import RequestStream
 from dpu_gateway.engines import engine_samples, engine_views, health_body, set_total_gauges, total_stats
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
-from dpu_gateway.openapi import DocLimits, openapi_document
 from dpu_gateway.params import (
     Limits,
     Plan,
@@ -27,6 +27,9 @@ from dpu_gateway.params import (
 )
 from dpu_gateway.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _Common,
     decode_chat,
     decode_completion,
@@ -67,11 +70,13 @@ def check_model(app: web.Application, model: str) -> None:
                        code="model_not_found")
 
 
+@doc.documented("List the served model", answer=doc.ModelList)
 async def models(request: web.Request) -> web.Response:
     return web.json_response(fmt.model_list(request.app[CONFIG].served_model_name, STARTED,
                                             max_model_len(request.app)))
 
 
+@doc.documented("The served model's card", answer=doc.ModelCard, errors=(404,))
 async def model(request: web.Request) -> web.Response:
     check_model(request.app, request.match_info["model"])
     return web.json_response(fmt.model_card(request.app[CONFIG].served_model_name, STARTED,
@@ -110,6 +115,8 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     return message_text(last) if req.echo and last.role == "assistant" else ""
 
 
+@doc.documented("Chat completion", body=ChatCompletionRequest, answer=doc.ChatCompletion, stream=True,
+               errors=(404, 429, 503))
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     app = request.app
@@ -150,6 +157,8 @@ async def grammar_id(app: web.Application, constraint: Constraint | None, limits
     return await app[GRAMMARS].compile(constraint.key, limits.vocab_size, constraint.param)
 
 
+@doc.documented("Text completion", body=CompletionRequest, answer=doc.Completion, stream=True,
+               errors=(404, 429, 503))
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     app = request.app
@@ -227,6 +236,8 @@ def record_outcome(request: web.Request, gens: list[Generation]) -> None:
     record.finish_reasons = tuple(g.finish_reason or "none" for g in gens)
 
 
+@doc.documented("Tokenize a prompt or chat messages (vLLM)", body=TokenizeRequest, answer=doc.TokenizeResponse,
+               errors=(404,))
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``POST /tokenize``: a prompt or chat messages to ``{"count", "max_model_len", "tokens"}``."""
     app = request.app
@@ -245,6 +256,8 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"count": len(ids), "max_model_len": max_model_len(app), "tokens": ids})
 
 
+@doc.documented("Token ids to text (vLLM)", body=DetokenizeRequest, answer=doc.DetokenizeResponse,
+               errors=(404,))
 async def detokenize(request: web.Request) -> web.Response:
     """vLLM's ``POST /detokenize``: ``{"tokens"}`` to ``{"prompt"}``."""
     app = request.app
@@ -257,10 +270,12 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": app[CODEC].decode(req.tokens)})
 
 
+@doc.documented("The server's version", answer=doc.VersionResponse)
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": VERSION})
 
 
+@doc.documented("200 while an engine serves", answer=doc.HealthResponse)
 async def health(request: web.Request) -> web.Response:
     """200 while an engine serves (``degraded`` naming the others when some do not), 503 when none does."""
     rings = request.app[RING]
@@ -280,20 +295,23 @@ def refresh_gauges(app: web.Application) -> tuple[dict | None, list[EngineSample
     return total_stats(views), samples
 
 
+@doc.documented("Prometheus metrics", media="text/plain")
 async def metrics(request: web.Request) -> web.Response:
     stats, per_engine = refresh_gauges(request.app)
     body = request.app[METRICS].render(stats, per_engine)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+@doc.documented("This document", media="application/json")
 async def openapi(request: web.Request) -> web.Response:
     app = request.app
     try:
         limits = engine_limits(app)
     except APIError:
         limits = None  # no engine now: the document without its bounds
-    doc = openapi_document(app[CONFIG].served_model_name, DocLimits.of(limits, vocab_size(app)))
-    return web.Response(body=msgspec.json.encode(doc), content_type="application/json")
+    bounds = doc.DocLimits.of(app[CONFIG].model_names, limits, vocab_size(app))
+    body = doc.openapi_document(app.router.routes(), bounds)
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

@@ -14,6 +14,7 @@ and mode) many more. Its time grows with the count of cases.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -21,8 +22,12 @@ import pytest
 from helpers.fuzz import fuzz
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
+from dpu_gateway.params import MAX_STOP_STRINGS
+
 REAL_ENGINE = "gpu_engine.serve"
-GETS = {"/v1/models": 5, "/health": 3, "/metrics": 3}
+# every operation of the document is drawn: GET and HEAD a few times, the token routes (no engine step)
+# a quarter as often as the generating ones
+GETS = {"/v1/models": 5, "/v1/models/{model}": 5, "/version": 3, "/health": 3, "/metrics": 3, "/openapi.json": 2}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +40,15 @@ def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert processes_of(stack) == []
 
 
+def post(stack: Stack, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(stack.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def still_serving(stack: Stack) -> None:
     assert stack.get("/health")[0] == 200, stack.log()
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
@@ -45,7 +59,11 @@ def still_serving(stack: Stack) -> None:
 
 
 def run_fuzz(stack: Stack, per_mode: int, seed: int, minimum: int) -> None:
-    report = fuzz(stack.url, {"/v1/completions": per_mode, "/v1/chat/completions": per_mode, **GETS}, seed=seed)
+    token_routes = {"/tokenize": per_mode // 4, "/detokenize": per_mode // 4}
+    report = fuzz(stack.url, {"/v1/completions": per_mode, "/v1/chat/completions": per_mode, **token_routes, **GETS},
+                  seed=seed)
+    drawn = {label.split(" ", 2)[2] for label in report.per_operation}
+    assert drawn == set(json.loads(stack.get("/openapi.json")[1])["paths"]), report.summary()
     print("\nfuzz:", json.dumps(report.summary()))
     assert not report.failures, "\n\n".join(report.failures[:10])
     assert report.requests >= minimum, report.summary()
@@ -54,14 +72,25 @@ def run_fuzz(stack: Stack, per_mode: int, seed: int, minimum: int) -> None:
     still_serving(stack)
 
 
+def of_type(schema: dict, kind: str) -> list[dict]:
+    """The alternatives of ``schema`` that have type ``kind``."""
+    return [alt for alt in schema.get("anyOf", [schema]) if alt.get("type") == kind]
+
+
 def test_document_states_the_served_model_and_limits(fuzz_stack: Stack) -> None:
     status, raw = fuzz_stack.get("/openapi.json")
     schemas = json.loads(raw)["components"]["schemas"]
     completion = schemas["CompletionRequest"]["properties"]
-    assert status == 200 and completion["model"]["enum"] == [MODEL]
-    assert completion["max_tokens"]["maximum"] == 4
-    assert completion["prompt"]["oneOf"][1]["maxItems"] == 64
-    assert schemas["ChatCompletionRequest"]["properties"]["stop"]["oneOf"][1]["maxItems"] == 4
+    names = completion["model"]["enum"]  # the served name first, then its aliases: each one is answered
+    assert status == 200 and names[0] == MODEL
+    assert [fuzz_stack.get(f"/v1/models/{n}")[0] for n in names] == [200] * len(names)
+    assert of_type(completion["max_tokens"], "integer")[0]["maximum"] == 4
+    token_ids = [alt for alt in of_type(completion["prompt"], "array") if alt["items"].get("type") == "integer"]
+    assert [alt["maxItems"] for alt in token_ids] == [64]
+    top = token_ids[0]["items"]["maximum"]  # the vocabulary's last id: the server takes it and refuses the next
+    assert [post(fuzz_stack, "/detokenize", {"tokens": [t]})[0] for t in (top, top + 1)] == [200, 400]
+    assert [alt["maxItems"] for alt in of_type(schemas["ChatCompletionRequest"]["properties"]["stop"], "array")] \
+        == [MAX_STOP_STRINGS]
 
 
 def test_default_max_tokens_within_the_limit(fuzz_stack: Stack) -> None:

@@ -105,7 +105,7 @@ def fuzz(base_url: str, examples: dict[str, int], seed: int = 0, workers: int = 
     jobs = []
     for result in schema.get_all_operations():
         op = result.ok()
-        modes = ["positive"] if op.method.upper() == "GET" else ["positive", "negative"]
+        modes = ["positive"] if op.method.upper() in ("GET", "HEAD") else ["positive", "negative"]
         jobs += [(base_url, op.path, op.method, mode, examples[op.path], seed)
                  for mode in modes if examples.get(op.path)]
     report = FuzzReport()
