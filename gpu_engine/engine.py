@@ -60,6 +60,7 @@ class RingEngine:
         self.vocab_size = vocab_size
         self.grammars = GrammarCache(ring.name, vocab_size)
         self.by_slot: dict[int, Request] = {}
+        self.scheduled: set[int] = set()  # slots whose request has its schedule_ns (the first prompt chunk's step)
         self.arrivals = 0
         self.steps = self.prompt_tokens = self.output_tokens = 0
         # EngineStats.step_fill: steps by tokens / the policy's token budget (shared.ring.step_fill_bucket)
@@ -144,6 +145,7 @@ class RingEngine:
                 self.slots.set_state(req.slot, S.DECODE_PAUSED)
         if not plan.work:
             return True
+        self._stamp_scheduled(plan)
         self._in_step = (time.monotonic(), plan.num_tokens)
         try:
             out = self.runner.run(plan)
@@ -151,6 +153,16 @@ class RingEngine:
             self._in_step = None
         self.postprocess(plan, out)
         return True
+
+    def _stamp_scheduled(self, plan: StepPlan) -> None:
+        """Slot.schedule_ns of each request whose first prompt chunk this step carries (a preempted request that
+        comes back keeps its first time): the end of its wait in this engine's queue."""
+        now = 0
+        for w in plan.work:
+            if w.prefill and w.req.slot not in self.scheduled:
+                now = now or time.time_ns()
+                self.ring.transport.store64(self.ring.slot_field(w.req.slot, "schedule_ns"), now)
+                self.scheduled.add(w.req.slot)
 
     def postprocess(self, plan: StepPlan, out: StepOutput) -> None:
         starts = [len(w.req.output) for w in plan.work]
@@ -165,6 +177,7 @@ class RingEngine:
                 self.policy.finish(req, Finish.ERROR)
                 self.slots.complete(req.slot, L.FinishReason.ERROR, L.ErrorCode.OUT_OF_MEMORY)
                 self.by_slot.pop(req.slot, None)
+                self.scheduled.discard(req.slot)
                 self._news = True
                 continue
             if len(req.output) > start:
@@ -199,6 +212,7 @@ class RingEngine:
     def _complete(self, req: Request, reason: Finish) -> None:
         self.slots.complete(req.slot, int(reason))
         self.by_slot.pop(req.slot, None)
+        self.scheduled.discard(req.slot)
         self._news = True
 
     def wake_reader(self) -> None:

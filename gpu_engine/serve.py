@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+import numpy as np
 import torch
 
 from gpu_engine.backend import Backend, CpuFormats, Servable, kv_blocks_for, resolve_backend
@@ -187,6 +188,7 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
     try:
         ring.header_store32("vocab_size", backend.vocab_size)
         ring.header_store32("max_context", backend.max_context)
+        write_cache_config(ring, cfg, backend)
         engine: Servable
         if backend.make_engine is not None:
             engine = backend.make_engine(ring)
@@ -203,6 +205,26 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
     finally:
         ring.transport.unlink()  # type: ignore[attr-defined]
         ring.close()
+
+
+KV_DTYPES = {"float32": L.KvCacheDtype.FLOAT32, "float16": L.KvCacheDtype.FLOAT16,
+             "bfloat16": L.KvCacheDtype.BFLOAT16}
+
+
+def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:
+    """The KV cache's configuration in the ring header (schema minor 6), for the frontend's
+    ``vllm:cache_config_info``: block size, element type, prefix caching and its block hash, and on a GPU
+    the fraction of free memory the cache is sized by (``cfg.backend`` is resolved here)."""
+    on_cpu = cfg.backend == "cpu"
+    kv_dtype = str(CpuFormats.for_dtype(cfg.dtype).kv_dtype).removeprefix("torch.") if on_cpu \
+        else cfg.gpu_torch_dtype_name()
+    ring.header_store32("kv_block_size", cfg.block_size)
+    ring.header_store32("kv_cache_dtype", KV_DTYPES.get(kv_dtype, L.KvCacheDtype.UNKNOWN))
+    ring.header_store32("cache_features", L.CacheFeatures.PREFIX_CACHING if backend.policy.prefix_caching else 0)
+    persistent = backend.make_engine is not None  # the CUDA scheduler's own prefix cache (sched_prefix.cuh)
+    ring.header_store32("prefix_hash", L.PrefixHash.SPLITMIX64 if persistent else L.PrefixHash.BLAKE2B_64)
+    fraction = 0.0 if on_cpu else cfg.kv_memory_fraction
+    ring.header_store32("gpu_memory_utilization", int(np.float32(fraction).view(np.uint32)))
 
 
 def runs_on_cpu(cfg: EngineConfig) -> bool:

@@ -7,7 +7,7 @@ import enum
 import numpy as np
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5
+SCHEMA_MINOR = 6
 
 
 class SlotState(enum.IntEnum):
@@ -62,6 +62,23 @@ class SamplingFeatures(enum.IntFlag):
     PROMPT_LOGPROBS = 16
 
 
+class KvCacheDtype(enum.IntEnum):
+    UNKNOWN = 0
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+
+
+class CacheFeatures(enum.IntFlag):
+    PREFIX_CACHING = 1
+
+
+class PrefixHash(enum.IntEnum):
+    UNKNOWN = 0
+    BLAKE2B_64 = 1
+    SPLITMIX64 = 2
+
+
 SAMPLINGPARAMS_DTYPE = np.dtype({
     'names': ['temperature', 'top_p', 'top_k', 'min_p', 'seed', 'flags', 'num_top_logprobs', 'num_stop_ids', 'num_logit_bias', 'stop_ids', 'presence_penalty', 'frequency_penalty', 'repetition_penalty', 'min_tokens', 'grammar_id'],
     'formats': ['<f4', '<f4', '<i4', '<f4', '<u8', '<u4', '<u4', '<u4', '<u4', ('<i4', (8,)), '<f4', '<f4', '<f4', '<u4', '<u8'],
@@ -79,9 +96,9 @@ LOGITBIAS_DTYPE = np.dtype({
 LOGITBIAS_ALIGN = 4
 
 SLOT_DTYPE = np.dtype({
-    'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'cache_salt', 'cached_tokens', 'num_prompt_logprobs', 'reserved'],
-    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, '<u8', '<u4', '<u4', ('<u8', (9,))],
-    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 168, 176, 180, 184],
+    'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'cache_salt', 'cached_tokens', 'num_prompt_logprobs', 'schedule_ns', 'reserved'],
+    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, '<u8', '<u4', '<u4', '<u8', ('<u8', (8,))],
+    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 168, 176, 180, 184, 192],
     'itemsize': 256,
 }, align=False)
 SLOT_ALIGN = 8
@@ -95,9 +112,9 @@ ENGINESTATS_DTYPE = np.dtype({
 ENGINESTATS_ALIGN = 8
 
 RINGHEADER_DTYPE = np.dtype({
-    'names': ['magic', 'schema_major', 'schema_minor', 'header_bytes', 'slot_bytes', 'num_slots', 'max_prompt_tokens', 'max_output_tokens', 'top_logprobs', 'top_logprob_bytes', 'slots_offset', 'prompt_arena_offset', 'output_arena_offset', 'logprob_arena_offset', 'top_logprob_arena_offset', 'total_bytes', 'engine_state', 'engine_pid', 'heartbeat', 'heartbeat_ns', 'created_ns', 'shutdown', 'creator_uid', 'doorbell', 'vocab_size', 'max_context', 'stats', 'pending_flips', 'sampling_features', 'reserved1', 'prefix_cache_queries', 'prefix_cache_hits', 'prefix_cache_evictions', 'prompt_logprob_tokens', 'prompt_logprob_bytes', 'prompt_logprob_arena_offset', 'prompt_top_logprob_arena_offset', 'segment_bytes', 'reserved'],
-    'formats': ['<u8', '<u2', '<u2', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', ENGINESTATS_DTYPE, ('<u8', (64,)), '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', ('<u8', (27,))],
-    'offsets': [0, 8, 10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 80, 88, 92, 96, 104, 112, 120, 124, 128, 136, 140, 144, 232, 744, 748, 752, 760, 768, 776, 780, 784, 792, 800, 808],
+    'names': ['magic', 'schema_major', 'schema_minor', 'header_bytes', 'slot_bytes', 'num_slots', 'max_prompt_tokens', 'max_output_tokens', 'top_logprobs', 'top_logprob_bytes', 'slots_offset', 'prompt_arena_offset', 'output_arena_offset', 'logprob_arena_offset', 'top_logprob_arena_offset', 'total_bytes', 'engine_state', 'engine_pid', 'heartbeat', 'heartbeat_ns', 'created_ns', 'shutdown', 'creator_uid', 'doorbell', 'vocab_size', 'max_context', 'stats', 'pending_flips', 'sampling_features', 'reserved1', 'prefix_cache_queries', 'prefix_cache_hits', 'prefix_cache_evictions', 'prompt_logprob_tokens', 'prompt_logprob_bytes', 'prompt_logprob_arena_offset', 'prompt_top_logprob_arena_offset', 'segment_bytes', 'kv_block_size', 'kv_cache_dtype', 'cache_features', 'prefix_hash', 'gpu_memory_utilization', 'reserved2', 'reserved'],
+    'formats': ['<u8', '<u2', '<u2', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u4', '<u4', ENGINESTATS_DTYPE, ('<u8', (64,)), '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u8', '<u8', '<u8', '<u4', '<u4', '<u4', '<u4', '<f4', '<u4', ('<u8', (24,))],
+    'offsets': [0, 8, 10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 80, 88, 92, 96, 104, 112, 120, 124, 128, 136, 140, 144, 232, 744, 748, 752, 760, 768, 776, 780, 784, 792, 800, 808, 812, 816, 820, 824, 828, 832],
     'itemsize': 1024,
 }, align=False)
 RINGHEADER_ALIGN = 8
@@ -121,9 +138,9 @@ PROMPTLOGPROB_ALIGN = 4
 FIELD_OFFSETS: dict[str, dict[str, int]] = {
     'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'num_logit_bias': 36, 'stop_ids': 40, 'presence_penalty': 72, 'frequency_penalty': 76, 'repetition_penalty': 80, 'min_tokens': 84, 'grammar_id': 88},
     'LogitBias': {'token': 0, 'bias': 4},
-    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'cache_salt': 168, 'cached_tokens': 176, 'num_prompt_logprobs': 180, 'reserved': 184},
+    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'cache_salt': 168, 'cached_tokens': 176, 'num_prompt_logprobs': 180, 'schedule_ns': 184, 'reserved': 192},
     'EngineStats': {'running': 0, 'waiting': 4, 'kv_blocks_total': 8, 'kv_blocks_free': 12, 'steps': 16, 'prompt_tokens': 24, 'output_tokens': 32, 'preemptions': 40, 'window_relaunches': 48, 'token_budget': 56, 'step_fill': 60},
-    'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'sampling_features': 744, 'reserved1': 748, 'prefix_cache_queries': 752, 'prefix_cache_hits': 760, 'prefix_cache_evictions': 768, 'prompt_logprob_tokens': 776, 'prompt_logprob_bytes': 780, 'prompt_logprob_arena_offset': 784, 'prompt_top_logprob_arena_offset': 792, 'segment_bytes': 800, 'reserved': 808},
+    'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'sampling_features': 744, 'reserved1': 748, 'prefix_cache_queries': 752, 'prefix_cache_hits': 760, 'prefix_cache_evictions': 768, 'prompt_logprob_tokens': 776, 'prompt_logprob_bytes': 780, 'prompt_logprob_arena_offset': 784, 'prompt_top_logprob_arena_offset': 792, 'segment_bytes': 800, 'kv_block_size': 808, 'kv_cache_dtype': 812, 'cache_features': 816, 'prefix_hash': 820, 'gpu_memory_utilization': 824, 'reserved2': 828, 'reserved': 832},
     'TopLogprob': {'token': 0, 'logprob': 4},
     'PromptLogprob': {'logprob': 0, 'rank': 4},
 }

@@ -55,6 +55,14 @@ __device__ void remove_waiting(SchedState *s, uint32_t i) {
   s->wait_count = kept;
 }
 
+// Slot.schedule_ns (schema minor 6): when the request's first prompt chunk goes into a step. A preempted
+// request scheduled again keeps its first time (the frontend zeroes the word when it publishes the slot).
+__device__ void stamp_scheduled(SchedState *s, uint32_t i) {
+  blink_slot *sl = slot(s, i);
+  volatile uint64_t *word = &sl->schedule_ns;
+  if (*word == 0) *word = now_ns() + s->cfg.clock_offset_ns;
+}
+
 // Ring side of a completion: reason and error first, then the state word (release).
 __device__ void complete_slot(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
   blink_slot *sl = slot(s, i);
@@ -152,6 +160,7 @@ __device__ bool plan_prefill(SchedState *s) {
     }
     r->phase = kPrefilling;  // in flight in this prefill; joins `running` after it
     r->cached = 0;
+    stamp_scheduled(s, i);
     plan_row(s, n++, i, 0, need);
     tokens += need;
   }
@@ -220,6 +229,7 @@ __device__ bool next_chunk(SchedState *s, uint32_t row, uint32_t tokens) {
     r->cached = start;
     r->num_registered = hit;
     count_lookup(s, r, ctx, start);
+    stamp_scheduled(s, i);
   }
   r->phase = kPrefilling;
   s->partial = last ? kNoSlot : i;

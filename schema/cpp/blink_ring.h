@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 5u
+#define BLINK_RING_SCHEMA_MINOR 6u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -56,6 +56,20 @@
 #define BLINK_SAMPLING_FEATURES_GRAMMAR 8u
 #define BLINK_SAMPLING_FEATURES_PROMPT_LOGPROBS 16u
 
+/* enum KvCacheDtype : uint32 */
+#define BLINK_KV_CACHE_DTYPE_UNKNOWN 0u
+#define BLINK_KV_CACHE_DTYPE_FLOAT32 1u
+#define BLINK_KV_CACHE_DTYPE_FLOAT16 2u
+#define BLINK_KV_CACHE_DTYPE_BFLOAT16 3u
+
+/* enum CacheFeatures : uint32 */
+#define BLINK_CACHE_FEATURES_PREFIX_CACHING 1u
+
+/* enum PrefixHash : uint32 */
+#define BLINK_PREFIX_HASH_UNKNOWN 0u
+#define BLINK_PREFIX_HASH_BLAKE2B_64 1u
+#define BLINK_PREFIX_HASH_SPLITMIX64 2u
+
 typedef struct __attribute__((aligned(8))) blink_sampling_params {
   float temperature; /* offset 0 */
   float top_p; /* offset 4 */
@@ -97,7 +111,8 @@ typedef struct __attribute__((aligned(8))) blink_slot {
   uint64_t cache_salt; /* offset 168 */
   uint32_t cached_tokens; /* offset 176 */
   uint32_t num_prompt_logprobs; /* offset 180 */
-  uint64_t reserved[9]; /* offset 184 */
+  uint64_t schedule_ns; /* offset 184 */
+  uint64_t reserved[8]; /* offset 192 */
 } blink_slot;
 
 typedef struct __attribute__((aligned(8))) blink_engine_stats {
@@ -153,7 +168,13 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint64_t prompt_logprob_arena_offset; /* offset 784 */
   uint64_t prompt_top_logprob_arena_offset; /* offset 792 */
   uint64_t segment_bytes; /* offset 800 */
-  uint64_t reserved[27]; /* offset 808 */
+  uint32_t kv_block_size; /* offset 808 */
+  uint32_t kv_cache_dtype; /* offset 812 */
+  uint32_t cache_features; /* offset 816 */
+  uint32_t prefix_hash; /* offset 820 */
+  float gpu_memory_utilization; /* offset 824 */
+  uint32_t reserved2; /* offset 828 */
+  uint64_t reserved[24]; /* offset 832 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {

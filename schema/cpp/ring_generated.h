@@ -59,7 +59,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 5,
+  SchemaMinor_VALUE = 6,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -352,6 +352,105 @@ inline const char *EnumNameSamplingFeatures(SamplingFeatures e) {
   return EnumNamesSamplingFeatures()[index];
 }
 
+/// RingHeader.kv_cache_dtype (since minor 6): the element type of the engine's KV cache.
+enum KvCacheDtype : uint32_t {
+  KvCacheDtype_UNKNOWN = 0,
+  KvCacheDtype_FLOAT32 = 1,
+  KvCacheDtype_FLOAT16 = 2,
+  KvCacheDtype_BFLOAT16 = 3,
+  KvCacheDtype_MIN = KvCacheDtype_UNKNOWN,
+  KvCacheDtype_MAX = KvCacheDtype_BFLOAT16
+};
+
+inline const KvCacheDtype (&EnumValuesKvCacheDtype())[4] {
+  static const KvCacheDtype values[] = {
+    KvCacheDtype_UNKNOWN,
+    KvCacheDtype_FLOAT32,
+    KvCacheDtype_FLOAT16,
+    KvCacheDtype_BFLOAT16
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesKvCacheDtype() {
+  static const char * const names[5] = {
+    "UNKNOWN",
+    "FLOAT32",
+    "FLOAT16",
+    "BFLOAT16",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNameKvCacheDtype(KvCacheDtype e) {
+  if (::flatbuffers::IsOutRange(e, KvCacheDtype_UNKNOWN, KvCacheDtype_BFLOAT16)) return "";
+  const size_t index = static_cast<size_t>(e);
+  return EnumNamesKvCacheDtype()[index];
+}
+
+/// Bits of RingHeader.cache_features (since minor 6).
+enum CacheFeatures : uint32_t {
+  CacheFeatures_PREFIX_CACHING = 1,
+  CacheFeatures_NONE = 0,
+  CacheFeatures_ANY = 1
+};
+
+inline const CacheFeatures (&EnumValuesCacheFeatures())[1] {
+  static const CacheFeatures values[] = {
+    CacheFeatures_PREFIX_CACHING
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesCacheFeatures() {
+  static const char * const names[2] = {
+    "PREFIX_CACHING",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNameCacheFeatures(CacheFeatures e) {
+  if (::flatbuffers::IsOutRange(e, CacheFeatures_PREFIX_CACHING, CacheFeatures_PREFIX_CACHING)) return "";
+  const size_t index = static_cast<size_t>(e) - static_cast<size_t>(CacheFeatures_PREFIX_CACHING);
+  return EnumNamesCacheFeatures()[index];
+}
+
+/// RingHeader.prefix_hash (since minor 6): how the engine's prefix cache names a full KV block.
+enum PrefixHash : uint32_t {
+  PrefixHash_UNKNOWN = 0,
+  PrefixHash_BLAKE2B_64 = 1,
+  PrefixHash_SPLITMIX64 = 2,
+  PrefixHash_MIN = PrefixHash_UNKNOWN,
+  PrefixHash_MAX = PrefixHash_SPLITMIX64
+};
+
+inline const PrefixHash (&EnumValuesPrefixHash())[3] {
+  static const PrefixHash values[] = {
+    PrefixHash_UNKNOWN,
+    PrefixHash_BLAKE2B_64,
+    PrefixHash_SPLITMIX64
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesPrefixHash() {
+  static const char * const names[4] = {
+    "UNKNOWN",
+    "BLAKE2B_64",
+    "SPLITMIX64",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNamePrefixHash(PrefixHash e) {
+  if (::flatbuffers::IsOutRange(e, PrefixHash_UNKNOWN, PrefixHash_SPLITMIX64)) return "";
+  const size_t index = static_cast<size_t>(e);
+  return EnumNamesPrefixHash()[index];
+}
+
 FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) SamplingParams FLATBUFFERS_FINAL_CLASS {
  private:
   float temperature_;
@@ -514,7 +613,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint64_t cache_salt_;
   uint32_t cached_tokens_;
   uint32_t num_prompt_logprobs_;
-  uint64_t reserved_[9];
+  uint64_t schedule_ns_;
+  uint64_t reserved_[8];
 
  public:
   Slot()
@@ -535,9 +635,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         cache_salt_(0),
         cached_tokens_(0),
         num_prompt_logprobs_(0),
+        schedule_ns_(0),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -555,9 +656,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
         num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)),
+        schedule_ns_(::flatbuffers::EndianScalar(_schedule_ns)),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, ::flatbuffers::span<const uint64_t, 9> _reserved)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns, ::flatbuffers::span<const uint64_t, 8> _reserved)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -574,7 +676,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         sampling_(_sampling),
         cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
-        num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)) {
+        num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)),
+        schedule_ns_(::flatbuffers::EndianScalar(_schedule_ns)) {
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   blink::ring::SlotState state() const {
@@ -628,7 +731,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint32_t num_prompt_logprobs() const {
     return ::flatbuffers::EndianScalar(num_prompt_logprobs_);
   }
-  const ::flatbuffers::Array<uint64_t, 9> *reserved() const {
+  uint64_t schedule_ns() const {
+    return ::flatbuffers::EndianScalar(schedule_ns_);
+  }
+  const ::flatbuffers::Array<uint64_t, 8> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };
@@ -766,7 +872,13 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint64_t prompt_logprob_arena_offset_;
   uint64_t prompt_top_logprob_arena_offset_;
   uint64_t segment_bytes_;
-  uint64_t reserved_[27];
+  uint32_t kv_block_size_;
+  uint32_t kv_cache_dtype_;
+  uint32_t cache_features_;
+  uint32_t prefix_hash_;
+  float gpu_memory_utilization_;
+  uint32_t reserved2_;
+  uint64_t reserved_[24];
 
  public:
   RingHeader()
@@ -808,9 +920,15 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prompt_logprob_arena_offset_(0),
         prompt_top_logprob_arena_offset_(0),
         segment_bytes_(0),
+        kv_block_size_(0),
+        kv_cache_dtype_(0),
+        cache_features_(0),
+        prefix_hash_(0),
+        gpu_memory_utilization_(0),
+        reserved2_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -849,9 +967,15 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prompt_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_logprob_arena_offset)),
         prompt_top_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_top_logprob_arena_offset)),
         segment_bytes_(::flatbuffers::EndianScalar(_segment_bytes)),
+        kv_block_size_(::flatbuffers::EndianScalar(_kv_block_size)),
+        kv_cache_dtype_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_kv_cache_dtype))),
+        cache_features_(::flatbuffers::EndianScalar(_cache_features)),
+        prefix_hash_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_prefix_hash))),
+        gpu_memory_utilization_(::flatbuffers::EndianScalar(_gpu_memory_utilization)),
+        reserved2_(::flatbuffers::EndianScalar(_reserved2)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, ::flatbuffers::span<const uint64_t, 27> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, ::flatbuffers::span<const uint64_t, 24> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -888,7 +1012,13 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prompt_logprob_bytes_(::flatbuffers::EndianScalar(_prompt_logprob_bytes)),
         prompt_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_logprob_arena_offset)),
         prompt_top_logprob_arena_offset_(::flatbuffers::EndianScalar(_prompt_top_logprob_arena_offset)),
-        segment_bytes_(::flatbuffers::EndianScalar(_segment_bytes)) {
+        segment_bytes_(::flatbuffers::EndianScalar(_segment_bytes)),
+        kv_block_size_(::flatbuffers::EndianScalar(_kv_block_size)),
+        kv_cache_dtype_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_kv_cache_dtype))),
+        cache_features_(::flatbuffers::EndianScalar(_cache_features)),
+        prefix_hash_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_prefix_hash))),
+        gpu_memory_utilization_(::flatbuffers::EndianScalar(_gpu_memory_utilization)),
+        reserved2_(::flatbuffers::EndianScalar(_reserved2)) {
     ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
@@ -1006,7 +1136,25 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint64_t segment_bytes() const {
     return ::flatbuffers::EndianScalar(segment_bytes_);
   }
-  const ::flatbuffers::Array<uint64_t, 27> *reserved() const {
+  uint32_t kv_block_size() const {
+    return ::flatbuffers::EndianScalar(kv_block_size_);
+  }
+  blink::ring::KvCacheDtype kv_cache_dtype() const {
+    return static_cast<blink::ring::KvCacheDtype>(::flatbuffers::EndianScalar(kv_cache_dtype_));
+  }
+  uint32_t cache_features() const {
+    return ::flatbuffers::EndianScalar(cache_features_);
+  }
+  blink::ring::PrefixHash prefix_hash() const {
+    return static_cast<blink::ring::PrefixHash>(::flatbuffers::EndianScalar(prefix_hash_));
+  }
+  float gpu_memory_utilization() const {
+    return ::flatbuffers::EndianScalar(gpu_memory_utilization_);
+  }
+  uint32_t reserved2() const {
+    return ::flatbuffers::EndianScalar(reserved2_);
+  }
+  const ::flatbuffers::Array<uint64_t, 24> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

@@ -52,6 +52,7 @@ static_assert(offsetof(blink::ring::Slot, sampling_) == offsetof(blink_slot, sam
 static_assert(offsetof(blink::ring::Slot, cache_salt_) == offsetof(blink_slot, cache_salt), "Slot.cache_salt offset differs");
 static_assert(offsetof(blink::ring::Slot, cached_tokens_) == offsetof(blink_slot, cached_tokens), "Slot.cached_tokens offset differs");
 static_assert(offsetof(blink::ring::Slot, num_prompt_logprobs_) == offsetof(blink_slot, num_prompt_logprobs), "Slot.num_prompt_logprobs offset differs");
+static_assert(offsetof(blink::ring::Slot, schedule_ns_) == offsetof(blink_slot, schedule_ns), "Slot.schedule_ns offset differs");
 static_assert(offsetof(blink::ring::Slot, reserved_) == offsetof(blink_slot, reserved), "Slot.reserved offset differs");
 static_assert(sizeof(blink::ring::EngineStats) == sizeof(blink_engine_stats), "EngineStats size differs");
 static_assert(alignof(blink::ring::EngineStats) == alignof(blink_engine_stats), "EngineStats alignment differs");
@@ -106,6 +107,12 @@ static_assert(offsetof(blink::ring::RingHeader, prompt_logprob_bytes_) == offset
 static_assert(offsetof(blink::ring::RingHeader, prompt_logprob_arena_offset_) == offsetof(blink_ring_header, prompt_logprob_arena_offset), "RingHeader.prompt_logprob_arena_offset offset differs");
 static_assert(offsetof(blink::ring::RingHeader, prompt_top_logprob_arena_offset_) == offsetof(blink_ring_header, prompt_top_logprob_arena_offset), "RingHeader.prompt_top_logprob_arena_offset offset differs");
 static_assert(offsetof(blink::ring::RingHeader, segment_bytes_) == offsetof(blink_ring_header, segment_bytes), "RingHeader.segment_bytes offset differs");
+static_assert(offsetof(blink::ring::RingHeader, kv_block_size_) == offsetof(blink_ring_header, kv_block_size), "RingHeader.kv_block_size offset differs");
+static_assert(offsetof(blink::ring::RingHeader, kv_cache_dtype_) == offsetof(blink_ring_header, kv_cache_dtype), "RingHeader.kv_cache_dtype offset differs");
+static_assert(offsetof(blink::ring::RingHeader, cache_features_) == offsetof(blink_ring_header, cache_features), "RingHeader.cache_features offset differs");
+static_assert(offsetof(blink::ring::RingHeader, prefix_hash_) == offsetof(blink_ring_header, prefix_hash), "RingHeader.prefix_hash offset differs");
+static_assert(offsetof(blink::ring::RingHeader, gpu_memory_utilization_) == offsetof(blink_ring_header, gpu_memory_utilization), "RingHeader.gpu_memory_utilization offset differs");
+static_assert(offsetof(blink::ring::RingHeader, reserved2_) == offsetof(blink_ring_header, reserved2), "RingHeader.reserved2 offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved_) == offsetof(blink_ring_header, reserved), "RingHeader.reserved offset differs");
 static_assert(sizeof(blink::ring::TopLogprob) == sizeof(blink_top_logprob), "TopLogprob size differs");
 static_assert(alignof(blink::ring::TopLogprob) == alignof(blink_top_logprob), "TopLogprob alignment differs");
@@ -140,5 +147,12 @@ static_assert(static_cast<uint32_t>(blink::ring::EngineState_READY) == BLINK_ENG
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_DRAINING) == BLINK_ENGINE_STATE_DRAINING, "EngineState::DRAINING differs");
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_STOPPED) == BLINK_ENGINE_STATE_STOPPED, "EngineState::STOPPED differs");
 static_assert(static_cast<uint32_t>(blink::ring::EngineState_FAILED) == BLINK_ENGINE_STATE_FAILED, "EngineState::FAILED differs");
+static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_UNKNOWN) == BLINK_KV_CACHE_DTYPE_UNKNOWN, "KvCacheDtype::UNKNOWN differs");
+static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_FLOAT32) == BLINK_KV_CACHE_DTYPE_FLOAT32, "KvCacheDtype::FLOAT32 differs");
+static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_FLOAT16) == BLINK_KV_CACHE_DTYPE_FLOAT16, "KvCacheDtype::FLOAT16 differs");
+static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_BFLOAT16) == BLINK_KV_CACHE_DTYPE_BFLOAT16, "KvCacheDtype::BFLOAT16 differs");
+static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_UNKNOWN) == BLINK_PREFIX_HASH_UNKNOWN, "PrefixHash::UNKNOWN differs");
+static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_BLAKE2B_64) == BLINK_PREFIX_HASH_BLAKE2B_64, "PrefixHash::BLAKE2B_64 differs");
+static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_SPLITMIX64) == BLINK_PREFIX_HASH_SPLITMIX64, "PrefixHash::SPLITMIX64 differs");
 
 #endif  /* BLINK_RING_LAYOUT_CHECK_H_ */

@@ -3,4 +3,4 @@
 # namespace: ring
 
 class SchemaMinor(object):
-    VALUE = 5
+    VALUE = 6
