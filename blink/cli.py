@@ -125,7 +125,8 @@ def gateway_config(args: argparse.Namespace, ring: str, model: str = "") -> Gate
                          max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,
                          log_requests=not args.disable_log_requests, data_parallel_size=args.data_parallel_size,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)
 
 
 def tracker_config(args: argparse.Namespace, ring: str) -> TrackerConfig:

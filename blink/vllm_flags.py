@@ -29,7 +29,6 @@ REFUSED = (
     Refused(("--quantization", "-q"), "Blink serves the weights as given (--dtype); GGUF Q4_1 files load "
             "through --model FILE.gguf, and --cpu-weights int4 keeps the CPU backend's linears 4-bit"),
     Refused(("--kv-cache-dtype",), "the KV cache has the weights' dtype: see --dtype", "auto"),
-    Refused(("--reasoning-parser",), "reasoning output is not parsed; the text comes back as generated"),
     Refused(("--enable-lora", "--lora-modules"), "LoRA adapters are not supported", takes_value=False),
     Refused(("--speculative-config",), "speculative decoding is not supported"),
     Refused(("--enforce-eager",), "the GPU backends always replay captured graphs (the CPU backend has "

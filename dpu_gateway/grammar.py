@@ -119,6 +119,29 @@ def rep(part: Pat, lo: int, hi: int | None) -> Pat:
     return seq(*([part] * lo), tail)
 
 
+def until(marker: str | bytes) -> Pat:
+    """Any bytes in which ``marker`` does not occur, then ``marker``: the text up to its first occurrence. One
+    state per byte of the marker matched so far (the Knuth-Morris-Pratt automaton), so it adds ``len(marker)``
+    states whatever follows."""
+    data = marker.encode() if isinstance(marker, str) else marker
+
+    def matched(k: int, b: int) -> int:
+        """How much of ``data`` is matched after ``data[:k]`` and byte ``b``."""
+        text = data[:k] + bytes((b,))
+        return next(j for j in range(len(text), -1, -1) if data.startswith(text[len(text) - j:]))
+
+    def build(nfa: NFA, cont: int) -> int:
+        states = [nfa.new() for _ in data]
+        for k, state in enumerate(states):
+            by_target: dict[int, set[int]] = {}
+            for b in range(256):
+                j = matched(k, b)
+                by_target.setdefault(cont if j == len(data) else states[j], set()).add(b)
+            nfa.edges[state] += [(frozenset(bs), target) for target, bs in by_target.items()]
+        return states[0]
+    return build
+
+
 def _upto(part: Pat, k: int) -> Pat:
     out: Pat = lambda nfa, cont: cont  # noqa: E731
     for _ in range(k):

@@ -73,7 +73,8 @@ class ChatMessage(_Body):
     function_call: Any = None               # refused (the deprecated form of tool_calls)
     refusal: str | None = None              # assistant history: accepted, not rendered
     audio: Any = None                       # refused
-    reasoning_content: str | None = None    # assistant history: accepted, not rendered
+    reasoning_content: str | None = None    # assistant history: given to the chat template (Qwen3's renders it)
+    reasoning: str | None = None            # vLLM's newer name of reasoning_content (answers carry both)
 
 
 class _Common(_Body, kw_only=True):
@@ -160,7 +161,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     chat_template_kwargs: dict | None = None
     documents: list | None = None
     mm_processor_kwargs: dict | None = None
-    include_reasoning: bool | None = None
+    include_reasoning: bool | None = None    # served with --reasoning-parser (routes.py); false refused without
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -191,8 +192,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is served"),
     "prediction": (_off, "predicted outputs are not supported"),
     "web_search_options": (_off, "web search is not supported"),
-    "reasoning_effort": (_off, "the served model has no reasoning mode"),
-    "include_reasoning": (lambda v: v is None or v is True, "the served model has no reasoning mode"),
+    "reasoning_effort": (_off, "no served chat template takes a reasoning effort (Qwen3's thinking is switched on "
+                         "and off with chat_template_kwargs' enable_thinking)"),
     "verbosity": (_off, "verbosity is not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier exists"),
     "store": (_off, "completions are not stored"),

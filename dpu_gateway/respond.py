@@ -19,6 +19,7 @@ from dpu_gateway import openai_format as fmt
 from dpu_gateway import sse
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation, TokenLogprob
+from dpu_gateway.reasoning import Reasoning
 from dpu_gateway.textio import TokenNames
 from dpu_gateway.tools import Call, parse_all
 
@@ -30,6 +31,7 @@ class Shape:
     prefix: str          # id prefix: chatcmpl / cmpl
     chunk_object: str    # "object" of stream chunks
     chat: bool
+    reasoning: Reasoning | None = None  # chat with --reasoning-parser: the request's (routes.chat_reasoning)
 
     def logprobs(self, codec: TokenNames, entries: list[TokenLogprob] | None, offset: int) -> dict | None:
         if entries is None:
@@ -97,15 +99,23 @@ async def _collect(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
             offset += len(delta.text)
     logprobs = merge_logprobs(shape, lps) if gen.plan.sampling.logprobs else None
     fmt_ = gen.plan.tool_format
+    text, thought = "".join(texts), ""
+    if shape.reasoning is not None:  # the tool parser reads the content only
+        thought, text = shape.reasoning.split(text, gen.plan.echo)
     if fmt_ is None:
-        choice = shape.choice(gen.index, "".join(texts), gen.finish_reason, logprobs)
+        choice = shape.choice(gen.index, text, gen.finish_reason, logprobs)
         if gen.plan.prompt_logprobs >= 0 and not shape.chat:  # chat's are the response's (one prompt)
             choice["prompt_logprobs"] = await asked_prompt_logprobs(gen, codec)
-        return choice
-    content, calls = parse_all(fmt_, "".join(texts))
-    calls = calls if gen.plan.parallel_tool_calls else calls[:1]
-    return fmt.chat_choice(gen.index, content, tool_finish(gen, bool(calls)), logprobs,
-                           [c.openai() for c in calls])
+    else:
+        content, calls = parse_all(fmt_, text)
+        calls = calls if gen.plan.parallel_tool_calls else calls[:1]
+        choice = fmt.chat_choice(gen.index, content, tool_finish(gen, bool(calls)), logprobs,
+                                 [c.openai() for c in calls])
+    if shape.reasoning is not None:
+        message = choice["message"]
+        message["content"] = message["content"] or None  # vLLM: null when nothing follows the reasoning
+        message.update(shape.reasoning.message_fields(thought))
+    return choice
 
 
 async def asked_prompt_logprobs(gen: Generation, codec: TokenNames) -> list[dict | None] | None:
@@ -168,16 +178,24 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
 
     async def one(gen: Generation) -> None:
         if gen.plan.tool_format is not None:
-            return await _stream_calls(gen, env, usage, lock, write)
+            return await _stream_calls(gen, env, usage, lock, write, shape.reasoning)
+        reader = shape.reasoning.reader(gen.plan.echo) if shape.reasoning is not None else None
         offset = 0
         async with contextlib.aclosing(gen.deltas()) as deltas:
             async for delta in deltas:
-                chunk = shape.chunk(env, gen.index, delta.text, None, shape.logprobs(codec, delta.logprobs, offset),
-                                    usage)
-                async with lock:
-                    await write(chunk)
+                logprobs = shape.logprobs(codec, delta.logprobs, offset)
+                if reader is None:
+                    chunk = shape.chunk(env, gen.index, delta.text, None, logprobs, usage)
+                else:
+                    chunk = _reasoning_chunk(shape, env, gen.index, reader.feed(delta.text), logprobs, usage)
+                if chunk is not None:
+                    async with lock:
+                        await write(chunk)
                 offset += len(delta.text)
+        held = None if reader is None else _reasoning_chunk(shape, env, gen.index, reader.finish(), None, usage)
         async with lock:
+            if held is not None:
+                await write(held)
             await write(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None, usage))
 
     tasks = [asyncio.create_task(one(g)) for g in gens]
@@ -189,10 +207,22 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _reasoning_chunk(shape: Shape, env: fmt.Envelope, index: int, pieces: tuple[str, str], logprobs: dict | None,
+                     usage: Usage) -> dict | None:
+    """A chat chunk of the reasoning and content decided by a delta (None when it decided none and has no
+    log-probs: the text is held back until a tag is known)."""
+    assert shape.reasoning is not None
+    delta = shape.reasoning.delta(*pieces)
+    if not delta and logprobs is None:
+        return None
+    return fmt.chat_chunk(env, delta, None, logprobs, usage.include, index, usage.now())
+
+
 async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: asyncio.Lock,
-                        write: Callable[[dict], Awaitable[None]]) -> None:
+                        write: Callable[[dict], Awaitable[None]], reasoning: Reasoning | None = None) -> None:
     """One choice read as tool calls: content deltas as they are decided, each call as OpenAI streams one
-    (a delta with its id, type and name, then one with its arguments), then the finish."""
+    (a delta with its id, type and name, then one with its arguments), then the finish. With ``reasoning``
+    (``--reasoning-parser``) the reasoning streams as it comes and the tool parser reads the content only."""
     assert gen.plan.tool_format is not None
     parser, calls = gen.plan.tool_format.parser(), 0
 
@@ -211,9 +241,23 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
                 async with lock:
                     await write(fmt.chat_chunk(env, d, None, None, usage.include, gen.index, usage.now()))
 
+    async def read(pieces: tuple[str, str]) -> None:
+        thought, content = pieces
+        if thought and reasoning is not None and reasoning.include:
+            async with lock:
+                await write(fmt.chat_chunk(env, reasoning.delta(thought, ""), None, None, usage.include, gen.index,
+                                           usage.now()))
+        await send(parser.feed(content))
+
+    reader = None if reasoning is None else reasoning.reader(gen.plan.echo)
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for delta in deltas:
-            await send(parser.feed(delta.text))
+            if reader is None:
+                await send(parser.feed(delta.text))
+            else:
+                await read(reader.feed(delta.text))
+    if reader is not None:
+        await read(reader.finish())
     await send(parser.finish())
     async with lock:
         await write(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index, usage.now()))

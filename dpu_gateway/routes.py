@@ -35,7 +35,9 @@ from dpu_gateway.protocol import (
     decode_completion,
     decode_detokenize,
     decode_tokenize,
+    refuse,
 )
+from dpu_gateway.reasoning import Reasoning, plan_reasoning
 from dpu_gateway.respond import CHAT, COMPLETION, Shape, Usage, answer_stream, answer_whole
 from dpu_gateway.state import (
     BACKEND,
@@ -134,9 +136,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                          req.split_special_tokens)
     ids = await encode_parts(app[CODEC], parts, app[BACKEND].encode, bool(req.add_special_tokens))
     ids = truncate(ids, req.truncate_prompt_tokens)
+    reasoning = chat_reasoning(app, req, parts)
+    if reasoning is not None:
+        constraint = reasoning.constraint(constraint)
     gid = await grammar_id(app, constraint, limits)
     plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
-    return await run(request, CHAT, [(ids, plan)], req.stream, stream_usage(req), arrival)
+    shape = CHAT if reasoning is None else dataclasses.replace(CHAT, reasoning=reasoning)
+    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival)
+
+
+def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list[tuple[str, bool]]) -> Reasoning | None:
+    """How the answer's reasoning is read (``--reasoning-parser``; None without one): whether the rendered prompt
+    leaves the output inside the reasoning, and ``include_reasoning``."""
+    parser = app[CONFIG].reasoning_parser
+    if parser is None:
+        if req.include_reasoning is False:
+            raise refuse("include_reasoning", "false needs the server started with --reasoning-parser (without one "
+                         "the model's reasoning text, if any, is part of content)")
+        return None
+    prompt = "".join(text for text, _ in parts)
+    return plan_reasoning(parser, prompt, app[CODEC].special_re, req.chat_template_kwargs, req.include_reasoning)
 
 
 def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan) -> Constraint | None:

@@ -13,6 +13,7 @@ from dpu_gateway.constrain import GrammarCompiler
 from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError
 from dpu_gateway.params import Limits
+from dpu_gateway.reasoning import PARSERS as REASONING_PARSERS
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import PARSERS
 from shared.env import HEARTBEAT_TIMEOUT_S
@@ -32,6 +33,7 @@ class GatewayConfig:
     log_requests: bool = True         # one log line per answered request
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
     tool_call_parser: str | None = None    # --tool-call-parser: the format tool calls are read in
+    reasoning_parser: str | None = None    # --reasoning-parser: <think> text goes to reasoning_content (reasoning.py)
     api_key: str | None = None
     max_body_bytes: int = GATEWAY.max_body_bytes
     drain_timeout_s: float = GATEWAY.drain_timeout
@@ -51,6 +53,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_body_bytes < 1024:

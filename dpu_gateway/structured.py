@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from dpu_gateway.errors import APIError
-from dpu_gateway.grammar import Pat, alt, lit
+from dpu_gateway.grammar import Pat, alt, lit, seq, until
 from dpu_gateway.json_grammar import any_object, schema_pattern
 from dpu_gateway.protocol import _Common
 from dpu_gateway.tools import FORMATS, parse_tools
@@ -34,8 +34,12 @@ def _key(kind: str, value: Any) -> str:
 
 
 def pattern_of(key: str) -> Pat:
-    """The pattern a constraint's ``key`` names (``json_object``, ``json_schema``, ``choice``, ``tool_call``)."""
+    """The pattern a constraint's ``key`` names (``json_object``, ``json_schema``, ``choice``, ``tool_call``, and
+    ``after_reasoning``: free text up to a marker, then another constraint's pattern; see reasoning.py)."""
     kind, value = json.loads(key)
+    if kind == "after_reasoning":
+        end, inner = value
+        return seq(until(end), pattern_of(json.dumps(inner)))
     if kind == "json_object":
         return any_object()
     if kind == "json_schema":

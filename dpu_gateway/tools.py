@@ -273,7 +273,9 @@ def parse_all(fmt: Format, text: str) -> tuple[str, list[Call]]:
 
 
 def history(messages: list[Any], text_of: Any) -> list[dict]:
-    """Chat messages as Hugging Face templates take them: calls with their arguments as objects."""
+    """Chat messages as Hugging Face templates take them: calls with their arguments as objects, an assistant's
+    reasoning as ``reasoning_content`` (Qwen3's template writes it between think tags in the turns after the last
+    user message, and drops it from earlier ones)."""
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m.role, "content": text_of(m)}
@@ -283,6 +285,9 @@ def history(messages: list[Any], text_of: Any) -> list[dict]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None and m.role == "tool":
             msg["name"] = m.name
+        reasoning = getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None)
+        if reasoning is not None and m.role == "assistant":  # both names, as vLLM gives templates
+            msg["reasoning_content"] = msg["reasoning"] = reasoning
         out.append(msg)
     return out
 

@@ -45,6 +45,10 @@ class GatewayFlags:
                                          "</tool_call>, Hermes and Qwen) or llama3_json (Llama 3.x JSON); also the "
                                          "format forced calls are written in (default: none; forced calls use "
                                          "hermes)", kind=str)
+    reasoning_parser: str | None = _flag(None, "return the <think>...</think> text of chat answers as "
+                                         "reasoning_content and the rest as content, as vLLM's parsers of these "
+                                         "names (default: none; the text comes back as generated)",
+                                         choices=("qwen3", "deepseek_r1"), kind=str)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
