@@ -8,7 +8,7 @@ import pytest
 from test_tokenizer_corpus import make_corpus
 
 from dpu_tokenizer import Tokenizer, load_tokenizer
-from dpu_tokenizer.detok import IncrementalDetokenizer, utf8_complete_prefix
+from dpu_tokenizer.detok import IncrementalDetokenizer, StopAutomaton, utf8_complete_prefix
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,47 @@ def test_each_push_emits_what_the_oracle_allows(tok: Tokenizer) -> None:
             assert det.push(ids[:1]) == "" and det.finish() == ""
         else:
             assert out + det.finish() == full.decode("utf-8", "replace")
+
+
+def test_sixty_four_stop_strings_push_by_push(tok: Tokenizer) -> None:
+    """Many stop strings (the gateway serves up to 64), overlapping, sharing prefixes and suffixes, some far
+    longer than any text: each push emits exactly what the oracle allows."""
+    rnd = random.Random(64)
+    table = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+    for text in _texts(rnd)[:150]:
+        ids = tok.encode(text)
+        stops = list(dict.fromkeys(_stops_for(text, rnd) + [
+            "".join(rnd.choice("ab é😀\n") for _ in range(rnd.randint(1, 12))) for _ in range(40)] + [
+            text[-rnd.randint(1, 8):] + "#" * rnd.randint(0, 3) for _ in range(10)] + ["x" * 256, "ab" * 128]))
+        stops = stops[:64]
+        encoded = [s.encode() for s in stops if s]
+        det = IncrementalDetokenizer(tok, stop_strings=stops, skip_special_tokens=False)
+        full, out, pos = b"", "", 0
+        while pos < len(ids):
+            chunk = ids[pos : pos + rnd.randint(1, 4)]
+            pos += len(chunk)
+            full += b"".join(table[i] for i in chunk)
+            out += det.push(chunk)
+            allowed, stop = _oracle(full, encoded)
+            assert out == full[:allowed].decode("utf-8", "replace"), (text, stops)
+            if stop is not None:
+                assert det.stopped and det.stop_string == stop.decode()
+                break
+        if not det.stopped:
+            assert out + det.finish() == full.decode("utf-8", "replace")
+
+
+def test_the_stop_automaton_is_linear_in_the_stop_strings() -> None:
+    """A node per byte of the stop strings at most, in flat arrays (about 11 bytes a node): the memory a request's
+    stop strings cost is bounded by their length, whatever their overlaps."""
+    rnd = random.Random(7)
+    sets = [tuple(("".join(chr(rnd.randrange(0x10000, 0x10FFFF)) for _ in range(256))).encode() for _ in range(64)),
+            tuple(("a" * i + "b" * (256 - i)).encode() for i in range(64)),
+            tuple(("ab" * 200)[:256 - i].encode() for i in range(64))]
+    for stops in sets:
+        auto = StopAutomaton(stops)
+        total = sum(len(s) for s in stops)
+        assert auto.size == total + 1
+        arrays = (auto.next_byte, auto.depth, auto.fail, auto.found)
+        assert sum(a.itemsize * len(a) for a in arrays) <= 10 * (total + 1)
+        assert len(auto.branch) <= len(stops)  # one branch where each stop string leaves the others' prefixes
