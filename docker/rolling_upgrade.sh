@@ -17,7 +17,8 @@
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
-COMPOSE="docker-compose -f $HERE/compose.yaml -p blink"
+export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-blink}  # the project, and its ring's name (compose.yaml)
+COMPOSE="docker-compose -f $HERE/compose.yaml -p $COMPOSE_PROJECT_NAME"
 PY=${PYTHON:-python3}
 STEADY_S=${STEADY_S:-5}
 OUT=${BLINK_UPGRADE_OUT:-/var/tmp/blink-rolling}
