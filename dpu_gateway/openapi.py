@@ -72,6 +72,8 @@ class AnswerMessage(_Answer):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (dpu_gateway/reasoning.py)
+    reasoning: str | None = None  # vLLM's newer name: the same text
 
 
 class ChatChoice(_Answer):

@@ -185,7 +185,7 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
             async for delta in deltas:
                 logprobs = shape.logprobs(codec, delta.logprobs, offset)
                 if reader is None:
-                    chunk = shape.chunk(env, gen.index, delta.text, None, logprobs, usage)
+                    chunk: dict | None = shape.chunk(env, gen.index, delta.text, None, logprobs, usage)
                 else:
                     chunk = _reasoning_chunk(shape, env, gen.index, reader.feed(delta.text), logprobs, usage)
                 if chunk is not None:

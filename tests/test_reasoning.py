@@ -1,0 +1,411 @@
+"""The reasoning parser (``--reasoning-parser qwen3|deepseek_r1``): the splitter of ``<think>...</think>`` text, where
+the prompt leaves the output, the grammar that starts after the reasoning, the answer built by the gateway's own
+response code from real token ids (tool calls read from the content only), and the official ``openai`` client
+against ``blink serve --reasoning-parser qwen3`` with the real CPU engine and the embedded model.
+
+The embedded model never writes ``</think>`` unprompted. The end-to-end tests that need the tag ask it to repeat a
+text that holds it, with a small ``logit_bias`` toward the tag's first token; greedy decoding then writes it. Each
+such test first reads the model's raw text for the same prompt token ids from ``/v1/completions`` (which no
+reasoning parser reads, as in vLLM), checks the tag is there, and compares the chat answer with that text split by
+hand."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from helpers import fixtures
+from helpers.e2e import ENGINE_ENV, ENGINE_FLAGS, FRANCE, REAL_ENGINE, sync_client
+from helpers.stack import MODEL, Stack, start_stack, stop_stack
+
+from blink.cli import build_parser
+from blink.supervisor import gateway_argv
+from dpu_gateway import openai_format as fmt
+from dpu_gateway import reasoning as R
+from dpu_gateway.backend import Backend, RequestStream
+from dpu_gateway.generation import Generation
+from dpu_gateway.grammar import Vocab, accepts, byte_dfa, token_dfa, until
+from dpu_gateway.params import Plan
+from dpu_gateway.protocol import ChatMessage
+from dpu_gateway.respond import CHAT, Usage, _stream_all, answer_whole
+from dpu_gateway.structured import Constraint, pattern_of
+from dpu_gateway.textio import TextCodec
+from dpu_gateway.tools import FORMATS
+from shared import messages as m
+from shared import ring_layout as L
+from shared.frontend_flags import GatewayFlags
+from shared.metrics import FrontendMetrics
+
+# ----------------------------------------------------------------------- the splitter
+SPLITS = [  # text, output starts inside the reasoning, (reasoning, content)
+    ("<think>abc</think>xyz", True, ("abc", "xyz")),
+    ("abc</think>xyz", True, ("abc", "xyz")),  # <think> was in the prompt (DeepSeek-R1, Qwen3 Thinking-2507)
+    ("\n<think>\nweigh it\n</think>\n\nIt is 4.", True, ("\nweigh it\n", "\n\nIt is 4.")),
+    ("no tags at all", True, ("no tags at all", "")),  # as vLLM: no </think>, all reasoning
+    ("<think>only an open tag", True, ("only an open tag", "")),
+    ("<think>cut mid-tag </thi", True, ("cut mid-tag </thi", "")),
+    ("<thin", True, ("<thin", "")),
+    ("<think>", True, ("", "")),
+    ("</think>", True, ("", "")),
+    ("</think>Paris", True, ("", "Paris")),
+    ("a <think> b</think>c", True, ("a <think> b", "c")),  # only an opening <think> is dropped
+    ("<think>1</think>2</think>3", True, ("1", "2</think>3")),  # content is not read again
+    ("<think><think>x</think>y", True, ("<think>x", "y")),
+    ("思考 é</think>答え", True, ("思考 é", "答え")),
+    ("   ", True, ("   ", "")),
+    ("<think>a</think>b", False, ("", "<think>a</think>b")),  # the prompt ended the reasoning
+    ("", True, ("", "")),
+]
+
+
+@pytest.mark.parametrize(("text", "inside", "want"), SPLITS)
+def test_split_of_whole_texts(text: str, inside: bool, want: tuple[str, str]) -> None:
+    assert R.split(text, inside) == want
+
+
+def pieces_of(text: str, cuts: list[int], inside: bool = True) -> tuple[list[str], list[str]]:
+    """The reasoning and content pieces a ``Splitter`` gives for ``text`` cut at ``cuts``."""
+    s = R.Splitter(inside)
+    bounds = [0, *cuts, len(text)]
+    out = [s.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)] + [s.finish()]
+    return [r for r, _ in out], [c for _, c in out]
+
+
+STREAMED = ["<think>\nLet me think: 2+2</think>\n\nIt is 4.", "reasoning only, cut </thi", "a</think>b",
+            "  <think>é思</think></think>", "<thi", "x<think>y</think>z", "</think>"]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+def test_a_tag_split_at_any_place_gives_the_same_answer(text: str) -> None:
+    """Every way of cutting the text in three (so every tag split at every character, also across two cuts),
+    and one character at a time: the pieces join to the whole text's split."""
+    want = R.split(text)
+    n = len(text)
+    for i in range(n + 1):
+        for j in range(i, n + 1):
+            reasoning, content = pieces_of(text, [i, j])
+            assert ("".join(reasoning), "".join(content)) == want, (i, j)
+    reasoning, content = pieces_of(text, list(range(1, n)))
+    assert ("".join(reasoning), "".join(content)) == want
+
+
+def test_text_is_given_out_as_soon_as_no_tag_can_start_in_it() -> None:
+    """Only what may still be a tag's start is held: at most 7 characters of the reasoning, and never content."""
+    s = R.Splitter()
+    assert s.feed("<think>") == ("", "")  # the opening tag is dropped once it is whole
+    assert s.feed("step one, <") == ("step one, ", "")
+    assert s.feed("/thin") == ("", "")  # "</thin" may be the closing tag
+    assert s.feed("g and on") == ("</thing and on", "")
+    assert s.feed("</think>\n\nAn") == ("", "\n\nAn")
+    assert s.feed("swer <think>") == ("", "swer <think>")
+    assert s.finish() == ("", "")
+    held = R.Splitter()
+    for ch in "x" * 20 + "</think"[:5]:
+        r, _ = held.feed(ch)
+    assert held.buf == "</thi" and r == ""
+
+
+def test_the_echo_is_content_and_not_read() -> None:
+    """vLLM's chat ``echo``: the last (assistant) message starts the answer as content, tags and all."""
+    reader = R.Reasoning("qwen3").reader(echo="<think>pre")
+    assert reader.feed("<think>pre") == ("", "<think>pre")
+    assert reader.feed("fill</think>ok") == ("fill", "ok")
+    assert R.Reasoning("qwen3").split("Sure: <think>x</think>y", echo="Sure: ") == ("x", "Sure: y")
+
+
+# ----------------------------------------------------------------------- where the prompt leaves the output
+SPECIAL = re.compile(r"<\|im_start\|>|<\|im_end\|>")
+QWEN3_OFF = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+HISTORY = ("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\nask the tool\n</think>\n\n"
+           "<tool_call>{}</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>5 C</tool_response><|im_end|>\n"
+           "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(("prompt", "ended"), [
+    (QWEN3_OFF, True),  # Qwen3's template with enable_thinking false
+    ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),  # Qwen3 thinking: the model opens it
+    ("<｜User｜>Hi<｜Assistant｜><think>\n", False),  # DeepSeek-R1's template opens it
+    (HISTORY, False),  # an earlier turn's </think>, ended by its <|im_end|>, does not count
+    ("<|im_start|>assistant\n<think>\nstill thinking", False),  # a prefill inside the reasoning
+    ("<|im_start|>assistant\n<think>\nok</think>\n\nThe answer is", True),  # a prefill past it
+])
+def test_the_prompt_says_where_the_output_starts(prompt: str, ended: bool) -> None:
+    assert R.prompt_ends_reasoning(prompt, SPECIAL) is ended
+    assert R.plan_reasoning("deepseek_r1", prompt, SPECIAL).in_reasoning is not ended
+
+
+def test_qwen3s_enable_thinking_switch_and_include_reasoning() -> None:
+    plain = "<|im_start|>assistant\n"
+    assert R.plan_reasoning(None, plain, SPECIAL) is None
+    assert R.plan_reasoning("qwen3", plain, SPECIAL, {"enable_thinking": False}).in_reasoning is False
+    assert R.plan_reasoning("qwen3", plain, SPECIAL, {"enable_thinking": True}).in_reasoning is True
+    assert R.plan_reasoning("deepseek_r1", plain, SPECIAL, {"enable_thinking": False}).in_reasoning is True
+    off = R.plan_reasoning("qwen3", plain, SPECIAL, include=False)
+    assert off is not None and off.message_fields("x") == {"reasoning": None, "reasoning_content": None}
+    assert off.delta("x", "y") == {"content": "y"}
+    on = R.Reasoning("qwen3")
+    assert on.delta("x", "") == {"reasoning": "x", "reasoning_content": "x"} and on.delta("", "") == {}
+    assert R.Reasoning("qwen3", in_reasoning=False).message_fields("") == {"reasoning": None,
+                                                                         "reasoning_content": None}
+
+
+def test_history_reasoning_reaches_the_template() -> None:
+    """As vLLM gives Hugging Face templates: an assistant message's ``reasoning_content`` (or ``reasoning``)
+    under both names; Qwen3's template writes it between think tags in the turns after the last user message."""
+    codec = TextCodec.__new__(TextCodec)
+    codec.template = "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|{{ m.reasoning or '' }}|" \
+        "{{ m.content }};{% endfor %}"
+    codec.renders_tools, codec.bos, codec.eos = False, "", ""
+    msgs = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a", reasoning_content="r1"),
+            ChatMessage(role="assistant", content="b", reasoning="r2")]
+    assert codec.render_chat(msgs, False) == "user:||q;assistant:r1|r1|a;assistant:r2|r2|b;"
+
+
+# ----------------------------------------------------------------------- flags
+def test_the_flag_is_declared_once_and_reaches_every_gateway() -> None:
+    (field,) = [f for f in GatewayFlags.__dataclass_fields__.values() if f.name == "reasoning_parser"]
+    assert set(field.metadata["choices"]) == set(R.PARSERS)
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert gateway_argv(args)[-2:] == ["--reasoning-parser", "deepseek_r1"]
+    assert build_parser().parse_args(["gateway", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "granite"])
+
+
+# ----------------------------------------------------------------------- the grammar after the reasoning
+def test_until_is_any_text_then_the_first_marker() -> None:
+    dfa = byte_dfa(until("</think>"))
+    for text, ok in [(b"</think>", True), (b"abc</think>", True), (b"</thi</think>", True), (b"<</think>", True),
+                     (b"a</think>b", False), (b"</think></think>", False), (b"abc", False), (b"", False)]:
+        assert accepts(dfa, text) is ok, text
+
+
+def test_a_constraint_starts_after_the_reasoning() -> None:
+    choice = Constraint(json.dumps(["choice", ["Paris", "Rome"]]), "guided_choice")
+    assert R.Reasoning("qwen3", in_reasoning=False).constraint(choice) == choice
+    after = R.Reasoning("qwen3").constraint(choice)
+    assert after is not None and after.param == "guided_choice"
+    dfa = byte_dfa(pattern_of(after.key))
+    for text, ok in [(b"</think>Paris", True), (b"<think>hmm, Rome?</think>Rome", True), (b"Paris", False),
+                     (b"x</think>\n\nParis", False), (b"x</think>Lyon", False), (b"a</think>b</think>Rome", False)]:
+        assert accepts(dfa, text) is ok, text
+    call = Constraint(json.dumps(["tool_call", ["hermes", False, [{"type": "function", "function": {
+        "name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}]]]), "tool_choice")
+    forced = R.Reasoning("deepseek_r1").constraint(call)
+    assert forced is not None
+    text = "why</think>" + FORMATS["hermes"].call_text("f", {})
+    assert accepts(byte_dfa(pattern_of(forced.key)), text.encode())
+
+
+def test_the_grammar_compiles_against_the_served_vocabulary() -> None:
+    codec = TextCodec(None)  # type: ignore[arg-type]  # the embedded model's tokenizer
+    tok = codec.tokenizer
+    texts = [None if tok.is_special(i) else codec.token_bytes(i) for i in range(tok.vocab_size)]
+    key = R.Reasoning("qwen3").constraint(Constraint(json.dumps(["choice", ["Paris"]]), "guided_choice"))
+    assert key is not None
+    table = token_dfa(byte_dfa(pattern_of(key.key)), Vocab.of(texts, tok.vocab_size))
+    done = table.walk(tok.encode("some thought</think>Paris"))
+    assert done >= 0 and table.accept[done]
+    assert table.walk(tok.encode("some thought</think>Lyon")) < 0
+    assert not table.accept[table.walk(tok.encode("some thought"))]  # no end before the answer
+
+
+# ----------------------------------------------------------------------- the answer, from real token ids
+def run_answer(codec: TextCodec, text: str, reasoning: R.Reasoning, stream: bool, tool: bool = False,
+               echo: str = "") -> dict | list[dict]:
+    """The gateway's own response code (``answer_whole`` / ``_stream_all``) for one choice whose engine output is
+    ``text``'s token ids, one ``Tokens`` event per token, then EOS."""
+    async def go() -> dict | list[dict]:
+        backend, stream_ = Backend(Path("/nonexistent")), RequestStream(req_id=1)
+        plan = Plan(m.Sampling(max_new_tokens=64), [], echo=echo, tool_format=FORMATS["hermes"] if tool else None)
+        gen = Generation(codec, plan, backend, stream_, FrontendMetrics(MODEL), 0.0, 1)
+        ids = codec.tokenizer.encode(text)
+        for t in ids:
+            stream_.events.put_nowait(m.Tokens(req_id=1, ids=[t]))
+        stream_.events.put_nowait(m.Finished(req_id=1, reason=L.FinishReason.EOS, error=0, generated=len(ids),
+                                             prompt_len=1))
+        shape = dataclasses.replace(CHAT, reasoning=reasoning)
+        usage = Usage([gen], 1)
+        if not stream:
+            resp = await answer_whole([gen], shape, codec, MODEL, usage)
+            return json.loads(resp.body)["choices"][0]
+        chunks: list[dict] = []
+
+        async def write(obj: dict) -> None:
+            chunks.append(obj)
+        await _stream_all([gen], shape, codec, fmt.Envelope.new("chatcmpl", MODEL), usage, write)
+        return chunks
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec(None)  # type: ignore[arg-type]
+
+
+def joined(chunks: list[dict], key: str) -> str:
+    return "".join(c["choices"][0]["delta"].get(key) or "" for c in chunks if c["choices"])
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_the_tool_parser_reads_the_content_only(codec: TextCodec) -> None:
+    """A call written inside the reasoning is reasoning text, never a call; one in the content is a call."""
+    text = f"<think>I could write {CALL} here</think>\n\n{CALL}"
+    whole = run_answer(codec, text, R.Reasoning("qwen3"), stream=False, tool=True)
+    assert isinstance(whole, dict)
+    msg = whole["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == f"I could write {CALL} here"
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
+    assert msg["content"] is None and whole["finish_reason"] == "tool_calls"
+    chunks = run_answer(codec, text, R.Reasoning("qwen3"), stream=True, tool=True)
+    assert isinstance(chunks, list)
+    assert joined(chunks, "reasoning_content") == joined(chunks, "reasoning") == f"I could write {CALL} here"
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [tc["function"]["name"] for tc in calls if "id" in tc] == ["get_weather"]
+    assert joined(chunks, "content").strip() == ""  # the whitespace before the call, as without reasoning
+    only_thought = run_answer(codec, f"<think>{CALL}", R.Reasoning("qwen3"), stream=False, tool=True)
+    assert isinstance(only_thought, dict) and "tool_calls" not in only_thought["message"]
+    assert only_thought["message"]["reasoning_content"] == CALL and only_thought["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("reasoning", [R.Reasoning("qwen3"), R.Reasoning("qwen3", include=False),
+                                       R.Reasoning("qwen3", in_reasoning=False)])
+def test_whole_and_streamed_answers_agree(codec: TextCodec, reasoning: R.Reasoning) -> None:
+    text = "<think>\nTwo and two: four.\n</think>\n\nIt is 4."
+    whole = run_answer(codec, text, reasoning, stream=False)
+    chunks = run_answer(codec, text, reasoning, stream=True)
+    assert isinstance(whole, dict) and isinstance(chunks, list)
+    want_r, want_c = R.split(text, reasoning.in_reasoning)
+    shown = want_r if reasoning.include and reasoning.in_reasoning else None
+    assert whole["message"]["reasoning_content"] == whole["message"]["reasoning"] == shown
+    assert whole["message"]["content"] == want_c
+    assert joined(chunks, "reasoning_content") == (shown or "") and joined(chunks, "content") == want_c
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    echoed = run_answer(codec, text, reasoning, stream=False, echo="Sure: ")  # the echo comes first
+    assert isinstance(echoed, dict) and echoed["message"]["content"] == "Sure: " + want_c
+
+
+# ----------------------------------------------------------------------- end to end
+REPEAT = [{"role": "user", "content": "Please repeat the following text exactly, with nothing else: `</think>Paris`"}]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("reasoning"), *ENGINE_FLAGS, "--reasoning-parser", "qwen3",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", engine_module=REAL_ENGINE,
+                        timeout_s=180, env=ENGINE_ENV)
+    yield stack
+    stop_stack(stack)
+
+
+def tag_bias(stack: Stack) -> dict[str, int]:
+    """A small push toward the first token of ``</think>``."""
+    ids = post(stack, "/tokenize", {"prompt": "</think>", "add_special_tokens": False})["tokens"]
+    return {str(ids[0]): 5}
+
+
+def post(stack: Stack, path: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(stack.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def raw_text(stack: Stack, messages: list[dict], **kw) -> str:
+    """What the model writes for the chat prompt of ``messages``, unread: ``/v1/completions`` on its token ids."""
+    ids = post(stack, "/tokenize", {"messages": messages})["tokens"]
+    return sync_client(stack).completions.create(model=MODEL, prompt=ids, temperature=0, **kw).choices[0].text
+
+
+def by_hand(raw: str) -> tuple[str, str | None]:
+    """The text split as vLLM's qwen3 parser does, written out here: an opening <think> dropped, the rest up to
+    the first </think> is reasoning, what follows content (null when empty)."""
+    body = raw.lstrip().removeprefix("<think>") if raw.lstrip().startswith("<think>") else raw
+    reasoning, tag, content = body.partition("</think>")
+    return (reasoning, content or None) if tag else (body, None)
+
+
+def chat(stack: Stack, messages: list[dict], **kw):
+    return sync_client(stack).chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def streamed(stack: Stack, messages: list[dict], **kw) -> tuple[str, str, str | None]:
+    reasoning = content = ""
+    finish = None
+    for chunk in chat(stack, messages, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, finish
+
+
+def test_an_answer_without_tags_is_reasoning(real: Stack) -> None:
+    """The embedded model writes no tags: everything is reasoning (vLLM's qwen3: no </think>, all reasoning)."""
+    raw = raw_text(real, FRANCE, max_tokens=12)
+    assert "</think>" not in raw
+    msg = chat(real, FRANCE, max_tokens=12).choices[0].message
+    assert msg.content is None
+    assert msg.reasoning_content == msg.reasoning == raw
+    assert streamed(real, FRANCE, max_tokens=12)[:2] == (raw, "")
+
+
+def test_the_model_writes_the_closing_tag(real: Stack) -> None:
+    bias = tag_bias(real)
+    raw = raw_text(real, REPEAT, max_tokens=16, logit_bias=bias)
+    assert "</think>" in raw, f"the model did not write </think> for this prompt ({raw!r}): the test needs one"
+    reasoning, content = by_hand(raw)
+    out = chat(real, REPEAT, max_tokens=16, logit_bias=bias).choices[0]
+    assert (out.message.reasoning_content, out.message.content) == (reasoning, content)
+    assert streamed(real, REPEAT, max_tokens=16, logit_bias=bias) == (reasoning, content or "", out.finish_reason)
+    hidden = chat(real, REPEAT, max_tokens=16, logit_bias=bias, extra_body={"include_reasoning": False}).choices[0]
+    assert hidden.message.reasoning_content is None and hidden.message.content == content
+    assert streamed(real, REPEAT, max_tokens=16, logit_bias=bias, extra_body={"include_reasoning": False})[:2] == (
+        "", content or "")
+    # the answer goes back into the history as the client has it (both reasoning names): served
+    history = [*REPEAT, out.message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks."}]
+    assert chat(real, history, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_constraint_applies_after_the_reasoning(real: Stack) -> None:
+    """guided_choice and a forced tool call constrain the content, once </think> was written (vLLM: the grammar
+    starts when the reasoning ended)."""
+    bias = tag_bias(real)
+    out = chat(real, REPEAT, max_tokens=24, logit_bias=bias, extra_body={"guided_choice": ["Rome", "Oslo"]})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content in ("Rome", "Oslo")
+    assert "</think>" not in (choice.message.reasoning_content or "")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}]
+    called = chat(real, REPEAT, max_tokens=48, logit_bias=bias, tools=tools, tool_choice="required",
+                  parallel_tool_calls=False).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.content is None
+    (call,) = called.message.tool_calls or []
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert called.message.reasoning_content is not None
+
+
+def test_without_a_parser_include_reasoning_false_is_refused_and_reasoning_effort_stays_refused(
+        api_stack: Stack) -> None:
+    client = openai.OpenAI(base_url=api_stack.url + "/v1", api_key=fixtures.API_KEY, max_retries=0)
+    for extra, param in [({"include_reasoning": False}, "include_reasoning"), ({"reasoning_effort": "low"},
+                                                                            "reasoning_effort")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, extra_body=extra)
+        assert info.value.param == param
+    served = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2,
+                                            extra_body={"include_reasoning": True})
+    assert served.choices[0].message.content is not None
+    assert "reasoning_content" not in served.choices[0].message.model_dump(exclude_none=True)
