@@ -198,17 +198,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     take_model_tag(args)
     flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
     serve = ServeConfig.from_args(args, flags_only)
+    problem = (engine_problem(flags_only, None)
+               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser)
+               or chat_template_problem(args.chat_template)
+               or next(filter(None, map(segment_problem, serve.data_parallel.ring_names)), None))
+    if problem:
+        raise ValueError(problem)
     for service, check in (("gateway", gateway_config), ("tracker", tracker_config)):
         try:
             check(args, flags_only.ring_name)
         except ValueError as exc:
             raise ValueError(f"{service}: {exc}") from None
-    problem = (engine_problem(flags_only, None)
-               or next(filter(None, map(segment_problem, serve.data_parallel.ring_names)), None)
-               or chat_template_problem(args.chat_template)
-               or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser))
-    if problem:
-        raise ValueError(problem)
     models_from_hub(args)
     engine = EngineConfig.from_namespace(args)
     problem = engine_problem(engine, model_context(engine.model or default_model_file()))

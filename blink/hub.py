@@ -23,15 +23,15 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-# What the tokenizer service and the gateway read of a model folder (dpu_tokenizer.loader, .hf_json, .chat):
-# the tokenizer itself (tokenizer.json, a tiktoken rank file or tokenizer.model), its config and chat template,
-# and generation_config.json (bos and eos ids).
-TOKENIZER_FILES = ("tokenizer.json", "*.tiktoken", "tokenizer.model", "tokenizer_config.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+# What the tokenizer service and the gateway read of a model folder (dpu_tokenizer.loader, .hf_json, .chat): the
+# tokenizer's config and chat template, generation_config.json (bos and eos ids), and one tokenizer file, the first
+# of these that the repo has (the loader's order): tokenizer.json, a tiktoken rank file, tokenizer.model.
+TOKENIZER_META = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja", "chat_template.json")
 # The engine's (gpu_engine.models.loader): config.json, then model.safetensors or the index and its shards.
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+MODEL_META = (CONFIG_FILE, WEIGHTS_INDEX, *TOKENIZER_META)  # small: fetched first, to know what else to fetch
 QUANT = re.compile(r"[A-Za-z0-9_]+")          # the QUANT of vLLM's ORG/NAME-GGUF:QUANT (Q4_K_M, IQ4_XS, F16)
 GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}$")  # a split GGUF's part: NAME-00001-of-00003.gguf
 
@@ -86,14 +86,15 @@ def fetch_model(model: HubModel, where: Where = Where(), gguf_file: str | None =
     with hub_errors(model.repo, where):
         if gguf_file:
             return _download_file(model.repo, gguf_file, where.revision, where)
-        folder = _snapshot(model.repo, where.revision, where, (CONFIG_FILE, WEIGHTS_INDEX, *TOKENIZER_FILES))
+        folder = _snapshot(model.repo, where.revision, where, MODEL_META)
         commit = folder.name  # snapshots/<commit>: what the branch or tag named when it was fetched
         files = _repo_files(model.repo, commit, where, folder)
         if model.quant:
             return _download_file(model.repo, gguf_for_quant(model, files), commit, where)
         weights = _weight_files(model.repo, folder, files)
-        folder = _snapshot(model.repo, commit, where, (CONFIG_FILE, WEIGHTS_INDEX, *TOKENIZER_FILES, *weights))
-    missing = [name for name in (CONFIG_FILE, *weights) if not (folder / name).is_file()]
+        needed = (CONFIG_FILE, *tokenizer_file(files), *weights)
+        folder = _snapshot(model.repo, commit, where, (*MODEL_META, *needed))
+    missing = [name for name in needed if not (folder / name).is_file()]
     if missing:
         raise HubError(f"{model.repo}: the snapshot {folder} lacks {', '.join(missing)}"
                        + (" (HF_HUB_OFFLINE is set: nothing was downloaded)" if _offline() else ""))
@@ -106,10 +107,29 @@ def fetch_tokenizer(repo: str, where: Where = Where()) -> Path:
     tokenizer_where = dataclasses.replace(where, revision=None)
     _log_fetch(repo, tokenizer_where)
     with hub_errors(repo, tokenizer_where):
-        folder = _snapshot(repo, None, tokenizer_where, TOKENIZER_FILES)
-    if not any(folder.glob(pattern) for pattern in TOKENIZER_FILES[:3]):
-        raise HubError(f"{repo}: no tokenizer.json, *.tiktoken or tokenizer.model in the repo (--tokenizer)")
+        folder = _snapshot(repo, None, tokenizer_where, TOKENIZER_META)
+        chosen = tokenizer_file(_repo_files(repo, folder.name, tokenizer_where, folder))
+        if not chosen:
+            raise HubError(f"{repo}: no tokenizer.json, *.tiktoken or tokenizer.model in the repo (--tokenizer)")
+        folder = _snapshot(repo, folder.name, tokenizer_where, (*TOKENIZER_META, *chosen))
+    if not (folder / chosen[0]).is_file():
+        raise HubError(f"{repo}: the snapshot {folder} lacks {chosen[0]}"
+                       + (" (HF_HUB_OFFLINE is set: nothing was downloaded)" if _offline() else ""))
     return folder
+
+
+def tokenizer_file(files: list[str]) -> tuple[str, ...]:
+    """The tokenizer file the loader will read of a repo's ``files`` (``dpu_tokenizer.loader``'s order: tokenizer.json,
+    the first tiktoken rank file, tokenizer.model), as a pattern for the download; () when there is none."""
+    top = sorted(f for f in files if "/" not in f)
+    ranks = [f for f in top if f.endswith(".tiktoken")]
+    if "tokenizer.json" in top:
+        return ("tokenizer.json",)
+    if ranks:
+        return (ranks[0],)
+    if "tokenizer.model" in top:
+        return ("tokenizer.model",)
+    return ()
 
 
 def gguf_for_quant(model: HubModel, files: list[str]) -> str:
@@ -221,17 +241,19 @@ def hub_errors(repo: str, where: Where) -> Iterator[None]:
     from huggingface_hub import constants, errors, get_token
 
     endpoint, cache = constants.ENDPOINT, _cache(where)
-    token = "HF_TOKEN's token" if get_token() else "no token (set HF_TOKEN)"
+    token = get_token() is not None  # HF_TOKEN, else the token file of `hf auth login` (in HF_HOME)
+    sent = "a token was sent" if token else "no token was sent"
     try:
         yield
     except errors.GatedRepoError:
-        raise HubError(f"{repo} is a gated model: ask for access on {endpoint}/{repo}, then give a token of the "
-                       f"account that has it in HF_TOKEN (sent: {token})") from None
+        raise HubError(f"{repo} is a gated model: ask for access on {endpoint}/{repo}, then set HF_TOKEN to a token "
+                       "of the account that has it ("
+                       + ("the token sent has no access" if token else "no token was sent") + ")") from None
     except errors.RevisionNotFoundError:
         raise HubError(f"{repo} has no revision {where.revision!r} on {endpoint} (--revision)") from None
     except errors.RepositoryNotFoundError:
         raise HubError(f"{repo}: no such model on {endpoint}, nor a local path of that name; a private repo needs "
-                       f"a token that can read it in HF_TOKEN (sent: {token})") from None
+                       f"HF_TOKEN set to a token that can read it ({sent})") from None
     except errors.RemoteEntryNotFoundError as exc:
         name = str(exc.response.url).rsplit("/", 1)[-1] if exc.response is not None else "the file"
         raise HubError(f"{repo} has no file {name} on {endpoint}") from None
@@ -246,7 +268,7 @@ def hub_errors(repo: str, where: Where) -> Iterator[None]:
     except errors.HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "an error"
         detail = next((line for line in str(exc).splitlines() if line.strip()), "")
-        raise HubError(f"{repo}: the Hub at {endpoint} answered {status} ({detail}; sent: {token})") from None
+        raise HubError(f"{repo}: the Hub at {endpoint} answered {status} ({detail}; {sent})") from None
     except OSError as exc:
         raise HubError(f"{repo}: could not be stored in {cache}: {exc}") from None
     except httpx2.HTTPError as exc:  # a proxy refusing, a connection lost mid-file: what the library lets through
