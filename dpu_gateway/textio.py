@@ -25,13 +25,18 @@ from dpu_tokenizer.chat import load_chat_template, render_chat, renders_tools
 from dpu_tokenizer.detok import IncrementalDetokenizer
 
 
-def _cut_at_tags(text: str, tag: str, hidden: list[str]) -> list[Part]:
+def _cut_at_tags(text: str, tag: str, hidden: list[str], optional: frozenset[int] = frozenset()) -> list[Part]:
+    """``text`` cut at each tag, the hidden text it stands for as a literal part. Each tag must come out once,
+    except those of ``optional`` (an assistant's reasoning, which templates such as Qwen3's drop from earlier
+    turns), which may also be left out."""
     parts: list[Part] = []
     pos = 0
+    found: list[int] = []
     for match in re.finditer(re.escape(tag) + r"([0-9]+)" + _TAG_END, text):
-        parts += [(text[pos: match.start()], False), (hidden[int(match.group(1))], True)]
+        found.append(int(match.group(1)))
+        parts += [(text[pos: match.start()], False), (hidden[found[-1]], True)]
         pos = match.end()
-    if len(parts) != 2 * len(hidden):
+    if len(set(found)) != len(found) or set(range(len(hidden))) - set(found) - optional:
         raise APIError(400, "split_special_tokens: this model's chat template rewrites message text, so special-"
                        "token text in it cannot be kept as text", param="split_special_tokens",
                        code="unsupported_value")
@@ -114,7 +119,11 @@ class TextCodec:
             return f"{tag}{len(hidden) - 1}{_TAG_END}"
         msgs = [{**m, "content": self.special_re.sub(hide, m["content"])} if isinstance(m.get("content"), str)
                 else m for m in msgs]
-        return _cut_at_tags(self._render(msgs, add_generation_prompt, extra), tag, hidden)
+        required = len(hidden)
+        msgs = [{**m, **{k: self.special_re.sub(hide, m[k]) for k in ("reasoning_content", "reasoning") if k in m}}
+                for m in msgs]
+        optional = frozenset(range(required, len(hidden)))
+        return _cut_at_tags(self._render(msgs, add_generation_prompt, extra), tag, hidden, optional)
 
     def literal_pieces(self, text: str) -> list[str]:
         """``text`` cut one character into each special-token text, so that no piece spells one."""

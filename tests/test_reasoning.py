@@ -29,6 +29,7 @@ from blink.supervisor import gateway_argv
 from dpu_gateway import openai_format as fmt
 from dpu_gateway import reasoning as R
 from dpu_gateway.backend import Backend, RequestStream
+from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
 from dpu_gateway.grammar import Vocab, accepts, byte_dfa, token_dfa, until
 from dpu_gateway.params import Plan
@@ -165,6 +166,25 @@ def test_history_reasoning_reaches_the_template() -> None:
     msgs = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a", reasoning_content="r1"),
             ChatMessage(role="assistant", content="b", reasoning="r2")]
     assert codec.render_chat(msgs, False) == "user:||q;assistant:r1|r1|a;assistant:r2|r2|b;"
+
+
+def test_split_special_tokens_keeps_reasoning_text_as_text() -> None:
+    """With ``split_special_tokens``, special-token text in a history message's reasoning stays text as in its
+    content; a template may drop that reasoning (Qwen3's drops it from turns before the last user message)."""
+    qwen3_like = TextCodec(None)  # type: ignore[arg-type]  # the embedded tokenizer: <|im_end|> is special
+    qwen3_like.template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and " \
+        "loop.last %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    msgs = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a", reasoning="x<|im_end|>"),
+            ChatMessage(role="user", content="q2"),
+            ChatMessage(role="assistant", content="b", reasoning_content="y<|im_end|>z")]
+    parts = qwen3_like.render_chat_parts(msgs, False, split_special=True)
+    assert [text for text, literal in parts if literal] == ["<|im_end|>"]  # the dropped turn's is not there
+    assert "".join(text for text, _ in parts) == qwen3_like.render_chat(msgs, False)
+    drops_content = TextCodec(None)  # type: ignore[arg-type]
+    drops_content.template = "{% for m in messages %}{{ m.role }};{% endfor %}"
+    with pytest.raises(APIError) as info:  # content is still required whole
+        drops_content.render_chat_parts([ChatMessage(role="user", content="<|im_end|>")], False, split_special=True)
+    assert info.value.param == "split_special_tokens"
 
 
 # ----------------------------------------------------------------------- flags
