@@ -185,7 +185,7 @@ class RingEngine:
             if w.prefill and w.samples and reason == Finish.NONE:
                 self.slots.set_state(req.slot, S.DECODE_PROCESSING)
             if reason != Finish.NONE:
-                self._complete(req, reason)
+                self._complete(req, reason, tok)
 
     def _write_prompt_logprobs(self, req: Request, e: PromptLogprobs) -> None:
         n, k = len(e.logprobs), max(self.ring.geometry.top_logprobs, 1)
@@ -209,8 +209,9 @@ class RingEngine:
         self._news = True
         self.output_tokens += 1
 
-    def _complete(self, req: Request, reason: Finish) -> None:
-        self.slots.complete(req.slot, int(reason))
+    def _complete(self, req: Request, reason: Finish, token: int = -1) -> None:
+        """The slot's completion; ``token``, the one that ended it (the stop id, with ``STOP_ID``)."""
+        self.slots.complete(req.slot, int(reason), stop_token=token)
         self.by_slot.pop(req.slot, None)
         self.scheduled.discard(req.slot)
         self._news = True

@@ -128,9 +128,12 @@ class SlotEngine:
         """Engine-owned moves among PREFILL_PROCESSING, DECODE_PROCESSING and DECODE_PAUSED."""
         self.t.store32(self.ring.slot_field(idx, "state"), state)
 
-    def complete(self, idx: int, reason: int, error: int = L.ErrorCode.OK) -> None:
-        """-> DECODE_COMPLETED: reason and error first, the state word last."""
+    def complete(self, idx: int, reason: int, error: int = L.ErrorCode.OK, stop_token: int = -1) -> None:
+        """-> DECODE_COMPLETED: reason and error first (with ``STOP_ID``, the stop token id that ended it), the
+        state word last."""
         t, ring = self.t, self.ring
+        if reason == L.FinishReason.STOP_ID and stop_token >= 0:
+            t.store32(ring.slot_field(idx, "stop_token"), stop_token)
         t.store32(ring.slot_field(idx, "finish_reason"), reason)
         t.store32(ring.slot_field(idx, "error_code"), error)
         t.fence()

@@ -96,9 +96,9 @@ LOGITBIAS_DTYPE = np.dtype({
 LOGITBIAS_ALIGN = 4
 
 SLOT_DTYPE = np.dtype({
-    'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'cache_salt', 'cached_tokens', 'num_prompt_logprobs', 'schedule_ns', 'reserved'],
-    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, '<u8', '<u4', '<u4', '<u8', ('<u8', (8,))],
-    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 168, 176, 180, 184, 192],
+    'names': ['state', 'seq', 'request_id', 'prompt_len', 'max_new_tokens', 'generated', 'finish_reason', 'error_code', 'cancel', 'submit_ns', 'admit_ns', 'first_token_ns', 'last_token_ns', 'sampling', 'cache_salt', 'cached_tokens', 'num_prompt_logprobs', 'schedule_ns', 'stop_token', 'reserved1', 'reserved'],
+    'formats': ['<u4', '<u4', '<u8', '<u4', '<u4', '<u4', '<u4', '<u4', '<u4', '<u8', '<u8', '<u8', '<u8', SAMPLINGPARAMS_DTYPE, '<u8', '<u4', '<u4', '<u8', '<i4', '<u4', ('<u8', (7,))],
+    'offsets': [0, 4, 8, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 72, 168, 176, 180, 184, 192, 196, 200],
     'itemsize': 256,
 }, align=False)
 SLOT_ALIGN = 8
@@ -138,7 +138,7 @@ PROMPTLOGPROB_ALIGN = 4
 FIELD_OFFSETS: dict[str, dict[str, int]] = {
     'SamplingParams': {'temperature': 0, 'top_p': 4, 'top_k': 8, 'min_p': 12, 'seed': 16, 'flags': 24, 'num_top_logprobs': 28, 'num_stop_ids': 32, 'num_logit_bias': 36, 'stop_ids': 40, 'presence_penalty': 72, 'frequency_penalty': 76, 'repetition_penalty': 80, 'min_tokens': 84, 'grammar_id': 88},
     'LogitBias': {'token': 0, 'bias': 4},
-    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'cache_salt': 168, 'cached_tokens': 176, 'num_prompt_logprobs': 180, 'schedule_ns': 184, 'reserved': 192},
+    'Slot': {'state': 0, 'seq': 4, 'request_id': 8, 'prompt_len': 16, 'max_new_tokens': 20, 'generated': 24, 'finish_reason': 28, 'error_code': 32, 'cancel': 36, 'submit_ns': 40, 'admit_ns': 48, 'first_token_ns': 56, 'last_token_ns': 64, 'sampling': 72, 'cache_salt': 168, 'cached_tokens': 176, 'num_prompt_logprobs': 180, 'schedule_ns': 184, 'stop_token': 192, 'reserved1': 196, 'reserved': 200},
     'EngineStats': {'running': 0, 'waiting': 4, 'kv_blocks_total': 8, 'kv_blocks_free': 12, 'steps': 16, 'prompt_tokens': 24, 'output_tokens': 32, 'preemptions': 40, 'window_relaunches': 48, 'token_budget': 56, 'step_fill': 60},
     'RingHeader': {'magic': 0, 'schema_major': 8, 'schema_minor': 10, 'header_bytes': 12, 'slot_bytes': 16, 'num_slots': 20, 'max_prompt_tokens': 24, 'max_output_tokens': 28, 'top_logprobs': 32, 'top_logprob_bytes': 36, 'slots_offset': 40, 'prompt_arena_offset': 48, 'output_arena_offset': 56, 'logprob_arena_offset': 64, 'top_logprob_arena_offset': 72, 'total_bytes': 80, 'engine_state': 88, 'engine_pid': 92, 'heartbeat': 96, 'heartbeat_ns': 104, 'created_ns': 112, 'shutdown': 120, 'creator_uid': 124, 'doorbell': 128, 'vocab_size': 136, 'max_context': 140, 'stats': 144, 'pending_flips': 232, 'sampling_features': 744, 'reserved1': 748, 'prefix_cache_queries': 752, 'prefix_cache_hits': 760, 'prefix_cache_evictions': 768, 'prompt_logprob_tokens': 776, 'prompt_logprob_bytes': 780, 'prompt_logprob_arena_offset': 784, 'prompt_top_logprob_arena_offset': 792, 'segment_bytes': 800, 'kv_block_size': 808, 'kv_cache_dtype': 812, 'cache_features': 816, 'prefix_hash': 820, 'gpu_memory_utilization': 824, 'reserved2': 828, 'reserved': 832},
     'TopLogprob': {'token': 0, 'logprob': 4},

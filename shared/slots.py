@@ -126,6 +126,7 @@ class SlotWriter:
         meta["sampling"] = req.sampling_record()
         meta["cache_salt"] = req.sampling.cache_salt & 0xFFFFFFFFFFFFFFFF
         meta["num_prompt_logprobs"] = max(req.sampling.prompt_logprobs, 0)
+        meta["stop_token"] = -1  # the engine writes the stop id that ends it (schema minor 6)
         t.write(ring.slot_offset(idx), meta.tobytes())  # state word unchanged (RESERVED, seq)
         t.fence()
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)

@@ -300,6 +300,8 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
       }
     }
     if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
+    if (reason[r] == BLINK_FINISH_REASON_STOP_ID)  // Slot.stop_token (minor 6): before complete_slot's fence
+      slot(s, i)->stop_token = static_cast<int32_t>(s->cfg.next_tokens[r]);
     if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
   s->stats->steps++;

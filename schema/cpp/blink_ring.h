@@ -112,7 +112,9 @@ typedef struct __attribute__((aligned(8))) blink_slot {
   uint32_t cached_tokens; /* offset 176 */
   uint32_t num_prompt_logprobs; /* offset 180 */
   uint64_t schedule_ns; /* offset 184 */
-  uint64_t reserved[8]; /* offset 192 */
+  int32_t stop_token; /* offset 192 */
+  uint32_t reserved1; /* offset 196 */
+  uint64_t reserved[7]; /* offset 200 */
 } blink_slot;
 
 typedef struct __attribute__((aligned(8))) blink_engine_stats {

@@ -614,7 +614,9 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint32_t cached_tokens_;
   uint32_t num_prompt_logprobs_;
   uint64_t schedule_ns_;
-  uint64_t reserved_[8];
+  int32_t stop_token_;
+  uint32_t reserved1_;
+  uint64_t reserved_[7];
 
  public:
   Slot()
@@ -636,9 +638,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         cached_tokens_(0),
         num_prompt_logprobs_(0),
         schedule_ns_(0),
+        stop_token_(0),
+        reserved1_(0),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns, int32_t _stop_token, uint32_t _reserved1)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -657,9 +661,11 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
         num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)),
         schedule_ns_(::flatbuffers::EndianScalar(_schedule_ns)),
+        stop_token_(::flatbuffers::EndianScalar(_stop_token)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
         reserved_() {
   }
-  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns, ::flatbuffers::span<const uint64_t, 8> _reserved)
+  Slot(blink::ring::SlotState _state, uint32_t _seq, uint64_t _request_id, uint32_t _prompt_len, uint32_t _max_new_tokens, uint32_t _generated, blink::ring::FinishReason _finish_reason, blink::ring::ErrorCode _error_code, uint32_t _cancel, uint64_t _submit_ns, uint64_t _admit_ns, uint64_t _first_token_ns, uint64_t _last_token_ns, const blink::ring::SamplingParams &_sampling, uint64_t _cache_salt, uint32_t _cached_tokens, uint32_t _num_prompt_logprobs, uint64_t _schedule_ns, int32_t _stop_token, uint32_t _reserved1, ::flatbuffers::span<const uint64_t, 7> _reserved)
       : state_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_state))),
         seq_(::flatbuffers::EndianScalar(_seq)),
         request_id_(::flatbuffers::EndianScalar(_request_id)),
@@ -677,7 +683,9 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
         cache_salt_(::flatbuffers::EndianScalar(_cache_salt)),
         cached_tokens_(::flatbuffers::EndianScalar(_cached_tokens)),
         num_prompt_logprobs_(::flatbuffers::EndianScalar(_num_prompt_logprobs)),
-        schedule_ns_(::flatbuffers::EndianScalar(_schedule_ns)) {
+        schedule_ns_(::flatbuffers::EndianScalar(_schedule_ns)),
+        stop_token_(::flatbuffers::EndianScalar(_stop_token)),
+        reserved1_(::flatbuffers::EndianScalar(_reserved1)) {
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
   blink::ring::SlotState state() const {
@@ -734,7 +742,13 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) Slot FLATBUFFERS_FINAL_CLASS {
   uint64_t schedule_ns() const {
     return ::flatbuffers::EndianScalar(schedule_ns_);
   }
-  const ::flatbuffers::Array<uint64_t, 8> *reserved() const {
+  int32_t stop_token() const {
+    return ::flatbuffers::EndianScalar(stop_token_);
+  }
+  uint32_t reserved1() const {
+    return ::flatbuffers::EndianScalar(reserved1_);
+  }
+  const ::flatbuffers::Array<uint64_t, 7> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

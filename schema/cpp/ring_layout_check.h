@@ -53,6 +53,8 @@ static_assert(offsetof(blink::ring::Slot, cache_salt_) == offsetof(blink_slot, c
 static_assert(offsetof(blink::ring::Slot, cached_tokens_) == offsetof(blink_slot, cached_tokens), "Slot.cached_tokens offset differs");
 static_assert(offsetof(blink::ring::Slot, num_prompt_logprobs_) == offsetof(blink_slot, num_prompt_logprobs), "Slot.num_prompt_logprobs offset differs");
 static_assert(offsetof(blink::ring::Slot, schedule_ns_) == offsetof(blink_slot, schedule_ns), "Slot.schedule_ns offset differs");
+static_assert(offsetof(blink::ring::Slot, stop_token_) == offsetof(blink_slot, stop_token), "Slot.stop_token offset differs");
+static_assert(offsetof(blink::ring::Slot, reserved1_) == offsetof(blink_slot, reserved1), "Slot.reserved1 offset differs");
 static_assert(offsetof(blink::ring::Slot, reserved_) == offsetof(blink_slot, reserved), "Slot.reserved offset differs");
 static_assert(sizeof(blink::ring::EngineStats) == sizeof(blink_engine_stats), "EngineStats size differs");
 static_assert(alignof(blink::ring::EngineStats) == alignof(blink_engine_stats), "EngineStats alignment differs");

@@ -79,7 +79,7 @@ class FakeEngine:
             self._publish(job, tok)
             sp = job.meta["sampling"]
             if tok in sp["stop_ids"][: int(sp["num_stop_ids"])]:
-                self._done(idx, F.STOP_ID)
+                self._done(idx, F.STOP_ID, tok)
             elif job.made >= int(job.meta["max_new_tokens"]):
                 self._done(idx, F.LENGTH)
 
@@ -94,8 +94,8 @@ class FakeEngine:
         self.engine.publish(job.idx, job.made, np.array([tok], np.int32), lps, top)
         job.made += 1
 
-    def _done(self, idx: int, reason: int) -> None:
-        self.engine.complete(idx, reason)
+    def _done(self, idx: int, reason: int, stop_token: int = -1) -> None:
+        self.engine.complete(idx, reason, stop_token=stop_token)
         del self.jobs[idx]
 
     def stats(self) -> None:

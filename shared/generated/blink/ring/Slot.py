@@ -58,31 +58,37 @@ class Slot(object):
     # Slot
     def ScheduleNs(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(184))
     # Slot
+    def StopToken(self): return self._tab.Get(flatbuffers.number_types.Int32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(192))
+    # Slot
+    def Reserved1(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(196))
+    # Slot
     def Reserved(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(192 + i * 8)) for i in range(self.ReservedLength())]
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(200 + i * 8)) for i in range(self.ReservedLength())]
         elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(192 + j * 8))
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(200 + j * 8))
         else:
             return None
 
     # Slot
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 192, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 200, self.ReservedLength())
 
     # Slot
     def ReservedLength(self):
-        return 8
+        return 7
 
     # Slot
     def ReservedIsNone(self):
         return False
 
 
-def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, sampling_grammarId, cacheSalt, cachedTokens, numPromptLogprobs, scheduleNs, reserved):
+def CreateSlot(builder, state, seq, requestId, promptLen, maxNewTokens, generated, finishReason, errorCode, cancel, submitNs, admitNs, firstTokenNs, lastTokenNs, sampling_temperature, sampling_topP, sampling_topK, sampling_minP, sampling_seed, sampling_flags, sampling_numTopLogprobs, sampling_numStopIds, sampling_numLogitBias, sampling_stopIds, sampling_presencePenalty, sampling_frequencyPenalty, sampling_repetitionPenalty, sampling_minTokens, sampling_grammarId, cacheSalt, cachedTokens, numPromptLogprobs, scheduleNs, stopToken, reserved1, reserved):
     builder.Prep(8, 256)
-    for _idx0 in range(8 , 0, -1):
+    for _idx0 in range(7 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
+    builder.PrependUint32(reserved1)
+    builder.PrependInt32(stopToken)
     builder.PrependUint64(scheduleNs)
     builder.PrependUint32(numPromptLogprobs)
     builder.PrependUint32(cachedTokens)
