@@ -211,7 +211,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             raise ValueError(f"{service}: {exc}") from None
     models_from_hub(args)
     engine = EngineConfig.from_namespace(args)
-    problem = engine_problem(engine, model_context(engine.model or default_model_file()))
+    model = engine.model or default_model_file()
+    problem = engine_problem(engine, None if model is None else model_context(model))
     if problem:
         raise ValueError(problem)
     return ServeConfig.from_args(args, engine)
@@ -270,11 +271,16 @@ def auto_runs_on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def default_model_file() -> str:
-    """The embedded model's file (what the engine loads without --model), found without importing torch."""
-    from dpu_tokenizer.service import resolve_model
+def default_model_file() -> Path | None:
+    """The embedded model's file (what the engine loads without --model), found without importing torch; None when
+    its package is not installed (the engine says so)."""
+    from dpu_tokenizer.base import TokenizerError
+    from dpu_tokenizer.sources import default_model_path
 
-    return resolve_model(None)
+    try:
+        return default_model_path()
+    except TokenizerError:
+        return None
 
 
 def chat_template_problem(value: str | None) -> str | None:
