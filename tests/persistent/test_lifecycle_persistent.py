@@ -89,6 +89,23 @@ def log_events(serve: ServeProc, event: str) -> list[dict[str, Any]]:
     return out
 
 
+def events_between(serve: ServeProc, start: float, end: float) -> list[tuple[float, str, str]]:
+    """Every log event of the server's processes from ``start`` to ``end`` (epoch seconds): (seconds after
+    ``start``, service, event), where the time of a replacement goes."""
+    out = []
+    for line in serve.log_path.read_text(errors="replace").splitlines():
+        if '"timestamp"' not in line or "{" not in line:
+            continue
+        try:
+            entry = json.loads(line[line.index("{"):])
+            at = datetime.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        if start <= at <= end:
+            out.append((round(at - start, 2), str(entry.get("service")), str(entry.get("event"))))
+    return out
+
+
 def record(name: str, figures: dict[str, Any]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "lifecycle_gpu.json"
@@ -139,7 +156,8 @@ def test_lifecycle_sigstop_of_the_engine_is_replaced(tmp_path: Path) -> None:
         figures = {"verdict_after_sigstop_s": round(verdict_at - stopped_at, 2),
                    "ready_after_verdict_s": round(ready_at - verdict_at, 2),
                    "ready_after_sigstop_s": round(ready_at - stopped_at, 2), "verdict": verdict,
-                   "took_over": bool(log_events(serve, "standby engine took over")), "new_engine": new}
+                   "took_over": bool(log_events(serve, "standby engine took over")), "new_engine": new,
+                   "events_after_sigstop": events_between(serve, stopped_at, ready_at)[:80]}
         record("sigstop", figures)
         assert asyncio.run(closed_loops(serve.url, model, 2, time.monotonic() + 2, 16)).count(None) >= 1
     finally:
