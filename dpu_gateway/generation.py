@@ -74,10 +74,12 @@ class Generation:
         self.prompt_settled = asyncio.Event()  # the entries came, or this choice ended without them
         self.index = index  # of the choice in the response
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
-        self.detok = codec.detokenizer(plan.stop)
+        self.detok = codec.detokenizer(plan.stop, plan.skip_special_tokens)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine's prefix cache held (usage.prompt_tokens_details)
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string that ended the answer, or the stop token id (not EOS); else None
+        self.stop_reason: str | int | None = None
         self.first_at: float | None = None
         self.last_at = arrival
 
@@ -115,6 +117,7 @@ class Generation:
         text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
         if self.detok.stopped:
             self.finish_reason = "stop"
+            self.stop_reason = self.detok.stop_string
             self._account()
             if self.plan.include_stop_str and self.detok.stop_string:
                 text += self.detok.stop_string
@@ -126,8 +129,18 @@ class Generation:
         self._take_prompt(msg.prompt)
         self.completion_tokens = max(self.completion_tokens, msg.generated)
         self.finish_reason = _REASONS.get(F(msg.reason), "stop")
+        if msg.reason == F.STOP_ID:
+            self.stop_reason = self._stop_id(msg.stop_token)
         self._account()
         return Delta(self.detok.finish())
+
+    def _stop_id(self, reported: int) -> int | None:
+        """The stop token id that ended the answer: the one the engine wrote into the slot (schema minor 6), else
+        the request's only one (an engine of an earlier minor writes none); None when that leaves it unknown."""
+        ids = self.plan.sampling.stop_ids
+        if reported in ids:
+            return reported
+        return ids[0] if len(ids) == 1 else None
 
     def _take_prompt(self, entries: list[tuple[float, int, list[tuple[int, float]]]] | None) -> None:
         """The prompt log-probs the reader sent (with token 0, or with a finish that came before any token)."""

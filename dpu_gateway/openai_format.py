@@ -65,16 +65,21 @@ def prompt_logprobs(codec: TokenNames, entries: list[PromptEntry]) -> list[dict 
     return out
 
 
+StopReason = str | int | None  # vLLM's stop_reason: the stop string or stop token id that ended a choice
+
+
 def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, stop_reason: StopReason = None) -> dict:
     message: dict = {"role": "assistant", "content": text}
     if tool_calls:  # as OpenAI: content null when the answer is only calls
         message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason}
 
 
-def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None,
+                      stop_reason: StopReason = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 def chat_response(env: Envelope, choices: list[dict], usage: dict) -> dict:
@@ -88,10 +93,12 @@ def completion_response(env: Envelope, choices: list[dict], usage: dict) -> dict
 
 
 def chat_chunk(env: Envelope, delta: dict, finish: str | None = None, logprobs: dict | None = None,
-               with_usage: bool = False, index: int = 0, usage: dict | None = None) -> dict:
+               with_usage: bool = False, index: int = 0, usage: dict | None = None,
+               stop_reason: StopReason = None) -> dict:
     chunk = {
         "id": env.id, "object": "chat.completion.chunk", "created": env.created, "model": env.model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                     "stop_reason": stop_reason}],
     }
     if with_usage:
         chunk["usage"] = usage
@@ -99,10 +106,12 @@ def chat_chunk(env: Envelope, delta: dict, finish: str | None = None, logprobs: 
 
 
 def completion_chunk(env: Envelope, text: str, finish: str | None = None, logprobs: dict | None = None,
-                     with_usage: bool = False, index: int = 0, usage: dict | None = None) -> dict:
+                     with_usage: bool = False, index: int = 0, usage: dict | None = None,
+                     stop_reason: StopReason = None) -> dict:
     chunk = {
         "id": env.id, "object": "text_completion", "created": env.created, "model": env.model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                     "stop_reason": stop_reason}],
     }
     if with_usage:
         chunk["usage"] = usage

@@ -23,8 +23,12 @@ from shared.ring import MAX_STOP_IDS
 from shared.seeds import SEED_STEP
 from shared.slots import MAX_LOGIT_BIAS
 
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back up to this much text
+# Stop strings (vLLM sets no bound). The detokenizer holds back at most the longest one's bytes less one, and
+# matches them all in one automaton (dpu_tokenizer/detok.py) whose size is their total length: built in well
+# under 20 ms of a core for the largest set allowed, and about 11 bytes a UTF-8 byte of them.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_TOTAL_CHARS = 4096  # all of a request's stop strings together
 Feature = L.SamplingFeatures
 
 
@@ -57,6 +61,7 @@ class Plan:
     echo_only: bool = False  # max_tokens 0 with echo: the answer is the prompt (the one token sampled is dropped)
     prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: log-prob entries name tokens token_id:N
+    skip_special_tokens: bool = True  # False: special tokens' text is part of the answer (and of what stops match)
 
     def choices(self) -> list[m.Sampling]:
         """One sampling record per choice: a seeded request's choices draw from seeds derived from it. Only the
@@ -79,6 +84,9 @@ def check_common(req: _Common, limits: Limits) -> list[str]:
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(400, f"each stop string may be at most {MAX_STOP_CHARS} characters long", param="stop",
                        code="invalid_value")
+    if sum(map(len, stop)) > MAX_STOP_TOTAL_CHARS:
+        raise APIError(400, f"the stop strings may hold at most {MAX_STOP_TOTAL_CHARS} characters in all, got "
+                       f"{sum(map(len, stop))}", param="stop", code="invalid_value")
     if len(set(req.stop_token_ids or ())) > MAX_STOP_IDS:  # repeats are merged before they reach the ring
         raise APIError(400, f"stop_token_ids may hold at most {MAX_STOP_IDS} ids", param="stop_token_ids",
                        code="invalid_value")
@@ -168,9 +176,12 @@ def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, param
     """The output budget; 400 when the prompt (plus what was asked for) exceeds the context."""
     room = min(limits.max_context - prompt_len, limits.max_output_tokens)
     if prompt_len > limits.max_prompt_tokens or room < 1:
+        # vLLM's words, which clients match; then this server's prompt bound where it is below the context's
+        bound = "" if limits.max_prompt_tokens >= limits.max_context - 1 else (
+            f" This server takes at most {limits.max_prompt_tokens} prompt tokens (--max-prompt-tokens).")
         raise APIError(
-            400, f"This model's maximum context length is {limits.max_context} tokens (at most "
-            f"{limits.max_prompt_tokens} in the prompt). However, your prompt has {prompt_len} tokens.",
+            400, f"This model's maximum context length is {limits.max_context} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.{bound}",
             param="messages" if param == "max_completion_tokens" else "prompt", code="context_length_exceeded")
     if requested is None:
         return room
@@ -243,7 +254,8 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     prompt_k = prompt_logprobs(req, prompt_len, limits)
     return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False,
-                prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids))
+                prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids),
+                skip_special_tokens=req.skip_special_tokens is not False)
 
 
 def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "",
@@ -264,7 +276,8 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, ech
     return Plan(sampling(req, budget, req.logprobs is not None, req.logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, echo_logprobs=echo_k, echo_only=echo_only,
                 prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
-                token_ids_as_text=bool(req.return_tokens_as_token_ids))
+                token_ids_as_text=bool(req.return_tokens_as_token_ids),
+                skip_special_tokens=req.skip_special_tokens is not False)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

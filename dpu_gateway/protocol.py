@@ -109,8 +109,8 @@ class _Common(_Body, kw_only=True):
     allowed_token_ids: list | None = None
     bad_words: list | None = None
     logits_processors: list | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
+    skip_special_tokens: bool | None = None  # false: special tokens' text is part of the answer
+    spaces_between_special_tokens: bool | None = None  # either way no space is put between them (docs/API.md)
     response_format: dict | None = None      # enforced by constrained decoding (dpu_gateway/structured.py)
     guided_json: Any = None                  # enforced (a schema)
     guided_regex: str | None = None
@@ -155,10 +155,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     metadata: dict[str, str] | None = None   # accepted: only meaningful with store
     prompt_cache_key: str | None = None      # accepted: no prefix cache to key
     safety_identifier: str | None = None     # accepted, like user
-    # vLLM chat extensions Blink does not serve
-    continue_final_message: bool | None = None
+    # vLLM chat extensions (REFUSED lists those not served)
+    continue_final_message: bool | None = None  # the prompt ends inside the last (assistant) message
     chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (dpu_tokenizer/chat.py)
     documents: list | None = None
     mm_processor_kwargs: dict | None = None
     include_reasoning: bool | None = None    # served with --reasoning-parser (routes.py); false refused without
@@ -203,17 +203,13 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported (use logit_bias)"),
     "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (_off, "custom logits processors are not supported"),
-    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always skipped in the text"),
-    "spaces_between_special_tokens": (lambda v: v in (None, True), "only the default (true) is served"),
     "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),
     "request_id": (lambda v: v is None, "request_id is not supported (the server names each response)"),
     "return_token_ids": (_off, "return_token_ids is not supported"),
     "kv_transfer_params": (_off, "KV transfer is not supported"),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),
     "logprobs_mode": (lambda v: v is None, "logprobs_mode is not supported (log-probs are of the raw logits)"),
-    "continue_final_message": (_off, "continue_final_message is not supported"),
     "chat_template": (lambda v: v is None, "a per-request chat template is not supported"),
-    "chat_template_kwargs": (_off, "chat_template_kwargs is not supported"),
     "documents": (_off, "documents are not supported"),
     "mm_processor_kwargs": (_off, "the served model takes text only"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
@@ -236,11 +232,29 @@ def check_refused(req: _Common) -> None:
         if hasattr(req, name) and not noop(getattr(req, name)):
             raise refuse(name, why)
     so = req.stream_options
+    if so is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
     if so is not None and so.include_obfuscation:
         raise refuse("stream_options.include_obfuscation", "stream obfuscation is not supported")
     if isinstance(req, ChatCompletionRequest):
         for i, msg in enumerate(req.messages):
             _check_message(i, msg)
+        check_continue(req.messages, req.continue_final_message, req.add_generation_prompt)
+
+
+def check_continue(messages: list[ChatMessage], continue_final: bool | None, add_generation_prompt: bool) -> None:
+    """``continue_final_message`` (vLLM): the answer continues the last message, which must be the assistant's,
+    so the prompt cannot also open a new one (``add_generation_prompt`` false, as vLLM requires)."""
+    if not continue_final:
+        return
+    if add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                       "add_generation_prompt to false to continue the last message)", param="continue_final_message",
+                       code="invalid_value")
+    if not messages or messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message: the last message must be the assistant's (the answer continues "
+                       "it)", param="continue_final_message", code="invalid_value")
 
 
 def _check_message(i: int, msg: ChatMessage) -> None:
@@ -330,6 +344,8 @@ class TokenizeRequest(_Body):
     return_token_strs: bool | None = None
     tools: list | None = None  # rendered into the prompt as chat completions do
     split_special_tokens: bool = False  # as in chat completions
+    continue_final_message: bool | None = None  # as in chat completions
+    chat_template_kwargs: dict[str, Any] | None = None  # as in chat completions
 
 
 class DetokenizeRequest(_Body, kw_only=True):
@@ -349,6 +365,11 @@ def decode_tokenize(body: bytes) -> TokenizeRequest:
         raise refuse("return_token_strs", "token strings are not returned")
     for i, msg in enumerate(req.messages or []):
         _check_message(i, msg)
+    if req.messages is not None:
+        check_continue(req.messages, req.continue_final_message, req.add_generation_prompt)
+    elif req.continue_final_message or req.chat_template_kwargs:
+        param = "continue_final_message" if req.continue_final_message else "chat_template_kwargs"
+        raise APIError(400, f"{param} applies to messages, not to a prompt", param=param, code="invalid_value")
     return req
 
 

@@ -53,6 +53,12 @@ NOT_IN_RING = "the request is in no ring any more (its engine restarted); it was
 DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gateways
 
 
+def stop_token(ring: Ring, slot: int) -> int:
+    """The slot's stop_token (schema minor 6): the stop id that ended it, -1 where its engine wrote none."""
+    word = ring.transport.load32(ring.slot_field(slot, "stop_token"))
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReaderConfig:
     run_dir: Path
@@ -181,7 +187,10 @@ class RingReader:
             # a prompt computed whole whose first token ended it: its log-probs came with no token
             ended = gen == 0 and reason in (F.EOS, F.STOP_ID) and tr.prompt_logprobs >= 0
             prompt = self._prompt_logprobs(tr) if ended else None
-            chan.send(m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt))
+            done = m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt)
+            if reason == F.STOP_ID:
+                done.stop_token = stop_token(ring, tr.slot)
+            chan.send(done)
         self.writer.release(tr.slot, tr.seq)
         del self.routes[tr.slot]
 

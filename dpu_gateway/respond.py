@@ -41,14 +41,17 @@ class Shape:
         return fmt.completion_logprobs(codec, entries, offset)
 
     def chunk(self, env: fmt.Envelope, index: int, text: str | None, finish: str | None, logprobs: dict | None,
-              usage: Usage) -> dict:
+              usage: Usage, stop_reason: fmt.StopReason = None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return fmt.chat_chunk(env, delta, finish, logprobs, usage.include, index, usage.now())
-        return fmt.completion_chunk(env, text or "", finish, logprobs, usage.include, index, usage.now())
+            return fmt.chat_chunk(env, delta, finish, logprobs, usage.include, index, usage.now(), stop_reason)
+        return fmt.completion_chunk(env, text or "", finish, logprobs, usage.include, index, usage.now(), stop_reason)
 
-    def choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-        return (fmt.chat_choice if self.chat else fmt.completion_choice)(index, text, finish, logprobs)
+    def choice(self, index: int, text: str, finish: str | None, logprobs: dict | None,
+               stop_reason: fmt.StopReason = None) -> dict:
+        if self.chat:
+            return fmt.chat_choice(index, text, finish, logprobs, stop_reason=stop_reason)
+        return fmt.completion_choice(index, text, finish, logprobs, stop_reason)
 
     def whole(self, env: fmt.Envelope, choices: list[dict], usage: dict) -> dict:
         return (fmt.chat_response if self.chat else fmt.completion_response)(env, choices, usage)
@@ -103,14 +106,14 @@ async def _collect(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
     if shape.reasoning is not None:  # the tool parser reads the content only
         thought, text = shape.reasoning.split(text, gen.plan.echo)
     if fmt_ is None:
-        choice = shape.choice(gen.index, text, gen.finish_reason, logprobs)
+        choice = shape.choice(gen.index, text, gen.finish_reason, logprobs, gen.stop_reason)
         if gen.plan.prompt_logprobs >= 0 and not shape.chat:  # chat's are the response's (one prompt)
             choice["prompt_logprobs"] = await asked_prompt_logprobs(gen, codec)
     else:
         content, calls = parse_all(fmt_, text)
         calls = calls if gen.plan.parallel_tool_calls else calls[:1]
         choice = fmt.chat_choice(gen.index, content, tool_finish(gen, bool(calls)), logprobs,
-                                 [c.openai() for c in calls])
+                                 [c.openai() for c in calls], gen.stop_reason)
     if shape.reasoning is not None:
         message = choice["message"]
         message["content"] = message["content"] or None  # vLLM: null when nothing follows the reasoning
@@ -196,7 +199,8 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
         async with lock:
             if held is not None:
                 await write(held)
-            await write(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None, usage))
+            await write(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None, usage,
+                                    gen.stop_reason))
 
     tasks = [asyncio.create_task(one(g)) for g in gens]
     try:
@@ -260,4 +264,5 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
         await read(reader.finish())
     await send(parser.finish())
     async with lock:
-        await write(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index, usage.now()))
+        await write(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index, usage.now(),
+                                   gen.stop_reason))

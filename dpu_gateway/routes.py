@@ -53,7 +53,7 @@ from dpu_gateway.state import (
     engine_unavailable,
 )
 from dpu_gateway.structured import Constraint, constraint_of
-from dpu_gateway.textio import TokenIdNames, encode_parts, message_text
+from dpu_gateway.textio import Rendering, TokenIdNames, encode_parts, message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
 from shared.metrics import EngineSample
 
@@ -111,6 +111,11 @@ def stream_usage(req: _Common) -> tuple[bool, bool]:
     return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
 
 
+def rendering(req: ChatCompletionRequest | TokenizeRequest) -> Rendering:
+    """vLLM's chat-template fields of a request: ``continue_final_message`` and ``chat_template_kwargs``."""
+    return Rendering(bool(req.continue_final_message), req.chat_template_kwargs)
+
+
 def chat_echo(req: ChatCompletionRequest) -> str:
     """vLLM's chat ``echo``: the answer starts with the last message when it is the assistant's."""
     last = req.messages[-1]
@@ -133,7 +138,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         check_constraint(constraint, req, limits)
     parts = app[CODEC].render_chat_parts(req.messages, req.add_generation_prompt, tooling.tools, tooling.fmt,
-                                         req.split_special_tokens)
+                                         req.split_special_tokens, rendering(req))
     ids = await encode_parts(app[CODEC], parts, app[BACKEND].encode, bool(req.add_special_tokens))
     ids = truncate(ids, req.truncate_prompt_tokens)
     reasoning = chat_reasoning(app, req, parts)
@@ -266,7 +271,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         tools = parse_tools(req.tools)
         parts = app[CODEC].render_chat_parts(req.messages, req.add_generation_prompt, tools,
-                                             split_special=req.split_special_tokens)
+                                             split_special=req.split_special_tokens, how=rendering(req))
         special = False
     else:
         parts, special = [(req.prompt or "", False)], True

@@ -12,6 +12,7 @@ each occurrence is encoded apart, in pieces that cannot spell a special token (`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,14 @@ from dpu_gateway.errors import APIError
 from dpu_gateway.protocol import ChatMessage, TextPart
 from dpu_gateway.tools import FORMATS, Format, Tool, history, plain_messages
 from dpu_tokenizer import load_tokenizer
-from dpu_tokenizer.chat import load_chat_template, render_chat, renders_tools
+from dpu_tokenizer.chat import (
+    ChatTemplateError,
+    ContinueError,
+    TemplateVariableError,
+    load_chat_template,
+    render_chat,
+    renders_tools,
+)
 from dpu_tokenizer.detok import IncrementalDetokenizer
 
 
@@ -62,6 +70,14 @@ def message_text(msg: ChatMessage) -> str:
 
 
 Part = tuple[str, bool]  # prompt text, and whether it is literal (special-token text in it stays text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rendering:
+    """A request's chat-template options (vLLM's fields): ``continue_final_message``, ``chat_template_kwargs``."""
+
+    continue_final: bool = False
+    kwargs: dict[str, Any] | None = None
 _TAG_END = "\ue001"
 
 
@@ -83,11 +99,11 @@ class TextCodec:
         return "" if token is None else self.token_text(token)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    tools: list[Tool] | None = None, fmt: Format | None = None) -> str:
+                    tools: list[Tool] | None = None, fmt: Format | None = None, how: Rendering | None = None) -> str:
         """The prompt text. Tools and tool messages go to a template that renders them as Hugging Face's
         ``tools`` and message fields; otherwise into plain messages in ``fmt``'s words (Hermes by default)."""
         msgs, extra = self._messages(messages, tools, fmt)
-        return self._render(msgs, add_generation_prompt, extra)
+        return self._render(msgs, add_generation_prompt, extra, how or Rendering())
 
     def _messages(self, messages: list[ChatMessage], tools: list[Tool] | None,
                   fmt: Format | None) -> tuple[list[dict], dict[str, Any]]:
@@ -100,18 +116,31 @@ class TextCodec:
             extra["tools"] = [t.openai() for t in tools]
         return msgs, extra
 
-    def _render(self, msgs: list[dict], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
-        return render_chat(self.template, msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
-                           eos_token=self.eos, **extra)
+    def _render(self, msgs: list[dict], add_generation_prompt: bool, extra: dict[str, Any], how: Rendering) -> str:
+        """The template's text; a template that refuses the request (its ``raise_exception``, a variable it may
+        not be given, a last message it does not keep whole for ``continue_final_message``) is a 400."""
+        try:
+            return render_chat(self.template, msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
+                               eos_token=self.eos, continue_final_message=how.continue_final,
+                               template_kwargs=how.kwargs, **extra)
+        except TemplateVariableError as exc:
+            raise APIError(400, f"chat_template_kwargs.{exc}", param=f"chat_template_kwargs.{exc.name}",
+                           code="invalid_value") from None
+        except ContinueError as exc:
+            raise APIError(400, str(exc), param="continue_final_message", code="invalid_value") from None
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template refused these messages: {exc}", param="messages",
+                           code="invalid_value") from None
 
     def render_chat_parts(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           tools: list[Tool] | None = None, fmt: Format | None = None,
-                          split_special: bool = False) -> list[Part]:
+                          split_special: bool = False, how: Rendering | None = None) -> list[Part]:
         """``render_chat`` as parts for ``encode_parts``; with ``split_special`` the special-token text
         found in the messages' text comes out as literal parts."""
         msgs, extra = self._messages(messages, tools, fmt)
+        how = how or Rendering()
         if not split_special or self.special_re is None:
-            return [(self._render(msgs, add_generation_prompt, extra), False)]
+            return [(self._render(msgs, add_generation_prompt, extra, how), False)]
         tag, hidden = "\ue000" + uuid.uuid4().hex, []
 
         def hide(match: re.Match[str]) -> str:
@@ -123,7 +152,7 @@ class TextCodec:
         msgs = [{**m, **{k: self.special_re.sub(hide, m[k]) for k in ("reasoning_content", "reasoning") if k in m}}
                 for m in msgs]
         optional = frozenset(range(required, len(hidden)))
-        return _cut_at_tags(self._render(msgs, add_generation_prompt, extra), tag, hidden, optional)
+        return _cut_at_tags(self._render(msgs, add_generation_prompt, extra, how), tag, hidden, optional)
 
     def literal_pieces(self, text: str) -> list[str]:
         """``text`` cut one character into each special-token text, so that no piece spells one."""
@@ -136,8 +165,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def detokenizer(self, stop: list[str]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, stop)
+    def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """``skip_special_tokens`` false: special tokens' text (``<|im_end|>``) is part of the text, joined to its
+        neighbours with no space added, as the model's tokenizer decodes."""
+        return IncrementalDetokenizer(self.tokenizer, stop, skip_special_tokens)
 
     def token_bytes(self, token: int) -> bytes:
         return bytes(self.tokenizer.token_bytes(int(token)))

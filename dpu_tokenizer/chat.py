@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -51,17 +52,66 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=32)
-def compile_template(template: str) -> jinja2.Template:
-    """Compile once per template text, in the same kind of environment Hugging Face uses."""
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    """Compile once per template text, in the same kind of environment Hugging Face uses."""
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from exc
+
+
+# What the renderer itself gives a template (or vLLM refuses as a template variable): a request's
+# chat_template_kwargs may not set them (their own request fields do), nor the environment's globals.
+RESERVED_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+    "chat_template", "tokenize", *_environment().globals,
+})
+
+
+@lru_cache(maxsize=32)
+def template_variables(template: str | None) -> frozenset[str]:
+    """The variables a template reads that it does not set itself (Jinja's undeclared names)."""
+    source = template if template is not None else FALLBACK_TEMPLATE
+    try:
+        return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from exc
+
+
+class TemplateVariableError(ChatTemplateError):
+    """A variable a request gives the template that it may not give: ``name`` and why."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name = name
+
+
+class ContinueError(ChatTemplateError):
+    """``continue_final_message`` cannot be served: the last message has no text, or the template does not keep
+    it whole."""
+
+
+def check_template_kwargs(template: str | None, kwargs: Mapping[str, Any]) -> None:
+    """Each extra variable must be one the template reads, and none that the renderer sets itself: one the
+    template does not read would change nothing (a misspelt ``enable_thinking`` served as if absent)."""
+    reads = template_variables(template)
+    for name in kwargs:
+        if name in RESERVED_VARIABLES:
+            raise TemplateVariableError(name, "set by the server (a request field of its own where there is one), "
+                                        "not a template variable a request may set")
+        if name not in reads:
+            known = sorted(reads - RESERVED_VARIABLES)
+            raise TemplateVariableError(name, "the chat template does not read this variable (it reads "
+                                        f"{', '.join(known) if known else 'none beyond the messages'})")
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -80,6 +130,10 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     return out
 
 
+# Marks where the last message's text ends (continue_final_message): rendered, the prompt is cut there.
+_CONTINUE_TAG = "BLINK_CONTINUE_FINAL_MESSAGE "
+
+
 def render_chat(
     template: str | None,
     messages: Sequence[Mapping[str, Any]],
@@ -87,23 +141,53 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
     **extra: Any,
 ) -> str:
-    """Render ``messages`` to the prompt text; ``None`` as template means the fallback template."""
+    """Render ``messages`` to the prompt text; ``None`` as template means the fallback template.
+
+    ``template_kwargs``: more variables for the template (a request's ``chat_template_kwargs``), each one it
+    reads and none the renderer sets (``check_template_kwargs``). ``continue_final_message``: the prompt ends
+    where the last message's text does (assistant prefill), as Hugging Face's ``apply_chat_template`` cuts it:
+    the text is rendered with a tag after it and the prompt cut at the tag (with the spacing before the tag
+    trimmed when the template trimmed the tag's)."""
     compiled = compile_template(template if template is not None else FALLBACK_TEMPLATE)
+    if template_kwargs:
+        check_template_kwargs(template, template_kwargs)
+    msgs = _check_messages(messages)
+    final = ""
+    if continue_final_message:
+        if not msgs or not isinstance(msgs[-1].get("content"), str):
+            raise ContinueError("continue_final_message: the last message has no text to continue")
+        final = msgs[-1]["content"]
+        msgs[-1] = {**msgs[-1], "content": final + _CONTINUE_TAG}
     context = {
-        "messages": _check_messages(messages),
+        **(template_kwargs or {}),
+        "messages": msgs,
         "add_generation_prompt": add_generation_prompt,
         "bos_token": bos_token,
         "eos_token": eos_token,
         **extra,
     }
     try:
-        return compiled.render(**context)
+        rendered = compiled.render(**context)
     except ChatTemplateError:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
+    return _cut_at_continue(rendered, final) if continue_final_message else rendered
+
+
+def _cut_at_continue(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ContinueError("continue_final_message: the chat template drops or rewrites the last message's "
+                                "text, so the prompt cannot end inside it")
+    at = rendered.rindex(tag)
+    if rendered.startswith(_CONTINUE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message: it trimmed its spacing too
 
 
 def renders_tools(template: str | None) -> bool:

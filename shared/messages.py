@@ -176,6 +176,9 @@ class Finished(_Msg, tag="fin"):
     generated: int
     prompt_len: int
     prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # With reason STOP_ID: the stop token id that ended the request (the slot's stop_token, schema minor 6); -1
+    # where the engine wrote none.
+    stop_token: int = -1
 
 
 class Failed(_Msg, tag="fail"):

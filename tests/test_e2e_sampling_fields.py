@@ -128,3 +128,75 @@ def test_a_text_body_is_415(real: Stack) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 415
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    """transformers' tokenizer of the embedded model (the same GGUF file the server reads)."""
+    from dpu_tokenizer.sources import default_model_path  # noqa: PLC0415
+
+    auto = pytest.importorskip("transformers").AutoTokenizer
+    gguf = default_model_path()
+    return auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def test_stop_reason_names_the_stop_string_or_token(real: Stack, text) -> None:
+    """vLLM's stop_reason: the stop string that ended the answer, the stop token id (which of several the engine
+    says), null for EOS and length; in the whole response and in the stream's finishing chunk."""
+    out = greedy(real, stop=["Paris"])
+    assert (out.choices[0].finish_reason, out.choices[0].model_extra["stop_reason"]) == ("stop", "Paris")
+    free = greedy(real, logprobs=True)
+    assert free.choices[0].finish_reason == "stop" and free.choices[0].model_extra["stop_reason"] is None
+    second = text.tok.encode(free.choices[0].logprobs.content[1].token, add_special_tokens=False)[0]
+    never = next(t for t in range(1000, 2000) if t not in text.tok.encode(free.choices[0].message.content))
+    out = greedy(real, extra_body={"stop_token_ids": [never, second, never + 1]})
+    assert out.choices[0].model_extra["stop_reason"] == second and out.usage.completion_tokens == 1
+    assert greedy(real, max_tokens=2).choices[0].model_extra["stop_reason"] is None
+    comp = sync_client(real).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                                temperature=0, stop=[" Paris", "zzz"], stream=True)
+    last = [ch for ch in comp if ch.choices and ch.choices[0].finish_reason][-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", " Paris")
+
+
+def test_sixty_four_stop_strings(real: Stack) -> None:
+    free = greedy(real).choices[0].message.content
+    stops = [f"never {i} seen" for i in range(63)] + ["Paris"]
+    out = greedy(real, stop=stops)
+    assert out.choices[0].message.content == free[: free.index("Paris")]
+    assert out.choices[0].model_extra["stop_reason"] == "Paris"
+
+
+def test_skip_special_tokens_false_keeps_their_text(real: Stack, hf_tok) -> None:
+    """Past EOS (ignore_eos) the model writes its turn markers: with skip_special_tokens false they are in the text,
+    as the model's tokenizer decodes the same ids, streamed or not; by default they are not."""
+    kw = {"max_tokens": 48, "logprobs": True,
+          "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    plain = greedy(real, **kw)
+    ids = [int(e.token.removeprefix("token_id:")) for e in plain.choices[0].logprobs.content]
+    assert plain.choices[0].message.content == hf_tok.decode(ids, skip_special_tokens=True)
+    kw["extra_body"] = {**kw["extra_body"], "skip_special_tokens": False}
+    kept = greedy(real, **kw)
+    assert kept.choices[0].message.content == hf_tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_end|>" in kept.choices[0].message.content  # the EOS it was told to ignore, at least
+    stream = sync_client(real).chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, stream=True,
+                                                       max_tokens=48, extra_body=kw["extra_body"])
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == kept.choices[0].message.content
+
+
+def test_continue_final_message_continues_the_assistant(real: Stack, hf_tok) -> None:
+    prefill = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    out = greedy(real, messages=prefill, max_tokens=4,
+                 extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    want = hf_tok.apply_chat_template(prefill, tokenize=True, continue_final_message=True, return_dict=False)
+    assert out.usage.prompt_tokens == len(want)
+    assert out.choices[0].message.content.startswith(" Paris")  # the sentence goes on, not a new answer
+    with pytest.raises(openai.BadRequestError) as info:  # add_generation_prompt is true unless set false
+        greedy(real, messages=prefill, extra_body={"continue_final_message": True})
+    assert info.value.param == "continue_final_message"
+
+
+def test_chat_template_kwargs_the_template_does_not_read_are_400(real: Stack) -> None:
+    """SmolLM2's template reads no enable_thinking: the switch would change nothing, so it is refused by name."""
+    with pytest.raises(openai.BadRequestError) as info:
+        greedy(real, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert info.value.param == "chat_template_kwargs.enable_thinking"

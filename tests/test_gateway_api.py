@@ -157,7 +157,8 @@ async def test_exact_sse_bytes(api_stack: Stack, text) -> None:
 
     def chunk(txt: str, finish: str) -> str:
         return (f'data: {{"id":"{cid}","object":"text_completion","created":{created},"model":"{MODEL}",'
-                f'"choices":[{{"index":0,"text":"{txt}","logprobs":null,"finish_reason":{finish}}}]}}\n\n')
+                f'"choices":[{{"index":0,"text":"{txt}","logprobs":null,"finish_reason":{finish},'
+                f'"stop_reason":null}}]}}\n\n')
 
     # One event carries what the reader found since its last poll: on a busy host both tokens arrive
     # together. Either split, every byte must be OpenAI's framing.

@@ -38,7 +38,7 @@ CASES = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "n": 17}, 400, "n"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),

@@ -44,6 +44,8 @@ REFUSED = [
     (CHAT, chat(prompt_logprobs=1), "prompt_logprobs"),
     (CHAT, chat(store=True), "store"),
     (CHAT, chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),  # without streaming (as OpenAI, vLLM)
+    (COMP, {"model": MODEL, "prompt": "hi", "stream": False, "stream_options": {}}, "stream_options"),
     (CHAT, chat(temprature=0.5), "temprature"),  # unknown (misspelt): refused by name
     (CHAT, chat(messages=[{"role": "user", "content": "x", "colour": 1}]), "messages[0].colour"),
     (CHAT, chat(presence_penalty=0.5), "presence_penalty"),  # the fake engine does not advertise penalties
@@ -87,7 +89,7 @@ async def test_echo_without_generation_needs_no_prompt_logprobs(api_stack: Stack
 
 
 NOOPS = [chat(tools=[], tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False,
-              stream_options={"include_usage": True, "include_obfuscation": False}, presence_penalty=0,
+              stream_options=None, presence_penalty=0,
               frequency_penalty=0.0, repetition_penalty=1.0, best_of=1, metadata={"k": "v"}, store=False,
               skip_special_tokens=True, priority=0, cache_salt="s", service_tier="auto", modalities=["text"])]
 
