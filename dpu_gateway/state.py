@@ -20,6 +20,7 @@ from shared.env import HEARTBEAT_TIMEOUT_S
 from shared.frontend_flags import GATEWAY
 from shared.log import admit_repeat, get_logger
 from shared.metrics import FrontendMetrics
+from shared.ring import RingGeometry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,6 +118,11 @@ def engine_limits(app: web.Application) -> Limits:
     if not app[BACKEND].linked():
         raise APIError(503, "frontend services are starting", code="service_unavailable", retry_after_s=1)
     g = ring.geometry
-    ctx = ring.header_load32("max_context") or g.max_prompt_tokens + g.max_output_tokens
-    return Limits(ctx, min(g.max_prompt_tokens, ctx), g.max_output_tokens,
+    return limits_of(g, ring.header_load32("max_context") or g.max_prompt_tokens + g.max_output_tokens)
+
+
+def limits_of(g: RingGeometry, max_context: int) -> Limits:
+    """A request's limits from the ring's geometry and the engine's context (its header's ``max_context``): a
+    prompt may have up to ``max_context - 1`` tokens, as vLLM's, where the prompt slot holds that many."""
+    return Limits(max_context, min(g.max_prompt_tokens, max_context - 1), g.max_output_tokens,
                   max_prompt_logprobs_tokens=g.prompt_logprob_rows, top_logprobs=g.top_logprobs)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.env import env
-from shared.ring import RingGeometry
+from shared.ring import DEFAULT_MAX_MODEL_LEN, RingGeometry
 
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
@@ -85,7 +85,9 @@ class EngineConfig:
                              "h200: the H200's tiled linears and fused forms", choices=KERNEL_PLANS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
-                               "model's context, capped by --max-prompt-tokens + --max-output-tokens", minimum=0)
+                               f"model's context, capped at {DEFAULT_MAX_MODEL_LEN} (the prompt limit one less, "
+                               "as with --max-model-len), or when --max-prompt-tokens is given at "
+                               "--max-prompt-tokens + --max-output-tokens", minimum=0)
     geometry: RingGeometry = dataclasses.field(default=RingGeometry(), metadata={"fields_are_flags": True})
     block_size: int = _flag(16, "tokens per KV cache block", minimum=1)
     kv_blocks: int = _flag(0, "KV cache blocks; 0: sized from memory (1 GiB on the CPU, "
@@ -156,14 +158,19 @@ class EngineConfig:
     def context_limit(self, model_context: int, cap: int | None = None) -> int:
         """Prompt plus output tokens a request may have: --max-model-len, or the model's context capped
         by the slot's capacity (and by ``cap``, what the backend can run); a --max-model-len over the
-        model's context or ``cap`` is refused."""
+        model's context or ``cap`` is refused. The default prompt slot (neither --max-model-len nor
+        --max-prompt-tokens given) caps it at ``DEFAULT_MAX_MODEL_LEN``, which a prompt may fill but for
+        one token (vLLM's prompt limit, max_model_len - 1); another prompt slot caps it at what the
+        prompt and output slots hold together."""
         if self.max_model_len:
             for limit, what in ((model_context, "the model's context"), (cap, "what this backend runs")):
                 if limit is not None and self.max_model_len > limit:
                     raise ValueError(f"--max-model-len {self.max_model_len} is more than {what} ({limit})")
             return self.max_model_len
         g = self.geometry
-        return min(model_context, g.max_prompt_tokens + g.max_output_tokens, *(() if cap is None else (cap,)))
+        slot = (DEFAULT_MAX_MODEL_LEN if g.max_prompt_tokens == PROMPT_TOKENS_DEFAULT
+                else g.max_prompt_tokens + g.max_output_tokens)
+        return min(model_context, slot, *(() if cap is None else (cap,)))
 
     @property
     def context_cap(self) -> int | None:
@@ -234,7 +241,8 @@ class EngineConfig:
 
 
 PROMPT_TOKENS_DEFAULT = RingGeometry().max_prompt_tokens
-DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is given, else {PROMPT_TOKENS_DEFAULT}"}
+DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is given, else {PROMPT_TOKENS_DEFAULT}: the "
+                                         f"default context, {DEFAULT_MAX_MODEL_LEN}, less one"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

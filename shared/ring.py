@@ -47,13 +47,20 @@ def step_fill_bucket(tokens: int, budget: int) -> int:
     return 5
 
 
+# The context served when neither --max-model-len nor --max-prompt-tokens is given (shared/config.py), the model's
+# own if shorter. A prompt may take all of it but one token, as vLLM's prompt limit is max_model_len - 1, so the
+# default prompt slot holds that many: 6,143 tokens cost a ring of 256 slots 6 MiB (4 bytes a token).
+DEFAULT_MAX_MODEL_LEN = 6144
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RingGeometry:
     """How many slots and how many tokens each slot may hold."""
 
     # Each field is also an engine flag (``--num-slots``, ...): shared/config.py derives it with this help.
     num_slots: int = dataclasses.field(default=256, metadata={"help": "request slots in the ring"})
-    max_prompt_tokens: int = dataclasses.field(default=4096, metadata={"help": "prompt tokens a slot holds"})
+    max_prompt_tokens: int = dataclasses.field(default=DEFAULT_MAX_MODEL_LEN - 1,
+                                               metadata={"help": "prompt tokens a slot holds"})
     max_output_tokens: int = dataclasses.field(default=2048, metadata={"help": "output tokens a slot holds"})
     top_logprobs: int = dataclasses.field(
         default=20, metadata={"help": "alternatives per token a slot can return (top_logprobs, 0..20)"})

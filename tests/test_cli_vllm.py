@@ -46,12 +46,18 @@ def test_max_model_len_is_the_one_context_limit() -> None:
         cfg.context_limit(model_context=2048)
     with pytest.raises(ValueError, match="what this backend runs"):
         cfg.context_limit(model_context=16384, cap=4096)
-    assert engine_of([]).context_limit(model_context=8192) == 4096 + 2048  # unset: the slot's capacity
+    default = engine_of([])  # unset: the default context, all of it but one token for the prompt (as vLLM)
+    assert (default.context_limit(model_context=8192), default.geometry.max_prompt_tokens) == (6144, 6143)
+    assert default.context_limit(model_context=2048) == 2048  # capped by the model's, not refused
+    given = engine_of(["--max-prompt-tokens", "100", "--max-output-tokens", "7"])
+    assert given.context_limit(model_context=8192) == 107  # the prompt slot given: the slots' capacity
 
 
 @pytest.mark.parametrize("argv", [
     ["--max-model-len", "6144"],
-    ["--max-model-len", "6144", "--max-prompt-tokens", "4096"],  # the default value, given: kept
+    ["--max-model-len", "6144", "--max-prompt-tokens", "6143"],  # the default value, given: kept
+    ["--max-model-len", "6144", "--max-prompt-tokens", "4096"],
+    ["--max-prompt-tokens", "100", "--max-output-tokens", "7"],
     ["--max-num-seqs", "12", "--gpu-memory-utilization", "0.8", "--dtype", "half", "--backend", "host"],
     ["--max-batch", "12"],
 ])
