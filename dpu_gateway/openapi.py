@@ -296,6 +296,10 @@ class DocLimits:
                         _narrow(alt["items"], "string", maxLength=MAX_STOP_CHARS)
             elif field == "prompt" and name == "CompletionRequest":
                 self.prompt(prop)
+        if "stream_options" in props:  # protocol.check_refused: only with stream true
+            schema.setdefault("allOf", []).append({
+                "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                "else": {"properties": {"stream_options": {"type": "null"}}}})
         if name == "TokenizeRequest":  # protocol.decode_tokenize's own checks
             schema["oneOf"] = [{"required": [one], "properties": {one: {"not": {"type": "null"}}}}
                                for one in ("prompt", "messages")]
