@@ -21,7 +21,7 @@ from dpu_gateway.constrain import GrammarCompiler
 from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.openapi import API_KEY_PREFIX
-from dpu_gateway.routes import add_routes
+from dpu_gateway.routes import add_routes, max_model_len
 from dpu_gateway.state import (
     BACKEND,
     BEATS,
@@ -90,10 +90,18 @@ def request_log_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
         finally:
             if status >= 400:
                 metrics.failed(status)
+            metrics.http_request(route_template(request), request.method, status, time.monotonic() - start)
             if cfg.log_requests:
                 log_line(request, status, time.monotonic() - start)
 
     return log_request
+
+
+def route_template(request: web.Request) -> str:
+    """The route a request matched, as its path template (``/v1/models/{model}``); ``none`` when it matched none
+    (prometheus-fastapi-instrumentator's ``handler`` label, which vLLM's dashboards group by)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "none"
 
 
 def log_line(request: web.Request, status: int, total_s: float) -> None:
@@ -177,7 +185,7 @@ def chat_template_text(value: str | None) -> str | None:
 def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: ConnectionGuard | None = None,
                metrics: FrontendMetrics | None = None) -> web.Application:
     """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
-    metrics = metrics or FrontendMetrics(cfg.served_model_name)
+    metrics = metrics or FrontendMetrics(cfg.served_model_name, engines=cfg.data_parallel_size)
     middlewares = [guard.middleware] if guard is not None else []
     middlewares += [request_log_middleware(cfg, metrics), error_middleware, drain_middleware]
     if cfg.api_key:
@@ -189,6 +197,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     app[RING] = RingSet(cfg.ring_name, cfg.data_parallel_size, cfg.heartbeat_timeout_s)
     app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name)
     app[METRICS] = metrics
+    metrics.context = lambda: max_model_len(app)  # vLLM's token histograms' boundaries go up to it
     app[LIVE] = set()
     app[DRAINING] = asyncio.Event()
     app.on_startup.append(on_startup)

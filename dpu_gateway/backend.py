@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ class RequestStream:
     done: bool = False
     received: int = 0  # output tokens put on ``events``
     link_pos: int = 0  # where the next Tokens without ``at`` starts (from a reader of an earlier build)
+    engine: int = 0  # the engine whose ring holds it (``Admitted``), for the per-engine metrics
+    submitted_ns: int = 0  # CLOCK_REALTIME when it was handed to the tracker: the start of its queue time
 
     def placed(self) -> bool:
         """Admitted into a ring, or already streaming: a new reader can find it there."""
@@ -170,6 +173,7 @@ class Backend:
         try:
             if self.links["reader"] is None:
                 raise APIError(503, "the token reader service is not available", code="service_unavailable")
+            stream.submitted_ns = time.time_ns()
             self._send("tracker", m.Submit(stream.req_id, self.gateway_id, prompt, sampling))
             await stream.admitted
         except BaseException:
@@ -189,6 +193,7 @@ class Backend:
         if stream is None or stream.admitted.done():
             return
         if isinstance(msg, m.Admitted):
+            stream.engine = msg.engine
             stream.admitted.set_result(msg.slot)
             return
         stream.done = True

@@ -21,7 +21,7 @@ from dpu_gateway.ringwatch import RingWatch
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
-from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, EngineSample, FrontendMetrics
+from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, CacheConfig, EngineSample, FrontendMetrics
 from shared.ring import Ring
 
 log = get_logger("gateway")
@@ -92,13 +92,15 @@ class EngineView:
     stats: dict[str, Any] | None   # the ring header's EngineStats (None without a ring)
     slots_in_use: int = 0
     slots_pending: int = 0         # published, not yet claimed by the engine
+    cache: CacheConfig | None = None  # the KV cache's configuration (schema minor 6; None: not said)
 
 
 def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> EngineView:
     ring = watch.current()
     if ring is None:
         return EngineView(engine, False, "no ring: the engine is not running or is restarting", None)
-    stats = ring.read_header()["stats"]
+    header = ring.read_header()
+    stats = header["stats"]
     values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
     values.update({name: ring.header_load64(name) for name in PREFIX_CACHE_COUNTERS})  # header words, minor 4
     reason = ring.serving_problem(watch.timeout_s) or ""
@@ -107,7 +109,8 @@ def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> Engi
         states = ring.read_slots()["state"]
         in_use = int(np.count_nonzero(states != L.SlotState.EMPTY))
         pending = int(np.count_nonzero(states == L.SlotState.PREFILL_PENDING))
-    return EngineView(engine, not reason, reason, values, in_use, pending)
+    cache = CacheConfig.of_header(header, values["kv_blocks_total"])
+    return EngineView(engine, not reason, reason, values, in_use, pending, cache)
 
 
 def engine_views(rings: RingSet, with_slots: bool = False) -> list[EngineView]:
@@ -150,23 +153,28 @@ def total_stats(views: list[EngineView]) -> dict[str, Any] | None:
     return out
 
 
-def engine_samples(views: list[EngineView]) -> list[EngineSample]:
-    """Each engine's values for the per-engine ``/metrics`` series (``engine`` label)."""
+def engine_samples(views: list[EngineView], queued: int = 0) -> list[EngineSample]:
+    """Each engine's values for the per-engine ``/metrics`` series (``engine`` label). Its waiting requests:
+    claimed and not running, and published to its ring but not claimed; with one engine also ``queued`` (the
+    requests the gateway holds until a ring slot frees), which no engine of several has been chosen for."""
     out = []
     for v in views:
         s = v.stats or {}
         total = s.get("kv_blocks_total", 0)
-        out.append(EngineSample(v.engine, v.up, s.get("running", 0), s.get("waiting", 0) + v.slots_pending,
-                                v.slots_in_use, 1.0 - s.get("kv_blocks_free", 0) / total if total else 0.0,
-                                {name: s.get(name, 0) for name in ENGINE_COUNTERS}))
+        waiting = s.get("waiting", 0) + v.slots_pending + (queued if len(views) == 1 else 0)
+        out.append(EngineSample(v.engine, v.up, s.get("running", 0), waiting, v.slots_in_use,
+                                1.0 - s.get("kv_blocks_free", 0) / total if total else 0.0,
+                                {name: s.get(name, 0) for name in (*ENGINE_COUNTERS, *PREFIX_CACHE_COUNTERS)},
+                                v.cache, v.stats is not None))
     return out
 
 
 def set_total_gauges(metrics: FrontendMetrics, samples: list[EngineSample], views: list[EngineView],
                      queued: int) -> None:
-    """The unlabelled gauges: over every engine (``queued``: this gateway's requests not yet admitted)."""
+    """The unlabelled gauges: over every engine (``queued``: this gateway's requests not yet admitted, which
+    ``samples`` count already when there is one engine)."""
     metrics.running.set(sum(s.running for s in samples))
-    metrics.waiting.set(sum(s.waiting for s in samples) + queued)
+    metrics.waiting.set(sum(s.waiting for s in samples) + (queued if len(samples) > 1 else 0))
     metrics.slots_in_use.set(sum(s.slots_in_use for s in samples))
     free = sum((v.stats or {}).get("kv_blocks_free", 0) for v in views)
     total = sum((v.stats or {}).get("kv_blocks_total", 0) for v in views)

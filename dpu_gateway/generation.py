@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from dpu_gateway.backend import Backend, RequestStream
 from dpu_gateway.errors import APIError
 from dpu_gateway.params import Plan
+from dpu_gateway.request_metrics import ChoiceGroup, RequestTally
 from dpu_gateway.textio import TextCodec
 from shared import messages as m
 from shared import ring_layout as L
@@ -62,6 +63,8 @@ def engine_error(msg: m.Finished) -> APIError:
 
 
 class Generation:
+    tally: RequestTally  # vLLM's per-request series of this choice
+
     def __init__(self, codec: TextCodec, plan: Plan, backend: Backend, stream: RequestStream,
                  metrics: FrontendMetrics, arrival: float, prompt_tokens: int, index: int = 0,
                  prompt: list[int] | None = None, source: Generation | None = None) -> None:
@@ -82,6 +85,9 @@ class Generation:
         self.stop_reason: str | int | None = None
         self.first_at: float | None = None
         self.last_at = arrival
+        # the choices of one prompt share the first one's group
+        group = source.tally.group if source is not None else ChoiceGroup(plan.n)
+        self.tally = RequestTally(metrics, stream, arrival, len(self.prompt), plan.sampling.max_new_tokens, group)
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         try:
@@ -102,6 +108,9 @@ class Generation:
                     echo_pending = False
                 if delta.text or delta.logprobs:
                     yield delta
+        except APIError as exc:
+            self.tally.failed(exc.status, self.completion_tokens, self.cached_tokens)
+            raise
         finally:
             self.prompt_settled.set()
             self.backend.forget(self.stream, cancel=True)  # a no-op once the engine finished it
@@ -111,6 +120,7 @@ class Generation:
         self.completion_tokens += len(msg.ids)
         if msg.cached_tokens is not None:
             self.cached_tokens = msg.cached_tokens
+        self.tally.tokens(len(msg.ids), self.cached_tokens, msg.clocks)
         self._take_prompt(msg.prompt)
         if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
             return Delta("")
@@ -129,6 +139,8 @@ class Generation:
         self._take_prompt(msg.prompt)
         self.completion_tokens = max(self.completion_tokens, msg.generated)
         self.finish_reason = _REASONS.get(F(msg.reason), "stop")
+        self.tally.finished(self.finish_reason, self.completion_tokens, self.cached_tokens, None,
+                            (msg.schedule_ns, msg.first_token_ns, msg.last_token_ns))
         if msg.reason == F.STOP_ID:
             self.stop_reason = self._stop_id(msg.stop_token)
         self._account()
@@ -178,11 +190,9 @@ class Generation:
         now = time.monotonic()
         if self.first_at is None:
             self.first_at = now
-            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.first_token(self.stream.engine, now - self.arrival)
         else:
-            gap = (now - self.last_at) / max(n, 1)
-            for _ in range(n):
-                self.metrics.itl.observe(gap)
+            self.metrics.token_gaps(self.stream.engine, (now - self.last_at) / max(n, 1), n)
         self.last_at = now
 
     def _account(self) -> None:
@@ -193,3 +203,5 @@ class Generation:
         mt.prompt_tokens.inc(self.prompt_tokens)
         mt.generation_tokens.inc(self.completion_tokens)
         mt.finished(self.finish_reason or "stop")
+        decode_s = None if self.first_at is None else self.last_at - self.first_at
+        self.tally.finished(self.finish_reason or "stop", self.completion_tokens, self.cached_tokens, decode_s)

@@ -313,8 +313,8 @@ async def health(request: web.Request) -> web.Response:
 def refresh_gauges(app: web.Application) -> tuple[dict | None, list[EngineSample]]:
     """Set the gauges from the rings; the engines' stats summed (None without an engine) and per engine."""
     views = engine_views(app[RING], with_slots=True)
-    samples = engine_samples(views)
     queued = sum(1 for s in app[BACKEND].streams.values() if not s.admitted.done())
+    samples = engine_samples(views, queued)
     set_total_gauges(app[METRICS], samples, views, queued)
     return total_stats(views), samples
 

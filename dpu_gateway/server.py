@@ -87,7 +87,7 @@ class GuardedSite(web.BaseSite):
 async def start_gateway(cfg: GatewayConfig, host: str, port: int,
                         reuse_port: bool = False) -> tuple[web.AppRunner, GuardedSite]:
     """The app, served on host:port under the configured connection limits."""
-    metrics = FrontendMetrics(cfg.served_model_name, env().metrics_dir)
+    metrics = FrontendMetrics(cfg.served_model_name, env().metrics_dir, cfg.data_parallel_size)
     guard = ConnectionGuard(ConnectionLimits(connection_cap(cfg.max_connections), cfg.header_timeout_s), metrics)
     app = create_app(cfg, guard=guard, metrics=metrics)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.drain_timeout_s + 5,

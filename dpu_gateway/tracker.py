@@ -210,7 +210,7 @@ class SlotTracker:
         self.routed[engine] += 1
         if self.reader is not None:
             self.reader.send(live.track())
-        chan.send(m.Admitted(sub.req_id, idx))
+        chan.send(m.Admitted(sub.req_id, idx, engine))
 
     def cancel(self, req_id: int) -> None:
         for i, (_, sub) in enumerate(self.waiting):

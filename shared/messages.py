@@ -100,8 +100,11 @@ class Cancel(_Msg, tag="cancel"):
 
 
 class Admitted(_Msg, tag="adm"):
+    """The request sits in ``slot`` of engine ``engine``'s ring (0 from a tracker of an earlier build)."""
+
     req_id: int
     slot: int
+    engine: int = 0
 
 
 class Rejected(_Msg, tag="rej"):
@@ -164,6 +167,8 @@ class Tokens(_Msg, tag="tok"):
     cached_tokens: int | None = None  # with token 0: prompt tokens the engine found in its prefix cache
     # with token 0, when the request asked: per prompt position from 1, (log-prob, rank, alternatives best first)
     prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # with token 0: the slot's schedule_ns and first_token_ns (the engine's clock), for the phase metrics
+    clocks: tuple[int, int] | None = None
 
 
 class Finished(_Msg, tag="fin"):
@@ -179,6 +184,11 @@ class Finished(_Msg, tag="fin"):
     # With reason STOP_ID: the stop token id that ended the request (the slot's stop_token, schema minor 6); -1
     # where the engine wrote none.
     stop_token: int = -1
+    # The slot's clocks (ns, the engine's; schema/OWNERSHIP.md), for the request's phase metrics: 0 where the
+    # engine wrote none (schedule_ns before schema minor 6, first_token_ns with no token) or the reader sent none.
+    schedule_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
 
 
 class Failed(_Msg, tag="fail"):

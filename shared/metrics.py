@@ -1,36 +1,52 @@
-"""Prometheus metrics of the frontend, named like vLLM's (prefix ``blink:``), with ``vllm:`` aliases.
+"""Prometheus metrics of the frontend: vLLM's series (``vllm:``) as vLLM defines them, and Blink's own (``blink:``).
 
 One ``FrontendMetrics`` per gateway process. Under ``blink serve`` every gateway writes its values to
 files in one folder (prometheus_client's multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR``, which the
 supervisor sets to ``RUN_DIR/metrics``), and a scrape of any gateway sums them, so ``--gateways N``
-shows every request once. Latency histograms and token counters are observed by the gateway as
-requests run; the gauges are set from the ring header's engine stats and a slot count just before each
-scrape (every gateway reads the same ring: the most recent value of a live gateway is shown); the
-engine's own counters (steps, tokens, preemptions) are read from the ring header at the scrape. The
-``http_connections`` series count what the connection limits did (dpu_gateway/connguard.py).
+shows every request once.
 
-With more than one engine (``--data-parallel-size``) the series above are totals over the engines
-(gauges and engine counters summed; KV usage over every engine's blocks), and the ``blink:dp_*``
-series give each engine's values under an ``engine`` label (its index): ``dp_engine_up`` (1 while
-it serves), ``dp_num_requests_running``, ``dp_num_requests_waiting``, ``dp_slots_in_use``,
-``dp_kv_cache_usage_perc`` and ``dp_engine_<counter>`` for each engine counter.
+The ``vllm:`` series carry vLLM's names, types, labels (``model_name`` and ``engine``, the engine's
+index: ``"0"`` with one engine, ``0 .. N-1`` under ``--data-parallel-size N``), bucket boundaries and
+meanings (vllm/v1/metrics/loggers.py), so that vLLM's Grafana dashboards read them unchanged
+(tests/test_grafana_metrics.py checks every query of theirs that Blink serves; docs/API.md lists them):
+
+* observed by the gateway as requests run, under the engine that ran the request: time to first token,
+  inter-token latency, per-request time per output token, end-to-end latency, the request's phases from the
+  ring slot's clocks (queue: handed to the tracker until its first prompt chunk was scheduled; prefill: until
+  its first token; decode: first to last token; inference: prefill plus decode), its prompt, generated and
+  allowed (``max_tokens``) token counts, ``n`` and the most tokens one of its ``n`` choices generated, the
+  prompt and generated token counters (prompt tokens by source: computed or found in the prefix cache), and
+  finished requests by ``finished_reason`` (``stop``, ``length``, ``abort``, and ``error`` for an engine
+  failure answered with a 5xx);
+* read from each engine's ring header at the scrape: running and waiting requests (waiting by reason),
+  KV cache usage, preemptions, the prefix cache's queries and hits, and ``vllm:cache_config_info``;
+* the HTTP server's ``http_requests_total`` and ``http_request_duration_seconds`` (prometheus-fastapi-
+  instrumentator's, which vLLM serves), without the probe and scrape paths.
+
+The ``blink:`` series keep their meaning: the gateway's latency histograms and token counters, totals over
+the engines of the gauges and of the engine's own counters (steps, tokens, preemptions, scheduler tail
+launches, step budget use, prefix cache), ring slots in use, and what the connection limits did
+(``http_connections``, dpu_gateway/connguard.py). Per engine, where vLLM has no series: ``blink:dp_engine_up``
+(1 while it serves), ``blink:dp_slots_in_use`` and ``blink:dp_engine_<counter>`` for steps, prompt and output
+tokens and tail launches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.samples import Sample
 
+from shared import ring_layout as L
 from shared.ring import STEP_FILL_BOUNDS
 
+# Blink's own latency histograms (blink:*)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -38,12 +54,25 @@ TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0)
 
+# vLLM's boundaries (vllm/v1/metrics/buckets.py): its dashboards' SLO tiles select one of them by `le`.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+HTTP_DURATION_BUCKETS = (0.1, 0.5, 1.0)  # prometheus-fastapi-instrumentator's http_request_duration_seconds
+HTTP_UNCOUNTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})  # as vLLM's
 
-# vLLM's names, shown as copies of Blink's series so that vLLM dashboards and endpoint pickers work
-VLLM_ALIASES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
-                "generation_tokens", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success",
-                "prefix_cache_queries", "prefix_cache_hits")
+VLLM_LABELS = ["model_name", "engine"]
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # what a Blink request can end with (vLLM's names)
+# vLLM's prompt token sources; external_kv_transfer stays 0: Blink has no KV connector bringing in computed KV
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's reasons a request waits; deferred stays 0: Blink holds no request back for a LoRA budget or a KV
+# transfer, every waiting request waits for batch rows, KV blocks, the step's token budget or a ring slot
+WAITING_REASONS = ("capacity", "deferred")
+
 # the prefix cache's counters (ring header, since schema minor 4), as counters named blink:NAME
 PREFIX_CACHE_COUNTERS = {"prefix_cache_queries": "Prompt tokens looked up in the prefix cache at admissions.",
                          "prefix_cache_hits": "Prompt tokens found in the prefix cache at admissions.",
@@ -54,11 +83,60 @@ ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Pr
                    "window_relaunches": "Persistent scheduler tail launches."}
 ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV cache blocks free.",
                  "token_budget": "Tokens one engine step may carry (--max-num-batched-tokens)."}
+PER_ENGINE_COUNTERS = ("steps", "prompt_tokens", "output_tokens", "window_relaunches")  # blink:dp_engine_*
+KV_DTYPE_NAMES: dict[int, str] = {L.KvCacheDtype.FLOAT32: "float32", L.KvCacheDtype.FLOAT16: "float16",
+                                  L.KvCacheDtype.BFLOAT16: "bfloat16"}
+PREFIX_HASH_NAMES: dict[int, str] = {L.PrefixHash.BLAKE2B_64: "blake2b_64", L.PrefixHash.SPLITMIX64: "splitmix64"}
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """vLLM's token-count boundaries: 1, 2, 5, 10, 20, 50, ... up to ``limit`` (its max_model_len)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(out)
+            out.append(float(mantissa * scale))
+        scale *= 10
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """An engine's KV cache as its ring header says (schema minor 6), for ``vllm:cache_config_info``."""
+
+    block_size: int
+    kv_dtype: str
+    prefix_caching: bool
+    prefix_hash: str
+    gpu_memory_utilization: float | None  # None: the cache is not sized by GPU memory (the CPU backend)
+    num_blocks: int
+
+    @classmethod
+    def of_header(cls, header: Any, num_blocks: int) -> CacheConfig | None:
+        """From the ring header's record (or a mapping of its words); None for an engine that wrote none (a
+        schema minor below 6, or one that does not say)."""
+        block_size = int(header["kv_block_size"])
+        if not block_size:
+            return None
+        fraction = float(header["gpu_memory_utilization"])
+        return cls(block_size, KV_DTYPE_NAMES.get(int(header["kv_cache_dtype"]), "unknown"),
+                   bool(int(header["cache_features"]) & L.CacheFeatures.PREFIX_CACHING),
+                   PREFIX_HASH_NAMES.get(int(header["prefix_hash"]), "unknown"),
+                   round(fraction, 6) if fraction > 0 else None, num_blocks)
+
+    def labels(self) -> dict[str, str]:
+        """The labels vLLM's dashboards read, each the text of the value (vLLM writes ``str(value)``): CPU
+        blocks and KV offloading are ``None`` because Blink keeps no KV blocks off the device."""
+        return {"num_gpu_blocks": str(self.num_blocks), "block_size": str(self.block_size),
+                "cache_dtype": self.kv_dtype, "gpu_memory_utilization": str(self.gpu_memory_utilization),
+                "enable_prefix_caching": str(self.prefix_caching), "prefix_caching_hash_algo": self.prefix_hash,
+                "num_cpu_blocks": "None", "kv_offloading_backend": "None", "kv_offloading_size": "None"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One engine's values at a scrape, for the per-engine ``blink:dp_*`` series."""
+    """One engine's values at a scrape: the ``vllm:`` engine series and the ``blink:dp_*`` ones."""
 
     engine: int
     up: bool
@@ -66,14 +144,42 @@ class EngineSample:
     waiting: int
     slots_in_use: int
     kv_usage: float
-    counters: Mapping[str, int]  # ENGINE_COUNTERS' names
+    counters: Mapping[str, int]  # ENGINE_COUNTERS' and PREFIX_CACHE_COUNTERS' names
+    cache: CacheConfig | None = None
+    attached: bool = True  # a ring is attached (the engine runs, or is starting); else its values are zeros
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """One finished request (a choice of an ``n > 1`` request is one) as vLLM's per-request series see it.
+    Phase times in seconds; None where the clocks that bound them are not known."""
+
+    engine: int
+    finished_reason: str
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    max_tokens: int
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+def phase_times(submitted_ns: int, schedule_ns: int, first_token_ns: int,
+                last_token_ns: int) -> tuple[float | None, float | None, float | None]:
+    """(queue, prefill, decode) seconds from the request's clocks (CLOCK_REALTIME ns; 0: not known): queue from
+    the gateway handing it over to the engine scheduling its first prompt chunk, prefill from there to its
+    first token, decode from the first token to the last (the engine's clocks)."""
+
+    def span(a: int, b: int) -> float | None:
+        return max(b - a, 0) / 1e9 if a and b else None
+
+    return span(submitted_ns, schedule_ns), span(schedule_ns, first_token_ns), span(first_token_ns, last_token_ns)
 
 
 PER_ENGINE_GAUGES = {"engine_up": ("1 while the engine serves (fresh heartbeat, READY), else 0.", "up"),
-                     "num_requests_running": ("Requests in this engine's decode batch.", "running"),
-                     "num_requests_waiting": ("Requests waiting in this engine or its ring.", "waiting"),
-                     "slots_in_use": ("This engine's ring slots not EMPTY.", "slots_in_use"),
-                     "kv_cache_usage_perc": ("This engine's KV cache usage (1 means 100 percent).", "kv_usage")}
+                     "slots_in_use": ("This engine's ring slots not EMPTY.", "slots_in_use")}
 
 
 def per_engine_families(model_name: str, samples: Sequence[EngineSample]) -> list[Metric]:
@@ -87,11 +193,63 @@ def per_engine_families(model_name: str, samples: Sequence[EngineSample]) -> lis
         for s in samples:
             gauge.add_metric([model_name, str(s.engine)], float(getattr(s, attr)))
         out.append(gauge)
-    for name, doc in ENGINE_COUNTERS.items():
-        family = CounterMetricFamily(f"blink:dp_engine_{name}", f"{doc} (per engine)", labels=labels)
+    for name in PER_ENGINE_COUNTERS:
+        family = CounterMetricFamily(f"blink:dp_engine_{name}", f"{ENGINE_COUNTERS[name]} (per engine)",
+                                     labels=labels)
         for s in samples:
             family.add_metric([model_name, str(s.engine)], float(s.counters.get(name, 0)))
         out.append(family)
+    return out
+
+
+def vllm_engine_families(model_name: str, samples: Sequence[EngineSample]) -> list[Metric]:
+    """vLLM's engine series, one sample per engine with a ring (labels ``model_name``, ``engine``)."""
+    present = [s for s in samples if s.attached]
+    if not present:
+        return []
+
+    def gauge(name: str, doc: str, value: Callable[[EngineSample], float]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+        for s in present:
+            family.add_metric([model_name, str(s.engine)], value(s))
+        return family
+
+    def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+        for s in present:
+            family.add_metric([model_name, str(s.engine)], float(s.counters.get(key, 0)))
+        return family
+
+    by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Requests waiting, by why they wait: "
+                                  "capacity (batch rows, KV blocks, the step's token budget, a ring slot); deferred "
+                                  "is always 0, Blink defers no request (no LoRA budget, no KV transfer).",
+                                  labels=[*VLLM_LABELS, "reason"])
+    for s in present:
+        by_reason.add_metric([model_name, str(s.engine), "capacity"], float(s.waiting))
+        by_reason.add_metric([model_name, str(s.engine), "deferred"], 0.0)
+    out: list[Metric] = [
+        gauge("vllm:num_requests_running", "Requests in the engine's running batch.", lambda s: float(s.running)),
+        gauge("vllm:num_requests_waiting", "Requests waiting for the engine: claimed and not running (queued or "
+              "preempted), published to its ring and not yet claimed, and with one engine those the gateway holds "
+              "until a ring slot frees.", lambda s: float(s.waiting)),
+        by_reason,
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage: the engine's KV blocks in use / its blocks (1 means 100 "
+              "percent).", lambda s: s.kv_usage),
+        counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine (running requests whose "
+                "KV blocks it freed to make room, resumed later by recomputing them).", "preemptions"),
+        counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                "prefix_cache_queries"),
+        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                "prefix_cache_hits"),
+    ]
+    configured = [s for s in present if s.cache is not None]
+    if configured:
+        names = [*configured[0].cache.labels(), "engine"]  # type: ignore[union-attr]
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's KV cache (the ring header's "
+                                 "words, schema minor 6); always 1.", labels=names)
+        for s in configured:
+            info.add_metric([*s.cache.labels().values(), str(s.engine)], 1.0)  # type: ignore[union-attr]
+        out.append(info)
     return out
 
 
@@ -124,14 +282,19 @@ def preallocate_metric_files(folder: Path, pid: int) -> None:
 
 
 class FrontendMetrics:
-    def __init__(self, model_name: str, multiprocess_dir: Path | None = None) -> None:
+    def __init__(self, model_name: str, multiprocess_dir: Path | None = None, engines: int = 1) -> None:
         """``multiprocess_dir``: the folder every gateway's values go to (None: this process only). It
         must be the ``PROMETHEUS_MULTIPROC_DIR`` this process started with. MetricsSpaceError when its
-        files cannot be allocated there."""
+        files cannot be allocated there. ``engines``: the engines' count, whose ``vllm:`` series are made
+        at once (at zero) as vLLM makes its own."""
         self.multiprocess_dir = multiprocess_dir
         if multiprocess_dir is not None:
             preallocate_metric_files(multiprocess_dir, os.getpid())
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.engines = tuple(str(e) for e in range(max(engines, 1)))
+        # the context one request may use (prompt + output), 0 while no engine has said; set by the app
+        self.context: Callable[[], int] = lambda: 0
         r, label = self.registry, ["model_name"]
         self.ttft = Histogram("blink:time_to_first_token_seconds", "Time to first token.", label,
                               buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
@@ -165,8 +328,99 @@ class FrontendMetrics:
                                 label + ["phase"], registry=r)
         self.failures = Counter("blink:request_failures", "Requests answered with an error status (4xx: "
                                 "refused, 5xx: failed), by status.", label + ["status"], registry=r)
-        self.model_name = model_name
+        self._vllm_series()
+        self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                     ["method", "status", "handler"], registry=r)
+        self.http_duration = Histogram("http_request_duration_seconds", "Latency with only few buckets by "
+                                       "handler. Made to be only used if aggregation by handler is important.",
+                                       ["handler", "method"], buckets=HTTP_DURATION_BUCKETS, registry=r)
 
+    def _vllm_series(self) -> None:
+        """vLLM's series the gateway observes, each made at zero for every engine."""
+        r, labels = self.registry, VLLM_LABELS
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.v_ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds: "
+                           "arrival at the gateway to the first output token.", TTFT_BUCKETS)
+        self.v_itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds: the gap "
+                          "between consecutive output tokens at the gateway.", INTER_TOKEN_BUCKETS)
+        self.v_tpot_gaps = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                                "seconds (vLLM's former name of the inter-token latency; the same observations).",
+                                INTER_TOKEN_BUCKETS)
+        self.v_request_tpot = hist("vllm:request_time_per_output_token_seconds", "Histogram of "
+                                   "time_per_output_token_seconds per request: its decode time over its output "
+                                   "tokens after the first (0 for a request of one token).", INTER_TOKEN_BUCKETS)
+        self.v_e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds: arrival "
+                          "at the gateway to the request's end.", REQUEST_LATENCY_BUCKETS)
+        self.v_queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                            "request: from the gateway handing it over until the engine scheduled its first prompt "
+                            "chunk (the tracker's queue, the ring, the engine's queue).", REQUEST_LATENCY_BUCKETS)
+        self.v_prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                              "request: first scheduled to its first token (the engine's clock).",
+                              REQUEST_LATENCY_BUCKETS)
+        self.v_decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                             "request: its first token to its last (the engine's clock; for a request the gateway "
+                             "ended at a stop string, the arrivals of those tokens at the gateway).",
+                             REQUEST_LATENCY_BUCKETS)
+        self.v_inference = hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase "
+                                "for request: prefill plus decode.", REQUEST_LATENCY_BUCKETS)
+        self.v_params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS)
+        self.v_prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed: each request's prompt, "
+                                "counted when its prefill completed (cached tokens included).", labels, registry=r)
+        self.v_prompt_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source: "
+                                       "local_compute (computed), local_cache_hit (the prefix cache); "
+                                       "external_kv_transfer is always 0, Blink has no KV connector.",
+                                       [*labels, "source"], registry=r)
+        self.v_prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (the prefix "
+                                       "cache's).", labels, registry=r)
+        self.v_prompt_cached_source = Counter("vllm:prompt_tokens_cached_by_source", "Number of cached prompt tokens "
+                                              "by the tier that held them: device (the engine's own KV cache, the "
+                                              "only tier Blink has).", [*labels, "source"], registry=r)
+        self.v_generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                    registry=r)
+        self.v_success = Counter("vllm:request_success", "Count of finished requests by finished_reason: stop (EOS, "
+                                 "a stop token or string), length (max_tokens or the context), abort (cancelled), "
+                                 "error (the engine failed it: a 5xx).", [*labels, "finished_reason"], registry=r)
+        self._token_hists: dict[str, Histogram] = {}
+        for engine in self.engines:
+            for family in (self.v_ttft, self.v_itl, self.v_tpot_gaps, self.v_request_tpot, self.v_e2e, self.v_queue,
+                           self.v_prefill, self.v_decode, self.v_inference, self.v_params_n, self.v_prompt,
+                           self.v_prompt_cached, self.v_generation):
+                family.labels(self.model_name, engine)
+            for source in PROMPT_SOURCES:
+                self.v_prompt_source.labels(self.model_name, engine, source)
+            self.v_prompt_cached_source.labels(self.model_name, engine, "device")
+            for reason in FINISHED_REASONS:
+                self.v_success.labels(self.model_name, engine, reason)
+
+    TOKEN_HISTOGRAMS = {
+        "vllm:request_prompt_tokens": "Number of prefill tokens processed: each finished request's prompt.",
+        "vllm:request_generation_tokens": "Number of generation tokens processed: each finished request's output.",
+        "vllm:request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens: of "
+                                                  "a request's n choices, the most tokens one generated.",
+        "vllm:request_params_max_tokens": "Histogram of the max_tokens request parameter (as the gateway resolved "
+                                          "it: the context left when the request gave none).",
+        "vllm:request_prefill_kv_computed_tokens": "Histogram of new KV tokens computed during prefill (excluding "
+                                                   "cached tokens).",
+    }
+
+    def token_histograms(self) -> dict[str, Histogram]:
+        """vLLM's token-count histograms, whose boundaries are its 1-2-5 series up to the context (max_model_len):
+        made once an engine has said its context (empty before)."""
+        if not self._token_hists:
+            context = self.context()
+            if context > 0:
+                buckets = buckets_1_2_5(context)
+                for name, doc in self.TOKEN_HISTOGRAMS.items():
+                    hist = Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=self.registry)
+                    for engine in self.engines:
+                        hist.labels(self.model_name, engine)
+                    self._token_hists[name] = hist
+        return self._token_hists
+
+    # ------------------------------------------------------------ observations
     def failed(self, status: int) -> None:
         """One request answered with ``status`` (>= 400)."""
         self.failures.labels(self.model_name, str(status)).inc()
@@ -179,17 +433,82 @@ class FrontendMetrics:
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model_name, reason).inc()
 
+    def first_token(self, engine: int, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.v_ttft.labels(self.model_name, str(engine)).observe(ttft_s)
+
+    def token_gaps(self, engine: int, gap_s: float, n: int) -> None:
+        """``n`` output tokens that came ``gap_s`` apart on average since the previous ones."""
+        itl, tpot = (h.labels(self.model_name, str(engine)) for h in (self.v_itl, self.v_tpot_gaps))
+        for _ in range(n):
+            self.itl.observe(gap_s)
+            itl.observe(gap_s)
+            tpot.observe(gap_s)
+
+    def prefilled(self, engine: int, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's prompt was computed (its first token came, or its end before any)."""
+        e, cached = str(engine), min(max(cached_tokens, 0), prompt_tokens)
+        self.v_prompt.labels(self.model_name, e).inc(prompt_tokens)
+        self.v_prompt_cached.labels(self.model_name, e).inc(cached)
+        self.v_prompt_cached_source.labels(self.model_name, e, "device").inc(cached)
+        self.v_prompt_source.labels(self.model_name, e, "local_compute").inc(prompt_tokens - cached)
+        self.v_prompt_source.labels(self.model_name, e, "local_cache_hit").inc(cached)
+
+    def generated(self, engine: int, n: int) -> None:
+        if n > 0:
+            self.v_generation.labels(self.model_name, str(engine)).inc(n)
+
+    def request_finished(self, req: FinishedRequest) -> None:
+        """vLLM's per-request series of one finished request."""
+        name, e = self.model_name, str(req.engine)
+        self.v_success.labels(name, e, req.finished_reason).inc()
+        self.v_e2e.labels(name, e).observe(req.e2e_s)
+        for hist, value in ((self.v_queue, req.queue_s), (self.v_prefill, req.prefill_s),
+                            (self.v_decode, req.decode_s)):
+            if value is not None:
+                hist.labels(name, e).observe(value)
+        if req.prefill_s is not None and req.decode_s is not None:
+            self.v_inference.labels(name, e).observe(req.prefill_s + req.decode_s)
+        if req.generation_tokens > 1 and req.decode_s is not None:
+            self.v_request_tpot.labels(name, e).observe(req.decode_s / (req.generation_tokens - 1))
+        elif req.generation_tokens == 1:
+            self.v_request_tpot.labels(name, e).observe(0.0)
+        hists = self.token_histograms()
+        if hists:
+            cached = min(max(req.cached_tokens, 0), req.prompt_tokens)
+            for key, value in (("vllm:request_prompt_tokens", req.prompt_tokens),
+                               ("vllm:request_generation_tokens", req.generation_tokens),
+                               ("vllm:request_params_max_tokens", req.max_tokens),
+                               ("vllm:request_prefill_kv_computed_tokens", req.prompt_tokens - cached)):
+                hists[key].labels(name, e).observe(value)
+
+    def choices_finished(self, engine: int, n: int, most_generated: int) -> None:
+        """Every choice of a request of ``n`` choices finished; ``most_generated``: the most tokens one generated."""
+        e = str(engine)
+        self.v_params_n.labels(self.model_name, e).observe(n)
+        hists = self.token_histograms()
+        if hists:
+            hists["vllm:request_max_num_generation_tokens"].labels(self.model_name, e).observe(most_generated)
+
+    def http_request(self, handler: str, method: str, status: int, duration_s: float) -> None:
+        """One answered HTTP request (prometheus-fastapi-instrumentator's series; probes and scrapes not counted)."""
+        if handler in HTTP_UNCOUNTED:
+            return
+        self.http_requests.labels(method, f"{status // 100}xx", handler).inc()
+        self.http_duration.labels(handler, method).observe(duration_s)
+
     def render(self, engine_stats: Mapping[str, Any] | None = None, per_engine: Sequence[EngineSample] = ()) -> bytes:
-        """The text of a scrape: every gateway's series (summed), the engine's from ``engine_stats`` (the
-        ring header's EngineStats, summed over the engines; None: no engine now), each engine's from
-        ``per_engine``, and the vLLM aliases."""
+        """The text of a scrape: every gateway's series (summed), the engines' totals from ``engine_stats`` (the
+        ring headers' EngineStats summed; None: no engine now) and each engine's from ``per_engine``."""
+        self.token_histograms()  # at zero once the context is known, as vLLM's are from its start
         source = self.registry
         if self.multiprocess_dir is not None:
             source = CollectorRegistry()
             MultiProcessCollector(source, str(self.multiprocess_dir))
         families = [*source.collect(), *engine_families(self.model_name, engine_stats),
-                    *per_engine_families(self.model_name, per_engine)]
-        return generate_latest(_Families([*families, *vllm_aliases(families)]))
+                    *per_engine_families(self.model_name, per_engine),
+                    *vllm_engine_families(self.model_name, per_engine)]
+        return generate_latest(_Families(families))
 
 
 class _Families:
@@ -244,17 +563,3 @@ def step_fill_families(model_name: str, stats: Mapping[str, Any]) -> list[Metric
                                labels=["model_name"])
     full.add_metric([model_name], float(counts[6]))
     return [hist, full]
-
-
-def vllm_aliases(families: Iterable[Metric]) -> list[Metric]:
-    """Copies of the aliased families under ``vllm:`` names."""
-    out = []
-    for fam in families:
-        short = fam.name.removeprefix("blink:")
-        if short not in VLLM_ALIASES:
-            continue
-        copy = Metric(f"vllm:{short}", fam.documentation, fam.type, fam.unit)
-        copy.samples = [Sample(s.name.replace("blink:", "vllm:", 1), s.labels, s.value, s.timestamp, s.exemplar)
-                        for s in fam.samples]
-        out.append(copy)
-    return out

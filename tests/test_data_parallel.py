@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import openai
 import pytest
 from helpers.e2e import ENGINE_ENV, REAL_ENGINE, async_client, wait_for
+from helpers.grafana import problems, scrape
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
 
 from dpu_gateway.reader import RESTARTED
@@ -110,6 +111,49 @@ async def test_requests_spread_over_both_engines(dp: Stack, client: openai.Async
 
     wait_for(lambda: sum(counts().values()) == n, 10, 0.1)  # the engines publish their stats every 0.1 s
     assert counts() == {0: n / ENGINES, 1: n / ENGINES}, counts()
+
+
+async def test_each_engine_has_vllm_s_series_under_its_engine_label(dp: Stack, client: openai.AsyncOpenAI) -> None:
+    """vLLM's names, one series per engine (``engine`` "0" and "1"): the requests each engine ran are counted under
+    it, its gauges and counters are its own, and vLLM's dashboards find every series they query."""
+    idle(dp)
+    before, engines = per_engine(dp)["blink:dp_engine_prompt_tokens_total"], [str(e) for e in range(ENGINES)]
+    _, text_before = dp.get("/metrics")
+    n = 4
+    answers = await asyncio.gather(*(complete(client) for _ in range(n)))
+    prompt_len = answers[0].usage.prompt_tokens
+    wait_for(lambda: sum(per_engine(dp)["blink:dp_engine_prompt_tokens_total"].values()) - sum(before.values())
+             == n * prompt_len, 10, 0.1)
+    idle(dp)
+    _, text_after = dp.get("/metrics")
+    after = per_engine(dp)["blink:dp_engine_prompt_tokens_total"]
+    text = text_after.decode()
+    assert problems(text, MODEL) == []
+
+    def grew(sample: str, engine: str) -> float:
+        return (total(text, sample, engine=engine, model_name=MODEL)
+                - total(text_before.decode(), sample, engine=engine, model_name=MODEL))
+
+    ran = {str(e): (after[e] - before[e]) / prompt_len for e in range(ENGINES)}  # the engine's own count
+    for engine in engines:
+        assert grew("vllm:request_success_total", engine) == ran[engine] > 0, engine
+        assert grew("vllm:e2e_request_latency_seconds_count", engine) == ran[engine], engine
+        assert grew("vllm:request_queue_time_seconds_count", engine) == ran[engine], engine
+        assert grew("vllm:prompt_tokens_total", engine) == ran[engine] * prompt_len, engine
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total"):
+            assert any(s.name == name and s.labels.get("engine") == engine
+                       for fam in scrape(text).values() for s in fam.samples), (name, engine)
+    configs = {s.labels["engine"]: s.labels for s in scrape(text)["vllm:cache_config_info"].samples}
+    assert sorted(configs) == engines and configs["0"]["num_gpu_blocks"] == "256"  # --kv-blocks 256 each
+    gone = ("blink:dp_num_requests_running", "blink:dp_num_requests_waiting", "blink:dp_kv_cache_usage_perc",
+            "blink:dp_engine_preemptions")  # vLLM's names per engine replace them
+    assert not [name for name in gone if name in text], gone
+
+
+def total(text: str, sample: str, **labels: str) -> float:
+    return sum(s.value for fam in scrape(text).values() for s in fam.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 async def open_stream(client: openai.AsyncOpenAI) -> tuple[openai.AsyncStream, str]:

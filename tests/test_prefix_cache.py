@@ -249,7 +249,7 @@ def test_a_salt_prevents_sharing(tiny_llama: Path) -> None:  # noqa: F811
 
 
 def test_the_counters_reach_the_metrics(tiny_llama: Path) -> None:  # noqa: F811
-    from dpu_gateway.engines import EngineView, total_stats
+    from dpu_gateway.engines import EngineView, engine_samples, total_stats
     from shared.metrics import FrontendMetrics
 
     h = Harness(tiny_llama, kv_blocks=256, budget=64)
@@ -258,11 +258,13 @@ def test_the_counters_reach_the_metrics(tiny_llama: Path) -> None:  # noqa: F811
     stats = {name: h.ring.header_load64(name) for name in ("prefix_cache_queries", "prefix_cache_hits",
                                                            "prefix_cache_evictions")}
     raw = h.ring.read_header()["stats"]
-    view = EngineView(0, True, "", {**{n: raw[n] for n in raw.dtype.names}, **stats})
-    text = FrontendMetrics("m").render(total_stats([view, view])).decode()
+    views = [EngineView(i, True, "", {**{n: raw[n] for n in raw.dtype.names}, **stats}) for i in range(2)]
+    text = FrontendMetrics("m").render(total_stats(views), engine_samples(views)).decode()
     assert 'blink:prefix_cache_queries_total{model_name="m"} 52.0' in text
     assert 'blink:prefix_cache_hits_total{model_name="m"} 24.0' in text
-    assert 'vllm:prefix_cache_hits_total{model_name="m"} 24.0' in text
+    for engine in (0, 1):  # vLLM's, per engine
+        assert f'vllm:prefix_cache_queries_total{{engine="{engine}",model_name="m"}} 26.0' in text
+        assert f'vllm:prefix_cache_hits_total{{engine="{engine}",model_name="m"}} 12.0' in text
     assert 'blink:prefix_cache_evictions_total{model_name="m"} 0.0' in text
 
 
