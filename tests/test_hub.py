@@ -232,6 +232,23 @@ def test_offline_from_the_hub_cache_layout(repos: dict[str, HubRepo], tmp_path: 
     assert "HF_HUB_OFFLINE is set" in missing.err
 
 
+def test_offline_a_single_file_repo_and_a_partial_cache(tmp_path: Path) -> None:
+    """``model.safetensors`` alone (no index) is the engine's other layout; a cache that lacks a shard is refused
+    offline by name, not handed to the engine."""
+    home, sharded = tmp_path / "hf", tiny_repo(repo_id="blink-test/partial")
+    single = HubRepo("blink-test/single", {"config.json": sharded.files["config.json"],
+                                           "tokenizer.json": sharded.files["tokenizer.json"],
+                                           "model.safetensors": HubFile(save(tiny_weights()))})
+    snapshot = build_cache(home / "hub", single)
+    got = resolve(home, "blink-test/single", offline=True)
+    assert got.out["model"] == str(snapshot)
+    assert_loads(snapshot, single)
+    build_cache(home / "hub", sharded, sorted(TINY_NEEDED - {"model-00002-of-00002.safetensors"}))
+    partial = resolve(home, "blink-test/partial", offline=True)
+    assert partial.code == 2
+    assert "blink-test/partial: the snapshot" in partial.err and "lacks model-00002-of-00002.safetensors" in partial.err
+
+
 def assert_loads(folder: Path, repo: HubRepo) -> None:
     """The engine's loader builds the model from the folder, with the repo's weights."""
     import torch
