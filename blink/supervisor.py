@@ -248,8 +248,11 @@ class Supervisor:
                         for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
         self.engine_envs = {e.name: envs[i] for i, e in enumerate(self.engines)}  # what a spare learns at the go
         # The spare takes the first engine's flags: the engines differ only in their ring and GPU, told at the go.
+        # With one engine its GPU is known at the spare's start, which may then make its CUDA context early.
+        known = ["--standby-gpu-known"] if len(self.engines) == 1 else []
         self.standby = Child("standby-engine", [sys.executable, "-m", cfg.engine_module, *cfg.engine_args[0],
-                                                "--standby"], keyless, go_pipe=True) if cfg.standby_engine else None
+                                                "--standby", *known], {**keyless, **envs[0]} if known else keyless,
+                             go_pipe=True) if cfg.standby_engine else None
         self.spare_clock = SpareClock()
         self.locks = ServerLocks(cfg.run_dir, tuple(dict.fromkeys((cfg.ring, *dp.ring_names))), cfg.port)
         self.services = [

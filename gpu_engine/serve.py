@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--standby", action="store_true",
                     help="a spare engine (blink serve keeps one): do what touches neither the ring nor a GPU, then "
                     "wait for the go on stdin (the ring of the engine it replaces) and go on as that engine")
+    ap.add_argument("--standby-gpu-known", action="store_true",
+                    help="with --standby: the spare's environment already names the GPU that any go will give it "
+                    "(blink serve with one engine), so a spare of a GPU backend makes its CUDA context, with every "
+                    "module loaded, before the go; no kernel runs before the go")
     return ap
 
 
@@ -229,26 +233,43 @@ def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:
 
 def runs_on_cpu(cfg: EngineConfig) -> bool:
     """Whether the engine runs on the CPU, known without a CUDA call: --backend cpu, or auto with a torch built
-    without CUDA. A spare may load weights only then: beside a live GPU engine it must not make a CUDA context."""
+    without CUDA. A spare may load weights only then: beside a live GPU engine it holds no weights in GPU memory."""
     return cfg.backend == "cpu" or (cfg.backend == "auto" and not torch.backends.cuda.is_built())
 
 
-def stand_by(cfg: EngineConfig) -> tuple[EngineConfig, CpuWeights | None] | None:
+def early_context() -> bool:
+    """A spare whose GPU is known makes its CUDA context now (every module loaded: CUDA_MODULE_LOADING=EAGER), so
+    that the go skips it. It launches nothing: beside a live persistent kernel an idle context takes no SM time.
+    False when the context cannot be made (no GPU, the memory taken): the go then makes it as a cold start does."""
+    try:
+        torch.empty(1, device="cuda")  # the first allocation makes the context; nothing is launched
+    except (RuntimeError, AssertionError) as exc:  # torch's error for a failed cuInit or context
+        log.warning("standby engine: no CUDA context before the go", error=str(exc))
+        return False
+    return True
+
+
+def stand_by(cfg: EngineConfig, gpu_known: bool = False) -> tuple[EngineConfig, CpuWeights | None] | None:
     """A spare engine: load what needs neither the ring nor a GPU (the CPU backend's weights; the GPU backends'
-    modules), then block until blink serve's go (``shared.standby``). The replaced engine's config and the
-    weights; None when the pipe closed first (the supervisor stopped or died)."""
-    weights = None
+    modules, and with ``gpu_known`` the CUDA context), then block until blink serve's go (``shared.standby``).
+    The replaced engine's config and the weights; None when the pipe closed first (the supervisor stopped or
+    died)."""
+    weights, context = None, False
     if runs_on_cpu(cfg):
         cfg = resolve_backend(cfg)
         weights = load_cpu_weights(cfg)
     else:
-        import gpu_engine.gpu.serve_gpu  # noqa: F401, PLC0415 - its imports only: no CUDA call before the go
+        import gpu_engine.gpu.serve_gpu  # noqa: F401, PLC0415 - its imports only: no kernel before the go
+        context = gpu_known and early_context()
     rss_mib = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
-    log.info("standby engine ready", pid=os.getpid(), weights_loaded=weights is not None, rss_mib=rss_mib)
+    log.info("standby engine ready", pid=os.getpid(), weights_loaded=weights is not None, cuda_context=context,
+             rss_mib=rss_mib)
     go = wait_for_go(sys.stdin.buffer)
     if go is None:
         return None
-    os.environ.update(go.env)  # before any CUDA call: the replaced engine's GPU
+    if context and any(os.environ.get(k) != v for k, v in go.env.items()):
+        raise BadGo(f"the go names another GPU ({go.env}) than the spare's context was made on")
+    os.environ.update(go.env)  # before any CUDA call (without a context yet): the replaced engine's GPU
     return dataclasses.replace(cfg, ring_name=go.ring), weights
 
 
@@ -263,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         weights = None
         if ns.standby:
-            if (taken := stand_by(cfg)) is None:
+            if (taken := stand_by(cfg, ns.standby_gpu_known)) is None:
                 return 0
             cfg, weights = taken
         cfg = resolve_backend(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
 import os
 import signal
 import subprocess
@@ -96,6 +97,8 @@ def test_the_spare_holds_no_segment_nor_key_is_replaced_when_it_dies_and_dies_wi
     try:
         (spare,) = wait_until("standby engine ready", lambda: spares_ready(stack, 1), stack)
         assert stack.children()["standby-engine"] == spare and stack.engine_pid() != spare
+        # one engine: the spare's GPU is known at its start (a GPU backend's spare makes its context early)
+        assert "--standby-gpu-known" in Path(f"/proc/{spare}/cmdline").read_text().split("\0")
         assert shm_held(spare) == [] and shm_held(stack.engine_pid()) != []
         assert key not in Path(f"/proc/{spare}/cmdline").read_text() and "BLINK_API_KEY" not in environ_of(spare)
         os.kill(spare, signal.SIGKILL)
@@ -312,12 +315,29 @@ def test_a_spare_typed_at_says_so_and_exits_2(tmp_path: Path) -> None:
     assert out.stderr.splitlines()[-1].startswith("error: --standby waits for blink serve's go on stdin, not 'hello'")
 
 
+def test_a_gpu_spare_without_a_gpu_makes_no_context_and_still_takes_the_go() -> None:
+    """``--standby-gpu-known`` where CUDA cannot start (this torch has none, or the GPU's memory is taken): a
+    warning, the context left to the go as on a cold start, and the spare still answers its stdin."""
+    out = subprocess.run([sys.executable, "-m", "gpu_engine.serve", "--standby", "--standby-gpu-known", "--backend",
+                          "host", "--ring", f"blink-test-{uuid.uuid4().hex[:10]}"], cwd=ROOT, input="hello\n",
+                         capture_output=True, text=True, timeout=LIMIT_S, env={**os.environ, "BLINK_LOG_JSON": "1",
+                                                                               "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 2, out.stderr
+    ready = [json.loads(line) for line in out.stdout.splitlines() + out.stderr.splitlines()
+             if '"standby engine ready"' in line]
+    assert [r["cuda_context"] for r in ready] == [False], out.stderr
+    assert "no CUDA context before the go" in out.stdout + out.stderr
+    assert out.stderr.splitlines()[-1].startswith("error: --standby waits for blink serve's go on stdin")
+
+
 def test_under_dp_the_engine_that_was_a_spare_is_named_by_its_ring(tmp_path: Path) -> None:
     stack = start_stack(tmp_path, "--data-parallel-size", "2", standby_engine=True)
     try:
         spare = wait_until("a spare", lambda: stack.children().get("standby-engine"), stack, 30)
         children = stack.children()
         assert {"engine-0", "engine-1", "standby-engine"} <= set(children) and "engine" not in children
+        # which GPU the spare gets is told only at the go: no context before it
+        assert "--standby-gpu-known" not in Path(f"/proc/{spare}/cmdline").read_text().split("\0")
         ring1 = engine_ring_names(stack.ring, 2)[1]
         os.kill(children["engine-1"], signal.SIGKILL)
         took = wait_until("the spare serving ring 1", lambda: new_ready_engine(ring1, children["engine-1"]), stack)

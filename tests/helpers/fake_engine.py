@@ -142,6 +142,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--standby", action="store_true")
+    ap.add_argument("--standby-gpu-known", action="store_true")  # the real spare's: no GPU here
     args, _ = ap.parse_known_args(argv)
     return args
 
