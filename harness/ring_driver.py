@@ -52,6 +52,7 @@ class Result:
     done_s: float = 0.0
     tops: np.ndarray | None = None  # [tokens, k] (token, logprob) alternatives, where the job asked
     prompt: tuple[np.ndarray, np.ndarray] | None = None  # prompt positions' (entries, alternatives), where asked
+    clocks: tuple[int, ...] = ()  # the slot's admit_ns, schedule_ns, first_token_ns and last_token_ns at the end
 
 
 def start_engine(ring: str, model: Path | None, backend: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
@@ -131,8 +132,10 @@ class Driver:
             tops = self.ring.read_logprobs(idx, 0, gen)[1] if job.top_logprobs else None
             asked = job.sampling().prompt_logprobs >= 0
             prompt = self.ring.read_prompt_logprobs(idx, 0, len(job.prompt)) if asked else None
+            clocks = tuple(self.t.load64(self.ring.slot_field(idx, f))
+                           for f in ("admit_ns", "schedule_ns", "first_token_ns", "last_token_ns"))
             self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter(),
-                                           tops, prompt)
+                                           tops, prompt, clocks)
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 

@@ -20,6 +20,7 @@ import torch
 
 from harness.ring_driver import Driver, Job, Result, random_jobs, start_engine, stop_engine, wait_ready
 from shared import ring_layout as L
+from shared.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from shared.messages import Sampling
 from shared.ring import Ring
 from shared.transport import SHM_DIR
@@ -78,6 +79,8 @@ def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str
         stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
                                                        "window_relaunches", "preemptions", "output_tokens")}
         stats["prefix_cache_hits"] = int(header["prefix_cache_hits"])
+        stats["cache"] = {k: header[k].item() for k in ("kv_block_size", "kv_cache_dtype", "cache_features",
+                                                         "prefix_hash", "gpu_memory_utilization")}
         rc = stop_engine(ring, proc)
         stats["exit_code"] = rc
         stats["segment_left"] = (SHM_DIR / name).exists()
@@ -247,6 +250,24 @@ def test_persistent_serves_a_frontend_without_flips(tiny: Path) -> None:
 # cache of 64 blocks (1,024 tokens) for up to 64 requests of up to 304: chunks, mixed steps and
 # preemptions on every side.
 CHUNK_ARGS = tuple(a if a != "6000" else "64" for a in ENGINE_ARGS) + ("--max-num-batched-tokens", "96")
+
+
+@pytest.mark.parametrize("backend", ["host", "persistent"])
+def test_every_request_carries_its_phase_clocks(tiny: Path, backend: str) -> None:
+    """Slot.schedule_ns (schema minor 6): each request's first prompt chunk's step, between its claim and its first
+    token, under chunked prefill and preemptions; and the KV cache's configuration in the header, as the
+    frontend reports it in vllm:cache_config_info."""
+    jobs = random_jobs(96, VOCAB, seed=9, max_prompt=250, max_new=48, cancel_frac=0.0)
+    got, stats = serve_jobs(tiny, backend, jobs, window=64, tag="clocks", engine_args=CHUNK_ARGS)
+    assert stats["preemptions"] > 0 and stats["exit_code"] == 0
+    bad = [(j.rid, got[j.rid].clocks) for j in jobs
+           if not 0 < got[j.rid].clocks[0] <= got[j.rid].clocks[1] <= got[j.rid].clocks[2] <= got[j.rid].clocks[3]]
+    assert not bad, bad[:5]
+    splitmix = backend == "persistent"
+    assert stats["cache"] == {"kv_block_size": 16, "kv_cache_dtype": L.KvCacheDtype.FLOAT32,
+                              "cache_features": L.CacheFeatures.PREFIX_CACHING,
+                              "prefix_hash": L.PrefixHash.SPLITMIX64 if splitmix else L.PrefixHash.BLAKE2B_64,
+                              "gpu_memory_utilization": pytest.approx(DEFAULT_GPU_MEMORY_UTILIZATION)}
 
 
 def test_chunked_prefill_matches_whole_prompts(tiny: Path) -> None:
