@@ -315,13 +315,24 @@ def test_whole_and_streamed_answers_agree(codec: TextCodec, reasoning: R.Reasoni
 
 # ----------------------------------------------------------------------- end to end
 REPEAT = [{"role": "user", "content": "Please repeat the following text exactly, with nothing else: `</think>Paris`"}]
+# The embedded model's template, with what Qwen3's adds: an assistant's reasoning_content between think tags, and
+# enable_thinking false closing an empty reasoning in the generation prompt. Without them it renders the same text.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("reasoning"), *ENGINE_FLAGS, "--reasoning-parser", "qwen3",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", engine_module=REAL_ENGINE,
-                        timeout_s=180, env=ENGINE_ENV)
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template",
+                        THINKING_TEMPLATE, engine_module=REAL_ENGINE, timeout_s=180, env=ENGINE_ENV)
     yield stack
     stop_stack(stack)
 
@@ -340,9 +351,10 @@ def post(stack: Stack, path: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def raw_text(stack: Stack, messages: list[dict], **kw) -> str:
-    """What the model writes for the chat prompt of ``messages``, unread: ``/v1/completions`` on its token ids."""
-    ids = post(stack, "/tokenize", {"messages": messages})["tokens"]
+def raw_text(stack: Stack, messages: list[dict], rendering: dict | None = None, **kw) -> str:
+    """What the model writes for the chat prompt of ``messages`` (rendered with ``rendering``'s fields), unread:
+    ``/v1/completions`` on its token ids."""
+    ids = post(stack, "/tokenize", {"messages": messages, **(rendering or {})})["tokens"]
     return sync_client(stack).completions.create(model=MODEL, prompt=ids, temperature=0, **kw).choices[0].text
 
 
@@ -394,9 +406,34 @@ def test_the_model_writes_the_closing_tag(real: Stack) -> None:
     assert hidden.message.reasoning_content is None and hidden.message.content == content
     assert streamed(real, REPEAT, max_tokens=16, logit_bias=bias, extra_body={"include_reasoning": False})[:2] == (
         "", content or "")
-    # the answer goes back into the history as the client has it (both reasoning names): served
+    # the answer goes back into the history as the client has it (both reasoning names): served, and the reasoning
+    # reaches the template
     history = [*REPEAT, out.message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks."}]
     assert chat(real, history, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    thought = [*REPEAT, {"role": "assistant", "content": "Paris", "reasoning_content": "They want Paris."},
+               {"role": "user", "content": "Thanks."}]
+    prompt = post(real, "/detokenize", {"tokens": post(real, "/tokenize", {"messages": thought})["tokens"]})
+    assert "assistant\n<think>\nThey want Paris.\n</think>\n\nParis\n" in prompt["prompt"]  # specials skipped
+
+
+def test_where_the_prompt_leaves_the_output(real: Stack) -> None:
+    """Qwen3's enable_thinking switch, and an assistant prefill (continue_final_message) past its reasoning, make
+    the whole answer content; a prefill inside the reasoning leaves the answer in it."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    raw = raw_text(real, FRANCE, off, max_tokens=8)
+    out = chat(real, FRANCE, max_tokens=8, extra_body=off).choices[0].message
+    assert (out.content, out.reasoning_content) == (raw, None)
+    assert streamed(real, FRANCE, max_tokens=8, extra_body=off)[:2] == ("", raw)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    past = [*FRANCE, {"role": "assistant", "content": "<think>\nEasy.</think>\n\nThe capital of France is"}]
+    raw_past = raw_text(real, past, cont, max_tokens=6)
+    out = chat(real, past, max_tokens=6, extra_body=cont).choices[0].message
+    assert (out.content, out.reasoning_content) == (raw_past, None)
+    inside = [*FRANCE, {"role": "assistant", "content": "<think>\nThe capital of France"}]
+    raw_inside = raw_text(real, inside, cont, max_tokens=6)
+    assert "</think>" not in raw_inside
+    out = chat(real, inside, max_tokens=6, extra_body=cont).choices[0].message
+    assert (out.reasoning_content, out.content) == (raw_inside, None)
 
 
 def test_a_constraint_applies_after_the_reasoning(real: Stack) -> None:
