@@ -34,6 +34,7 @@ import re
 from typing import Any
 
 from dpu_gateway.structured import Constraint
+from dpu_tokenizer.chat import template_variables
 
 START, END = "<think>", "</think>"
 # parser -> whether chat_template_kwargs' enable_thinking: false means the output is content (Qwen3's switch)
@@ -159,6 +160,17 @@ def prompt_ends_reasoning(prompt: str, special: re.Pattern[str] | None) -> bool:
     if last is None or last.group() != END:
         return False
     return special is None or special.search(prompt, last.end()) is None
+
+
+def template_kwargs(parser: str | None, kwargs: dict[str, Any] | None, template: str | None) -> dict[str, Any] | None:
+    """The request's ``chat_template_kwargs`` as the template gets them. With ``qwen3`` the parser reads
+    ``enable_thinking`` too, so a template that does not read it is not given it (rather than the 400 that a
+    variable the template does not read gets)."""
+    if parser is None or not PARSERS[parser] or not kwargs or "enable_thinking" not in kwargs:
+        return kwargs
+    if "enable_thinking" in template_variables(template):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k != "enable_thinking"}
 
 
 def plan_reasoning(parser: str | None, prompt: str, special: re.Pattern[str] | None,

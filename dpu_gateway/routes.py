@@ -37,7 +37,7 @@ from dpu_gateway.protocol import (
     decode_tokenize,
     refuse,
 )
-from dpu_gateway.reasoning import Reasoning, plan_reasoning
+from dpu_gateway.reasoning import Reasoning, plan_reasoning, template_kwargs
 from dpu_gateway.respond import CHAT, COMPLETION, Shape, Usage, answer_stream, answer_whole
 from dpu_gateway.state import (
     BACKEND,
@@ -137,8 +137,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     constraint = chat_constraint(req, tooling)
     if constraint is not None:
         check_constraint(constraint, req, limits)
+    how = rendering(req)
+    how = dataclasses.replace(how, kwargs=template_kwargs(cfg.reasoning_parser, how.kwargs, app[CODEC].template))
     parts = app[CODEC].render_chat_parts(req.messages, req.add_generation_prompt, tooling.tools, tooling.fmt,
-                                         req.split_special_tokens, rendering(req))
+                                         req.split_special_tokens, how)
     ids = await encode_parts(app[CODEC], parts, app[BACKEND].encode, bool(req.add_special_tokens))
     ids = truncate(ids, req.truncate_prompt_tokens)
     reasoning = chat_reasoning(app, req, parts)

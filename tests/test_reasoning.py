@@ -454,6 +454,31 @@ def test_a_constraint_applies_after_the_reasoning(real: Stack) -> None:
     assert called.message.reasoning_content is not None
 
 
+def test_qwen3s_switch_is_read_by_the_parser_when_the_template_does_not_read_it(tmp_path: Path) -> None:
+    """With ``qwen3``, ``enable_thinking`` is the parser's too: a template that does not read it is not given it
+    (no 400), and the answer is content. Another variable the template does not read is still refused."""
+    embedded = TextCodec(None).template  # type: ignore[arg-type]  # reads no enable_thinking
+    assert R.template_kwargs("qwen3", {"enable_thinking": False, "x": 1}, embedded) == {"x": 1}
+    assert R.template_kwargs("qwen3", {"enable_thinking": False}, THINKING_TEMPLATE) == {"enable_thinking": False}
+    assert R.template_kwargs("deepseek_r1", {"enable_thinking": False}, embedded) == {"enable_thinking": False}
+    assert R.template_kwargs(None, {"enable_thinking": False}, embedded) == {"enable_thinking": False}
+    stack = start_stack(tmp_path, "--reasoning-parser", "qwen3")  # the fake engine, the embedded template
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        off = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.choices[0].message.content and off.choices[0].message.reasoning_content is None
+        on = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4)
+        assert on.choices[0].message.reasoning_content == off.choices[0].message.content
+        assert on.choices[0].message.content is None
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4,
+                                           extra_body={"chat_template_kwargs": {"thinking": False}})
+        assert info.value.param == "chat_template_kwargs.thinking"
+    finally:
+        stop_stack(stack)
+
+
 def test_without_a_parser_include_reasoning_false_is_refused_and_reasoning_effort_stays_refused(
         api_stack: Stack) -> None:
     client = openai.OpenAI(base_url=api_stack.url + "/v1", api_key=fixtures.API_KEY, max_retries=0)
