@@ -22,8 +22,9 @@ may still be the start of a tag is held back (at most 7 characters, and the whit
 ``split`` of the whole text.
 
 With a structured-output constraint, the grammar applies after the reasoning (vLLM: reasoning is free text and
-the constraint starts once it ended): ``after_reasoning`` puts "any text without ``</think>``, then ``</think>``"
-in front of it, where the output starts inside the reasoning.
+the constraint starts once it ended): ``Reasoning.constraint`` puts "any text without ``</think>``, then
+``</think>``" in front of it (an ``after_reasoning`` key, ``structured.pattern_of``), where the output starts
+inside the reasoning.
 """
 
 from __future__ import annotations
