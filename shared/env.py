@@ -98,6 +98,9 @@ class Env:
                                         "in a file there that every engine loading them the same way maps (the "
                                         "live and the standby engine: held once, not on huge pages; unset: each "
                                         "engine its own copy)", Path)
+    rdma_nic: str = _var("BLINK_RDMA_NIC", "", "the RDMA verbs layer, MODULE:NAME (default: pyverbs on a real "
+                         "device); the tests name harness.rdma_standin:SharedMemoryNic, a stand-in for the NIC that "
+                         "works on one host without a device (docs/RDMA.md)")
     tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "
                                   "for the tests", Path, factory=lambda: Path.home() / ".cache/blink/tokenizer-assets")
 

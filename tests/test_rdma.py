@@ -14,14 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpu_gateway.reader import ReaderConfig, RingReader, Route
 from shared import ring_layout as L
-from shared.messages import Sampling
-from shared.ring import HEADER_OFF, RingGeometry, attach_ring, init_ring
-from shared.slots import SlotRequest, SlotWriter
+from shared.engine_slots import SlotEngine
+from shared.messages import Sampling, Track
+from shared.ring import HEADER_OFF, Ring, RingGeometry, attach_ring, init_ring
+from shared.slots import SlotRequest, SlotWriter, state_word
 from shared.transport import MemoryTransport, RingError, rdma
 from shared.transport.rdma import Flag, Opcode, WorkRequest
 
 SIZE = 1 << 16
+S = L.SlotState
 
 
 class MemoryPoster:
@@ -115,11 +118,18 @@ def test_bad_accesses_are_refused_before_anything_is_posted(plan, exc, words: st
         plan()
 
 
-def test_an_access_larger_than_staging_is_refused() -> None:
-    t, poster, _ = transport()
-    with pytest.raises(ValueError, match="staging buffer"):
-        t.read(0, poster.staging.size + 1)
-    assert poster.log == []
+def test_an_access_larger_than_staging_goes_in_staging_sized_round_trips() -> None:
+    t, poster, remote = transport(size=4 * 4096 + 64)
+    data = np.arange(3 * 4096 + 5, dtype=np.uint32).astype(np.uint8)
+    t.write(8, data)
+    writes = [w for w in poster.log if w.opcode == Opcode.RDMA_WRITE]
+    assert [w.length for w in writes] == [4096, 4096, 4096, 5] and all(w.local == 0 for w in writes)
+    assert bytes(remote[8 : 8 + data.size]) == data.tobytes()
+    poster.log.clear()
+    assert t.read(8, data.size) == data.tobytes()
+    assert [(w.opcode, w.length) for w in poster.log] == [(Opcode.RDMA_READ, n) for n in (4096, 4096, 4096, 5)]
+    poster.log.clear()
+    assert t.read(8, 0) == b"" and poster.log == []  # an empty range is no access, as on a mapping
 
 
 def test_no_device_is_a_clear_error(tmp_path: Path) -> None:
@@ -222,11 +232,11 @@ def test_loopback_ring_over_a_real_queue_pair() -> None:  # pragma: no cover - n
     g = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
     local = MemoryTransport(bytearray(g.segment_bytes))
     init_ring(local, g, "rdma-loopback")
-    export = rdma.RingExport(local)
+    export = rdma.RingExport(local, "rdma-loopback", (L.SCHEMA_MAJOR, L.SCHEMA_MINOR))
     a, b = socket.socketpair()
     th = threading.Thread(target=export.accept, args=(a,))
     th.start()
-    remote = rdma.connect_ring(b)
+    remote = rdma.connect_ring(b, "rdma-loopback")
     th.join()
     ring = attach_ring(remote, "rdma-loopback")
     writer = SlotWriter(ring)
@@ -241,4 +251,133 @@ def test_connecting_without_pyverbs_or_a_device_says_which() -> None:
     assert "pyverbs" not in sys.modules  # importing shared.transport.rdma does not import it
     a, b = socket.socketpair()
     with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
-        rdma.connect_ring(a)
+        rdma.connect_ring(a, "blink-ring")
+
+
+# ---------------------------------------------------------------------- every frontend transition's plan
+G4 = RingGeometry(num_slots=4, max_prompt_tokens=16, max_output_tokens=8, top_logprobs=0)
+FENCED = Flag.FENCE | Flag.SIGNALED
+
+
+def remote_ring() -> tuple[Ring, MemoryPoster, Ring]:
+    """A ring in local memory (the engine's view) and the same ring through RdmaTransport (the frontend's)."""
+    local = bytearray(G4.segment_bytes)
+    engine_view = init_ring(MemoryTransport(local), G4, "rdma-test")
+    poster = MemoryPoster(local)
+    return attach_ring(rdma.RdmaTransport(poster, G4.segment_bytes), "rdma-test"), poster, engine_view
+
+
+def posted(poster: MemoryPoster) -> list[tuple]:
+    return [(w.opcode, w.remote, w.length, w.flags, w.compare, w.swap) for w in poster.log]
+
+
+def published(ring: Ring, poster: MemoryPoster, slot: int) -> int:
+    writer = SlotWriter(ring)
+    seq = writer.try_reserve(slot, 0)
+    assert seq is not None
+    writer.publish(slot, seq, SlotRequest(7, np.arange(1, 6, dtype=np.int32), Sampling(4)))
+    poster.log.clear()
+    return seq
+
+
+def test_reserve_is_one_fenced_cas_of_the_state_word() -> None:
+    """EMPTY(seq) -> RESERVED(seq + 1): the claim is an 8-byte compare-and-swap of the state word, waited for."""
+    ring, poster, _ = remote_ring()
+    poster.log.clear()
+    assert SlotWriter(ring).try_reserve(1, 0) == 1
+    # the writer's construction reads the header once (its schema minor); the claim is the last request
+    assert posted(poster)[-1] == (Opcode.ATOMIC_CMP_AND_SWP, ring.slot_offset(1), 8, FENCED,
+                                  state_word(S.EMPTY, 0), state_word(S.RESERVED, 1))
+    poster.log.clear()
+    assert SlotWriter(ring).try_reserve(1, 0) is None  # taken: the CAS sees RESERVED(1), nothing is written
+    assert [p[0] for p in posted(poster)][-1] == Opcode.ATOMIC_CMP_AND_SWP
+    assert not any(p[0] == Opcode.RDMA_WRITE for p in posted(poster))
+
+
+def test_abandon_is_one_fenced_cas_back_to_empty() -> None:
+    ring, poster, engine = remote_ring()
+    writer = SlotWriter(ring)
+    seq = writer.try_reserve(2, 0)
+    assert seq is not None
+    poster.log.clear()
+    assert writer.abandon(2, seq)
+    assert posted(poster) == [(Opcode.ATOMIC_CMP_AND_SWP, ring.slot_offset(2), 8, FENCED,
+                               state_word(S.RESERVED, seq), state_word(S.EMPTY, seq))]
+    assert int(engine.read_slots()[2]["state"]) == S.EMPTY
+
+
+def test_cancel_reads_the_state_word_then_writes_the_flag_in_a_fenced_write() -> None:
+    """Cancel: an acquire load of the state word (a signaled READ, waited for), then the flag as a release store
+    (its own fenced WRITE, inline), so it cannot pass the READ that decided it."""
+    ring, poster, engine = remote_ring()
+    seq = published(ring, poster, 3)
+    assert SlotWriter(ring).cancel(3, seq)
+    header_read, *rest = posted(poster)  # the writer's construction reads the header
+    assert header_read[0] == Opcode.RDMA_READ and header_read[1] == 0
+    assert rest == [(Opcode.RDMA_READ, ring.slot_offset(3), 8, Flag.SIGNALED, 0, 0),
+                    (Opcode.RDMA_WRITE, ring.slot_field(3, "cancel"), 4, FENCED | Flag.INLINE, 0, 0)]
+    assert int(engine.read_slots()[3]["cancel"]) == 1
+
+
+def test_release_is_one_fenced_cas_completed_to_empty() -> None:
+    ring, poster, engine = remote_ring()
+    seq = published(ring, poster, 0)
+    slots = SlotEngine(engine)
+    assert slots.claim(0, seq) is not None
+    slots.publish(0, 0, np.array([42], np.int32))
+    slots.complete(0, L.FinishReason.EOS)
+    writer = SlotWriter(ring)
+    poster.log.clear()
+    assert writer.release(0, seq)
+    assert posted(poster) == [(Opcode.ATOMIC_CMP_AND_SWP, ring.slot_offset(0), 8, FENCED,
+                               state_word(S.DECODE_COMPLETED, seq), state_word(S.EMPTY, seq))]
+    assert int(engine.read_slots()[0]["state"]) == S.EMPTY
+
+
+def test_liveness_is_two_acquire_loads_of_the_header() -> None:
+    """The engine's liveness over RDMA: its beat counter and its state, each a signaled READ waited for."""
+    ring, poster, engine = remote_ring()
+    engine.header_store32("engine_state", L.EngineState.READY)
+    engine.header_store64("heartbeat", 5)
+    poster.log.clear()
+    assert ring.engine_alive(10.0)
+    assert posted(poster) == [(Opcode.RDMA_READ, HEADER_OFF["heartbeat"], 8, Flag.SIGNALED, 0, 0),
+                              (Opcode.RDMA_READ, HEADER_OFF["engine_state"], 4, Flag.SIGNALED, 0, 0)]
+
+
+def test_reading_a_slots_tokens_reads_them_after_the_fence_that_orders_them() -> None:
+    """The token reader's cycle: one bulk READ of the slots, a fenced READ (the acquire: every ``generated`` seen
+    has its tokens placed), then the tokens; a completed slot's ``generated`` is loaded again before its tail,
+    and the slot released by CAS last."""
+    ring, poster, engine = remote_ring()
+    seq = published(ring, poster, 1)
+    slots = SlotEngine(engine)
+    assert slots.claim(1, seq) is not None
+    slots.publish(1, 0, np.array([11, 12, 13], np.int32))
+    slots.complete(1, L.FinishReason.LENGTH)
+    gw = Recorder()
+    reader = RingReader(ReaderConfig(Path("/nonexistent"), "unused"), "unused", {5: gw})  # type: ignore[dict-item]
+    reader.ring, reader.writer = ring, SlotWriter(ring)
+    reader.snapshot = np.empty(G4.num_slots, L.SLOT_DTYPE)
+    reader.routes[1] = Route(Track(9, 5, 1, seq))
+    poster.log.clear()
+    assert reader.cycle()
+    kinds = [(p[0], p[1], p[3]) for p in posted(poster)]
+    assert kinds[0] == (Opcode.RDMA_READ, G4.slots_offset, Flag.SIGNALED)
+    assert kinds[1] == (Opcode.RDMA_READ, 0, FENCED)
+    assert kinds[2] == (Opcode.RDMA_READ, ring.slot_field(1, "generated"), Flag.SIGNALED)
+    assert (Opcode.RDMA_READ, ring.output_offset(1), Flag.SIGNALED) in kinds[3:]
+    assert kinds[-1] == (Opcode.ATOMIC_CMP_AND_SWP, ring.slot_offset(1), FENCED)
+    assert [type(x).__name__ for x in gw.sent] == ["Tokens", "Finished"] and gw.sent[0].ids == [11, 12, 13]
+    reader.watch.close()
+
+
+class Recorder:
+    """Stands in for a gateway's link: what the reader sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.info: dict = {}
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)

@@ -10,25 +10,31 @@ Three layers, so that everything but the wire can be tested without a device:
   response leaves the responder only after the WRITEs before it are placed).
 * **``RdmaTransport``**: the ``shared.transport.Transport`` interface over a ``Poster`` (post a
   plan, wait for its signaled completions, read the local staging buffer).
-* **``VerbsPoster`` / ``RingExport``** (pyverbs, imported lazily: the product does not need it):
-  the frontend's queue pair, and the engine side that registers the ring memory, exchanges queue
-  pair numbers and keys over a socket, then leaves the data path.
+* **The exchange and the export** (``Endpoint``, ``RingExport``, ``connect_ring``): the engine registers
+  the ring memory and answers each frontend's connection exchange (one JSON line each way over a TCP
+  socket, kept open as the queue pair's lease), then leaves the data path.
+* **The verbs layer** (``Nic``): queue pairs, memory registration, posting. ``PyverbsNic`` is the product's
+  (pyverbs, imported lazily: nothing else needs it); on a machine without a device the test harness puts a
+  stand-in for the NIC in its place (``harness/rdma_standin.py``), and everything above runs unchanged.
 
 Why here, in ``shared.transport`` beside the shared-memory transport: both sides of a ring use this
 module. The engine registers its ring and answers the connection exchange (``RingExport``); the ring's
-frontend users, the slot tracker and the token reader, reach it through ``RdmaTransport`` as they reach
-a local ring through ``ShmTransport``. ``shared/`` is the one package both the engine and the frontend
-may import (docs/DESIGN.md; ``tests/test_layers.py`` holds that rule), and this is the ``Transport``
-interface's second implementation, so it sits with the first.
+frontend users, the gateway, the slot tracker and the token reader, reach it through ``RdmaTransport`` as
+they reach a local ring through ``ShmTransport`` (``shared/remote_ring.py`` puts the two together).
+``shared/`` is the one package both the engine and the frontend may import (docs/DESIGN.md;
+``tests/test_layers.py`` holds that rule), and this is the ``Transport`` interface's second
+implementation, so it sits with the first.
 
 What has and has not run is in ``docs/RDMA.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
+import secrets
 import socket
 import struct
 from collections.abc import Sequence
@@ -37,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shared import ring_layout as L
 from shared.transport import RingError, Transport
 
 SYS_RDMA = Path("/sys/class/infiniband")
@@ -154,7 +161,10 @@ def xor_step(seen: int, bits: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------- the transport
 class Poster(Protocol):
-    """What ``RdmaTransport`` needs of a queue pair: post WRs, wait for their signaled ones, staging."""
+    """What ``RdmaTransport`` needs of a queue pair: post WRs, wait for their signaled ones, staging.
+
+    ``post`` and ``wait`` raise ``RingError`` when the queue pair failed (an error completion: the peer gone,
+    a registration no longer valid); after that the queue pair is in the error state and everything fails."""
 
     staging: np.ndarray     # uint8, STAGING_BYTES: the local memory region
     max_message: int
@@ -167,58 +177,118 @@ class Poster(Protocol):
 
 
 class RdmaTransport(Transport):
-    """The ring of a remote engine through one RC queue pair (see the module docstring)."""
+    """The ring of a remote engine through one RC queue pair (see the module docstring).
 
-    def __init__(self, poster: Poster, size: int) -> None:
+    ``lease`` is the connection the endpoints were exchanged over, kept open for the queue pair's life: the
+    engine drops its side of the pair when it closes, and this side sees the engine go (``lease_open``) when
+    the engine's end closes, which a stopped or crashed engine's does at once. The first failure (an error
+    completion, the lease closed) is kept in ``lost``; every later access raises ``RingError`` without
+    posting anything, and the services let the ring go and connect again (``dpu_gateway/ringwatch.py``)."""
+
+    def __init__(self, poster: Poster, size: int, lease: socket.socket | None = None) -> None:
         self.poster = poster
         self.size = size
+        self.lease = lease
+        if lease is not None:
+            lease.setblocking(False)  # looked at, never waited on (lease_open)
+        self.lost: str | None = None
         self._u64 = poster.staging[:8].view(np.uint64)
 
-    def _staged(self, nbytes: int) -> np.ndarray:
-        if nbytes > self.poster.staging.size:
-            raise ValueError(f"RDMA access of {nbytes} bytes exceeds the {self.poster.staging.size}-byte staging "
-                             "buffer: split it")
-        return self.poster.staging[:nbytes]
+    # every call into the queue pair goes through these two: a failure is kept, and refuses what follows
+    def _post(self, wrs: list[WorkRequest]) -> None:
+        if self.lost is not None:
+            raise RingError(f"the ring over RDMA is lost: {self.lost}")
+        try:
+            self.poster.post(wrs)
+        except RingError as exc:
+            self._lose(str(exc))
+
+    def _wait(self) -> None:
+        if self.lost is not None:
+            raise RingError(f"the ring over RDMA is lost: {self.lost}")
+        try:
+            self.poster.wait()
+        except RingError as exc:
+            self._lose(str(exc))
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        raise RingError(f"the ring over RDMA is lost: {why}")
+
+    def lease_open(self) -> bool:
+        """Whether the engine still holds this queue pair's connection (one non-blocking look, no network
+        round trip); False, and ``lost`` set, once its end closed. Always True without a lease."""
+        if self.lost is not None:
+            return False
+        if self.lease is None:
+            return True
+        try:
+            got = self.lease.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as exc:
+            self.lost = f"the engine's connection failed ({exc.strerror or exc})"
+            return False
+        if got:
+            return True  # the engine sends nothing after the exchange; a byte is not an end
+        self.lost = "the engine closed its connection (it stopped, or its process ended)"
+        return False
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        self.poster.wait()  # a READ lands in the staging buffer: earlier WRITEs must have left it
-        self._staged(nbytes)
-        self.poster.post(plan_read(offset, nbytes, self.size, self.poster.max_message))
-        self.poster.wait()
-        return bytes(self.poster.staging[:nbytes])
+        out = np.empty(nbytes, np.uint8)
+        self.read_into(offset, out)
+        return out.tobytes()
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
-        out.view(np.uint8).reshape(-1)[:] = np.frombuffer(self.read(offset, out.nbytes), np.uint8)
+        """READs through staging, one staging buffer at a time (a larger range is several round trips)."""
+        dst = out.view(np.uint8).reshape(-1)
+        if not dst.size:  # nothing to read (as a mapping, an empty range is no access)
+            return
+        _check_range(offset, dst.size, self.size)
+        step = self.poster.staging.size
+        self._wait()  # a READ lands in the staging buffer: earlier WRITEs must have left it
+        for k in range(0, dst.size, step):
+            n = min(step, dst.size - k)
+            self._post(plan_read(offset + k, n, self.size, self.poster.max_message))
+            self._wait()
+            dst[k : k + n] = self.poster.staging[:n]
 
     def write(self, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+        """WRITEs from staging, never waited for but to reuse the staging buffer for a larger range's next piece."""
         raw = data.view(np.uint8).reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        self.poster.wait()  # the staging buffer is free once earlier WRITEs left it
-        self._staged(raw.size)[:] = raw
-        self.poster.post(plan_write(offset, raw.size, self.size, self.poster.max_message))
+        if not raw.size:
+            return
+        _check_range(offset, raw.size, self.size)
+        step = self.poster.staging.size
+        for k in range(0, raw.size, step):
+            n = min(step, raw.size - k)
+            self._wait()  # the staging buffer is free once earlier WRITEs left it
+            self.poster.staging[:n] = raw[k : k + n]
+            self._post(plan_write(offset + k, n, self.size, self.poster.max_message))
 
     def _word(self, wrs: list[WorkRequest]) -> int:
-        self.poster.post(wrs)
-        self.poster.wait()
+        self._post(wrs)
+        self._wait()
         return int(self._u64[0])
 
     def cas64(self, offset: int, expected: int, desired: int) -> int:
-        self.poster.wait()
+        self._wait()
         return self._word(plan_cas64(offset, expected, desired, self.size))
 
     def load32(self, offset: int) -> int:
-        self.poster.wait()
-        self.poster.post(plan_load(offset, 4, self.size))
-        self.poster.wait()
+        self._wait()
+        self._post(plan_load(offset, 4, self.size))
+        self._wait()
         return int(self.poster.staging[:4].view(np.uint32)[0])
 
     def load64(self, offset: int) -> int:
-        self.poster.wait()
+        self._wait()
         return self._word(plan_load(offset, 8, self.size))
 
     def _store(self, offset: int, width: int, value: int) -> None:
-        self.poster.wait()
-        self._staged(width)[:] = np.frombuffer(struct.pack("<I" if width == 4 else "<Q", value), np.uint8)
-        self.poster.post(plan_store(offset, width, self.size, self.poster.max_inline))
+        self._wait()
+        self.poster.staging[:width] = np.frombuffer(struct.pack("<I" if width == 4 else "<Q", value), np.uint8)
+        self._post(plan_store(offset, width, self.size, self.poster.max_inline))
 
     def store32(self, offset: int, value: int) -> None:
         self._store(offset, 4, value & 0xFFFF_FFFF)
@@ -227,7 +297,7 @@ class RdmaTransport(Transport):
         self._store(offset, 8, value & 0xFFFF_FFFF_FFFF_FFFF)
 
     def fetch_add64(self, offset: int, delta: int) -> int:
-        self.poster.wait()
+        self._wait()
         return self._word(plan_fetch_add64(offset, delta, self.size))
 
     def fetch_xor64(self, offset: int, bits: int) -> int:
@@ -240,14 +310,21 @@ class RdmaTransport(Transport):
             seen = got
 
     def fence(self) -> None:
-        self.poster.wait()
-        self.poster.post(plan_fence(self.size))
-        self.poster.wait()
+        self._wait()
+        self._post(plan_fence(self.size))
+        self._wait()
 
     def close(self) -> None:
+        """Destroy the queue pair (the poster's) and close the lease, which tells the engine to drop its side."""
+        if self.lost is None:
+            self.lost = "closed by this process"
         closer = getattr(self.poster, "close", None)
-        if closer is not None:
-            closer()
+        try:
+            if closer is not None:
+                closer()
+        finally:
+            if self.lease is not None:
+                self.lease.close()
 
 
 # ---------------------------------------------------------------------- devices (pyverbs, lazy)
@@ -287,7 +364,11 @@ def pick_device(name: str | None, sys_dir: Path = SYS_RDMA) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Endpoint:
-    """What each side tells the other to connect an RC queue pair (exchanged as one JSON line)."""
+    """What each side tells the other to connect an RC queue pair (exchanged as one JSON line).
+
+    The frontend speaks first, naming the ring it wants (``ring``); the engine answers with its queue pair,
+    the ring's memory region (``addr``, ``rkey``, ``size``) and the ring's schema version, or with a refusal
+    (``{"error": ...}``, raised here as ``ExchangeRefused``)."""
 
     qp_num: int
     psn: int
@@ -297,6 +378,9 @@ class Endpoint:
     addr: int = 0     # ring: virtual address (or IOVA) of its memory region; frontend: 0
     rkey: int = 0
     size: int = 0
+    ring: str = ""    # frontend: the ring asked for; engine: the ring exported
+    schema_major: int = 0  # engine: the ring's schema version (schema/ring.fbs); frontend: its own
+    schema_minor: int = 0
 
     def encode(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
@@ -305,6 +389,8 @@ class Endpoint:
     def decode(cls, line: bytes) -> Endpoint:
         try:
             fields = json.loads(line)
+            if isinstance(fields, dict) and set(fields) == {"error"}:
+                raise ExchangeRefused(f"RDMA endpoint exchange: the engine refused: {fields['error']}")
             ep = cls(**fields)
         except (ValueError, TypeError) as exc:
             raise RingError(f"RDMA endpoint exchange: malformed message {line[:200]!r}: {exc}") from None
@@ -313,24 +399,53 @@ class Endpoint:
         return ep
 
 
-def exchange(sock: socket.socket, ours: Endpoint, timeout_s: float = 10.0) -> Endpoint:
-    """Send our endpoint, read the peer's (one line each way, out of band)."""
+class ExchangeRefused(RingError):
+    """The engine answered the exchange with a refusal (another ring's name, no room for a queue pair)."""
+
+
+MAX_LINE = 65536
+
+
+def send_line(sock: socket.socket, line: bytes, timeout_s: float) -> None:
     sock.settimeout(timeout_s)
     try:
-        sock.sendall(ours.encode())
-        buf = b""
+        sock.sendall(line)
+    except (BrokenPipeError, ConnectionResetError):
+        raise RingError("RDMA endpoint exchange: the peer closed the connection") from None
+    except TimeoutError:
+        raise RingError(f"RDMA endpoint exchange: could not send within {timeout_s}s") from None
+
+
+def read_line(sock: socket.socket, timeout_s: float) -> bytes:
+    """One line of the exchange, byte by byte up to its newline: nothing after it is taken from the socket
+    (the connection stays open as the queue pair's lease, and must show the peer's end, not stray bytes)."""
+    sock.settimeout(timeout_s)
+    buf = bytearray()
+    try:
         while not buf.endswith(b"\n"):
-            chunk = sock.recv(4096)
+            chunk = sock.recv(1)
             if not chunk:
                 raise ConnectionResetError("end of stream")
             buf += chunk
-            if len(buf) > 65536:
-                raise RingError("RDMA endpoint exchange: answer longer than 64 KiB")
+            if len(buf) > MAX_LINE:
+                raise RingError("RDMA endpoint exchange: a message longer than 64 KiB")
     except (BrokenPipeError, ConnectionResetError):
         raise RingError("RDMA endpoint exchange: the peer closed the connection before answering") from None
     except TimeoutError:
         raise RingError(f"RDMA endpoint exchange: no answer within {timeout_s}s") from None
-    return Endpoint.decode(buf)
+    return bytes(buf)
+
+
+def exchange(sock: socket.socket, ours: Endpoint, timeout_s: float = 10.0) -> Endpoint:
+    """Send our endpoint, read the peer's (one line each way, out of band)."""
+    send_line(sock, ours.encode(), timeout_s)
+    return Endpoint.decode(read_line(sock, timeout_s))
+
+
+def refuse(sock: socket.socket, why: str, timeout_s: float = 1.0) -> None:
+    """Answer an exchange with a refusal the frontend raises with ``why`` (best effort: it may be gone)."""
+    with contextlib.suppress(RingError, OSError):
+        send_line(sock, (json.dumps({"error": why}) + "\n").encode(), timeout_s)
 
 # ---------------------------------------------------------------------- queue pairs (pyverbs)
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -385,7 +500,11 @@ class VerbsQueuePair:
                     max_inline_data=cfg.max_inline)
         self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
         self.port_attr = self.ctx.query_port(cfg.port)
-        self.psn = 0x1B11 & 0xFFFFFF
+        self.psn = secrets.randbelow(1 << 24)  # a fresh start per pair: no packet of an earlier one is taken
+
+    @property
+    def qp_num(self) -> int:
+        return int(self.qp.qp_num)
 
     def endpoint(self, addr: int = 0, rkey: int = 0, size: int = 0) -> Endpoint:
         gid = str(self.ctx.query_gid(self.cfg.port, self.cfg.gid_index)).replace(":", "")
@@ -414,6 +533,15 @@ class VerbsQueuePair:
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()
+
+
+def wc_status_name(e: Any, status: int) -> str:
+    """The ``IBV_WC_*_ERR`` name of an error completion's status, from pyverbs' enums (the number where none
+    matches; the opcodes share the prefix, not the suffix)."""
+    for name in dir(e):
+        if name.startswith("IBV_WC_") and name.endswith("_ERR") and getattr(e, name) == status:
+            return name
+    return str(status)
 
 
 class VerbsPoster:
@@ -455,7 +583,7 @@ class VerbsPoster:
             for wc in wcs[:n]:
                 if wc.status != self.qp.e.IBV_WC_SUCCESS:
                     raise RingError(f"RDMA work request failed: completion status {wc.status} "
-                                    f"({self.qp.pv.enums.ibv_wc_status(wc.status).name})")
+                                    f"({wc_status_name(self.qp.e, int(wc.status))})")
             self._signaled -= n
             if self._signaled and time.monotonic() > deadline:
                 raise RingError(f"RDMA: {self._signaled} work requests not completed after {self.qp.cfg.timeout_s}s")
@@ -465,45 +593,166 @@ class VerbsPoster:
         self.qp.close()
 
 
-class RingExport:
-    """The engine side: the ring's memory registered once; each frontend connects a queue pair to it over
-    an out-of-band socket, after which the engine is off the data path (the HCA serves the verbs)."""
+class VerbsRegion:
+    """The ring's memory registered for remote READ, WRITE and atomics (host memory, or a dma-buf)."""
 
-    def __init__(self, transport: Transport, cfg: VerbsConfig = VerbsConfig(), dmabuf_fd: int | None = None) -> None:
+    def __init__(self, pair: VerbsQueuePair, transport: Transport, dmabuf_fd: int | None = None) -> None:
         from pyverbs.mr import MR, DmaBufMR  # type: ignore[import-not-found]  # noqa: PLC0415
 
-        self.cfg, self.size = cfg, transport.size
-        self.pairs: list[VerbsQueuePair] = []
-        self._template = VerbsQueuePair(cfg)
-        access = _access(self._template.e, REMOTE_RING_ACCESS)
+        access = _access(pair.e, REMOTE_RING_ACCESS)
         if dmabuf_fd is not None:  # ring in GPU memory, exported by the driver as a dma-buf
-            self.mr = DmaBufMR(self._template.pd, self.size, access, dmabuf=dmabuf_fd, offset=0)
+            self.mr = DmaBufMR(pair.pd, transport.size, access, dmabuf=dmabuf_fd, offset=0)
             self.addr = 0  # a dma-buf region is addressed from IOVA 0
         else:
             base = getattr(transport, "base", None)
             if base is None:
                 raise RingError("RDMA export needs a ring mapped in this process (ShmTransport or MemoryTransport)")
-            self.mr = MR(self._template.pd, self.size, access, address=base)
+            self.mr = MR(pair.pd, transport.size, access, address=base)
             self.addr = int(base)
+        self.rkey = int(self.mr.rkey)
 
-    def accept(self, sock: socket.socket) -> None:
-        """Connect one frontend: exchange endpoints over ``sock`` and bring a queue pair up."""
-        # One protection domain: the ring's region serves every queue pair.
-        qp = self._template if not self.pairs else VerbsQueuePair(self.cfg, shared_with=self._template)
-        peer = exchange(sock, qp.endpoint(self.addr, self.mr.rkey, self.size), self.cfg.timeout_s)
-        qp.connect(peer)
-        self.pairs.append(qp)
+    def close(self) -> None:
+        self.mr.close()
 
 
-def connect_ring(sock: socket.socket, cfg: VerbsConfig = VerbsConfig()) -> RdmaTransport:
-    """The frontend side of ``RingExport.accept``: the ring as a Transport over a fresh queue pair."""
-    qp = VerbsQueuePair(cfg)
+# ---------------------------------------------------------------------- the verbs layer, as both sides use it
+class QueuePair(Protocol):
+    @property
+    def qp_num(self) -> int: ...
+
+    def endpoint(self, addr: int = 0, rkey: int = 0, size: int = 0) -> Endpoint: ...
+
+    def connect(self, peer: Endpoint) -> None:
+        """Bring the queue pair up towards ``peer`` (RESET -> INIT -> RTR -> RTS)."""
+
+    def close(self) -> None: ...
+
+
+class Region(Protocol):
+    addr: int
+    rkey: int
+
+    def close(self) -> None: ...
+
+
+class Nic(Protocol):
+    """The verbs layer: what the engine's export and the frontend's connection ask of an RDMA device. The one
+    implementation of the product is ``PyverbsNic``; ``shared.remote_ring.nic_from_env`` picks it, or what
+    ``BLINK_RDMA_NIC`` names (the test harness's stand-in, ``harness/rdma_standin.py``, on machines with no
+    device). Everything above this layer (the exchange, the plans, the transport) is the same either way."""
+
+    def check(self, cfg: VerbsConfig) -> None:
+        """Raise ``RdmaUnavailable`` naming what is missing (pyverbs, a device, atomics), before any start."""
+
+    def queue_pair(self, cfg: VerbsConfig, shared_with: Any = None) -> QueuePair:
+        """A new RC queue pair; ``shared_with``: a pair whose device context and protection domain it uses."""
+
+    def register(self, pair: Any, transport: Transport, dmabuf_fd: int | None = None) -> Region:
+        """The ring's memory, registered in ``pair``'s protection domain for remote access."""
+
+    def poster(self, pair: Any, ring: Endpoint) -> Poster:
+        """Posting on ``pair`` (connected) against the ring region ``ring`` announced."""
+
+
+class PyverbsNic:
+    """The verbs layer over pyverbs (rdma-core's Python binding): a real device."""
+
+    def check(self, cfg: VerbsConfig) -> None:
+        _pyverbs()
+        from pyverbs import enums as e  # type: ignore[import-not-found]  # noqa: PLC0415
+        from pyverbs.device import Context  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        name = pick_device(cfg.device)
+        ctx = Context(name=name)
+        try:
+            if int(ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
+                raise RdmaUnavailable(f"RDMA device {name} has no atomics: the ring's slot transitions need 8-byte "
+                                      "compare-and-swap")
+            ctx.query_port(cfg.port)
+        finally:
+            ctx.close()
+
+    def queue_pair(self, cfg: VerbsConfig, shared_with: Any = None) -> VerbsQueuePair:
+        return VerbsQueuePair(cfg, shared_with)
+
+    def register(self, pair: Any, transport: Transport, dmabuf_fd: int | None = None) -> VerbsRegion:
+        return VerbsRegion(pair, transport, dmabuf_fd)
+
+    def poster(self, pair: Any, ring: Endpoint) -> VerbsPoster:
+        return VerbsPoster(pair, ring)
+
+
+class RingExport:
+    """The engine side: the ring's memory registered once; each frontend connects a queue pair to it over an
+    out-of-band socket, after which the engine is off the data path (the NIC serves the verbs).
+
+    The export's first queue pair owns the device context and the protection domain and serves no frontend;
+    each frontend gets its own pair in that domain (``accept``), closed when its lease ends (``drop``)."""
+
+    def __init__(self, transport: Transport, name: str, schema: tuple[int, int], nic: Nic | None = None,
+                 cfg: VerbsConfig = VerbsConfig(), dmabuf_fd: int | None = None) -> None:
+        self.nic: Nic = nic or PyverbsNic()
+        self.cfg, self.size, self.name, self.schema = cfg, transport.size, name, schema
+        self._owner = self.nic.queue_pair(cfg)
+        try:
+            self.region = self.nic.register(self._owner, transport, dmabuf_fd)
+        except BaseException:
+            self._owner.close()
+            raise
+
+    def accept(self, sock: socket.socket) -> QueuePair:
+        """Connect one frontend: read its endpoint from ``sock``, answer with the ring's, bring a queue pair
+        up. A frontend asking for another ring is refused (``ExchangeRefused`` here, its reason sent back)."""
+        peer = Endpoint.decode(read_line(sock, self.cfg.timeout_s))
+        if peer.ring != self.name:
+            why = f"this engine exports ring {self.name!r}, not {peer.ring!r}"
+            refuse(sock, why)
+            raise ExchangeRefused(why)
+        pair = self.nic.queue_pair(self.cfg, shared_with=self._owner)
+        try:
+            ours = dataclasses.replace(pair.endpoint(self.region.addr, self.region.rkey, self.size), ring=self.name,
+                                       schema_major=self.schema[0], schema_minor=self.schema[1])
+            send_line(sock, ours.encode(), self.cfg.timeout_s)
+            pair.connect(peer)
+        except BaseException:
+            pair.close()
+            raise
+        return pair
+
+    def close(self) -> None:
+        """Deregister the ring and release the device (every frontend's pair closed first, by its owner)."""
+        try:
+            self.region.close()
+        finally:
+            self._owner.close()
+
+
+def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsConfig(),
+                 nic: Nic | None = None) -> RdmaTransport:
+    """The frontend side of ``RingExport.accept``: the ring as a Transport over a fresh queue pair. ``sock``
+    becomes the transport's lease (closed with it). A ring of another schema major is refused here, before
+    the queue pair is connected, naming both versions."""
+    nic = nic if nic is not None else PyverbsNic()
+    pair = nic.queue_pair(cfg)
+    poster: Any = None
     try:
-        ring = exchange(sock, qp.endpoint(), cfg.timeout_s)
+        ours = dataclasses.replace(pair.endpoint(), ring=ring_name, schema_major=L.SCHEMA_MAJOR,
+                                   schema_minor=L.SCHEMA_MINOR)
+        ring = exchange(sock, ours, cfg.timeout_s)
+        if ring.schema_major != L.SCHEMA_MAJOR:
+            raise RingError(f"ring {ring_name}: schema version {ring.schema_major}.{ring.schema_minor} is "
+                            f"incompatible with this program's {L.SCHEMA_MAJOR}.{L.SCHEMA_MINOR} (major versions "
+                            "differ); upgrade the older side")
         if ring.size <= 0 or ring.rkey == 0:
             raise RingError(f"RDMA: the engine announced no ring region (size {ring.size}, rkey {ring.rkey})")
-        qp.connect(ring)
-        return RdmaTransport(VerbsPoster(qp, ring), ring.size)
+        pair.connect(ring)
+        poster = nic.poster(pair, ring)
+        return RdmaTransport(poster, ring.size, lease=sock)
     except BaseException:
-        qp.close()
+        closer = getattr(poster, "close", None)
+        if closer is not None:
+            closer()  # the poster owns the pair
+        else:
+            pair.close()
+        sock.close()
         raise

@@ -1,0 +1,294 @@
+"""Rings on another host: the ``rdma://HOST:PORT/NAME`` address, the frontend's attach, the engine's export.
+
+The DPU split (docs/RDMA.md): the engine runs on the GPU host and exports its ring (``blink engine
+--rdma-listen ADDR:PORT``: ``ExportServer``); the frontend set runs on the DPU and names the ring by its
+address (``--ring rdma://HOST:PORT/NAME``: ``attach_remote_ring``). Between them, per frontend process, one
+TCP connection (the endpoint exchange, then kept open as the queue pair's lease) and one RC queue pair;
+the engine's CPU answers the exchange and is off the data path afterwards.
+
+The verbs layer is ``nic_from_env()``: pyverbs on a real device, or what ``BLINK_RDMA_NIC`` names (the test
+harness's stand-in for the NIC). ``rdma_problem`` says, before anything starts, what is missing for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+import selectors
+import socket
+import threading
+
+from shared.env import env
+from shared.log import get_logger
+from shared.ring import Ring, attach_ring
+from shared.transport import RingError, shm_path
+from shared.transport.rdma import (
+    Nic,
+    PyverbsNic,
+    QueuePair,
+    RdmaUnavailable,
+    RingExport,
+    VerbsConfig,
+    connect_ring,
+    refuse,
+)
+
+log = get_logger("rdma")
+RDMA_SCHEME = "rdma://"
+MAX_PAIRS = 64  # frontend queue pairs an engine serves at once (a frontend set holds one per process)
+LISTEN_BACKLOG = 16
+DEFAULT_VERBS = VerbsConfig()  # the first device, port 1, GID index 0
+
+
+def is_remote(ring: str) -> bool:
+    """Whether ``ring`` (a ``--ring`` value) is the address of a ring on another host, not a local name."""
+    return ring.lower().startswith(RDMA_SCHEME)
+
+
+def _host_port(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT``."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if not rest.startswith(":"):
+            raise ValueError(f"{what} {text!r}: write an IPv6 host as [ADDR]:PORT")
+        port = rest[1:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"{what} {text!r}: HOST:PORT expected")
+        if ":" in host:
+            raise ValueError(f"{what} {text!r}: write an IPv6 host in brackets, [ADDR]:PORT")
+    if not host:
+        raise ValueError(f"{what} {text!r}: no host (0.0.0.0 listens on every address)")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: the port must be a number") from None
+    if not 1 <= number <= 65535:
+        raise ValueError(f"{what} {text!r}: the port must be within 1..65535")
+    return host, number
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RdmaAddress:
+    """Where a remote ring is: the engine host's exchange (``host``, ``port``) and the ring's name there."""
+
+    host: str
+    port: int
+    name: str
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{RDMA_SCHEME}{host}:{self.port}/{self.name}"
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def file_name(self) -> str:
+        """A name for files of this ring on the frontend's host (``blink serve``'s lock)."""
+        return re.sub(r"[^A-Za-z0-9._-]", "_", f"rdma-{self.host}-{self.port}-{self.name}")
+
+
+def parse_ring_address(text: str) -> RdmaAddress:
+    """``rdma://HOST:PORT/NAME``; ValueError saying what is wrong."""
+    if not is_remote(text):
+        raise ValueError(f"--ring {text!r}: not an RDMA address (rdma://HOST:PORT/NAME)")
+    where, slash, name = text[len(RDMA_SCHEME):].partition("/")
+    if not slash or not name:
+        raise ValueError(f"--ring {text!r}: no ring name: rdma://HOST:PORT/NAME, NAME being the engine's --ring")
+    try:
+        shm_path(name)
+    except RingError as exc:
+        raise ValueError(f"--ring {text!r}: {exc}") from None
+    try:
+        host, port = _host_port(where, "HOST:PORT")
+    except ValueError as exc:
+        raise ValueError(f"--ring {text!r}: {exc}") from None
+    return RdmaAddress(host, port, name)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``--rdma-listen ADDR:PORT``."""
+    return _host_port(text, "--rdma-listen")
+
+
+def nic_from_env() -> Nic:
+    """The verbs layer: pyverbs (``PyverbsNic``), or the object ``BLINK_RDMA_NIC=MODULE:NAME`` names (a class
+    is instantiated)."""
+    spec = env().rdma_nic
+    if not spec:
+        return PyverbsNic()
+    module, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr or "Nic")
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise RdmaUnavailable(f"BLINK_RDMA_NIC={spec}: cannot load the verbs layer it names ({exc})") from None
+    return found() if isinstance(found, type) else found
+
+
+def rdma_problem(cfg: VerbsConfig = DEFAULT_VERBS) -> str | None:
+    """What this host lacks to use the RDMA transport (pyverbs, a device, atomics), or None."""
+    try:
+        nic_from_env().check(cfg)
+    except RdmaUnavailable as exc:
+        return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------------- the frontend side
+def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig = DEFAULT_VERBS, nic: Nic | None = None) -> Ring:
+    """Connect to the engine's exchange, bring a queue pair up, and attach the ring through it (its header
+    read and validated over RDMA, as ``attach_shm_ring`` does over the mapping). ``RingError`` saying why not
+    (nothing listening, another ring's name, another schema major, no device)."""
+    nic = nic or nic_from_env()
+    try:
+        sock = socket.create_connection((addr.host, addr.port), timeout=cfg.timeout_s)
+    except OSError as exc:
+        raise RingError(f"ring {addr}: nothing answers at {addr.host}:{addr.port} ({exc.strerror or exc}); is the "
+                        "engine running there with --rdma-listen?") from None
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    transport = connect_ring(sock, addr.name, cfg, nic)  # closes the socket when it fails
+    try:
+        return attach_ring(transport, addr.url)
+    except BaseException:
+        transport.close()
+        raise
+
+
+# ---------------------------------------------------------------------- the engine side
+class ExportServer:
+    """The engine's export: ``--rdma-listen ADDR:PORT``.
+
+    Made before the model loads (``nic.check`` and the bind fail at once: no device, no pyverbs, a port in
+    use); ``start(ring)`` registers the ring and listens; a thread then answers each frontend's exchange and
+    keeps its connection as the lease of that frontend's queue pair, which is closed when the connection
+    ends (the frontend process stopped or died). The thread does nothing else: the engine's loop never
+    waits on it, and the frontends' verbs reach the ring through the NIC alone. ``close`` (before the ring
+    is unmapped) ends every lease, which each frontend sees at its next look, and deregisters the ring."""
+
+    def __init__(self, listen: str, cfg: VerbsConfig = DEFAULT_VERBS, nic: Nic | None = None,
+                 max_pairs: int = MAX_PAIRS) -> None:
+        self.host, self.port = parse_listen(listen)
+        self.cfg, self.max_pairs = cfg, max_pairs
+        self.nic = nic or nic_from_env()
+        self.nic.check(cfg)
+        family, kind, proto, _, where = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+        self.listener = socket.socket(family, kind, proto)
+        try:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.listener.bind(where)
+        except OSError as exc:
+            self.listener.close()
+            raise RingError(f"--rdma-listen {listen}: cannot bind ({exc.strerror or exc})") from None
+        self.export: RingExport | None = None
+        self.leases: dict[socket.socket, QueuePair] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread: threading.Thread | None = None
+
+    def start(self, ring: Ring) -> None:
+        """Register ``ring``'s memory and answer exchanges from now on."""
+        header = ring.read_header()
+        self.export = RingExport(ring.transport, ring.name, (int(header["schema_major"]), int(header["schema_minor"])),
+                                 self.nic, self.cfg)
+        self.listener.listen(LISTEN_BACKLOG)
+        self._thread = threading.Thread(target=self._serve, name="rdma-export", daemon=True)
+        self._thread.start()
+        log.info("rdma export ready", listen=f"{self.host}:{self.port}", ring=ring.name, size=ring.transport.size,
+                 rkey=self.export.region.rkey)
+
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    if key.fileobj is self.listener:
+                        self._accept(sel)
+                    else:
+                        self._lease_event(sel, key.fileobj)  # type: ignore[arg-type]
+        finally:
+            for conn in list(self.leases):
+                self._drop(sel, conn, "the engine is stopping")
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        try:
+            conn, peer = self.listener.accept()
+        except OSError:
+            return
+        assert self.export is not None
+        if len(self.leases) >= self.max_pairs:
+            refuse(conn, f"this engine serves {self.max_pairs} frontend queue pairs already")
+            conn.close()
+            log.warning("rdma frontend refused: too many queue pairs", peer=str(peer), pairs=len(self.leases))
+            return
+        try:
+            pair = self.export.accept(conn)
+        except Exception as exc:  # noqa: BLE001 - a failed exchange (or device call) costs that frontend only
+            conn.close()
+            log.warning("rdma exchange failed", peer=str(peer), error=str(exc), kind=type(exc).__name__)
+            return
+        conn.setblocking(False)
+        self.leases[conn] = pair
+        sel.register(conn, selectors.EVENT_READ)
+        log.info("rdma frontend connected", peer=str(peer), qp=pair.qp_num, pairs=len(self.leases))
+
+    def _lease_event(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        """A frontend's connection is readable: its end (or anything it sends, which the exchange has not
+        got: the lease carries nothing) ends its queue pair."""
+        try:
+            got = conn.recv(1)
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        self._drop(sel, conn, "the frontend closed its connection" if not got else "the frontend sent after the "
+                   "exchange")
+
+    def _drop(self, sel: selectors.BaseSelector, conn: socket.socket, why: str) -> None:
+        pair = self.leases.pop(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        conn.close()
+        try:
+            pair.close()
+        except Exception as exc:  # noqa: BLE001 - one pair's teardown must not end the others' leases
+            log.warning("rdma queue pair not closed cleanly", qp=pair.qp_num, error=str(exc))
+        log.info("rdma frontend gone", qp=pair.qp_num, why=why, pairs=len(self.leases))
+
+    def close(self) -> None:
+        """End every lease, deregister the ring, stop listening (idempotent)."""
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+            self._thread.join()
+            self._thread = None
+        export, self.export = self.export, None
+        try:
+            if export is not None:
+                export.close()
+        finally:
+            for s in (self.listener, self._wake_r, self._wake_w):
+                s.close()
+
+
+def export_problem(listen: str) -> str | None:
+    """Why ``--rdma-listen`` cannot be served here, without binding anything (``blink serve``'s early check)."""
+    try:
+        parse_listen(listen)
+    except ValueError as exc:
+        return str(exc)
+    return rdma_problem()
+
+
+__all__ = ["ExportServer", "RdmaAddress", "attach_remote_ring", "export_problem", "is_remote", "nic_from_env",
+           "parse_listen", "parse_ring_address", "rdma_problem"]
