@@ -20,6 +20,7 @@ from dpu_gateway.grammar_pool import GrammarPool, Job, PoolBusy, Refusal
 from dpu_gateway.textio import TextCodec
 from shared import token_dfa as store
 from shared.log import get_logger
+from shared.remote_ring import is_remote
 
 log = get_logger("gateway")
 MAX_REFUSALS_KEPT = 1024
@@ -53,6 +54,10 @@ class GrammarCompiler:
     async def compile(self, key: str, vocab_size: int, param: str) -> int:
         """The id of the grammar ``key`` names, compiled and stored if it is not yet; a grammar that cannot
         be enforced is a 400 naming ``param`` (and the keyword or limit), a full queue a 429."""
+        if is_remote(self.ring_name):
+            raise APIError(400, f"{param}: constrained output is not served over an RDMA ring: the engine loads "
+                           "each grammar from a store in its own host's shared memory, which a frontend on another "
+                           "host cannot write (docs/RDMA.md)", param=param, code="unsupported_on_remote_ring")
         if vocab_size <= 0:
             raise APIError(503, "the engine has not said its vocabulary yet", code="service_unavailable")
         if self._texts is None:

@@ -23,6 +23,7 @@ from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
 from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, CacheConfig, EngineSample, FrontendMetrics
 from shared.ring import Ring
+from shared.transport import RingError
 
 log = get_logger("gateway")
 
@@ -43,8 +44,11 @@ class RingSet:
         attached = None
         for watch in self.watches:
             ring = watch.current()
-            if ring is not None and ring.engine_serving(self.timeout_s):
-                return ring
+            try:
+                if ring is not None and ring.engine_serving(self.timeout_s):
+                    return ring
+            except RingError:  # a remote ring whose access failed: its watch lets it go at the next look
+                continue
             attached = attached or ring
         return attached
 
@@ -98,12 +102,19 @@ class EngineView:
 def engine_view(engine: int, watch: RingWatch, with_slots: bool = False) -> EngineView:
     ring = watch.current()
     if ring is None:
-        return EngineView(engine, False, "no ring: the engine is not running or is restarting", None)
+        return EngineView(engine, False, watch.problem() or "no ring", None)
+    try:
+        return ring_view(engine, ring, watch.timeout_s, with_slots)
+    except RingError as exc:  # a remote ring whose access failed: its watch lets it go at the next look
+        return EngineView(engine, False, f"the ring cannot be read: {exc}", None)
+
+
+def ring_view(engine: int, ring: Ring, timeout_s: float, with_slots: bool) -> EngineView:
     header = ring.read_header()
     stats = header["stats"]
     values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
     values.update({name: ring.header_load64(name) for name in PREFIX_CACHE_COUNTERS})  # header words, minor 4
-    reason = ring.serving_problem(watch.timeout_s) or ""
+    reason = ring.serving_problem(timeout_s) or ""
     in_use = pending = 0
     if with_slots:
         states = ring.read_slots()["state"]

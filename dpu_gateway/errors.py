@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from shared.log import get_logger
+from shared.transport import RingError
 
 log = get_logger("gateway")
 
@@ -78,6 +79,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return from_http_exception(exc).response()
     except msgspec.DecodeError as exc:
         return from_decode_error(exc).response()
+    except RingError as exc:  # a remote ring lost while the request read it (its watch lets it go next)
+        log.warning("ring access failed: 503", path=request.path, error=str(exc))
+        return APIError(503, "the engine is not running (its ring cannot be reached)", code="engine_unavailable",
+                        retry_after_s=1).response()
     except Exception:
         log.exception("unhandled", path=request.path)
         return APIError(500, "internal server error").response()

@@ -45,6 +45,7 @@ from shared.log import get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
 from shared.slots import SlotWriter
+from shared.transport import RingError
 
 log = get_logger("reader")
 S, F = L.SlotState, L.FinishReason
@@ -116,13 +117,23 @@ class RingReader:
         """Read the ring once and forward what changed; True if any token moved."""
         if self.ring is None or not self.routes:
             return False
-        snap = self.ring.read_slots(self.snapshot)
-        self.ring.transport.fence()  # acquire: the tokens behind every `generated` seen are visible
-        moved = False
-        fresh = [r for r in self.routes.values() if r.sent == 0]
-        for route in fresh + [r for r in self.routes.values() if r.sent > 0]:
-            moved |= self._serve(route, snap[route.track.slot])
+        try:
+            snap = self.ring.read_slots(self.snapshot)
+            self.ring.transport.fence()  # acquire: the tokens behind every `generated` seen are visible
+            moved = False
+            fresh = [r for r in self.routes.values() if r.sent == 0]
+            for route in fresh + [r for r in self.routes.values() if r.sent > 0]:
+                moved |= self._serve(route, snap[route.track.slot])
+        except RingError as exc:
+            self._access_failed(exc)
+            return False
         return moved
+
+    def _access_failed(self, exc: RingError) -> None:
+        """An access to a remote ring failed (its engine gone, the link down): the watch lets the ring go
+        now, which fails its streams (``_ring_gone``), and attaches again when an engine answers."""
+        log.warning("ring access failed", engine=self.index, error=str(exc))
+        self.check_health()
 
     def _serve(self, route: Route, meta: np.void) -> bool:
         tr = route.track
@@ -211,7 +222,8 @@ class RingReader:
     def _orphan(self, route: Route) -> None:
         route.orphan = True
         if self.writer is not None:
-            self.writer.cancel(route.track.slot, route.track.seq)
+            with contextlib.suppress(RingError):  # a remote ring that is lost: the slot went with it
+                self.writer.cancel(route.track.slot, route.track.seq)
 
     # ------------------------------------------------------------ hand-over
     def adopt(self, gateway_id: int, received: dict[int, int]) -> set[int]:
@@ -219,7 +231,10 @@ class RingReader:
         each from its slot as it is now and from the first token its gateway lacks; their ids."""
         if self.ring is None or not received:
             return set()
-        snap = self.ring.read_slots(self.snapshot)
+        try:
+            snap = self.ring.read_slots(self.snapshot)
+        except RingError:  # a remote ring lost: its streams are failed as not found
+            return set()
         wanted = np.fromiter(received, np.uint64, len(received))
         live = np.isin(snap["request_id"], wanted) & (snap["state"] > S.RESERVED)
         adopted = set()
@@ -276,6 +291,14 @@ class RingReader:
 
     # ------------------------------------------------------------ health
     def check_health(self) -> None:
+        try:
+            self._check_health()
+        except RingError as exc:  # a remote ring whose access failed: its watch lets it go at this next look
+            log.warning("ring access failed", engine=self.index, error=str(exc))
+            with contextlib.suppress(RingError):
+                self.watch.current()
+
+    def _check_health(self) -> None:
         ring = self.watch.current()  # a replaced or removed segment reaches _ring_gone first
         if ring is None or ring is not self.ring:
             self._fail_all(RESTARTED)  # requests tracked while no ring was attached

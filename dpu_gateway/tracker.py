@@ -35,6 +35,7 @@ from shared.log import admit_repeat, get_logger
 from shared.notify import Notifier, look_for
 from shared.ring import Ring
 from shared.slots import SlotRequest
+from shared.transport import RingError
 
 log = get_logger("tracker")
 NOT_RUNNING = "the engine is not running"
@@ -119,7 +120,10 @@ class Lane:
     def serving(self) -> SlotCache | None:
         """The slot cache when the engine serves (READY with a fresh heartbeat), else None."""
         cache = self.slots()
-        return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
+        try:
+            return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
+        except RingError:  # a remote ring whose access failed: its watch lets it go at the next look
+            return None
 
     def problem(self) -> str:
         """Why this engine does not serve (for the log line of a refusal)."""
@@ -172,7 +176,12 @@ class SlotTracker:
             self._log_not_running(1)
             chan.send(m.Rejected(sub.req_id, 503, NOT_RUNNING))
             return
-        if not self.waiting and self._publish(serving, chan, sub):
+        try:
+            if not self.waiting and self._publish(serving, chan, sub):
+                return
+        except RingError as exc:  # a remote ring lost mid-publication (its watch lets it go at the next look)
+            log.warning("ring access failed: 503", req_id=sub.req_id, error=str(exc))
+            chan.send(m.Rejected(sub.req_id, 503, f"{NOT_RUNNING}: its ring cannot be reached"))
             return
         if len(self.waiting) >= self.cfg.max_waiting:
             chan.send(m.Rejected(sub.req_id, 429, "server busy: the ring and the wait queue are full",
@@ -213,6 +222,12 @@ class SlotTracker:
         chan.send(m.Admitted(sub.req_id, idx, engine))
 
     def cancel(self, req_id: int) -> None:
+        try:
+            self._cancel(req_id)
+        except RingError as exc:  # the ring is going: so is the request
+            log.warning("cancel not written: ring access failed", req_id=req_id, error=str(exc))
+
+    def _cancel(self, req_id: int) -> None:
         for i, (_, sub) in enumerate(self.waiting):
             if sub.req_id == req_id:
                 del self.waiting[i]
@@ -282,7 +297,10 @@ class SlotTracker:
             except TimeoutError:
                 pass
             self._wake.clear()
-            self.admit_waiting()
+            try:
+                self.admit_waiting()
+            except RingError as exc:  # a remote ring lost: the next round sees it gone
+                log.warning("admission: ring access failed", error=str(exc))
 
     def close(self) -> None:
         for lane in self.lanes:
