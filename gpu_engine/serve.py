@@ -5,6 +5,11 @@ serves until the header's shutdown flag or SIGTERM/SIGINT, drains, then unlinks 
 fails (a device hang or launch failure, or any error while serving) first ends every request the ring
 holds for it with ``ENGINE_FAILURE``, then unlinks the ring and exits non-zero, for a restart.
 
+``--rdma-listen ADDR:PORT`` exports the ring to a frontend on another host (a DPU: docs/RDMA.md): the ring is
+registered with the RDMA device and a thread answers each frontend's connection exchange, after which the
+frontends' reads, writes and atomics reach the ring through the NIC, never through this process. What the
+export needs (pyverbs, a device with atomics, the port) is checked before the model loads.
+
 ``--standby`` makes a spare, which ``blink serve`` keeps beside the live engine so that a restart skips
 the interpreter, the imports and (on the CPU) the weights: it does that much, then waits for the go on
 stdin; from there it is the engine it replaces, started the same way (same ring creation, owner checks
@@ -43,9 +48,11 @@ from shared import ring_layout as L
 from shared.config import EngineConfig, add_engine_arguments, engine_config_from
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger, setup_logging
+from shared.remote_ring import ExportServer, is_remote
 from shared.ring import Ring, create_shm_ring
 from shared.standby import BadGo, wait_for_go
-from shared.transport import SegmentTaken
+from shared.transport import RingError, SegmentTaken
+from shared.transport.rdma import VerbsConfig
 
 log = get_logger("engine")
 COLLECT_S = 2.0  # after a failure: how long the engine waits for the frontend to read the failed requests
@@ -62,7 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --standby: the spare's environment already names the GPU that any go will give it "
                     "(blink serve with one engine), so a spare of a GPU backend makes its CUDA context, with every "
                     "module loaded, before the go; no kernel runs before the go")
+    rdma = ap.add_argument_group("RDMA export (a frontend on another host: docs/RDMA.md)")
+    rdma.add_argument("--rdma-listen", default=None, metavar="ADDR:PORT",
+                      help="export the ring over RDMA: answer frontends' connection exchanges on this TCP address "
+                      "(listen on the interface facing the DPU); they name the ring rdma://HOST:PORT/RING")
+    rdma.add_argument("--rdma-device", default=None, metavar="NAME",
+                      help="the RDMA device to register the ring with (default: the first in /sys/class/infiniband)")
+    rdma.add_argument("--rdma-gid-index", type=int, default=0, metavar="N",
+                      help="the GID index of the device's port (RoCE: the one of the address the DPU reaches)")
     return ap
+
+
+def rdma_export(ns: argparse.Namespace, ring_name: str) -> ExportServer | None:
+    """The export ``--rdma-listen`` asks for, checked and bound now (before the model loads); None without it.
+    ValueError or RingError (RdmaUnavailable: pyverbs or a device missing) saying what is wrong."""
+    if is_remote(ring_name):
+        raise ValueError(f"--ring {ring_name}: the engine creates its ring under a local name; a frontend on another "
+                         "host names it rdma://THIS_HOST:PORT/NAME, the port being this engine's --rdma-listen")
+    if ns.rdma_listen is None:
+        if ns.rdma_device is not None:
+            raise ValueError("--rdma-device applies to an exported ring: give --rdma-listen ADDR:PORT too")
+        return None
+    return ExportServer(ns.rdma_listen, VerbsConfig(device=ns.rdma_device, gid_index=ns.rdma_gid_index))
 
 
 def parse_args(argv: list[str] | None) -> EngineConfig:
@@ -177,12 +205,21 @@ def fail_requests(ring: Ring, exc: BaseException) -> None:
     ring.header_store32("engine_state", L.EngineState.FAILED)
 
 
-def serve(cfg: EngineConfig, backend: Backend) -> None:
-    """Create the ring, serve it until shutdown, unlink it."""
+def serve(cfg: EngineConfig, backend: Backend, export: ExportServer | None = None) -> None:
+    """Create the ring, serve it until shutdown, unlink it; with ``export``, the ring is exported from its
+    creation until it is unlinked."""
     geometry = cfg.geometry
     if not backend.prompt_logprobs:  # no prompt log-probs computed: no arenas
         geometry = dataclasses.replace(geometry, max_prompt_logprobs_tokens=0)
     ring = create_shm_ring(cfg.ring_name, geometry)
+    if export is not None:
+        try:
+            export.start(ring)  # registered before READY: a frontend that attaches sees the engine start
+        except BaseException:
+            export.close()
+            ring.transport.unlink()  # type: ignore[attr-defined]
+            ring.close()
+            raise
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         ring.header_store32("shutdown", 1)
@@ -207,6 +244,8 @@ def serve(cfg: EngineConfig, backend: Backend) -> None:
         fail_requests(ring, exc)
         raise
     finally:
+        if export is not None:
+            export.close()  # every frontend's lease ends, then the ring is deregistered, before it is unmapped
         ring.transport.unlink()  # type: ignore[attr-defined]
         ring.close()
 
@@ -282,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         # Load every CUDA module up front: lazy loading stalls while the persistent kernel runs.
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
+        export = rdma_export(ns, cfg.ring_name)
+    except (ValueError, RingError) as exc:  # before anything loads: no pyverbs, no device, the port taken
+        log.error("rdma export refused", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         weights = None
         if ns.standby:
             if (taken := stand_by(cfg, ns.standby_gpu_known)) is None:
@@ -302,9 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(cfg, backend)
+        serve(cfg, backend, export)
     except SegmentTaken as exc:  # another user holds the ring's name: say so, no traceback
         log.error("ring name taken", error=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RingError as exc:  # the ring could not be made or exported (an RDMA registration refused, ...)
+        log.error("ring not served", error=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except DeviceFailure as exc:

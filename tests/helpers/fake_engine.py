@@ -7,7 +7,8 @@ first token) one token per step, then stops with EOS; with ``ignore_eos`` it kee
 until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
 ``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
 ``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load);
-``FAKE_ENGINE_HANG_ONCE``: see ``hang_now``.
+``FAKE_ENGINE_HANG_ONCE``: see ``hang_now``. ``--rdma-listen`` exports the ring as the real engine's does
+(``shared.remote_ring.ExportServer``, checked before the "load").
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import numpy as np
 from shared import ring_layout as L
 from shared.engine_slots import SlotEngine
 from shared.log import get_logger, setup_logging
+from shared.remote_ring import ExportServer
 from shared.ring import Ring, RingGeometry, create_shm_ring
 from shared.standby import wait_for_go
-from shared.transport import ShmTransport
+from shared.transport import RingError, ShmTransport
 
 S, F, E = L.SlotState, L.FinishReason, L.ErrorCode
 
@@ -143,6 +145,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--standby", action="store_true")
     ap.add_argument("--standby-gpu-known", action="store_true")  # the real spare's: no GPU here
+    ap.add_argument("--rdma-listen", default=None)
     args, _ = ap.parse_known_args(argv)
     return args
 
@@ -155,9 +158,17 @@ def main(argv: list[str] | None = None) -> None:
         if (go := wait_for_go(sys.stdin.buffer)) is None:
             return
         args.ring = go.ring
+    try:
+        export = ExportServer(args.rdma_listen) if args.rdma_listen else None
+    except (ValueError, RingError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     time.sleep(float(os.environ.get("FAKE_ENGINE_LOAD_S", "0")))  # a model load's time, before the ring exists
     geo = RingGeometry(args.num_slots, args.max_prompt_tokens, args.max_output_tokens, top_logprobs=5)
     ring = create_shm_ring(args.ring, geo)
+    if export is not None:
+        setup_logging("engine")
+        export.start(ring)
     fake = FakeEngine(ring, args.max_context, args.step_ms / 1000)
     signal.signal(signal.SIGTERM, lambda *_: setattr(fake, "stop", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(fake, "stop", True))
@@ -168,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         fake.serve()
     finally:
         ring.header_store32("engine_state", L.EngineState.STOPPED)
+        if export is not None:
+            export.close()
         ShmTransport.unlink_name(args.ring)
 
 
