@@ -22,6 +22,7 @@ from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
 from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags
 from shared.model_context import model_context
+from shared.remote_ring import is_remote
 
 if TYPE_CHECKING:
     from blink.supervisor import ServeConfig
@@ -73,7 +74,8 @@ def add_common(ap: argparse.ArgumentParser, ring: bool = True) -> None:
                     help="folder of the services' Unix sockets; BLINK_RUN_DIR sets the default (default: %(default)s)")
     if ring:  # serve takes --ring from the engine's flags
         ap.add_argument("--ring", default=e.ring_name, help="shared-memory name of the engine's ring (with "
-                        "--data-parallel-size N > 1: the base of the N rings' names, NAME-dp0 ...)")
+                        "--data-parallel-size N > 1: the base of the N rings' names, NAME-dp0 ...), or the "
+                        "address of a ring on another host, rdma://HOST:PORT/NAME (docs/RDMA.md)")
     add_data_parallel(ap)
     ap.add_argument("--log-level", default=None, help="debug, info, warning, error (default: BLINK_LOG_LEVEL, "
                     "else info)")
@@ -196,6 +198,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from shared.ring import segment_problem
 
     take_model_tag(args)
+    if args.frontend_only:
+        return frontend_config(args)
+    if is_remote(args.ring_name):
+        raise ValueError(f"--ring {args.ring_name}: a ring on another host is served by a frontend set alone (blink "
+                         "serve --frontend-only --ring rdma://...); its engine runs there (blink engine --rdma-listen)")
     flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
     serve = ServeConfig.from_args(args, flags_only)
     problem = (engine_problem(flags_only, None)
@@ -216,6 +223,55 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if problem:
         raise ValueError(problem)
     return ServeConfig.from_args(args, engine)
+
+
+def frontend_config(args: argparse.Namespace) -> ServeConfig:
+    """``blink serve --frontend-only``: the frontend set of a ring whose engine runs apart, checked as ``serve_config``
+    checks it, before anything starts: the ring (an ``rdma://`` address, and what RDMA needs here), the frontend's
+    flags; engine flags are refused, as they would not apply. A Hub model's tokenizer files are fetched, not its
+    weights (a GGUF holds its tokenizer: it is fetched whole)."""
+    from blink.supervisor import ServeConfig
+
+    ring = args.ring_name
+    flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
+    given = sorted({a for a in flags_only.to_argv() if a.startswith("--")} - {"--ring", "--model"})
+    problem = (("--frontend-only starts no engine: " + ", ".join(given) + " would not apply (they are blink engine's)")
+               if given else None) or remote_ring_problem(ring, args.data_parallel_size) or (
+        "--frontend-only serves one engine's ring: --data-parallel-size must be 1"
+        if args.data_parallel_size != 1 else None) or tool_flags_problem(
+        args.enable_auto_tool_choice, args.tool_call_parser) or chat_template_problem(args.chat_template)
+    if problem:
+        raise ValueError(problem)
+    for service, check in (("gateway", gateway_config), ("tracker", tracker_config)):
+        try:
+            check(args, ring)
+        except ValueError as exc:
+            raise ValueError(f"{service}: {exc}") from None
+    model = hub_model(args.model) if args.model else None
+    if model is not None and model.quant is None and args.gguf_file is None and not args.tokenizer:
+        args.served_model_name = args.served_model_name or [args.model]
+        args.tokenizer = str(fetch_tokenizer(model.repo, Where(args.revision, args.download_dir)))
+        args.model = None
+    else:
+        models_from_hub(args)
+    return ServeConfig.from_args(args, EngineConfig.from_namespace(args), frontend_only=True)
+
+
+def remote_ring_problem(ring: str, data_parallel_size: int = 1) -> str | None:
+    """Why a frontend service cannot reach ``ring`` when it is an ``rdma://`` address (a bad address, one engine
+    per address, pyverbs or a device missing here), or None; a local name is not checked here."""
+    from shared.remote_ring import parse_ring_address, rdma_problem
+
+    if not is_remote(ring):
+        return None
+    try:
+        parse_ring_address(ring)
+    except ValueError as exc:
+        return str(exc)
+    if data_parallel_size != 1:
+        return f"--ring {ring}: an rdma:// address is one engine's ring; --data-parallel-size must be 1"
+    problem = rdma_problem()
+    return f"--ring {ring}: {problem}" if problem else None
 
 
 def take_model_tag(args: argparse.Namespace) -> None:
@@ -422,6 +478,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 HELP = HelpFormatter
 
 
+class ServeHelp(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """``blink serve --help``: the epilog's command lines as written."""
+
+
+SERVE_EPILOG = """\
+a DPU deployment (docs/RDMA.md): the engine on the GPU host exports its ring over RDMA, the frontend set runs
+on the DPU (a BlueField's Arm cores) and reaches the ring through the NIC; the GPU host's CPU runs no
+frontend work:
+
+  GPU host:  blink engine --model MODEL --ring blink-ring --rdma-listen 192.168.100.1:7471
+  DPU:       blink serve --frontend-only --model MODEL --ring rdma://192.168.100.1:7471/blink-ring \\
+                 --host 0.0.0.0 --port 8000
+
+(the DPU needs the model's tokenizer only: a Hub id fetches its tokenizer files, not its weights)"""
+
+
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     """The engine's flags, as ``blink engine`` has them; ``serve`` passes on those not at their default."""
     add_engine_arguments(ap.add_argument_group("engine (passed to blink engine)"))
@@ -432,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="blink", description="Blink: LLM serving over a shared ring")
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the engine and every frontend service (like `vllm serve`)",
-                           formatter_class=HELP)
+                           formatter_class=ServeHelp, epilog=SERVE_EPILOG)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as vLLM's positional argument: the same as --model")
     add_common(serve, ring=False)
@@ -470,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in PASS_THROUGH:
         return PASS_THROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in ("gateway", "tracker", "reader") and (problem := remote_ring_problem(
+            args.ring, args.data_parallel_size)):  # at once, before the service starts
+        print(f"blink {args.command}: {problem}", file=sys.stderr)
+        return 2
     if from_command_line:
         hide_api_key(args)
     if hasattr(args, "run_dir") and not private_run_dir(args):

@@ -24,6 +24,13 @@ interpreter, the imports and, on the CPU, the weights; a new spare starts the sa
 READY again. Without a live spare the restart is a cold start. A spare that dies, or cannot be started, is
 logged and replaced (given up after ``RESTARTS_PER_MINUTE`` in a minute); it dies with the supervisor like
 every child (PR_SET_PDEATHSIG, and its pipe closing ends its wait).
+
+``--frontend-only`` starts the frontend set alone (tokenizer, reader, tracker, gateways) for a ring whose engine
+runs apart: ``blink engine`` on this host, or on another host with ``--rdma-listen``, the ring then named
+``rdma://HOST:PORT/NAME`` (docs/RDMA.md, the DPU split). No engine and no spare are started, watched or stopped,
+and the ring is neither retired nor removed: the services follow it, and its engine's liveness, through their
+ring watches; ``ready`` needs their markers only (the gateway answers 503 until the engine serves). Services that
+die are restarted as usual.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from shared.data_parallel import DataParallelConfig, engine_devices
 from shared.env import HEARTBEAT_TIMEOUT_S, env
 from shared.frontend_flags import GATEWAY, SERVE, GatewayFlags, TrackerFlags, from_namespace, to_argv
 from shared.log import get_logger
+from shared.remote_ring import is_remote, parse_ring_address
 from shared.ring import Liveness, attach_shm_ring
 from shared.standby import Go, send_go
 from shared.token_dfa import remove_store
@@ -89,6 +97,7 @@ class ServeConfig:
     service_nice: int = SERVE.service_nice  # every child's nice value (Child.nice)
     standby_engine: bool = SERVE.standby_engine  # keep a spare engine for restarts (--no-standby-engine: cold)
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S  # a READY engine silent this long is hung: killed, replaced
+    frontend_only: bool = False  # no engine here (--frontend-only): engine_args is empty, the ring's engine runs apart
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -97,22 +106,33 @@ class ServeConfig:
             raise ValueError(f"--service-nice must be within -20..19, got {self.service_nice}")
         if self.engine_env and len(self.engine_env) != len(self.engine_args):
             raise ValueError("one environment per engine")
+        if self.frontend_only and (self.engine_args or self.standby_engine):
+            raise ValueError("a frontend-only server starts no engine")
 
     @property
     def data_parallel(self) -> DataParallelConfig:
-        return DataParallelConfig(len(self.engine_args), self.ring)
+        return DataParallelConfig(1 if self.frontend_only else len(self.engine_args), self.ring)
+
+    @property
+    def lock_names(self) -> tuple[str, ...]:
+        """The names this server locks its rings under: a remote ring's file name (rdma-HOST-PORT-NAME)."""
+        if is_remote(self.ring):
+            return (parse_ring_address(self.ring).file_name,)
+        return tuple(dict.fromkeys((self.ring, *self.data_parallel.ring_names)))
 
     @classmethod
-    def from_args(cls, a: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
-        """From ``blink serve``'s arguments and the engine config parsed out of them."""
+    def from_args(cls, a: argparse.Namespace, engine: EngineConfig, frontend_only: bool = False) -> ServeConfig:
+        """From ``blink serve``'s arguments and the engine config parsed out of them (with ``frontend_only``, its
+        ring and model only)."""
         front = ["--model", engine.model] if engine.model else []
         front += ["--tokenizer", a.tokenizer] if a.tokenizer else []
         dp = DataParallelConfig(a.data_parallel_size, engine.ring_name)
-        return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engine_argvs(engine, dp), tuple(front),
+        engines = () if frontend_only else engine_argvs(engine, dp)
+        return cls(a.run_dir, engine.ring_name, a.host, a.port, a.gateways, engines, tuple(front),
                    tuple(gateway_argv(a)), tuple(to_argv(from_namespace(TrackerFlags, a))), a.engine_module,
                    a.drain_timeout,
-                   a.startup_timeout, a.api_key, engine_envs(engine, dp), a.service_nice, a.standby_engine,
-                   env().heartbeat_timeout_s)
+                   a.startup_timeout, a.api_key, () if frontend_only else engine_envs(engine, dp), a.service_nice,
+                   a.standby_engine and not frontend_only, env().heartbeat_timeout_s, frontend_only)
 
 
 def engine_argvs(engine: EngineConfig, dp: DataParallelConfig) -> tuple[tuple[str, ...], ...]:
@@ -245,7 +265,8 @@ class Supervisor:
         envs = cfg.engine_env or tuple({} for _ in cfg.engine_args)
         self.engines = [Child(dp.engine_name(i), [sys.executable, "-m", cfg.engine_module, *argv],
                               {**keyless, **envs[i]}, ring=name)
-                        for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))]
+                        for i, (argv, name) in enumerate(zip(cfg.engine_args, dp.ring_names, strict=True))
+                        ] if not cfg.frontend_only else []
         self.engine_envs = {e.name: envs[i] for i, e in enumerate(self.engines)}  # what a spare learns at the go
         # The spare takes the first engine's flags: the engines differ only in their ring and GPU, told at the go.
         # With one engine its GPU is known at the spare's start, which may then make its CUDA context early.
@@ -254,7 +275,7 @@ class Supervisor:
                                                 "--standby", *known], {**keyless, **envs[0]} if known else keyless,
                              go_pipe=True) if cfg.standby_engine else None
         self.spare_clock = SpareClock()
-        self.locks = ServerLocks(cfg.run_dir, tuple(dict.fromkeys((cfg.ring, *dp.ring_names))), cfg.port)
+        self.locks = ServerLocks(cfg.run_dir, cfg.lock_names, cfg.port)
         self.services = [
             Child("tokenizer", [*py, "tokenizer", *common, *cfg.frontend_args], keyless),
             Child("reader", [*py, "reader", *common], keyless),
@@ -311,7 +332,8 @@ class Supervisor:
             if not self._wait_ready():
                 code = 1
             else:
-                log.info("ready", url=f"http://{self.cfg.host}:{self.cfg.port}/v1")
+                where = {"engine": "apart", "ring": self.cfg.ring} if self.cfg.frontend_only else {}
+                log.info("ready", url=f"http://{self.cfg.host}:{self.cfg.port}/v1", **where)
                 code = self._watch()
         finally:
             self._stop_all()
@@ -582,7 +604,8 @@ class Supervisor:
     def _clean_files(self) -> None:
         for engine in self.engines:
             self._remove_own_ring(engine)
-        remove_store(self.cfg.ring)  # the grammars the gateways compiled for this ring (and its engines')
+        if not is_remote(self.cfg.ring):  # a remote ring has no store here (its gateways compile none)
+            remove_store(self.cfg.ring)  # the grammars the gateways compiled for this ring (and its engines')
         for child in self.children:
             ipc.clear_ready(self.cfg.run_dir, child.name)
         for name in ipc.SOCKET_SERVICES:

@@ -74,6 +74,10 @@ class ServeFlags:
     gguf_file: str | None = _flag(None, "the GGUF file of a Hugging Face Hub repo to serve (--model ORG/NAME-GGUF "
                                   "--gguf-file NAME.Q8_0.gguf); vLLM's ORG/NAME-GGUF:QUANT picks it by its "
                                   "quantization instead", kind=str)
+    frontend_only: bool = _flag(False, "start the frontend set alone (gateways, tokenizer, tracker, reader) for a "
+                                "ring whose engine runs apart: on another host, --ring rdma://HOST:PORT/NAME (that "
+                                "engine started with blink engine --rdma-listen), or here under a local --ring name; "
+                                "the engine's flags then do not apply")
 
 
 GATEWAY, TRACKER, SERVE = GatewayFlags(), TrackerFlags(), ServeFlags()
