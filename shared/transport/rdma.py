@@ -712,8 +712,9 @@ class RingExport:
         try:
             ours = dataclasses.replace(pair.endpoint(self.region.addr, self.region.rkey, self.size), ring=self.name,
                                        schema_major=self.schema[0], schema_minor=self.schema[1])
-            send_line(sock, ours.encode(), self.cfg.timeout_s)
+            # up before the answer: the frontend posts as soon as it has it, and this pair must be ready to respond
             pair.connect(peer)
+            send_line(sock, ours.encode(), self.cfg.timeout_s)
         except BaseException:
             pair.close()
             raise

@@ -1,0 +1,382 @@
+"""The RDMA path without a device, from the exchange up: real TCP sockets, the engine's ``ExportServer``, the
+frontend's ``attach_remote_ring`` and ``RingWatch``, the services' reactions, over the test harness's stand-in
+for the NIC (``harness/rdma_standin.py``: it executes the posted work requests on the engine's registered
+shared memory and checks what a NIC checks). Nothing here is faked above the verbs layer.
+
+Error paths: a peer that disappears mid-transition (the link down between two work requests of a
+publication; the engine gone between two accesses), a stale registration (an rkey of an engine that
+restarted), a schema major mismatch (refused in the exchange, and in the header read over RDMA), another
+ring's name, an engine that does not answer, nothing listening, too many queue pairs, and no pyverbs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpu_gateway.reader import RESTARTED, ReaderConfig, TokenReader
+from dpu_gateway.ringwatch import RingWatch
+from dpu_gateway.tracker import SlotTracker, TrackerConfig
+from harness.rdma_standin import SharedMemoryNic, StandInPoster
+from harness.serve_proc import free_port
+from shared import messages as m
+from shared import remote_ring
+from shared import ring_layout as L
+from shared.engine_slots import SlotEngine
+from shared.env import Env
+from shared.remote_ring import ExportServer, RdmaAddress, attach_remote_ring, parse_listen, parse_ring_address
+from shared.ring import HEADER_OFF, Ring, RingGeometry, create_shm_ring
+from shared.slots import SlotRequest, SlotWriter
+from shared.transport import RingError, ShmTransport
+from shared.transport.rdma import ExchangeRefused, RdmaTransport, RdmaUnavailable, VerbsConfig
+
+GEO = RingGeometry(num_slots=8, max_prompt_tokens=32, max_output_tokens=16, top_logprobs=2)
+NIC = SharedMemoryNic()
+S = L.SlotState
+
+
+@dataclasses.dataclass
+class Engine:
+    """An engine's side in this process: its ring (created in shared memory, served by ``SlotEngine``) and its
+    export on a TCP port of this host."""
+
+    ring: Ring
+    export: ExportServer
+    address: RdmaAddress
+
+    @property
+    def slots(self) -> SlotEngine:
+        return SlotEngine(self.ring)
+
+    def stop(self) -> None:
+        """As a stopping engine does: its leases end, the ring is deregistered, then unlinked."""
+        self.export.close()
+        self.ring.transport.unlink()  # type: ignore[attr-defined]
+        self.ring.close()
+
+
+def start_engine(name: str, port: int | None = None, **export: object) -> Engine:
+    ring = create_shm_ring(name, GEO)
+    ring.header_store32("engine_state", L.EngineState.READY)
+    ring.header_store64("heartbeat", 1)
+    port = port or free_port()
+    server = ExportServer(f"127.0.0.1:{port}", nic=NIC, **export)  # type: ignore[arg-type]
+    server.start(ring)
+    return Engine(ring, server, RdmaAddress("127.0.0.1", port, name))
+
+
+STANDIN = "harness.rdma_standin:SharedMemoryNic"
+
+
+@pytest.fixture(autouse=True)
+def standin_nic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's environment as a process started with BLINK_RDMA_NIC naming the stand-in: the services'
+    watches (which pick the verbs layer themselves) use it."""
+    monkeypatch.setattr(remote_ring, "env", lambda: Env.from_environ({**os.environ, "BLINK_RDMA_NIC": STANDIN}))
+
+
+@pytest.fixture
+def engine(ring_name: str) -> Iterator[Engine]:
+    eng = start_engine(ring_name)
+    yield eng
+    eng.stop()
+
+
+def attach(eng: Engine, **cfg: object) -> Ring:
+    return attach_remote_ring(eng.address, VerbsConfig(**cfg), NIC)  # type: ignore[arg-type]
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, "condition still false"
+        time.sleep(0.01)
+
+
+def publish(ring: Ring, slot: int, req_id: int = 7) -> int:
+    writer = SlotWriter(ring)
+    seq = writer.try_reserve(slot, int(ring.read_slots()[slot]["seq"]))
+    assert seq is not None
+    writer.publish(slot, seq, SlotRequest(req_id, np.arange(1, 6, dtype=np.int32), m.Sampling(4)))
+    return seq
+
+
+class Chan:
+    """Stands in for a gateway's link: what a service sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.info: dict = {}
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)
+
+
+# ---------------------------------------------------------------------- addresses
+def test_ring_addresses_and_listen_addresses_parse_or_say_why() -> None:
+    a = parse_ring_address("rdma://gpu-host:7471/blink-ring")
+    assert (a.host, a.port, a.name, a.url) == ("gpu-host", 7471, "blink-ring", "rdma://gpu-host:7471/blink-ring")
+    v6 = parse_ring_address("rdma://[fd00::1]:7471/r")
+    assert (v6.host, v6.url, v6.file_name) == ("fd00::1", "rdma://[fd00::1]:7471/r", "rdma-fd00__1-7471-r")
+    assert parse_listen("0.0.0.0:7471") == ("0.0.0.0", 7471)
+    for bad, why in (("rdma://h:1/", "no ring name"), ("rdma://h/x", "HOST:PORT expected"),
+                     ("rdma://::1:5/x", "IPv6 host in brackets"), ("rdma://h:0/x", "1..65535"),
+                     ("rdma://h:1/a/b", "invalid ring name"), ("blink-ring", "not an RDMA address")):
+        with pytest.raises(ValueError, match=why):
+            parse_ring_address(bad)
+    with pytest.raises(ValueError, match="no host"):
+        parse_listen(":7471")
+
+
+# ---------------------------------------------------------------------- the exchange over real sockets
+def test_a_frontend_attaches_over_tcp_and_its_publication_lands_in_the_engines_memory(engine: Engine) -> None:
+    ring = attach(engine)
+    try:
+        assert isinstance(ring.transport, RdmaTransport) and ring.transport.local_view() is None
+        assert ring.geometry.segment_bytes == GEO.segment_bytes and ring.geometry.num_slots == GEO.num_slots
+        assert ring.name == engine.address.url
+        eventually(lambda: len(engine.export.leases) == 1)
+        seq = publish(ring, 3)
+        # the engine sees it in its own memory: state word, prompt, the flip and the doorbell
+        assert engine.slots.scan_pending() == [(3, seq)]
+        meta = engine.slots.claim(3, seq)
+        assert meta is not None and int(meta["request_id"]) == 7
+        assert engine.slots.prompt(3, 5).tolist() == [1, 2, 3, 4, 5]
+        assert ring.header_load64("doorbell") == 1
+    finally:
+        ring.close()
+    eventually(lambda: not engine.export.leases)  # the frontend's end closed: the engine drops its pair
+
+
+def test_the_exchange_refuses_another_rings_name(engine: Engine) -> None:
+    wrong = dataclasses.replace(engine.address, name="another-ring")
+    with pytest.raises(ExchangeRefused, match=f"exports ring '{engine.address.name}', not 'another-ring'"):
+        attach_remote_ring(wrong, nic=NIC)
+    assert not engine.export.leases
+
+
+def test_a_schema_major_mismatch_is_refused_in_the_exchange_naming_both(ring_name: str) -> None:
+    ring = create_shm_ring(ring_name, GEO)
+    ring.header_store32("schema_major", L.SCHEMA_MAJOR + 1)  # an engine of another major
+    eng = Engine(ring, ExportServer(f"127.0.0.1:{free_port()}", nic=NIC), RdmaAddress("127.0.0.1", 0, ring_name))
+    eng.export.start(ring)
+    eng.address = dataclasses.replace(eng.address, port=eng.export.port)
+    try:
+        with pytest.raises(RingError, match=rf"schema version {L.SCHEMA_MAJOR + 1}\.\d+ is incompatible with this "
+                           rf"program's {L.SCHEMA_MAJOR}\.{L.SCHEMA_MINOR}"):
+            attach(eng)
+        eventually(lambda: not eng.export.leases)  # its pair was dropped with the refused connection
+    finally:
+        eng.stop()
+
+
+def test_a_header_of_another_major_is_refused_when_read_over_rdma(engine: Engine) -> None:
+    """The exchange said the right major (an export made before the header changed); the header, read through
+    the queue pair as ``attach_ring`` reads it, says another: refused the same way."""
+    engine.ring.header_store32("schema_major", L.SCHEMA_MAJOR + 1)
+    with pytest.raises(RingError, match="major versions differ"):
+        attach(engine)
+    eventually(lambda: not engine.export.leases)
+
+
+def test_an_engine_that_does_not_answer_and_nothing_listening_are_said() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts, never answers
+        port = mute.getsockname()[1]
+        with pytest.raises(RingError, match=r"no answer within 0\.3s"):
+            attach_remote_ring(RdmaAddress("127.0.0.1", port, "r"), VerbsConfig(timeout_s=0.3), NIC)
+    with pytest.raises(RingError, match="nothing answers at 127.0.0.1:.*is the engine running there"):
+        attach_remote_ring(RdmaAddress("127.0.0.1", port, "r"), nic=NIC)
+
+
+def test_the_export_refuses_past_its_queue_pair_limit(ring_name: str) -> None:
+    eng = start_engine(ring_name, max_pairs=1)
+    try:
+        first = attach(eng)
+        with pytest.raises(ExchangeRefused, match="serves 1 frontend queue pairs already"):
+            attach(eng)
+        first.close()
+        eventually(lambda: not eng.export.leases)
+        attach(eng).close()  # room again
+    finally:
+        eng.stop()
+
+
+# ---------------------------------------------------------------------- a peer that disappears
+def test_the_link_going_down_mid_publication_leaves_the_slot_unpublished(engine: Engine) -> None:
+    """The publication's payload WRITEs go, then the link: the state word's fenced WRITE never lands, so the
+    engine never sees a half-written slot as pending; the transport keeps the failure and refuses every access
+    after it without posting."""
+    ring = attach(engine)
+    writer = SlotWriter(ring)
+    seq = writer.try_reserve(2, 0)
+    assert seq is not None
+    poster = ring.transport.poster  # type: ignore[attr-defined]
+    assert isinstance(poster, StandInPoster)
+    poster.link_down_after = 2  # the prompt's WRITE and the slot record's WRITE, then nothing
+    with pytest.raises(RingError, match="RETRY_EXC_ERR.*link went down"):
+        writer.publish(2, seq, SlotRequest(9, np.arange(1, 4, dtype=np.int32), m.Sampling(4)))
+    slot = engine.ring.read_slots()[2]
+    assert int(slot["state"]) == S.RESERVED and int(slot["request_id"]) == 9  # payload placed, state not
+    assert engine.slots.scan_pending() == [] and engine.ring.header_load64("doorbell") == 0
+    executed = poster.executed
+    with pytest.raises(RingError, match="lost: .*link went down"):
+        ring.header_load64("heartbeat")
+    assert poster.executed == executed and not ring.transport.lease_open()  # type: ignore[attr-defined]
+    ring.close()
+
+
+def test_the_engine_going_between_two_accesses(ring_name: str) -> None:
+    """The engine stops (its leases end, its pairs and registration go): the frontend's next access fails with
+    the completion a NIC gives for a responder that is gone, and its lease shows the end without any access."""
+    eng = start_engine(ring_name)
+    ring = attach(eng)
+    assert ring.engine_alive(10.0)
+    eng.stop()
+    with pytest.raises(RingError, match="RETRY_EXC_ERR.*does not answer"):
+        ring.header_load32("engine_state")
+    ring.close()
+    eng = start_engine(ring_name)
+    ring = attach(eng)
+    eng.stop()
+    eventually(lambda: not ring.transport.lease_open())  # type: ignore[attr-defined]
+    assert "closed its connection" in str(ring.transport.lost)  # type: ignore[attr-defined]
+    ring.close()
+
+
+def test_a_stale_registration_after_an_engine_restart(ring_name: str) -> None:
+    """A frontend still holding the rkey of an engine that restarted: on a queue pair the new engine answers,
+    that rkey is refused (remote access error); the watch lets the old ring go (``on_detach`` first) and attaches
+    the new one."""
+    old = start_engine(ring_name)
+    port = old.address.port
+    gone: list[Ring] = []
+    watch = RingWatch(old.address.url, 10.0, on_detach=gone.append)
+    eventually(lambda: watch.current() is not None)
+    stale = watch.current()
+    assert stale is not None
+    old_endpoint = stale.transport.poster.ring  # type: ignore[attr-defined]
+    old.stop()
+    new = start_engine(ring_name, port=port)
+    try:
+        fresh = attach(new)
+        pair = fresh.transport.poster.pair  # type: ignore[attr-defined]
+        assert fresh.transport.poster.ring.rkey != old_endpoint.rkey  # type: ignore[attr-defined]
+        behind = RdmaTransport(NIC.poster(pair, old_endpoint), old_endpoint.size)
+        with pytest.raises(RingError, match=r"REM_ACCESS_ERR.*stale registration"):
+            behind.load64(HEADER_OFF["heartbeat"])
+        eventually(lambda: watch.current() not in (None, stale))
+        assert gone == [stale] and watch.generation == 2
+        assert watch.current().transport.poster.ring.rkey != old_endpoint.rkey  # type: ignore[union-attr]
+        with pytest.raises(RingError, match="lost"):
+            stale.header_load64("heartbeat")
+        watch.close()
+        fresh.close()
+    finally:
+        new.stop()
+
+
+# ---------------------------------------------------------------------- the services over RDMA
+def test_the_watch_says_why_there_is_no_ring_and_attaches_when_the_engine_comes(ring_name: str) -> None:
+    port = free_port()
+    watch = RingWatch(f"rdma://127.0.0.1:{port}/{ring_name}", 10.0)
+    watch.current()
+    assert watch.settled(10.0)
+    assert "no ring: ring rdma://" in watch.problem() and "nothing answers" in watch.problem()  # type: ignore[operator]
+    eng = start_engine(ring_name, port=port)
+    try:
+        eventually(lambda: watch.current() is not None)
+        assert watch.ready() and watch.generation == 1
+        watch.close()
+        eventually(lambda: not eng.export.leases)
+    finally:
+        eng.stop()
+
+
+def test_the_tracker_answers_503_when_the_ring_goes_mid_publication_and_serves_again(ring_name: str,
+                                                                                      tmp_path: Path) -> None:
+    eng = start_engine(ring_name)
+    port = eng.address.port
+    tracker = SlotTracker(TrackerConfig(tmp_path, eng.address.url))
+    chan = Chan()
+    try:
+        eventually(lambda: bool(tracker.serving()))
+        tracker.submit(chan, m.Submit(1, 1, [1, 2, 3], m.Sampling(4)))  # type: ignore[arg-type]
+        assert isinstance(chan.sent[-1], m.Admitted) and 1 in tracker.live
+        cache = tracker.lanes[0].cache
+        assert cache is not None
+        # the liveness READs (2), the claim's CAS, the prompt's WRITE; then the link goes, mid-publication
+        cache.ring.transport.poster.link_down_after = 4  # type: ignore[attr-defined]
+        tracker.submit(chan, m.Submit(2, 1, [4, 5, 6], m.Sampling(4)))  # type: ignore[arg-type]
+        refused = chan.sent[-1]
+        assert isinstance(refused, m.Rejected) and refused.status == 503 and "cannot be reached" in refused.message
+        assert [int(s) for s in eng.ring.read_slots()["state"][:2]] == [S.PREFILL_PENDING, S.RESERVED]
+        assert tracker.serving() == [] and tracker.live == {}  # the ring let go: its requests forgotten
+        eng.stop()
+        eng = start_engine(ring_name, port=port)  # the engine restarted: a new ring, a new registration
+        eventually(lambda: bool(tracker.serving()))
+        tracker.submit(chan, m.Submit(3, 1, [1, 2], m.Sampling(4)))  # type: ignore[arg-type]
+        assert isinstance(chan.sent[-1], m.Admitted)
+        assert eng.slots.scan_pending() != []
+    finally:
+        tracker.close()
+        eng.stop()
+
+
+def test_the_reader_streams_over_rdma_and_fails_the_streams_of_an_engine_that_goes(ring_name: str,
+                                                                                   tmp_path: Path) -> None:
+    eng = start_engine(ring_name)
+    reader = TokenReader(ReaderConfig(tmp_path, eng.address.url))
+    gw = Chan()
+    reader.gateways[5] = gw  # type: ignore[assignment]
+    frontend = attach(eng)
+    try:
+        eventually(lambda: (reader.check_health(), reader.engines[0].ring is not None)[1])
+        seq = publish(frontend, 1, req_id=41)
+        seq2 = publish(frontend, 2, req_id=42)
+        reader.track([m.Track(41, 5, 1, seq), m.Track(42, 5, 2, seq2)])
+        engine = eng.slots
+        assert engine.claim(1, seq) is not None and engine.claim(2, seq2) is not None
+        engine.publish(1, 0, np.array([7, 8], np.int32))
+        engine.complete(1, L.FinishReason.LENGTH)
+        engine.publish(2, 0, np.array([9], np.int32))
+        eventually(lambda: (reader.cycle(), any(isinstance(x, m.Finished) for x in gw.sent))[1])
+        tokens = [x for x in gw.sent if isinstance(x, m.Tokens) and x.req_id == 41]
+        assert sum((t.ids for t in tokens), []) == [7, 8]
+        assert int(eng.ring.read_slots()[1]["state"]) == S.EMPTY  # released through the queue pair
+        eng.stop()  # request 42 is still running: its stream must end, not hang
+        eventually(lambda: (reader.cycle(), reader.check_health(),
+                            any(isinstance(x, m.Failed) and x.req_id == 42 for x in gw.sent))[2])
+        failed = next(x for x in gw.sent if isinstance(x, m.Failed))
+        assert failed.status == 503 and failed.message == RESTARTED
+    finally:
+        frontend.close()
+        reader.close()
+        ShmTransport.unlink_name(ring_name)
+
+
+# ---------------------------------------------------------------------- no RDMA here
+def test_without_pyverbs_every_rdma_start_says_what_is_missing(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has no pyverbs and no device: the product's verbs layer is refused at once, naming it."""
+    monkeypatch.setattr(remote_ring, "env", lambda: Env.from_environ({}))
+    assert "needs pyverbs" in (remote_ring.rdma_problem() or "")
+    with pytest.raises(RdmaUnavailable, match="needs pyverbs"):
+        ExportServer(f"127.0.0.1:{free_port()}")
+    with pytest.raises(RdmaUnavailable, match="needs pyverbs"):
+        attach_remote_ring(engine.address)  # an engine answers; this host cannot make a queue pair
+    eventually(lambda: not engine.export.leases)
+    monkeypatch.setattr(remote_ring, "env", lambda: Env.from_environ({"BLINK_RDMA_NIC": "no_such_module:Nic"}))
+    with pytest.raises(RdmaUnavailable, match="BLINK_RDMA_NIC=no_such_module:Nic: cannot load"):
+        remote_ring.nic_from_env()
+
+
+def test_a_bound_port_is_refused_at_once(engine: Engine) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(RingError, match="cannot bind"):
+            ExportServer(f"127.0.0.1:{taken.getsockname()[1]}", nic=NIC)
