@@ -216,7 +216,8 @@ def test_an_engine_restarted_at_the_same_address_is_served_again(split: tuple[En
 
 def test_the_real_cpu_engine_answers_a_chat_through_the_transport(tmp_path: Path) -> None:
     """The real engine (CPU, the embedded SmolLM2) exports its ring; the frontend set on the "DPU" side answers
-    the openai client, its tracker and reader going through RdmaTransport and the stand-in NIC."""
+    the openai client, its tracker and reader going through RdmaTransport and the stand-in NIC; constrained output,
+which needs the engine host's grammar store, is refused."""
     engine = EngineProc("gpu_engine.serve", f"blink-test-{uuid.uuid4().hex[:10]}", free_port(),
                         tmp_path / "engine.log", ENGINE_FLAGS, {"OMP_NUM_THREADS": "1"}).start(240)
     fe = None
@@ -230,6 +231,13 @@ def test_the_real_cpu_engine_answers_a_chat_through_the_transport(tmp_path: Path
         text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
         assert text == whole.choices[0].message.content
         assert {"gateway-0", "tracker", "reader"} <= attached_through_rdma(fe)
+        # constrained output: the engine loads grammars from its own host's shared memory, which the DPU cannot
+        # write; a request that needs one is refused with a 400 that says so
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8,
+                                      response_format={"type": "json_object"})
+        assert refused.value.code == "unsupported_on_remote_ring"
+        assert "not served over an RDMA ring" in refused.value.message
     finally:
         if fe is not None:
             fe.stop()
