@@ -81,6 +81,7 @@ class ChatChoice(_Answer):
     message: AnswerMessage
     logprobs: dict | None
     finish_reason: str | None
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, else null (vLLM)
 
 
 class ChatCompletion(_Answer):
@@ -97,6 +98,7 @@ class CompletionChoice(_Answer):
     text: str
     logprobs: dict | None
     finish_reason: str | None
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, else null (vLLM)
 
 
 class Completion(_Answer):

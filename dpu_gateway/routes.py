@@ -293,7 +293,8 @@ async def detokenize(request: web.Request) -> web.Response:
     vocab = vocab_size(app)
     if vocab and not all(0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens must be in [0, {vocab})", param="tokens", code="invalid_value")
-    return web.json_response({"prompt": app[CODEC].decode(req.tokens)})
+    # vLLM's answer is the tokenizer's decode, special tokens kept: /tokenize's ids give back their text
+    return web.json_response({"prompt": app[CODEC].decode(req.tokens, skip_special_tokens=False)})
 
 
 @doc.documented("The server's version", answer=doc.VersionResponse)

@@ -162,8 +162,8 @@ class TextCodec:
             pos = found.start() + 1
         return [*pieces, text[pos:]]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """``skip_special_tokens`` false: special tokens' text (``<|im_end|>``) is part of the text, joined to its

@@ -413,7 +413,7 @@ def test_the_model_writes_the_closing_tag(real: Stack) -> None:
     thought = [*REPEAT, {"role": "assistant", "content": "Paris", "reasoning_content": "They want Paris."},
                {"role": "user", "content": "Thanks."}]
     prompt = post(real, "/detokenize", {"tokens": post(real, "/tokenize", {"messages": thought})["tokens"]})
-    assert "assistant\n<think>\nThey want Paris.\n</think>\n\nParis\n" in prompt["prompt"]  # specials skipped
+    assert "assistant\n<think>\nThey want Paris.\n</think>\n\nParis\n" in prompt["prompt"]
 
 
 def test_where_the_prompt_leaves_the_output(real: Stack) -> None:

@@ -63,8 +63,16 @@ def test_split_special_tokens_keeps_it_text(stack: Stack) -> None:
     plain = tokens(stack, "Hi")
     split = tokens(stack, INJECTED, split_special_tokens=True)
     assert split.count(end) == plain.count(end) and split.count(start) == plain.count(start)
-    assert INJECTED in detokenize(stack, split)  # special tokens are skipped when decoding: only text is left
+    assert INJECTED in detokenize(stack, split)
     assert tokens(stack, "Hi", split_special_tokens=True) == plain
+
+
+def test_detokenize_keeps_special_tokens_as_vllm_does(stack: Stack) -> None:
+    start = special_id(stack, "<|im_start|>")
+    hello = tokens(stack, "Hi")
+    assert detokenize(stack, [start, start]) == "<|im_start|><|im_start|>"
+    rendered = detokenize(stack, hello)  # a chat prompt's ids give back the rendered prompt, markers included
+    assert rendered.count("<|im_start|>") == hello.count(start) and rendered.endswith("assistant\n")
 
 
 def test_chat_completions_honour_split_special_tokens(stack: Stack) -> None:
