@@ -265,12 +265,12 @@ def remote_ring_problem(ring: str, data_parallel_size: int = 1) -> str | None:
     if not is_remote(ring):
         return None
     try:
-        parse_ring_address(ring)
+        address = parse_ring_address(ring)
     except ValueError as exc:
         return str(exc)
     if data_parallel_size != 1:
         return f"--ring {ring}: an rdma:// address is one engine's ring; --data-parallel-size must be 1"
-    problem = rdma_problem()
+    problem = rdma_problem(address.verbs)
     return f"--ring {ring}: {problem}" if problem else None
 
 

@@ -73,19 +73,29 @@ def _host_port(text: str, what: str) -> tuple[str, int]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RdmaAddress:
-    """Where a remote ring is: the engine host's exchange (``host``, ``port``) and the ring's name there."""
+    """Where a remote ring is: the engine host's exchange (``host``, ``port``), the ring's name there, and the local
+    RDMA device and GID index to reach it by (``?device=NAME&gid_index=N``; default: the first device, index 0)."""
 
     host: str
     port: int
     name: str
+    device: str | None = None
+    gid_index: int = 0
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{RDMA_SCHEME}{host}:{self.port}/{self.name}"
+        query = "&".join(([f"device={self.device}"] if self.device else [])
+                         + ([f"gid_index={self.gid_index}"] if self.gid_index else []))
+        return f"{RDMA_SCHEME}{host}:{self.port}/{self.name}" + (f"?{query}" if query else "")
 
     def __str__(self) -> str:
         return self.url
+
+    @property
+    def verbs(self) -> VerbsConfig:
+        """This side's queue pair settings."""
+        return VerbsConfig(device=self.device, gid_index=self.gid_index)
 
     @property
     def file_name(self) -> str:
@@ -94,10 +104,11 @@ class RdmaAddress:
 
 
 def parse_ring_address(text: str) -> RdmaAddress:
-    """``rdma://HOST:PORT/NAME``; ValueError saying what is wrong."""
+    """``rdma://HOST:PORT/NAME[?device=NAME&gid_index=N]``; ValueError saying what is wrong."""
     if not is_remote(text):
         raise ValueError(f"--ring {text!r}: not an RDMA address (rdma://HOST:PORT/NAME)")
-    where, slash, name = text[len(RDMA_SCHEME):].partition("/")
+    where, slash, rest = text[len(RDMA_SCHEME):].partition("/")
+    name, _, query = rest.partition("?")
     if not slash or not name:
         raise ValueError(f"--ring {text!r}: no ring name: rdma://HOST:PORT/NAME, NAME being the engine's --ring")
     try:
@@ -108,7 +119,19 @@ def parse_ring_address(text: str) -> RdmaAddress:
         host, port = _host_port(where, "HOST:PORT")
     except ValueError as exc:
         raise ValueError(f"--ring {text!r}: {exc}") from None
-    return RdmaAddress(host, port, name)
+    options: dict[str, str] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if key not in ("device", "gid_index") or not eq or not value:
+            raise ValueError(f"--ring {text!r}: {item!r}: the address takes device=NAME and gid_index=N")
+        options[key] = value
+    try:
+        gid_index = int(options.get("gid_index", "0"))
+        if gid_index < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--ring {text!r}: gid_index must be a number >= 0") from None
+    return RdmaAddress(host, port, name, options.get("device"), gid_index)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -140,10 +163,12 @@ def rdma_problem(cfg: VerbsConfig = DEFAULT_VERBS) -> str | None:
 
 
 # ---------------------------------------------------------------------- the frontend side
-def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig = DEFAULT_VERBS, nic: Nic | None = None) -> Ring:
+def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: Nic | None = None) -> Ring:
     """Connect to the engine's exchange, bring a queue pair up, and attach the ring through it (its header
     read and validated over RDMA, as ``attach_shm_ring`` does over the mapping). ``RingError`` saying why not
-    (nothing listening, another ring's name, another schema major, no device)."""
+    (nothing listening, another ring's name, another schema major, no device). ``cfg``: the address's device
+    and GID index unless given."""
+    cfg = cfg or addr.verbs
     nic = nic or nic_from_env()
     try:
         sock = socket.create_connection((addr.host, addr.port), timeout=cfg.timeout_s)

@@ -133,6 +133,15 @@ def test_ring_addresses_and_listen_addresses_parse_or_say_why() -> None:
             parse_ring_address(bad)
     with pytest.raises(ValueError, match="no host"):
         parse_listen(":7471")
+    # the frontend's own device and GID index (a DPU has several devices: the one on the host's link)
+    dev = parse_ring_address("rdma://192.168.100.1:7471/blink-ring?device=mlx5_2&gid_index=3")
+    assert (dev.name, dev.verbs.device, dev.verbs.gid_index) == ("blink-ring", "mlx5_2", 3)
+    assert dev.url == "rdma://192.168.100.1:7471/blink-ring?device=mlx5_2&gid_index=3"
+    assert a.verbs == VerbsConfig()
+    for bad, why in (("rdma://h:1/r?port=2", "takes device=NAME and gid_index=N"),
+                     ("rdma://h:1/r?gid_index=-1", "gid_index must be a number")):
+        with pytest.raises(ValueError, match=why):
+            parse_ring_address(bad)
 
 
 # ---------------------------------------------------------------------- the exchange over real sockets
