@@ -122,11 +122,13 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProc
     tmp = tmp_path_factory.mktemp("dpu")
     engine = EngineProc("tests.helpers.fake_engine", f"blink-test-{uuid.uuid4().hex[:10]}", free_port(),
                         tmp / "engine.log", ("--step-ms", "10")).start()
-    fe = start_frontend(tmp, engine, TIMEOUT)
+    fe = None
     try:
+        fe = start_frontend(tmp, engine, TIMEOUT)
         yield engine, fe
     finally:
-        fe.stop()
+        if fe is not None:
+            fe.stop()
         engine.stop()
 
 
