@@ -8,6 +8,7 @@ memory. Spoken to through the official ``openai`` client.
 With the fake engine (``tests/helpers/fake_engine.py``): requests, liveness (a stopped engine's silent beat seen
 through the transport), the reader's hand-over mid-stream, a tracker restarted, the engine restarted (a new
 ring and registration at the same address). With the real CPU engine and the embedded model: a chat answered.
+``--frontend-only`` also serves a local engine started apart.
 Without a device (no stand-in named): every start refused at once, naming what is missing, nothing left running.
 """
 
@@ -245,6 +246,31 @@ which needs the engine host's grammar store, is refused."""
             fe.stop()
         engine.stop()
     assert not (SHM_DIR / engine.ring).exists()  # the engine unlinked its ring after its leases ended
+
+
+def test_frontend_only_also_serves_a_local_engine_started_apart(tmp_path: Path) -> None:
+    """--frontend-only with a local ring name: the engine started on its own on this host; the frontend set
+    serves it and, stopping, leaves its ring alone (not its own)."""
+    name = f"blink-test-{uuid.uuid4().hex[:10]}"
+    with open(tmp_path / "engine.log", "wb") as out:
+        engine = subprocess.Popen([sys.executable, "-m", "tests.helpers.fake_engine", "--ring", name], cwd=ROOT,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    fe = None
+    try:
+        wait_for(lambda: (SHM_DIR / name).exists(), 30, every_s=0.1)
+        fe = Frontend(("--frontend-only", "--no-standby-engine", "--drain-timeout", "2"), tmp_path, ring=name)
+        fe.start(120)
+        wait_for(lambda: health(fe) == 200, 30, every_s=0.1)
+        assert client(fe).completions.create(model=MODEL, prompt="one two three", max_tokens=4).usage.total_tokens
+        assert fe.stop() == 0
+        fe = None
+        assert (SHM_DIR / name).exists() and engine.poll() is None
+    finally:
+        if fe is not None:
+            fe.stop()
+        engine.terminate()
+        engine.wait(30)
+        (SHM_DIR / name).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------- no RDMA device here

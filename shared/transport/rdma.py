@@ -571,7 +571,10 @@ class VerbsPoster:
                 send.set_wr_atomic(self.ring.rkey, self.ring.addr + wr.remote, wr.compare, wr.swap)
             else:
                 send.set_wr_rdma(self.ring.rkey, self.ring.addr + wr.remote)
-            self.qp.qp.post_send(send)
+            try:
+                self.qp.qp.post_send(send)
+            except Exception as exc:  # pyverbs' own error (a queue pair in the error state, a full queue)
+                raise RingError(f"RDMA post failed: {exc}") from None
             self._signaled += bool(wr.flags & Flag.SIGNALED)
 
     def wait(self) -> None:
@@ -579,7 +582,10 @@ class VerbsPoster:
 
         deadline = time.monotonic() + self.qp.cfg.timeout_s
         while self._signaled:
-            n, wcs = self.qp.cq.poll(self._signaled)
+            try:
+                n, wcs = self.qp.cq.poll(self._signaled)
+            except Exception as exc:  # pyverbs' own error
+                raise RingError(f"RDMA completion queue poll failed: {exc}") from None
             for wc in wcs[:n]:
                 if wc.status != self.qp.e.IBV_WC_SUCCESS:
                     raise RingError(f"RDMA work request failed: completion status {wc.status} "
