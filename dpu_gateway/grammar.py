@@ -123,6 +123,17 @@ def until(marker: str | bytes) -> Pat:
     """Any bytes in which ``marker`` does not occur, then ``marker``: the text up to its first occurrence. One
     state per byte of the marker matched so far (the Knuth-Morris-Pratt automaton), so it adds ``len(marker)``
     states whatever follows."""
+    return _scan(marker, ends=False)
+
+
+def without(marker: str | bytes) -> Pat:
+    """Any bytes in which ``marker`` does not occur (the same automaton as ``until``'s, each state an exit)."""
+    return _scan(marker, ends=True)
+
+
+def _scan(marker: str | bytes, ends: bool) -> Pat:
+    """The KMP automaton of ``marker``: ``ends`` false, the marker's first occurrence leads on; true, every
+    state before one leads on and the occurrence itself is no way on."""
     data = marker.encode() if isinstance(marker, str) else marker
 
     def matched(k: int, b: int) -> int:
@@ -136,8 +147,11 @@ def until(marker: str | bytes) -> Pat:
             by_target: dict[int, set[int]] = {}
             for b in range(256):
                 j = matched(k, b)
-                by_target.setdefault(cont if j == len(data) else states[j], set()).add(b)
+                if j < len(data) or not ends:
+                    by_target.setdefault(cont if j == len(data) else states[j], set()).add(b)
             nfa.edges[state] += [(frozenset(bs), target) for target, bs in by_target.items()]
+            if ends:
+                nfa.eps[state].append(cont)
         return states[0]
     return build
 

@@ -23,8 +23,8 @@ may still be the start of a tag is held back (at most 7 characters, and the whit
 
 With a structured-output constraint, the grammar applies after the reasoning (vLLM: reasoning is free text and
 the constraint starts once it ended): ``Reasoning.constraint`` puts "any text without ``</think>``, then
-``</think>``" in front of it (an ``after_reasoning`` key, ``structured.pattern_of``), where the output starts
-inside the reasoning.
+``</think>``" in front of it, or that text alone (the model may end inside its reasoning), where the output starts
+inside the reasoning (an ``after_reasoning`` key, ``structured.pattern_of``).
 """
 
 from __future__ import annotations

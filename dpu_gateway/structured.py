@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from dpu_gateway.errors import APIError
-from dpu_gateway.grammar import Pat, alt, lit, seq, until
+from dpu_gateway.grammar import Pat, alt, lit, seq, until, without
 from dpu_gateway.json_grammar import any_object, schema_pattern
 from dpu_gateway.protocol import _Common
 from dpu_gateway.tools import FORMATS, parse_tools
@@ -39,7 +39,8 @@ def pattern_of(key: str) -> Pat:
     kind, value = json.loads(key)
     if kind == "after_reasoning":
         end, inner = value
-        return seq(until(end), pattern_of(json.dumps(inner)))
+        # vLLM applies the grammar once the reasoning ended: the model may also end inside it
+        return alt(without(end), seq(until(end), pattern_of(json.dumps(inner))))
     if kind == "json_object":
         return any_object()
     if kind == "json_schema":

@@ -212,8 +212,10 @@ def test_a_constraint_starts_after_the_reasoning() -> None:
     after = R.Reasoning("qwen3").constraint(choice)
     assert after is not None and after.param == "guided_choice"
     dfa = byte_dfa(pattern_of(after.key))
-    for text, ok in [(b"</think>Paris", True), (b"<think>hmm, Rome?</think>Rome", True), (b"Paris", False),
-                     (b"x</think>\n\nParis", False), (b"x</think>Lyon", False), (b"a</think>b</think>Rome", False)]:
+    # the model may end inside the reasoning (vLLM: no grammar before it ended); after </think>, only the choice
+    for text, ok in [(b"</think>Paris", True), (b"<think>hmm, Rome?</think>Rome", True), (b"Paris", True),
+                     (b"", True), (b"still </thin", True), (b"x</think>", False), (b"x</think>\n\nParis", False),
+                     (b"x</think>Lyon", False), (b"a</think>b</think>Rome", False), (b"a</think>Rom", False)]:
         assert accepts(dfa, text) is ok, text
     call = Constraint(json.dumps(["tool_call", ["hermes", False, [{"type": "function", "function": {
         "name": "f", "description": "", "parameters": {"type": "object", "properties": {}}}}]]]), "tool_choice")
@@ -233,7 +235,8 @@ def test_the_grammar_compiles_against_the_served_vocabulary() -> None:
     done = table.walk(tok.encode("some thought</think>Paris"))
     assert done >= 0 and table.accept[done]
     assert table.walk(tok.encode("some thought</think>Lyon")) < 0
-    assert not table.accept[table.walk(tok.encode("some thought"))]  # no end before the answer
+    assert table.accept[table.walk(tok.encode("some thought"))]  # an end inside the reasoning, as vLLM allows
+    assert not table.accept[table.walk(tok.encode("some thought</think>"))]  # none between it and the answer
 
 
 # ----------------------------------------------------------------------- the answer, from real token ids
@@ -413,7 +416,7 @@ def test_the_model_writes_the_closing_tag(real: Stack) -> None:
     thought = [*REPEAT, {"role": "assistant", "content": "Paris", "reasoning_content": "They want Paris."},
                {"role": "user", "content": "Thanks."}]
     prompt = post(real, "/detokenize", {"tokens": post(real, "/tokenize", {"messages": thought})["tokens"]})
-    assert "assistant\n<think>\nThey want Paris.\n</think>\n\nParis\n" in prompt["prompt"]
+    assert "assistant\n<think>\nThey want Paris.\n</think>\n\nParis<|im_end|>\n" in prompt["prompt"]
 
 
 def test_where_the_prompt_leaves_the_output(real: Stack) -> None:
@@ -452,6 +455,12 @@ def test_a_constraint_applies_after_the_reasoning(real: Stack) -> None:
     (call,) = called.message.tool_calls or []
     assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
     assert called.message.reasoning_content is not None
+    # a model that ends inside its reasoning ends so with a constraint too (vLLM applies it after the reasoning)
+    free = chat(real, FRANCE, max_tokens=40).choices[0]
+    ruled = chat(real, FRANCE, max_tokens=40, extra_body={"guided_choice": ["Paris", "London"]}).choices[0]
+    assert free.finish_reason == "stop" and free.message.content is None, free  # the premise: no </think>
+    assert (ruled.finish_reason, ruled.message.content) == ("stop", None)
+    assert ruled.message.reasoning_content == free.message.reasoning_content
 
 
 def test_qwen3s_switch_is_read_by_the_parser_when_the_template_does_not_read_it(tmp_path: Path) -> None:
