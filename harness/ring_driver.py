@@ -53,6 +53,7 @@ class Result:
     tops: np.ndarray | None = None  # [tokens, k] (token, logprob) alternatives, where the job asked
     prompt: tuple[np.ndarray, np.ndarray] | None = None  # prompt positions' (entries, alternatives), where asked
     clocks: tuple[int, ...] = ()  # the slot's admit_ns, schedule_ns, first_token_ns and last_token_ns at the end
+    stop_token: int = -1  # the stop id the engine wrote as the one that ended it (schema minor 6), else -1
 
 
 def start_engine(ring: str, model: Path | None, backend: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
@@ -134,8 +135,9 @@ class Driver:
             prompt = self.ring.read_prompt_logprobs(idx, 0, len(job.prompt)) if asked else None
             clocks = tuple(self.t.load64(self.ring.slot_field(idx, f))
                            for f in ("admit_ns", "schedule_ns", "first_token_ns", "last_token_ns"))
+            word = self.t.load32(self.ring.slot_field(idx, "stop_token"))
             self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter(),
-                                           tops, prompt, clocks)
+                                           tops, prompt, clocks, word - (1 << 32) if word >= 1 << 31 else word)
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 

@@ -200,16 +200,22 @@ def test_tiled_heads_kernel_compiles_for_sm90_within_half_a_blocks_shared_memory
 GLU_CHECKED = ("n128_k64_s4_w8", "n256_k64_s4_w8", "n64_k128_s4")  # gate_up's: the h200 plan's, and wider
 
 
-def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory() -> None:
+@pytest.mark.parametrize("which", ["planned", pytest.param("all", marks=pytest.mark.slow)])
+def test_every_tiled_linear_configuration_fits_a_blocks_shared_memory(which: str) -> None:
     """Each named configuration at 128 rows, plain, with the SiLU, and (gate_up's) as a glu (half the columns, two
     weight tiles of half the width), compiled for sm_90 to its cubin with the stages the launcher gives it
     (`tiled_stages`): no more shared memory than a block may take (a launch past it fails with out-of-resources on
-    the GPU)."""
+    the GPU). In CI the configurations a kernel plan runs; all of them (the benchmark's too) with ``-m slow``."""
+    from gpu_engine.kernels.plan import PLANS
     from gpu_engine.kernels.tiled_linear import SHARED_BYTES, TILED_CONFIGS, tiled_stages
 
+    planned = {name for plan in PLANS.values() for steps in plan.linears.values() for _, name in steps}
+    assert planned <= set(TILED_CONFIGS)
     sig = TILED_SIG
     divisible = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "nw_ptr", "N", "K", "sx", "sw", "so", "k_split"]
     for name, c in TILED_CONFIGS.items():
+        if which == "planned" and name not in planned:
+            continue
         # glu: its two half-width tiles take what one plain tile takes; compiled for the gate_up configurations
         forms = ((False, 1, False), (True, 4, False)) + (((False, 1, True),) if name in GLU_CHECKED else ())
         for silu, split, glu in forms:

@@ -270,6 +270,34 @@ def test_every_request_carries_its_phase_clocks(tiny: Path, backend: str) -> Non
                               "gpu_memory_utilization": pytest.approx(DEFAULT_GPU_MEMORY_UTILIZATION)}
 
 
+@pytest.mark.parametrize("backend", ["host", "persistent"])
+def test_a_stop_id_ends_the_request_and_is_named_in_the_slot(tiny: Path, backend: str) -> None:
+    """Slot.stop_token (schema minor 6, stop_reason's source): greedy jobs run once to learn their tokens, then
+    again with one of their own later tokens and one other id as stop ids. A job that stops has finish STOP_ID,
+    no stop id among its tokens (a stop id is not emitted) and names the one that ended it; one that does not
+    runs to max_new with -1. (Where a tie breaks otherwise in the second run's other batch shapes the stop may
+    come elsewhere: the rules hold wherever it comes.)"""
+    base = random_jobs(24, VOCAB, seed=11, max_prompt=100, max_new=32, cancel_frac=0.0)
+    first, _ = serve_jobs(tiny, backend, base, window=24, tag="stopfree")
+    own = [first[j.rid].tokens[k * 7 % len(first[j.rid].tokens)] for k, j in enumerate(base)]
+    jobs = [FieldJob(j.rid, j.prompt, j.max_new, fields=(("stop_ids", (own[k], VOCAB - 1)),))
+            for k, j in enumerate(base)]
+    got, stats = serve_jobs(tiny, backend, jobs, window=24, tag="stopids")
+    assert stats["exit_code"] == 0
+    wrong = []
+    for j in jobs:
+        stops, res = dict(j.fields)["stop_ids"], got[j.rid]
+        emitted = any(t in stops for t in res.tokens)
+        if res.reason == F.STOP_ID:
+            ok = not emitted and res.stop_token in stops and len(res.tokens) < j.max_new
+        else:
+            ok = res.reason == F.LENGTH and not emitted and res.stop_token == -1 and len(res.tokens) == j.max_new
+        if not ok:
+            wrong.append((j.rid, res.reason, res.stop_token, stops, res.tokens[-3:]))
+    assert not wrong, wrong[:5]
+    assert sum(got[j.rid].reason == F.STOP_ID for j in jobs) >= len(jobs) // 2  # most meet their own token
+
+
 def test_chunked_prefill_matches_whole_prompts(tiny: Path) -> None:
     """Prompts much longer than the step budget, some cancelled: the persistent scheduler and the
     host-driven mode, both chunking, give the tokens of the host-driven mode without chunking."""
