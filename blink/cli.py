@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blink.hub import HubError, Where, fetch_model, fetch_tokenizer, hub_model
+from blink.hub import HubError, HubModel, Where, fetch_model, fetch_tokenizer, hub_model
 from blink.vllm_flags import add_refused_flags
 from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
@@ -228,8 +228,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def frontend_config(args: argparse.Namespace) -> ServeConfig:
     """``blink serve --frontend-only``: the frontend set of a ring whose engine runs apart, checked as ``serve_config``
     checks it, before anything starts: the ring (an ``rdma://`` address, and what RDMA needs here), the frontend's
-    flags; engine flags are refused, as they would not apply. A Hub model's tokenizer files are fetched, not its
-    weights (a GGUF holds its tokenizer: it is fetched whole)."""
+    flags; engine flags are refused, as they would not apply. A Hub model's weights are never fetched: the
+    tokenizer's files are, of --tokenizer when given, else of the model's repo (at its --revision, or at
+    --tokenizer-revision), and --model stays the served name. Only a GGUF repo given without --tokenizer is
+    fetched, its one file, which holds its tokenizer."""
     from blink.supervisor import ServeConfig
 
     ring = args.ring_name
@@ -248,10 +250,12 @@ def frontend_config(args: argparse.Namespace) -> ServeConfig:
         except ValueError as exc:
             raise ValueError(f"{service}: {exc}") from None
     model = hub_model(args.model) if args.model else None
-    if model is not None and model.quant is None and args.gguf_file is None and not args.tokenizer:
+    if model is not None and (args.tokenizer or (model.quant is None and args.gguf_file is None)):
+        source = tokenizer_source(args, model, own=True)
         args.served_model_name = args.served_model_name or [args.model]
-        args.tokenizer = str(fetch_tokenizer(model.repo, Where(args.revision, args.download_dir)))
         args.model = None
+        if source is not None:
+            args.tokenizer = str(fetch_tokenizer(*source))
     else:
         models_from_hub(args)
     return ServeConfig.from_args(args, EngineConfig.from_namespace(args), frontend_only=True)
@@ -286,7 +290,8 @@ def take_model_tag(args: argparse.Namespace) -> None:
 def models_from_hub(args: argparse.Namespace) -> None:
     """--model and --tokenizer given as Hugging Face Hub ids: fetched into the Hub's cache (or found there) once,
     here, and replaced by their local paths, which the processes get; the model's served name stays the id given,
-    as vLLM's. --revision and --gguf-file apply to a model from the Hub only."""
+    as vLLM's. --revision and --gguf-file apply to a model from the Hub only, --tokenizer-revision to a tokenizer
+    from the Hub (``tokenizer_source``)."""
     where = Where(args.revision, args.download_dir)
     model = hub_model(args.model) if args.model else None
     if model is None:
@@ -294,15 +299,44 @@ def models_from_hub(args: argparse.Namespace) -> None:
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} applies to a model from the Hugging Face Hub (--model "
                                  f"ORG/NAME); the model here is {args.model or 'the embedded one'}")
-    else:
+    tokenizer = tokenizer_source(args, model, own=False)  # checked before anything is fetched
+    if model is not None:
         if not args.served_model_name:
             args.served_model_name = [args.model]
         args.model = str(fetch_model(model, where, args.gguf_file))
-    tokenizer = hub_model(args.tokenizer) if args.tokenizer else None
-    if tokenizer is not None and tokenizer.quant is None:
-        args.tokenizer = str(fetch_tokenizer(tokenizer.repo, where))
-    elif args.tokenizer and not Path(args.tokenizer).exists():
-        raise ValueError(f"--tokenizer: path {args.tokenizer} does not exist (nor is it a Hub id ORG/NAME)")
+    if tokenizer is not None:
+        args.tokenizer = str(fetch_tokenizer(*tokenizer))
+
+
+def tokenizer_source(args: argparse.Namespace, model: HubModel | None,
+                     own: bool) -> tuple[str, Where, str] | None:
+    """The Hub repo whose tokenizer files alone are fetched, with where from and the flag that names its revision
+    (for ``fetch_tokenizer``), or None: ``--tokenizer ORG/NAME``; without --tokenizer, the repo of ``model`` (a
+    safetensors one) when ``own`` (its weights are not wanted: --frontend-only) or when --tokenizer-revision is
+    given. The revision is --tokenizer-revision, else the model's --revision for the model's own repo (vLLM's
+    default), else the repo's default branch. A --tokenizer path must exist; --tokenizer-revision without a
+    tokenizer from the Hub is refused."""
+    given = hub_model(args.tokenizer) if args.tokenizer else None
+    repo = None
+    if args.tokenizer and (given is None or given.quant is not None):
+        if not Path(args.tokenizer).exists():
+            raise ValueError(f"--tokenizer: path {args.tokenizer} does not exist (nor is it a Hub id ORG/NAME)")
+    elif given is not None:
+        repo = given.repo
+    elif (model is not None and model.quant is None and args.gguf_file is None
+          and (own or args.tokenizer_revision is not None)):
+        repo = model.repo
+    if repo is None:
+        if args.tokenizer_revision is not None:
+            here = args.tokenizer or f"the model's own ({args.model or 'the embedded one'})"
+            raise ValueError("--tokenizer-revision applies to a tokenizer from the Hugging Face Hub (--tokenizer "
+                             f"ORG/NAME, or a safetensors --model ORG/NAME's own); the tokenizer here is {here}")
+        return None
+    if args.tokenizer_revision is not None:
+        return repo, Where(args.tokenizer_revision, args.download_dir), "--tokenizer-revision"
+    if model is not None and repo == model.repo:
+        return repo, Where(args.revision, args.download_dir), "--revision"
+    return repo, Where(None, args.download_dir), "--tokenizer-revision"
 
 
 def engine_problem(engine: EngineConfig, context: int | None) -> str | None:

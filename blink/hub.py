@@ -101,17 +101,17 @@ def fetch_model(model: HubModel, where: Where = Where(), gguf_file: str | None =
     return folder
 
 
-def fetch_tokenizer(repo: str, where: Where = Where()) -> Path:
-    """The snapshot folder of a Hub repo's tokenizer files alone (``--tokenizer ORG/NAME``), at the default
-    revision (``--revision`` is the model's)."""
-    tokenizer_where = dataclasses.replace(where, revision=None)
-    _log_fetch(repo, tokenizer_where)
-    with hub_errors(repo, tokenizer_where):
-        folder = _snapshot(repo, None, tokenizer_where, TOKENIZER_META)
-        chosen = tokenizer_file(_repo_files(repo, folder.name, tokenizer_where, folder))
+def fetch_tokenizer(repo: str, where: Where = Where(), revision_flag: str = "--tokenizer-revision") -> Path:
+    """The snapshot folder of a Hub repo's tokenizer files alone, at ``where.revision`` (None: the default
+    branch): ``--tokenizer ORG/NAME``'s, or a model's own when its weights are not wanted (``blink serve
+    --frontend-only``). ``revision_flag`` names the flag the revision came from, for a revision the repo lacks."""
+    _log_fetch(repo, where)
+    with hub_errors(repo, where, revision_flag):
+        folder = _snapshot(repo, where.revision, where, TOKENIZER_META)
+        chosen = tokenizer_file(_repo_files(repo, folder.name, where, folder))
         if not chosen:
-            raise HubError(f"{repo}: no tokenizer.json, *.tiktoken or tokenizer.model in the repo (--tokenizer)")
-        folder = _snapshot(repo, folder.name, tokenizer_where, (*TOKENIZER_META, *chosen))
+            raise HubError(f"{repo}: no tokenizer.json, *.tiktoken or tokenizer.model in the repo")
+        folder = _snapshot(repo, folder.name, where, (*TOKENIZER_META, *chosen))
     if not (folder / chosen[0]).is_file():
         raise HubError(f"{repo}: the snapshot {folder} lacks {chosen[0]}"
                        + (" (HF_HUB_OFFLINE is set: nothing was downloaded)" if _offline() else ""))
@@ -235,8 +235,9 @@ def _log_fetch(repo: str, where: Where) -> None:
 
 
 @contextlib.contextmanager
-def hub_errors(repo: str, where: Where) -> Iterator[None]:
-    """``huggingface_hub``'s errors as a ``HubError`` that names the repo and what to do."""
+def hub_errors(repo: str, where: Where, revision_flag: str = "--revision") -> Iterator[None]:
+    """``huggingface_hub``'s errors as a ``HubError`` that names the repo and what to do (a missing revision: the
+    flag ``revision_flag`` that asked for it)."""
     import httpx2
     from huggingface_hub import constants, errors, get_token
 
@@ -250,7 +251,8 @@ def hub_errors(repo: str, where: Where) -> Iterator[None]:
                        "of the account that has it ("
                        + ("the token sent has no access" if token else "no token was sent") + ")") from None
     except errors.RevisionNotFoundError:
-        raise HubError(f"{repo} has no revision {where.revision!r} on {endpoint} (--revision)") from None
+        revision = where.revision or "main"
+        raise HubError(f"{repo} has no revision {revision!r} on {endpoint} ({revision_flag})") from None
     except errors.RepositoryNotFoundError:
         raise HubError(f"{repo}: no such model on {endpoint}, nor a local path of that name; a private repo needs "
                        f"HF_TOKEN set to a token that can read it ({sent})") from None

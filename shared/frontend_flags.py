@@ -68,6 +68,9 @@ class ServeFlags:
                                  "engines cold (RELIABILITY.md)", negatable=True)
     revision: str | None = _flag(None, "a model from the Hugging Face Hub: the branch, tag or commit of its repo "
                                  "(default: main)", kind=str)
+    tokenizer_revision: str | None = _flag(None, "a tokenizer from the Hugging Face Hub: the branch, tag or commit "
+                                           "of its repo (vLLM's flag; default: --revision for the model's own "
+                                           "tokenizer, main for another repo's, --tokenizer ORG/NAME)", kind=str)
     download_dir: str | None = _flag(None, "a model from the Hugging Face Hub: the cache folder it is downloaded to "
                                      "and read from (default: huggingface_hub's, HF_HUB_CACHE or HF_HOME/hub)",
                                      kind=str)

