@@ -111,6 +111,13 @@ class Generation:
         except APIError as exc:
             self.tally.failed(exc.status, self.completion_tokens, self.cached_tokens)
             raise
+        except BaseException:
+            # The choice ends unfinished and unanswered: its client went away (the handler cancelled, the stream
+            # closed), or a sibling choice failed. vLLM counts such a request as aborted.
+            if not self.tally.done:
+                self.finish_reason = "abort"
+                self._account()
+            raise
         finally:
             self.prompt_settled.set()
             self.backend.forget(self.stream, cancel=True)  # a no-op once the engine finished it

@@ -176,3 +176,32 @@ def test_histograms_have_vllm_s_bucket_boundaries(real: Stack) -> None:
         want = one_two_five if family == "request_tokens" else bounds
         got = sorted({float(s.labels["le"]) for s in families[name].samples if s.name == f"{name}_bucket"})
         assert got == [*map(float, want), float("inf")], name
+
+
+def test_a_client_that_disconnects_is_counted_as_abort(real: Stack) -> None:
+    """A streamed request of ``N`` choices whose client goes away mid-stream: each choice is a finished request
+    with vLLM's ``abort`` reason, with its latency observed, and the prompt's ``n`` is observed once."""
+    idle(real)
+    before = page(real)
+    e = {"engine": "0", "model_name": MODEL}
+    stream = sync_client(real).completions.create(model=MODEL, prompt=PROMPT, max_tokens=250, n=N, temperature=0.8,
+                                                  seed=5, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += sum(bool(c.text) for c in chunk.choices)
+        if got >= 2 * N:
+            break
+    stream.close()
+
+    def grew(sample: str, text: str | None = None, **labels: str) -> float:
+        return total(text or page(real), sample, **labels) - total(before, sample, **labels)
+
+    # the count appears once the gateway saw the connection go (at once here); the guard is for a loaded host
+    wait_for(lambda: grew("vllm:request_success_total", **e, finished_reason="abort") == N, 60, 0.1)
+    idle(real)
+    after = page(real)
+    assert grew("vllm:request_success_total", after, **e) == N
+    assert grew("vllm:e2e_request_latency_seconds_count", after, **e) == N
+    assert grew("vllm:request_params_n_count", after, **e) == 1 and grew("vllm:request_params_n_sum", after, **e) == N
+    generated = grew("vllm:generation_tokens_total", after, **e)
+    assert grew("vllm:request_generation_tokens_sum", after, **e) == generated >= got
