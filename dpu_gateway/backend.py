@@ -42,7 +42,10 @@ class RequestStream:
     received: int = 0  # output tokens put on ``events``
     link_pos: int = 0  # where the next Tokens without ``at`` starts (from a reader of an earlier build)
     engine: int = 0  # the engine whose ring holds it (``Admitted``), for the per-engine metrics
-    submitted_ns: int = 0  # CLOCK_REALTIME when it was handed to the tracker: the start of its queue time
+    # time.monotonic_ns() when it was handed to the tracker, and when the tracker said it sits in a ring slot: its
+    # wait before the ring, the gateway's part of its queue time (the engine's part is on the engine's clock)
+    submitted_ns: int = 0
+    placed_ns: int = 0
 
     def placed(self) -> bool:
         """Admitted into a ring, or already streaming: a new reader can find it there."""
@@ -173,7 +176,7 @@ class Backend:
         try:
             if self.links["reader"] is None:
                 raise APIError(503, "the token reader service is not available", code="service_unavailable")
-            stream.submitted_ns = time.time_ns()
+            stream.submitted_ns = time.monotonic_ns()
             self._send("tracker", m.Submit(stream.req_id, self.gateway_id, prompt, sampling))
             await stream.admitted
         except BaseException:
@@ -193,7 +196,7 @@ class Backend:
         if stream is None or stream.admitted.done():
             return
         if isinstance(msg, m.Admitted):
-            stream.engine = msg.engine
+            stream.engine, stream.placed_ns = msg.engine, time.monotonic_ns()
             stream.admitted.set_result(msg.slot)
             return
         stream.done = True

@@ -127,7 +127,7 @@ class Generation:
         self.completion_tokens += len(msg.ids)
         if msg.cached_tokens is not None:
             self.cached_tokens = msg.cached_tokens
-        self.tally.tokens(len(msg.ids), self.cached_tokens, msg.clocks)
+        self.tally.tokens(len(msg.ids), self.cached_tokens, msg.clocks, msg.admit_ns)
         self._take_prompt(msg.prompt)
         if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
             return Delta("")
@@ -147,7 +147,7 @@ class Generation:
         self.completion_tokens = max(self.completion_tokens, msg.generated)
         self.finish_reason = _REASONS.get(F(msg.reason), "stop")
         self.tally.finished(self.finish_reason, self.completion_tokens, self.cached_tokens, None,
-                            (msg.schedule_ns, msg.first_token_ns, msg.last_token_ns))
+                            (msg.admit_ns, msg.schedule_ns, msg.first_token_ns, msg.last_token_ns))
         if msg.reason == F.STOP_ID:
             self.stop_reason = self._stop_id(msg.stop_token)
         self._account()

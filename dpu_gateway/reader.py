@@ -52,7 +52,9 @@ S, F = L.SlotState, L.FinishReason
 RESTARTED = "the engine restarted; the request was lost"
 NOT_IN_RING = "the request is in no ring any more (its engine restarted); it was lost"
 DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gateways
-CLOCKS = ("schedule_ns", "first_token_ns", "last_token_ns")  # the slot's clocks sent for the metrics
+# the slot's clocks sent for the metrics, all of the engine's clock: the claim, the first prompt chunk's step, the
+# first and the last token
+CLOCKS = ("admit_ns", "schedule_ns", "first_token_ns", "last_token_ns")
 
 
 def stop_token(ring: Ring, slot: int) -> int:
@@ -171,17 +173,19 @@ class RingReader:
         # written by the engine before token 0 (schema minor 4)
         cached = self.ring.transport.load32(self.ring.slot_field(tr.slot, "cached_tokens")) if start == 0 else None
         prompt = self._prompt_logprobs(tr) if start == 0 and tr.prompt_logprobs >= 0 else None
-        clocks = None
-        if start == 0:  # the first two, written before token 0's release
-            load = self.ring.transport.load64
-            clocks = (load(self.ring.slot_field(tr.slot, CLOCKS[0])), load(self.ring.slot_field(tr.slot, CLOCKS[1])))
+        clocks, admit_ns = None, 0
+        if start == 0:  # the first three, written before token 0's release
+            admit_ns, schedule_ns, first_ns = (self.ring.transport.load64(self.ring.slot_field(tr.slot, f))
+                                               for f in CLOCKS[:3])
+            clocks = (schedule_ns, first_ns)
         if tr.logprobs or tr.top_logprobs:
             lps, tops = self.ring.read_logprobs(tr.slot, start, gen)
             top = top_pairs(tops, tr.top_logprobs) if tr.top_logprobs else None
             chan.send(m.Tokens(tr.req_id, ids, lps.tolist(), top, at=start, cached_tokens=cached, prompt=prompt,
-                               clocks=clocks))
+                               clocks=clocks, admit_ns=admit_ns))
         else:
-            chan.send(m.Tokens(tr.req_id, ids, at=start, cached_tokens=cached, prompt=prompt, clocks=clocks))
+            chan.send(m.Tokens(tr.req_id, ids, at=start, cached_tokens=cached, prompt=prompt, clocks=clocks,
+                               admit_ns=admit_ns))
 
     def _prompt_logprobs(self, tr: m.Track) -> list[tuple[float, int, list[tuple[int, float]]]]:
         """The slot's prompt log-probs, positions 1.. (the engine wrote them before token 0's release)."""
@@ -204,9 +208,9 @@ class RingReader:
             # a prompt computed whole whose first token ended it: its log-probs came with no token
             ended = gen == 0 and reason in (F.EOS, F.STOP_ID) and tr.prompt_logprobs >= 0
             prompt = self._prompt_logprobs(tr) if ended else None
-            schedule_ns, first_ns, last_ns = (t.load64(ring.slot_field(tr.slot, f)) for f in CLOCKS)
+            admit_ns, schedule_ns, first_ns, last_ns = (t.load64(ring.slot_field(tr.slot, f)) for f in CLOCKS)
             done = m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt, schedule_ns=schedule_ns,
-                              first_token_ns=first_ns, last_token_ns=last_ns)
+                              first_token_ns=first_ns, last_token_ns=last_ns, admit_ns=admit_ns)
             if reason == F.STOP_ID:
                 done.stop_token = stop_token(ring, tr.slot)
             chan.send(done)

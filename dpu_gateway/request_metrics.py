@@ -33,7 +33,7 @@ class RequestTally:
                  max_tokens: int, group: ChoiceGroup) -> None:
         self.metrics, self.stream, self.arrival, self.group = metrics, stream, arrival, group
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
-        self.schedule_ns = self.first_token_ns = 0
+        self.admit_ns = self.schedule_ns = self.first_token_ns = 0  # the slot's clocks (the engine's)
         self.prefilled = False
         self.counted = 0  # output tokens counted in vllm:generation_tokens
         self.done = False
@@ -42,10 +42,12 @@ class RequestTally:
     def engine(self) -> int:
         return self.stream.engine
 
-    def tokens(self, n: int, cached_tokens: int, clocks: tuple[int, int] | None) -> None:
-        """``n`` output tokens came (the first batch with the slot's clocks)."""
+    def tokens(self, n: int, cached_tokens: int, clocks: tuple[int, int] | None, admit_ns: int = 0) -> None:
+        """``n`` output tokens came (the first batch with the slot's clocks: (schedule_ns, first_token_ns) and
+        ``admit_ns``)."""
         if clocks is not None:
             self.schedule_ns, self.first_token_ns = clocks
+            self.admit_ns = admit_ns
         if not self.prefilled:
             self._prefill(cached_tokens)
         self.metrics.generated(self.engine, n)
@@ -56,23 +58,27 @@ class RequestTally:
         self.metrics.prefilled(self.engine, self.prompt_tokens, cached_tokens)
 
     def finished(self, reason: str, generated: int, cached_tokens: int, decode_at_gateway_s: float | None,
-                 clocks: tuple[int, int, int] | None = None) -> None:
+                 clocks: tuple[int, int, int, int] | None = None) -> None:
         """The request ended with vLLM's ``reason`` and ``generated`` output tokens. ``clocks``: the slot's
-        (schedule_ns, first_token_ns, last_token_ns) when the engine ended it; without them (the gateway ended
-        it at a stop string) the decode time is ``decode_at_gateway_s``, its tokens' arrivals at the gateway."""
+        (admit_ns, schedule_ns, first_token_ns, last_token_ns) when the engine ended it; without them (the gateway
+        ended it at a stop string) the decode time is ``decode_at_gateway_s``, its tokens' arrivals at the
+        gateway."""
         if self.done:
             return
         self.done = True
         last_ns = 0
         if clocks is not None:
-            schedule_ns, first_ns, last_ns = clocks
+            admit_ns, schedule_ns, first_ns, last_ns = clocks
+            self.admit_ns = self.admit_ns or admit_ns
             self.schedule_ns = self.schedule_ns or schedule_ns
             self.first_token_ns = self.first_token_ns or first_ns
         if not self.prefilled and reason in ("stop", "length"):  # its prompt was computed: it ended on token 0
             self._prefill(cached_tokens)
         self.metrics.generated(self.engine, generated - self.counted)
-        queue_s, prefill_s, decode_s = phase_times(self.stream.submitted_ns, self.schedule_ns, self.first_token_ns,
-                                                   last_ns)
+        sent, placed = self.stream.submitted_ns, self.stream.placed_ns
+        ring_wait_s = (placed - sent) / 1e9 if sent and placed else None  # the gateway's clock
+        queue_s, prefill_s, decode_s = phase_times(self.admit_ns, self.schedule_ns, self.first_token_ns, last_ns,
+                                                   ring_wait_s)
         if decode_s is None and self.first_token_ns:
             decode_s = decode_at_gateway_s
         self.metrics.request_finished(FinishedRequest(

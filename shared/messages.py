@@ -169,6 +169,9 @@ class Tokens(_Msg, tag="tok"):
     prompt: list[tuple[float, int, list[tuple[int, float]]]] | None = None
     # with token 0: the slot's schedule_ns and first_token_ns (the engine's clock), for the phase metrics
     clocks: tuple[int, int] | None = None
+    # with token 0: the slot's admit_ns (the engine's clock, when it claimed the request): the start of the queue
+    # time the engine measured; 0 where the reader sent none
+    admit_ns: int = 0
 
 
 class Finished(_Msg, tag="fin"):
@@ -189,6 +192,7 @@ class Finished(_Msg, tag="fin"):
     schedule_ns: int = 0
     first_token_ns: int = 0
     last_token_ns: int = 0
+    admit_ns: int = 0  # when the engine claimed it (its clock, as the three above)
 
 
 class Failed(_Msg, tag="fail"):

@@ -12,12 +12,13 @@ meanings (vllm/v1/metrics/loggers.py), so that vLLM's Grafana dashboards read th
 
 * observed by the gateway as requests run, under the engine that ran the request: time to first token,
   inter-token latency, per-request time per output token, end-to-end latency, the request's phases from the
-  ring slot's clocks (queue: handed to the tracker until its first prompt chunk was scheduled; prefill: until
-  its first token; decode: first to last token; inference: prefill plus decode), its prompt, generated and
-  allowed (``max_tokens``) token counts, ``n`` and the most tokens one of its ``n`` choices generated, the
-  prompt and generated token counters (prompt tokens by source: computed or found in the prefix cache), and
-  finished requests by ``finished_reason`` (``stop``, ``length``, ``abort``, and ``error`` for an engine
-  failure answered with a 5xx);
+  ring slot's clocks, each measured on one machine's clock (queue: handed to the tracker until it sat in a ring
+  slot, on the gateway's clock, plus claimed by the engine until its first prompt chunk was scheduled, on the
+  engine's; prefill: until its first token; decode: first to last token; inference: prefill plus decode), its
+  prompt, generated and allowed (``max_tokens``) token counts, ``n`` and the most tokens one of its ``n``
+  choices generated, the prompt and generated token counters (prompt tokens by source: computed or found in the
+  prefix cache), and finished requests by ``finished_reason`` (``stop``, ``length``, ``abort``, and ``error``
+  for an engine failure answered with a 5xx);
 * read from each engine's ring header at the scrape: running and waiting requests (waiting by reason),
   KV cache usage, preemptions, the prefix cache's queries and hits, and ``vllm:cache_config_info``;
 * the HTTP server's ``http_requests_total`` and ``http_request_duration_seconds`` (prometheus-fastapi-
@@ -166,16 +167,21 @@ class FinishedRequest:
     decode_s: float | None = None
 
 
-def phase_times(submitted_ns: int, schedule_ns: int, first_token_ns: int,
-                last_token_ns: int) -> tuple[float | None, float | None, float | None]:
-    """(queue, prefill, decode) seconds from the request's clocks (CLOCK_REALTIME ns; 0: not known): queue from
-    the gateway handing it over to the engine scheduling its first prompt chunk, prefill from there to its
-    first token, decode from the first token to the last (the engine's clocks)."""
+def phase_times(admit_ns: int, schedule_ns: int, first_token_ns: int, last_token_ns: int,
+                ring_wait_s: float | None = None) -> tuple[float | None, float | None, float | None]:
+    """(queue, prefill, decode) seconds from the ring slot's clocks (ns, all of the engine's one clock: its
+    CLOCK_REALTIME, or the GPU's timer set to it; 0: not known), each a span between two of them, never between
+    two machines' clocks: queue from the engine claiming the request (vLLM's queued) to scheduling its first prompt
+    chunk, plus ``ring_wait_s``, the request's wait before it reached the ring, measured on the gateway's own
+    clock; prefill from its first chunk's step to its first token; decode from the first token to the last."""
 
     def span(a: int, b: int) -> float | None:
         return max(b - a, 0) / 1e9 if a and b else None
 
-    return span(submitted_ns, schedule_ns), span(schedule_ns, first_token_ns), span(first_token_ns, last_token_ns)
+    queue = span(admit_ns, schedule_ns)
+    if queue is not None and ring_wait_s is not None:
+        queue += max(ring_wait_s, 0.0)
+    return queue, span(schedule_ns, first_token_ns), span(first_token_ns, last_token_ns)
 
 
 PER_ENGINE_GAUGES = {"engine_up": ("1 while the engine serves (fresh heartbeat, READY), else 0.", "up"),
@@ -355,8 +361,9 @@ class FrontendMetrics:
         self.v_e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds: arrival "
                           "at the gateway to the request's end.", REQUEST_LATENCY_BUCKETS)
         self.v_queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
-                            "request: from the gateway handing it over until the engine scheduled its first prompt "
-                            "chunk (the tracker's queue, the ring, the engine's queue).", REQUEST_LATENCY_BUCKETS)
+                            "request: its wait for a ring slot (the gateway's clock) plus its wait in the engine, "
+                            "claimed until its first prompt chunk was scheduled (the engine's clock).",
+                            REQUEST_LATENCY_BUCKETS)
         self.v_prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
                               "request: first scheduled to its first token (the engine's clock).",
                               REQUEST_LATENCY_BUCKETS)
