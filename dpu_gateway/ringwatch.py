@@ -113,12 +113,20 @@ class RingWatch:
         return None
 
     def _attach_remote(self, number: int) -> None:
-        """In a thread: one attempt; its ring (or why not) is taken by the next ``current``."""
+        """In a thread: one attempt; its ring (or why not) is taken by the next ``current``. A result is posted
+        whatever the attempt raised: an attempt that left none would be waited for forever, never retried."""
         assert self.remote is not None
+        result: tuple[Ring | None, str | None] = (None, "the attempt to attach ended without a result")
         try:
-            result: tuple[Ring | None, str | None] = (attach_remote_ring(self.remote), None)
+            result = (attach_remote_ring(self.remote), None)
         except (RingError, ValueError, OSError) as exc:
             result = (None, str(exc))
+        except Exception as exc:  # noqa: BLE001 - anything else (a verbs layer's own error): retried the same
+            result = (None, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._post(number, result)
+
+    def _post(self, number: int, result: tuple[Ring | None, str | None]) -> None:
         with self._lock:
             if number == self._attempts:
                 self._result = result

@@ -19,9 +19,10 @@ import re
 import selectors
 import socket
 import threading
+import time
 
 from shared.env import env
-from shared.log import get_logger
+from shared.log import admit_repeat, get_logger
 from shared.ring import Ring, attach_ring
 from shared.transport import RingError, shm_path
 from shared.transport.rdma import (
@@ -40,6 +41,10 @@ RDMA_SCHEME = "rdma://"
 MAX_PAIRS = 64  # frontend queue pairs an engine serves at once (a frontend set holds one per process)
 LISTEN_BACKLOG = 16
 DEFAULT_VERBS = VerbsConfig()  # the first device, port 1, GID index 0
+# A lease whose peer vanished without closing (its host crashed or lost power, the link cut: no FIN, no RST)
+# is found by TCP keepalive: probed after LEASE_IDLE_S of silence, every LEASE_PROBE_S, given up after
+# LEASE_PROBES unanswered probes; TCP_USER_TIMEOUT bounds unacknowledged data the same.
+LEASE_IDLE_S, LEASE_PROBE_S, LEASE_PROBES = 10, 5, 3
 
 
 def is_remote(ring: str) -> bool:
@@ -162,6 +167,21 @@ def rdma_problem(cfg: VerbsConfig = DEFAULT_VERBS) -> str | None:
     return None
 
 
+def keep_lease_alive(sock: socket.socket) -> None:
+    """TCP keepalive on a lease's connection (both ends): a peer that vanished without closing it is seen gone
+    after about ``LEASE_IDLE_S + LEASE_PROBE_S * LEASE_PROBES`` seconds (the engine drops its queue pair, the
+    frontend lets the ring go), instead of never. Options this platform lacks are left out."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", LEASE_IDLE_S), ("TCP_KEEPINTVL", LEASE_PROBE_S),
+                        ("TCP_KEEPCNT", LEASE_PROBES),
+                        ("TCP_USER_TIMEOUT", 1000 * (LEASE_IDLE_S + LEASE_PROBE_S * LEASE_PROBES))):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
+
+
 # ---------------------------------------------------------------------- the frontend side
 def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: Nic | None = None) -> Ring:
     """Connect to the engine's exchange, bring a queue pair up, and attach the ring through it (its header
@@ -177,6 +197,7 @@ def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: N
                         "engine running there with --rdma-listen?") from None
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    keep_lease_alive(sock)
     transport = connect_ring(sock, addr.name, cfg, nic)  # closes the socket when it fails
     try:
         return attach_ring(transport, addr.url)
@@ -189,12 +210,16 @@ def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: N
 class ExportServer:
     """The engine's export: ``--rdma-listen ADDR:PORT``.
 
-    Made before the model loads (``nic.check`` and the bind fail at once: no device, no pyverbs, a port in
-    use); ``start(ring)`` registers the ring and listens; a thread then answers each frontend's exchange and
-    keeps its connection as the lease of that frontend's queue pair, which is closed when the connection
-    ends (the frontend process stopped or died). The thread does nothing else: the engine's loop never
-    waits on it, and the frontends' verbs reach the ring through the NIC alone. ``close`` (before the ring
-    is unmapped) ends every lease, which each frontend sees at its next look, and deregisters the ring."""
+    Made before the model loads (``nic.check``, the address and the bind fail at once: no device, no pyverbs, a
+    host that does not resolve, a port in use); ``start(ring)`` registers the ring and listens. A thread (the
+    lease thread) then accepts each frontend's connection and keeps it, once its exchange is done, as the lease
+    of that frontend's queue pair, which is closed when the connection ends (the frontend process stopped or
+    died; keepalive finds a peer that vanished without closing). Each exchange runs in a thread of its own,
+    within one deadline (``cfg.timeout_s``, the whole exchange: a line must arrive whole by then), so a slow or
+    silent peer costs only its own attach. None of these threads does anything else: the engine's loop never
+    waits on them, and the frontends' verbs reach the ring through the NIC alone. ``close`` (before the ring is
+    unmapped) cuts the exchanges under way, ends every lease, which each frontend sees at its next look, and
+    deregisters the ring, waiting for its threads a bounded time."""
 
     def __init__(self, listen: str, cfg: VerbsConfig = DEFAULT_VERBS, nic: Nic | None = None,
                  max_pairs: int = MAX_PAIRS) -> None:
@@ -202,9 +227,15 @@ class ExportServer:
         self.cfg, self.max_pairs = cfg, max_pairs
         self.nic = nic or nic_from_env()
         self.nic.check(cfg)
-        family, kind, proto, _, where = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
-                                                           flags=socket.AI_PASSIVE)[0]
-        self.listener = socket.socket(family, kind, proto)
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as exc:
+            raise RingError(f"--rdma-listen {listen}: cannot resolve {self.host!r} ({exc.strerror or exc})") from None
+        try:
+            self.listener = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise RingError(f"--rdma-listen {listen}: cannot open a socket ({exc.strerror or exc})") from None
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.listener.bind(where)
@@ -212,8 +243,17 @@ class ExportServer:
             self.listener.close()
             raise RingError(f"--rdma-listen {listen}: cannot bind ({exc.strerror or exc})") from None
         self.export: RingExport | None = None
+        # under _lock: the leases (each frontend's connection and queue pair, from the end of its exchange), those
+        # the lease thread does not watch yet, the exchanges under way (their sockets), and the exchanges' threads
+        # (until they end: one still logs after its exchange is off the books)
+        self._lock = threading.Lock()
         self.leases: dict[socket.socket, QueuePair] = {}
+        self._unwatched: list[socket.socket] = []
+        self._exchanges: set[socket.socket] = set()
+        self._workers: list[threading.Thread] = []
+        self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._thread: threading.Thread | None = None
 
     def start(self, ring: Ring) -> None:
@@ -222,6 +262,7 @@ class ExportServer:
         self.export = RingExport(ring.transport, ring.name, (int(header["schema_major"]), int(header["schema_minor"])),
                                  self.nic, self.cfg)
         self.listener.listen(LISTEN_BACKLOG)
+        self.listener.setblocking(False)  # accepted only when the selector says one waits
         self._thread = threading.Thread(target=self._serve, name="rdma-export", daemon=True)
         self._thread.start()
         log.info("rdma export ready", listen=f"{self.host}:{self.port}", ring=ring.name, size=ring.transport.size,
@@ -235,37 +276,84 @@ class ExportServer:
             while True:
                 for key, _ in sel.select():
                     if key.fileobj is self._wake_r:
-                        return
-                    if key.fileobj is self.listener:
-                        self._accept(sel)
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        if self._stopping:
+                            return
+                        self._watch_new(sel)
+                    elif key.fileobj is self.listener:
+                        self._accept()
                     else:
                         self._lease_event(sel, key.fileobj)  # type: ignore[arg-type]
         finally:
-            for conn in list(self.leases):
+            with self._lock:
+                self._stopping = True  # an exchange that ends now closes its own pair
+                ending = list(self.leases)
+            for conn in ending:
                 self._drop(sel, conn, "the engine is stopping")
             sel.close()
 
-    def _accept(self, sel: selectors.BaseSelector) -> None:
+    def _accept(self) -> None:
+        """A connection waits: its exchange goes to a thread of its own (refused at once past ``max_pairs``)."""
         try:
             conn, peer = self.listener.accept()
         except OSError:
             return
-        assert self.export is not None
-        if len(self.leases) >= self.max_pairs:
+        keep_lease_alive(conn)
+        with self._lock:
+            stopping = self._stopping
+            busy = len(self.leases) + len(self._exchanges)
+            if not stopping and busy < self.max_pairs:
+                thread = threading.Thread(target=self._exchange, args=(conn, str(peer)), name="rdma-exchange",
+                                          daemon=True)
+                self._exchanges.add(conn)
+                self._workers = [t for t in self._workers if t.is_alive()] + [thread]
+                thread.start()
+                return
+        if not stopping:
             refuse(conn, f"this engine serves {self.max_pairs} frontend queue pairs already")
-            conn.close()
-            log.warning("rdma frontend refused: too many queue pairs", peer=str(peer), pairs=len(self.leases))
-            return
+            if (repeated := admit_repeat("rdma frontend refused: too many queue pairs")) is not None:
+                log.warning("rdma frontend refused: too many queue pairs", peer=str(peer), pairs=len(self.leases),
+                            exchanges=busy - len(self.leases), repeated=repeated)
+        conn.close()
+
+    def _exchange(self, conn: socket.socket, peer: str) -> None:
+        """In its own thread: one frontend's exchange (``RingExport.accept``, one deadline for all of it); the
+        pair it brought up is a lease from then on, which the lease thread watches."""
+        export, pair, failure = self.export, None, None
         try:
-            pair = self.export.accept(conn)
+            if export is None:
+                raise RingError("the export is closed")
+            pair = export.accept(conn)
         except Exception as exc:  # noqa: BLE001 - a failed exchange (or device call) costs that frontend only
-            conn.close()
-            log.warning("rdma exchange failed", peer=str(peer), error=str(exc), kind=type(exc).__name__)
+            failure = exc
+        with self._lock:
+            self._exchanges.discard(conn)  # from now on close() leaves this socket to this thread
+            stopping = self._stopping
+            if pair is not None and not stopping:
+                self.leases[conn] = pair
+                self._unwatched.append(conn)
+                pairs = len(self.leases)
+        if pair is not None and not stopping:
+            log.info("rdma frontend connected", peer=peer, qp=pair.qp_num, pairs=pairs)
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
             return
-        conn.setblocking(False)
-        self.leases[conn] = pair
-        sel.register(conn, selectors.EVENT_READ)
-        log.info("rdma frontend connected", peer=str(peer), qp=pair.qp_num, pairs=len(self.leases))
+        conn.close()
+        if pair is not None:  # the engine began stopping meanwhile: nobody will hold this pair's lease
+            self._close_pair(pair)
+        if failure is not None and not stopping:  # (stopping: close() cut it)
+            error, kind = str(failure), type(failure).__name__
+            if (repeated := admit_repeat("rdma exchange failed", kind, error)) is not None:
+                log.warning("rdma exchange failed", peer=peer, error=error, kind=kind, repeated=repeated)
+
+    def _watch_new(self, sel: selectors.BaseSelector) -> None:
+        """The leases of the exchanges done since the last look, watched from now on."""
+        with self._lock:
+            new, self._unwatched = self._unwatched, []
+        for conn in new:
+            conn.setblocking(False)
+            sel.register(conn, selectors.EVENT_READ)
 
     def _lease_event(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
         """A frontend's connection is readable: its end (or anything it sends, which the exchange has not
@@ -275,27 +363,46 @@ class ExportServer:
         except BlockingIOError:
             return
         except OSError:
-            got = b""
+            got = b""  # reset, or keepalive gave up on a peer that vanished
         self._drop(sel, conn, "the frontend closed its connection" if not got else "the frontend sent after the "
                    "exchange")
 
     def _drop(self, sel: selectors.BaseSelector, conn: socket.socket, why: str) -> None:
-        pair = self.leases.pop(conn)
+        with self._lock:
+            pair = self.leases.pop(conn)
+            pairs = len(self.leases)
         with contextlib.suppress(KeyError, ValueError):
             sel.unregister(conn)
         conn.close()
+        self._close_pair(pair)
+        log.info("rdma frontend gone", qp=pair.qp_num, why=why, pairs=pairs)
+
+    @staticmethod
+    def _close_pair(pair: QueuePair) -> None:
         try:
             pair.close()
         except Exception as exc:  # noqa: BLE001 - one pair's teardown must not end the others' leases
             log.warning("rdma queue pair not closed cleanly", qp=pair.qp_num, error=str(exc))
-        log.info("rdma frontend gone", qp=pair.qp_num, why=why, pairs=len(self.leases))
 
     def close(self) -> None:
-        """End every lease, deregister the ring, stop listening (idempotent)."""
+        """Cut the exchanges under way, end every lease, deregister the ring, stop listening (idempotent). Waits
+        for the export's threads at most ``cfg.timeout_s`` (an exchange's own deadline) in all."""
         if self._thread is not None:
+            with self._lock:
+                self._stopping = True
+                for conn in self._exchanges:  # its thread's recv or send returns at once, failed
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+                workers = list(self._workers)
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"x")
-            self._thread.join()
+            until = time.monotonic() + self.cfg.timeout_s
+            threads = [self._thread, *workers]
+            for thread in threads:
+                thread.join(max(0.0, until - time.monotonic()))
+            if stuck := [thread.name for thread in threads if thread.is_alive()]:
+                log.warning("rdma export: threads not stopped in time; closing without them", threads=stuck,
+                            waited_s=self.cfg.timeout_s)
             self._thread = None
         export, self.export = self.export, None
         try:

@@ -7,9 +7,12 @@ The tests that need an RDMA device are at the end; they skip with the reason (do
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+import types
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -252,6 +255,103 @@ def test_connecting_without_pyverbs_or_a_device_says_which() -> None:
     a, b = socket.socketpair()
     with a, b, pytest.raises(rdma.RdmaUnavailable, match="pyverbs|no RDMA device"):
         rdma.connect_ring(a, "blink-ring")
+
+
+class PyverbsRDMAError(Exception):
+    """What pyverbs raises for a call the device refused: not a RingError."""
+
+
+def fake_pyverbs(monkeypatch: pytest.MonkeyPatch, fails: str) -> list[str]:
+    """pyverbs, as far as the verbs layer calls it, over no device: every object it makes records its close;
+    the class or method named ``fails`` raises as pyverbs does when the device refuses. The closes, in order."""
+    closed: list[str] = []
+
+    def refuse(what: str) -> None:
+        if what == fails:
+            raise PyverbsRDMAError(f"Failed to {what}. Errno: 22, Invalid argument")
+
+    class Made:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            refuse(type(self).__name__)
+
+        def close(self) -> None:
+            closed.append(type(self).__name__)
+
+    class Context(Made):
+        def query_device(self) -> SimpleNamespace:
+            return SimpleNamespace(atomic_caps=1)
+
+        def query_port(self, port: int) -> SimpleNamespace:
+            return SimpleNamespace(lid=1, active_mtu=5, max_msg_sz=1 << 30)
+
+        def query_gid(self, port: int, index: int) -> str:
+            refuse("query_gid")
+            return "fe80:0000:0000:0000:0000:0000:0000:0001"
+
+    class QP(Made):
+        qp_num = 7
+
+        def to_rts(self, attr: object) -> None:
+            refuse("to_rts")
+
+    class Attr:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    made = {name: type(name, (Made,), {}) for name in ("PD", "CQ", "MR", "DmaBufMR")}
+    enums = {name: bit for bit, name in enumerate(("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ",
+                                                   "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_ATOMIC",
+                                                   "IBV_QPT_RC", "IBV_QPS_INIT", "IBV_WR_RDMA_WRITE",
+                                                   "IBV_WR_RDMA_READ", "IBV_WR_ATOMIC_CMP_AND_SWP",
+                                                   "IBV_WR_ATOMIC_FETCH_AND_ADD"), 1)}
+    parts = {"device": {"Context": Context}, "pd": {"PD": made["PD"]}, "cq": {"CQ": made["CQ"]},
+             "qp": {"QP": QP, "QPCap": Attr, "QPInitAttr": Attr, "QPAttr": Attr},
+             "addr": {"GID": Attr, "AHAttr": Attr, "GlobalRoute": Attr},
+             "mr": {"MR": made["MR"], "DmaBufMR": made["DmaBufMR"]}, "enums": {"IBV_ATOMIC_NONE": 0, **enums}}
+    package = types.ModuleType("pyverbs")
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "pyverbs", package)
+    for name, attrs in parts.items():
+        module = types.ModuleType(f"pyverbs.{name}")
+        module.__dict__.update(attrs)
+        setattr(package, name, module)
+        monkeypatch.setitem(sys.modules, f"pyverbs.{name}", module)
+    monkeypatch.setattr(rdma, "pick_device", lambda name, sys_dir=rdma.SYS_RDMA: "mlx5_0")
+    return closed
+
+
+@pytest.mark.parametrize(("fails", "closed"), [("PD", ["Context"]), ("CQ", ["PD", "Context"]),
+                                               ("QP", ["CQ", "PD", "Context"])])
+def test_pyverbs_errors_making_a_queue_pair_are_ring_errors_and_close_what_was_made(
+        monkeypatch: pytest.MonkeyPatch, fails: str, closed: list[str]) -> None:
+    made = fake_pyverbs(monkeypatch, fails)
+    with pytest.raises(RingError, match=f"RDMA queue pair setup failed: Failed to {fails}"):
+        rdma.VerbsQueuePair(rdma.VerbsConfig())
+    assert made == closed
+
+
+@pytest.mark.parametrize(("fails", "call", "said"), [
+    ("query_gid", lambda pair: pair.endpoint(), r"GID query \(port 1, index 3\) failed"),
+    ("to_rts", lambda pair: pair.connect(rdma.Endpoint(5, 1, 1, "fe80" + "0" * 27 + "1", 5)),
+     "queue pair connection to qp 5 failed"),
+    ("MR", lambda pair: rdma.VerbsRegion(pair, MemoryTransport(bytearray(4096))),
+     r"registration of the ring's memory \(4096 bytes; is the memlock limit above that\?\) failed"),
+    ("MR", lambda pair: rdma.VerbsPoster(pair, rdma.Endpoint(5, 1, 1, "", 5, 4096, 9, 4096)),
+     "registration of the staging buffer failed"),
+])
+def test_pyverbs_errors_after_the_queue_pair_is_made_are_ring_errors_naming_the_call(
+        monkeypatch: pytest.MonkeyPatch, fails: str, call, said: str) -> None:
+    fake_pyverbs(monkeypatch, fails)
+    pair = rdma.VerbsQueuePair(rdma.VerbsConfig(gid_index=3))
+    with pytest.raises(RingError, match=f"RDMA {said}: Failed to {fails}"):
+        call(pair)
+    pair.close()
+
+
+def test_a_pyverbs_error_checking_the_device_says_rdma_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_pyverbs(monkeypatch, "Context")
+    with pytest.raises(rdma.RdmaUnavailable, match="RDMA check of device mlx5_0 failed: Failed to Context"):
+        rdma.PyverbsNic().check(rdma.VerbsConfig())
 
 
 # ---------------------------------------------------------------------- every frontend transition's plan

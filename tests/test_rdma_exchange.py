@@ -6,7 +6,10 @@ shared memory and checks what a NIC checks). Nothing here is faked above the ver
 Error paths: a peer that disappears mid-transition (the link down between two work requests of a
 publication; the engine gone between two accesses), a stale registration (an rkey of an engine that
 restarted), a schema major mismatch (refused in the exchange, and in the header read over RDMA), another
-ring's name, an engine that does not answer, nothing listening, too many queue pairs, and no pyverbs.
+ring's name, an engine that does not answer, nothing listening, too many queue pairs, and no pyverbs; a peer
+that trickles its exchange (cut at the deadline, holding up neither other frontends nor the engine's stop), the
+verbs layer's own errors (a RingError, and the watch attaches again), an address that does not resolve, and
+the leases' keepalive.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpu_gateway import ringwatch
 from dpu_gateway.reader import RESTARTED, ReaderConfig, TokenReader
 from dpu_gateway.ringwatch import RingWatch
 from dpu_gateway.tracker import SlotTracker, TrackerConfig
-from harness.rdma_standin import SharedMemoryNic, StandInPoster
+from harness.rdma_standin import SharedMemoryNic, StandInPair, StandInPoster
 from harness.serve_proc import free_port
 from shared import messages as m
 from shared import remote_ring
@@ -108,6 +113,67 @@ def publish(ring: Ring, slot: int, req_id: int = 7) -> int:
     return seq
 
 
+class Trickler:
+    """A peer of the exchange port that sends its line a byte at a time, every ``every_s``, and never ends it."""
+
+    def __init__(self, port: int, every_s: float = 0.2) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._trickle, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _trickle(self, every_s: float) -> None:
+        while True:
+            try:
+                self.sock.send(b" ")
+            except OSError:
+                return
+            if self._stop.wait(every_s):
+                return
+
+    def cut_off(self) -> bool:
+        """Whether the engine closed this connection."""
+        try:
+            return self.sock.recv(1, socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close()
+
+
+class PyverbsRDMAError(Exception):
+    """What pyverbs raises for a call the device refused: not a RingError."""
+
+
+class CountingNic(SharedMemoryNic):
+    """The stand-in, counting the queue pairs made for frontends (those sharing the export's domain)."""
+
+    def __init__(self) -> None:
+        self.frontend_pairs = 0
+
+    def queue_pair(self, cfg: VerbsConfig, shared_with: object = None) -> StandInPair:
+        self.frontend_pairs += shared_with is not None
+        return super().queue_pair(cfg, shared_with)
+
+
+class Lines:
+    """Stands in for a module's logger: the lines it was given, (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        return lambda event, **fields: self.lines.append((level, event, fields))
+
+    def named(self, event: str) -> list[dict]:
+        return [fields for _, e, fields in self.lines if e == event]
+
+
 class Chan:
     """Stands in for a gateway's link: what a service sends it."""
 
@@ -171,19 +237,28 @@ def test_the_exchange_refuses_another_rings_name(engine: Engine) -> None:
     assert not engine.export.leases
 
 
-def test_a_schema_major_mismatch_is_refused_in_the_exchange_naming_both(ring_name: str) -> None:
+def test_a_schema_major_mismatch_is_refused_in_the_exchange_naming_both(ring_name: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine refuses a frontend of another major before it makes a queue pair for it, and says so once,
+    not once per attempt (a frontend tries again every 0.2 s)."""
     ring = create_shm_ring(ring_name, GEO)
     ring.header_store32("schema_major", L.SCHEMA_MAJOR + 1)  # an engine of another major
-    eng = Engine(ring, ExportServer(f"127.0.0.1:{free_port()}", nic=NIC), RdmaAddress("127.0.0.1", 0, ring_name))
+    nic = CountingNic()
+    lines = Lines()
+    monkeypatch.setattr(remote_ring, "log", lines)
+    eng = Engine(ring, ExportServer(f"127.0.0.1:{free_port()}", nic=nic), RdmaAddress("127.0.0.1", 0, ring_name))
     eng.export.start(ring)
     eng.address = dataclasses.replace(eng.address, port=eng.export.port)
     try:
-        with pytest.raises(RingError, match=rf"schema version {L.SCHEMA_MAJOR + 1}\.\d+ is incompatible with this "
-                           rf"program's {L.SCHEMA_MAJOR}\.{L.SCHEMA_MINOR}"):
-            attach(eng)
-        eventually(lambda: not eng.export.leases)  # its pair was dropped with the refused connection
+        for _ in range(3):
+            with pytest.raises(ExchangeRefused, match=rf"schema version {L.SCHEMA_MAJOR + 1}\.\d+ is incompatible "
+                               rf"with the frontend's {L.SCHEMA_MAJOR}\.{L.SCHEMA_MINOR}"):
+                attach(eng)
+        assert nic.frontend_pairs == 0 and not eng.export.leases
     finally:
-        eng.stop()
+        eng.stop()  # its exchanges' threads joined: every line they write is written
+    refused = lines.named("rdma exchange failed")
+    assert len(refused) == 1 and "major versions differ" in refused[0]["error"]
 
 
 def test_a_header_of_another_major_is_refused_when_read_over_rdma(engine: Engine) -> None:
@@ -204,6 +279,69 @@ def test_an_engine_that_does_not_answer_and_nothing_listening_are_said() -> None
         attach_remote_ring(RdmaAddress("127.0.0.1", port, "r"), nic=NIC)
 
 
+def test_a_peer_that_trickles_its_line_is_cut_at_the_deadline_and_holds_up_no_other(ring_name: str) -> None:
+    """The exchange's deadline is for the whole line: a peer that sends a byte now and then, never the end, is
+    cut when it passes; meanwhile other frontends attach, each exchange in its own thread."""
+    eng = start_engine(ring_name, cfg=VerbsConfig(timeout_s=1.0))
+    slow = Trickler(eng.address.port)
+    try:
+        ring = attach(eng)  # while the slow peer's exchange is under way
+        eventually(lambda: len(eng.export.leases) == 1)
+        ring.close()
+        eventually(slow.cut_off)
+        eventually(lambda: not eng.export.leases)
+        attach(eng).close()
+    finally:
+        slow.stop()
+        eng.stop()
+
+
+def test_the_engine_stops_with_exchanges_under_way(ring_name: str) -> None:
+    """``close`` cuts the exchanges under way and ends the leases; it returns, whatever its peers do."""
+    eng = start_engine(ring_name)
+    slow = [Trickler(eng.address.port) for _ in range(2)]
+    held = attach(eng)
+    try:
+        eventually(lambda: len(eng.export.leases) == 1)
+        closing = threading.Thread(target=eng.export.close, daemon=True)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive()
+        assert not eng.export.leases
+        eventually(lambda: all(s.cut_off() for s in slow))
+        eventually(lambda: not held.transport.lease_open())  # type: ignore[attr-defined]
+    finally:
+        held.close()
+        for s in slow:
+            s.stop()
+        eng.ring.transport.unlink()  # type: ignore[attr-defined]
+        eng.ring.close()
+
+
+def test_both_ends_of_a_lease_have_tcp_keepalive(engine: Engine) -> None:
+    """A peer that vanishes without closing its end (a crashed host: no FIN, no RST) is found by keepalive
+    probes, on the engine's side (its queue pair dropped) and the frontend's (the ring let go)."""
+    ring = attach(engine)
+    try:
+        eventually(lambda: len(engine.export.leases) == 1)
+        ends = [*engine.export.leases, ring.transport.lease]  # type: ignore[attr-defined]
+        for end in ends:
+            assert end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == remote_ring.LEASE_IDLE_S
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == remote_ring.LEASE_PROBE_S
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == remote_ring.LEASE_PROBES
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1000 * (
+                remote_ring.LEASE_IDLE_S + remote_ring.LEASE_PROBE_S * remote_ring.LEASE_PROBES)
+        assert 0 < remote_ring.LEASE_IDLE_S + remote_ring.LEASE_PROBE_S * remote_ring.LEASE_PROBES <= 60
+    finally:
+        ring.close()
+
+
+def test_a_listen_address_that_does_not_resolve_is_a_ring_error() -> None:
+    with pytest.raises(RingError, match=r"--rdma-listen badhost\.invalid:7471: cannot resolve 'badhost\.invalid'"):
+        ExportServer("badhost.invalid:7471", nic=NIC)
+
+
 def test_the_export_refuses_past_its_queue_pair_limit(ring_name: str) -> None:
     eng = start_engine(ring_name, max_pairs=1)
     try:
@@ -215,6 +353,57 @@ def test_the_export_refuses_past_its_queue_pair_limit(ring_name: str) -> None:
         attach(eng).close()  # room again
     finally:
         eng.stop()
+
+
+class RefusedConnect(StandInPair):
+    def connect(self, peer: object) -> None:
+        raise PyverbsRDMAError("Failed to modify QP state to RTR. Errno: 22, Invalid argument")
+
+
+class FrontendVerbsFail(SharedMemoryNic):
+    """The stand-in, whose frontend-side calls fail as pyverbs' do (not a RingError): at ``where``."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def queue_pair(self, cfg: VerbsConfig, shared_with: object = None) -> StandInPair:
+        if shared_with is not None:
+            return super().queue_pair(cfg, shared_with)  # (never asked of it: the engine has its own nic)
+        if self.where == "queue_pair":
+            raise PyverbsRDMAError("Failed to query gid 3 of port 1. Errno: 22, Invalid argument")
+        return RefusedConnect(cfg)
+
+
+@pytest.mark.parametrize(("where", "said"), [("queue_pair", "queue pair setup failed: Failed to query gid 3"),
+                                             ("connect", r"queue pair connection to the engine's qp \d+ failed: "
+                                                         "Failed to modify QP state to RTR")])
+def test_the_verbs_layers_own_errors_are_ring_errors(engine: Engine, where: str, said: str) -> None:
+    with pytest.raises(RingError, match=f"RDMA {said}"):
+        attach_remote_ring(engine.address, VerbsConfig(), FrontendVerbsFail(where))
+    eventually(lambda: not engine.export.leases)  # the engine's pair dropped with the connection
+
+
+def test_a_watch_attempt_that_raises_anything_is_tried_again(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt that fails with an exception nobody expected still ends with a result: the watch says why,
+    and attaches at a later attempt (it does not wait forever for one that ended)."""
+    real = ringwatch.attach_remote_ring
+    broken = [True]
+
+    def flaky(addr: RdmaAddress) -> Ring:
+        if broken[0]:
+            raise PyverbsRDMAError("Failed to allocate PD. Errno: 12")
+        return real(addr)
+
+    monkeypatch.setattr(ringwatch, "attach_remote_ring", flaky)
+    watch = RingWatch(engine.address.url, 10.0)
+    try:
+        eventually(lambda: watch.current() is None and watch.failure == "PyverbsRDMAError: Failed to allocate PD. "
+                   "Errno: 12")
+        broken[0] = False
+        eventually(lambda: watch.current() is not None)
+        assert watch.failure is None and watch.generation == 1
+    finally:
+        watch.close()
 
 
 # ---------------------------------------------------------------------- a peer that disappears

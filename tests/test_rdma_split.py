@@ -306,6 +306,18 @@ def test_without_a_device_the_engine_refuses_its_export_before_loading(tmp_path:
     assert '"loading weights"' not in done.stderr and not (SHM_DIR / name).exists()
 
 
+def test_an_engine_whose_listen_address_does_not_resolve_says_so_in_one_line() -> None:
+    name = f"blink-test-{uuid.uuid4().hex[:10]}"
+    done = subprocess.run([sys.executable, "-m", "gpu_engine.serve", "--ring", name, "--rdma-listen",
+                           "badhost.invalid:7471", *ENGINE_FLAGS], cwd=ROOT,
+                          env={**os.environ, **STANDIN, "BLINK_LOG_JSON": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "error: --rdma-listen badhost.invalid:7471: cannot resolve 'badhost.invalid'" in done.stderr
+    assert "Traceback" not in done.stderr and '"loading weights"' not in done.stderr
+    assert not (SHM_DIR / name).exists()
+
+
 def test_serve_help_shows_the_two_commands_of_a_dpu_deployment() -> None:
     text = subprocess.run([sys.executable, "-m", "blink.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60).stdout

@@ -37,7 +37,8 @@ import json
 import secrets
 import socket
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -406,23 +407,36 @@ class ExchangeRefused(RingError):
 MAX_LINE = 65536
 
 
-def send_line(sock: socket.socket, line: bytes, timeout_s: float) -> None:
-    sock.settimeout(timeout_s)
+def _time_left(deadline: float) -> float:
+    """Seconds to ``deadline`` (a ``time.monotonic()`` time); TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def send_line(sock: socket.socket, line: bytes, timeout_s: float, deadline: float | None = None) -> None:
+    """The whole line sent within ``timeout_s``, or by ``deadline`` when given (the exchange's own)."""
     try:
-        sock.sendall(line)
+        sock.settimeout(_time_left(time.monotonic() + timeout_s if deadline is None else deadline))
+        sock.sendall(line)  # the timeout bounds the whole call, however many sends it takes
     except (BrokenPipeError, ConnectionResetError):
         raise RingError("RDMA endpoint exchange: the peer closed the connection") from None
     except TimeoutError:
         raise RingError(f"RDMA endpoint exchange: could not send within {timeout_s}s") from None
 
 
-def read_line(sock: socket.socket, timeout_s: float) -> bytes:
+def read_line(sock: socket.socket, timeout_s: float, deadline: float | None = None) -> bytes:
     """One line of the exchange, byte by byte up to its newline: nothing after it is taken from the socket
-    (the connection stays open as the queue pair's lease, and must show the peer's end, not stray bytes)."""
-    sock.settimeout(timeout_s)
+    (the connection stays open as the queue pair's lease, and must show the peer's end, not stray bytes).
+
+    The whole line must come within ``timeout_s`` (by ``deadline`` when given), however its bytes are spread:
+    a peer that sends a byte now and then is cut off at the deadline, not kept for as long as it trickles."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     buf = bytearray()
     try:
         while not buf.endswith(b"\n"):
+            sock.settimeout(_time_left(deadline))
             chunk = sock.recv(1)
             if not chunk:
                 raise ConnectionResetError("end of stream")
@@ -432,14 +446,18 @@ def read_line(sock: socket.socket, timeout_s: float) -> bytes:
     except (BrokenPipeError, ConnectionResetError):
         raise RingError("RDMA endpoint exchange: the peer closed the connection before answering") from None
     except TimeoutError:
+        if buf:
+            raise RingError(f"RDMA endpoint exchange: the line was not whole within {timeout_s}s ({len(buf)} "
+                            "bytes came)") from None
         raise RingError(f"RDMA endpoint exchange: no answer within {timeout_s}s") from None
     return bytes(buf)
 
 
 def exchange(sock: socket.socket, ours: Endpoint, timeout_s: float = 10.0) -> Endpoint:
-    """Send our endpoint, read the peer's (one line each way, out of band)."""
-    send_line(sock, ours.encode(), timeout_s)
-    return Endpoint.decode(read_line(sock, timeout_s))
+    """Send our endpoint, read the peer's (one line each way, out of band), both within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    send_line(sock, ours.encode(), timeout_s, deadline)
+    return Endpoint.decode(read_line(sock, timeout_s, deadline))
 
 
 def refuse(sock: socket.socket, why: str, timeout_s: float = 1.0) -> None:
@@ -466,6 +484,19 @@ REMOTE_RING_ACCESS = ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_A
                       "IBV_ACCESS_REMOTE_ATOMIC")
 
 
+@contextlib.contextmanager
+def verbs_errors(what: str, kind: type[RingError] = RingError) -> Iterator[None]:
+    """pyverbs' own errors (``PyverbsRDMAError``, ``PyverbsError``: a call the device refused) as ``kind``, a
+    ``RingError``, saying what failed: the callers keep a RingError as a ring not reached, or lost, and never see
+    pyverbs' exceptions. RingErrors pass unchanged."""
+    try:
+        yield
+    except RingError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever pyverbs raises, and it raises several kinds
+        raise kind(f"RDMA {what} failed: {exc}") from None
+
+
 def _access(e: Any, names: Sequence[str]) -> int:
     flags = 0
     for name in names:
@@ -485,21 +516,31 @@ class VerbsQueuePair:
         from pyverbs.qp import QP, QPCap, QPInitAttr  # type: ignore[import-not-found]  # noqa: PLC0415
 
         self.e, self.pv, self.cfg = e, pv, cfg
-        self.ctx: Any
-        self.pd: Any
+        self.ctx: Any = None
+        self.pd: Any = None
+        self.cq: Any = None
+        self.qp: Any = None
         self.owner = shared_with is None  # the first pair owns the device context and protection domain
-        if shared_with is not None:
-            self.ctx, self.pd = shared_with.ctx, shared_with.pd
-        else:
-            self.ctx = Context(name=pick_device(cfg.device))
-            if int(self.ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
-                raise RdmaUnavailable("this RDMA device has no atomics: the ring's slot transitions need 8-byte CAS")
-            self.pd = PD(self.ctx)
-        self.cq = CQ(self.ctx, cfg.queue_depth)
-        cap = QPCap(max_send_wr=cfg.queue_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1,
-                    max_inline_data=cfg.max_inline)
-        self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
-        self.port_attr = self.ctx.query_port(cfg.port)
+        try:
+            with verbs_errors("queue pair setup"):
+                if shared_with is not None:
+                    self.ctx, self.pd = shared_with.ctx, shared_with.pd
+                else:
+                    self.ctx = Context(name=pick_device(cfg.device))
+                    if int(self.ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
+                        raise RdmaUnavailable("this RDMA device has no atomics: the ring's slot transitions need "
+                                              "8-byte CAS")
+                    self.pd = PD(self.ctx)
+                self.cq = CQ(self.ctx, cfg.queue_depth)
+                cap = QPCap(max_send_wr=cfg.queue_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1,
+                            max_inline_data=cfg.max_inline)
+                self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
+                                                 sq_sig_all=0))
+                self.port_attr = self.ctx.query_port(cfg.port)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.close()  # what was made before the failure
+            raise
         self.psn = secrets.randbelow(1 << 24)  # a fresh start per pair: no packet of an earlier one is taken
 
     @property
@@ -507,7 +548,8 @@ class VerbsQueuePair:
         return int(self.qp.qp_num)
 
     def endpoint(self, addr: int = 0, rkey: int = 0, size: int = 0) -> Endpoint:
-        gid = str(self.ctx.query_gid(self.cfg.port, self.cfg.gid_index)).replace(":", "")
+        with verbs_errors(f"GID query (port {self.cfg.port}, index {self.cfg.gid_index})"):
+            gid = str(self.ctx.query_gid(self.cfg.port, self.cfg.gid_index)).replace(":", "")
         return Endpoint(self.qp.qp_num, self.psn, int(self.port_attr.lid), gid, int(self.port_attr.active_mtu),
                         addr, rkey, size)
 
@@ -517,16 +559,17 @@ class VerbsQueuePair:
         from pyverbs.qp import QPAttr  # type: ignore[import-not-found]  # noqa: PLC0415
 
         e = self.e
-        attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=self.cfg.port)
-        attr.qp_access_flags = _access(e, REMOTE_RING_ACCESS)
-        attr.path_mtu = min(peer.mtu, int(self.port_attr.active_mtu))
-        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = peer.qp_num, peer.psn, self.psn
-        attr.max_rd_atomic = attr.max_dest_rd_atomic = 1
-        attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.min_rnr_timer = 14, 7, 7, 12
-        gr = GlobalRoute(dgid=GID(":".join(peer.gid[i:i + 4] for i in range(0, 32, 4))),
-                         sgid_index=self.cfg.gid_index) if peer.gid.strip("0") else None
-        attr.ah_attr = AHAttr(port_num=self.cfg.port, dlid=peer.lid, is_global=gr is not None, gr=gr)
-        self.qp.to_rts(attr)
+        with verbs_errors(f"queue pair connection to qp {peer.qp_num}"):
+            attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=self.cfg.port)
+            attr.qp_access_flags = _access(e, REMOTE_RING_ACCESS)
+            attr.path_mtu = min(peer.mtu, int(self.port_attr.active_mtu))
+            attr.dest_qp_num, attr.rq_psn, attr.sq_psn = peer.qp_num, peer.psn, self.psn
+            attr.max_rd_atomic = attr.max_dest_rd_atomic = 1
+            attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.min_rnr_timer = 14, 7, 7, 12
+            gr = GlobalRoute(dgid=GID(":".join(peer.gid[i:i + 4] for i in range(0, 32, 4))),
+                             sgid_index=self.cfg.gid_index) if peer.gid.strip("0") else None
+            attr.ah_attr = AHAttr(port_num=self.cfg.port, dlid=peer.lid, is_global=gr is not None, gr=gr)
+            self.qp.to_rts(attr)
 
     def close(self) -> None:
         for name in ("qp", "cq", "pd", "ctx") if self.owner else ("qp", "cq"):
@@ -553,7 +596,9 @@ class VerbsPoster:
         self.qp, self.ring = qp, ring
         e = qp.e
         self.staging = np.zeros(STAGING_BYTES, np.uint8)
-        self.mr = MR(qp.pd, STAGING_BYTES, _access(e, ("IBV_ACCESS_LOCAL_WRITE",)), address=self.staging.ctypes.data)
+        with verbs_errors("registration of the staging buffer"):
+            self.mr = MR(qp.pd, STAGING_BYTES, _access(e, ("IBV_ACCESS_LOCAL_WRITE",)),
+                         address=self.staging.ctypes.data)
         self.max_message = min(MAX_MESSAGE, int(qp.port_attr.max_msg_sz))
         self.max_inline = qp.cfg.max_inline
         self._signaled = 0
@@ -607,13 +652,16 @@ class VerbsRegion:
 
         access = _access(pair.e, REMOTE_RING_ACCESS)
         if dmabuf_fd is not None:  # ring in GPU memory, exported by the driver as a dma-buf
-            self.mr = DmaBufMR(pair.pd, transport.size, access, dmabuf=dmabuf_fd, offset=0)
+            with verbs_errors(f"registration of the ring's dma-buf ({transport.size} bytes)"):
+                self.mr = DmaBufMR(pair.pd, transport.size, access, dmabuf=dmabuf_fd, offset=0)
             self.addr = 0  # a dma-buf region is addressed from IOVA 0
         else:
             base = getattr(transport, "base", None)
             if base is None:
                 raise RingError("RDMA export needs a ring mapped in this process (ShmTransport or MemoryTransport)")
-            self.mr = MR(pair.pd, transport.size, access, address=base)
+            with verbs_errors(f"registration of the ring's memory ({transport.size} bytes; is the memlock limit "
+                              "above that?)"):
+                self.mr = MR(pair.pd, transport.size, access, address=base)
             self.addr = int(base)
         self.rkey = int(self.mr.rkey)
 
@@ -669,14 +717,15 @@ class PyverbsNic:
         from pyverbs.device import Context  # type: ignore[import-not-found]  # noqa: PLC0415
 
         name = pick_device(cfg.device)
-        ctx = Context(name=name)
-        try:
-            if int(ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
-                raise RdmaUnavailable(f"RDMA device {name} has no atomics: the ring's slot transitions need 8-byte "
-                                      "compare-and-swap")
-            ctx.query_port(cfg.port)
-        finally:
-            ctx.close()
+        with verbs_errors(f"check of device {name}", RdmaUnavailable):
+            ctx = Context(name=name)
+            try:
+                if int(ctx.query_device().atomic_caps) == int(e.IBV_ATOMIC_NONE):
+                    raise RdmaUnavailable(f"RDMA device {name} has no atomics: the ring's slot transitions need "
+                                          "8-byte compare-and-swap")
+                ctx.query_port(cfg.port)
+            finally:
+                ctx.close()
 
     def queue_pair(self, cfg: VerbsConfig, shared_with: Any = None) -> VerbsQueuePair:
         return VerbsQueuePair(cfg, shared_with)
@@ -708,10 +757,19 @@ class RingExport:
 
     def accept(self, sock: socket.socket) -> QueuePair:
         """Connect one frontend: read its endpoint from ``sock``, answer with the ring's, bring a queue pair
-        up. A frontend asking for another ring is refused (``ExchangeRefused`` here, its reason sent back)."""
-        peer = Endpoint.decode(read_line(sock, self.cfg.timeout_s))
+        up, all within ``cfg.timeout_s`` (one deadline for the whole exchange). A frontend asking for another
+        ring, or of another schema major, is refused before any queue pair is made (``ExchangeRefused`` here,
+        its reason sent back)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        peer = Endpoint.decode(read_line(sock, self.cfg.timeout_s, deadline))
+        why = None
         if peer.ring != self.name:
             why = f"this engine exports ring {self.name!r}, not {peer.ring!r}"
+        elif peer.schema_major != self.schema[0]:
+            why = (f"ring {self.name}: schema version {self.schema[0]}.{self.schema[1]} is incompatible with the "
+                   f"frontend's {peer.schema_major}.{peer.schema_minor} (major versions differ); upgrade the older "
+                   "side")
+        if why is not None:
             refuse(sock, why)
             raise ExchangeRefused(why)
         pair = self.nic.queue_pair(self.cfg, shared_with=self._owner)
@@ -720,7 +778,7 @@ class RingExport:
                                        schema_major=self.schema[0], schema_minor=self.schema[1])
             # up before the answer: the frontend posts as soon as it has it, and this pair must be ready to respond
             pair.connect(peer)
-            send_line(sock, ours.encode(), self.cfg.timeout_s)
+            send_line(sock, ours.encode(), self.cfg.timeout_s, deadline)
         except BaseException:
             pair.close()
             raise
@@ -738,13 +796,19 @@ def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsCo
                  nic: Nic | None = None) -> RdmaTransport:
     """The frontend side of ``RingExport.accept``: the ring as a Transport over a fresh queue pair. ``sock``
     becomes the transport's lease (closed with it). A ring of another schema major is refused here, before
-    the queue pair is connected, naming both versions."""
+    the queue pair is connected, naming both versions. Whatever the verbs layer raises is a ``RingError``."""
     nic = nic if nic is not None else PyverbsNic()
-    pair = nic.queue_pair(cfg)
+    try:
+        with verbs_errors("queue pair setup"):
+            pair = nic.queue_pair(cfg)
+    except BaseException:
+        sock.close()
+        raise
     poster: Any = None
     try:
-        ours = dataclasses.replace(pair.endpoint(), ring=ring_name, schema_major=L.SCHEMA_MAJOR,
-                                   schema_minor=L.SCHEMA_MINOR)
+        with verbs_errors("queue pair setup"):
+            ours = dataclasses.replace(pair.endpoint(), ring=ring_name, schema_major=L.SCHEMA_MAJOR,
+                                       schema_minor=L.SCHEMA_MINOR)
         ring = exchange(sock, ours, cfg.timeout_s)
         if ring.schema_major != L.SCHEMA_MAJOR:
             raise RingError(f"ring {ring_name}: schema version {ring.schema_major}.{ring.schema_minor} is "
@@ -752,8 +816,9 @@ def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsCo
                             "differ); upgrade the older side")
         if ring.size <= 0 or ring.rkey == 0:
             raise RingError(f"RDMA: the engine announced no ring region (size {ring.size}, rkey {ring.rkey})")
-        pair.connect(ring)
-        poster = nic.poster(pair, ring)
+        with verbs_errors(f"queue pair connection to the engine's qp {ring.qp_num}"):
+            pair.connect(ring)
+            poster = nic.poster(pair, ring)
         return RdmaTransport(poster, ring.size, lease=sock)
     except BaseException:
         closer = getattr(poster, "close", None)
