@@ -178,12 +178,14 @@ class IncrementalDetokenizer:
                 new = new[1:]
         data = self._held + new
         keep = len(data) if not data or data[-1] < 0x80 else utf8_complete_prefix(data)
-        if self._automaton is not None and new:
-            hit = self._feed(new, len(self._held))
-            if hit >= 0:
-                self._held = b""
-                return data[:hit].decode("utf-8", "replace")
-            # hold back a tail that may begin a stop string, as well as an incomplete UTF-8 char
+        if self._automaton is not None:
+            if new:
+                hit = self._feed(new, len(self._held))
+                if hit >= 0:
+                    self._held = b""
+                    return data[:hit].decode("utf-8", "replace")
+            # hold back a tail that may begin a stop string (also where this push had no text: a special token
+            # skipped), as well as an incomplete UTF-8 char
             keep = min(keep, len(data) - self._automaton.depth[self._state])
         self._held = data[keep:]
         return data[:keep].decode("utf-8", "replace")

@@ -101,6 +101,36 @@ def test_sixty_four_stop_strings_push_by_push(tok: Tokenizer) -> None:
             assert out + det.finish() == full.decode("utf-8", "replace")
 
 
+def test_pushes_of_skipped_special_tokens_keep_what_is_held(tok: Tokenizer) -> None:
+    """With special tokens skipped (the default), a push of special tokens only has no text: what is held as the
+    beginning of a stop string stays held, and the stop string is still found when its rest comes."""
+    rnd = random.Random(5)
+    special = [i for i in range(tok.vocab_size) if tok.is_special(i)]
+    assert special
+    table = [b"" if tok.is_special(i) else tok.token_bytes(i) for i in range(tok.vocab_size)]
+    for text in _texts(rnd)[:150]:
+        ids = tok.encode(text)
+        stops = _stops_for(text, rnd)
+        encoded = [s.encode() for s in dict.fromkeys(stops) if s]
+        det = IncrementalDetokenizer(tok, stop_strings=stops)
+        full, out, pos = b"", "", 0
+        while pos < len(ids):
+            if rnd.random() < 0.4:
+                chunk = [rnd.choice(special)]  # a push with no text
+            else:
+                chunk = ids[pos : pos + rnd.randint(1, 3)]
+                pos += len(chunk)
+            full += b"".join(table[i] for i in chunk)
+            out += det.push(chunk)
+            allowed, stop = _oracle(full, encoded)
+            assert out == full[:allowed].decode("utf-8", "replace"), (text, stops)
+            if stop is not None:
+                assert det.stopped and det.stop_string == stop.decode()
+                break
+        if not det.stopped:
+            assert out + det.finish() == full.decode("utf-8", "replace")
+
+
 def test_the_stop_automaton_is_linear_in_the_stop_strings() -> None:
     """A node per byte of the stop strings at most, in flat arrays (about 11 bytes a node): the memory a request's
     stop strings cost is bounded by their length, whatever their overlaps."""
