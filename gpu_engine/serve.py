@@ -278,8 +278,10 @@ def runs_on_cpu(cfg: EngineConfig) -> bool:
 
 def early_context() -> bool:
     """A spare whose GPU is known makes its CUDA context now (every module loaded: CUDA_MODULE_LOADING=EAGER), so
-    that the go skips it. It launches nothing: beside a live persistent kernel an idle context takes no SM time.
-    False when the context cannot be made (no GPU, the memory taken): the go then makes it as a cold start does."""
+    that the go skips it. It launches nothing, so it has no work to time-slice with a live persistent kernel (its
+    effect on serving beside one: RELIABILITY.md, "On the GPU machine"); the context's memory comes out of what
+    the live engine left free (--gpu-memory-utilization). False when the context cannot be made (no GPU, the
+    memory taken): the go then makes it as a cold start does."""
     try:
         torch.empty(1, device="cuda")  # the first allocation makes the context; nothing is launched
     except (RuntimeError, AssertionError) as exc:  # torch's error for a failed cuInit or context
