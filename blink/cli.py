@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ from blink.hub import HubError, HubModel, Where, fetch_model, fetch_tokenizer, h
 from blink.vllm_flags import add_refused_flags
 from shared.config import EngineConfig, add_engine_arguments
 from shared.env import env
-from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags
+from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags, flag_name
 from shared.model_context import model_context
 from shared.remote_ring import is_remote
 
@@ -333,10 +334,15 @@ def tokenizer_source(args: argparse.Namespace, model: HubModel | None,
                              f"ORG/NAME, or a safetensors --model ORG/NAME's own); the tokenizer here is {here}")
         return None
     if args.tokenizer_revision is not None:
-        return repo, Where(args.tokenizer_revision, args.download_dir), "--tokenizer-revision"
+        return repo, Where(args.tokenizer_revision, args.download_dir), serve_flag("tokenizer_revision")
     if model is not None and repo == model.repo:
-        return repo, Where(args.revision, args.download_dir), "--revision"
-    return repo, Where(None, args.download_dir), "--tokenizer-revision"
+        return repo, Where(args.revision, args.download_dir), serve_flag("revision")
+    return repo, Where(None, args.download_dir), serve_flag("tokenizer_revision")
+
+
+def serve_flag(name: str) -> str:
+    """The command-line form of a ``ServeFlags`` field, from its one declaration."""
+    return flag_name(next(f for f in dataclasses.fields(ServeFlags) if f.name == name))
 
 
 def engine_problem(engine: EngineConfig, context: int | None) -> str | None:
