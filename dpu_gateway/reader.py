@@ -57,12 +57,6 @@ DRAIN_S = 2.0  # a stopping reader's wait for its last frames to reach the gatew
 CLOCKS = ("admit_ns", "schedule_ns", "first_token_ns", "last_token_ns")
 
 
-def stop_token(ring: Ring, slot: int) -> int:
-    """The slot's stop_token (schema minor 6): the stop id that ended it, -1 where its engine wrote none."""
-    word = ring.transport.load32(ring.slot_field(slot, "stop_token"))
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReaderConfig:
     run_dir: Path
@@ -212,7 +206,7 @@ class RingReader:
             done = m.Finished(tr.req_id, reason, error, gen, int(meta["prompt_len"]), prompt, schedule_ns=schedule_ns,
                               first_token_ns=first_ns, last_token_ns=last_ns, admit_ns=admit_ns)
             if reason == F.STOP_ID:
-                done.stop_token = stop_token(ring, tr.slot)
+                done.stop_token = ring.stop_token(tr.slot)
             chan.send(done)
         self.writer.release(tr.slot, tr.seq)
         del self.routes[tr.slot]

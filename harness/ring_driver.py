@@ -135,9 +135,8 @@ class Driver:
             prompt = self.ring.read_prompt_logprobs(idx, 0, len(job.prompt)) if asked else None
             clocks = tuple(self.t.load64(self.ring.slot_field(idx, f))
                            for f in ("admit_ns", "schedule_ns", "first_token_ns", "last_token_ns"))
-            word = self.t.load32(self.ring.slot_field(idx, "stop_token"))
             self.results[job.rid] = Result(toks, reason, t0, self.firsts.get(job.rid, 0.0), time.perf_counter(),
-                                           tops, prompt, clocks, word - (1 << 32) if word >= 1 << 31 else word)
+                                           tops, prompt, clocks, self.ring.stop_token(idx))
             assert self.w.release(idx, seq)
             del self.inflight[idx]
 

@@ -200,6 +200,11 @@ class Ring:
     def slot_field(self, idx: int, field: str) -> int:
         return self.slot_offset(idx) + SLOT_OFF[field]
 
+    def stop_token(self, idx: int) -> int:
+        """The slot's stop_token (schema minor 6): the stop id that ended it, -1 where its engine wrote none."""
+        word = self.transport.load32(self.slot_field(idx, "stop_token"))
+        return word - (1 << 32) if word >= 1 << 31 else word
+
     def prompt_offset(self, idx: int) -> int:
         return self.geometry.prompt_arena_offset + idx * self.geometry.max_prompt_tokens * 4
 
