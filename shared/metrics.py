@@ -387,6 +387,7 @@ class FrontendMetrics:
                                               "only tier Blink has).", [*labels, "source"], registry=r)
         self.v_generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                                     registry=r)
+        self._per_engine: dict[int, tuple[Any, Any, Any]] = {}  # _token_children's
         self.v_success = Counter("vllm:request_success", "Count of finished requests by finished_reason: stop (EOS, "
                                  "a stop token or string), length (max_tokens or the context), abort (cancelled), "
                                  "error (the engine failed it: a 5xx).", [*labels, "finished_reason"], registry=r)
@@ -444,9 +445,18 @@ class FrontendMetrics:
         self.ttft.observe(ttft_s)
         self.v_ttft.labels(self.model_name, str(engine)).observe(ttft_s)
 
+    def _token_children(self, engine: int) -> tuple[Any, Any, Any]:
+        """The per-token series of one engine, labelled once (they are touched for every token batch)."""
+        children = self._per_engine.get(engine)
+        if children is None:
+            name, e = self.model_name, str(engine)
+            children = self._per_engine[engine] = (self.v_itl.labels(name, e), self.v_tpot_gaps.labels(name, e),
+                                                   self.v_generation.labels(name, e))
+        return children
+
     def token_gaps(self, engine: int, gap_s: float, n: int) -> None:
         """``n`` output tokens that came ``gap_s`` apart on average since the previous ones."""
-        itl, tpot = (h.labels(self.model_name, str(engine)) for h in (self.v_itl, self.v_tpot_gaps))
+        itl, tpot, _ = self._token_children(engine)
         for _ in range(n):
             self.itl.observe(gap_s)
             itl.observe(gap_s)
@@ -463,7 +473,7 @@ class FrontendMetrics:
 
     def generated(self, engine: int, n: int) -> None:
         if n > 0:
-            self.v_generation.labels(self.model_name, str(engine)).inc(n)
+            self._token_children(engine)[2].inc(n)
 
     def request_finished(self, req: FinishedRequest) -> None:
         """vLLM's per-request series of one finished request."""
