@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.ring import pid_alive
 from shared.transport import SHM_DIR, RingError, ShmTransport, Transport
 from shared.transport.rdma import (
     MAX_MESSAGE,
@@ -73,16 +74,6 @@ def registry() -> Path:
     return folder
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _create(path: Path, record: dict[str, Any]) -> bool:
     """Write a new record; False when the name is taken."""
     try:
@@ -106,7 +97,7 @@ def _read(path: Path) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if _alive(int(record.get("pid", 0))) else None
+    return record if pid_alive(int(record.get("pid", 0))) else None
 
 
 def _sweep(folder: Path) -> None:

@@ -408,7 +408,7 @@ def attach_ring(transport: Transport, name: str = "") -> Ring:
     return Ring(transport, validate_header(h, transport.size, name), name)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -457,7 +457,7 @@ def remove_stale_segment(name: str) -> None:
         pid = old.load32(HEADER_OFF["engine_pid"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
         magic = old.load64(HEADER_OFF["magic"]) if old.size >= 8 else 0
         state = old.load32(HEADER_OFF["engine_state"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
-        live = magic == MAGIC and state != L.EngineState.STOPPED and _pid_alive(pid) and pid != os.getpid()
+        live = magic == MAGIC and state != L.EngineState.STOPPED and pid_alive(pid) and pid != os.getpid()
     finally:
         old.close()
     if live:
