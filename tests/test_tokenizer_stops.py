@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator, Sequence
 
 import pytest
 from test_tokenizer_corpus import make_corpus
@@ -86,19 +87,7 @@ def test_sixty_four_stop_strings_push_by_push(tok: Tokenizer) -> None:
         stops = stops[:64]
         encoded = [s.encode() for s in stops if s]
         det = IncrementalDetokenizer(tok, stop_strings=stops, skip_special_tokens=False)
-        full, out, pos = b"", "", 0
-        while pos < len(ids):
-            chunk = ids[pos : pos + rnd.randint(1, 4)]
-            pos += len(chunk)
-            full += b"".join(table[i] for i in chunk)
-            out += det.push(chunk)
-            allowed, stop = _oracle(full, encoded)
-            assert out == full[:allowed].decode("utf-8", "replace"), (text, stops)
-            if stop is not None:
-                assert det.stopped and det.stop_string == stop.decode()
-                break
-        if not det.stopped:
-            assert out + det.finish() == full.decode("utf-8", "replace")
+        _against_oracle(det, _chunks(ids, rnd, 4), table, encoded)
 
 
 def test_pushes_of_skipped_special_tokens_keep_what_is_held(tok: Tokenizer) -> None:
@@ -113,22 +102,36 @@ def test_pushes_of_skipped_special_tokens_keep_what_is_held(tok: Tokenizer) -> N
         stops = _stops_for(text, rnd)
         encoded = [s.encode() for s in dict.fromkeys(stops) if s]
         det = IncrementalDetokenizer(tok, stop_strings=stops)
-        full, out, pos = b"", "", 0
-        while pos < len(ids):
-            if rnd.random() < 0.4:
-                chunk = [rnd.choice(special)]  # a push with no text
-            else:
-                chunk = ids[pos : pos + rnd.randint(1, 3)]
-                pos += len(chunk)
-            full += b"".join(table[i] for i in chunk)
-            out += det.push(chunk)
-            allowed, stop = _oracle(full, encoded)
-            assert out == full[:allowed].decode("utf-8", "replace"), (text, stops)
-            if stop is not None:
-                assert det.stopped and det.stop_string == stop.decode()
-                break
-        if not det.stopped:
-            assert out + det.finish() == full.decode("utf-8", "replace")
+        _against_oracle(det, _chunks(ids, rnd, 3, special), table, encoded)
+
+
+def _chunks(ids: list[int], rnd: random.Random, most: int, special: Sequence[int] = ()) -> Iterator[list[int]]:
+    """``ids`` in pushes of 1 to ``most``; with ``special``, pushes of one of them (no text where special tokens
+    are skipped) between those at random."""
+    pos = 0
+    while pos < len(ids):
+        if special and rnd.random() < 0.4:
+            yield [rnd.choice(special)]
+            continue
+        chunk = ids[pos : pos + rnd.randint(1, most)]
+        pos += len(chunk)
+        yield chunk
+
+
+def _against_oracle(det: IncrementalDetokenizer, pushes: Iterable[list[int]], table: Sequence[bytes],
+                    encoded: list[bytes]) -> None:
+    """Each push emits exactly what the oracle allows; the stop string found is the oracle's; without one, the
+    rest comes out at the end."""
+    full, out = b"", ""
+    for chunk in pushes:
+        full += b"".join(table[i] for i in chunk)
+        out += det.push(chunk)
+        allowed, stop = _oracle(full, encoded)
+        assert out == full[:allowed].decode("utf-8", "replace"), encoded
+        if stop is not None:
+            assert det.stopped and det.stop_string == stop.decode()
+            return
+    assert out + det.finish() == full.decode("utf-8", "replace")
 
 
 def test_the_stop_automaton_is_linear_in_the_stop_strings() -> None:
