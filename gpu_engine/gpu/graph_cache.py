@@ -134,16 +134,17 @@ class GraphCache:
     def _prefill_table(self, max_batch: int, max_tokens: int) -> np.ndarray:
         n_t = triton.cdiv(max_tokens, TOKEN_GRAIN) + 1
         table = np.full((2, max_batch + 1, n_t), -1, dtype=np.int32)
+        need = np.arange(n_t)[:, None] * TOKEN_GRAIN  # [n_t, 1] the tokens of each column
         for f in (1, 0):
-            pre = [(s.tokens, s.batch, i) for i, s in enumerate(self.shapes) if not s.decode and s.filtered == bool(f)]
+            pre = sorted((s.tokens, s.batch, i) for i, s in enumerate(self.shapes)
+                         if not s.decode and s.filtered == bool(f))
             if not pre:
                 table[f] = table[1]  # no unfiltered prefill graphs: the filtering ones serve both
                 continue
-            largest = max(pre)[2]
+            tokens, batch, index = (np.array(c) for c in zip(*pre, strict=True))  # cheapest first
             for b in range(max_batch + 1):
-                for g in range(n_t):
-                    fits = sorted((t, bb, i) for t, bb, i in pre if bb >= b and t >= g * TOKEN_GRAIN)
-                    table[f, b, g] = fits[0][2] if fits else largest
+                fits = (tokens[None, :] >= need) & (batch[None, :] >= b)  # [n_t, graphs]
+                table[f, b] = np.where(fits.any(axis=1), index[fits.argmax(axis=1)], pre[-1][2])  # else the largest
         return table
 
     def lookup(self, decode: bool, batch: int, tokens: int, filtered: bool = True) -> tuple[int, bool]:
