@@ -56,7 +56,8 @@ from bench.interfere import KINDS as INTERFERE_KINDS
 from bench.interfere import Interference
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
 from harness.models import MODEL_CONFIGS, build_model_folder, model_config
-from harness.serve_proc import CpuMeter, ServeProc, cpu_name
+from harness.serve_proc import CpuMeter, ServeProc, cpu_name, http_get, parse_metrics
+from shared.env import Env
 
 MODES = ("persistent", "host")
 EMBEDDED = "embedded"  # the engine's embedded default model and its own tokenizer (CI without tokenizer assets)
@@ -359,6 +360,16 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def step_padding(url: str) -> dict[str, float | None]:
+    """The engine's step tokens and the tokens its graphs computed past them, over the server's whole life
+    (warm-up included; ``blink:step_tokens_total``, ``blink:padded_tokens_total``), and padding's share."""
+    status, body = http_get(url + "/metrics")
+    values = parse_metrics(body.decode(errors="replace")) if status == 200 else {}
+    real, pad = values.get("blink:step_tokens_total"), values.get("blink:padded_tokens_total")
+    share = round(pad / real, 4) if real and pad is not None else None
+    return {"step_tokens": real, "padded_tokens": pad, "padded_share": share}
+
+
 def serve_args(args: argparse.Namespace, backend: str, model: Path | None) -> tuple[str, ...]:
     out = ["--backend", backend, "--max-batch", str(args.max_batch), "--max-prompt-tokens",
            str(args.max_prompt_tokens), "--max-output-tokens", str(args.max_output_tokens), "--drain-timeout", "5"]
@@ -378,7 +389,8 @@ def run_mode(mode: str, args: argparse.Namespace, plan: Plan, model: Path | None
     out.info.update(backend=backend, device=device_name(backend), dtype="float32" if backend == "cpu" else "bfloat16",
                     serve_args=list(flags), max_batch=args.max_batch, host=platform.node(),
                     started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), python=platform.python_version(),
-                    generator_cores=gen_cores, interference_cores=co_cores)
+                    generator_cores=gen_cores, interference_cores=co_cores,
+                    token_grid=Env.from_environ().token_grid if backend != "cpu" else None)
     serve = ServeProc(flags, work / mode, env=env)
     say(f"[{mode}] starting blink serve (backend {backend}): {' '.join(flags)}")
     t0 = time.monotonic()
@@ -405,6 +417,8 @@ def run_mode(mode: str, args: argparse.Namespace, plan: Plan, model: Path | None
                     say(f"[{mode}] interference stopped: {report['reported']}/{report['workers']} workers reported, "
                         f"{fmt(report['compress_mb_per_s'])} MB/s compressed, "
                         f"{fmt(report['thrash_accesses_per_s'], '.3g')} random accesses/s")
+        out.info["step_padding"] = step_padding(serve.url)
+        say(f"[{mode}] step tokens and padding: {out.info['step_padding']}")
     except Exception as exc:  # a failed mode is reported, the other modes still run
         out.error = f"{type(exc).__name__}: {exc}"
         say(f"[{mode}] FAILED: {out.error}")

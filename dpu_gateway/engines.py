@@ -21,7 +21,14 @@ from dpu_gateway.ringwatch import RingWatch
 from shared import ring_layout as L
 from shared.data_parallel import engine_ring_names
 from shared.log import get_logger
-from shared.metrics import ENGINE_COUNTERS, PREFIX_CACHE_COUNTERS, CacheConfig, EngineSample, FrontendMetrics
+from shared.metrics import (
+    ENGINE_COUNTERS,
+    PREFIX_CACHE_COUNTERS,
+    STEP_TOKEN_COUNTERS,
+    CacheConfig,
+    EngineSample,
+    FrontendMetrics,
+)
 from shared.ring import Ring
 from shared.transport import RingError
 
@@ -114,6 +121,7 @@ def ring_view(engine: int, ring: Ring, timeout_s: float, with_slots: bool) -> En
     stats = header["stats"]
     values = {name: stat_value(stats[name]) for name in stats.dtype.names if name != "reserved"}
     values.update({name: ring.header_load64(name) for name in PREFIX_CACHE_COUNTERS})  # header words, minor 4
+    values.update({name: ring.header_load64(name) for name in STEP_TOKEN_COUNTERS})  # and minor 7
     reason = ring.serving_problem(timeout_s) or ""
     in_use = pending = 0
     if with_slots:

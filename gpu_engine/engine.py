@@ -65,6 +65,8 @@ class RingEngine:
         self.steps = self.prompt_tokens = self.output_tokens = 0
         # EngineStats.step_fill: steps by tokens / the policy's token budget (shared.ring.step_fill_bucket)
         self.step_fill = [0] * len(STEP_FILL_BOUNDS) + [0]
+        # RingHeader.step_tokens / padded_tokens: the steps' tokens, and those their graphs computed past them
+        self.step_tokens = self.padded_tokens = 0
         self.draining = False
         self._loop_seen = 0.0
         self._in_step: tuple[float, int] | None = None  # (started, tokens) while the runner computes a step
@@ -170,6 +172,8 @@ class RingEngine:
         self.steps += 1
         self.prompt_tokens += plan.prompt_tokens
         self.step_fill[step_fill_bucket(plan.num_tokens, self.policy.token_budget)] += 1
+        self.step_tokens += plan.num_tokens
+        self.padded_tokens += max(0, out.graph_tokens - plan.num_tokens)
         for entries in out.prompt:  # before token 0's release, which publishes them
             self._write_prompt_logprobs(plan.work[entries.row].req, entries)
         for b, ((req, tok, reason), start, w) in enumerate(zip(results, starts, plan.work, strict=True)):
@@ -250,6 +254,8 @@ class RingEngine:
         self.ring.stats_store("token_budget", p.token_budget)
         for k, n in enumerate(self.step_fill):
             self.ring.stats_store("step_fill", n, k)
+        self.ring.header_store64("step_tokens", self.step_tokens)
+        self.ring.header_store64("padded_tokens", self.padded_tokens)
         cache = p.alloc.cache.stats
         self.ring.header_store64("prefix_cache_queries", cache.queries)
         self.ring.header_store64("prefix_cache_hits", cache.hits)

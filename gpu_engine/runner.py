@@ -25,6 +25,9 @@ class StepOutput:
     prompt: list[PromptLogprobs] = dataclasses.field(default_factory=list)  # of the rows that asked
     # rows whose request failed alone (the device ran out of memory for its prompt log-probs): the engine ends them
     failed: tuple[int, ...] = ()
+    # the tokens the step's graph computed, the step's own and its padding (0: no graph, nothing padded);
+    # RingHeader.padded_tokens counts what exceeds the plan's tokens
+    graph_tokens: int = 0
 
 
 class Runner(Protocol):

@@ -78,6 +78,10 @@ WAITING_REASONS = ("capacity", "deferred")
 PREFIX_CACHE_COUNTERS = {"prefix_cache_queries": "Prompt tokens looked up in the prefix cache at admissions.",
                          "prefix_cache_hits": "Prompt tokens found in the prefix cache at admissions.",
                          "prefix_cache_evictions": "Cached KV blocks evicted from the prefix cache."}
+# the steps' tokens and their graphs' padding (ring header, since schema minor 7), as counters named blink:NAME
+STEP_TOKEN_COUNTERS = {"step_tokens": "Tokens the engine's steps carried (prompt chunks and decodes).",
+                       "padded_tokens": "Tokens the engine's step graphs computed past the steps' own (padding "
+                                        "up to the captured shape)."}
 # the engine's counters in the ring header (EngineStats), as counters named blink:engine_NAME
 ENGINE_COUNTERS = {"steps": "Decode steps the engine ran.", "prompt_tokens": "Prompt tokens the engine prefilled.",
                    "output_tokens": "Tokens the engine generated.", "preemptions": "Requests preempted.",
@@ -550,13 +554,15 @@ def engine_families(model_name: str, stats: Mapping[str, Any] | None) -> list[Me
         gauge = GaugeMetricFamily(f"blink:engine_{name}", doc, labels=["model_name"])
         gauge.add_metric([model_name], float(stats[name]))
         out.append(gauge)
-    return [*out, *step_fill_families(model_name, stats), *prefix_cache_families(model_name, stats)]
+    return [*out, *step_fill_families(model_name, stats), *header_families(model_name, stats, STEP_TOKEN_COUNTERS),
+            *header_families(model_name, stats, PREFIX_CACHE_COUNTERS)]
 
 
-def prefix_cache_families(model_name: str, stats: Mapping[str, Any]) -> list[Metric]:
-    """The prefix cache's counters, from the ring header's words beside EngineStats (0 when absent)."""
+def header_families(model_name: str, stats: Mapping[str, Any], counters: Mapping[str, str]) -> list[Metric]:
+    """Counters named blink:NAME from the ring header's words beside EngineStats (the prefix cache's, the
+    steps' tokens; 0 when absent)."""
     out: list[Metric] = []
-    for name, doc in PREFIX_CACHE_COUNTERS.items():
+    for name, doc in counters.items():
         try:
             value = float(stats[name])
         except (KeyError, ValueError):  # a mapping or an EngineStats record without the header's words

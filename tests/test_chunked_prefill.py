@@ -4,6 +4,7 @@ mid-prefill, every block returned, and other streams served while a long prompt 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from helpers.ring_engine import RingHarness
 
 from gpu_engine.kv_cache import BlockAllocator
 from gpu_engine.policy import Finish, Phase, Policy, Request, StepPlan
+from gpu_engine.runner import Runner, StepOutput
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.ring import RingGeometry
@@ -220,3 +222,37 @@ def test_budget_and_step_fill_reach_the_metrics(tiny_llama: Path) -> None:
     assert f'blink:engine_step_budget_use_bucket{{le="+Inf",model_name="m"}} {float(sum(fill))}' in text
     assert f'blink:engine_step_budget_use_bucket{{le="0.0625",model_name="m"}} {float(fill[0])}' in text
     assert f'blink:engine_steps_budget_full_total{{model_name="m"}} {float(fill[6])}' in text
+
+
+class PaddingRunner:
+    """The CPU runner as if each step ran a graph of the next multiple of 16 tokens (``StepOutput.graph_tokens``)."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner = inner
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        return dataclasses.replace(self.inner.run(plan), graph_tokens=-(-plan.num_tokens // 16) * 16)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_step_tokens_and_padding_reach_the_metrics(tiny_llama: Path, padded: bool) -> None:
+    """The engine counts the tokens its steps carried and those their graphs computed past them (none on the CPU
+    runner, which runs each step at its own size); the gateway reads both from the ring header, and /metrics
+    shows them as counters."""
+    from dpu_gateway.engines import ring_view, total_stats
+    from shared.metrics import FrontendMetrics
+
+    h = Harness(tiny_llama, kv_blocks=512, budget=16)
+    if padded:
+        h.engine.runner = PaddingRunner(h.engine.runner)
+    run_together(h, LONG[:3], 4)
+    h.engine.publish_stats()
+    real = sum(p.num_tokens for p in h.plans)
+    pad = sum(-(-p.num_tokens // 16) * 16 - p.num_tokens for p in h.plans) if padded else 0
+    assert real == sum(len(p) for p in LONG[:3]) + 3 * 3 and (pad > 0) == padded  # prompts, then 3 decodes each
+    assert h.ring.header_load64("step_tokens") == real and h.ring.header_load64("padded_tokens") == pad
+    stats = total_stats([ring_view(0, h.ring, 10.0, with_slots=False)])
+    assert stats is not None and (stats["step_tokens"], stats["padded_tokens"]) == (real, pad)
+    text = FrontendMetrics("m").render(stats).decode()
+    assert f'blink:step_tokens_total{{model_name="m"}} {float(real)}' in text
+    assert f'blink:padded_tokens_total{{model_name="m"}} {float(pad)}' in text

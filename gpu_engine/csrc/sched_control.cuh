@@ -55,6 +55,8 @@ __device__ void publish_stats(SchedState *s) {
   h->prefix_cache_queries = s->cache_queries;
   h->prefix_cache_hits = s->cache_hits;
   h->prefix_cache_evictions = s->cache_evictions;
+  h->step_tokens = s->stats->step_tokens;
+  h->padded_tokens = s->stats->padded_tokens;
   s->stats->running = s->running_count;
   s->stats->waiting = s->wait_count + (s->partial != kNoSlot);
   s->stats->paused = s->paused_count;

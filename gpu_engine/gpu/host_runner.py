@@ -87,6 +87,7 @@ class HostGraphRunner:
             top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
             prompt=fetch(scored),
             failed=failed,
+            graph_tokens=self.cache.shapes[self.cache.captured(plan.kind == "decode", b, t, step_filters(plan))].tokens,
         )
 
     def _replay_and_wait(self, plan: StepPlan, b: int, t: int, spans: list[PromptSpan]) -> list[Scored]:

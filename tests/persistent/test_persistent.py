@@ -79,6 +79,7 @@ def serve_jobs(model: Path, backend: str, jobs: list[Job], window: int, tag: str
         stats = {k: int(header["stats"][k]) for k in ("kv_blocks_total", "kv_blocks_free", "steps",
                                                        "window_relaunches", "preemptions", "output_tokens")}
         stats["prefix_cache_hits"] = int(header["prefix_cache_hits"])
+        stats |= {k: int(header[k]) for k in ("step_tokens", "padded_tokens")}  # schema minor 7
         stats["cache"] = {k: header[k].item() for k in ("kv_block_size", "kv_cache_dtype", "cache_features",
                                                          "prefix_hash", "gpu_memory_utilization")}
         rc = stop_engine(ring, proc)
@@ -98,6 +99,9 @@ def test_host_driven_matches_cpu_engine(tiny: Path) -> None:
     diff = [j.rid for j in jobs if cpu[j.rid].tokens != host[j.rid].tokens]
     assert not diff, f"{len(diff)} of {len(jobs)} requests differ between the CPU engine and the host-driven mode"
     assert all(len(host[j.rid].tokens) == j.max_new for j in jobs)
+    # the steps' tokens: every prompt token and every output token but each request's last, once
+    assert stats["step_tokens"] == sum(len(j.prompt) + j.max_new - 1 for j in jobs), stats
+    assert 0 < stats["padded_tokens"] < stats["step_tokens"], stats  # graphs of at most twice a step's tokens
     assert stats["exit_code"] == 0 and not stats["segment_left"]
 
 
