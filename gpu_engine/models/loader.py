@@ -18,6 +18,8 @@ from safetensors import SafetensorError, safe_open
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
 from gpu_engine.models.errors import ModelLoadError
+from gpu_engine.models.fp8_checkpoint import FP8_STORED, Fp8Scheme, checkpoint_linears, quantize_linears, read_scheme
+from gpu_engine.models.fp8_weight import Fp8Weight
 from gpu_engine.models.gguf_loader import GGUFSource
 from gpu_engine.models.hf_weights import map_hf_weights
 from gpu_engine.models.q8_weight import Q8Weight
@@ -29,7 +31,8 @@ class WeightSource(Protocol):
 
     location: Path
 
-    def named_weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor, str]]: ...
+    def named_weights(self, config: ModelConfig,
+                      unset: Collection[str] = ...) -> Iterable[tuple[str, torch.Tensor, str]]: ...
 
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,9 +60,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     With ``random_weights`` the architecture comes from the same config but every weight is drawn
     from N(0, 0.02) with ``seed`` (norm weights are ones); nothing else changes. ``gguf``: the file already
     opened (it is read once); ``placeholders``: parameters of a GGUF file left unset, neither dequantized nor
-    written (the caller replaces them, e.g. by ``GGUFSource.q4_1_linears``' blocks); ``absent``: parameters of a
-    GGUF file not even allocated (empty tensors: the caller holds them in another form, e.g.
-    ``GGUFSource.q8_0_linears``' weights on the GPU), their shapes still checked against the file's.
+    written (the caller replaces them, e.g. by ``GGUFSource.q4_1_linears``' blocks); ``absent``: parameters not
+    even allocated (empty tensors: the caller holds them in another form, e.g. ``GGUFSource.q8_0_linears``' or
+    an FP8 checkpoint's weights on the GPU), their shapes still checked against the file's. An FP8 checkpoint
+    (``fp8_checkpoint``) loads only so, its FP8 linears absent: nothing here dequantizes it.
     """
     path = Path(path)
     if not path.exists():
@@ -71,10 +75,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     elif path.is_dir():
         config = ModelConfig.from_file(path / "config.json")
         source = None if random_weights else SafetensorsSource(path)
+        scheme = read_scheme(path)
+        if scheme is not None and source is not None and not absent:
+            raise ModelLoadError(f"{path}: an FP8 checkpoint (quant_method {scheme.method}) runs on the GPU backends "
+                                 "(--backend host or persistent, a Hopper GPU); the CPU backend has no FP8 arithmetic")
     else:
         raise ModelLoadError(f"{path}: not a model directory or .gguf file")
-    if absent and not isinstance(source, GGUFSource):
-        raise ModelLoadError(f"{path}: only a GGUF file's parameters can be left absent")
+    if absent and source is None:
+        raise ModelLoadError(f"{path}: random weights leave no parameter absent")
     model, shapes = build_empty(config, dtype, device, absent=absent), None
     if absent:
         with torch.device("meta"):
@@ -83,8 +91,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         init_random(model, seed)
     else:
         unset = set(placeholders) | set(absent)
-        given = source.named_weights(config, unset) if isinstance(source, GGUFSource) and unset \
-            else source.named_weights(config)
+        given = source.named_weights(config, unset) if unset else source.named_weights(config)
         assign_weights(model, given, str(source.location), unset, shapes)
     return model, config
 
@@ -92,11 +99,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
 @dataclasses.dataclass(slots=True)
 class GpuWeights:
     """A model for the GPU backends: ``model``'s parameters on the device, except the linears in ``quantized``
-    (Q8_0, by parameter name), which it holds as empty tensors; ``summary``: what was kept and what dequantized."""
+    (Q8_0 or FP8, by parameter name), which it holds as empty tensors; ``summary``: what was kept and what
+    dequantized."""
 
     model: CausalLM
     config: ModelConfig
-    quantized: dict[str, Q8Weight]
+    quantized: dict[str, Q8Weight] | dict[str, Fp8Weight]
     summary: dict[str, Any]
 
 
@@ -104,19 +112,28 @@ class GpuWeights:
 GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
               "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
 DENSE_GGUF_TYPES = frozenset({"F32", "F16", "BF16"})
+DEFAULT_FP8 = Fp8Scheme()  # per-channel weights, per-token activations
 
 
 def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.device | str, weights: str = "auto",
-                     random_weights: bool = False, seed: int = 0) -> GpuWeights:
+                     random_weights: bool = False, seed: int = 0, quantization: str = "auto",
+                     fp8: Fp8Scheme = DEFAULT_FP8) -> GpuWeights:
     """``load_model`` for the GPU backends. ``weights`` (``--gpu-weights``) auto: a GGUF's Q8_0 linears (the
     dense decoder layers' projections, fused as the runner holds them, and an untied LM head) and Q8_0 token
     table (a tied LM head reads it) stay as the file's codes and scales (``Q8Weight``), never allocated
     dense; every other tensor (norms, MoE experts, Phi-3's layers, and every Q4_x / Q5_x / K-quant tensor)
-    is dequantized to ``dtype``. dense: everything dequantized, as before."""
-    if weights not in ("auto", "dense"):
-        raise ValueError(f"weights: {weights!r} is not 'auto' or 'dense'")
+    is dequantized to ``dtype``. dense: everything dequantized, as before. An FP8 checkpoint's linears stay as
+    stored (``Fp8Weight``, ``fp8_checkpoint``); ``quantization`` (``--quantization``) fp8 quantizes a dense
+    model's at load, with ``fp8``'s scales (random weights too, the form a checkpoint's config names included)."""
+    if weights not in ("auto", "dense") or quantization not in ("auto", "fp8"):
+        raise ValueError(f"weights {weights!r}, quantization {quantization!r}: auto|dense, auto|fp8")
     path = Path(path)
+    if path.suffix == ".gguf" and quantization == "fp8":
+        raise ModelLoadError(f"{path}: --quantization fp8 takes a Hugging Face folder (bf16/fp16 weights, or an FP8 "
+                             "checkpoint); a GGUF file's weights are already quantized (see --gpu-weights)")
     gguf = GGUFSource(path) if path.suffix == ".gguf" and path.is_file() else None
+    if gguf is None and path.is_dir():
+        return _load_fp8_or_dense(path, dtype, device, random_weights, seed, quantization, fp8)
     quantized: dict[str, Q8Weight] = {}
     if gguf is not None and weights == "auto" and not random_weights:
         quantized = gguf.q8_0_linears(gguf.config)
@@ -124,6 +141,46 @@ def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.devi
                                absent=quantized)
     quantized = {name: w.to(device) for name, w in quantized.items()}
     return GpuWeights(model, config, quantized, _summary(model, quantized, gguf))
+
+
+def _load_fp8_or_dense(path: Path, dtype: torch.dtype, device: torch.device | str, random_weights: bool, seed: int,
+                       quantization: str, fp8: Fp8Scheme) -> GpuWeights:
+    """A Hugging Face folder: an FP8 checkpoint's linears as stored; else dense, quantized where asked."""
+    stored = read_scheme(path)
+    if stored is not None and not random_weights:
+        config = ModelConfig.from_file(path / "config.json")
+        kept = checkpoint_linears(SafetensorsSource(path), config, stored)
+        model, config = load_model(path, dtype=dtype, device=device, absent=kept)
+        quantized = {name: w.to(device) for name, w in kept.items()}
+    else:
+        model, config = load_model(path, dtype=dtype, device=device, random_weights=random_weights, seed=seed)
+        quantized = {}
+        if quantization == "fp8" or stored is not None:
+            quantized = quantize_linears(model, fp8)
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # the dense linears' memory, back for the KV cache's sizing
+    if not quantized:
+        return GpuWeights(model, config, quantized, _summary(model, {}, None))  # as a dense folder always loaded
+    fp8_runs_on(torch.device(device), dtype)
+    summary: dict[str, Any] = {"dense_bytes": sum(p.nbytes for p in model.parameters())}
+    schemes = ",".join(sorted({w.scheme for w in quantized.values()}))
+    summary |= {"fp8_linears": len(quantized), "fp8_scheme": schemes,
+                "fp8_source": stored.method if stored is not None and not random_weights else "quantized at load",
+                "fp8_bytes": sum(w.nbytes for w in quantized.values())}
+    return GpuWeights(model, config, quantized, summary)
+
+
+def fp8_runs_on(device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 linears run on CUDA only on an sm_90 GPU (row-wise scaled FP8 products, Hopper's tensor cores) with
+    bfloat16 activations (elsewhere, the CPU tests, by the float32 reference); ModelLoadError otherwise."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ModelLoadError(f"FP8 weights need an sm_90 GPU (FP8 tensor cores with row-wise scales); this one is "
+                             f"sm_{major}{minor}")
+    if dtype != torch.bfloat16:
+        raise ModelLoadError(f"FP8 weights compute in bfloat16; the model's dtype is {dtype}: leave --dtype auto")
 
 
 def _summary(model: CausalLM, quantized: dict[str, Q8Weight], gguf: GGUFSource | None) -> dict[str, Any]:
@@ -283,6 +340,23 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._files
 
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's dtype as the file names it (e.g. BF16, F8_E4M3), without reading it."""
+        file = self._files.get(name)
+        if file is None:
+            raise ModelLoadError(f"{self.location}: missing tensor {name}")
+        return str(self._open(file).get_slice(name).get_dtype())
+
+    def _shape_if_fp8(self, name: str) -> torch.Tensor:
+        """The tensor, or where the file stores it as FP8 only its shape (a meta tensor): those stay absent."""
+        file = self._files.get(name)
+        if file is None or self.stored_dtype(name) != FP8_STORED:
+            return self.get(name)
+        return torch.empty(self._open(file).get_slice(name).get_shape(), device="meta")
+
     def get(self, name: str) -> torch.Tensor:
         file = self._files.get(name)
         if file is None:
@@ -293,6 +367,8 @@ class SafetensorsSource:
         except SafetensorError as exc:
             raise ModelLoadError(f"{file}: cannot read tensor {name}: {exc}") from None
 
-    def named_weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor, str]]:
-        return map_hf_weights(config, self.get, self.has)
+    def named_weights(self, config: ModelConfig,
+                      unset: Collection[str] = ()) -> Iterable[tuple[str, torch.Tensor, str]]:
+        """Our parameters' tensors; with ``unset`` given, FP8-stored tensors as their shapes only."""
+        return map_hf_weights(config, self._shape_if_fp8 if unset else self.get, self.has)
 

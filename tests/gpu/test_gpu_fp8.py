@@ -1,0 +1,92 @@
+"""FP8 products on an sm_90 GPU (``kernels.fp8_linear``): the Triton activation quantization against torch's, and
+``torch._scaled_mm`` with its epilogue scales against the float32 reference at Llama-3-8B's layer sizes, eagerly
+and replayed from a CUDA graph; then a tiny FP8 checkpoint through the GPU runner against the reference model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: [N, K]
+ROWS = [1, 8, 64, 300, 2048]
+
+
+@pytest.fixture(autouse=True)
+def _hopper() -> None:
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 row-wise scaled products need sm_90")
+
+
+def schemes(n: int, k: int) -> dict:
+    from gpu_engine.models.fp8_weight import Fp8Weight, quantize_fp8
+
+    w = torch.randn(n, k, device="cuda") * 0.02
+    channel, tensor = quantize_fp8(w), quantize_fp8(w, per_tensor=True, act_per_tensor=True)
+    static = Fp8Weight(tensor.weight, tensor.scale, True, False, torch.tensor([0.02], device="cuda"))
+    return {"channel/token": channel, "tensor/tensor": tensor, "tensor/static": static}
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scaled_mm_matches_the_reference(M: int, shape: tuple[int, int]) -> None:
+    from gpu_engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows, quantize_rows_ref
+
+    n, k = shape
+    x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
+    for name, w in schemes(n, k).items():
+        q, s = quantize_rows(x, w)
+        qr, sr = quantize_rows_ref(x, w)
+        torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+        differ = (q.float() != qr.float()).float().mean().item()
+        assert differ < 1e-3, (name, differ)  # a tie rounded the other way at most, now and then
+        got, want = fp8_linear(x, w), fp8_linear_ref(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == (M, n)
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_fp8_linear_is_captured_by_a_cuda_graph() -> None:
+    from gpu_engine.kernels.fp8_linear import fp8_linear
+
+    n, k = SHAPES[0]
+    w = schemes(n, k)["channel/token"]
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    fp8_linear(x, w)  # compile the Triton program outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8_linear(x, w))
+
+
+def test_runner_on_an_fp8_checkpoint(tmp_path: Path) -> None:
+    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.attention import build_metadata
+    from gpu_engine.models.loader import load_gpu_weights
+    from tests.test_fp8 import STEPS, tiny_model, with_linears, write_checkpoint
+
+    model, hf = tiny_model("qwen3")
+    write_checkpoint(tmp_path / "ckpt", model, hf, "ct-channel-token")
+    got = load_gpu_weights(tmp_path / "ckpt", dtype=torch.bfloat16, device="cuda")
+    cfg = got.config
+    assert all(w.weight.is_cuda for w in got.quantized.values())
+    runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
+                            RunnerLimits(4, 32, 8), quantized=got.quantized)
+    reference = with_linears(got.model, got.quantized, False)
+    ref_kv = KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    for seqs, decode, tokens in zip(STEPS, (False, True, False), (32, 4, 16), strict=True):
+        meta = build_metadata(seqs, 4, device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (meta.positions.shape[0],), generator=g).cuda()
+        want = reference(ids, meta, ref_kv)
+        runner.stage(ids, meta)
+        runner.forward(4, tokens, decode)
+        torch.testing.assert_close(runner.buffers.logits[: len(seqs)].float(), want.float(), rtol=5e-2, atol=5e-2)
