@@ -9,6 +9,10 @@ the device are the same captures). Per batch size, at a context of 512 tokens:
   device-state kernel in every graph) with no row using a processor, what a plain request pays.
 - `persistent_on_ms`: the same graphs with every row using all of them: the three penalties over its
   512-token history, 300 logit_bias entries, and min_tokens banning 8 stop ids and EOS.
+- `persistent_grammar_ms`: the same graphs with every row constrained by a grammar on the device
+  (`kernels.grammar`: a 200-state token DFA in the arena, each row in a state of its own, its end tokens
+  allowed) and no processor; `tables_off_ms` the graphs with the processors' tables but no grammar arena, so
+  `persistent_off_ms / tables_off_ms` is what the masked grammar path costs a step without constrained rows.
 - `host_on_ms`: the host-driven backend's graphs (`RunnerLimits.processors`: dense [B, V] columns), and
   `host_stage_ms` the host's work per step to build and copy those columns (`processor_columns` + stage).
 
@@ -34,6 +38,8 @@ MODELS = {"small": SMOLLM2_135M, "8b": LLAMA3_8B}
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXT = 512
 MAX_BIAS = 300
+GRAMMAR_ARENA = 64 << 20
+GRAMMAR_STATES = 200
 
 
 def build(hf: dict, kind: str):
@@ -52,7 +58,8 @@ def build(hf: dict, kind: str):
     per_seq = CONTEXT // BLOCK + 1
     B = max(BATCHES)
     kv = KVCache(cfg, B * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")
-    tables = DeviceTables(B, per_seq * BLOCK, MAX_BIAS) if kind == "persistent" else None
+    arena = GRAMMAR_ARENA if kind == "persistent" else 0
+    tables = DeviceTables(B, per_seq * BLOCK, MAX_BIAS, arena) if kind in ("persistent", "tables") else None
     limits = RunnerLimits(B, B, per_seq, processors=kind == "host", device_tables=tables)
     runner = GpuModelRunner(model, kv, limits)
     graphs = GraphCache(runner, list(BATCHES), [], device_launch=False)
@@ -83,6 +90,28 @@ def fill_device_rows(runner, batch: int, on: bool) -> None:
     buf.proc_penalties[:batch] = torch.tensor([1.2, 0.5, 0.3], device="cuda")
 
 
+def fill_grammar_rows(runner, batch: int, on: bool) -> None:
+    """Every row constrained (on): a random 200-state DFA's tables at the arena's start, row b in state b % 200,
+    its text complete (EOS allowed); or every row without a grammar."""
+    import numpy as np
+
+    from shared.token_dfa import TokenDFA
+
+    buf = runner.buffers
+    buf.gram_bits.fill_(-1)
+    if not on:
+        return
+    V, S = runner.config.vocab_size, GRAMMAR_STATES
+    rng = np.random.default_rng(0)
+    dfa = TokenDFA(0, V, np.packbits(rng.random((S, V)) < 0.3, axis=1), np.zeros(S, np.int32),
+                   np.zeros(S + 1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.ones(S, bool))
+    layout = torch.from_numpy(dfa.device_layout())
+    buf.gram_arena[: len(layout)].copy_(layout)
+    rb = (V + 7) // 8 + 15 & ~15
+    buf.gram_bits[:batch] = torch.arange(batch, device="cuda") % S * rb
+    buf.gram_ends[:batch, 0], buf.gram_ends[:batch, 1], buf.gram_ends[:batch, 2] = 1, 1, 8
+
+
 def host_columns(cfg, batch: int) -> dict:
     """The host-driven backend's per-step work for `batch` rows with every processor on."""
     from gpu_engine.kernels.sampling import processor_columns
@@ -104,11 +133,20 @@ def run_kind(hf: dict, kind: str, iters: int) -> dict[int, dict]:
         stage_step(runner, b, CONTEXT, 1, per_seq)
         if kind == "off":
             out[b] = {"off_ms": _time_ms(replay, iters)}
+        elif kind == "tables":
+            fill_device_rows(runner, b, on=False)
+            out[b] = {"tables_off_ms": _time_ms(replay, iters)}
         elif kind == "persistent":
             fill_device_rows(runner, b, on=False)
+            fill_grammar_rows(runner, b, on=False)
             off = _time_ms(replay, iters)
             fill_device_rows(runner, b, on=True)
-            out[b] = {"persistent_off_ms": off, "persistent_on_ms": _time_ms(replay, iters)}
+            on = _time_ms(replay, iters)
+            fill_device_rows(runner, b, on=False)
+            fill_grammar_rows(runner, b, on=True)
+            grammar = _time_ms(replay, iters)
+            out[b] = {"persistent_off_ms": off, "persistent_on_ms": on, "persistent_grammar_ms": grammar}
+            fill_grammar_rows(runner, b, on=False)
             assert not runner.buffers.proc_scratch.any(), "the scratch is not zero after the steps"
         else:
             cols = host_columns(cfg, b)
@@ -127,13 +165,15 @@ def run_kind(hf: dict, kind: str, iters: int) -> dict[int, dict]:
 def run(models: list[str], iters: int) -> list[dict]:
     rows = []
     for name in models:
-        per_kind = [run_kind(MODELS[name], kind, iters) for kind in ("off", "persistent", "host")]
+        per_kind = [run_kind(MODELS[name], kind, iters) for kind in ("off", "tables", "persistent", "host")]
         for b in BATCHES:
             row = {"model": name, "batch": b, "context": CONTEXT}
             for k in per_kind:
                 row |= k[b]
             row["persistent_on_over_off"] = row["persistent_on_ms"] / row["off_ms"]
             row["persistent_off_over_off"] = row["persistent_off_ms"] / row["off_ms"]
+            row["grammar_path_over_tables"] = row["persistent_off_ms"] / row["tables_off_ms"]
+            row["grammar_on_over_off"] = row["persistent_grammar_ms"] / row["persistent_off_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

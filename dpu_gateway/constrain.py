@@ -34,6 +34,7 @@ class GrammarCompiler:
         self._texts: tuple[list[bytes | None], bytes] | None = None
         self._pool: GrammarPool | None = None
         self._refused: collections.OrderedDict[int, Refusal] = collections.OrderedDict()
+        self._sizes: collections.OrderedDict[int, int] = collections.OrderedDict()  # grammar id -> device bytes
 
     def texts(self) -> tuple[list[bytes | None], bytes]:
         """The tokenizer's matchable token texts (None: special) and their fingerprint, computed once."""
@@ -51,9 +52,33 @@ class GrammarCompiler:
         digest = hashlib.blake2b(key.encode() + fingerprint + vocab_size.to_bytes(4, "little"), digest_size=8)
         return int.from_bytes(digest.digest(), "little") or 1
 
-    async def compile(self, key: str, vocab_size: int, param: str) -> int:
+    async def compile(self, key: str, vocab_size: int, param: str, arena_bytes: int = 0) -> int:
         """The id of the grammar ``key`` names, compiled and stored if it is not yet; a grammar that cannot
-        be enforced is a 400 naming ``param`` (and the keyword or limit), a full queue a 429."""
+        be enforced is a 400 naming ``param`` (and the keyword or limit), a full queue a 429. ``arena_bytes``
+        (the ring header's ``grammar_arena_bytes``; 0: no limit): a grammar whose device tables are larger is a
+        400 naming that limit."""
+        gid = await self._compile(key, vocab_size, param)
+        if arena_bytes:
+            self.check_fits(gid, param, arena_bytes)
+        return gid
+
+    def check_fits(self, gid: int, param: str, arena_bytes: int) -> None:
+        size = self._sizes.get(gid)
+        if size is None:
+            try:
+                size = store.stored_device_bytes(self.ring_name, gid)
+            except store.GrammarError as exc:
+                raise APIError(503, f"{param}: the compiled grammar could not be read back ({exc})",
+                               param=param, code="service_unavailable") from None
+            self._sizes[gid] = size
+            while len(self._sizes) > MAX_REFUSALS_KEPT:
+                self._sizes.popitem(last=False)
+        if size > arena_bytes:
+            raise APIError(400, f"{param}: this grammar's tables need {size / 2**20:.1f} MiB of GPU memory; the "
+                           f"engine's grammar arena holds {arena_bytes / 2**20:.1f} MiB (--grammar-cache-mb); a "
+                           "smaller schema fits", param=param, code="grammar_too_large")
+
+    async def _compile(self, key: str, vocab_size: int, param: str) -> int:
         if is_remote(self.ring_name):
             raise APIError(400, f"{param}: constrained output is not served over an RDMA ring: the engine loads "
                            "each grammar from a store in its own host's shared memory, which a frontend on another "

@@ -43,6 +43,7 @@ class Limits:
     features: int = 0  # SamplingFeatures the serving engine implements
     max_prompt_logprobs_tokens: int = 0  # longest prompt whose log-probs a slot returns
     top_logprobs: int = 20  # alternatives per position a slot returns
+    grammar_arena_bytes: int = 0  # the device arena a grammar's tables must fit (0: the engine has no such limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -103,7 +103,8 @@ def request_limits(app: web.Application) -> Limits:
     limits = engine_limits(app)
     ring = app[RING].current()
     features = ring.header_load32("sampling_features") if ring is not None else 0
-    return dataclasses.replace(limits, vocab_size=vocab_size(app), features=features)
+    arena = ring.header_load64("grammar_arena_bytes") if ring is not None else 0
+    return dataclasses.replace(limits, vocab_size=vocab_size(app), features=features, grammar_arena_bytes=arena)
 
 
 def stream_usage(req: _Common) -> tuple[bool, bool]:
@@ -180,7 +181,8 @@ def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan) -> Constraint
 async def grammar_id(app: web.Application, constraint: Constraint | None, limits: Limits) -> int:
     if constraint is None:
         return 0
-    return await app[GRAMMARS].compile(constraint.key, limits.vocab_size, constraint.param)
+    return await app[GRAMMARS].compile(constraint.key, limits.vocab_size, constraint.param,
+                                       limits.grammar_arena_bytes)
 
 
 @doc.documented("Text completion", body=CompletionRequest, answer=doc.Completion, stream=True,

@@ -268,6 +268,7 @@ def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:
     ring.header_store32("prefix_hash", L.PrefixHash.SPLITMIX64 if persistent else L.PrefixHash.BLAKE2B_64)
     fraction = 0.0 if on_cpu else cfg.kv_memory_fraction
     ring.header_store32("gpu_memory_utilization", int(np.float32(fraction).view(np.uint32)))
+    ring.header_store64("grammar_arena_bytes", 0)  # minor 7: the persistent engine writes its arena's size
 
 
 def runs_on_cpu(cfg: EngineConfig) -> bool:

@@ -115,6 +115,17 @@ CONSTANTS = (
              "n_bias, n_ban, unused, then the banned ids (gpu_engine/kernels/processors.py)"),
     Constant("BLINK_PROC_BAN_COL", "PROC_BAN_COL", 8, "the proc_rows column of the first banned id"),
     Constant("BLINK_PROC_MAX_BAN", "PROC_MAX_BAN", 16, "banned ids per row below min_tokens: the stop ids and EOS"),
+    Constant("BLINK_GRAMMAR_ENTRIES", "GRAMMAR_ENTRIES", 64,
+             "grammars resident in the device arena at once (gpu_engine/gpu/grammar_arena.py)"),
+    Constant("BLINK_GRAM_COLS", "GRAM_COLS", 20, "int32 columns of a gram_ends row: accept, n_end, then the end ids"),
+    Constant("BLINK_GRAM_MAX_END", "GRAM_MAX_END", 16, "end ids per row: the stop ids and EOS"),
+    Constant("BLINK_MAIL_WORDS", "MAIL_WORDS", 8, "uint64 words of one grammar mailbox entry: id, offset, op, seq "
+             "(the scheduler's, seq last), done, result, states, exceptions | start << 32 (the host's, done last)"),
+    Constant("BLINK_MAIL_OP_META", "MAIL_OP_META", 1, "mailbox op: read the grammar's tables, say their sizes"),
+    Constant("BLINK_MAIL_OP_COPY", "MAIL_OP_COPY", 2, "mailbox op: copy the tables into the arena at offset"),
+    Constant("BLINK_MAIL_OK", "MAIL_OK", 1, "mailbox result: done"),
+    Constant("BLINK_MAIL_FAILED", "MAIL_FAILED", 2, "mailbox result: the tables are missing, malformed or of "
+             "another vocabulary"),
 )
 
 CONFIG_GROUPS = (
@@ -164,6 +175,17 @@ CONFIG_GROUPS = (
         Decl("int32_t *", "proc_rows", "[max_batch * BLINK_PROC_COLS] step buffer: each row's processors"),
         Decl("float *", "proc_penalties", "[max_batch * 3] step buffer: repetition, frequency, presence"),
     )),
+    Group("grammars applied on the device (gpu_engine/gpu/grammar_arena.py; null / 0 when off)", (
+        Decl("uint32_t", "grammar gram_row_bytes",
+             "1: the graphs mask constrained rows; bytes of one state's allowed-token bits (16-byte aligned)"),
+        Decl("uint64_t", "gram_arena_bytes", "the device arena's size: the tables of every resident grammar"),
+        Decl("uint8_t *", "gram_arena", "[gram_arena_bytes] the tables (grammar_arena.device_layout)"),
+        Decl("int64_t *", "gram_bits",
+             "[max_batch] step buffer: the byte offset of each row's allowed bits (-1: no grammar, -2: ends only)"),
+        Decl("int32_t *", "gram_ends", "[max_batch * BLINK_GRAM_COLS] step buffer: accept, n_end, the end ids"),
+        Decl("uint64_t *", "gram_mail",
+             "[BLINK_GRAMMAR_ENTRIES * BLINK_MAIL_WORDS] host-mapped: loads asked of the engine's host thread"),
+    )),
     Group("prompt log-probs: a score graph over the prefill graphs' kept hidden states (score_rows 0: none)", (
         Decl("uint32_t", "score_rows score_top",
              "positions the score graph scores per launch; alternatives it keeps per position"),
@@ -200,6 +222,10 @@ STATS_GROUPS = (
         Decl("uint32_t", "exit_reason", "0 while running, else one of BLINK_EXIT_*"),
         Decl("uint32_t", "last_cancel_slot"),
         Decl("uint32_t", "step_fill", "steps by tokens / token budget (shared.ring.step_fill_bucket)", count=7),
+        Decl("uint64_t", "grammar_loads grammar_evictions grammar_failures",
+             "grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)"),
+        Decl("uint64_t", "step_tokens padded_tokens",
+             "tokens the steps carried; tokens their graphs computed past them (graph_tokens - the step's)"),
     )),
     Group("the graph in flight", (
         Decl("uint32_t", "current_graph pad0", "host copy only: 1 + index of the graph in flight, 0 when none"),

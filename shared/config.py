@@ -23,8 +23,10 @@ BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
 CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 GPU_WEIGHTS = ("auto", "dense")
+QUANTIZATIONS = ("auto", "fp8")
 # --kernel-plan: auto and the names of gpu_engine.kernels.plan.PLANS (a test keeps them equal)
 KERNEL_PLANS = ("auto", "cublas", "h200")
+DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
@@ -79,6 +81,14 @@ class EngineConfig:
                              "Triton kernel, every other tensor dequantized to --dtype; dense: every tensor "
                              "dequantized to --dtype",
                              choices=GPU_WEIGHTS)
+    quantization: str = _flag("auto", "GPU backends (bfloat16): fp8 quantizes a Hugging Face folder's bf16/fp16 "
+                              "weights at load, as vLLM's --quantization fp8: the decoder layers' q/k/v, o, gate/up "
+                              "and down projections to float8_e4m3fn with a scale per output channel, their "
+                              "activations quantized per token at run time, products on the FP8 tensor cores "
+                              "(sm_90); embeddings, norms, the LM head and MoE experts stay in --dtype. auto: the "
+                              "checkpoint's own form; an FP8 checkpoint (quantization_config quant_method fp8 or "
+                              "compressed-tensors) loads as stored, with or without this flag", choices=QUANTIZATIONS,
+                              aliases=("-q",))
     kernel_plan: str = _flag("auto", "GPU backends: which kernels take each product of a step (gpu_engine/kernels/"
                              "plan.py). auto: the plan measured fastest on this GPU (h200 on an NVIDIA H200), cuBLAS "
                              "and the plain kernels on any other; cublas: cuBLAS for every product, whatever the GPU; "
@@ -96,6 +106,12 @@ class EngineConfig:
         None, "fraction of the GPU memory free after loading the weights that the KV cache takes (GPU backends "
         f"only; the CPU backend refuses it: size its cache with --kv-blocks) (default: "
         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU)", kind=float)
+    grammar_cache_mb: int | None = _flag(
+        None, "persistent backend: MiB of GPU memory for the tables of the grammars in use (structured output and "
+        "forced tool calls, applied on the device; a grammar's tables take its token DFA's states times vocabulary "
+        "/ 8 bytes; a request whose grammar is larger is refused with a 400; idle grammars are evicted, least "
+        f"recently used first); 0: constrained requests are refused (default: {DEFAULT_GRAMMAR_CACHE_MB})",
+        minimum=0, kind=int)
     max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias)",
                            flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
     max_num_batched_tokens: int = _flag(
@@ -123,6 +139,12 @@ class EngineConfig:
         if self.threads:
             return self.threads
         return max(1, len(os.sched_getaffinity(0)) - 1)
+
+    @property
+    def grammar_arena_bytes(self) -> int:
+        """The persistent backend's grammar arena (--grammar-cache-mb)."""
+        mb = DEFAULT_GRAMMAR_CACHE_MB if self.grammar_cache_mb is None else self.grammar_cache_mb
+        return mb << 20
 
     @property
     def kv_memory_fraction(self) -> float:
@@ -201,6 +223,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and self.backend == "cpu":
             raise ValueError("--gpu-memory-utilization applies to the GPU backends; the CPU backend's KV cache "
                              "is sized by --kv-blocks (default: 1 GiB of blocks)")
+        if self.grammar_cache_mb is not None and self.backend in ("cpu", "host"):
+            raise ValueError(f"--grammar-cache-mb sizes the persistent backend's device arena; the {self.backend} "
+                             "backend keeps grammars in host memory (no such limit)")
         if self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_batch:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one decode token "
                              f"for each of --max-num-seqs {self.max_batch} sequences: give at least {self.max_batch}")
@@ -211,6 +236,12 @@ class EngineConfig:
             raise ValueError(f"--kernel-plan {self.kernel_plan} applies to the GPU backends (got --backend cpu)")
         if self.gpu_weights != "auto" and self.backend == "cpu":
             raise ValueError(f"--gpu-weights {self.gpu_weights} applies to the GPU backends (got --backend cpu)")
+        if self.quantization == "fp8" and self.backend == "cpu":
+            raise ValueError("--quantization fp8 runs on the GPU backends (FP8 tensor cores, sm_90); the CPU backend "
+                             "has no FP8 arithmetic: drop the flag there (--cpu-weights picks its weights' form)")
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"--quantization fp8 computes in bfloat16 (the FP8 products' output): --dtype "
+                             f"{self.dtype} does not apply; leave --dtype auto or give bfloat16")
         if self.max_model_len == 1:
             raise ValueError("--max-model-len must be >= 2 (one prompt token and one output token)")
         if self.model is not None and not Path(self.model).exists():

@@ -14,6 +14,11 @@ Tables, for ``S`` states over a vocabulary of ``V`` ids:
   tokens (ascending) whose next state is not ``default``, and that state;
 - ``accept`` bool [S]: the text so far is a complete sentence: the end tokens (EOS, stop ids) may follow.
 
+On the device (the persistent scheduler's arena, ``gpu_engine/gpu/grammar_arena.py``) one grammar is one
+contiguous range (``device_layout``): ``bits`` with each row padded to ``device_row_bytes(V)``, then int32
+``default``, ``accept``, ``exc_offsets``, ``exc_tokens`` and ``exc_next``; ``device_bytes`` is its size, which
+the gateway checks against the arena's before it publishes a request.
+
 They live in ``/dev/shm/<ring name>.grammars/<id as 16 hex digits>.npz``, a private folder of the
 ring's owner next to the ring itself (the engine and the frontend already share that segment).
 """
@@ -35,6 +40,17 @@ TABLES = ("bits", "default", "exc_offsets", "exc_tokens", "exc_next", "accept")
 
 class GrammarError(ValueError):
     """Tables that are missing, malformed, or of another vocabulary."""
+
+
+def device_row_bytes(vocab_size: int) -> int:
+    """Bytes of one state's allowed-token bits on the device: ``ceil(V / 8)`` rounded up to 16."""
+    return ((vocab_size + 7) // 8 + 15) // 16 * 16
+
+
+def device_bytes(num_states: int, num_exceptions: int, vocab_size: int) -> int:
+    """The device arena bytes a grammar takes (``device_layout``), rounded up to 256."""
+    raw = num_states * device_row_bytes(vocab_size) + 4 * (3 * num_states + 1 + 2 * num_exceptions)
+    return (raw + 255) // 256 * 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False, slots=True)
@@ -82,6 +98,20 @@ class TokenDFA:
             if state < 0:
                 return -1
         return state
+
+    @property
+    def num_exceptions(self) -> int:
+        return len(self.exc_tokens)
+
+    def device_layout(self) -> np.ndarray:
+        """uint8 [device_bytes]: the tables as the device arena holds them (module docstring)."""
+        S, rb = self.num_states, device_row_bytes(self.vocab_size)
+        out = np.zeros(device_bytes(S, self.num_exceptions, self.vocab_size), dtype=np.uint8)
+        out[: S * rb].reshape(S, rb)[:, : self.bits.shape[1]] = self.bits
+        words = [self.default, self.accept.astype(bool), self.exc_offsets, self.exc_tokens, self.exc_next]
+        flat = np.concatenate([np.asarray(w).astype(np.int32) for w in words])
+        out[S * rb: S * rb + 4 * len(flat)] = flat.view(np.uint8)
+        return out
 
     def save(self, path: Path) -> None:
         """Write atomically (a temporary name, then a rename), readable by the owner only."""
@@ -137,6 +167,16 @@ def load(ring_name: str, grammar_id: int) -> TokenDFA:
     path = grammar_path(ring_name, grammar_id)
     private_dir(path.parent)
     return TokenDFA.load(path)
+
+
+def stored_device_bytes(ring_name: str, grammar_id: int) -> int:
+    """``device_bytes`` of a stored grammar, reading only its small tables (GrammarError if unreadable)."""
+    path = grammar_path(ring_name, grammar_id)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return device_bytes(len(z["default"]), len(z["exc_tokens"]), int(z["vocab_size"]))
+    except (OSError, KeyError, ValueError) as exc:
+        raise GrammarError(f"cannot read token DFA {path}: {exc}") from None
 
 
 def remove_store(ring_name: str) -> None:

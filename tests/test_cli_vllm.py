@@ -108,7 +108,8 @@ def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:
      "one engine per GPU: see --data-parallel-size"),
     (["-tp", "4"], "-tp 4: tensor parallelism is not supported"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
-    (["--quantization", "awq"], "Blink serves the weights as given"),
+    (["--quantization", "awq"], "invalid choice: 'awq'"),
+    (["--kv-cache-dtype", "fp8"], "the KV cache has the model's dtype (bf16 under --quantization fp8 too)"),
     (["--trust-remote-code"], "Blink never runs a model's own code"),
 ])
 def test_vllm_flags_blink_lacks_are_refused_with_what_to_do_instead(argv: list[str], message: str,

@@ -101,6 +101,9 @@ __device__ bool read_request(SchedState *s, uint32_t i) {
   r->min_tokens = sl->sampling.min_tokens;
   r->num_bias = sl->sampling.num_logit_bias;
   r->num_prompt_top = sl->num_prompt_logprobs;
+  r->grammar_id = sl->sampling.grammar_id;
+  r->gentry = kNoGrammar;
+  r->gstate = -1;
   uint64_t seed =
       (r->flags & BLINK_SAMPLING_FLAGS_HAS_SEED) ? sl->sampling.seed : r->request_id * 0x9E3779B97F4A7C15ull;
   r->seed = seed & 0x7FFFFFFFFFFFFFFFull;
@@ -135,7 +138,7 @@ __device__ void copy_prompt(SchedState *s, uint32_t i, uint32_t *bad) {
 // A claimed request's logit-bias table (the tail of its prompt row) into the device table, checked as the
 // Python engine checks it (at most max_bias entries that fit beside the prompt, tokens in the vocabulary,
 // biases in [-100, 100]) and ascending as the ring promises. `bad`: the request is refused (BAD_PARAMS),
-// as is one whose processors this scheduler does not apply, one with a grammar (not applied here), or one
+// as is one whose processors this scheduler does not apply, one with a grammar without the arena, or one
 // asking for prompt log-probs that its slot's rows cannot hold (or without the score graph).
 __device__ void copy_bias(SchedState *s, uint32_t i, uint32_t *bad) {
   const blink_sched_config &c = s->cfg;
@@ -145,7 +148,7 @@ __device__ void copy_bias(SchedState *s, uint32_t i, uint32_t *bad) {
   bool prompt_top = (r->flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS) &&
                     !(c.score_rows && r->prompt_len <= c.prompt_logprob_rows && r->num_prompt_top <= c.score_top &&
                       r->num_prompt_top <= c.ring_top_k);
-  bool refuse = (!c.processors && uses_processors(r)) || sl->sampling.grammar_id != 0 || prompt_top || n > c.max_bias ||
+  bool refuse = (!c.processors && uses_processors(r)) || (r->grammar_id && !c.grammar) || prompt_top || n > c.max_bias ||
                 r->prompt_len + 2 * n > c.max_prompt;
   if (refuse) {
     if (threadIdx.x == 0) *bad = 1;

@@ -114,6 +114,7 @@ size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) 
   st->plan_slot = carve<uint32_t>(base, &cur, c.max_batch);
   st->plan_cached = carve<uint32_t>(base, &cur, c.max_batch);
   st->plan_new = carve<uint32_t>(base, &cur, c.max_batch);
+  st->gram = carve<GramEntry>(base, &cur, BLINK_GRAMMAR_ENTRIES);
   return cur;
 }
 

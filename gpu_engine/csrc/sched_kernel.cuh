@@ -89,7 +89,11 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     __syncthreads();
     claim_new(s);
     apply_cancellations(s);
-    if (threadIdx.x == 0) action = plan_step(s, &launches);
+    if (threadIdx.x == 0) {
+      grammar_service(s);
+      grammar_gate(s);
+      action = plan_step(s, &launches);
+    }
     __syncthreads();
     if (action == kActionRelaunch) return;
     if (action == kActionExit) break;

@@ -18,6 +18,9 @@ __device__ uint32_t blocks_for(SchedState *s, uint32_t ntok) {
 
 __device__ uint32_t ctx_len(const ReqInfo *r) { return r->prompt_len + r->out_len; }
 
+// A request may start: it has no grammar, or holds its grammar's reference (sched_grammar.cuh's gate).
+__device__ bool grammar_held(const ReqInfo *r) { return !r->grammar_id || r->gentry != kNoGrammar; }
+
 // All-or-nothing: grow request i's block table to n blocks.
 __device__ bool grow_blocks(SchedState *s, uint32_t i, uint32_t n) {
   ReqInfo *r = &s->req[i];
@@ -81,6 +84,8 @@ __device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t 
   if (r->phase == kWaiting) remove_waiting(s, i);
   if (s->partial == i) s->partial = kNoSlot;
   free_blocks(s, i);
+  if (r->gentry != kNoGrammar) s->gram[r->gentry].refs--;  // its grammar may be evicted once unreferenced
+  r->gentry = kNoGrammar;
   r->phase = kFree;
   complete_slot(s, i, reason, error);
 }
@@ -148,6 +153,7 @@ __device__ bool plan_prefill(SchedState *s) {
     uint32_t i = from_paused ? s->paused[0] : s->waiting[s->wait_head];
     ReqInfo *r = &s->req[i];
     uint32_t need = ctx_len(r);
+    if (!grammar_held(r)) break;  // its grammar is still loading
     if (n && tokens + need > s->cfg.max_prefill_tokens) break;  // the first one may use it all
     if (tokens + need > s->cfg.max_tokens) break;
     if (n && !prefill_fits(s, n + 1, tokens + need)) break;
@@ -211,6 +217,7 @@ __device__ bool next_chunk(SchedState *s, uint32_t row, uint32_t tokens) {
   if (i == kNoSlot) return false;
   ReqInfo *r = &s->req[i];
   bool first = s->partial != i;
+  if (!grammar_held(r)) return false;  // its grammar is still loading
   uint32_t ctx = ctx_len(r), hit = first ? cached_prefix(s, i, ctx) : 0;
   uint32_t start = first ? hit * s->cfg.block_size : r->cached;
   uint32_t todo = ctx - start, left = s->cfg.max_prefill_tokens - tokens;

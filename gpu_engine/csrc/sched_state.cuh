@@ -29,6 +29,18 @@ constexpr uint32_t kMaxPerThread = 32;  // slots per scanning thread: num_slots 
 constexpr uint32_t kFlipWords = 64;     // RingHeader.pending_flips: one bit per slot, slots 0..4095
 constexpr uint32_t kMaxStopIds = sizeof(blink_sampling_params::stop_ids) / sizeof(int32_t);
 constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
+constexpr uint32_t kNoGrammar = 0xFFFFFFFFu;  // ReqInfo.gentry of a request without a resident grammar
+
+// A grammar's entry in the device arena's table (sched_grammar.cuh): the tables are loaded in two round trips
+// with the engine's host thread (kGramMeta: their sizes; kGramCopy: the copy to `offset`), then kGramReady
+// until evicted (least recently admitted first, only without references). kGramFailed keeps the id, so
+// further requests for it fail at once, until the entry is reused.
+enum GramStatus : uint32_t { kGramFree = 0, kGramMeta = 1, kGramSized = 2, kGramCopy = 3, kGramReady = 4, kGramFailed = 5 };
+
+struct GramEntry {
+  uint64_t id, offset, bytes, seq;  // seq: the last mailbox request posted for this entry
+  uint32_t status, refs, states, exceptions, start, last_use, error;
+};
 
 struct ReqInfo {
   uint64_t request_id, seed;
@@ -44,6 +56,9 @@ struct ReqInfo {
   float rep, freq, pres;          // the penalties (rep 1: off; an older writer's 0 read as 1)
   uint32_t min_tokens, num_bias;  // num_bias: LogitBias entries, copied to the device bias table at admission
   uint32_t num_prompt_top;        // Slot.num_prompt_logprobs: alternatives per prompt position (with the flag)
+  uint64_t grammar_id;            // SamplingParams.grammar_id (0: none)
+  uint32_t gentry;                // its GramEntry while the request holds a reference, else kNoGrammar
+  int32_t gstate;                 // the DFA state after the outputs so far (-1: left the grammar)
 };
 
 struct SchedState {
@@ -84,6 +99,9 @@ struct SchedState {
   uint64_t flips_seen[kFlipWords];  // the header's pending_flips as of the last scan
   uint32_t flips_synced;            // 0: the next scan reads every slot (at start, after an overflow)
   int64_t flip_credit;              // flips seen minus doorbell increments seen since the last full scan
+  GramEntry *gram;                  // [BLINK_GRAMMAR_ENTRIES] the grammar arena's table (cfg.grammar)
+  uint32_t gram_busy;               // entries being loaded (kGramMeta, kGramSized, kGramCopy)
+  uint32_t gram_tick;               // admissions with a grammar: the LRU clock
 };
 
 // ------------------------------------------------------------------ the ring

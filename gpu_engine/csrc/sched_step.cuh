@@ -10,6 +10,7 @@
 
 #include "blink_ring.h"
 #include "sched.h"
+#include "sched_grammar.cuh"
 #include "sched_launch.cuh"
 #include "sched_memory.cuh"
 #include "sched_policy.cuh"
@@ -170,6 +171,33 @@ __device__ void stage_processors(SchedState *s, uint32_t n, uint32_t Bg) {
   }
 }
 
+// All threads: each row's grammar mask (kernels/grammar.py): -1 for a row without a grammar or whose token is
+// not used; else the byte offset of its state's allowed bits (-2 once it left the grammar: only the end tokens), whether
+// its text is complete (the end tokens allowed) and the end tokens: its stop ids, then EOS unless ignored.
+static_assert(kMaxStopIds + BLINK_MAX_EOS <= BLINK_GRAM_MAX_END, "a row's end ids: its stop ids and EOS");
+static_assert(2 + BLINK_GRAM_MAX_END <= BLINK_GRAM_COLS, "gram_ends columns");
+
+__device__ void stage_grammar(SchedState *s, uint32_t n, uint32_t Bg) {
+  const blink_sched_config &c = s->cfg;
+  for (uint32_t r = threadIdx.x; r < Bg; r += blockDim.x) {
+    const ReqInfo *q = r < n && row_samples(s, r) ? &s->req[s->plan_slot[r]] : nullptr;
+    if (!q || q->gentry == kNoGrammar) {
+      c.gram_bits[r] = -1;
+      continue;
+    }
+    const GramEntry *g = &s->gram[q->gentry];
+    bool in = q->gstate >= 0;
+    int32_t *row = c.gram_ends + static_cast<size_t>(r) * BLINK_GRAM_COLS;
+    uint32_t ne = 0;
+    for (uint32_t k = 0; k < q->num_stop; ++k) row[2 + ne++] = q->stop_ids[k];
+    for (uint32_t k = 0; k < c.num_eos && !(q->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS); ++k)
+      row[2 + ne++] = c.eos_ids[k];
+    row[0] = !in || gram_words(s, g)[g->states + q->gstate] != 0;
+    row[1] = static_cast<int32_t>(ne);
+    c.gram_bits[r] = in ? static_cast<int64_t>(g->offset + static_cast<uint64_t>(q->gstate) * c.gram_row_bytes) : -2;
+  }
+}
+
 // All threads: each row's block table, -1 past its blocks.
 __device__ void stage_block_tables(SchedState *s, uint32_t n, uint32_t Bg) {
   const blink_sched_config &c = s->cfg;
@@ -200,6 +228,7 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
   stage_rows(s, cu, n, nd, T, Bg);
   stage_block_tables(s, n, Bg);
   if (c.processors) stage_processors(s, n, Bg);
+  if (c.grammar) stage_grammar(s, n, Bg);
   __threadfence();
 }
 
@@ -235,6 +264,7 @@ __device__ uint32_t publish_row(SchedState *s, uint32_t r) {
   uint32_t pos = q->out_len;
   size_t at = static_cast<size_t>(i) * c.max_output + pos;
   req_tokens(s, i)[q->prompt_len + pos] = tok;
+  grammar_step(s, q, tok);
   reinterpret_cast<int32_t *>(c.ring + c.output_off)[at] = tok;
   reinterpret_cast<float *>(c.ring + c.logprob_off)[at] = c.token_logprobs[r];
   if (q->flags & BLINK_SAMPLING_FLAGS_WANT_LOGPROBS) {
@@ -306,6 +336,9 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   }
   s->stats->steps++;
   s->stats->step_fill[step_fill_bucket(s->plan_tokens, s->cfg.max_prefill_tokens)]++;
+  uint32_t graph_tokens = static_cast<uint32_t>(s->cfg.graph_tokens[s->plan_graph]);
+  s->stats->step_tokens += s->plan_tokens;  // RingHeader.step_tokens, padded_tokens: the graph's past the step's
+  s->stats->padded_tokens += graph_tokens > s->plan_tokens ? graph_tokens - s->plan_tokens : 0;
   if (prefill)
     s->stats->prefills++;
   else

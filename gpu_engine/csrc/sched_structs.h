@@ -31,6 +31,23 @@
 #define BLINK_PROC_BAN_COL 8
 // banned ids per row below min_tokens: the stop ids and EOS
 #define BLINK_PROC_MAX_BAN 16
+// grammars resident in the device arena at once (gpu_engine/gpu/grammar_arena.py)
+#define BLINK_GRAMMAR_ENTRIES 64
+// int32 columns of a gram_ends row: accept, n_end, then the end ids
+#define BLINK_GRAM_COLS 20
+// end ids per row: the stop ids and EOS
+#define BLINK_GRAM_MAX_END 16
+// uint64 words of one grammar mailbox entry: id, offset, op, seq (the scheduler's, seq last), done, result, states,
+// exceptions | start << 32 (the host's, done last)
+#define BLINK_MAIL_WORDS 8
+// mailbox op: read the grammar's tables, say their sizes
+#define BLINK_MAIL_OP_META 1
+// mailbox op: copy the tables into the arena at offset
+#define BLINK_MAIL_OP_COPY 2
+// mailbox result: done
+#define BLINK_MAIL_OK 1
+// mailbox result: the tables are missing, malformed or of another vocabulary
+#define BLINK_MAIL_FAILED 2
 
 // What the host gives the scheduler at creation; never changed after.
 typedef struct blink_sched_config {
@@ -90,6 +107,19 @@ typedef struct blink_sched_config {
   int32_t *proc_rows;
   // [max_batch * 3] step buffer: repetition, frequency, presence
   float *proc_penalties;
+  // ---- grammars applied on the device (gpu_engine/gpu/grammar_arena.py; null / 0 when off)
+  // 1: the graphs mask constrained rows; bytes of one state's allowed-token bits (16-byte aligned)
+  uint32_t grammar, gram_row_bytes;
+  // the device arena's size: the tables of every resident grammar
+  uint64_t gram_arena_bytes;
+  // [gram_arena_bytes] the tables (grammar_arena.device_layout)
+  uint8_t *gram_arena;
+  // [max_batch] step buffer: the byte offset of each row's allowed bits (-1: no grammar, -2: ends only)
+  int64_t *gram_bits;
+  // [max_batch * BLINK_GRAM_COLS] step buffer: accept, n_end, the end ids
+  int32_t *gram_ends;
+  // [BLINK_GRAMMAR_ENTRIES * BLINK_MAIL_WORDS] host-mapped: loads asked of the engine's host thread
+  uint64_t *gram_mail;
   // ---- prompt log-probs: a score graph over the prefill graphs' kept hidden states (score_rows 0: none)
   // positions the score graph scores per launch; alternatives it keeps per position
   uint32_t score_rows, score_top;
@@ -140,6 +170,10 @@ typedef struct blink_sched_stats {
   uint32_t last_cancel_slot;
   // steps by tokens / token budget (shared.ring.step_fill_bucket)
   uint32_t step_fill[7];
+  // grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)
+  uint64_t grammar_loads, grammar_evictions, grammar_failures;
+  // tokens the steps carried; tokens their graphs computed past them (graph_tokens - the step's)
+  uint64_t step_tokens, padded_tokens;
   // ---- the graph in flight
   // host copy only: 1 + index of the graph in flight, 0 when none
   uint32_t current_graph, pad0;

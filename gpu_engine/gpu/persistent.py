@@ -21,8 +21,10 @@ import numpy.typing as npt
 
 from gpu_engine.backend import find_nvcc
 from gpu_engine.gpu import sched_structs
+from gpu_engine.gpu.grammar_arena import GrammarArena
 from gpu_engine.gpu.sched_structs import MAX_EOS, SAMPLES, SchedConfig
 from shared.env import env
+from shared.token_dfa import device_row_bytes
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SCHEMA_CPP = CSRC.parent.parent / "schema" / "cpp"
@@ -186,12 +188,16 @@ class PersistentScheduler:
                  drain_s: float = 5.0,
                  yield_graphs: frozenset[int] = frozenset(), phase_clocks: bool = False,
                  chunked: bool = False, token_budget: int | None = None, prefix_caching: bool = False,
-                 step_timeout_s: float = 0.0, fault: tuple[int, int] = (0, 0)) -> None:
+                 step_timeout_s: float = 0.0, fault: tuple[int, int] = (0, 0),
+                 grammar: GrammarArena | None = None) -> None:
         self.lib = library(phase_clocks)
         self.ring_addr = ring_addr
         self.ring_dev = self.lib.register_host(ring_addr, ring_size)
+        self.mail_addr = 0
         self._keep: list[object] = []
         cfg = self._config(geometry, view, kv_cache, limits, eos_ids, max_batch, max_context, vocab_size)
+        if grammar is not None:
+            self._grammar(cfg, grammar, view["buffers"], vocab_size)
         cfg.graph_yield = self._arr([int(i in yield_graphs) for i in range(cfg.num_graphs)], np.uint32)
         cfg.claim_with_cas = int(claim_with_cas)
         # the policy's token budget (Policy.token_budget): the largest prefill graph without chunking
@@ -302,6 +308,19 @@ class PersistentScheduler:
         for name in ("history", "bias_tokens", "bias_values", "proc_rows", "proc_penalties"):
             setattr(c, name, buffers[name])
 
+    def _grammar(self, c: SchedConfig, arena: GrammarArena, buffers: dict, vocab_size: int) -> None:
+        """The grammar arena (grammar_arena.GrammarArena, its tensor the graphs' `gram_arena`): the scheduler
+        loads grammars into it through the mailbox and stages each constrained row's mask; without it the
+        scheduler refuses a request with a grammar."""
+        if not len(arena.arena) or int(arena.arena.data_ptr()) != buffers["gram_arena"]:
+            raise SchedulerError("the grammar arena must be the graphs' gram_arena buffer")
+        c.grammar, c.gram_row_bytes = 1, device_row_bytes(vocab_size)
+        c.gram_arena_bytes = len(arena.arena)
+        c.gram_arena = buffers["gram_arena"]
+        c.gram_bits, c.gram_ends = buffers["gram_bits"], buffers["gram_ends"]
+        c.gram_mail = self.lib.register_host(arena.address, arena.size)
+        self.mail_addr = arena.address
+
     def guard_report(self) -> str:
         """After a stop: byte ranges (offsets from the state's start) of the guard bands and of the
         configuration that were overwritten, with their first bytes; empty when intact."""
@@ -346,3 +365,6 @@ class PersistentScheduler:
         if self.ring_dev:
             self.lib.lib.blink_unregister_host(P(self.ring_addr))
             self.ring_dev = 0
+        if self.mail_addr:
+            self.lib.lib.blink_unregister_host(P(self.mail_addr))
+            self.mail_addr = 0

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gpu_engine.gpu.sched_structs import PROC_COLS
+from gpu_engine.gpu.sched_structs import GRAM_COLS, PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.fp8_linear import fp8_linear
+from gpu_engine.kernels.grammar import DeviceGrammar
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.plan import PLANS, KernelPlan
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
@@ -40,6 +42,7 @@ from gpu_engine.kernels.tiled_linear import Heads, TiledConfig, tiled_linear, ti
 from gpu_engine.kv_cache import KVCache
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.models.decoder import CausalLM
+from gpu_engine.models.fp8_weight import Fp8Weight
 from gpu_engine.models.q8_weight import GROUP, Q8Weight
 from gpu_engine.prompt_logprobs import score
 from shared.slots import MAX_LOGIT_BIAS
@@ -53,9 +56,12 @@ class DeviceTables:
     num_slots: int
     max_context: int
     max_bias: int = MAX_LOGIT_BIAS
+    # the grammar arena (`kernels.grammar`, `gpu.grammar_arena`): bytes of device memory for the tables of the
+    # resident grammars; 0: the graphs apply no grammar (the scheduler refuses a request with one)
+    grammar_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.num_slots, self.max_context, self.max_bias) <= 0:
+        if min(self.num_slots, self.max_context, self.max_bias) <= 0 or self.grammar_bytes < 0:
             raise ValueError(f"invalid device tables {self}")
         if self.max_context > MAX_COUNT or self.max_bias >= BIAS_MASK:
             raise ValueError(f"device tables {self}: at most {MAX_COUNT} tokens and {BIAS_MASK - 1} bias entries")
@@ -129,6 +135,11 @@ class StepBuffers:
     bias_tokens: torch.Tensor  # [num_slots, max_bias] int32
     bias_values: torch.Tensor  # [num_slots, max_bias] f32
     proc_scratch: torch.Tensor  # [max_batch, vocab] int32, zero at rest
+    # grammar masks from device state (`kernels.grammar.DeviceGrammar`); [0] / [0, ...] without the arena. The
+    # rows stay all -1 (no grammar) unless a scheduler stages them.
+    gram_bits: torch.Tensor  # [max_batch] int64
+    gram_ends: torch.Tensor  # [max_batch, GRAM_COLS] int32
+    gram_arena: torch.Tensor  # [DeviceTables.grammar_bytes] uint8
     # prompt log-probs (RunnerLimits.score_rows; [0, ...] when off): every prefill token's final hidden state,
     # written by the prefill graphs; the score graph's inputs (which kept rows, the prompt tokens they predict)
     # and outputs (`prompt_logprobs.score` of them)
@@ -149,6 +160,7 @@ class StepBuffers:
         PB = B if limits.processors else 0
         dt = limits.device_tables
         slots, width, nbias = (dt.num_slots, dt.max_context, dt.max_bias) if dt else (0, 0, 0)
+        GB = dt.grammar_bytes if dt else 0
 
         def z(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -175,6 +187,8 @@ class StepBuffers:
             history=z(slots, width, dtype=torch.int32), bias_tokens=z(slots, nbias, dtype=torch.int32),
             bias_values=z(slots, nbias, dtype=torch.float32),
             proc_scratch=z(B if dt else 0, vocab, dtype=torch.int32),
+            gram_bits=torch.full((B if GB else 0,), -1, dtype=torch.int64, device=device),
+            gram_ends=z(B if GB else 0, GRAM_COLS, dtype=torch.int32), gram_arena=z(GB, dtype=torch.uint8),
             hidden=z(T if R else 0, hidden[0], dtype=hidden[1]), score_index=z(R, dtype=torch.int32),
             score_targets=z(R, dtype=torch.int64), score_logprobs=z(R, dtype=torch.float32),
             score_ranks=z(R, dtype=torch.int32), score_top_ids=z(R, K, dtype=torch.int64),
@@ -189,12 +203,17 @@ class StepBuffers:
         return DeviceProcessors(self.proc_rows[:batch], self.proc_penalties[:batch], self.history, self.bias_tokens,
                                 self.bias_values, self.proc_scratch)
 
+    def device_grammar(self, batch: int) -> DeviceGrammar | None:
+        return DeviceGrammar(self.gram_bits[:batch], self.gram_ends[:batch], self.gram_arena) if len(
+            self.gram_arena) else None
+
     def pointers(self) -> dict[str, int]:
         """Device addresses of every buffer, for a C++ scheduler."""
         return {f.name: getattr(self, f.name).data_ptr() for f in fields(self)}
 
 
-Linear = torch.Tensor | Q8Weight  # a dense weight [N, K] or one kept as Q8_0 (`kernels.q8_linear`)
+# a dense weight [N, K] or one kept as Q8_0 (`kernels.q8_linear`) or FP8 (`kernels.fp8_linear`)
+Linear = torch.Tensor | Q8Weight | Fp8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +244,7 @@ def _optional_weight(module: object, name: str) -> torch.Tensor | None:
     return None if getattr(module, name) is None else _tensor(module, name, "weight")
 
 
-def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight] | None = None) -> list[LayerWeights]:
+def layer_weights(model: CausalLM, quantized: Mapping[str, Q8Weight | Fp8Weight] | None = None) -> list[LayerWeights]:
     """Views of the model's parameters, per layer (no copies); a linear named in ``quantized`` (by parameter
     name, e.g. ``layers.0.attn.qkv.weight``) is taken from there instead."""
     q = quantized or {}
@@ -262,7 +281,7 @@ class GpuModelRunner:
     product where its `KernelPlan` says (`kernels.plan`; cuBLAS for every product by default)."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, limits: RunnerLimits, plan: KernelPlan = PLANS["cublas"],
-                 quantized: Mapping[str, Q8Weight] | None = None, max_positions: int | None = None) -> None:
+                 quantized: Mapping[str, Q8Weight | Fp8Weight] | None = None, max_positions: int | None = None) -> None:
         """`quantized`: linears kept as Q8_0 by parameter name (`GGUFSource.q8_0_linears`, on the model's device),
         used instead of the model's (empty) ones. `max_positions`: the RoPE table's length (default: the cache's)."""
         cfg: ModelConfig = model.config
@@ -286,7 +305,7 @@ class GpuModelRunner:
         self._processors_staged = False  # the processor buffers hold something other than identity
         self.kept_hidden = torch.empty(0, cfg.hidden_size, dtype=self.dtype, device=self.device)
 
-    def _take_weights(self, model: CausalLM, q: dict[str, Q8Weight]) -> None:
+    def _take_weights(self, model: CausalLM, q: dict[str, Q8Weight | Fp8Weight]) -> None:
         """The model's weights as the step reads them: the embedding, LM head and each layer's, a Q8_0 one where
         `q` names it (checked: on the model's device, and a path that has a linear)."""
         for name, w in q.items():
@@ -496,7 +515,10 @@ class GpuModelRunner:
 
     def _linear(self, x: torch.Tensor, w: Linear, silu_mul: bool = False) -> torch.Tensor:
         """F.linear(x, w) (of silu(gate) * up when `silu_mul`), through cuBLAS unless the plan gives this step and
-        weight to the tiled linear (`kernels.tiled_linear`); a Q8_0 weight through `kernels.q8_linear`."""
+        weight to the tiled linear (`kernels.tiled_linear`); a Q8_0 weight through `kernels.q8_linear`, an FP8 one
+        through `kernels.fp8_linear`."""
+        if isinstance(w, Fp8Weight):
+            return fp8_linear(silu_and_mul(x) if silu_mul else x, w)
         matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], (w.shape[0], w.shape[1]))
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
@@ -528,7 +550,8 @@ class GpuModelRunner:
                b.top_ids[:batch], b.top_logprobs[:batch], filtered=filtered,
                processors=b.processors(batch) if self.limits.processors else None,
                want_logprobs=b.want_logprobs[:batch],
-               device_procs=b.device_processors(batch) if self.limits.device_tables else None)
+               device_procs=b.device_processors(batch) if self.limits.device_tables else None,
+               device_grammar=b.device_grammar(batch))
 
     # Host-side staging (host-driven mode and tests); a device scheduler writes the same buffers.
     def stage(self, input_ids: torch.Tensor, meta, sampling: dict[str, torch.Tensor] | None = None) -> None:

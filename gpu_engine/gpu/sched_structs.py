@@ -19,6 +19,14 @@ FAULT_LAUNCH = 2  # BLINK_FAULT_LAUNCH
 PROC_COLS = 24  # BLINK_PROC_COLS
 PROC_BAN_COL = 8  # BLINK_PROC_BAN_COL
 PROC_MAX_BAN = 16  # BLINK_PROC_MAX_BAN
+GRAMMAR_ENTRIES = 64  # BLINK_GRAMMAR_ENTRIES
+GRAM_COLS = 20  # BLINK_GRAM_COLS
+GRAM_MAX_END = 16  # BLINK_GRAM_MAX_END
+MAIL_WORDS = 8  # BLINK_MAIL_WORDS
+MAIL_OP_META = 1  # BLINK_MAIL_OP_META
+MAIL_OP_COPY = 2  # BLINK_MAIL_OP_COPY
+MAIL_OK = 1  # BLINK_MAIL_OK
+MAIL_FAILED = 2  # BLINK_MAIL_FAILED
 
 
 class SchedConfig(C.Structure):
@@ -87,6 +95,13 @@ class SchedConfig(C.Structure):
     bias_values: int | None
     proc_rows: int | None
     proc_penalties: int | None
+    grammar: int
+    gram_row_bytes: int
+    gram_arena_bytes: int
+    gram_arena: int | None
+    gram_bits: int | None
+    gram_ends: int | None
+    gram_mail: int | None
     score_rows: int
     score_top: int
     score_max_pieces: int
@@ -171,6 +186,13 @@ class SchedConfig(C.Structure):
         ("bias_values", C.c_void_p),
         ("proc_rows", C.c_void_p),
         ("proc_penalties", C.c_void_p),
+        ("grammar", C.c_uint32),
+        ("gram_row_bytes", C.c_uint32),
+        ("gram_arena_bytes", C.c_uint64),
+        ("gram_arena", C.c_void_p),
+        ("gram_bits", C.c_void_p),
+        ("gram_ends", C.c_void_p),
+        ("gram_mail", C.c_void_p),
         ("score_rows", C.c_uint32),
         ("score_top", C.c_uint32),
         ("score_max_pieces", C.c_uint32),
@@ -227,6 +249,11 @@ class SchedStats(C.Structure):
     exit_reason: int
     last_cancel_slot: int
     step_fill: C.Array[C.c_uint32]
+    grammar_loads: int
+    grammar_evictions: int
+    grammar_failures: int
+    step_tokens: int
+    padded_tokens: int
     current_graph: int
     pad0: int
     current_since_ns: int
@@ -268,6 +295,11 @@ class SchedStats(C.Structure):
         ("exit_reason", C.c_uint32),
         ("last_cancel_slot", C.c_uint32),
         ("step_fill", C.c_uint32 * 7),
+        ("grammar_loads", C.c_uint64),
+        ("grammar_evictions", C.c_uint64),
+        ("grammar_failures", C.c_uint64),
+        ("step_tokens", C.c_uint64),
+        ("padded_tokens", C.c_uint64),
         ("current_graph", C.c_uint32),
         ("pad0", C.c_uint32),
         ("current_since_ns", C.c_uint64),

@@ -20,7 +20,9 @@ import torch
 from gpu_engine.backend import Backend
 from gpu_engine.faults import DeviceFailure, DeviceHang, Fault, FaultyRunner, LaunchFailure
 from gpu_engine.gpu import sched_structs as SS
+from gpu_engine.gpu.grammar_arena import GrammarArena
 from gpu_engine.gpu.graph_cache import GraphCache, shape_label
+from gpu_engine.gpu.graph_grid import mixed_buckets
 from gpu_engine.gpu.host_runner import HostGraphRunner
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
@@ -48,8 +50,8 @@ FAILED_EXITS: dict[int, tuple[type[DeviceFailure], str]] = {
 DEVICE_FAULTS = {"hang": SS.FAULT_HANG, "launch": SS.FAULT_LAUNCH}
 SCHEDULER_SMS = 1   # SMs left to the persistent scheduler's block
 # The sampling fields the persistent scheduler applies on the device with the processors' tables
-# (RingHeader.sampling_features); prompt log-probs with the score graph; grammars are applied by the
-# Python-driven backends only (the scheduler refuses a request with one).
+# (RingHeader.sampling_features); prompt log-probs with the score graph; grammars with the grammar arena
+# (--grammar-cache-mb above 0).
 PERSISTENT_FEATURES = L.SamplingFeatures.PENALTIES | L.SamplingFeatures.LOGIT_BIAS | L.SamplingFeatures.MIN_TOKENS
 PROBE_TIMEOUT_S = 5.0
 SCORE_ROWS = 256  # prompt positions the score graph scores per launch ([rows, vocab] float32 temporaries)
@@ -66,15 +68,6 @@ def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     # A prefill of b prompts averages at least 16 tokens each; larger batches use larger buckets.
     return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
-
-
-def mixed_buckets(max_batch: int, budget: int) -> list[tuple[int, int]]:
-    """Graphs of chunked-prefill steps: up to the token budget, any batch up to a token per row (the
-    running decodes ride in the same step). Tokens are padded to at most twice the step's (a step with
-    prompt work pending fills the budget exactly), rows to the next of the decode bucket sizes."""
-    tokens = sorted({t for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if t < budget} | {budget})
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
-    return [(b, t) for t in tokens for b in batches if b <= t]
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,9 +90,9 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     plan = resolve_plan(cfg.kernel_plan, torch.cuda.get_device_name())  # before the weights load
     log.info("kernel plan", gpu=torch.cuda.get_device_name(), **plan.summary())
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
-             gpu_weights=cfg.gpu_weights)
+             gpu_weights=cfg.gpu_weights, quantization=cfg.quantization)
     loaded = load_gpu_weights(path, dtype=dtype, device="cuda", weights=cfg.gpu_weights,
-                              random_weights=cfg.random_weights, seed=cfg.seed)
+                              random_weights=cfg.random_weights, seed=cfg.seed, quantization=cfg.quantization)
     model, mcfg = loaded.model, loaded.config
     log.info("weights loaded", **loaded.summary)
     g = cfg.geometry
@@ -113,7 +106,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
     # leaves it out).
     device_procs = cfg.backend == "persistent" and env.env().device_processors
-    tables = DeviceTables(g.num_slots, max_context) if device_procs else None
+    tables = DeviceTables(g.num_slots, max_context, grammar_bytes=cfg.grammar_arena_bytes) \
+        if device_procs else None
     # Prompt log-probs: the host-driven backend scores them in its step wait; the persistent one through the
     # score graph (BLINK_DEVICE_PROMPT_LOGPROBS=0 leaves it out), where the ring holds them.
     scored = cfg.backend == "persistent" and env.env().device_prompt_logprobs and g.prompt_logprob_rows > 0
@@ -126,17 +120,27 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)
     chunked = cfg.chunked_prefill
-    buckets = mixed_buckets(cfg.max_batch, budget) if chunked and budget else prefill_buckets(cfg.max_batch, max_tokens)
+    grid = env.env().token_grid if chunked and budget else ""  # the mixed steps' token grid ("": whole prompts)
+    mixed = mixed_buckets(cfg.max_batch, budget, grid) if grid and budget else None
+    buckets = mixed if mixed is not None else prefill_buckets(cfg.max_batch, max_tokens)
     cache = GraphCache(runner, decode_buckets(cfg.max_batch), buckets, device_launch=cfg.backend == "persistent",
                        prefill_variants=chunked)
     t0 = time.perf_counter()
-    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks)
+    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache, grid))
     graphs = cache.capture(progress=False, on_graph=capture_progress)
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
+             memory_mib=round(sum(g.memory_bytes for g in graphs) / 2**20, 1),
              kv_blocks=blocks, model=str(path), family=mcfg.family, chunked_prefill=chunked,
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
+
+
+def graph_counts(cache: GraphCache, grid: str) -> dict[str, int | str]:
+    """The graphs of each kind, for the log (``grid``: the mixed steps' token grid, "" without chunking)."""
+    decode = sum(1 for s in cache.shapes if s.decode)
+    out: dict[str, int | str] = {"decode_graphs": decode, "prefill_graphs": len(cache.shapes) - decode}
+    return out | ({"token_grid": grid} if grid else {})
 
 
 def capture_progress(k: int, n: int) -> None:
@@ -165,6 +169,9 @@ class PersistentEngine:
         size = ring.transport.size
         yielding = self.yielding_graphs()
         view = p.cache.scheduler_view()
+        tables = p.limits.device_tables
+        grammar = GrammarArena(p.runner.buffers.gram_arena, ring.name, p.vocab_size) \
+            if tables is not None and tables.grammar_bytes else None
         if not self.score_graph_fits():
             view["score_exec_handles"] = []  # the scheduler then refuses prompt log-probs
         sched = PersistentScheduler(ring.transport.base, size, ring.geometry,  # type: ignore[attr-defined]
@@ -174,13 +181,20 @@ class PersistentEngine:
                                     scan_flips=self.flips_usable(), chunked=p.chunked,
                                     token_budget=p.token_budget, prefix_caching=self.prefix_caching,
                                     step_timeout_s=self.step_timeout_s,
-                                    fault=self.fault)
+                                    fault=self.fault, grammar=grammar)
         ring.header_store64("heartbeat_ns", time.time_ns())
         ring.header_store32("sampling_features", self.features(sched))  # the gateway refuses the rest with a 400
+        ring.header_store64("grammar_arena_bytes", int(sched.config.gram_arena_bytes))
+        if grammar is not None:
+            grammar.start()
         ring.header_store32("engine_state", L.EngineState.READY)
         sched.start()
         cpu0 = time.process_time()
-        watch_scheduler(sched, ring, self.step_timeout_s, self.graph_in_flight)
+        try:
+            watch_scheduler(sched, ring, self.step_timeout_s, self.graph_in_flight)
+        finally:
+            if grammar is not None:
+                grammar.stop()
         st = sched.stats
         log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
         overwritten = sched.guard_report()
@@ -192,6 +206,7 @@ class PersistentEngine:
         """The ``SamplingFeatures`` the scheduler serves: the processors with their tables, prompt log-probs
         with the score graph (given to it where the ring has the rows and the graph can run beside it)."""
         f = PERSISTENT_FEATURES if self.parts.limits.device_tables is not None else 0
+        f |= L.SamplingFeatures.GRAMMAR if sched.config.grammar else 0
         return int(f | (L.SamplingFeatures.PROMPT_LOGPROBS if sched.config.score_rows else 0))
 
     def yielding_graphs(self) -> frozenset[int]:

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from gpu_engine.kernels._checks import check
+from gpu_engine.kernels.grammar import DeviceGrammar, grammar_mask
 from gpu_engine.kernels.logprobs import token_logprobs
 from gpu_engine.kernels.processors import DeviceProcessors, dense_processors, device_processors
 from gpu_engine.kernels.sampling_select import _key, filter_boundary
@@ -156,7 +157,7 @@ def apply_processors(logits: torch.Tensor, p: Processors) -> torch.Tensor:
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, out_logprobs,
            out_top_ids, out_top_logprobs, filtered: bool = True, processors: Processors | None = None,
            want_logprobs: torch.Tensor | None = None, sort_free: bool = True,
-           device_procs: DeviceProcessors | None = None) -> None:
+           device_procs: DeviceProcessors | None = None, device_grammar: DeviceGrammar | None = None) -> None:
     """One token per row of fp32 `logits` [B, V]; every output is written in place, no sync.
 
     temperature/top_p/min_p [B] f32, top_k [B] int32, seeds/steps [B] int64 (the reference's `seeds`
@@ -165,7 +166,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     (`gpu_engine.policy.needs_filter`), for which it gives the same outputs bit for bit.
     `sort_free=False` filters through the reference's sort instead of the boundary search.
     `processors` (rows [B]) applies the logits processors before the draw and the greedy argmax;
-    `device_procs` (rows [B]) applies them from the persistent scheduler's device state.
+    `device_procs` (rows [B]) applies them from the persistent scheduler's device state, and `device_grammar`
+    (rows [B]) its grammar masks after them (`kernels.grammar`).
     `want_logprobs` [B] int32 (None: every row) picks the rows whose log-prob outputs are computed;
     the others get zeros.
     """
@@ -191,6 +193,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, o
     scaled = proc / temps[:, None]
     if device_procs is not None:
         device_processors(proc, scaled, temps, device_procs)
+    if device_grammar is not None:
+        grammar_mask(scaled, device_grammar)
     unfiltered = scaled  # what greedy rows take the argmax of (their divisor is 1)
     boundary = filtered and sort_free
     if boundary:

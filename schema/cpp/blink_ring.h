@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 6u
+#define BLINK_RING_SCHEMA_MINOR 7u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -176,7 +176,10 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   uint32_t prefix_hash; /* offset 820 */
   float gpu_memory_utilization; /* offset 824 */
   uint32_t reserved2; /* offset 828 */
-  uint64_t reserved[24]; /* offset 832 */
+  uint64_t grammar_arena_bytes; /* offset 832 */
+  uint64_t step_tokens; /* offset 840 */
+  uint64_t padded_tokens; /* offset 848 */
+  uint64_t reserved[21]; /* offset 856 */
 } blink_ring_header;
 
 typedef struct __attribute__((aligned(4))) blink_top_logprob {

@@ -59,7 +59,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 6,
+  SchemaMinor_VALUE = 7,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -892,7 +892,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t prefix_hash_;
   float gpu_memory_utilization_;
   uint32_t reserved2_;
-  uint64_t reserved_[24];
+  uint64_t grammar_arena_bytes_;
+  uint64_t step_tokens_;
+  uint64_t padded_tokens_;
+  uint64_t reserved_[21];
 
  public:
   RingHeader()
@@ -940,9 +943,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prefix_hash_(0),
         gpu_memory_utilization_(0),
         reserved2_(0),
+        grammar_arena_bytes_(0),
+        step_tokens_(0),
+        padded_tokens_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -987,9 +993,12 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         prefix_hash_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_prefix_hash))),
         gpu_memory_utilization_(::flatbuffers::EndianScalar(_gpu_memory_utilization)),
         reserved2_(::flatbuffers::EndianScalar(_reserved2)),
+        grammar_arena_bytes_(::flatbuffers::EndianScalar(_grammar_arena_bytes)),
+        step_tokens_(::flatbuffers::EndianScalar(_step_tokens)),
+        padded_tokens_(::flatbuffers::EndianScalar(_padded_tokens)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, ::flatbuffers::span<const uint64_t, 24> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens, ::flatbuffers::span<const uint64_t, 21> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -1032,7 +1041,10 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         cache_features_(::flatbuffers::EndianScalar(_cache_features)),
         prefix_hash_(::flatbuffers::EndianScalar(static_cast<uint32_t>(_prefix_hash))),
         gpu_memory_utilization_(::flatbuffers::EndianScalar(_gpu_memory_utilization)),
-        reserved2_(::flatbuffers::EndianScalar(_reserved2)) {
+        reserved2_(::flatbuffers::EndianScalar(_reserved2)),
+        grammar_arena_bytes_(::flatbuffers::EndianScalar(_grammar_arena_bytes)),
+        step_tokens_(::flatbuffers::EndianScalar(_step_tokens)),
+        padded_tokens_(::flatbuffers::EndianScalar(_padded_tokens)) {
     ::flatbuffers::CastToArray(pending_flips_).CopyFromSpan(_pending_flips);
     ::flatbuffers::CastToArray(reserved_).CopyFromSpan(_reserved);
   }
@@ -1168,7 +1180,16 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t reserved2() const {
     return ::flatbuffers::EndianScalar(reserved2_);
   }
-  const ::flatbuffers::Array<uint64_t, 24> *reserved() const {
+  uint64_t grammar_arena_bytes() const {
+    return ::flatbuffers::EndianScalar(grammar_arena_bytes_);
+  }
+  uint64_t step_tokens() const {
+    return ::flatbuffers::EndianScalar(step_tokens_);
+  }
+  uint64_t padded_tokens() const {
+    return ::flatbuffers::EndianScalar(padded_tokens_);
+  }
+  const ::flatbuffers::Array<uint64_t, 21> *reserved() const {
     return &::flatbuffers::CastToArray(reserved_);
   }
 };

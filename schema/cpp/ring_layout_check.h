@@ -115,6 +115,9 @@ static_assert(offsetof(blink::ring::RingHeader, cache_features_) == offsetof(bli
 static_assert(offsetof(blink::ring::RingHeader, prefix_hash_) == offsetof(blink_ring_header, prefix_hash), "RingHeader.prefix_hash offset differs");
 static_assert(offsetof(blink::ring::RingHeader, gpu_memory_utilization_) == offsetof(blink_ring_header, gpu_memory_utilization), "RingHeader.gpu_memory_utilization offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved2_) == offsetof(blink_ring_header, reserved2), "RingHeader.reserved2 offset differs");
+static_assert(offsetof(blink::ring::RingHeader, grammar_arena_bytes_) == offsetof(blink_ring_header, grammar_arena_bytes), "RingHeader.grammar_arena_bytes offset differs");
+static_assert(offsetof(blink::ring::RingHeader, step_tokens_) == offsetof(blink_ring_header, step_tokens), "RingHeader.step_tokens offset differs");
+static_assert(offsetof(blink::ring::RingHeader, padded_tokens_) == offsetof(blink_ring_header, padded_tokens), "RingHeader.padded_tokens offset differs");
 static_assert(offsetof(blink::ring::RingHeader, reserved_) == offsetof(blink_ring_header, reserved), "RingHeader.reserved offset differs");
 static_assert(sizeof(blink::ring::TopLogprob) == sizeof(blink_top_logprob), "TopLogprob size differs");
 static_assert(alignof(blink::ring::TopLogprob) == alignof(blink_top_logprob), "TopLogprob alignment differs");

@@ -129,31 +129,40 @@ class RingHeader(object):
     # RingHeader
     def Reserved2(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(828))
     # RingHeader
+    def GrammarArenaBytes(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(832))
+    # RingHeader
+    def StepTokens(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(840))
+    # RingHeader
+    def PaddedTokens(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(848))
+    # RingHeader
     def Reserved(self, j = None):
         if j is None:
-            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(832 + i * 8)) for i in range(self.ReservedLength())]
+            return [self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(856 + i * 8)) for i in range(self.ReservedLength())]
         elif j >= 0 and j < self.ReservedLength():
-            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(832 + j * 8))
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(856 + j * 8))
         else:
             return None
 
     # RingHeader
     def ReservedAsNumpy(self):
-        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 832, self.ReservedLength())
+        return self._tab.GetArrayAsNumpy(flatbuffers.number_types.Uint64Flags, self._tab.Pos + 856, self.ReservedLength())
 
     # RingHeader
     def ReservedLength(self):
-        return 24
+        return 21
 
     # RingHeader
     def ReservedIsNone(self):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, promptLogprobTokens, promptLogprobBytes, promptLogprobArenaOffset, promptTopLogprobArenaOffset, segmentBytes, kvBlockSize, kvCacheDtype, cacheFeatures, prefixHash, gpuMemoryUtilization, reserved2, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, promptLogprobTokens, promptLogprobBytes, promptLogprobArenaOffset, promptTopLogprobArenaOffset, segmentBytes, kvBlockSize, kvCacheDtype, cacheFeatures, prefixHash, gpuMemoryUtilization, reserved2, grammarArenaBytes, stepTokens, paddedTokens, reserved):
     builder.Prep(8, 1024)
-    for _idx0 in range(24 , 0, -1):
+    for _idx0 in range(21 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
+    builder.PrependUint64(paddedTokens)
+    builder.PrependUint64(stepTokens)
+    builder.PrependUint64(grammarArenaBytes)
     builder.PrependUint32(reserved2)
     builder.PrependFloat32(gpuMemoryUtilization)
     builder.PrependUint32(prefixHash)

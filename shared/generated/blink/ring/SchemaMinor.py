@@ -3,4 +3,4 @@
 # namespace: ring
 
 class SchemaMinor(object):
-    VALUE = 6
+    VALUE = 7
