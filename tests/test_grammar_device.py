@@ -19,6 +19,8 @@ from shared import token_dfa  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.token_dfa import TokenDFA, device_bytes, device_row_bytes  # noqa: E402
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel on the GPU where there is one
+
 
 def random_dfa(rng: np.random.Generator, states: int, vocab: int) -> TokenDFA:
     allowed = rng.random((states, vocab)) < 0.3
@@ -78,7 +80,7 @@ def staged(dfa: TokenDFA, rows: list[tuple[str, int, list[int]]]) -> tuple[Devic
         ends[r, 0] = kind == "out" or bool(dfa.accept[state])
         ends[r, 1] = len(end)
         ends[r, 2: 2 + len(end)] = end
-    return DeviceGrammar(torch.from_numpy(bits), torch.from_numpy(ends), torch.from_numpy(arena)), rows
+    return DeviceGrammar(*(torch.from_numpy(a).to(DEV) for a in (bits, ends, arena))), rows
 
 
 def test_the_mask_keeps_what_the_host_backends_allow() -> None:
@@ -91,9 +93,10 @@ def test_the_mask_keeps_what_the_host_backends_allow() -> None:
     rows = [("in", accepting, ends), ("off", 0, []), ("in", rejecting, ends), ("out", -1, ends),
             ("in", accepting, list(range(100, 100 + GRAM_MAX_END)))]
     dg, rows = staged(dfa, rows)
-    logits = torch.randn(len(rows), V)
+    logits = torch.randn(len(rows), V, device=DEV)
     masked = logits.clone()
     grammar_mask(masked, dg)
+    logits, masked = logits.cpu(), masked.cpu()
     for r, (kind, state, end) in enumerate(rows):
         if kind == "off":
             assert torch.equal(masked[r], logits[r])
@@ -117,8 +120,9 @@ def test_the_mask_agrees_with_allowed_tokens_along_a_walk() -> None:
     for _ in range(20):
         state = dfa.walk(out)
         dg, _ = staged(dfa, [("in", state, [1]) if state >= 0 else ("out", -1, [1])])
-        x = torch.zeros(1, V)
+        x = torch.zeros(1, V, device=DEV)
         grammar_mask(x, dg)
+        x = x.cpu()
         want = allowed_tokens(dfa, out, [1], V)
         assert (torch.isfinite(x[0]).numpy() == want).all()
         out.append(int(rng.choice(np.flatnonzero(want))))

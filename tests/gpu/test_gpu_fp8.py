@@ -4,6 +4,8 @@ and replayed from a CUDA graph; then a tiny FP8 checkpoint through the GPU runne
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -80,13 +82,18 @@ def test_runner_on_an_fp8_checkpoint(tmp_path: Path) -> None:
     assert all(w.weight.is_cuda for w in got.quantized.values())
     runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
                             RunnerLimits(4, 32, 8), quantized=got.quantized)
-    reference = with_linears(got.model, got.quantized, False)
-    ref_kv = KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda")
+    # the reference on the CPU (its attention is the CPU engine's): the same stored FP8 values, float32 products
+    on_cpu = {name: dataclasses.replace(w, weight=w.weight.cpu(), scale=w.scale.cpu(),
+                                        input_scale=None if w.input_scale is None else w.input_scale.cpu())
+              for name, w in got.quantized.items()}
+    reference = with_linears(copy.deepcopy(got.model).cpu(), on_cpu, False)
+    ref_kv = KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cpu")
     g = torch.Generator().manual_seed(1)
     for seqs, decode, tokens in zip(STEPS, (False, True, False), (32, 4, 16), strict=True):
-        meta = build_metadata(seqs, 4, device="cuda")
-        ids = torch.randint(0, cfg.vocab_size, (meta.positions.shape[0],), generator=g).cuda()
+        meta = build_metadata(seqs, 4)
+        ids = torch.randint(0, cfg.vocab_size, (meta.positions.shape[0],), generator=g)
         want = reference(ids, meta, ref_kv)
-        runner.stage(ids, meta)
+        runner.stage(ids.cuda(), build_metadata(seqs, 4, device="cuda"))
         runner.forward(4, tokens, decode)
-        torch.testing.assert_close(runner.buffers.logits[: len(seqs)].float(), want.float(), rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(runner.buffers.logits[: len(seqs)].float().cpu(), want.float(), rtol=5e-2,
+                                   atol=5e-2)

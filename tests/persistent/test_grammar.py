@@ -61,7 +61,8 @@ class GrammarJob(Job):
 
     def sampling(self) -> Sampling:
         bias = ((EOS, self.eos_bias),) if self.eos_bias else ()
-        return msgspec.structs.replace(super().sampling(), grammar_id=self.grammar, logit_bias=bias)
+        # EOS honoured (the gateway refuses ignore_eos beside a grammar): the end tokens are what complete text allows
+        return msgspec.structs.replace(super().sampling(), grammar_id=self.grammar, logit_bias=bias, ignore_eos=False)
 
 
 def serve(model: Path, backend: str, jobs: list[GrammarJob], grammars: dict[int, TokenDFA], args: tuple[str, ...],
