@@ -117,14 +117,14 @@ def jobs_for(grammars: dict[int, TokenDFA], n: int, seed: int, max_new: int) -> 
 
 
 def check_walks(jobs: list[GrammarJob], grammars: dict[int, TokenDFA], got: dict[int, Result], what: str) -> None:
-    """Each constrained output walks its DFA; one ended by EOS ends where the DFA accepts."""
+    """Each constrained output walks its DFA; one ended by EOS (which the ring's output leaves out) ends where the
+    DFA accepts."""
     for j in jobs:
         r = got[j.rid]
         if not j.grammar or r.reason in (F.ERROR, F.CANCELLED):
             continue
         dfa = grammars[j.grammar]
-        body = r.tokens[:-1] if r.reason == F.EOS else r.tokens
-        state = dfa.walk(body)
+        state = dfa.walk(r.tokens)
         assert state >= 0, f"{what}: request {j.rid} left its grammar: {r.tokens}"
         if r.reason == F.EOS:
             assert dfa.accept[state], f"{what}: request {j.rid} ended where its grammar does not accept"
