@@ -22,6 +22,7 @@ import pytest
 
 from harness.ring_driver import Driver, Job, Result, start_engine, stop_engine, wait_ready
 from persistent.test_persistent import CHUNK_ARGS, OUT, VOCAB, settled_header, tiny  # noqa: F401
+from persistent.test_processors import same_tokens
 from shared import ring_layout as L
 from shared import token_dfa
 from shared.messages import Sampling
@@ -128,23 +129,6 @@ def check_walks(jobs: list[GrammarJob], grammars: dict[int, TokenDFA], got: dict
         assert state >= 0, f"{what}: request {j.rid} left its grammar: {r.tokens}"
         if r.reason == F.EOS:
             assert dfa.accept[state], f"{what}: request {j.rid} ended where its grammar does not accept"
-
-
-def same_tokens(jobs: list[GrammarJob], got: dict[int, Result], ref: dict[int, Result], what: str,
-                greedy_only: bool) -> None:
-    diff = []
-    for j in jobs:
-        if greedy_only and j.temperature > 0:
-            continue
-        g, r = got[j.rid], ref[j.rid]
-        if F.CANCELLED in (g.reason, r.reason):
-            n = min(len(g.tokens), len(r.tokens))
-            ok = g.tokens[:n] == r.tokens[:n]
-        else:
-            ok = (g.tokens, g.reason) == (r.tokens, r.reason)
-        if not ok:
-            diff.append(j.rid)
-    assert not diff, f"{what}: {len(diff)} of {len(jobs)} requests differ, e.g. {diff[:8]}"
 
 
 def test_constrained_rows_give_the_cpu_engines_tokens(tiny: Path) -> None:  # noqa: F811
