@@ -18,7 +18,7 @@ MoE rows name the expert path their steps take (`moe_path`: the sort-free one up
 `kernels.moe.SMALL_PAIRS` token-expert pairs, batch 8 at top-8, else the sorted one).
 `mixed` (Llama-3-8B shape): the chunked-prefill steps the engines run under load, `decodes` running
 requests at `context` tokens each plus one prompt chunk that fills the step's token budget, through
-the mixed graphs the engines capture (`serve_gpu.mixed_buckets`, the unfiltered variant); beside each,
+the mixed graphs the engines capture (`graph_grid.mixed_buckets`, the unfiltered variant); beside each,
 the same decode rows alone and a prompt of the budget's tokens alone. Floor: the larger of the step's
 bytes (weights + the decode rows' KV) over the bandwidth and its FLOPs over the matmul rate.
 `mixed_saturated_rate`: the serving rate each budget would saturate at by a model of these steps

@@ -57,7 +57,6 @@ from bench.interfere import Interference
 from bench.workloads import WORKLOADS, Limits, RequestSpec, Workload, build_requests, summary
 from harness.models import MODEL_CONFIGS, build_model_folder, model_config
 from harness.serve_proc import CpuMeter, ServeProc, cpu_name, http_get, parse_metrics
-from shared.env import Env
 
 MODES = ("persistent", "host")
 EMBEDDED = "embedded"  # the engine's embedded default model and its own tokenizer (CI without tokenizer assets)
@@ -389,8 +388,7 @@ def run_mode(mode: str, args: argparse.Namespace, plan: Plan, model: Path | None
     out.info.update(backend=backend, device=device_name(backend), dtype="float32" if backend == "cpu" else "bfloat16",
                     serve_args=list(flags), max_batch=args.max_batch, host=platform.node(),
                     started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), python=platform.python_version(),
-                    generator_cores=gen_cores, interference_cores=co_cores,
-                    token_grid=Env.from_environ().token_grid if backend != "cpu" else None)
+                    generator_cores=gen_cores, interference_cores=co_cores)
     serve = ServeProc(flags, work / mode, env=env)
     say(f"[{mode}] starting blink serve (backend {backend}): {' '.join(flags)}")
     t0 = time.monotonic()

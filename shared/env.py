@@ -22,12 +22,6 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
-def _token_grid(value: str) -> str:
-    if value not in ("fine", "pow2"):
-        raise ValueError(f"expected fine or pow2, got {value!r}")
-    return value
-
-
 def default_run_dir() -> Path:
     """Where the services' Unix sockets live unless BLINK_RUN_DIR or --run-dir says otherwise:
     ``$XDG_RUNTIME_DIR/blink`` when that folder is this user's and closed to others, else ``/tmp/blink-UID``.
@@ -98,9 +92,6 @@ class Env:
     device_prefix_cache: bool = _var("BLINK_DEVICE_PREFIX_CACHE", True, "the persistent scheduler caches prefixes "
                                      "on the device where the policy does (0: not on that backend, whatever "
                                      "--enable-prefix-caching says)", _bool)
-    token_grid: str = _var("BLINK_TOKEN_GRID", "fine", "token sizes of the GPU backends' chunked-prefill graphs: "
-                           "fine (5% apart from 256 tokens) or pow2 (powers of two); kept until both are measured "
-                           "on a GPU, then the slower one goes", _token_grid)
     rank_plan_cache: bool = _var("BLINK_RANK_PLAN_CACHE", True, "keep the tokenizer's checked rank plans in "
                                  "$XDG_CACHE_HOME/blink/rank-plans (0: check the merges at every start)", _bool)
     cpu_weights_dir: Path | None = _var("BLINK_CPU_WEIGHTS_DIR", None, "the CPU backend keeps its loaded weights "

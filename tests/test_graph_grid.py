@@ -1,7 +1,7 @@
 """The mixed-step graph grid (``gpu_engine/gpu/graph_grid.py``) and its lookup table, without a GPU: every step
-under the budget finds a graph that holds it; on the fine grid a step of 256 tokens or more pads fewer than
-5% of its tokens plus one grain; the CUDA scheduler's read of the flat table picks the graph ``lookup`` picks;
-and the vectorised table is the plain search over the graphs."""
+under the budget finds a graph that holds it; a step of 256 tokens or more pads fewer than 5% of its tokens
+plus one grain; the CUDA scheduler's read of the flat table picks the graph ``lookup`` picks; the vectorised
+table is the plain search over the graphs; and the grid's sizes and graph counts."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from gpu_engine.gpu.graph_cache import TOKEN_GRAIN, GraphCache
-from gpu_engine.gpu.graph_grid import COMPUTE_BOUND_TOKENS, MIXED_GRIDS, mixed_buckets, mixed_rows, mixed_tokens
+from gpu_engine.gpu.graph_grid import COMPUTE_BOUND_TOKENS, mixed_buckets, mixed_rows, mixed_tokens
 from gpu_engine.gpu.serve_gpu import decode_buckets
-from shared.env import Env
 
 SERVING = ((128, 1024), (64, 1024), (256, 2048), (32, 512), (128, 1000))  # (max_batch, token budget)
 
 
-def mixed_cache(max_batch: int, budget: int, grid: str, max_tokens: int | None = None) -> GraphCache:
+def mixed_cache(max_batch: int, budget: int, max_tokens: int | None = None) -> GraphCache:
     """A GraphCache of the serving engine's chunked-prefill shapes over a stand-in runner (lookup only)."""
     limits = types.SimpleNamespace(max_batch=max_batch, max_tokens=max_tokens or budget, score_rows=0)
     runner = types.SimpleNamespace(limits=limits, device=torch.device("cpu"))
-    shapes = mixed_buckets(max_batch, budget, grid)
+    shapes = mixed_buckets(max_batch, budget)
     return GraphCache(runner, decode_buckets(max_batch), shapes, device_launch=False,  # type: ignore[arg-type]
                       prefill_variants=True)
 
@@ -37,10 +36,9 @@ def scheduler_pick(table: np.ndarray, grain: int, max_batch: int, filtered: int,
     return int(table.reshape(-1)[(filtered * (max_batch + 1) + b) * cols + col])
 
 
-@pytest.mark.parametrize("grid", MIXED_GRIDS)
 @pytest.mark.parametrize(("max_batch", "budget"), SERVING)
-def test_every_step_finds_a_graph_that_holds_it(grid: str, max_batch: int, budget: int) -> None:
-    cache = mixed_cache(max_batch, budget, grid)
+def test_every_step_finds_a_graph_that_holds_it(max_batch: int, budget: int) -> None:
+    cache = mixed_cache(max_batch, budget)
     batch = np.array([s.batch for s in cache.shapes])
     tokens = np.array([s.tokens for s in cache.shapes])
     steps = np.arange(1, budget + 1)
@@ -51,28 +49,24 @@ def test_every_step_finds_a_graph_that_holds_it(grid: str, max_batch: int, budge
             g = cache.prefill_table[f, b, cols[t - 1]]
             assert (batch[g] >= b).all() and (tokens[g] >= t).all(), (f, b)
             assert all(not cache.shapes[i].decode and cache.shapes[i].filtered == bool(f) for i in set(g.tolist()))
-            pad = tokens[g] - t
-            if grid == "fine":
-                big = t >= COMPUTE_BOUND_TOKENS
-                assert (pad[big] < 0.05 * t[big] + TOKEN_GRAIN).all(), (b, t[big][pad[big] >= 0.05 * t[big] + 16])
+            pad, big = tokens[g] - t, t >= COMPUTE_BOUND_TOKENS
+            assert (pad[big] < 0.05 * t[big] + TOKEN_GRAIN).all(), (b, t[big][pad[big] >= 0.05 * t[big] + 16])
 
 
-def test_the_fine_grid_removes_the_padding_of_a_saturated_mixed_step() -> None:
-    """127 decodes and the last 618 tokens of a prompt under a 1,024-token budget: the powers of two pad the
-    step to 1,024 tokens, the fine grid to 768 at most, and 745 rows of 128 still take a graph of 128."""
-    for grid, most in (("pow2", 1024), ("fine", 768)):
-        cache = mixed_cache(128, 1024, grid)
-        s = cache.shapes[cache.captured(False, 128, 745, filtered=False)]
-        assert s.batch == 128 and 745 <= s.tokens <= most, (grid, s)
-    fine = mixed_cache(128, 1024, "fine")
-    assert fine.shapes[fine.captured(False, 128, 745, filtered=False)].tokens - 745 < 0.05 * 745
+def test_a_saturated_mixed_step_pads_little() -> None:
+    """127 decodes and the last 618 tokens of a prompt under a 1,024-token budget: 745 tokens take a graph of
+    fewer than 5% more tokens (powers of two up to the budget, the grid measured against this one, padded the
+    step to 1,024), and 128 rows still take a graph of 128."""
+    cache = mixed_cache(128, 1024)
+    s = cache.shapes[cache.captured(False, 128, 745, filtered=False)]
+    assert s.batch == 128 and 0 <= s.tokens - 745 < 0.05 * 745, s
 
 
 @pytest.mark.parametrize(("max_batch", "budget"), SERVING)
 def test_the_scheduler_s_read_of_the_table_is_the_lookup(max_batch: int, budget: int) -> None:
     """The persistent scheduler indexes the same table the host looks up (gpu_engine/csrc/sched_step.cuh,
     pick_graph), here over a table wider than the budget (its columns reach the context limit)."""
-    cache = mixed_cache(max_batch, budget, "fine", max_tokens=2 * budget)
+    cache = mixed_cache(max_batch, budget, max_tokens=2 * budget)
     rng = np.random.default_rng(max_batch + budget)
     for n, tokens in zip(rng.integers(1, max_batch + 1, 400), rng.integers(1, 2 * budget + 1, 400), strict=True):
         tokens = max(int(tokens), int(n))
@@ -84,7 +78,7 @@ def test_the_scheduler_s_read_of_the_table_is_the_lookup(max_batch: int, budget:
 def test_the_table_is_the_cheapest_graph_that_holds_the_step() -> None:
     """The vectorised table against the plain search: the fewest tokens, then the fewest rows, that hold the
     column's tokens and the row's batch; past every graph, the largest."""
-    cache = mixed_cache(32, 512, "fine", max_tokens=640)
+    cache = mixed_cache(32, 512, max_tokens=640)
     for f in (0, 1):
         pre = sorted((s.tokens, s.batch, i) for i, s in enumerate(cache.shapes)
                      if not s.decode and s.filtered == bool(f))
@@ -94,28 +88,20 @@ def test_the_table_is_the_cheapest_graph_that_holds_the_step() -> None:
                 assert cache.prefill_table[f, b, col] == (fits[0] if fits else pre[-1][2]), (f, b, col)
 
 
-def test_the_grids_and_their_graph_counts() -> None:
-    """Both grids end at the budget and keep a graph at every power of two below 256 tokens; the fine one
-    captures about twice the graphs of the powers of two at the serving budgets, at most two and a half
-    times up to 8,192 tokens (the counts are printed: pytest -s)."""
+def test_the_grid_and_its_graph_counts() -> None:
+    """The grid ends at the budget, keeps a graph at every power of two below 256 tokens and sizes a grain's
+    multiple apart past it; the graphs it captures (both variants of every shape, decode graphs included) at
+    the serving budgets and at 8,192 tokens (printed: pytest -s)."""
+    counts = {}
     for max_batch, budget in (*SERVING, (128, 8192)):
-        decode = 2 * len(decode_buckets(max_batch))  # both variants of each batch
-        counts = {grid: decode + 2 * len(mixed_buckets(max_batch, budget, grid)) for grid in MIXED_GRIDS}
-        print(f"max_batch {max_batch} budget {budget}: graphs " + ", ".join(f"{g} {n}" for g, n in counts.items()))
-        assert counts["fine"] <= (2.1 if budget <= 2048 else 2.5) * counts["pow2"]
-    assert len(mixed_buckets(128, 1024, "fine")) == 106 and len(mixed_buckets(128, 1024, "pow2")) == 50
-    assert mixed_tokens(1024, "pow2") == [16, 32, 64, 128, 256, 512, 1024]
-    fine = mixed_tokens(1024, "fine")
+        counts[max_batch, budget] = 2 * (len(decode_buckets(max_batch)) + len(mixed_buckets(max_batch, budget)))
+        print(f"max_batch {max_batch} budget {budget}: {counts[max_batch, budget]} graphs")
+    assert counts == {(128, 1024): 236, (64, 1024): 228, (256, 2048): 308, (32, 512): 138, (128, 1000): 232,
+                      (128, 8192): 416}
+    assert len(mixed_buckets(128, 1024)) == 106
+    fine = mixed_tokens(1024)
     assert fine[:5] == [16, 32, 64, 128, 256] and fine[-1] == 1024 and all(t % TOKEN_GRAIN == 0 for t in fine)
-    assert mixed_tokens(100, "fine") == [16, 32, 64, 100]
-    assert mixed_rows(128, 1024, "fine") == [32, 128] and mixed_rows(128, 256, "fine")[-1] == 128
-    assert mixed_rows(128, 16, "pow2") == [1, 2, 4, 8, 16]
-    with pytest.raises(ValueError, match="token grid"):
-        mixed_tokens(1024, "linear")
-
-
-def test_the_grid_is_read_from_the_environment() -> None:
-    assert Env.from_environ({}).token_grid == "fine"
-    assert Env.from_environ({"BLINK_TOKEN_GRID": "pow2"}).token_grid == "pow2"
-    with pytest.raises(SystemExit, match="BLINK_TOKEN_GRID"):
-        Env.from_environ({"BLINK_TOKEN_GRID": "linear"})
+    assert all(b - a <= max(TOKEN_GRAIN, 0.05 * b) for a, b in zip(fine[4:], fine[5:], strict=False))
+    assert mixed_tokens(100) == [16, 32, 64, 100]
+    assert mixed_rows(128, 1024) == [32, 128] and mixed_rows(128, 256) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert mixed_rows(128, 16) == [1, 2, 4, 8, 16]

@@ -120,13 +120,12 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)
     chunked = cfg.chunked_prefill
-    grid = env.env().token_grid if chunked and budget else ""  # the mixed steps' token grid ("": whole prompts)
-    mixed = mixed_buckets(cfg.max_batch, budget, grid) if grid and budget else None
+    mixed = mixed_buckets(cfg.max_batch, budget) if chunked and budget else None  # None: whole prompts
     buckets = mixed if mixed is not None else prefill_buckets(cfg.max_batch, max_tokens)
     cache = GraphCache(runner, decode_buckets(cfg.max_batch), buckets, device_launch=cfg.backend == "persistent",
                        prefill_variants=chunked)
     t0 = time.perf_counter()
-    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache, grid))
+    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache))
     graphs = cache.capture(progress=False, on_graph=capture_progress)
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
              memory_mib=round(sum(g.memory_bytes for g in graphs) / 2**20, 1),
@@ -136,11 +135,10 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                     budget or max_tokens, chunked)
 
 
-def graph_counts(cache: GraphCache, grid: str) -> dict[str, int | str]:
-    """The graphs of each kind, for the log (``grid``: the mixed steps' token grid, "" without chunking)."""
+def graph_counts(cache: GraphCache) -> dict[str, int]:
+    """The graphs of each kind, for the log."""
     decode = sum(1 for s in cache.shapes if s.decode)
-    out: dict[str, int | str] = {"decode_graphs": decode, "prefill_graphs": len(cache.shapes) - decode}
-    return out | ({"token_grid": grid} if grid else {})
+    return {"decode_graphs": decode, "prefill_graphs": len(cache.shapes) - decode}
 
 
 def capture_progress(k: int, n: int) -> None:
