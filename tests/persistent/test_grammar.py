@@ -133,8 +133,9 @@ def check_walks(jobs: list[GrammarJob], grammars: dict[int, TokenDFA], got: dict
 
 def test_constrained_rows_give_the_cpu_engines_tokens(tiny: Path) -> None:  # noqa: F811
     """64 requests over 6 grammars and plain ones, in chunks of a 96-token budget with a 64-block cache
-    (preempted and recomputed), prompts sharing prefixes: the persistent backend's greedy tokens are the CPU
-    engine's, its seeded draws the host-driven backend's, and every output keeps to its grammar."""
+    (preempted and recomputed), prompts sharing prefixes, with the prefix cache and without: the persistent
+    backend's greedy tokens are the CPU engine's, its seeded draws the host-driven backend's, and every output
+    keeps to its grammar."""
     rng = np.random.default_rng(31)
     grammars = {0x1000 + g: random_dfa(rng, int(rng.integers(2, 40)), float(rng.uniform(0.02, 0.4)))
                 for g in range(6)}
@@ -144,14 +145,18 @@ def test_constrained_rows_give_the_cpu_engines_tokens(tiny: Path) -> None:  # no
     check_walks(reference, grammars, cpu, "cpu")
     assert sum(cpu[j.rid].reason == F.EOS for j in reference if j.grammar) > 4, "few outputs reached an end"
     got = {}
-    for backend in ("host", "persistent"):
-        got[backend], st = serve(tiny, backend, jobs, grammars, CHUNK_ARGS, "equal")
-        assert st["features"] & L.SamplingFeatures.GRAMMAR, f"{backend} does not advertise grammars"
-        assert st["preemptions"] > 0 and st["hits"] > 0 and st["blocks_back"] and st["exit_code"] == 0, st
-        check_walks(jobs, grammars, got[backend], backend)
-        same_tokens(jobs, got[backend], cpu, f"{backend} against the CPU engine", greedy_only=True)
-    assert got["persistent"] and st["arena"] > 0
-    same_tokens(jobs, got["persistent"], got["host"], "persistent against host-driven", greedy_only=False)
+    no_cache = (*CHUNK_ARGS, "--no-enable-prefix-caching")
+    for backend, args, tag in (("host", CHUNK_ARGS, "host"), ("persistent", CHUNK_ARGS, "persistent"),
+                               ("persistent", no_cache, "persistent-uncached")):
+        got[tag], st = serve(tiny, backend, jobs, grammars, args, tag)
+        assert st["features"] & L.SamplingFeatures.GRAMMAR, f"{tag} does not advertise grammars"
+        assert (st["hits"] > 0) == (args is CHUNK_ARGS), st
+        assert st["preemptions"] > 0 and st["blocks_back"] and st["exit_code"] == 0, st
+        assert (st["arena"] > 0) == (backend == "persistent"), st
+        check_walks(jobs, grammars, got[tag], tag)
+        same_tokens(jobs, got[tag], cpu, f"{tag} against the CPU engine", greedy_only=True)
+    for tag in ("persistent", "persistent-uncached"):
+        same_tokens(jobs, got[tag], got["host"], f"{tag} against host-driven", greedy_only=False)
 
 
 def test_a_small_arena_evicts_idle_grammars_and_refuses_one_too_large(tiny: Path) -> None:  # noqa: F811
