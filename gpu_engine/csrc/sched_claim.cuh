@@ -148,8 +148,8 @@ __device__ void copy_bias(SchedState *s, uint32_t i, uint32_t *bad) {
   bool prompt_top = (r->flags & BLINK_SAMPLING_FLAGS_WANT_PROMPT_LOGPROBS) &&
                     !(c.score_rows && r->prompt_len <= c.prompt_logprob_rows && r->num_prompt_top <= c.score_top &&
                       r->num_prompt_top <= c.ring_top_k);
-  bool refuse = (!c.processors && uses_processors(r)) || (r->grammar_id && !c.grammar) || prompt_top || n > c.max_bias ||
-                r->prompt_len + 2 * n > c.max_prompt;
+  bool refuse = (!c.processors && uses_processors(r)) || (r->grammar_id && !c.grammar) || prompt_top ||
+                n > c.max_bias || r->prompt_len + 2 * n > c.max_prompt;
   if (refuse) {
     if (threadIdx.x == 0) *bad = 1;
     return;

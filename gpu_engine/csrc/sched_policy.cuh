@@ -153,7 +153,7 @@ __device__ bool plan_prefill(SchedState *s) {
     uint32_t i = from_paused ? s->paused[0] : s->waiting[s->wait_head];
     ReqInfo *r = &s->req[i];
     uint32_t need = ctx_len(r);
-    if (!grammar_held(r)) break;  // its grammar is still loading
+    if (!grammar_held(r)) break;                                // its grammar is still loading
     if (n && tokens + need > s->cfg.max_prefill_tokens) break;  // the first one may use it all
     if (tokens + need > s->cfg.max_tokens) break;
     if (n && !prefill_fits(s, n + 1, tokens + need)) break;

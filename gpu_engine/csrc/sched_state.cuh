@@ -35,7 +35,14 @@ constexpr uint32_t kNoGrammar = 0xFFFFFFFFu;  // ReqInfo.gentry of a request wit
 // with the engine's host thread (kGramMeta: their sizes; kGramCopy: the copy to `offset`), then kGramReady
 // until evicted (least recently admitted first, only without references). kGramFailed keeps the id, so
 // further requests for it fail at once, until the entry is reused.
-enum GramStatus : uint32_t { kGramFree = 0, kGramMeta = 1, kGramSized = 2, kGramCopy = 3, kGramReady = 4, kGramFailed = 5 };
+enum GramStatus : uint32_t {
+  kGramFree = 0,
+  kGramMeta = 1,
+  kGramSized = 2,
+  kGramCopy = 3,
+  kGramReady = 4,
+  kGramFailed = 5
+};
 
 struct GramEntry {
   uint64_t id, offset, bytes, seq;  // seq: the last mailbox request posted for this entry

@@ -172,8 +172,8 @@ __device__ void stage_processors(SchedState *s, uint32_t n, uint32_t Bg) {
 }
 
 // All threads: each row's grammar mask (kernels/grammar.py): -1 for a row without a grammar or whose token is
-// not used; else the byte offset of its state's allowed bits (-2 once it left the grammar: only the end tokens), whether
-// its text is complete (the end tokens allowed) and the end tokens: its stop ids, then EOS unless ignored.
+// not used; else the byte offset of its state's allowed bits (-2 once it left the grammar: only the end tokens),
+// whether its text is complete (the end tokens allowed) and the end tokens: its stop ids, then EOS unless ignored.
 static_assert(kMaxStopIds + BLINK_MAX_EOS <= BLINK_GRAM_MAX_END, "a row's end ids: its stop ids and EOS");
 static_assert(2 + BLINK_GRAM_MAX_END <= BLINK_GRAM_COLS, "gram_ends columns");
 

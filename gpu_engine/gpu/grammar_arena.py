@@ -98,7 +98,7 @@ class GrammarArena:
                 return MAIL_FAILED, 0, 0
             self.loaded[e] = dfa
             return MAIL_OK, dfa.num_states, dfa.num_exceptions | dfa.start << 32
-        dfa = self.loaded.pop(e, None)
+        dfa = self.loaded.pop(e) if e in self.loaded else None
         if op != MAIL_OP_COPY or dfa is None:
             self.failures += 1
             return MAIL_FAILED, 0, 0

@@ -501,8 +501,10 @@ class GpuModelRunner:
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The token table's rows; a Q8_0 table's rows dequantized (in fp32, then rounded to the model's dtype,
         as the dense load rounds them)."""
-        if not isinstance(self.embed, Q8Weight):
+        if isinstance(self.embed, torch.Tensor):
             return F.embedding(ids, self.embed)
+        if not isinstance(self.embed, Q8Weight):
+            raise TypeError(f"a token table kept as {type(self.embed).__name__} has no embedding lookup")
         codes, scales = self.embed.codes.index_select(0, ids), self.embed.scales.index_select(0, ids)
         rows = codes.view(len(ids), -1, GROUP).float() * scales.float().unsqueeze(-1)
         return rows.view(len(ids), -1).to(self.dtype)
