@@ -98,15 +98,16 @@ class GrammarArena:
                 return MAIL_FAILED, 0, 0
             self.loaded[e] = dfa
             return MAIL_OK, dfa.num_states, dfa.num_exceptions | dfa.start << 32
-        dfa = self.loaded.pop(e) if e in self.loaded else None
-        if op != MAIL_OP_COPY or dfa is None:
+        tables = self.loaded.pop(e) if e in self.loaded else None
+        if op != MAIL_OP_COPY or tables is None:
             self.failures += 1
             return MAIL_FAILED, 0, 0
-        self.copy(dfa, offset, stream)
+        self.copy(tables, offset, stream)
         self.loads += 1
-        log.info("grammar loaded to the device", grammar_id=f"{gid:016x}", states=dfa.num_states,
-                 bytes=token_dfa.device_bytes(dfa.num_states, dfa.num_exceptions, dfa.vocab_size), offset=offset)
-        return MAIL_OK, dfa.num_states, dfa.num_exceptions | dfa.start << 32
+        log.info("grammar loaded to the device", grammar_id=f"{gid:016x}", states=tables.num_states,
+                 bytes=token_dfa.device_bytes(tables.num_states, tables.num_exceptions, tables.vocab_size),
+                 offset=offset)
+        return MAIL_OK, tables.num_states, tables.num_exceptions | tables.start << 32
 
     def copy(self, dfa: TokenDFA, offset: int, stream) -> None:
         """The tables into the arena at ``offset``, complete when this returns (a stream of its own: the
