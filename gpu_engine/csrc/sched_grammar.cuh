@@ -34,24 +34,30 @@ __device__ const int32_t *gram_words(SchedState *s, const GramEntry *g) {
                                            static_cast<uint64_t>(g->states) * s->cfg.gram_row_bytes);
 }
 
+// An arena word or byte, read through L2 (ld.global.cg): the host thread's copies land there, and a range this
+// execution of the scheduler read before an eviction may hold another grammar now, so no stale L1 line of its
+// SM may answer.
+__device__ __forceinline__ int32_t arena_word(const int32_t *p) { return __ldcg(p); }
+__device__ __forceinline__ uint32_t arena_byte(const uint8_t *p) { return __ldcg(p); }
+
 // TokenDFA.advance: the state after `tok`, -1 where the token is not allowed (or the row left the grammar).
 __device__ int32_t gram_advance(SchedState *s, const GramEntry *g, int32_t state, int32_t tok) {
   if (state < 0 || static_cast<uint32_t>(state) >= g->states || tok < 0 ||
       static_cast<uint32_t>(tok) >= s->cfg.vocab_size)
     return -1;
   const uint8_t *bits = s->cfg.gram_arena + g->offset + static_cast<uint64_t>(state) * s->cfg.gram_row_bytes;
-  if (!(bits[tok >> 3] & (0x80u >> (tok & 7)))) return -1;
+  if (!(arena_byte(bits + (tok >> 3)) & (0x80u >> (tok & 7)))) return -1;
   const int32_t *w = gram_words(s, g);
   const int32_t *off = w + 2 * g->states, *etok = off + g->states + 1, *enext = etok + g->exceptions;
-  int32_t lo = off[state], hi = off[state + 1], end = hi;
+  int32_t lo = arena_word(off + state), hi = arena_word(off + state + 1), end = hi;
   while (lo < hi) {
     int32_t mid = lo + (hi - lo) / 2;
-    if (etok[mid] < tok)
+    if (arena_word(etok + mid) < tok)
       lo = mid + 1;
     else
       hi = mid;
   }
-  return lo < end && etok[lo] == tok ? enext[lo] : w[state];
+  return lo < end && arena_word(etok + lo) == tok ? arena_word(enext + lo) : arena_word(w + state);
 }
 
 // ------------------------------------------------------------------ the mailbox (thread 0)

@@ -192,7 +192,7 @@ __device__ void stage_grammar(SchedState *s, uint32_t n, uint32_t Bg) {
     for (uint32_t k = 0; k < q->num_stop; ++k) row[2 + ne++] = q->stop_ids[k];
     for (uint32_t k = 0; k < c.num_eos && !(q->flags & BLINK_SAMPLING_FLAGS_IGNORE_EOS); ++k)
       row[2 + ne++] = c.eos_ids[k];
-    row[0] = !in || gram_words(s, g)[g->states + q->gstate] != 0;
+    row[0] = !in || arena_word(gram_words(s, g) + g->states + q->gstate) != 0;
     row[1] = static_cast<int32_t>(ne);
     c.gram_bits[r] = in ? static_cast<int64_t>(g->offset + static_cast<uint64_t>(q->gstate) * c.gram_row_bytes) : -2;
   }
