@@ -55,6 +55,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_len: int = 0
+    text: list[str] | None = None  # the streamed text's pieces, kept only where asked for (not None)
+    finish_reason: str = ""
 
     @property
     def ttft(self) -> float:
@@ -95,11 +97,16 @@ def apply_event(res: RequestResult, event: dict | str, now: float) -> bool:
     if "error" in event:
         res.error = "error_event"
         res.detail = str((event["error"] or {}).get("message", ""))[:200]
-    elif chunk_text(event):
+    elif piece := chunk_text(event):
         if not res.chunk_times:
             res.first = now
         res.last = now
         res.chunk_times.append(now)
+        if res.text is not None:
+            res.text.append(piece)
+    choices = event.get("choices") or []
+    if choices and choices[0].get("finish_reason"):
+        res.finish_reason = str(choices[0]["finish_reason"])
     usage = event.get("usage")
     if usage:
         res.output_tokens = int(usage.get("completion_tokens") or 0)

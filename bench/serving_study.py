@@ -79,6 +79,11 @@ def model_description(name: str) -> str:
     if name == EMBEDDED:
         return "embedded default model (SmolLM2-135M-Instruct, real weights)"
     c = model_config(name)
+    if "num_experts" in c:
+        return (f"Qwen3 MoE shape '{name}': hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, heads "
+                f"{c['num_attention_heads']}/{c['num_key_value_heads']}, {c['num_experts']} experts of FFN "
+                f"{c['moe_intermediate_size']} ({c['num_experts_per_tok']} a token), vocab {c['vocab_size']}; "
+                "random weights; Qwen3 tokenizer")
     return (f"Llama-3 shape '{name}': hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, heads "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']}, FFN {c['intermediate_size']}, vocab "
             f"{c['vocab_size']}; random weights; Llama-3 tokenizer")

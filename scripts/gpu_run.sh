@@ -108,13 +108,27 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #                vLLM's first start compiles (80-123 s).
 #   peers_blink  Blink persistent;   peers_host  Blink host-driven.
 # PEERS_RATES (default 10,16), PEERS_COTENANTS (none,heavy), PEERS_WINDOW_S (60), PEERS_WARMUP_S (15),
-# PEERS_DRAIN_S (30), PEERS_ARGS (more flags, e.g. "--plateau-search 8:32 --max-probes 2"), T_PEERS (560 s).
+# PEERS_DRAIN_S (30), PEERS_ARGS (more flags, e.g. "--plateau-search 8:32 --max-probes 2"), T_PEERS (560 s),
+# PEERS_CONFIG (tuned128: both systems at --max-num-seqs 128; defaults: each with only the model and
+# --max-model-len 8192, its own batch; each record names its config and both merge into one file),
+# PEERS_RESPONSE_FORMAT (unset: none; json_object, json_schema:person, json_schema:order or json_schema:PATH: the
+# same response_format in every request, the answers checked, records labelled with it),
+# PEERS_MODEL (--model-config: 8b, the default, or qwen3-30b-a3b, the MoE shape with the Qwen3 tokenizer from
+# the assets' qwen/, results in bench/results/peers_moe.json).
+# vLLM never inherits CUDA_MODULE_LOADING (bench/peers drops it for vLLM peers, and $BASH_ENV below unsets it);
+# a vLLM that is not healthy within --startup-timeout-s is stopped and its log tail printed.
 # A (rate, level) run takes about 2 + warm-up + window + tail (<= drain) + 5 s, ~85-110 s with the defaults,
 # so one call holds 4 runs (3 for vLLM with its start); the harness skips (and lists) what does not fit:
 #   PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm
 #   PEERS_RATES=22 PEERS_ARGS="--plateau-search 8:32 --max-probes 2" bash scripts/gpu_run.sh OUT peers_vllm
 #   PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_blink
 #   PEERS_RATES=16 bash scripts/gpu_run.sh OUT peers_host
+# Each system's own defaults, beside the tuned128 records in bench/results/peers.json:
+#   PEERS_CONFIG=defaults PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm     (then peers_blink)
+# The Qwen3-30B-A3B (MoE) shape, to bench/results/peers_moe.json:
+#   PEERS_MODEL=qwen3-30b-a3b PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm (then peers_blink)
+# A constrained load under the heavy co-tenant:
+#   PEERS_RESPONSE_FORMAT=json_schema:person PEERS_RATES=10 PEERS_COTENANTS=heavy bash scripts/gpu_run.sh OUT peers_vllm
 # The shared-prefix workload (bench/workloads.py `shared`) goes to a file of its own (vLLM: peers_vllm, the same args):
 #   PEERS_RATES=10,16 PEERS_ARGS="--workload shared --out bench/results/peers_shared.json --plot bench/results/peers_shared" bash scripts/gpu_run.sh OUT peers_blink
 # The step's token budget swept (one call per budget; the default is 1,024), each to a file of its own:
@@ -144,7 +158,8 @@ peers_run() {  # peers_run SYSTEM
   BASH_ENV="$kit_env" PATH="/tmp/vllm-site/bin:$PATH" "$PY" -m bench.peers --systems "$1" --tokenizer-assets "$ASSETS" \
     --work-dir /tmp/blink-peers-work \
     --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \
-    --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" \
+    --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" --config "${PEERS_CONFIG:-tuned128}" \
+    --model-config "${PEERS_MODEL:-8b}" ${PEERS_RESPONSE_FORMAT:+--response-format "$PEERS_RESPONSE_FORMAT"} \
     --time-budget-s "$(( ${T_PEERS:-560} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
   rc=$?
   # only what this run wrote: a lent machine returns few files, and the tree's other peer results would crowd it out

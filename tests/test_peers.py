@@ -383,3 +383,215 @@ def test_the_committed_results_take_a_default_run() -> None:
     args = build_parser().parse_args(["--seed", str(committed["workload"]["seed"])])
     assert header_of(args)["workload"] == committed["workload"]
     assert report.compatible(committed, {**committed, "workload": header_of(args)["workload"]}) is None
+
+
+# ---------------------------------------------------------------------- setups: config, constraint, model
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
+def test_blink_at_its_defaults_under_a_constraint(tmp_path: Path) -> None:
+    """Blink's own mode with ``--config defaults`` (only the model and --max-model-len) serving a constrained
+    load: every request carries the schema, the record names config and constraint, and its answers are
+    counted; a second, unconstrained tuned128 run of the same point is kept beside it."""
+    first, log = invoke(tmp_path, "persistent", "none", ["--config", "defaults", "--response-format",
+                                                           "json_schema:person"])
+    assert not wait_none(str(tmp_path / "persistent")), "blink serve outlived the study"
+    (rec,) = first["records"]
+    check_record(rec)
+    assert (rec["config"], rec["response_format"]) == ("defaults", "json_schema:person"), log
+    check = rec["output_check"]
+    assert check["stop"] + check["length"] + check["other"] == rec["completed"]
+    assert rec["invalid_outputs"] == check["invalid"] + check["length_not_object"] == 0, check
+    info = first["systems"]["blink-persistent@defaults"]
+    assert "--max-batch" not in info["command"] and "--max-model-len 80" in info["command"], info["command"]
+    assert info["config"] == "defaults" and info["exit_code"] == 0 and not first["errors"]
+    assert "Config defaults, response_format json_schema:person:" in report.format_table(first)
+
+    second, _ = invoke(tmp_path, "persistent", "none", [])
+    assert not wait_none(str(tmp_path / "persistent")), "blink serve outlived the study"
+    setups = sorted(report.setup_of(r) for r in second["records"])
+    assert setups == [("defaults", "json_schema:person"), ("tuned128", "")]
+    assert set(second["systems"]) == {"blink-persistent", "blink-persistent@defaults"}
+    assert {(p["config"], p["response_format"]) for p in second["plateau"]} == {
+        ("defaults", "json_schema:person"), ("tuned128", None)}
+
+
+def test_response_formats_and_the_answer_check(tmp_path: Path) -> None:
+    from bench.peers.constraint import check_outputs, parse_response_format
+
+    assert parse_response_format("json_object").body == {"type": "json_object"}
+    person = parse_response_format("json_schema:person")
+    assert person.label == "json_schema:person" and person.schema is not None
+    assert person.body["json_schema"]["name"] == "person"
+    path = tmp_path / "point.json"
+    path.write_text(json.dumps({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}))
+    from_file = parse_response_format(f"json_schema:{path}")
+    assert from_file.label == "json_schema:point" and from_file.schema == json.loads(path.read_text())
+    for bad in ("json", "json_schema:", "json_schema:nosuch", "regex:a+"):
+        with pytest.raises(ValueError):
+            parse_response_format(bad)
+
+    good = '{"name": "a", "age": 3, "email": "e"}'
+    answers = [("stop", good), ("stop", " " + good + "\n"), ("length", '{"name": "aaaa'),
+               ("stop", '{"name": "a", "age": "3", "email": "e"}'),  # a wrong type
+               ("stop", '{"name": "a", "age": true, "email": "e"}'),  # JSON's true is no integer
+               ("stop", '{"name": "a", "email": "e"}'), ("stop", '{"name": "a", "age": 1, "email": "e", "x": 1}'),
+               ("stop", '[1, 2]'), ("stop", "Sure! Here is"), ("length", "Sure! Here is the answer")]
+    got = check_outputs(answers, person)
+    assert (got["stop"], got["length"], got["other"]) == (8, 2, 0)
+    assert got["invalid"] == 6 and got["length_not_object"] == 1
+    assert got["first_problem"] == "wrong type or value of 'age'" and got["sample"].startswith('{"name"')
+    # a server that ignores the constraint: free text, stopped or cut, is all invalid
+    ignored = check_outputs([("stop", "The cat"), ("length", "The cat sat on")], parse_response_format("json_object"))
+    assert ignored["invalid"] + ignored["length_not_object"] == 2
+    assert check_outputs([("stop", '{"k": [1]}')], parse_response_format("json_object"))["invalid"] == 0
+    order = parse_response_format("json_schema:order")
+    assert check_outputs([("stop", '{"id": 1, "items": [], "paid": false, "status": "lost"}')], order)["invalid"] == 1
+
+
+def test_constrained_requests_stream_with_the_format_and_keep_their_text() -> None:
+    from bench import serve_bench as sb
+    from bench.peers.load import request_payload
+
+    spec = RequestSpec([1, 2, 3], 3, 8)
+    plain = request_payload("m", spec)
+    assert plain == sb.make_payload("m", spec) and plain["ignore_eos"] is True and "response_format" not in plain
+    body = {"type": "json_object"}
+    constrained = request_payload("m", spec, body)
+    assert constrained["response_format"] == body and constrained["ignore_eos"] is False
+    assert constrained["stream"] is True and constrained["prompt"] == [1, 2, 3] and constrained["max_tokens"] == 8
+    kept, dropped = sb.RequestResult(text=[]), sb.RequestResult()
+    for res in (kept, dropped):
+        sb.apply_event(res, {"choices": [{"text": '{"a"', "finish_reason": None}]}, 1.0)
+        sb.apply_event(res, {"choices": [{"text": ": 1}", "finish_reason": "stop"}]}, 2.0)
+        assert sb.apply_event(res, "[DONE]", 3.0) and res.ok and res.finish_reason == "stop"
+    assert kept.text == ['{"a"', ": 1}"] and dropped.text is None
+
+
+def test_setups_merge_side_by_side_and_tabulate_apart() -> None:
+    tuned = [rec("blink-persistent", "none", 10.0), rec("vllm", "none", 10.0)]
+    defaults = [rec("blink-persistent", "none", 10.0, config="defaults", tpot_ms={"p50": 5.0, "p99": 9.0}),
+                rec("vllm", "none", 10.0, config="defaults")]
+    check = {"stop": 3, "length": 1, "other": 0, "invalid": 0, "length_not_object": 0}
+    constrained = [rec("vllm", "none", 10.0, response_format="json_object", output_check=check, invalid_outputs=0)]
+    old = {"model": "m", "workload": {}, "order": ["blink-persistent", "vllm"], "records": tuned,
+           "systems": {"vllm": {"version": "0.26.0"}}, "errors": {}, "skipped": []}
+    doc = report.merge(old, {"model": "m", "workload": {}, "order": ["blink-persistent", "vllm"],
+                             "records": [*defaults, *constrained],
+                             "systems": {"vllm@defaults": {"version": "0.26.0", "config": "defaults"}},
+                             "errors": {}, "skipped": []})
+    assert len(doc["records"]) == 5 and set(doc["systems"]) == {"vllm", "vllm@defaults"}
+    assert [report.setup_of(r) for r in doc["records"]] == [("tuned128", "")] * 2 + [("tuned128", "json_object")] \
+        + [("defaults", "")] * 2
+    assert len(doc["plateau"]) == 5
+    again = report.merge(doc, {"records": [rec("vllm", "none", 10.0, config="defaults", started="t2")]})
+    assert len(again["records"]) == 5  # replaced within its setup only
+    assert [r.get("started") for r in again["records"] if report.setup_of(r) == ("defaults", "")] == [None, "t2"]
+    table = report.format_table(doc)
+    parts = table.split("Config ")
+    assert [p.split(":")[0] for p in parts[1:]] == ["tuned128", "tuned128, response_format json_object", "defaults"]
+    assert "| none | 10 | blink-persistent / vllm | 0.50x |" in parts[3]  # defaults beside defaults
+    assert "| none | 10 | blink-persistent / vllm | 1.00x |" in parts[1]
+    assert "| none | 10 | vllm | 3 | 1 | 0 |" in parts[2]  # the constrained answers' check
+    assert "Config" not in report.format_table(report.merge(None, {"records": tuned}))  # one default setup: as before
+
+
+def test_each_config_s_server_flags() -> None:
+    import argparse
+
+    from bench.peers.study import blink_flags
+
+    vllm = parse_peer("vllm", "defaults")
+    assert "--max-num-seqs" not in vllm.command and "--max-model-len {max_model_len}" in vllm.command
+    assert "--load-format dummy" in vllm.command and "--served-model-name {served_name}" in vllm.command
+    assert "--max-num-seqs {max_num_seqs}" in parse_peer("vllm").command
+    values = {"model": "/m", "port": 1, "max_num_seqs": None, "max_model_len": 8192, "served_name": "m"}
+    assert "--max-model-len 8192" in vllm.render(values)
+    with pytest.raises(ValueError, match="max_num_seqs"):  # a command that asks for it has none under defaults
+        parse_peer("vllm", "tuned128").render(values)
+    args = argparse.Namespace(config="defaults", max_model_len=8192, serve_args="--kv-blocks 64", max_batch=128,
+                              max_prompt_tokens=4096, max_output_tokens=2048)
+    flags = blink_flags(args, "persistent", Path("/x/model"))
+    assert flags == ("--backend", "persistent", "--max-model-len", "8192", "--drain-timeout", "5", "--model",
+                     "/x/model", "--random-weights", "--served-model-name", "model", "--kv-blocks", "64")
+    tuned = blink_flags(argparse.Namespace(**{**vars(args), "config": "tuned128"}), "persistent", None)
+    assert tuned[tuned.index("--max-batch") + 1] == "128" and "--max-model-len" not in tuned
+
+
+@pytest.mark.timeout(60)
+def test_a_vllm_that_never_gets_healthy_is_stopped_with_its_log(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM peer's process does not inherit CUDA_MODULE_LOADING (the GPU script exports EAGER for Blink); one
+    that is not healthy in time is reported with its log's tail and stopped, nothing of it left running."""
+    from bench.peers.systems import CommandServer
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    marker = f"peer-never-healthy-{uuid.uuid4().hex[:8]}"
+    peer = Peer("vllm", "vllm", f"echo loading=[$CUDA_MODULE_LOADING]; exec sleep 300 # {marker}")
+    server = CommandServer(peer, {}, tmp_path)
+    with pytest.raises(RuntimeError, match="not healthy after 2 s") as err:
+        server.start(timeout_s=2.0)
+    assert "loading=[]" in str(err.value)  # the log's tail, in the error
+    server.stop(grace_s=5.0)
+    assert not wait_none(marker), "the peer outlived its failed start"
+    other = CommandServer(Peer("other", "openai", "echo loading=[$CUDA_MODULE_LOADING]; exit 3"), {}, tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        other.start(timeout_s=10.0)
+    assert "loading=[EAGER]" in other.log_tail()  # only vLLM's kind drops it
+
+
+def have_qwen_assets() -> bool:
+    from dpu_tokenizer.fetch_assets import default_assets_dir
+    from harness.qwen3_folder import qwen_ranks_file
+
+    try:
+        qwen_ranks_file(default_assets_dir())
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not have_qwen_assets(), reason="Qwen tokenizer assets not fetched")
+def test_the_qwen3_moe_folder_loads_as_vllm_and_blink_read_it(tmp_path: Path) -> None:
+    """The MoE shape's folder: config.json as transformers' Qwen3MoeConfig reads it (vLLM's route, with
+    --load-format dummy), the same shape through Blink's loader, Qwen3's tokenizer through transformers and
+    through Blink (the same ids), the chat template; its results file is peers_moe.json."""
+    import transformers
+
+    from bench.peers.cli import build_parser, header_of, resolve_paths
+    from dpu_tokenizer.fetch_assets import default_assets_dir
+    from dpu_tokenizer.loader import load_tokenizer
+    from gpu_engine.models.config import ModelConfig
+    from harness.models import QWEN3_30B_A3B, QWEN3_MOE, build_model_folder
+
+    folder = build_model_folder(QWEN3_MOE, default_assets_dir(), tmp_path)
+    assert {p.name for p in folder.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                                   "generation_config.json"}
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    assert isinstance(hf, transformers.Qwen3MoeConfig) and hf.architectures == ["Qwen3MoeForCausalLM"]
+    shape = {"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+             "vocab_size": 151936, "intermediate_size": 6144, "norm_topk_prob": True, "decoder_sparse_step": 1}
+    assert {k: getattr(hf, k) for k in shape} == shape
+    from bench.roofline import QWEN3_30B_A3B as ROOFLINE_MOE  # the shape the roofline measures
+    assert {k: v for k, v in QWEN3_30B_A3B.items() if k in ROOFLINE_MOE and k != "max_position_embeddings"} == {
+        k: v for k, v in ROOFLINE_MOE.items() if k != "max_position_embeddings"}
+    blink = ModelConfig.from_file(folder / "config.json")
+    assert (blink.family, blink.num_experts, blink.num_experts_per_tok, blink.num_layers) == ("qwen3_moe", 128, 8, 48)
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tok.eos_token_id == 151645 and tok.convert_tokens_to_ids("</think>") == 151668
+    text = 'def f(x):\n    return {"a": [1, 22, 333]}  # café 中文'
+    ours = load_tokenizer(folder)
+    assert tok.encode(text, add_special_tokens=False) == ours.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert json.loads((folder / "generation_config.json").read_text()) == {
+        "bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+
+    args = resolve_paths(build_parser().parse_args(["--model-config", QWEN3_MOE]))
+    assert args.out == Path("bench/results/peers_moe.json") and args.plot == Path("bench/results/peers_moe")
+    assert "Qwen3 MoE shape" in header_of(args)["model"]
+    plain = resolve_paths(build_parser().parse_args(["--out", "x/y.json"]))
+    assert plain.plot == Path("x/y") and resolve_paths(build_parser().parse_args([])).out == Path(
+        "bench/results/peers.json")

@@ -17,10 +17,13 @@ from typing import Any
 from bench import serve_bench as sb
 from bench import serving_study as ss
 from bench.peers import report, study
+from bench.peers.constraint import SCHEMAS, ResponseFormat, parse_response_format
 from bench.peers.load import Clients, Window
 from bench.peers.systems import BLINK_MODES, PEER_KINDS, Peer, parse_peer, write_tokenizer_config
 from bench.workloads import WORKLOADS, Limits
-from harness.models import MODEL_CONFIGS, build_model_folder
+from harness.models import MODEL_CONFIGS, QWEN3_MOE, build_model_folder
+
+RESULTS = {QWEN3_MOE: "bench/results/peers_moe"}  # by --model-config; any other: bench/results/peers
 
 
 def parse_list(choices: tuple[str, ...] | None) -> Any:
@@ -49,6 +52,13 @@ def parse_range(text: str) -> tuple[float, float]:
     if not 0 < lo < hi or math.isinf(hi):
         raise argparse.ArgumentTypeError(f"need 0 < LOW < HIGH: {text!r}")
     return lo, hi
+
+
+def response_format_arg(text: str) -> ResponseFormat:
+    try:
+        return parse_response_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def peer_arg(text: str) -> Peer:
@@ -81,7 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=128, help="Blink's max batch and the peers' max_num_seqs")
     ap.add_argument("--max-prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-output-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=8192, help="the peers' context limit")
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="the peers' context limit (and Blink's under --config defaults)")
+    ap.add_argument("--config", choices=report.CONFIGS, default=report.DEFAULT_CONFIG,
+                    help="tuned128: every system at --max-batch sequences, its other settings its own; defaults: "
+                         "each system with only the model and --max-model-len (its own max batch)")
+    ap.add_argument("--response-format", type=response_format_arg, default=None,
+                    metavar="json_object|json_schema:NAME|json_schema:PATH",
+                    help=f"a constrained load: this response_format in every request (built-in schemas: "
+                         f"{', '.join(SCHEMAS)}), the answers checked")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="paper")
     ap.add_argument("--prompt-mean", type=float, default=None)
     ap.add_argument("--output-mean", type=float, default=None)
@@ -99,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heavy-block-kb", type=int, default=384, help="bz2 block of a heavy co-tenant step")
     ap.add_argument("--heavy-map-mb", type=int, default=32, help="memory mapped per heavy co-tenant step")
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="the whole invocation")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/peers.json"))
-    ap.add_argument("--plot", type=Path, default=Path("bench/results/peers"), help="PNG prefix")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file; None: bench/results/peers.json, peers_moe.json for the Qwen3 MoE shape")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG prefix; None: --out's path without .json")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--replace", action="store_true", help="start a fresh --out instead of merging into it")
     ap.add_argument("--work-dir", type=Path, default=None, help="server logs; None: a temporary folder")
@@ -109,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Peer]:
     """The peers by name; exits with a usage error on settings that cannot run."""
-    peers = {p.name: p for p in [parse_peer("vllm"), *args.peer]}
+    peers = {p.name: p for p in [parse_peer("vllm", args.config), *args.peer]}
     unknown = [s for s in args.systems if s not in BLINK_MODES and s not in peers]
     if unknown:
         ap.error(f"systems {unknown} are neither Blink modes nor peers given with --peer")
@@ -123,6 +142,14 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Pe
     except ValueError as exc:
         ap.error(str(exc))
     return peers
+
+
+def resolve_paths(args: argparse.Namespace) -> argparse.Namespace:
+    """``--out`` and ``--plot`` left out: the model's results file and its plots beside it."""
+    stem = RESULTS.get(args.model_config, "bench/results/peers")
+    out = args.out or Path(stem + ".json")
+    plot = args.plot or (out.with_suffix("") if args.out else Path(stem))
+    return argparse.Namespace(**{**vars(args), "out": out, "plot": plot})
 
 
 def device(backend: str | None) -> str:
@@ -159,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     t_start = time.monotonic()
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = resolve_paths(ap.parse_args(argv))
     peers = check(ap, args)
     header = header_of(args)
     old, why = load_old(args, header)
@@ -200,7 +227,9 @@ def run(args: argparse.Namespace, peers: dict[str, Peer], header: dict[str, Any]
         try:
             ctx.clients = Clients(args.clients, client_cores)
             study.say(f"{header['model']} ({model or 'embedded'}); systems {args.systems}; co-tenants "
-                      f"{args.cotenants}; rates {args.rates}; {args.clients} client processes on cores {client_cores}")
+                      f"{args.cotenants}; rates {args.rates}; config {args.config}; response_format "
+                      f"{args.response_format.label if args.response_format else None}; {args.clients} client "
+                      f"processes on cores {client_cores}")
             for name in args.systems:
                 study.run_system(name, ctx, peers, work)
         except KeyboardInterrupt:

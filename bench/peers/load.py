@@ -11,6 +11,9 @@ they completed, failed or were still unfinished at the cut). Arrivals keep comin
 so that the window's last requests are served under the same load, until every measured request of that
 process has finished or the hard end; then whatever is still open is cut. Sustained throughput counts what
 completed (requests) and streamed (output tokens) inside the window, whatever its arrival time.
+
+A constrained load (``bench/peers/constraint.py``) puts one ``response_format`` into every request, drops
+``ignore_eos`` and keeps each answer's text and finish reason for the check.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def build_schedule(rate: float, window: Window, workload: Workload, limits: Limi
 # ---------------------------------------------------------------------- one client process
 @dataclasses.dataclass
 class Outcome:
-    """One request, times in seconds from the shared start; chunk times of every content chunk."""
+    """One request, times in seconds from the shared start; chunk times of every content chunk; the answer's
+    text only under a constraint."""
 
     idx: int
     ok: bool
@@ -112,6 +116,8 @@ class Outcome:
     last: float
     tokens: int
     chunks: np.ndarray
+    finish: str = ""
+    text: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +129,29 @@ class Job:
     t0: float
     window: Window
     items: tuple[tuple[int, float, list[int] | str, int, bool], ...]
+    response_format: dict[str, Any] | None = None
+
+
+def request_payload(model: str, spec: RequestSpec, response_format: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed completion; under a constraint with ``response_format`` and without ``ignore_eos``."""
+    payload = sb.make_payload(model, spec)
+    if response_format is not None:
+        payload.update(response_format=response_format, ignore_eos=False)
+    return payload
 
 
 def outcome(idx: int, res: sb.RequestResult, t0: float) -> Outcome:
     error = res.error or ("" if res.ok else "cut")
     return Outcome(idx, res.ok, error, res.sent - t0, res.first - t0, res.last - t0, res.output_tokens,
-                   np.asarray(res.chunk_times, dtype=np.float64) - t0)
+                   np.asarray(res.chunk_times, dtype=np.float64) - t0, res.finish_reason,
+                   "".join(res.text) if res.text is not None else None)
 
 
 async def drive(job: Job) -> list[Outcome]:
     """Send the job's requests on time; after the window only while its measured requests are still open."""
-    results = {i: sb.RequestResult(prompt_len=len(p) if isinstance(p, list) else 0) for i, _, p, _, _ in job.items}
+    keep_text = job.response_format is not None
+    results = {i: sb.RequestResult(prompt_len=len(p) if isinstance(p, list) else 0, text=[] if keep_text else None)
+               for i, _, p, _, _ in job.items}
     open_measured = sum(m for *_, m in job.items)
     all_measured_done = asyncio.Event()
     if not open_measured:
@@ -142,7 +160,7 @@ async def drive(job: Job) -> list[Outcome]:
     async def one(session: aiohttp.ClientSession, i: int, prompt: list[int] | str, out: int, measured: bool) -> None:
         nonlocal open_measured
         try:
-            payload = sb.make_payload(job.model, RequestSpec(prompt, results[i].prompt_len, out))
+            payload = request_payload(job.model, RequestSpec(prompt, results[i].prompt_len, out), job.response_format)
             await sb.send_one(session, job.url, payload, {}, results[i])
         finally:
             if measured:
@@ -211,15 +229,17 @@ class Clients:
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
 
-    def jobs(self, url: str, model: str, schedule: Schedule, t0: float) -> list[Job]:
+    def jobs(self, url: str, model: str, schedule: Schedule, t0: float,
+             response_format: dict[str, Any] | None = None) -> list[Job]:
         items = [(i, schedule.offsets[i], s.prompt, s.output_len, schedule.measured(i))
                  for i, s in enumerate(schedule.specs)]
-        return [Job(url, model, t0, schedule.window, tuple(items[k::self.n])) for k in range(self.n)]
+        return [Job(url, model, t0, schedule.window, tuple(items[k::self.n]), response_format) for k in range(self.n)]
 
-    async def send(self, url: str, model: str, schedule: Schedule, t0: float) -> tuple[list[Outcome], list[float]]:
+    async def send(self, url: str, model: str, schedule: Schedule, t0: float,
+                   response_format: dict[str, Any] | None = None) -> tuple[list[Outcome], list[float]]:
         """Every outcome, and each process's CPU seconds per minute."""
         loop = asyncio.get_running_loop()
         parts = await asyncio.gather(*(loop.run_in_executor(self.pool, run_job, job)
-                                       for job in self.jobs(url, model, schedule, t0)))
+                                       for job in self.jobs(url, model, schedule, t0, response_format)))
         cpu = [round(c / max(1e-6, w) * 60, 2) for _, c, w in parts]
         return [o for outs, _, _ in parts for o in outs], cpu

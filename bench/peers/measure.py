@@ -15,7 +15,11 @@ A record (one per system, co-tenant level and offered rate in ``peers.json``):
   plateau's test;
 - ``server_cpu_s_per_min`` (by process), ``client_cpu_s_per_min`` (per client process), ``client_busy``;
 - ``prefix_cache``: prompt tokens the server looked up in its prefix cache over the window, those it found,
-  and ``hit_rate`` (its own counters, read at the window's start and end; None without them).
+  and ``hit_rate`` (its own counters, read at the window's start and end; None without them);
+- under a constrained load (``bench/peers/constraint.py``; the study adds ``config`` and ``response_format``
+  labels to every record): ``output_check``, the completed measured answers by finish reason with the invalid
+  ones, and ``invalid_outputs``, those that stopped but break the constraint plus those cut at the length
+  limit that do not even begin as an object.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench import serve_bench as sb
+from bench.peers.constraint import ResponseFormat, check_outputs
 from bench.peers.load import CLIENT_BUSY_S_PER_MIN, CUT, QUEUE_EVERY_S, START_LEAD_S, Clients, Outcome, Schedule
 from bench.peers.systems import System
 from harness.serve_proc import CpuMeter
@@ -142,14 +147,24 @@ async def cache_window(system: System, t0: float, schedule: Schedule) -> dict[st
     return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries > 0 else None}
 
 
-async def measure(system: System, clients: Clients, model: str, schedule: Schedule) -> dict[str, Any]:
-    """Send one rate's stream to ``system`` and return its record (without system and co-tenant labels)."""
+def output_check(schedule: Schedule, outs: list[Outcome], fmt: ResponseFormat) -> dict[str, Any]:
+    """The constraint's check of the completed answers that arrived inside the window."""
+    answers = [(o.finish, o.text or "") for o in outs if o.ok and schedule.measured(o.idx)]
+    check = check_outputs(answers, fmt)
+    return {"output_check": check, "invalid_outputs": check["invalid"] + check["length_not_object"]}
+
+
+async def measure(system: System, clients: Clients, model: str, schedule: Schedule,
+                  fmt: ResponseFormat | None = None) -> dict[str, Any]:
+    """Send one rate's stream to ``system`` (each request with ``fmt``'s ``response_format`` if given) and
+    return its record (without system, co-tenant and setup labels)."""
     t0 = time.perf_counter() + START_LEAD_S
     meter = CpuMeter(system.pids)
     queue_task = asyncio.create_task(watch_queue(system, t0, schedule))
     cpu_task = asyncio.create_task(meter_window(meter, t0, schedule))
     cache_task = asyncio.create_task(cache_window(system, t0, schedule))
-    outs, client_cpu = await clients.send(f"{system.url}/v1/completions", model, schedule, t0)
+    outs, client_cpu = await clients.send(f"{system.url}/v1/completions", model, schedule, t0,
+                                          fmt.body if fmt is not None else None)
     samples, server_cpu, cache = await queue_task, await cpu_task, await cache_task
     w = schedule.window
     rec: dict[str, Any] = {"rate": schedule.rate, "window_s": w.window_s, "warmup_s": w.warmup_s,
@@ -160,4 +175,6 @@ async def measure(system: System, clients: Clients, model: str, schedule: Schedu
                server_cpu_s_per_min=server_cpu, client_cpu_s_per_min=client_cpu, prefix_cache=cache,
                client_busy=bool(client_cpu) and max(client_cpu) >= CLIENT_BUSY_S_PER_MIN)
     rec["keeps_up"], rec["keeps_up_why"] = keeps_up(rec)
+    if fmt is not None:
+        rec.update(output_check(schedule, outs, fmt))
     return rec

@@ -4,6 +4,11 @@
 
 prints the Markdown table (Blink beside the peer per co-tenant level and rate, with the Blink/peer ratio of
 each metric, the plateaus, and each system's heavy/isolated ratios) and, with ``--plot``, redraws the plots.
+
+Every record carries its setup: ``config`` (``tuned128``: both systems at --max-num-seqs 128, the default and
+what records without the key ran with; ``defaults``: each system's own defaults) and ``response_format`` (None,
+or the constraint of a constrained load). Records of different setups stand side by side in one file and the
+tables come one setup at a time, Blink beside the peer of the same setup.
 """
 
 from __future__ import annotations
@@ -24,14 +29,41 @@ METRICS = (("TPOT p50 (ms)", ("tpot_ms", "p50"), ".1f"), ("TPOT p99 (ms)", ("tpo
            ("prefix hit rate", ("prefix_cache", "hit_rate"), ".3f"))
 
 
+DEFAULT_CONFIG = "tuned128"
+CONFIGS = ("tuned128", "defaults")
+
+
 # ---------------------------------------------------------------------- records and plateaus
-def record_key(rec: dict[str, Any]) -> tuple[str, str, float]:
+def setup_of(rec: dict[str, Any]) -> tuple[str, str]:
+    """(config, response format or "") of a record or plateau; records written before the keys were
+    tuned128 and unconstrained."""
+    return rec.get("config") or DEFAULT_CONFIG, rec.get("response_format") or ""
+
+
+def setup_rank(setup: tuple[str, str]) -> tuple[int, str, str]:
+    config, fmt = setup
+    return (CONFIGS.index(config) if config in CONFIGS else len(CONFIGS)), config, fmt
+
+
+def system_key(name: str, config: str) -> str:
+    """A system's entry in ``systems`` and ``errors``: its name, with ``@CONFIG`` beyond tuned128 (the same
+    server runs constrained and unconstrained loads alike)."""
+    return name if config == DEFAULT_CONFIG else f"{name}@{config}"
+
+
+def point_key(rec: dict[str, Any]) -> tuple[str, str, float]:
+    """(system, co-tenant, rate): unique within one setup."""
     return rec["system"], rec["cotenant"], float(rec["rate"])
+
+
+def record_key(rec: dict[str, Any]) -> tuple[str, str, float, str, str]:
+    return (*point_key(rec), *setup_of(rec))
 
 
 def sort_key(rec: dict[str, Any], systems: list[str]) -> tuple:
     order = systems.index(rec["system"]) if rec["system"] in systems else len(systems)
-    return order, rec["system"], LEVEL_ORDER.get(rec["cotenant"], 9), rec["cotenant"], float(rec["rate"])
+    return (setup_rank(setup_of(rec)), order, rec["system"], LEVEL_ORDER.get(rec["cotenant"], 9), rec["cotenant"],
+            float(rec["rate"]))
 
 
 def bracket(records: Iterable[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -42,22 +74,24 @@ def bracket(records: Iterable[dict[str, Any]]) -> tuple[float | None, float | No
     return lo, hi
 
 
-def plateau_of(system: str, cotenant: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The plateau of one (system, co-tenant): the highest offered rate at which the queue does not grow and
-    TTFT p50 stays under 1 s, as far as the measured rates bracket it."""
+def plateau_of(system: str, cotenant: str, records: list[dict[str, Any]],
+               setup: tuple[str, str] = (DEFAULT_CONFIG, "")) -> dict[str, Any]:
+    """The plateau of one (system, co-tenant) of one setup: the highest offered rate at which the queue does
+    not grow and TTFT p50 stays under 1 s, as far as the measured rates bracket it."""
     lo, hi = bracket(records)
     vllm_def = [r["vllm_def_req_s"] for r in records if r.get("vllm_def_req_s") is not None]
-    return {"system": system, "cotenant": cotenant, "plateau_req_s": lo, "bracket": [lo, hi],
+    return {"system": system, "cotenant": cotenant, "config": setup[0], "response_format": setup[1] or None,
+            "plateau_req_s": lo, "bracket": [lo, hi],
             "resolved": lo is not None and hi is not None and hi - lo <= RESOLUTION,
             "rates": sorted(float(r["rate"]) for r in records),
             "vllm_def_max_req_s": max(vllm_def) if vllm_def else None}
 
 
 def plateaus(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, tuple[str, str]], list[dict[str, Any]]] = {}
     for rec in records:
-        groups.setdefault((rec["system"], rec["cotenant"]), []).append(rec)
-    return [plateau_of(s, c, rs) for (s, c), rs in groups.items()]
+        groups.setdefault((rec["system"], rec["cotenant"], setup_of(rec)), []).append(rec)
+    return [plateau_of(s, c, rs, setup) for (s, c, setup), rs in groups.items()]
 
 
 def next_probe(lo: float | None, hi: float | None, low: float, high: float) -> float | None:
@@ -76,7 +110,7 @@ def next_probe(lo: float | None, hi: float | None, low: float, high: float) -> f
 
 # ---------------------------------------------------------------------- merging
 def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """``new``'s records replace ``old``'s of the same (system, co-tenant, rate); every other record is kept.
+    """``new``'s records replace ``old``'s of the same (system, co-tenant, rate, setup); every other record is kept.
     Systems' descriptions and errors: the newer per system. The plateaus are recomputed from all records."""
     old = old or {}
     records = {record_key(r): r for r in old.get("records", [])}
@@ -89,8 +123,8 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     doc["systems"] = {**old.get("systems", {}), **new.get("systems", {})}
     ran = set(new.get("systems", {})) | set(new.get("errors", {}))
     doc["errors"] = {**{s: e for s, e in old.get("errors", {}).items() if s not in ran}, **new.get("errors", {})}
-    kept = [s for s in old.get("skipped", []) if (s["system"], s["cotenant"], float(s["rate"])) not in measured
-            and s["system"] not in ran]
+    kept = [s for s in old.get("skipped", []) if record_key(s) not in measured
+            and system_key(s["system"], setup_of(s)[0]) not in ran]
     doc["skipped"] = kept + new.get("skipped", [])
     doc["plateau"] = sorted(plateaus(doc["records"]), key=lambda p: sort_key({**p, "rate": 0}, order))
     return doc
@@ -121,7 +155,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def metric_rows(doc: dict[str, Any], blink: str, peer: str) -> list[str]:
-    by_key = {record_key(r): r for r in doc.get("records", [])}
+    by_key = {point_key(r): r for r in doc.get("records", [])}
     systems = [s for s in doc.get("order", []) if any(r["system"] == s for r in doc.get("records", []))]
     levels = sorted({r["cotenant"] for r in doc.get("records", [])}, key=lambda c: (LEVEL_ORDER.get(c, 9), c))
     head = "| co-tenant | rate (req/s) | system | " + " | ".join(m[0] for m in METRICS) + " | keeps up |"
@@ -173,7 +207,7 @@ def plateau_cell(p: dict[str, Any] | None) -> str:
 
 def contention_rows(doc: dict[str, Any], level: str = "heavy") -> list[str]:
     """Each system's metrics under ``level`` over its own isolated ones, rate by rate, and its plateau's."""
-    by_key = {record_key(r): r for r in doc.get("records", [])}
+    by_key = {point_key(r): r for r in doc.get("records", [])}
     found = {(p["system"], p["cotenant"]): p for p in doc.get("plateau", [])}
     lines = ["| system | rate (req/s) | " + " | ".join(f"{m[0]} {level}/none" for m in METRICS) + " |",
              "|" + " --- |" * (2 + len(METRICS))]
@@ -190,20 +224,61 @@ def contention_rows(doc: dict[str, Any], level: str = "heavy") -> list[str]:
     return lines
 
 
+def setups(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    found = {setup_of(r) for r in doc.get("records", [])} | {setup_of(p) for p in doc.get("plateau", [])}
+    return sorted(found, key=setup_rank)
+
+
+def of_setup(doc: dict[str, Any], setup: tuple[str, str]) -> dict[str, Any]:
+    """``doc`` with only the records and plateaus of one setup."""
+    return {**doc, "records": [r for r in doc.get("records", []) if setup_of(r) == setup],
+            "plateau": [p for p in doc.get("plateau", []) if setup_of(p) == setup]}
+
+
+def setup_title(setup: tuple[str, str]) -> str:
+    config, response_format = setup
+    return f"Config {config}" + (f", response_format {response_format}" if response_format else "") + ":"
+
+
+def check_rows(doc: dict[str, Any]) -> list[str]:
+    """The constrained answers' check per record (none without a constraint)."""
+    checked = [r for r in doc.get("records", []) if r.get("output_check")]
+    lines = ["| co-tenant | rate (req/s) | system | stopped | cut at length | invalid |", "|" + " --- |" * 6]
+    for rec in checked:
+        c = rec["output_check"]
+        lines.append(f"| {rec['cotenant']} | {float(rec['rate']):g} | {rec['system']} | {c['stop']} | {c['length']} | "
+                     f"{rec.get('invalid_outputs', c['invalid'])} |")
+    return lines if checked else []
+
+
+def setup_lines(doc: dict[str, Any], blink: str, peer: str) -> list[str]:
+    """One setup's tables: the metrics with the Blink/peer ratios, the plateaus, the heavy/isolated ratios and
+    the constraint's check."""
+    lines = [*metric_rows(doc, blink, peer), "",
+             "Plateau: the highest offered rate at which the waiting queue does not grow over the window and TTFT "
+             "p50 stays under 1 s (the bracket of measured rates in brackets).", "", *plateau_rows(doc, blink, peer)]
+    heavy = contention_rows(doc)
+    if len(heavy) > 2:
+        lines += ["", "Under the heavy co-tenant, over the same system isolated:", "", *heavy]
+    checks = check_rows(doc)
+    if checks:
+        lines += ["", "Constrained answers (invalid: stopped but breaking the constraint, or cut at the length limit "
+                  "without beginning as an object):", "", *checks]
+    return lines
+
+
 def format_table(doc: dict[str, Any], blink: str = "blink-persistent", peer: str = "vllm") -> str:
     """The BENCHMARKS table: every system per co-tenant level and rate with the Blink/peer ratios, the
-    plateaus, and each system's heavy/isolated ratios."""
+    plateaus, and each system's heavy/isolated ratios; one setup after another when the file holds several."""
     window = doc.get("window", {})
     versions = "; ".join(f"{s} {d.get('version') or '?'}" for s, d in doc.get("systems", {}).items())
     lines = [f"Steady state: {doc.get('model', '?')} on {doc.get('device', '?')}; workload "
              f"{doc.get('workload', {}).get('name', '?')}; {fmt(window.get('window_s'), 'g')} s windows after "
-             f"{fmt(window.get('warmup_s'), 'g')} s of warm-up; {versions}.", "", *metric_rows(doc, blink, peer), "",
-             "Plateau: the highest offered rate at which the waiting queue does not grow over the window and TTFT "
-             "p50 stays under 1 s (the bracket of measured rates in brackets).", "", *plateau_rows(doc, blink, peer),
-             ]
-    heavy = contention_rows(doc)
-    if len(heavy) > 2:
-        lines += ["", "Under the heavy co-tenant, over the same system isolated:", "", *heavy]
+             f"{fmt(window.get('warmup_s'), 'g')} s of warm-up; {versions}."]
+    found = setups(doc) or [(DEFAULT_CONFIG, "")]
+    for setup in found:
+        titled = found != [(DEFAULT_CONFIG, "")]
+        lines += ["", *([setup_title(setup), ""] if titled else []), *setup_lines(of_setup(doc, setup), blink, peer)]
     for s in doc.get("skipped", []):
         lines.append(f"\nSkipped: {s['system']} {s['cotenant']} rate {s['rate']:g} ({s['reason']})")
     for system, err in doc.get("errors", {}).items():
@@ -231,7 +306,10 @@ def plot(doc: dict[str, Any], prefix: Path) -> list[Path]:
 
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rec in doc.get("records", []):
-        groups.setdefault((rec["system"], rec["cotenant"]), []).append(flat(rec))
+        setup = setup_of(rec)
+        tag = "" if setup == (DEFAULT_CONFIG, "") else f" [{', '.join(filter(None, setup))}]"
+        label = rec["system"] + tag
+        groups.setdefault((label, rec["cotenant"]), []).append(flat(rec))
     entries = [({"runs": runs}, system, level) for (system, level), runs in groups.items()]
     return plot_results(entries, prefix, LATENCY, THROUGHPUT) if entries else []
 

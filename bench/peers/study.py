@@ -16,11 +16,20 @@ alternating with mapping, touching and unmapping ``--heavy-map-mb`` MiB). The se
     python -m bench.peers --systems vllm --peer 'vllm=vllm serve {model} --load-format dummy ...' ...
     python -m bench.peers --systems persistent --cotenants none --plateau-search 8:32   # bisection
 
+Setups (every record names its own, and records of different setups stand side by side in one file):
+``--config tuned128`` (the default) serves both systems at ``--max-batch`` sequences (vLLM's --max-num-seqs,
+128), each with its other defaults; ``--config defaults`` gives each system only the model and --max-model-len
+(plus the random weights, served name and address the harness needs, and Blink's short drain), so each runs
+at its own default batch. ``--response-format json_object|json_schema:NAME|json_schema:PATH`` makes the load
+constrained: the same ``response_format`` in every request of every system, and each record counts the answers
+that break it (``bench/peers/constraint.py``). ``--model-config qwen3-30b-a3b`` serves the Qwen3-30B-A3B (MoE)
+shape with the real Qwen3 tokenizer; its results go to ``bench/results/peers_moe.json`` unless ``--out`` says.
+
 ``--plateau-search LOW:HIGH`` adds, after ``--rates``, probes that bisect the plateau (the highest offered
 rate at which the waiting queue does not grow and TTFT p50 stays under 1 s) to within 1 req/s, starting from
 every rate already in ``--out``: a search left unfinished by the time budget goes on in the next invocation.
-Results merge into ``--out`` after every rate (a record replaces the one of the same system, co-tenant level
-and rate); the table (``python -m bench.peers.report``) and the plots are redrawn at the end.
+Results merge into ``--out`` after every rate (a record replaces the one of the same system, co-tenant level,
+rate and setup); the table (``python -m bench.peers.report``) and the plots are redrawn at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +50,8 @@ from bench import serve_bench as sb
 from bench import serving_study as ss
 from bench.interfere import Interference
 from bench.peers import report
-from bench.peers.load import START_LEAD_S, Clients, Window, build_schedule
+from bench.peers.constraint import ResponseFormat
+from bench.peers.load import START_LEAD_S, Clients, Window, build_schedule, request_payload
 from bench.peers.measure import measure
 from bench.peers.systems import (
     BLINK_MODES,
@@ -113,10 +124,24 @@ class Context:
     def rate_worst_s(self) -> float:
         return START_LEAD_S + self.window.hard_end + SETTLE_TYPICAL_S
 
+    @property
+    def fmt(self) -> ResponseFormat | None:
+        return self.args.response_format
+
+    @property
+    def setup(self) -> tuple[str, str]:
+        """(config, response format label or ""), as ``report.setup_of`` reads a record's."""
+        return self.args.config, self.fmt.label if self.fmt is not None else ""
+
+    def labels(self) -> dict[str, Any]:
+        """The setup's keys of every record."""
+        return {"config": self.setup[0], "response_format": self.setup[1] or None}
+
     def records_of(self, system: str, level: str) -> list[dict[str, Any]]:
-        """Every record of (system, level) so far: the file's and this invocation's (newer wins)."""
+        """Every record of (system, level) in this setup so far: the file's and this invocation's (newer wins)."""
         doc = report.merge(self.old, {**self.header, **self.new})
-        return [r for r in doc["records"] if r["system"] == system and r["cotenant"] == level]
+        return [r for r in doc["records"]
+                if r["system"] == system and r["cotenant"] == level and report.setup_of(r) == self.setup]
 
     def save(self) -> dict[str, Any]:
         doc = report.merge(self.old, {**self.header, **self.new})
@@ -129,31 +154,46 @@ class Context:
 
 
 # ---------------------------------------------------------------------- one system
+def blink_flags(args: argparse.Namespace, backend: str, model: Path | None) -> tuple[str, ...]:
+    """``blink serve``'s flags: tuned128's (the serving study's: --max-batch, the prompt and output limits),
+    or under ``defaults`` only the backend, --max-model-len, the model (random weights, served name) and a
+    short drain (how long a stop waits for streams; the harness stops the server only when it is idle)."""
+    if args.config != "defaults":
+        return ss.serve_args(args, backend, model)
+    out = ["--backend", backend, "--max-model-len", str(args.max_model_len), "--drain-timeout", "5"]
+    if model is not None:
+        out += ["--model", str(model), "--random-weights", "--served-model-name", model.name]
+    return (*out, *shlex.split(args.serve_args))
+
+
 def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> System:
     args = ctx.args
     if name in BLINK_MODES:
         backend = args.backend_override or name
         env = {"BLINK_HEARTBEAT_TIMEOUT_S": os.environ.get("BLINK_HEARTBEAT_TIMEOUT_S", "10")} if backend == "cpu" \
             else {}
-        flags = ss.serve_args(args, backend, ctx.model)
+        flags = blink_flags(args, backend, ctx.model)
         dp = getattr(args, "data_parallel_size", 1)
         if dp > 1:  # N engines: --max-batch is per engine, the record is MODE-dpN
             return BlinkServer(f"{name}-dp{dp}", (*flags, "--data-parallel-size", str(dp)), env, work)
         return BlinkServer(name, flags, env, work)
-    values = {"model": ctx.model, "max_num_seqs": args.max_batch, "max_model_len": args.max_model_len,
-              "served_name": ctx.model.name if ctx.model else None}
+    tuned = args.config != "defaults"  # under defaults a command that names {max_num_seqs} is refused
+    values = {"model": ctx.model, "max_num_seqs": args.max_batch if tuned else None,
+              "max_model_len": args.max_model_len, "served_name": ctx.model.name if ctx.model else None}
     return CommandServer(peers[name], values, work)
 
 
 async def warm_up(url: str, model: str, ctx: Context) -> int:
-    """A few short requests at once; raises when none completes (a server that does not serve is not swept)."""
+    """A few short requests at once (under the load's constraint, whose grammar they compile); raises when none
+    completes (a server that does not serve is not swept)."""
     n = ctx.args.warmup_requests
     specs = build_requests(ctx.workload, n, ctx.tokenizer, ctx.limits, ctx.args.seed + 999) if n else []
     timeout = aiohttp.ClientTimeout(total=ctx.args.warmup_timeout_s)
+    body = ctx.fmt.body if ctx.fmt is not None else None
     async with aiohttp.ClientSession(timeout=timeout) as session:
         results = await asyncio.gather(*(sb.send_one(
-            session, f"{url}/v1/completions", sb.make_payload(model, RequestSpec(s.prompt, s.prompt_len,
-                                                                                 min(16, s.output_len))), {},
+            session, f"{url}/v1/completions", request_payload(model, RequestSpec(s.prompt, s.prompt_len,
+                                                                                 min(16, s.output_len)), body), {},
             sb.RequestResult()) for s in specs))
     ok = sum(r.ok for r in results)
     if specs and not ok:
@@ -207,16 +247,17 @@ async def run_level(system: System, model: str, level: Level, ctx: Context) -> N
         for rate in level_rates(ctx, system.name, level.name):
             if ctx.rate_worst_s() + RESERVE_S > ctx.left():
                 ctx.new["skipped"].append({"system": system.name, "cotenant": level.name, "rate": rate,
-                                           "reason": f"time budget: {ctx.left():.0f} s left"})
+                                           **ctx.labels(), "reason": f"time budget: {ctx.left():.0f} s left"})
                 say(f"[{system.name} {level.name}] rate {rate:g}: skipped (time budget)")
                 continue
             await settle(system)
             schedule = build_schedule(rate, ctx.window, ctx.workload, ctx.limits, ctx.tokenizer, ctx.args.seed,
                                       level.name)
             assert ctx.clients is not None
-            rec = await measure(system, ctx.clients, model, schedule)
-            rec = {"system": system.name, "version": ctx.new["systems"][system.name]["version"],
-                   "cotenant": level.name, **rec, "cores": cores, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            rec = await measure(system, ctx.clients, model, schedule, ctx.fmt)
+            key = report.system_key(system.name, ctx.args.config)
+            rec = {"system": system.name, "version": ctx.new["systems"][key]["version"], "cotenant": level.name,
+                   **ctx.labels(), **rec, "cores": cores, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             mine.append(rec)
             ctx.new["records"].append(rec)
             ctx.save()
@@ -231,13 +272,17 @@ async def run_level(system: System, model: str, level: Level, ctx: Context) -> N
 
 
 def summary_line(rec: dict[str, Any]) -> str:
+    check = rec.get("output_check")
+    checked = (f" | {rec['response_format']}: {check['stop']} stopped, {check['length']} cut at length, "
+               f"{rec['invalid_outputs']} invalid") if check else ""
     return (f"[{rec['system']} {rec['cotenant']}] rate {rec['rate']:g}: arrived {rec['arrived']}, completed "
             f"{rec['completed']}, failed {rec['failed']}, unfinished {rec['unfinished']} | sustained "
             f"{rec['sustained_req_s']:.2f} req/s, {rec['sustained_out_tok_s']:.0f} tok/s | queue "
             f"{rec['queue_start']} -> {rec['queue_end']} | TTFT p50/p99 {report.fmt(rec['ttft_ms']['p50'], '.0f')}/"
             f"{report.fmt(rec['ttft_ms']['p99'], '.0f')} ms | TPOT p50/p99 {report.fmt(rec['tpot_ms']['p50'], '.1f')}/"
             f"{report.fmt(rec['tpot_ms']['p99'], '.1f')} ms | client CPU {max(rec['client_cpu_s_per_min'] or [0])} "
-            f"s/min{' (CLIENT BUSY: add --clients)' if rec['client_busy'] else ''} | keeps up: {rec['keeps_up_why']}")
+            f"s/min{' (CLIENT BUSY: add --clients)' if rec['client_busy'] else ''} | keeps up: {rec['keeps_up_why']}"
+            f"{checked}")
 
 
 async def serve_levels(system: System, ctx: Context) -> None:
@@ -252,20 +297,22 @@ def run_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> N
     """Start one system, serve every level, stop it (also on errors and interrupts)."""
     system = make_system(name, ctx, peers, work)
     name = system.name  # Blink's modes are blink-MODE in the results
+    key = report.system_key(name, ctx.args.config)  # its entry in systems and errors
     ctx.new["order"].append(name)
     t0 = time.monotonic()
     try:
-        say(f"[{name}] starting")
+        say(f"[{name}] starting (config {ctx.args.config})")
         system.start(max(30.0, min(ctx.args.startup_timeout_s, ctx.left() - RESERVE_S)))
-        ctx.new["systems"][name] = {**system.describe(), "device": ctx.header["device"]}
-        say(f"[{name}] healthy after {time.monotonic() - t0:.0f} s on {system.url}: {ctx.new['systems'][name]}")
+        ctx.new["systems"][key] = {**system.describe(), "device": ctx.header["device"], "config": ctx.args.config}
+        say(f"[{name}] healthy after {time.monotonic() - t0:.0f} s on {system.url}: {ctx.new['systems'][key]}")
         asyncio.run(serve_levels(system, ctx))
     except Exception as exc:  # a failed system is reported; the others still run
-        ctx.new["errors"][name] = f"{type(exc).__name__}: {exc}"
-        say(f"[{name}] FAILED: {ctx.new['errors'][name]}\n{system.log_tail(3000)}")
+        ctx.new["errors"][key] = f"{type(exc).__name__}: {exc}"
+        say(f"[{name}] FAILED: {ctx.new['errors'][key]}\n{system.log_tail(3000)}")
     finally:
         info = system.describe()  # the whole start-up log is there by now
         code = system.stop()
-        ctx.new["systems"].setdefault(name, {"device": ctx.header["device"]}).update(info, exit_code=code)
+        ctx.new["systems"].setdefault(key, {"device": ctx.header["device"], "config": ctx.args.config}).update(
+            info, exit_code=code)
         ctx.save()
         say(f"[{name}] stopped (exit code {code})")

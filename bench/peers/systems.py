@@ -7,8 +7,10 @@ how: ``vllm``, ``blink`` (a ``blink serve`` started from a command line, as the 
 (nothing but the API: no gauges, no settings).
 
 Commands take placeholders, filled in shell-quoted: ``{model}`` (the model folder), ``{port}``,
-``{max_num_seqs}`` (Blink's max batch), ``{max_model_len}``, ``{served_name}`` and ``{python}`` (this
-interpreter).
+``{max_num_seqs}`` (Blink's max batch; none under ``--config defaults``, where each system keeps its own),
+``{max_model_len}``, ``{served_name}`` and ``{python}`` (this interpreter). vLLM's own command has a form per
+config: ``tuned128`` gives it --max-num-seqs, ``defaults`` only the model, --max-model-len and what the harness
+needs (the dummy weights, the served name, the address).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from harness.serve_proc import ROOT, ServeProc, free_port, http_get, parse_metri
 
 VLLM_COMMAND = ("vllm serve {model} --load-format dummy --served-model-name {served_name} "
                 "--max-model-len {max_model_len} --max-num-seqs {max_num_seqs} --host 127.0.0.1 --port {port}")
+VLLM_DEFAULTS_COMMAND = VLLM_COMMAND.replace(" --max-num-seqs {max_num_seqs}", "")
 PLACEHOLDERS = ("model", "port", "max_num_seqs", "max_model_len", "served_name", "python")
 NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
 BLINK_MODES = ("persistent", "host")
@@ -116,8 +119,9 @@ class PeerKind:
     waiting_gauge: str | None
     running_gauge: str | None
     parse_log: Callable[[str], dict[str, Any]]
-    default_command: str | None = None
+    default_commands: dict[str, str] | None = None  # by config (report.CONFIGS)
     cache_counters: tuple[str, str] | None = None  # prompt tokens looked up in / found in the prefix cache
+    drop_env: tuple[str, ...] = ()  # variables of this process the server must not inherit
 
 
 def _no_settings(text: str) -> dict[str, Any]:
@@ -126,7 +130,11 @@ def _no_settings(text: str) -> dict[str, Any]:
 
 PEER_KINDS = {
     "vllm": PeerKind("/health", "vllm:num_requests_waiting", "vllm:num_requests_running", parse_vllm_log,
-                     VLLM_COMMAND, ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")),
+                     {"tuned128": VLLM_COMMAND, "defaults": VLLM_DEFAULTS_COMMAND},
+                     ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+                     # Blink's device-launched graphs need eager module loading (scripts/gpu_run.sh exports it);
+                     # vLLM runs as its users run it, loading CUDA modules lazily
+                     drop_env=("CUDA_MODULE_LOADING",)),
     "blink": PeerKind("/health", "blink:num_requests_waiting", "blink:num_requests_running", parse_blink_log,
                       cache_counters=("blink:prefix_cache_queries_total", "blink:prefix_cache_hits_total")),
     "openai": PeerKind("/v1/models", None, None, _no_settings),
@@ -169,14 +177,15 @@ class Peer:
         return self.command.format(**{k: shlex.quote(str(v)) for k, v in values.items() if v is not None})
 
 
-def parse_peer(text: str) -> Peer:
+def parse_peer(text: str, config: str = "tuned128") -> Peer:
     """``NAME[:KIND][=COMMAND]``; the kind defaults to NAME when it is a kind, else ``openai``; the command to
-    the kind's own (vLLM's ``vllm serve ...``)."""
+    the kind's own for ``config`` (vLLM's ``vllm serve ...``)."""
     head, eq, command = text.partition("=")
     name, _, kind = head.strip().partition(":")
     kind = kind or (name if name in PEER_KINDS else "openai")
     if not eq:
-        default = PEER_KINDS[kind].default_command if kind in PEER_KINDS else None
+        commands = PEER_KINDS[kind].default_commands if kind in PEER_KINDS else None
+        default = (commands or {}).get(config)
         if default is None:
             raise ValueError(f"peer {text!r} needs a command: NAME[:KIND]=COMMAND")
         command = default
@@ -279,7 +288,8 @@ class CommandServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(["bash", "-c", self.command], cwd=ROOT, stdin=subprocess.DEVNULL,
+            env = {k: v for k, v in os.environ.items() if k not in self.peer.observer.drop_env}
+            self.proc = subprocess.Popen(["bash", "-c", self.command], cwd=ROOT, stdin=subprocess.DEVNULL, env=env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         health = self.url + self.peer.observer.health
         while time.monotonic() - t0 < timeout_s:
