@@ -83,8 +83,8 @@ class Env:
     metrics_dir: Path | None = _var("PROMETHEUS_MULTIPROC_DIR", None, "folder where every gateway's metrics are "
                                     "summed (blink serve sets it to RUN_DIR/metrics)", Path)
     device_processors: bool = _var("BLINK_DEVICE_PROCESSORS", True, "the persistent scheduler applies the "
-                                   "penalties, logit_bias, min_tokens and grammars on the device (0: left out of its graphs, "
-                                   "and those fields refused with a 400 on that backend)", _bool)
+                                   "penalties, logit_bias, min_tokens and grammars on the device (0: left out of its "
+                                   "graphs, and those fields refused with a 400 on that backend)", _bool)
     device_prompt_logprobs: bool = _var("BLINK_DEVICE_PROMPT_LOGPROBS", True, "the persistent scheduler computes "
                                         "prompt log-probs through a score graph (0: no score graph, and "
                                         "prompt_logprobs and echo with logprobs refused with a 400 on that backend)",
