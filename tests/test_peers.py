@@ -391,7 +391,7 @@ def test_the_committed_results_take_a_default_run() -> None:
 def test_blink_at_its_defaults_under_a_constraint(tmp_path: Path) -> None:
     """Blink's own mode with ``--config defaults`` (only the model and --max-model-len) serving a constrained
     load: every request carries the schema, the record names config and constraint, and its answers are
-    counted; a second, unconstrained tuned128 run of the same point is kept beside it."""
+    counted (setups merged in one file: test_setups_merge_side_by_side_and_tabulate_apart)."""
     first, log = invoke(tmp_path, "persistent", "none", ["--config", "defaults", "--response-format",
                                                            "json_schema:person"])
     assert not wait_none(str(tmp_path / "persistent")), "blink serve outlived the study"
@@ -406,13 +406,6 @@ def test_blink_at_its_defaults_under_a_constraint(tmp_path: Path) -> None:
     assert info["config"] == "defaults" and info["exit_code"] == 0 and not first["errors"]
     assert "Config defaults, response_format json_schema:person:" in report.format_table(first)
 
-    second, _ = invoke(tmp_path, "persistent", "none", [])
-    assert not wait_none(str(tmp_path / "persistent")), "blink serve outlived the study"
-    setups = sorted(report.setup_of(r) for r in second["records"])
-    assert setups == [("defaults", "json_schema:person"), ("tuned128", "")]
-    assert set(second["systems"]) == {"blink-persistent", "blink-persistent@defaults"}
-    assert {(p["config"], p["response_format"]) for p in second["plateau"]} == {
-        ("defaults", "json_schema:person"), ("tuned128", None)}
 
 
 def test_response_formats_and_the_answer_check(tmp_path: Path) -> None:
