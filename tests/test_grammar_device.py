@@ -185,3 +185,5 @@ def test_the_loader_answers_the_schedulers_two_requests(tmp_path, monkeypatch) -
     assert ask(4, MAIL_OP_META, 404)[ga.RESULT] == MAIL_FAILED  # not in the store
     assert ask(4, MAIL_OP_META, 6)[ga.RESULT] == MAIL_FAILED  # another vocabulary
     assert ask(4, MAIL_OP_COPY, 6)[ga.RESULT] == MAIL_FAILED  # a copy without its tables
+    assert ask(3, MAIL_OP_META, 5)[ga.RESULT] == MAIL_OK
+    assert ask(3, MAIL_OP_COPY, 5, offset=8192 - 256)[ga.RESULT] == MAIL_FAILED  # past the arena: answered, not raised

@@ -76,7 +76,13 @@ class GrammarArena:
         for e in np.flatnonzero(self.mail[:, SEQ] != self.mail[:, DONE]):
             seq = int(self.mail[e, SEQ])  # read first: the request's words were written before it
             op, gid, offset = int(self.mail[e, OP]), int(self.mail[e, ID]), int(self.mail[e, OFFSET])
-            result, states, sizes = self.answer(int(e), op, gid, offset, stream)
+            try:
+                result, states, sizes = self.answer(int(e), op, gid, offset, stream)
+            except Exception as exc:  # noqa: BLE001 - answered as a failure: the request fails, the queue goes on
+                log.error("grammar not loaded", grammar_id=f"{gid:016x}", reason=f"{type(exc).__name__}: {exc}")
+                self.loaded.pop(int(e), None)
+                self.failures += 1
+                result, states, sizes = MAIL_FAILED, 0, 0
             self.mail[e, RESULT], self.mail[e, STATES], self.mail[e, SIZES] = result, states, sizes
             self.mail[e, DONE] = seq  # last: the scheduler reads the answer once it sees this
             answered += 1
