@@ -386,6 +386,7 @@ def test_the_committed_results_take_a_default_run() -> None:
 
 
 # ---------------------------------------------------------------------- setups: config, constraint, model
+@pytest.mark.slow  # a second server start beside test_a_command_line_peer_measured_and_stopped: -m slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
 def test_blink_at_its_defaults_under_a_constraint(tmp_path: Path) -> None:
