@@ -95,7 +95,7 @@ def fill_grammar_rows(runner, batch: int, on: bool) -> None:
     its text complete (EOS allowed); or every row without a grammar."""
     import numpy as np
 
-    from shared.token_dfa import TokenDFA
+    from shared.token_dfa import TokenDFA, device_row_bytes
 
     buf = runner.buffers
     buf.gram_bits.fill_(-1)
@@ -107,8 +107,7 @@ def fill_grammar_rows(runner, batch: int, on: bool) -> None:
                    np.zeros(S + 1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.ones(S, bool))
     layout = torch.from_numpy(dfa.device_layout())
     buf.gram_arena[: len(layout)].copy_(layout)
-    rb = (V + 7) // 8 + 15 & ~15
-    buf.gram_bits[:batch] = torch.arange(batch, device="cuda") % S * rb
+    buf.gram_bits[:batch] = torch.arange(batch, device="cuda") % S * device_row_bytes(V)
     buf.gram_ends[:batch, 0], buf.gram_ends[:batch, 1], buf.gram_ends[:batch, 2] = 1, 1, 8
 
 

@@ -24,6 +24,7 @@ from shared.remote_ring import is_remote
 
 log = get_logger("gateway")
 MAX_REFUSALS_KEPT = 1024
+MAX_SIZES_KEPT = 1024  # grammars whose device size is remembered
 BUSY_RETRY_AFTER_S = 2.0
 
 
@@ -71,7 +72,7 @@ class GrammarCompiler:
                 raise APIError(503, f"{param}: the compiled grammar could not be read back ({exc})",
                                param=param, code="service_unavailable") from None
             self._sizes[gid] = size
-            while len(self._sizes) > MAX_REFUSALS_KEPT:
+            while len(self._sizes) > MAX_SIZES_KEPT:
                 self._sizes.popitem(last=False)
         if size > arena_bytes:
             raise APIError(400, f"{param}: this grammar's tables need {size / 2**20:.1f} MiB of GPU memory; the "

@@ -32,6 +32,11 @@ POLL_S = 0.001
 ID, OFFSET, OP, SEQ, DONE, RESULT, STATES, SIZES = range(MAIL_WORDS)
 
 
+def sizes(dfa: TokenDFA) -> tuple[int, int]:
+    """The STATES and SIZES words of an answer: its states; its exceptions, and its start state shifted by 32."""
+    return dfa.num_states, dfa.num_exceptions | dfa.start << 32
+
+
 class GrammarArena:
     """The device arena (a torch uint8 tensor the graphs read), the host-mapped mailbox and its thread."""
 
@@ -103,7 +108,7 @@ class GrammarArena:
                 self.failures += 1
                 return MAIL_FAILED, 0, 0
             self.loaded[e] = dfa
-            return MAIL_OK, dfa.num_states, dfa.num_exceptions | dfa.start << 32
+            return MAIL_OK, *sizes(dfa)
         tables = self.loaded.pop(e) if e in self.loaded else None
         if op != MAIL_OP_COPY or tables is None:
             self.failures += 1
@@ -113,7 +118,7 @@ class GrammarArena:
         log.info("grammar loaded to the device", grammar_id=f"{gid:016x}", states=tables.num_states,
                  bytes=token_dfa.device_bytes(tables.num_states, tables.num_exceptions, tables.vocab_size),
                  offset=offset)
-        return MAIL_OK, tables.num_states, tables.num_exceptions | tables.start << 32
+        return MAIL_OK, *sizes(tables)
 
     def copy(self, dfa: TokenDFA, offset: int, stream) -> None:
         """The tables into the arena at ``offset``, complete when this returns (a stream of its own: the

@@ -5,7 +5,6 @@ and replayed from a CUDA graph; then a tiny FP8 checkpoint through the GPU runne
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -83,9 +82,7 @@ def test_runner_on_an_fp8_checkpoint(tmp_path: Path) -> None:
     runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
                             RunnerLimits(4, 32, 8), quantized=got.quantized)
     # the reference on the CPU (its attention is the CPU engine's): the same stored FP8 values, float32 products
-    on_cpu = {name: dataclasses.replace(w, weight=w.weight.cpu(), scale=w.scale.cpu(),
-                                        input_scale=None if w.input_scale is None else w.input_scale.cpu())
-              for name, w in got.quantized.items()}
+    on_cpu = {name: w.to("cpu") for name, w in got.quantized.items()}
     reference = with_linears(copy.deepcopy(got.model).cpu(), on_cpu, False)
     ref_kv = KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cpu")
     g = torch.Generator().manual_seed(1)
