@@ -165,8 +165,9 @@ def build_steps(plan_name: str):
     contexts = served_contexts(DECODES)
     chunk = BUDGET - DECODES
     plan = bench_plan(plan_name, torch.cuda.get_device_name())
-    cfg, model, runner = build(LLAMA3_8B, max(contexts), [DECODES + 1], [BUDGET], plan,
-                               served=(contexts + [chunk],))
+    # the cache holds the served rows' blocks and the chunk's, no more (a `max_ctx` of one block: sized by `served`;
+    # every row at the longest context would not fit an 80 GB card)
+    cfg, model, runner = build(LLAMA3_8B, BLOCK, [DECODES + 1], [BUDGET], plan, served=(contexts + [chunk],))
     reserve_sms(1)
     graphs = GraphCache(runner, [DECODES], [(DECODES + 1, BUDGET)], copies=1, device_launch=True,
                         prefill_variants=True)
