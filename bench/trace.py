@@ -9,7 +9,9 @@ the one the engine takes on this GPU, and one SM is left to the scheduler, as se
 own under CUPTI (`torch.profiler`): per kernel its calls and time, per step its span (first kernel start to last
 kernel end), the time some kernel runs (the union of the kernels' intervals) and the rest (gaps between kernels:
 launch latency inside the graph, dependency waits). The step's floor is the roofline's: bytes read at the copy
-rate or the prompt's FLOPs at the matmul rate, whichever is longer.
+rate or the prompt's FLOPs at the matmul rate, whichever is longer. CUPTI records no kernel of a graph launched
+from the device (seen on an H100: the device rows say so), so the per-kernel table is the host launch's of the
+same executable; `bench/overlap_probe.py` times both launches (the same within about 1%).
 
     python -m bench.trace --out bench/results/trace_h100.json          # on a CUDA host; prints the tables
     python -m bench.trace --out bench/results/trace_h100.json --plot bench/results/trace_h100.png --plot-only
@@ -238,7 +240,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bars = [(f"{name}\n{mode}", entry[mode]) for name, entry in result["steps"].items()
             for mode in ("device", "host") if entry[mode]["kernels"]]
     fams = sorted({f for _, launch in bars for f in launch["by_family"]}) + ["gaps"]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.7 * len(bars)))
     for i, (_, launch) in enumerate(bars):
         left = 0.0
         for j, fam in enumerate(fams):
@@ -248,7 +250,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_yticks(range(len(bars)), [label for label, _ in bars])
     ax.set_xlabel("ms (kernel time by family, then gaps; overlapping kernels count each)")
     ax.set_title(f"8B shape, {result['decodes']} rows: where a step's time goes ({result['device']})")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
