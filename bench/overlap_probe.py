@@ -160,6 +160,10 @@ def table(result: dict[str, Any]) -> list[str]:
         note = entry.get("error") or entry.get("verdict")
         if note:
             lines.append(f"    {'ERROR ' if entry.get('error') else ''}{note}")
+        done = entry.get("done_in_pair_ms")
+        if done:
+            lines.append(f"    in the pair, decode done at {done['decode']:.2f} ms, prefill at "
+                         f"{done['prefill']:.2f} ms")
     return lines
 
 
@@ -303,9 +307,11 @@ def wait(event, timeout_s: float) -> None:
         time.sleep(0.0002)
 
 
-def host_launch(graphs: Sequence[Graph], split: GreenSplit | None = None, one_stream: bool = False) -> None:
+def host_launch(graphs: Sequence[Graph], split: GreenSplit | None = None, one_stream: bool = False,
+                marks: list | None = None) -> None:
     """Replay `graphs` after the current stream's work, each on its own stream (or all on the first one's), inside
-    its green context where it has one; the current stream then waits for them all."""
+    its green context where it has one; the current stream then waits for them all. `marks`: each graph's
+    completion event (timed) appended in order."""
     import torch
 
     main = torch.cuda.current_stream()
@@ -319,8 +325,10 @@ def host_launch(graphs: Sequence[Graph], split: GreenSplit | None = None, one_st
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
                 g.graph.replay()
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=marks is not None)
             done.record(stream)
+            if marks is not None:
+                marks.append(done)
         finally:
             if split is not None:
                 split.leave(g.green)
@@ -341,6 +349,28 @@ def host_ms(launch: Callable[[], None], reps: int, timeout_s: float) -> list[flo
         wait(end, timeout_s)
         out.append(start.elapsed_time(end))
     return out[WARM:]
+
+
+def finish_ms(launch: Callable[[list], None], reps: int, timeout_s: float) -> list[list[float]]:
+    """For each of `reps` calls of `launch(marks)` (after `WARM` more): the milliseconds from its start to each
+    event it appended to `marks` (when each graph of a pair was done)."""
+    import torch
+
+    out = []
+    for _ in range(reps + WARM):
+        marks: list = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch(marks)
+        end.record()
+        wait(end, timeout_s)
+        out.append([start.elapsed_time(m) for m in marks])
+    return out[WARM:]
+
+
+def finished(samples: Sequence[Sequence[float]], names: Sequence[str]) -> dict[str, float]:
+    """The median time at which each graph of a pair was done, by name."""
+    return {name: median_ms([row[i] for row in samples]) for i, name in enumerate(names)}
 
 
 def trace(launch: Callable[[], None]) -> list[tuple[str, float, float, int]]:
@@ -415,6 +445,9 @@ class Probe:
         entry.update(pair_ms=median_ms(pairs), pair_all_ms=pairs, alone_sum_ms=entry["decode_ms"] + entry["prefill_ms"])
         if sequential:
             entry["sequential_ms"] = median_ms(timed(both, one_stream=True))
+        # when each graph of the pair is done: the decode rows' share of a round, what their TPOT would see
+        done = finish_ms(lambda marks: host_launch(both, pair.split, marks=marks), self.reps, self.timeout_s)
+        entry["done_in_pair_ms"] = finished(done, ("decode", "prefill"))
         shorter = min(entry["decode_ms"], entry["prefill_ms"]) * 1e3
         entry["overlap"] = overlap(trace(lambda: host_launch(both, pair.split)), shorter)
         return entry

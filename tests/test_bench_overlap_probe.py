@@ -68,7 +68,8 @@ def test_a_mode_is_judged_against_its_baseline_only_where_both_exist() -> None:
 
 def result_of() -> dict:
     host = probe.judged({"launch": "host", "partition": "none", "decode_ms": 11.0, "prefill_ms": 21.0,
-                         "pair_ms": 26.0, "sequential_ms": 32.0, "overlap": {"fraction": 0.6}}, 32.0)
+                         "pair_ms": 26.0, "sequential_ms": 32.0, "overlap": {"fraction": 0.6},
+                         "done_in_pair_ms": {"decode": 15.5, "prefill": 26.0}}, 32.0)
     return {"device": "made-up", "plan": "cublas", "sms": 132, "decodes": 128, "chunk": 896,
             "modes": {"host": host, "green 32/device": {"launch": "device", "error": "RuntimeError: refused"}}}
 
@@ -80,6 +81,7 @@ def test_table_rows_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert row.split() == ["host", "-/-", "11.00", "21.00", "26.00", "32.00", "1.23x", "60%"]
     assert any(line.strip().startswith("overlap yes: 1.23x") for line in lines)
     assert "    ERROR RuntimeError: refused" in lines
+    assert "    in the pair, decode done at 15.50 ms, prefill at 26.00 ms" in lines
     path = tmp_path / "o.json"
     path.write_text(json.dumps(result_of()))
     probe.main(["--out", str(path), "--table-only"])
@@ -120,3 +122,8 @@ def test_a_timeout_ends_the_run_after_writing_what_was_measured(monkeypatch: pyt
     assert result["aborted"].startswith("green 32/host") and "timeout" in result["modes"]["green 32/device"]["error"]
     with pytest.raises(TimeoutError):
         probe.attempt("host", stuck)
+
+
+def test_each_graphs_finish_is_the_median_over_the_launches() -> None:
+    samples = [[15.0, 30.0], [14.0, 33.0], [16.0, 31.0]]
+    assert probe.finished(samples, ("decode", "prefill")) == {"decode": 15.0, "prefill": 31.0}
