@@ -29,7 +29,7 @@
 # in one process: roofline_fp8.json; then tests/gpu/test_gpu_fp8.py, the FP8 product against its reference),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # trace (bench/trace.py: per-kernel CUPTI trace of the 8B shape's saturated mixed step and 128-row decode step,
-# launched from the device as served and from the host: trace.json and trace.png),
+# launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png),
 # overlap_probe (bench/overlap_probe.py: the 8B shape's 128-row decode graph and a 896-token prefill-chunk graph,
 # each alone, one after the other and at once: host-launched on two streams, launched from the device by one parent,
 # and with the SMs split by cuBLAS targets and by green contexts; OVERLAP_ARGS adds flags, e.g. "--splits 32,64,96":
