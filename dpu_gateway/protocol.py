@@ -301,12 +301,39 @@ def check_json_text(body: bytes) -> None:
         pass
 
 
+_FLOAT_FOR_INT = re.compile(r"Expected `[^`]*\bint\b[^`]*`, got `float`")
+
+
+def _integral_as_int(value: Any) -> Any:
+    """A decoded JSON value with each number that has no fractional part (5.0) made an int: JSON Schema's
+    `integer` admits it, and so does vLLM's parsing, so `"max_tokens": 5.0` is 5. A float field takes the int back
+    as a float, so nothing else changes."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_as_int(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_as_int(v) for k, v in value.items()}
+    return value
+
+
+def _strict_or_integral(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """The body decoded as it is; where an integer field held an integral float, decoded once more with such
+    numbers as ints (a string or a fraction stays refused, and the second decode's error names what is left)."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        if not _FLOAT_FOR_INT.search(str(exc)):
+            raise
+    return decoder.decode(msgspec.json.encode(_integral_as_int(msgspec.json.decode(body))))
+
+
 def _decode(decoder: msgspec.json.Decoder, body: bytes, refused: bool = True) -> Any:
     """One parse. A body that decodes is valid UTF-8 nested within the limit (msgspec checks every
     string it keeps, and every struct here refuses unknown fields rather than skip them), so
     `check_json_text` runs only when decoding failed; its 400s then come before the decoder's."""
     try:
-        req = decoder.decode(body)
+        req = _strict_or_integral(decoder, body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         check_json_text(body)
         match = _UNKNOWN.search(str(exc)) if isinstance(exc, msgspec.ValidationError) else None

@@ -34,6 +34,7 @@ def assert_error(body: dict, kind: str, param: str | None = None) -> dict:
 CASES = [
     ("/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 2.5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "temperature": 3}, 400, "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL}, 400, None),
@@ -106,3 +107,12 @@ async def test_server_alive_after_errors(api_stack: Stack) -> None:
                                                                          "max_tokens": 3})
     assert status == 200 and payload["choices"][0]["finish_reason"] in ("stop", "length")
     assert api_stack.get("/health")[0] == 200
+
+
+async def test_an_integral_float_for_an_integer_is_served(api_stack: Stack) -> None:
+    """`"max_tokens": 3.0` is 3, as JSON Schema's integer and vLLM take it (2.5 is a 400, in CASES)."""
+    status, payload, _ = await post(api_stack, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3.0,
+                                                                    "n": 1.0})
+    assert status == 200, payload
+    assert len(payload["choices"]) == 1 and payload["usage"]["completion_tokens"] <= 3
+

@@ -173,6 +173,23 @@ def test_undecodable_text_is_named_before_what_the_decoder_says() -> None:
         decode_completion(b'{"model": "x", "prompt": "hi"')
 
 
+def test_an_integral_float_is_an_integer_as_json_schema_and_vllm_take_it() -> None:
+    """5.0 in an integer field is 5 (token ids too); a float field keeps its float; 5.5 or "5" stays refused, and
+    with an integral float beside it the error names the field that is wrong."""
+    req = decode_completion(b'{"model": "m", "prompt": [1.0, 7.0], "max_tokens": 5.0, "n": 2.0, "temperature": 1.0}')
+    assert (req.prompt, req.max_tokens, req.n) == ([1, 7], 5, 2)
+    assert all(type(v) is int for v in (*req.prompt, req.max_tokens, req.n)) and type(req.temperature) is float
+    chat = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                       b'"top_logprobs": 2.0, "response_format": {"type": "json_schema", "json_schema": '
+                       b'{"name": "a", "schema": {"type": "number", "maximum": 2.5}}}}')
+    assert chat.top_logprobs == 2 and chat.response_format["json_schema"]["schema"]["maximum"] == 2.5
+    for body, where in ((b'{"model": "m", "prompt": "x", "max_tokens": 5.5}', "max_tokens"),
+                        (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
+                        (b'{"model": "m", "prompt": "x", "max_tokens": 5.0, "n": "2"}', "n")):
+        with pytest.raises(msgspec.ValidationError, match=f"at `\\$.{where}`"):
+            decode_completion(body)
+
+
 def test_a_sound_body_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nesting probe runs only after a decode failed: a body that decodes costs one parse."""
     calls = []
