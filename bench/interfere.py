@@ -118,7 +118,8 @@ def text_bytes() -> bytes:
 
 
 def compress_loop(stop: Stopper, block_kb: int) -> float:
-    """Compress blocks of half random, half text bytes until told to stop; returns bytes compressed."""
+    """Compress blocks of half random, half text bytes until told to stop (one block at least, so that a worker
+    stopped early still reports a rate); returns bytes compressed."""
     import bz2
     import lzma
     import zlib
@@ -128,7 +129,7 @@ def compress_loop(stop: Stopper, block_kb: int) -> float:
     half = block_kb * 512
     done = 0.0
     turn = 0
-    while not stop():
+    while not done or not stop():
         start = random.randrange(max(1, len(text) - half))
         block = os.urandom(half) + text[start:start + half]
         codecs[turn % len(codecs)](block)
@@ -138,14 +139,15 @@ def compress_loop(stop: Stopper, block_kb: int) -> float:
 
 
 def thrash_loop(stop: Stopper, buffer_mb: int, seed: int) -> float:
-    """Random read-modify-write over ``buffer_mb`` MiB until told to stop; returns the accesses made."""
+    """Random read-modify-write over ``buffer_mb`` MiB until told to stop (one batch at least: a worker stopped
+    while it was still building its buffer on a busy host reported 0 accesses); returns the accesses made."""
     import numpy as np
 
     buf = np.arange((buffer_mb << 20) // 8, dtype=np.int64)
     rng = np.random.default_rng(seed)
     batch = 1 << 18
     done = 0.0
-    while not stop():
+    while not done or not stop():
         idx = rng.integers(0, buf.size, size=batch)
         buf[idx] += 1
         done += 2 * batch
@@ -154,8 +156,8 @@ def thrash_loop(stop: Stopper, buffer_mb: int, seed: int) -> float:
 
 def churn_loop(stop: Stopper, block_kb: int, map_mb: int) -> float:
     """Alternate a bz2 compression of ``block_kb`` KiB with mapping, touching (one write per page) and
-    unmapping ``map_mb`` MiB of anonymous memory, until told to stop; returns the operations done (one
-    compression plus one mapping each)."""
+    unmapping ``map_mb`` MiB of anonymous memory, until told to stop (one cycle at least); returns the operations
+    done (one compression plus one mapping each)."""
     import bz2
     import mmap
 
@@ -163,7 +165,7 @@ def churn_loop(stop: Stopper, block_kb: int, map_mb: int) -> float:
     half = block_kb * 512
     size = max(1, map_mb) << 20
     done = 0.0
-    while not stop():
+    while not done or not stop():
         start = random.randrange(max(1, len(text) - half))
         bz2.compress(os.urandom(half) + text[start:start + half], 9)
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

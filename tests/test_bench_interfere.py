@@ -136,3 +136,17 @@ def test_churn_workers_per_core_report_their_operations() -> None:
     assert report["churn_ops_per_s"] > 1 and report["churn_map_mb"] == 8 and report["compress_mb_per_s"] is None
     with pytest.raises(ValueError, match="per_core"):
         Interference(cores=[core], kinds=("churn",), per_core=0)
+
+
+def test_a_worker_stopped_before_it_began_still_reports_work() -> None:
+    """A worker told to stop before its first unit (on a busy host, while its buffer was still being built) does one
+    unit, so its rate is never a zero that says nothing about the host."""
+    from bench.interfere import churn_loop, compress_loop, thrash_loop
+
+    def stopped() -> bool:
+        return True
+
+    assert thrash_loop(stopped, 1, 0) > 0
+    assert compress_loop(stopped, 4) > 0
+    assert churn_loop(stopped, 4, 1) == 1
+
