@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DECODES = 128
-CHUNK = 896  # the prompt chunk of a default 1,024-token step beside 128 decodes
+from bench.trace import BUDGET, DECODES, union
+from bench.trace import cuda_kernels as trace
+
+CHUNK = BUDGET - DECODES  # the prompt chunk of a default 1,024-token step beside the 128 decodes (bench.trace's)
 REPS = 8
 WARM = 2
 SPLITS = (32, 64)  # SMs for the decode graph
@@ -66,19 +68,6 @@ def parse_splits(text: str, total: int | None = None) -> tuple[int, ...]:
     if total is not None and any(n >= total - 1 for n in splits):
         raise ValueError(f"--splits {text!r}: each below {total - 1} (the device has {total} SMs)")
     return tuple(splits)
-
-
-def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Disjoint sorted intervals covering the same time as `intervals`."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def both_us(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
@@ -371,19 +360,6 @@ def finish_ms(launch: Callable[[list], None], reps: int, timeout_s: float) -> li
 def finished(samples: Sequence[Sequence[float]], names: Sequence[str]) -> dict[str, float]:
     """The median time at which each graph of a pair was done, by name."""
     return {name: median_ms([row[i] for row in samples]) for i, name in enumerate(names)}
-
-
-def trace(launch: Callable[[], None]) -> list[tuple[str, float, float, int]]:
-    """The CUDA kernels (name, start µs, end µs, stream) CUPTI records during one `launch`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        launch()
-        torch.cuda.synchronize()
-    return [(e.name, float(e.time_range.start), float(e.time_range.end), int(getattr(e, "device_resource_id", 0) or 0))
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
 
 
 class Probe:

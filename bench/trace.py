@@ -52,15 +52,22 @@ def family(name: str) -> str:
     return "other"
 
 
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering the same time as `intervals`."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
     """The length of the union of [start, end) intervals (µs): the time some kernel runs."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
+    return sum(end - start for start, end in union(intervals))
 
 
 def summarize(kernels: Sequence[tuple[str, float, float]]) -> dict[str, Any]:
@@ -90,19 +97,22 @@ def median_launch(launches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return pick
 
 
-def trace_once(launch: Callable[[], None]) -> list[tuple[str, float, float]]:
-    """The CUDA kernels CUPTI records during one `launch` (which returns once the step is done)."""
+def cuda_kernels(launch: Callable[[], None]) -> list[tuple[str, float, float, int]]:
+    """The CUDA kernels (name, start µs, end µs, stream) CUPTI records during one `launch`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         launch()
         torch.cuda.synchronize()
-    out = []
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.time_range.end > evt.time_range.start:
-            out.append((evt.name, float(evt.time_range.start), float(evt.time_range.end)))
-    return [k for k in out if LAUNCHER not in k[0]]
+    return [(e.name, float(e.time_range.start), float(e.time_range.end), int(getattr(e, "device_resource_id", 0) or 0))
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def trace_once(launch: Callable[[], None]) -> list[tuple[str, float, float]]:
+    """The step's own kernels (name, start µs, end µs) during one `launch` (which returns once the step is done)."""
+    return [(name, start, end) for name, start, end, _ in cuda_kernels(launch) if LAUNCHER not in name]
 
 
 def step_seqs(contexts: Sequence[int], chunk: int, block: int) -> list[tuple[int, int, list[int]]]:
