@@ -292,6 +292,9 @@ def test_merge_replaces_a_record_and_keeps_other_systems() -> None:
         ("vllm", "none"), ("vllm", "heavy"), ("blink-persistent", "none")}
     assert report.compatible(old, {"model": "m", "workload": {}}) is None
     assert "model" in (report.compatible(old, {"model": "x", "workload": {}}) or "")
+    on_h200 = {**old, "device": "NVIDIA H200"}
+    assert "device" in (report.compatible(on_h200, {"model": "m", "workload": {}, "device": "NVIDIA H100 80GB HBM3"})
+                        or "")
 
 
 def test_table_ratios() -> None:

@@ -132,7 +132,7 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
 
 def compatible(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """Why ``old``'s records cannot stand beside ``new``'s (None when they can)."""
-    for key in ("model", "workload", "window"):
+    for key in ("model", "workload", "window", "device"):  # one file, one machine: figures of two cards never mix
         if old.get(key) != new.get(key):
             return f"its {key} differs: {json.dumps(old.get(key))} vs {json.dumps(new.get(key))}"
     return None
