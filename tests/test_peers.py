@@ -201,10 +201,14 @@ def test_blink_settings_from_its_log() -> None:
         "[W1201 a warning line]",
         json.dumps({"count": 126, "event": "graphs captured"})])
     assert parse_blink_log(gpu) == {"prefix_caching": False}
+    kv = json.dumps({"dtype": "bfloat16", "blocks": 29000, "block_size": 16, "gib": 56.64, "event": "KV cache"})
+    assert parse_blink_log(kv + "\n" + gpu) == {"prefix_caching": False, "kv_blocks": 29000, "block_size": 16,
+                                                "kv_cache_dtype": "bfloat16", "kv_cache_gib": 56.64,
+                                                "kv_cache_tokens": 464000}
     cpu = json.dumps({"event": "model loaded", "kv_blocks": 2912, "block_size": 16, "max_context": 6144,
                       "threads": 2, "family": "llama", "prefix_caching": True, "weights": "auto packed"})
     assert parse_blink_log(cpu) == {"kv_blocks": 2912, "block_size": 16, "max_context": 6144, "threads": 2,
-                                    "family": "llama", "prefix_caching": True}
+                                    "family": "llama", "prefix_caching": True, "kv_cache_tokens": 46592}
     assert parse_blink_log("nothing") == {}
 
 
@@ -592,3 +596,15 @@ def test_the_qwen3_moe_folder_loads_as_vllm_and_blink_read_it(tmp_path: Path) ->
     plain = resolve_paths(build_parser().parse_args(["--out", "x/y.json"]))
     assert plain.plot == Path("x/y") and resolve_paths(build_parser().parse_args([])).out == Path(
         "bench/results/peers.json")
+
+
+def test_the_table_says_the_kv_cache_each_system_got() -> None:
+    """The table's first line names each system's KV cache as its start-up said, where it did."""
+    doc = {"model": "m", "device": "d", "workload": {"name": "paper"}, "window": {"window_s": 60, "warmup_s": 15},
+           "order": ["blink-persistent", "vllm"], "records": [],
+           "systems": {"vllm": {"version": "0.26.0", "settings": {"kv_cache_tokens": 465184, "kv_cache_gib": 56.79}},
+                       "blink-persistent": {"version": "0.1.0", "settings": {"kv_cache_tokens": 464000}},
+                       "blink-host": {"version": "0.1.0", "settings": {}}}}
+    first = report.format_table(doc).splitlines()[0]
+    assert "vllm 0.26.0 (KV cache: 465,184 tokens, 56.79 GiB)" in first
+    assert "blink-persistent 0.1.0 (KV cache: 464,000 tokens)" in first and first.endswith("; blink-host 0.1.0.")

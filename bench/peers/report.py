@@ -267,11 +267,20 @@ def setup_lines(doc: dict[str, Any], blink: str, peer: str) -> list[str]:
     return lines
 
 
+def kv_size(settings: dict[str, Any]) -> str:
+    """" (KV cache: N tokens, G GiB)" as a system's start-up said (vLLM's log, Blink's ``KV cache`` event), or ""."""
+    tokens, gib = settings.get("kv_cache_tokens"), settings.get("kv_cache_gib")
+    if not isinstance(tokens, int):
+        return ""
+    return f" (KV cache: {tokens:,} tokens{f', {gib:g} GiB' if isinstance(gib, int | float) else ''})"
+
+
 def format_table(doc: dict[str, Any], blink: str = "blink-persistent", peer: str = "vllm") -> str:
     """The BENCHMARKS table: every system per co-tenant level and rate with the Blink/peer ratios, the
     plateaus, and each system's heavy/isolated ratios; one setup after another when the file holds several."""
     window = doc.get("window", {})
-    versions = "; ".join(f"{s} {d.get('version') or '?'}" for s, d in doc.get("systems", {}).items())
+    versions = "; ".join(f"{s} {d.get('version') or '?'}{kv_size(d.get('settings') or {})}"
+                         for s, d in doc.get("systems", {}).items())
     lines = [f"Steady state: {doc.get('model', '?')} on {doc.get('device', '?')}; workload "
              f"{doc.get('workload', {}).get('name', '?')}; {fmt(window.get('window_s'), 'g')} s windows after "
              f"{fmt(window.get('warmup_s'), 'g')} s of warm-up; {versions}."]

@@ -82,11 +82,14 @@ def parse_vllm_log(text: str) -> dict[str, Any]:
 
 
 def parse_blink_log(text: str) -> dict[str, Any]:
-    """Blink's settings from its JSON log: the CPU engine's ``model loaded`` event, and whether the engine
-    caches prefixes (the GPU engines' ``prefix caching`` event; the CPU engine's ``model loaded`` says too)."""
+    """Blink's settings from its JSON log: the CPU engine's ``model loaded`` event, the GPU engines' ``KV cache``
+    event (the cache's blocks, block size, element type and GiB), and whether the engine caches prefixes (the GPU
+    engines' ``prefix caching`` event; the CPU engine's ``model loaded`` says too). ``kv_cache_tokens``: blocks
+    times block size, beside vLLM's figure of the same name."""
     out: dict[str, Any] = {}
     for line in text.splitlines():
-        if not line.startswith("{") or ('"model loaded"' not in line and '"prefix caching"' not in line):
+        if not line.startswith("{") or not any(f'"{e}"' in line for e in ("model loaded", "prefix caching",
+                                                                         "KV cache")):
             continue
         with contextlib.suppress(json.JSONDecodeError):
             event = json.loads(line)
@@ -95,6 +98,11 @@ def parse_blink_log(text: str) -> dict[str, Any]:
             elif event.get("event") == "model loaded" and "kv_blocks" not in out:
                 out.update({k: event[k] for k in ("kv_blocks", "block_size", "max_context", "threads", "family",
                                                   "prefix_caching") if k in event})
+            elif event.get("event") == "KV cache" and "kv_blocks" not in out:
+                out.update({"kv_blocks": event.get("blocks"), "block_size": event.get("block_size"),
+                            **{f"kv_cache_{k}": event[k] for k in ("dtype", "gib") if k in event}})
+    if isinstance(out.get("kv_blocks"), int) and isinstance(out.get("block_size"), int):
+        out["kv_cache_tokens"] = out["kv_blocks"] * out["block_size"]
     return out
 
 

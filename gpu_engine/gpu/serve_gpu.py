@@ -109,6 +109,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
+    log.info("KV cache", dtype=str(dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
+             gib=round(blocks * per_block / 2**30, 2))
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
     # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
     # leaves it out).
