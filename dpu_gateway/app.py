@@ -25,6 +25,7 @@ from dpu_gateway.routes import add_routes, max_model_len
 from dpu_gateway.state import (
     BACKEND,
     BEATS,
+    CLIENT_GONE,
     CODEC,
     CONFIG,
     DRAINING,
@@ -79,7 +80,7 @@ def request_log_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
         status = 500
         try:
             resp = await handler(request)
-            status = resp.status
+            status = CLIENT_CLOSED if request.get(CLIENT_GONE) else resp.status
             return resp
         except web.HTTPException as exc:
             status = exc.status

@@ -20,6 +20,7 @@ from dpu_gateway import sse
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation, TokenLogprob
 from dpu_gateway.reasoning import Reasoning
+from dpu_gateway.state import CLIENT_GONE
 from dpu_gateway.textio import TokenNames
 from dpu_gateway.tools import Call, parse_all
 
@@ -160,17 +161,20 @@ async def answer_stream(request: web.Request, gens: list[Generation], shape: Sha
         await resp.write(sse.event(obj))
 
     try:
-        if shape.chat:
-            for g in gens:
-                await write(fmt.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, usage.include,
-                                           g.index, usage.now()))
-        await _stream_all(gens, shape, codec, env, usage, write)
-        if usage.include:
-            await write(fmt.usage_chunk(env, shape.chunk_object, usage.total()))
-    except APIError as exc:
-        await write(exc.body())
-    await resp.write(sse.DONE)
-    await resp.write_eof()
+        try:
+            if shape.chat:
+                for g in gens:
+                    await write(fmt.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, usage.include,
+                                               g.index, usage.now()))
+            await _stream_all(gens, shape, codec, env, usage, write)
+            if usage.include:
+                await write(fmt.usage_chunk(env, shape.chunk_object, usage.total()))
+        except APIError as exc:
+            await write(exc.body())
+        await resp.write(sse.DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # a write to a client that has just closed (before aiohttp cancelled this handler)
+        request[CLIENT_GONE] = True  # the log middleware counts a 499, as for a disconnect that cancels
     return resp
 
 

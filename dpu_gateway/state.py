@@ -93,6 +93,8 @@ class RequestRecord:
 
 
 RECORD = "blink_record"  # the request's RequestRecord, in request[RECORD]
+# True in request[CLIENT_GONE] when a stream's client closed as its answer was written (respond.answer_stream)
+CLIENT_GONE = web.RequestKey("client_gone", bool)
 
 
 def engine_unavailable(watch: RingSet) -> APIError:

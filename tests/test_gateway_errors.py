@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import aiohttp
 import openai
@@ -116,3 +117,58 @@ async def test_an_integral_float_for_an_integer_is_served(api_stack: Stack) -> N
     assert status == 200, payload
     assert len(payload["choices"]) == 1 and payload["usage"]["completion_tokens"] <= 3
 
+
+
+
+class _ClosingWriter:
+    """The payload writer of a connection whose client has just closed: the headers went out, every later write
+    raises aiohttp's reset, as its writer does on a closing transport."""
+
+    buffer_size = output_size = 0
+    length = None
+
+    def enable_chunking(self) -> None: ...
+
+    def enable_compression(self, *args: object, **kwargs: object) -> None: ...
+
+    async def write_headers(self, *args: object) -> None: ...
+
+    def send_headers(self, *args: object) -> None: ...
+
+    def set_eof(self) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    async def write(self, *args: object, **kwargs: object) -> None:
+        from aiohttp.client_exceptions import ClientConnectionResetError
+
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    write_eof = write
+
+
+async def test_a_stream_whose_client_closes_as_it_ends_is_a_499_not_an_error() -> None:
+    """A stream's last writes ([DONE], its end) to a client that has just closed raise aiohttp's connection reset
+    (seen under a fuzzing client on a busy host): the stream ends quietly and its request is marked for the log
+    middleware's 499, instead of an unhandled exception, its traceback and a 500."""
+    import types
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from dpu_gateway.app import request_log_middleware
+    from dpu_gateway.respond import COMPLETION, Usage, answer_stream
+    from dpu_gateway.state import CLIENT_GONE
+    from shared.metrics import FrontendMetrics
+
+    request = make_mocked_request("POST", "/v1/completions", writer=_ClosingWriter())
+
+    async def handler(req: object) -> object:
+        return await answer_stream(req, [], COMPLETION, None, "m", Usage([], 0))  # type: ignore[arg-type]
+
+    metrics = FrontendMetrics("m")
+    logged = request_log_middleware(types.SimpleNamespace(log_requests=False), metrics)  # type: ignore[arg-type]
+    resp = await logged(request, handler)
+    assert resp.status == 200 and request.get(CLIENT_GONE) is True
+    text = metrics.render().decode()
+    assert re.search(r'^blink:request_failures_total\{[^}]*status="499"[^}]*\} 1\.0$', text, re.M), text
+    assert 'status="500"' not in text
