@@ -10,7 +10,7 @@ alone, the prefill graph alone and both launched together:
 - host: the graphs replayed from the host on two streams; beside them both one after the other on one stream
   (`sequential_ms`, the host modes' baseline);
 - device: the device-launch executables launched from the device by a one-thread kernel of a device-launched
-  parent graph (`blink_launch_pair`, gpu_engine/csrc/sched_overlap.cuh), both fire-and-forget; the baseline the
+  parent graph (`blink_launch_pair`, bench/csrc/overlap_probe.cu), both fire-and-forget; the baseline the
   second as the parent's tail launch, which starts once the first finished (the device modes' baseline);
 - cublas N (host and device): both graphs captured again with cuBLAS SM-count targets (`sm_share.reserve_sms`):
   N SMs for the decode graph's products, the rest but the scheduler's one for the prefill graph's (the Triton
@@ -184,9 +184,7 @@ class Device:
     """The library's overlap diagnostics through ctypes: the pair launcher and the green-context split."""
 
     def __init__(self) -> None:
-        from gpu_engine.gpu.persistent import library
-
-        self.lib = bind(library())
+        self.lib = bind(probe_library())
 
     def pair(self, first: int, second: int, sequential: bool, reps: int, timeout_s: float) -> list[float]:
         """Milliseconds of `reps` launches of the parent graph that launches both from the device."""
@@ -200,6 +198,14 @@ class Device:
         if rc != 0:
             raise RuntimeError(f"blink_launch_pair failed ({rc}, device-side launch status {list(err)}): {message}")
         return list(ms)
+
+
+def probe_library():
+    """The scheduler's library with the overlap diagnostics (bench/csrc/overlap_probe.cu; the engine's has none),
+    built with nvcc (no GPU needed) and loaded as a `persistent.Library`."""
+    from gpu_engine.gpu.persistent import Library, build_library
+
+    return Library(build_library(source=Path(__file__).resolve().parent / "csrc" / "overlap_probe.cu"))
 
 
 def bind(lib):

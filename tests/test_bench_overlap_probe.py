@@ -5,6 +5,7 @@ CUDA device)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,28 @@ def test_a_timeout_ends_the_run_after_writing_what_was_measured(monkeypatch: pyt
 def test_each_graphs_finish_is_the_median_over_the_launches() -> None:
     samples = [[15.0, 30.0], [14.0, 33.0], [16.0, 31.0]]
     assert probe.finished(samples, ("decode", "prefill")) == {"decode": 15.0, "prefill": 31.0}
+
+
+@pytest.mark.skipif(not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()), reason="needs nvcc")
+def test_the_overlap_diagnostics_build_apart_and_answer_without_a_device() -> None:
+    """bench/csrc/overlap_probe.cu builds as a library of its own (the engine's scheduler library exports none of
+    its entry points); they bind, with no executables a pair launch times nothing on a GPU, and where there is none
+    both it and the green split return a CUDA error with its message."""
+    import ctypes as C
+
+    from bench.overlap_probe import bind, probe_library
+    from gpu_engine.gpu import persistent as pers
+
+    assert not hasattr(pers.library().lib, "blink_launch_pair")
+    f = bind(probe_library()).lib
+    ms, err = (C.c_float * 2)(), (C.c_int * 2)(-7, -7)
+    rc = f.blink_launch_pair(0, 0, 0, 2, 1.0, ms, err)
+    assert list(err) == [0, 0]
+    assert rc == 0 or "cuda" in f.blink_last_error().decode().lower()
+    handle, streams, sms = C.c_void_p(), (C.c_uint64 * 2)(), (C.c_uint * 2)()
+    rc = f.blink_green_split(0, 16, C.byref(handle), streams, sms)
+    if rc == 0:
+        assert sms[0] >= 16 and sms[1] > 0 and all(streams)
+        assert f.blink_green_destroy(handle) == 0
+    else:
+        assert f.blink_last_error().decode()

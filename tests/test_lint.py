@@ -11,7 +11,7 @@ import pytest
 from helpers.background import MYPY, Background
 
 ROOT = Path(__file__).resolve().parent.parent
-CPP_DIRS = ("gpu_engine/csrc", "tests/cpp")
+CPP_DIRS = ("gpu_engine/csrc", "tests/cpp", "bench/csrc")
 
 
 def _tool(name: str) -> str:

@@ -56,29 +56,34 @@ class SchedulerError(RuntimeError):
     pass
 
 
-def _digest() -> str:
+def _digest(source: Path | None = None) -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     h.update((SCHEMA_CPP / "blink_ring.h").read_bytes())
+    if source is not None:
+        h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
 
-def library_path(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
+def library_path(arch: str = "sm_90a", phase_clocks: bool = False, source: Path | None = None) -> Path:
     """Where ``build_library`` puts (and finds) the library for these sources and options."""
     out_dir = env().cuda_build_dir or CSRC / "build"
     clocks = "-clocks" if phase_clocks else ""
-    return out_dir / f"libblink_sched-{_digest()}-{arch}{clocks}.so"
+    name = "blink_sched" if source is None else source.stem
+    return out_dir / f"lib{name}-{_digest(source)}-{arch}{clocks}.so"
 
 
-def build_library(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
+def build_library(arch: str = "sm_90a", phase_clocks: bool = False, source: Path | None = None) -> Path:
     """Compile libblink_sched.so (cached by source digest) with relocatable device code.
 
     ``phase_clocks`` builds the scan's phase clocks in (stats.scan_phase_ns; the scheduler
     micro-benchmark asks for them): a few more global-timer reads per scan, so off by default.
+    ``source``: another translation unit built the same way with the scheduler's headers on its include path
+    (a benchmark's, e.g. bench/csrc/overlap_probe.cu, which includes the scheduler's and adds entry points).
     """
-    lib = library_path(arch, phase_clocks)
+    lib = library_path(arch, phase_clocks, source)
     if lib.exists():
         return lib
     nvcc = find_nvcc() or "nvcc"  # the one lookup --backend auto also uses
@@ -86,7 +91,8 @@ def build_library(arch: str = "sm_90a", phase_clocks: bool = False) -> Path:
     compute = arch.replace("sm_", "compute_")
     flags = [PHASE_CLOCKS_FLAG] if phase_clocks else []
     cmd = [nvcc, "-O2", "-std=c++17", f"-gencode=arch={compute},code={arch}", "-rdc=true", "-shared",
-           "-Xcompiler", "-fPIC", "-cudart", "shared", f"-I{SCHEMA_CPP}", *flags, str(CSRC / "scheduler.cu"),
+           "-Xcompiler", "-fPIC", "-cudart", "shared", f"-I{SCHEMA_CPP}", f"-I{CSRC}", *flags,
+           str(source or CSRC / "scheduler.cu"),
            "-o", str(lib), "-lcudadevrt"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:

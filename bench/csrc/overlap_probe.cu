@@ -2,9 +2,9 @@
 // executables launched from the device, together (both fire-and-forget) or one after the other (the
 // second as the parent's tail launch), timed with events around the parent graph; and the device's SMs
 // split into two green contexts, one stream each, to capture each graph on its own share of SMs.
-#ifndef BLINK_SCHED_OVERLAP_CUH_
-#define BLINK_SCHED_OVERLAP_CUH_
-
+// A library of its own (built by bench/overlap_probe.py through persistent.build_library): the scheduler's
+// translation unit, so its graphs and host API are the engine's, with these entry points added; the
+// engine's library carries none of them.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -13,6 +13,18 @@
 
 #include "sched.h"
 #include "sched_host.cuh"
+#include "sched_kernel.cuh"
+
+extern "C" {
+// Two executables launched from the device, together or the second as the parent's tail launch, `reps`
+// timed launches (ms each); and the SMs split into two green contexts.
+int blink_launch_pair(uint64_t first, uint64_t second, int sequential, int reps, double timeout_s, float *ms,
+                      int *launch_err);
+int blink_green_split(int device, unsigned first_sms, void **handle, uint64_t *streams, unsigned *sms);
+int blink_green_enter(void *handle, int which);
+int blink_green_leave(void);
+int blink_green_destroy(void *handle);
+}
 
 namespace {
 
@@ -262,5 +274,3 @@ int blink_green_destroy(void *) { return green_unavailable(); }
 #endif
 
 }  // extern "C"
-
-#endif  // BLINK_SCHED_OVERLAP_CUH_
