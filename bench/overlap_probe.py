@@ -12,6 +12,10 @@ alone, the prefill graph alone and both launched together:
 - device: the device-launch executables launched from the device by a one-thread kernel of a device-launched
   parent graph (`blink_launch_pair`, bench/csrc/overlap_probe.cu), both fire-and-forget; the baseline the
   second as the parent's tail launch, which starts once the first finished (the device modes' baseline);
+- beside (host): the decode graph 1, 2 and 3 times one after the other on its stream while the chunk's graph runs
+  once on its own, when each was done; with each alone and the mixed step (the 128 decodes and the chunk in one
+  graph, the mixed-step policy's round). What a decode row's tokens would take if decode steps went on while a
+  chunk ran beside them, and what that costs the chunk;
 - cublas N (host and device): both graphs captured again with cuBLAS SM-count targets (`sm_share.reserve_sms`):
   N SMs for the decode graph's products, the rest but the scheduler's one for the prefill graph's (the Triton
   kernels still size their grids for the whole GPU);
@@ -49,6 +53,7 @@ CHUNK = BUDGET - DECODES  # the prompt chunk of a default 1,024-token step besid
 REPS = 8
 WARM = 2
 SPLITS = (32, 64)  # SMs for the decode graph
+BESIDE = (1, 2, 3)  # decode steps one after another beside one chunk
 TIMEOUT_S = 20.0
 SPEEDUP_YES = 1.03  # a pair this much faster than sequential ran its graphs at once
 OVERLAP_YES = 0.10  # or kernels of both graphs ran together this share of the shorter graph
@@ -149,10 +154,23 @@ def table(result: dict[str, Any]) -> list[str]:
         note = entry.get("error") or entry.get("verdict")
         if note:
             lines.append(f"    {'ERROR ' if entry.get('error') else ''}{note}")
+        lines.extend(beside_lines(entry))
         done = entry.get("done_in_pair_ms")
         if done:
             lines.append(f"    in the pair, decode done at {done['decode']:.2f} ms, prefill at "
                          f"{done['prefill']:.2f} ms")
+    return lines
+
+
+def beside_lines(entry: dict[str, Any]) -> list[str]:
+    """The lines of the decode steps beside one chunk: when each was done, each decode's own time, and the chunk's
+    time against the mixed step's."""
+    runs = entry.get("beside") or {}
+    lines = [f"    mixed step alone {entry['mixed_ms']:.2f} ms"] if "mixed_ms" in entry else []
+    for n, done in runs.items():
+        decodes = [done[f"decode {i + 1}"] for i in range(int(n))]
+        steps = ", ".join(f"{b - a:.2f}" for a, b in zip([0.0, *decodes[:-1]], decodes, strict=True))
+        lines.append(f"    {n} decode(s) beside the chunk: each {steps} ms; chunk done at {done['chunk']:.2f} ms")
     return lines
 
 
@@ -251,14 +269,16 @@ class GreenSplit:
         self.f.blink_green_destroy(self.handle)
 
 
-def capture(runner, decode: bool, stream=None, split: GreenSplit | None = None, which: int | None = None) -> Graph:
+def capture(runner, decode: bool, stream=None, split: GreenSplit | None = None, which: int | None = None,
+            shape: tuple[int, int] | None = None) -> Graph:
     """Warm up and capture one step of `runner` on `stream` (a new one where None), inside green context `which` of
-    `split` where given, and instantiate it for device launch."""
+    `split` where given, and instantiate it for device launch; `shape` (rows, tokens) of a step that is neither the
+    decode step nor the chunk (the mixed step)."""
     import torch
 
     from gpu_engine.gpu.graph_cache import instantiate_for_device_launch
 
-    batch, tokens = (DECODES, DECODES) if decode else (1, CHUNK)
+    batch, tokens = shape or ((DECODES, DECODES) if decode else (1, CHUNK))
     stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())  # before entering: the event is the current context's
     if split is not None:
@@ -280,17 +300,22 @@ def capture(runner, decode: bool, stream=None, split: GreenSplit | None = None, 
     return Graph(graph, handle, stream, which)
 
 
-def destroy(pair: Pair) -> None:
+def destroy_graphs(graphs: Sequence[Graph]) -> None:
     import torch
 
     from gpu_engine.gpu.graph_cache import _cudart
 
     rt = _cudart()
-    for g in (pair.decode, pair.prefill):
+    for g in graphs:
         rt.cudaGraphExecDestroy(rt.cudaGraphExec_t(init_value=g.exec_handle))
-    pair.decode = pair.prefill = None  # type: ignore[assignment]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def destroy(pair: Pair) -> None:
+    graphs = [pair.decode, pair.prefill]
+    pair.decode = pair.prefill = None  # type: ignore[assignment]
+    destroy_graphs(graphs)
 
 
 def wait(event, timeout_s: float) -> None:
@@ -328,6 +353,34 @@ def host_launch(graphs: Sequence[Graph], split: GreenSplit | None = None, one_st
             if split is not None:
                 split.leave(g.green)
         main.wait_event(done)
+
+
+def beside_launch(decode: Graph, prefill: Graph, n: int, marks: list | None = None) -> None:
+    """After the current stream's work: the decode graph `n` times one after the other on its stream and, beside
+    them, the chunk's graph once on its own (the decode launched first, as a round would stage it); the current
+    stream then waits for both. `marks`: each decode's completion event (timed) in order, then the chunk's."""
+    import torch
+
+    main = torch.cuda.current_stream()
+    ready = torch.cuda.Event()
+    ready.record(main)
+    decode.stream.wait_event(ready)
+    prefill.stream.wait_event(ready)
+    done = []
+    for i in range(n):
+        with torch.cuda.stream(decode.stream):
+            decode.graph.replay()
+        done.append(torch.cuda.Event(enable_timing=marks is not None))
+        done[-1].record(decode.stream)
+        if i == 0:
+            with torch.cuda.stream(prefill.stream):
+                prefill.graph.replay()
+            chunk = torch.cuda.Event(enable_timing=marks is not None)
+            chunk.record(prefill.stream)
+    if marks is not None:
+        marks.extend([*done, chunk])
+    main.wait_event(done[-1])
+    main.wait_event(chunk)
 
 
 def host_ms(launch: Callable[[], None], reps: int, timeout_s: float) -> list[float]:
@@ -381,12 +434,15 @@ class Probe:
 
         contexts = served_contexts(DECODES)
         # the cache holds the served contexts' blocks and the prompt's, no more (max_ctx sizes only the RoPE table)
-        _, self.model, self.decoder = build(LLAMA3_8B, CHUNK, [DECODES], [CHUNK], plan,
+        # the limits hold the mixed step too (every decode row and the chunk in one step: the baseline)
+        _, self.model, self.decoder = build(LLAMA3_8B, CHUNK, [DECODES + 1], [BUDGET], plan,
                                             served=(contexts + [CHUNK],))
         self.prefiller = GpuModelRunner(self.model, self.decoder.kv, self.decoder.limits, plan=plan)
+        self.mixer = GpuModelRunner(self.model, self.decoder.kv, self.decoder.limits, plan=plan)
         rows = step_seqs(contexts, CHUNK, BLOCK)
         stage_seqs(self.decoder, rows[:-1])
         stage_seqs(self.prefiller, rows[-1:])
+        stage_seqs(self.mixer, rows)
         torch.cuda.synchronize()
         self.device, self.reps, self.timeout_s = Device(), reps, timeout_s
         self.sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -432,6 +488,27 @@ class Probe:
         entry["done_in_pair_ms"] = finished(done, ("decode", "prefill"))
         shorter = min(entry["decode_ms"], entry["prefill_ms"]) * 1e3
         entry["overlap"] = overlap(trace(lambda: host_launch(both, pair.split)), shorter)
+        return entry
+
+    def beside(self, pair: Pair, counts: Sequence[int] = BESIDE) -> dict[str, Any]:
+        """Decode steps one after another beside one chunk (host replays, two streams), for each count in `counts`:
+        when each decode and the chunk were done; beside them each graph alone and the mixed step that does one
+        decode's and the chunk's work in one graph (the mixed-step policy's round)."""
+        mixed = capture(self.mixer, False, shape=(DECODES + 1, BUDGET))
+        try:
+            entry: dict[str, Any] = {
+                "launch": "host", "partition": "none",
+                "decode_ms": median_ms(host_ms(lambda: host_launch([pair.decode]), self.reps, self.timeout_s)),
+                "prefill_ms": median_ms(host_ms(lambda: host_launch([pair.prefill]), self.reps, self.timeout_s)),
+                "mixed_ms": median_ms(host_ms(lambda: host_launch([mixed]), self.reps, self.timeout_s))}
+        finally:
+            destroy_graphs([mixed])
+        entry["beside"] = {}
+        for n in counts:
+            done = finish_ms(lambda marks, n=n: beside_launch(pair.decode, pair.prefill, n, marks), self.reps,
+                             self.timeout_s)
+            names = [f"decode {i + 1}" for i in range(n)] + ["chunk"]
+            entry["beside"][str(n)] = finished(done, names)
         return entry
 
     def device_launch(self, pair: Pair, sequential: bool = False) -> dict[str, Any]:
@@ -508,6 +585,15 @@ def unpartitioned(probe: Probe, result: dict[str, Any]) -> list[dict[str, Any]]:
     return entries
 
 
+def besides(probe: Probe) -> list[dict[str, Any]]:
+    """The entry of decode steps beside one chunk (`Probe.beside`), the graphs as served."""
+    pair = probe.pair()
+    try:
+        return [attempt("host", lambda: probe.beside(pair))]
+    finally:
+        destroy(pair)
+
+
 def partitioned(probe: Probe, kind: str, sms: int) -> list[dict[str, Any]]:
     """Host and device entries of one split: cuBLAS targets ("cublas") or green contexts ("green")."""
     split = GreenSplit(probe.device, sms) if kind == "green" else None
@@ -551,6 +637,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     guarded(result, ["host", "device"], lambda: unpartitioned(probe, result), save)
+    guarded(result, ["beside"], lambda: besides(probe), save)
     for kind in ("cublas", "green"):
         for n in splits:
             guarded(result, [f"{kind} {n}/host", f"{kind} {n}/device"], lambda k=kind, n=n: partitioned(probe, k, n),

@@ -130,6 +130,19 @@ def test_each_graphs_finish_is_the_median_over_the_launches() -> None:
     assert probe.finished(samples, ("decode", "prefill")) == {"decode": 15.0, "prefill": 31.0}
 
 
+def test_decodes_beside_a_chunk_are_tabled_as_each_steps_own_time() -> None:
+    entry = {"launch": "host", "decode_ms": 14.0, "prefill_ms": 22.0, "mixed_ms": 32.0,
+             "beside": {"1": {"decode 1": 16.0, "chunk": 30.0},
+                        "2": {"decode 1": 16.5, "decode 2": 35.0, "chunk": 31.0}}}
+    lines = probe.beside_lines(entry)
+    assert lines[0] == "    mixed step alone 32.00 ms"
+    assert lines[1] == "    1 decode(s) beside the chunk: each 16.00 ms; chunk done at 30.00 ms"
+    assert lines[2] == "    2 decode(s) beside the chunk: each 16.50, 18.50 ms; chunk done at 31.00 ms"
+    assert probe.beside_lines({"decode_ms": 1.0}) == []
+    table = "\n".join(probe.table({"modes": {"beside": entry}}))
+    assert "each 16.50, 18.50 ms" in table
+
+
 @pytest.mark.skipif(not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()), reason="needs nvcc")
 def test_the_overlap_diagnostics_build_apart_and_answer_without_a_device() -> None:
     """bench/csrc/overlap_probe.cu builds as a library of its own (the engine's scheduler library exports none of
