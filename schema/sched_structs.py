@@ -100,6 +100,8 @@ class Struct:
 
 CONSTANTS = (
     Constant("BLINK_MAX_EOS", "MAX_EOS", 8, "end-of-sequence ids the scheduler compares each token with"),
+    Constant("BLINK_MAX_BATCH", "MAX_BATCH", 1024, "sequences in one step at most (max_batch): the scheduler's "
+             "threads loop over a step's rows, its per-row scratch is sized by max_batch in the state's arena"),
     Constant("BLINK_SAMPLES", "SAMPLES", 4096, "instrumentation samples kept per metric (a ring buffer)"),
     Constant("BLINK_EXIT_SHUTDOWN", "EXIT_SHUTDOWN", 1, "exit_reason: the ring's shutdown flag was set"),
     Constant("BLINK_EXIT_LAUNCH_FAILED", "EXIT_LAUNCH_FAILED", 2, "exit_reason: a graph launch kept failing"),

@@ -8,6 +8,9 @@
 
 // end-of-sequence ids the scheduler compares each token with
 #define BLINK_MAX_EOS 8
+// sequences in one step at most (max_batch): the scheduler's threads loop over a step's rows, its per-row scratch is
+// sized by max_batch in the state's arena
+#define BLINK_MAX_BATCH 1024
 // instrumentation samples kept per metric (a ring buffer)
 #define BLINK_SAMPLES 4096
 // exit_reason: the ring's shutdown flag was set
