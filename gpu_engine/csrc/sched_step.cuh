@@ -334,8 +334,9 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
     if (reason[r] == BLINK_FINISH_REASON_STOP_ID)  // Slot.stop_token (minor 6): before complete_slot's fence
       slot(s, i)->stop_token = static_cast<int32_t>(s->cfg.next_tokens[r]);
-    if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
+    if (reason[r] != BLINK_FINISH_REASON_NONE) finish_in_place(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
+  compact_running(s);  // the finished ones leave `running` (join_running above kept its arrival order)
   s->stats->steps++;
   s->stats->step_fill[step_fill_bucket(s->plan_tokens, s->cfg.max_prefill_tokens)]++;
   uint32_t graph_tokens = static_cast<uint32_t>(s->cfg.graph_tokens[s->plan_graph]);
