@@ -13,7 +13,7 @@ import torch
 
 from gpu_engine.gpu.graph_cache import TOKEN_GRAIN, GraphCache
 from gpu_engine.gpu.graph_grid import COMPUTE_BOUND_TOKENS, mixed_buckets, mixed_rows, mixed_tokens
-from gpu_engine.gpu.serve_gpu import decode_buckets
+from gpu_engine.gpu.serve_gpu import decode_buckets, step_token_limit
 
 SERVING = ((128, 1024), (64, 1024), (256, 2048), (32, 512), (128, 1000))  # (max_batch, token budget)
 WIDE = ((512, 1024), (1024, 1024))  # more rows than the persistent scheduler's threads (BLINK_MAX_BATCH 1024)
@@ -119,3 +119,11 @@ def test_decode_sizes_past_256_rows() -> None:
     assert all(b <= 1.5 * a for a, b in zip(wide, wide[1:], strict=False) if a >= 8)
     assert all(3 * b <= 4 * a for a, b in zip(wide, wide[1:], strict=False) if a >= 128)
     assert decode_buckets(700)[-3:] == [512, 640, 700]
+
+
+def test_the_step_token_limit_holds_a_decode_step_of_every_row() -> None:
+    """Without chunked prefill and with a context limit under --max-num-seqs (128 tokens, 256 rows) the runner
+    still takes a decode step of every row; otherwise the larger of a whole prompt and the chunked budget."""
+    assert step_token_limit(128, None, 256) == 256
+    assert step_token_limit(128, 1024, 64) == 1024
+    assert step_token_limit(4096, 1024, 64) == 4096

@@ -72,6 +72,13 @@ def prefill_buckets(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(b, t) for t in tokens for b in batches if b <= max(1, t // 16)]
 
 
+def step_token_limit(max_context: int, budget: int | None, max_batch: int) -> int:
+    """The runner's tokens in one step: a whole prompt up to the context limit, the chunked step's budget and a
+    decode step of every row (a token each), whichever is largest. Without the last, a context limit under
+    --max-num-seqs left the runner unable to hold a full decode step, and the engine refused to start."""
+    return max(max_context, budget or 0, max_batch)
+
+
 @dataclasses.dataclass(slots=True)
 class GpuParts:
     runner: GpuModelRunner
@@ -100,7 +107,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     g = cfg.geometry
     max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=cfg.context_cap)
     budget = cfg.token_budget(gpu=True)
-    max_tokens = max(max_context, budget or 0)
+    max_tokens = step_token_limit(max_context, budget, cfg.max_batch)
     per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
     blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
