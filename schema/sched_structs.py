@@ -224,6 +224,8 @@ STATS_GROUPS = (
         Decl("uint32_t", "exit_reason", "0 while running, else one of BLINK_EXIT_*"),
         Decl("uint32_t", "last_cancel_slot"),
         Decl("uint32_t", "step_fill", "steps by tokens / token budget (shared.ring.step_fill_bucket)", count=7),
+        Decl("uint32_t", "max_step_rows", "the most rows (sequences) one step carried: past BLINK_SCHED_THREADS, a "
+             "step whose rows the threads looped over"),
         Decl("uint64_t", "grammar_loads grammar_evictions grammar_failures",
              "grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)"),
         Decl("uint64_t", "step_tokens padded_tokens",

@@ -338,6 +338,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   }
   compact_running(s);  // the finished ones leave `running` (join_running above kept its arrival order)
   s->stats->steps++;
+  if (s->plan_n > s->stats->max_step_rows) s->stats->max_step_rows = s->plan_n;
   s->stats->step_fill[step_fill_bucket(s->plan_tokens, s->cfg.max_prefill_tokens)]++;
   uint32_t graph_tokens = static_cast<uint32_t>(s->cfg.graph_tokens[s->plan_graph]);
   s->stats->step_tokens += s->plan_tokens;  // RingHeader.step_tokens, padded_tokens: the graph's past the step's

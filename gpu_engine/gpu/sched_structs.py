@@ -250,6 +250,7 @@ class SchedStats(C.Structure):
     exit_reason: int
     last_cancel_slot: int
     step_fill: C.Array[C.c_uint32]
+    max_step_rows: int
     grammar_loads: int
     grammar_evictions: int
     grammar_failures: int
@@ -296,6 +297,7 @@ class SchedStats(C.Structure):
         ("exit_reason", C.c_uint32),
         ("last_cancel_slot", C.c_uint32),
         ("step_fill", C.c_uint32 * 7),
+        ("max_step_rows", C.c_uint32),
         ("grammar_loads", C.c_uint64),
         ("grammar_evictions", C.c_uint64),
         ("grammar_failures", C.c_uint64),
