@@ -92,11 +92,15 @@ def stop_engine(ring: Ring, proc: subprocess.Popen, timeout: float = 60) -> int:
 
 
 class Driver:
-    """Keeps up to ``window`` jobs in flight; returns every job's tokens and finish reason."""
+    """Keeps up to ``window`` jobs in flight; returns every job's tokens and finish reason.
 
-    def __init__(self, ring: Ring, window: int, minor0_every: int = 0) -> None:
+    ``burst``: the jobs published in one pass ring the doorbell once, after the last of them, so the engine
+    finds them all at its next look, as if they had arrived together; otherwise each rings on its own, as the
+    slot tracker's do (the engine then starts steps while the later ones are still being written)."""
+
+    def __init__(self, ring: Ring, window: int, minor0_every: int = 0, burst: bool = False) -> None:
         self.ring, self.w, self.t = ring, SlotWriter(ring), ring.transport
-        self.window = window
+        self.window, self.burst = window, burst
         # Every n-th job (by id) is published as a frontend of schema minor 0 does: no pending_flips.
         self.minor0_every, self.flips = minor0_every, self.w.flips
         self.inflight: dict[int, tuple[Job, int, int, float]] = {}  # slot -> (job, seq, seen, submit time)
@@ -112,7 +116,7 @@ class Driver:
                 continue
             req = SlotRequest(job.rid, job.prompt, job.sampling())
             self.w.flips = self.flips and not (self.minor0_every and job.rid % self.minor0_every == 0)
-            self.w.publish(int(idx), seq, req)
+            self.w.publish(int(idx), seq, req, doorbell=not self.burst)
             self.inflight[int(idx)] = (job, seq, 0, time.perf_counter())
             return True
         return False
@@ -157,8 +161,12 @@ class Driver:
                 raise TimeoutError(f"{len(todo)} jobs not submitted, {len(self.inflight)} in flight; "
                                    f"{self.describe()}")
             snap = self.ring.read_slots()
+            published = 0
             while todo and len(self.inflight) < self.window and self._submit(todo[-1], snap):
                 todo.pop()
+                published += 1
+            if self.burst and published:
+                self.w.ring_doorbell(published)
             self._collect()
         return self.results
 

@@ -100,6 +100,8 @@ class Struct:
 
 CONSTANTS = (
     Constant("BLINK_MAX_EOS", "MAX_EOS", 8, "end-of-sequence ids the scheduler compares each token with"),
+    Constant("BLINK_MAX_BATCH", "MAX_BATCH", 1024, "sequences in one step at most (max_batch): the scheduler's "
+             "threads loop over a step's rows, its per-row scratch is sized by max_batch in the state's arena"),
     Constant("BLINK_SAMPLES", "SAMPLES", 4096, "instrumentation samples kept per metric (a ring buffer)"),
     Constant("BLINK_EXIT_SHUTDOWN", "EXIT_SHUTDOWN", 1, "exit_reason: the ring's shutdown flag was set"),
     Constant("BLINK_EXIT_LAUNCH_FAILED", "EXIT_LAUNCH_FAILED", 2, "exit_reason: a graph launch kept failing"),
@@ -222,6 +224,8 @@ STATS_GROUPS = (
         Decl("uint32_t", "exit_reason", "0 while running, else one of BLINK_EXIT_*"),
         Decl("uint32_t", "last_cancel_slot"),
         Decl("uint32_t", "step_fill", "steps by tokens / token budget (shared.ring.step_fill_bucket)", count=7),
+        Decl("uint32_t", "max_step_rows", "the most rows (sequences) one step carried: past BLINK_SCHED_THREADS, a "
+             "step whose rows the threads looped over"),
         Decl("uint64_t", "grammar_loads grammar_evictions grammar_failures",
              "grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)"),
         Decl("uint64_t", "step_tokens padded_tokens",

@@ -36,6 +36,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the
 # so a long prompt delays the other streams by a fraction of a second per chunk.
 DEFAULT_TOKEN_BUDGET = {"gpu": 1024, "cpu": 256}
 GPU_MAX_CONTEXT = 8192  # the largest prefill graph the GPU backends capture: their context limit
+# The persistent scheduler's sequences per step at most (BLINK_MAX_BATCH of schema/sched_structs.py; a test keeps
+# them equal): its 256 threads loop over a step's rows, whose scratch is sized by --max-num-seqs.
+PERSISTENT_MAX_BATCH = 1024
 
 
 def _flag(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] = (),
@@ -112,7 +115,8 @@ class EngineConfig:
         "/ 8 bytes; a request whose grammar is larger is refused with a 400; idle grammars are evicted, least "
         f"recently used first); 0: constrained requests are refused (default: {DEFAULT_GRAMMAR_CACHE_MB})",
         minimum=0, kind=int)
-    max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias)",
+    max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias; at most "
+                           f"{PERSISTENT_MAX_BATCH:,} with the persistent backend)",
                            flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
     max_num_batched_tokens: int = _flag(
         0, "tokens in one engine step (vLLM's name): with chunked prefill, every running decode plus prompt "
@@ -226,6 +230,9 @@ class EngineConfig:
         if self.grammar_cache_mb is not None and self.backend in ("cpu", "host"):
             raise ValueError(f"--grammar-cache-mb sizes the persistent backend's device arena; the {self.backend} "
                              "backend keeps grammars in host memory (no such limit)")
+        if self.backend == "persistent" and self.max_batch > PERSISTENT_MAX_BATCH:
+            raise ValueError(f"--max-num-seqs {self.max_batch}: the persistent backend serves at most "
+                             f"{PERSISTENT_MAX_BATCH} sequences at once")
         if self.chunked_prefill and 0 < self.max_num_batched_tokens < self.max_batch:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one decode token "
                              f"for each of --max-num-seqs {self.max_batch} sequences: give at least {self.max_batch}")

@@ -110,8 +110,9 @@ class SlotWriter:
             raise ValueError(f"a prompt of {len(req.prompt)} tokens and {len(s.logit_bias)} logit_bias entries "
                              f"exceed the slot's prompt row ({self.max_prompt} words)")
 
-    def publish(self, idx: int, seq: int, req: SlotRequest) -> None:
-        """RESERVED(seq) -> PREFILL_PENDING(seq): prompt and metadata first, state word last."""
+    def publish(self, idx: int, seq: int, req: SlotRequest, doorbell: bool = True) -> None:
+        """RESERVED(seq) -> PREFILL_PENDING(seq): prompt and metadata first, state word last, then the doorbell;
+        with ``doorbell`` False the caller rings once for several publications (``ring_doorbell``)."""
         self.check(req)
         ring, t = self.ring, self.t
         t.write(ring.prompt_offset(idx), np.ascontiguousarray(req.prompt, dtype=np.int32))
@@ -132,7 +133,13 @@ class SlotWriter:
         t.store32(ring.slot_field(idx, "state"), S.PREFILL_PENDING)
         if self.flips and idx < FLIP_SLOTS:  # after the state word, before the doorbell (schema/OWNERSHIP.md)
             t.fetch_xor64(HEADER_OFF["pending_flips"] + 8 * (idx // 64), 1 << (idx % 64))
-        t.fetch_add64(HEADER_OFF["doorbell"], 1)
+        if doorbell:
+            self.ring_doorbell(1)
+
+    def ring_doorbell(self, publications: int) -> None:
+        """The doorbell's increments of ``publications`` publications, after the last of them: an engine then
+        finds them all at one look (each flipped before its increment, as schema/OWNERSHIP.md asks)."""
+        self.t.fetch_add64(HEADER_OFF["doorbell"], publications)
 
     def abandon(self, idx: int, seq: int) -> bool:
         """RESERVED(seq) -> EMPTY(seq), when a reservation cannot be filled."""

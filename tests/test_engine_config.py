@@ -12,7 +12,8 @@ import pytest
 from blink.cli import build_parser, main
 from blink.supervisor import ServeConfig, Supervisor
 from gpu_engine import serve as engine_serve
-from shared.config import DERIVED_DEFAULTS, EngineConfig, engine_flags
+from gpu_engine.gpu import sched_structs
+from shared.config import DERIVED_DEFAULTS, PERSISTENT_MAX_BATCH, EngineConfig, engine_flags
 from shared.env import Env, default_run_dir, env
 from shared.ring import RingGeometry
 
@@ -102,6 +103,8 @@ def test_the_engine_gets_only_flags_that_differ_from_its_defaults() -> None:
     (["--model", "/no/such/model"], "--model: path /no/such/model does not exist"),
     (["--top-logprobs", "21"], "top_logprobs must be in 0..20"),
     (["--ring", ""], "--ring must not be empty"),
+    (["--backend", "persistent", "--max-num-seqs", "1025"],
+     "--max-num-seqs 1025: the persistent backend serves at most 1024 sequences at once"),
     (["--backend", "cpu", "--kernel-plan", "h200"],
      "--kernel-plan h200 applies to the GPU backends (got --backend cpu)"),
 ])
@@ -112,6 +115,17 @@ def test_bad_values_are_refused_by_the_engine_and_by_serve(argv: list[str], mess
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_persistent_backend_s_batch_limit_is_the_scheduler_s() -> None:
+    """--max-num-seqs up to the scheduler's BLINK_MAX_BATCH runs on the persistent backend; past it the engine
+    refuses it, also once --backend auto resolved to persistent; the other backends have no such limit."""
+    assert PERSISTENT_MAX_BATCH == sched_structs.MAX_BATCH == 1024
+    assert EngineConfig(backend="persistent", max_batch=1024).max_batch == 1024
+    assert EngineConfig(backend="host", max_batch=2048).max_batch == 2048
+    auto = EngineConfig(max_batch=1025)
+    assert auto.refusal_on("host", None) is None
+    assert "serves at most 1024 sequences" in (auto.refusal_on("persistent", None) or "")
 
 
 def test_bad_choices_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from gpu_engine.gpu.graph_grid import COMPUTE_BOUND_TOKENS, mixed_buckets, mixed
 from gpu_engine.gpu.serve_gpu import decode_buckets, step_token_limit
 
 SERVING = ((128, 1024), (64, 1024), (256, 2048), (32, 512), (128, 1000))  # (max_batch, token budget)
+WIDE = ((512, 1024), (1024, 1024))  # more rows than the persistent scheduler's threads (BLINK_MAX_BATCH 1024)
 
 
 def mixed_cache(max_batch: int, budget: int, max_tokens: int | None = None) -> GraphCache:
@@ -36,7 +37,7 @@ def scheduler_pick(table: np.ndarray, grain: int, max_batch: int, filtered: int,
     return int(table.reshape(-1)[(filtered * (max_batch + 1) + b) * cols + col])
 
 
-@pytest.mark.parametrize(("max_batch", "budget"), SERVING)
+@pytest.mark.parametrize(("max_batch", "budget"), SERVING + WIDE)
 def test_every_step_finds_a_graph_that_holds_it(max_batch: int, budget: int) -> None:
     cache = mixed_cache(max_batch, budget)
     batch = np.array([s.batch for s in cache.shapes])
@@ -62,7 +63,7 @@ def test_a_saturated_mixed_step_pads_little() -> None:
     assert s.batch == 128 and 0 <= s.tokens - 745 < 0.05 * 745, s
 
 
-@pytest.mark.parametrize(("max_batch", "budget"), SERVING)
+@pytest.mark.parametrize(("max_batch", "budget"), SERVING + WIDE)
 def test_the_scheduler_s_read_of_the_table_is_the_lookup(max_batch: int, budget: int) -> None:
     """The persistent scheduler indexes the same table the host looks up (gpu_engine/csrc/sched_step.cuh,
     pick_graph), here over a table wider than the budget (its columns reach the context limit)."""
@@ -93,11 +94,11 @@ def test_the_grid_and_its_graph_counts() -> None:
     multiple apart past it; the graphs it captures (both variants of every shape, decode graphs included) at
     the serving budgets and at 8,192 tokens (printed: pytest -s)."""
     counts = {}
-    for max_batch, budget in (*SERVING, (128, 8192)):
+    for max_batch, budget in (*SERVING, *WIDE, (128, 8192)):
         counts[max_batch, budget] = 2 * (len(decode_buckets(max_batch)) + len(mixed_buckets(max_batch, budget)))
         print(f"max_batch {max_batch} budget {budget}: {counts[max_batch, budget]} graphs")
     assert counts == {(128, 1024): 236, (64, 1024): 228, (256, 2048): 308, (32, 512): 138, (128, 1000): 232,
-                      (128, 8192): 416}
+                      (512, 1024): 250, (1024, 1024): 258, (128, 8192): 416}
     assert len(mixed_buckets(128, 1024)) == 106
     fine = mixed_tokens(1024)
     assert fine[:5] == [16, 32, 64, 128, 256] and fine[-1] == 1024 and all(t % TOKEN_GRAIN == 0 for t in fine)
@@ -105,6 +106,19 @@ def test_the_grid_and_its_graph_counts() -> None:
     assert mixed_tokens(100) == [16, 32, 64, 100]
     assert mixed_rows(128, 1024) == [32, 128] and mixed_rows(128, 256) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert mixed_rows(128, 16) == [1, 2, 4, 8, 16]
+    assert mixed_rows(512, 320) == [128, 320] and mixed_rows(512, 1024) == [128, 512]
+
+
+def test_decode_sizes_past_256_rows() -> None:
+    """The decode graphs up to max_batch: the sizes up to 256 as before, then at most a third apart up to the
+    scheduler's 1,024 rows; max_batch itself always."""
+    assert decode_buckets(256)[-4:] == [128, 160, 192, 256]
+    assert decode_buckets(512)[-4:] == [256, 320, 384, 512]
+    wide = decode_buckets(1024)
+    assert wide[-7:] == [320, 384, 512, 640, 768, 896, 1024]
+    assert all(b <= 1.5 * a for a, b in zip(wide, wide[1:], strict=False) if a >= 8)
+    assert all(3 * b <= 4 * a for a, b in zip(wide, wide[1:], strict=False) if a >= 128)
+    assert decode_buckets(700)[-3:] == [512, 640, 700]
 
 
 def test_the_step_token_limit_holds_a_decode_step_of_every_row() -> None:

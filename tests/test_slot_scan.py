@@ -14,10 +14,10 @@ from shared.slots import SlotRequest, SlotWriter
 GEO = RingGeometry(64, 8, 8, 1)
 
 
-def publish(w: SlotWriter, idx: int, rid: int) -> None:
+def publish(w: SlotWriter, idx: int, rid: int, doorbell: bool = True) -> None:
     seq = w.try_reserve(idx, int(w.ring.slots["seq"][idx]))
     assert seq is not None
-    w.publish(idx, seq, SlotRequest(rid, np.array([5, 6], np.int32), Sampling(2)))
+    w.publish(idx, seq, SlotRequest(rid, np.array([5, 6], np.int32), Sampling(2)), doorbell=doorbell)
 
 
 def claim_all(eng: SlotEngine) -> list[int]:
@@ -67,6 +67,35 @@ def test_a_flip_seen_before_its_ring_does_not_hide_a_writer_without_flips(ring_n
     assert claim_all(eng) == [7]
     t.fetch_add64(bell, 1)  # slot 7's ring lands
     assert claim_all(eng) == [9]  # no flip for that ring: every slot is read
+    ring.close()
+
+
+def test_publications_that_ring_once_after_the_last_are_found_at_one_look(ring_name: str) -> None:
+    """A writer publishing several slots at once adds their count to the doorbell after the last of them (the
+    test harness's burst): the engine looks only then, finds them all through their flips, and the count of
+    flips against rings still catches a writer without flips afterwards."""
+    ring = create_shm_ring(ring_name, GEO)
+    eng = SlotEngine(ring)
+    new, old = SlotWriter(ring), SlotWriter(ring)
+    old.flips = False
+    publish(new, 0, 1)
+    assert claim_all(eng) == [0]  # the first scan reads every slot
+    for idx in (3, 4, 5):
+        publish(new, idx, idx, doorbell=False)
+    assert int(ring.header["doorbell"][0]) == 1 and claim_all(eng) == []  # not rung yet: not looked for
+    new.ring_doorbell(3)
+    assert int(ring.header["doorbell"][0]) == 4
+    full_reads: list[int] = []
+    read_slots = ring.read_slots
+
+    def counted(out: np.ndarray | None = None) -> np.ndarray:  # the engine's read of every slot
+        full_reads.append(1)
+        return read_slots(out)
+
+    ring.read_slots = counted  # type: ignore[method-assign]
+    assert claim_all(eng) == [3, 4, 5] and not full_reads  # three flips for three rings
+    publish(old, 6, 6)
+    assert claim_all(eng) == [6] and full_reads  # a ring without its flip: every slot is read
     ring.close()
 
 

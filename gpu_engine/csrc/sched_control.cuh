@@ -13,9 +13,13 @@
 
 namespace {
 
+// Cancellations finished per loop: a flag past these stays set and is read again on the next loop (its
+// request is not free), so any number of running requests can be cancelled at once.
+constexpr uint32_t kMaxCancels = 256;
+
 // Cancel flags of every active request, read in parallel; thread 0 finishes them.
 __device__ void apply_cancellations(SchedState *s) {
-  __shared__ uint32_t n, list[BLINK_SCHED_THREADS];
+  __shared__ uint32_t n, list[kMaxCancels];
   if (s->stopped) return;
   if (threadIdx.x == 0) n = 0;
   __syncthreads();
@@ -23,11 +27,11 @@ __device__ void apply_cancellations(SchedState *s) {
     if (s->req[i].phase == kFree) continue;
     if (ld_relaxed32(&slot(s, i)->cancel) == 0) continue;
     uint32_t k = atomicAdd(&n, 1u);
-    if (k < BLINK_SCHED_THREADS) list[k] = i;
+    if (k < kMaxCancels) list[k] = i;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    uint32_t m = n < BLINK_SCHED_THREADS ? n : BLINK_SCHED_THREADS;
+    uint32_t m = n < kMaxCancels ? n : kMaxCancels;
     for (uint32_t k = 0; k < m; ++k) {
       finish_req(s, list[k], BLINK_FINISH_REASON_CANCELLED, BLINK_ERROR_CODE_OK);
       s->stats->cancels++;

@@ -114,6 +114,11 @@ size_t carve_arena(const blink_sched_config &c, SchedState *st, uintptr_t base) 
   st->plan_slot = carve<uint32_t>(base, &cur, c.max_batch);
   st->plan_cached = carve<uint32_t>(base, &cur, c.max_batch);
   st->plan_new = carve<uint32_t>(base, &cur, c.max_batch);
+  st->row_cu = carve<uint32_t>(base, &cur, c.max_batch + 1);
+  st->row_reason = carve<uint32_t>(base, &cur, c.max_batch);
+  st->score_first = carve<uint32_t>(base, &cur, c.max_batch);
+  st->score_lo = carve<uint32_t>(base, &cur, c.max_batch);
+  st->score_acc = carve<uint32_t>(base, &cur, c.max_batch + 1);
   st->gram = carve<GramEntry>(base, &cur, BLINK_GRAMMAR_ENTRIES);
   return cur;
 }
@@ -228,12 +233,12 @@ bool config_refused(const blink_sched_config *cfg) {
 
 int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched_stats **host_stats) {
   if (config_refused(cfg)) return -1;
-  if (cfg->max_batch > BLINK_SCHED_THREADS || cfg->copies == 0 || cfg->num_graphs == 0 ||
+  if (cfg->max_batch > BLINK_MAX_BATCH || cfg->copies == 0 || cfg->num_graphs == 0 ||
       cfg->num_slots > BLINK_SCHED_THREADS * kMaxPerThread || (cfg->scan_flips && cfg->num_slots > kFlipWords * 64)) {
     snprintf(g_error, sizeof(g_error),
              "invalid scheduler config: max_batch %u (<= %d), copies %u, graphs %u, slots %u (<= %u; <= %u with "
              "scan_flips)",
-             cfg->max_batch, BLINK_SCHED_THREADS, cfg->copies, cfg->num_graphs, cfg->num_slots,
+             cfg->max_batch, BLINK_MAX_BATCH, cfg->copies, cfg->num_graphs, cfg->num_slots,
              BLINK_SCHED_THREADS * kMaxPerThread, kFlipWords * 64);
     return -1;
   }

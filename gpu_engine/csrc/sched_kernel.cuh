@@ -1,5 +1,7 @@
 // The persistent scheduler kernel: one block of BLINK_SCHED_THREADS threads, started once inside a
-// device-launchable graph, that runs the serving loop with the host off the path.
+// device-launchable graph, that runs the serving loop with the host off the path. A step holds up to
+// max_batch rows (at most BLINK_MAX_BATCH, more than the threads): the threads loop over the rows, and
+// the per-row scratch lives in the state's arena, not in shared memory.
 //
 // Each iteration: claim new prompts from the ring (parallel scan, only when the doorbell moved),
 // apply cancellations, plan a step with the shared policy (gpu_engine/policy.py; mapping in
@@ -75,7 +77,7 @@ __device__ void copy_stats_out(SchedState *s, blink_sched_stats *host_stats) {
 }  // namespace
 
 __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedState *s, blink_sched_stats *host_stats) {
-  __shared__ uint32_t launches, action, cu[BLINK_SCHED_THREADS + 1];
+  __shared__ uint32_t launches, action;
   __shared__ int64_t expect;
   __shared__ uint64_t t_launch;
   if (threadIdx.x == 0) {
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
       __nanosleep(200);
       continue;
     }
-    stage(s, cu);
+    stage(s);
     __syncthreads();
     if (threadIdx.x == 0) action = launch_step(s, &launches, &expect, &t_launch);
     __syncthreads();

@@ -76,10 +76,10 @@ __device__ void complete_slot(SchedState *s, uint32_t i, uint32_t reason, uint32
   s->stats->completions++;
 }
 
-// Policy.finish: remove from wherever it is, free its blocks, complete the slot.
-__device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
+// Policy.finish but for `running`, which keeps a finished request until compact_running: a step's rows that
+// finish together leave it in one pass, not in one shift of the array each (up to max_batch of them).
+__device__ void finish_in_place(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
   ReqInfo *r = &s->req[i];
-  if (r->phase == kRunning) remove_from(s->running, &s->running_count, i);
   if (r->phase == kPaused) remove_from(s->paused, &s->paused_count, i);
   if (r->phase == kWaiting) remove_waiting(s, i);
   if (s->partial == i) s->partial = kNoSlot;
@@ -88,6 +88,20 @@ __device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t 
   r->gentry = kNoGrammar;
   r->phase = kFree;
   complete_slot(s, i, reason, error);
+}
+
+// `running` without the requests that finish_in_place finished, in the same order.
+__device__ void compact_running(SchedState *s) {
+  uint32_t kept = 0;
+  for (uint32_t k = 0; k < s->running_count; ++k)
+    if (s->req[s->running[k]].phase == kRunning) s->running[kept++] = s->running[k];
+  s->running_count = kept;
+}
+
+// Policy.finish: remove from wherever it is, free its blocks, complete the slot.
+__device__ void finish_req(SchedState *s, uint32_t i, uint32_t reason, uint32_t error) {
+  if (s->req[i].phase == kRunning) remove_from(s->running, &s->running_count, i);
+  finish_in_place(s, i, reason, error);
 }
 
 // Policy._pause: into `paused`, kept in arrival order.

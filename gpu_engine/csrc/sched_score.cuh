@@ -23,9 +23,10 @@
 namespace {
 
 // The positions a step scores, in row order: row r's entries e in [acc[r], acc[r + 1]) are its packed
-// tokens first[r] + (e - acc[r]), at prompt positions lo[r] + (e - acc[r]).
+// tokens first[r] + (e - acc[r]), at prompt positions lo[r] + (e - acc[r]). The arrays are the state's
+// per-row scratch (global memory, [max_batch] and [max_batch + 1]).
 struct ScorePlan {
-  uint32_t first[BLINK_SCHED_THREADS], lo[BLINK_SCHED_THREADS], acc[BLINK_SCHED_THREADS + 1];
+  uint32_t *first, *lo, *acc;
 };
 
 // Thread 0: the plan of the step just run; returns how many positions it scores.
@@ -106,15 +107,15 @@ __device__ bool run_score_graph(SchedState *s, uint32_t *launches) {
 // All threads: the step's prompt log-probs into the ring, visible before any of its tokens; false when the
 // scheduler stopped on the way (nothing of the step is then published).
 __device__ bool score_prompts(SchedState *s, uint32_t *launches) {
-  __shared__ ScorePlan plan;
   __shared__ uint32_t total, ok;
+  ScorePlan plan = {s->score_first, s->score_lo, s->score_acc};
   const blink_sched_config &c = s->cfg;
   if (!c.score_rows || s->plan_kind != kPrefill) return true;
   if (threadIdx.x == 0) {
     total = plan_scores(s, &plan);
     ok = 1;
   }
-  __syncthreads();
+  __syncthreads();  // also makes thread 0's plan (global memory) visible to the block
   for (uint32_t base = 0; base < total; base += c.score_rows) {
     stage_scores(s, &plan, base, total);
     __threadfence();

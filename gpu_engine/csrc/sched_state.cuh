@@ -95,6 +95,11 @@ struct SchedState {
   uint32_t *copy_rr;                             // [num_graphs] next executable copy
   uint32_t score_rr;                             // the score graph's next executable copy
   uint32_t *plan_slot, *plan_cached, *plan_new;  // [max_batch]
+  // Per-row scratch of a step, in global memory (max_batch rows, up to BLINK_MAX_BATCH, outnumber the threads,
+  // which loop over them; shared memory stays small for the model graphs beside the scheduler on its SM).
+  uint32_t *row_cu;      // [max_batch + 1] each row's first packed token, then the step's tokens (stage)
+  uint32_t *row_reason;  // [max_batch] each row's finish reason (wait_and_postprocess)
+  uint32_t *score_first, *score_lo, *score_acc;  // [max_batch], [max_batch], [max_batch + 1]: ScorePlan
   uint32_t wait_head, wait_count, paused_count, running_count, free_count, arrivals;
   uint32_t plan_kind, plan_n, plan_tokens, plan_graph, draining, stopped;
   uint32_t partial;  // the request whose chunked prefill is under way, or kNoSlot

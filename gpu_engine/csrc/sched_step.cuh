@@ -210,10 +210,11 @@ __device__ void stage_block_tables(SchedState *s, uint32_t n, uint32_t Bg) {
 }
 
 // All threads: write the step into the graphs' static buffers, padding the rest exactly as
-// GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults). `cu`
-// (shared, [BLINK_SCHED_THREADS + 1]) receives the rows' token offsets.
-__device__ void stage(SchedState *s, uint32_t *cu) {
+// GpuModelRunner.stage does (slot_mapping -1, zero-length sequences, greedy defaults). The state's
+// row_cu ([max_batch + 1], global memory) receives the rows' token offsets.
+__device__ void stage(SchedState *s) {
   __shared__ uint32_t nd;
+  uint32_t *cu = s->row_cu;
   const blink_sched_config &c = s->cfg;
   uint32_t g = s->plan_graph, n = s->plan_n, T = s->plan_tokens;
   uint32_t Bg = static_cast<uint32_t>(c.graph_batch[g]), Tg = static_cast<uint32_t>(c.graph_tokens[g]);
@@ -223,7 +224,7 @@ __device__ void stage(SchedState *s, uint32_t *cu) {
     nd = 0;
     while (nd < n && cu[nd + 1] == nd + 1) ++nd;
   }
-  __syncthreads();
+  __syncthreads();  // also makes thread 0's stores to row_cu visible to the block
   stage_tokens(s, cu, n, T, Tg);
   stage_rows(s, cu, n, nd, T, Bg);
   stage_block_tables(s, n, Bg);
@@ -300,10 +301,11 @@ __device__ bool await_step(SchedState *s, int64_t expect, uint64_t t_launch) {
   return await_counter(s, &s->cfg.counters[s->plan_graph], expect, t_launch);
 }
 
-// All threads: wait for the graph, score its prompts, publish every row, then thread 0 updates the policy
-// state. `launches`: this execution's count (the score graph's launches add to it).
+// All threads: wait for the graph, score its prompts, publish every row (the threads loop over them, each
+// row's finish reason into the state's row_reason), then thread 0 updates the policy state. `launches`:
+// this execution's count (the score graph's launches add to it).
 __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_launch, uint32_t *launches) {
-  __shared__ uint32_t reason[BLINK_SCHED_THREADS];
+  uint32_t *reason = s->row_reason;
   if (threadIdx.x == 0 && await_step(s, expect, t_launch)) {
     __threadfence();
     reinterpret_cast<volatile blink_sched_stats *>(s->host_stats)->current_graph = 0;
@@ -312,7 +314,7 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   __syncthreads();
   if (s->stopped) return;  // the step timed out, or the state was found overwritten: publish nothing
   if (!score_prompts(s, launches)) return;
-  if (threadIdx.x < s->plan_n) reason[threadIdx.x] = publish_row(s, threadIdx.x);
+  for (uint32_t r = threadIdx.x; r < s->plan_n; r += blockDim.x) reason[r] = publish_row(s, r);
   __syncthreads();
   if (threadIdx.x != 0) return;
   bool prefill = s->plan_kind == kPrefill;
@@ -332,9 +334,11 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
     if (reason[r] == BLINK_FINISH_REASON_NONE || reason[r] == BLINK_FINISH_REASON_LENGTH) s->stats->output_tokens++;
     if (reason[r] == BLINK_FINISH_REASON_STOP_ID)  // Slot.stop_token (minor 6): before complete_slot's fence
       slot(s, i)->stop_token = static_cast<int32_t>(s->cfg.next_tokens[r]);
-    if (reason[r] != BLINK_FINISH_REASON_NONE) finish_req(s, i, reason[r], BLINK_ERROR_CODE_OK);
+    if (reason[r] != BLINK_FINISH_REASON_NONE) finish_in_place(s, i, reason[r], BLINK_ERROR_CODE_OK);
   }
+  compact_running(s);  // the finished ones leave `running` (join_running above kept its arrival order)
   s->stats->steps++;
+  if (s->plan_n > s->stats->max_step_rows) s->stats->max_step_rows = s->plan_n;
   s->stats->step_fill[step_fill_bucket(s->plan_tokens, s->cfg.max_prefill_tokens)]++;
   uint32_t graph_tokens = static_cast<uint32_t>(s->cfg.graph_tokens[s->plan_graph]);
   s->stats->step_tokens += s->plan_tokens;  // RingHeader.step_tokens, padded_tokens: the graph's past the step's

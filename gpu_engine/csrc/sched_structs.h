@@ -8,6 +8,9 @@
 
 // end-of-sequence ids the scheduler compares each token with
 #define BLINK_MAX_EOS 8
+// sequences in one step at most (max_batch): the scheduler's threads loop over a step's rows, its per-row scratch is
+// sized by max_batch in the state's arena
+#define BLINK_MAX_BATCH 1024
 // instrumentation samples kept per metric (a ring buffer)
 #define BLINK_SAMPLES 4096
 // exit_reason: the ring's shutdown flag was set
@@ -170,6 +173,8 @@ typedef struct blink_sched_stats {
   uint32_t last_cancel_slot;
   // steps by tokens / token budget (shared.ring.step_fill_bucket)
   uint32_t step_fill[7];
+  // the most rows (sequences) one step carried: past BLINK_SCHED_THREADS, a step whose rows the threads looped over
+  uint32_t max_step_rows;
   // grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)
   uint64_t grammar_loads, grammar_evictions, grammar_failures;
   // tokens the steps carried; tokens their graphs computed past them (graph_tokens - the step's)

@@ -43,10 +43,13 @@ def mixed_rows(max_batch: int, tokens: int) -> list[int]:
     """The batch sizes captured at a mixed-step graph of ``tokens`` tokens (never more rows than tokens).
 
     Powers of two and ``max_batch``; past ``COMPUTE_BOUND_TOKENS`` tokens only a quarter of ``max_batch`` and
-    ``max_batch``: there a padded row costs a row of the LM head and of sampling, a small part of a step that
-    runs the model over hundreds of tokens, and the close token sizes stay few graphs."""
+    as many rows as the graph has tokens, up to ``max_batch`` (``max_batch`` itself up to 256 rows): there a
+    padded row costs a row of the LM head and of sampling, a small part of a step that runs the model over
+    hundreds of tokens, and the close token sizes stay few graphs. With more rows than 256, a step of n rows
+    (a token each at least) then finds a graph at the first token size that holds its tokens, not only at
+    ``max_batch`` tokens."""
     if tokens > COMPUTE_BOUND_TOKENS:
-        rows = {max(1, max_batch // 4), max_batch}
+        rows = {max(1, max_batch // 4), min(tokens, max_batch)}
     else:
         rows = {b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch} | {max_batch}
     return sorted(b for b in rows if b <= tokens)

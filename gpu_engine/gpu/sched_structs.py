@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes as C
 
 MAX_EOS = 8  # BLINK_MAX_EOS
+MAX_BATCH = 1024  # BLINK_MAX_BATCH
 SAMPLES = 4096  # BLINK_SAMPLES
 EXIT_SHUTDOWN = 1  # BLINK_EXIT_SHUTDOWN
 EXIT_LAUNCH_FAILED = 2  # BLINK_EXIT_LAUNCH_FAILED
@@ -249,6 +250,7 @@ class SchedStats(C.Structure):
     exit_reason: int
     last_cancel_slot: int
     step_fill: C.Array[C.c_uint32]
+    max_step_rows: int
     grammar_loads: int
     grammar_evictions: int
     grammar_failures: int
@@ -295,6 +297,7 @@ class SchedStats(C.Structure):
         ("exit_reason", C.c_uint32),
         ("last_cancel_slot", C.c_uint32),
         ("step_fill", C.c_uint32 * 7),
+        ("max_step_rows", C.c_uint32),
         ("grammar_loads", C.c_uint64),
         ("grammar_evictions", C.c_uint64),
         ("grammar_failures", C.c_uint64),

@@ -58,7 +58,9 @@ SCORE_ROWS = 256  # prompt positions the score graph scores per launch ([rows, v
 
 
 def decode_buckets(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]
+    """The decode graphs' batch sizes up to ``max_batch`` (itself always): at most half apart from 8 rows, a
+    third from 128, up to the 1,024 rows the persistent scheduler serves at most (sched_structs.MAX_BATCH)."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 896, 1024]
     return sorted({b for b in sizes if b < max_batch} | {max_batch})
 
 
