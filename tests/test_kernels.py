@@ -504,6 +504,9 @@ def test_gpu_prefill_attention_real_sizes():
     attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out)
     _close(out[:1001], attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 128 ** -0.5)[:1001], 2e-2)
     assert torch.equal(out[1001:], torch.zeros_like(out[1001:]))
+    seq = torch.full_like(q, float("nan"))
+    attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=seq, grid="seq")
+    assert torch.equal(out, seq)  # the packed grid (default) and the sequence grid: the same bits
 
 
 @gpu

@@ -422,7 +422,8 @@ def prefill_attention(
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
     `max_seqlen_q` bounds one sequence's query length (default T); it sizes the "seq" grid, so no host
-    sync is needed and the launch can be captured in a graph (the "packed" one is sized by T and B alone). `block_m` left None: `prefill_block_m`.
+    sync is needed and the launch can be captured in a graph (the "packed" one is sized by T and B alone).
+    `block_m` left None: `prefill_block_m`.
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
     against). It does not change a bit of the output.
