@@ -356,7 +356,7 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
 
 
 PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_block_m`)
-    "default": {}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
+    "default": {}, "seq_grid": {"grid": "seq"}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
     "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128}}
 
 
@@ -370,24 +370,32 @@ def prefill_rows(gbps: float) -> list[dict]:
     """Prefill attention (bf16, Llama-3-8B heads: 32 over 8 KV heads of 128) over tile shapes, against the matmul
     peak measured in the same run (`floor_ms`: the causal product's FLOPs at that peak). Cases (name: sequences
     as (query rows, context)): one prompt of 2,048 and of 8,192 tokens, a 2,048-token chunk over a 6,144-token
-    cached prefix, and four prompts of 512 in one step."""
+    cached prefix, four prompts of 512 in one step, and a saturated mixed step's chunk attention (`mixed_128_896`:
+    128 decode rows at served contexts, empty in the chunk bounds as the runner stages them, then an 896-token
+    prompt, in a 1,024-row step; the decode rows' own attention is not in it). `seq_grid`: the grid of a program
+    per (tile, head, sequence) against the default packed one."""
     from gpu_engine.kernels.attention import prefill_attention
 
     peak = matmul_tflops()
     H, hkv, D, bs = 32, 8, 128, 16
     cases = {"prompt_2048": [(2048, 2048)], "prompt_8192": [(8192, 8192)], "chunk_2048_at_8192": [(2048, 8192)],
-             "4x_prompt_512": [(512, 512)] * 4}
+             "4x_prompt_512": [(512, 512)] * 4,
+             "mixed_128_896": [(1, ctx) for ctx in served_contexts(128)] + [(896, 896)]}
     rows = []
     for case, seqs in cases.items():
         kc, vc, tables = _paged_cache([-(-ctx // bs) for _, ctx in seqs], hkv, bs=bs, d=D)
         lens = torch.tensor([ctx for _, ctx in seqs], device="cuda", dtype=torch.int32)
         cu = torch.tensor([0, *itertools.accumulate(n for n, _ in seqs)], device="cuda", dtype=torch.int32)
         T = int(cu[-1])
+        if case.startswith("mixed"):  # the decode rows' bounds made empty (`runner.split_rows`); their time is apart
+            lead = sum(1 for _ in itertools.takewhile(lambda s: s[0] == 1, seqs))
+            cu = cu.clamp(min=lead)
+            seqs = [(0 if k < lead else n, ctx) for k, (n, ctx) in enumerate(seqs)]
         q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         seen = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # (query, key) pairs under the causal mask
         flops = 4 * H * D * seen
-        nbytes = 2 * _nbytes(q) + 2 * sum(ctx for _, ctx in seqs) * hkv * D * 2
+        nbytes = 2 * _nbytes(q) + 2 * sum(ctx for n, ctx in seqs if n) * hkv * D * 2
         for name, kw in PREFILL_VARIANTS.items():
             try:
                 ms = graph_ms(lambda q=q, kc=kc, vc=vc, t=tables, n=lens, cu=cu, o=out, kw=kw:

@@ -44,3 +44,17 @@ def test_every_attention_variant_gives_the_runner_form_s_result():
         else:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert counters is None or not counters.any()
+
+
+def test_every_prefill_variant_is_a_prefill_attention_setting() -> None:
+    """The prefill rows' variants (the packed grid by default, `seq_grid` the sequence grid) name keywords that
+    `prefill_attention` takes, so none of them fails only on the GPU."""
+    import inspect
+
+    from bench.kernels import PREFILL_VARIANTS
+    from gpu_engine.kernels.attention import prefill_attention
+
+    params = inspect.signature(prefill_attention).parameters
+    for name, kw in PREFILL_VARIANTS.items():
+        assert set(kw) <= set(params), name
+    assert PREFILL_VARIANTS["seq_grid"] == {"grid": "seq"} and params["grid"].default == "packed"

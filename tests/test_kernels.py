@@ -171,6 +171,33 @@ def test_prefill_attention_varlen_with_prefix():
     _close(got, want, 1e-4)
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_prefill_attention_packed_grid_gives_the_sequence_grids_bits(block_m):
+    """A mixed step as the runner stages it: decode rows with no chunk rows (their queries are the decode
+    kernel's), chunks over cached prefixes, a prompt whole, and padding rows past the last sequence up to T. The
+    packed grid (a program per query tile of the step) writes every row the sequence grid writes with the same
+    bits, zeros on the padding rows, and takes no more programs than cdiv(T, block_m) + B + 1 tiles."""
+    lens_q = [0, 0, 37, 0, 5, 16, 1]
+    ctx_lens = [9, 30, 40, 3, 5, 33, 21]
+    kc, vc, bt, ctx = _paged(ctx_lens, nblocks=64, seed=3)
+    cu = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    T = int(cu[-1]) + 11  # the captured graph's rows: 11 padding rows after the step's
+    q = torch.randn(T, 8, 16, device=DEV)
+    runs = {}
+    for grid in ("seq", "packed"):
+        out = torch.full_like(q, float("nan"))
+        attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, out=out, block_m=block_m, block_n=16, grid=grid)
+        runs[grid] = out
+    assert torch.equal(runs["packed"], runs["seq"])
+    assert not runs["packed"].isnan().any() and not runs["packed"][int(cu[-1]):].any()
+    want = attention.prefill_attention_ref(q[: int(cu[-1])], kc, vc, bt, ctx, cu, 0.3)
+    _close(runs["packed"][: int(cu[-1])], want, 1e-4)
+    tiles = sum(-(-n // block_m) for n in lens_q) + -(-11 // block_m)
+    assert tiles <= -(-T // block_m) + len(lens_q) + 1
+    with pytest.raises(ValueError, match="grid must be"):
+        attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, grid="flat")
+
+
 def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
     """One prompt of n tokens (its K/V already in the cache) prefilled chunk by chunk: each chunk's rows see
     the cache up to their own position, as the runner's steps do."""
@@ -477,6 +504,9 @@ def test_gpu_prefill_attention_real_sizes():
     attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out)
     _close(out[:1001], attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 128 ** -0.5)[:1001], 2e-2)
     assert torch.equal(out[1001:], torch.zeros_like(out[1001:]))
+    seq = torch.full_like(q, float("nan"))
+    attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=seq, grid="seq")
+    assert torch.equal(out, seq)  # the packed grid (default) and the sequence grid: the same bits
 
 
 @gpu

@@ -121,15 +121,17 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> Non
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("dtype", "block_m", "whole"),
-                         [("bf16", 64, True), ("bf16", 16, True), ("fp32", 64, True), ("bf16", 64, False)])
-def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, whole: bool) -> None:
+@pytest.mark.parametrize(("dtype", "block_m", "whole", "packed"),
+                         [("bf16", 64, True, True), ("bf16", 16, True, True), ("fp32", 64, True, True),
+                          ("bf16", 64, False, True), ("bf16", 64, True, False)])
+def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, whole: bool, packed: bool) -> None:
     """The prefill attention (its whole-tile and diagonal loops, or the diagonal loop alone) at the runner's tile
-    sizes."""
+    sizes, on the packed grid (a mixed step of 256 rows: 257 sequences' tile counts summed in the program) and on
+    the sequence grid."""
     sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
            "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 NB:i32 T:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
-              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512}
     out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out

@@ -240,12 +240,30 @@ def _prefill_kernel(
     sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
+    PACKED: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Program (query tile mt, query head h, sequence b). WHOLE: the K/V tiles every row of the query tile sees
-    whole skip the causal select (the same bits, `_online_step`)."""
-    mt = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    whole skip the causal select (the same bits, `_online_step`). PACKED: the grid is (the step's query tiles
+    packed one sequence after another, heads), and each program finds its sequence and tile from the step's
+    `cu` (a prefix sum of the sequences' tile counts); otherwise (tile, head, sequence), where every sequence gets
+    the longest one's tiles and those past its own rows return at once. Sequence NB is the padding rows past the
+    last sequence, up to T. A tile's rows and their sums are the same either way, so are the bits."""
+    if PACKED:
+        p = tl.program_id(0)
+        h = tl.program_id(1)
+        i = tl.arange(0, BLOCK_B)
+        lo = tl.load(cu_ptr + i, mask=i <= NB, other=0)
+        hi = tl.load(cu_ptr + i + 1, mask=i < NB, other=T)
+        tiles = tl.where(i <= NB, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+        ends = tl.cumsum(tiles, 0)
+        b = tl.sum((ends <= p).to(tl.int32))
+        if b > NB:  # past the step's last tile: the grid is sized for the most tiles a step of T rows can have
+            return
+        mt = p - tl.sum(tl.where(i == b, ends - tiles, 0))
+    else:
+        mt = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     tok = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     if b == NB:  # rows past the last sequence (padding) get zeros, never stale memory
@@ -399,14 +417,21 @@ def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2, whole_tiles: bool = True,
+    grid: str = "packed",
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
-    `max_seqlen_q` bounds one sequence's query length (default T); it sizes the grid, so no host
-    sync is needed and the launch can be captured in a graph. `block_m` left None: `prefill_block_m`.
+    `max_seqlen_q` bounds one sequence's query length (default T); it sizes the "seq" grid, so no host
+    sync is needed and the launch can be captured in a graph (the "packed" one is sized by T and B alone).
+    `block_m` left None: `prefill_block_m`.
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
     against). It does not change a bit of the output.
+
+    `grid`: "packed" (a program per query tile of the step, tiles of one sequence after another, and head; at
+    most cdiv(T, block_m) + B + 1 tiles) or "seq" (a program per (tile, head, sequence), every sequence given
+    cdiv(max_seqlen_q, block_m) tiles: in a mixed step of 128 decode rows and a chunk, over 130 times the
+    programs with work, the rest returning at once). Both give the same bits.
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
@@ -419,12 +444,18 @@ def prefill_attention(
     block_m = block_m or prefill_block_m(T)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    grid = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
-    _prefill_kernel[grid](
+    if grid == "packed":
+        programs: tuple[int, ...] = (triton.cdiv(T, block_m) + B + 1, H)
+    elif grid == "seq":
+        programs = (triton.cdiv(max_seqlen_q or T, block_m), H, B + 1)
+    else:
+        raise ValueError(f"grid must be 'packed' or 'seq', got {grid!r}")
+    _prefill_kernel[programs](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
-        PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
