@@ -133,6 +133,33 @@ def _finish(optrs, omask, acc, acc_u, GLU: tl.constexpr, ADD: tl.constexpr):
 
 
 @triton.jit
+def _store_slice(ws_ptr, s, m, n, M, N, omask, acc, acc_u, GLU: tl.constexpr):
+    """Slice s's fp32 sums of an [M, N] tile into the workspace: a slice's partials [M, N], or with GLU the gate's
+    then the up's, [M, 2N]."""
+    width = 2 * N if GLU else N
+    at = ws_ptr + s.to(tl.int64) * M * width + m[:, None].to(tl.int64) * width + n[None, :]
+    tl.store(at, acc, mask=omask)
+    if GLU:
+        tl.store(at + N, acc_u, mask=omask)
+
+
+@triton.jit
+def _slice_totals(ws_ptr, m, n, M, N, omask, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """The tile's sums over the SPLIT_K slices `_store_slice` wrote, (total, up's total with GLU), added in slice order
+    whichever program adds them; the loads bypass L1 (`.cg`): other SMs wrote them."""
+    width = 2 * N if GLU else N
+    part = m[:, None].to(tl.int64) * width + n[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + i * M * width + part, mask=omask, other=0.0, cache_modifier=".cg")
+        if GLU:
+            total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0, cache_modifier=".cg")
+    return total, total_u
+
+
+@triton.jit
 def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
                   SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -166,24 +193,14 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
             acc, acc_u = acc * scale, acc_u * scale
         _finish(optrs, omask, acc, acc_u, GLU, ADD)
     else:
-        width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]; then NORM's [M] sums
-        part = m[:, None].to(tl.int64) * width + n[None, :]
-        tl.store(ws_ptr + s.to(tl.int64) * M * width + part, acc, mask=omask)
-        if GLU:
-            tl.store(ws_ptr + s.to(tl.int64) * M * width + part + N, acc_u, mask=omask)
+        sq_at = ws_ptr + SPLIT_K * M * (2 * N if GLU else N)  # NORM: the slices' [M] sums after their partials
+        _store_slice(ws_ptr, s, m, n, M, N, omask, acc, acc_u, GLU)
         if NORM:
-            tl.store(ws_ptr + SPLIT_K * M * width + s * M + m, sq_rows, mask=m < M)
+            tl.store(sq_at + s * M + m, sq_rows, mask=m < M)
         if last_to_finish(cnt_ptr + pn, SPLIT_K):
-            # slice order whichever program sums; loads bypass L1 (`.cg`): other SMs wrote them
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + i * M * width + part, mask=omask, other=0.0, cache_modifier=".cg")
-                if GLU:
-                    total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0,
-                                       cache_modifier=".cg")
+            total, total_u = _slice_totals(ws_ptr, m, n, M, N, omask, GLU, BLOCK_M, BLOCK_N, SPLIT_K)
             if NORM:
-                scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * width, m, M, K, eps, BLOCK_M, SPLIT_K)
+                scale = _slices_rms_scale(sq_at, m, M, K, eps, BLOCK_M, SPLIT_K)
                 total, total_u = total * scale, total_u * scale
             _finish(optrs, omask, total, total_u, GLU, ADD)
 
