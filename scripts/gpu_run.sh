@@ -21,7 +21,9 @@
 # over two calls),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), kernels_fused (its fused forms against the kernels
-# they replace, per configuration, at 1-64 rows), roofline_plans (the dense rows once for each of PLANS, space-
+# they replace, per configuration, at 1-64 rows), kernels_fp8 (tests/test_fp8_gemv.py's GPU tests, then the
+# FP8-weight GEMV's configurations beside fp8_linear and bf16 cuBLAS at 1-128 rows: kernels_fp8.json; T_KERNELS_FP8),
+# roofline_plans (the dense rows once for each of PLANS, space-
 # separated bench/roofline.py --plan settings, default "cublas h200": a kernels.plan.PLANS name or a TILED_CONFIGS
 # name with an optional +fused; roofline_<plan>.json each, side by side in one call; PLAN_MODELS=moe (or dense,moe)
 # for the MoE rows; the roofline step itself takes what the engine takes on this GPU, --kernel-plan auto),
@@ -195,6 +197,7 @@ run_step() {
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} --out "$OUT/kernels.json" ;;
     kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
     kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-540}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
+    kernels_fp8) step kernels_fp8 "${T_KERNELS_FP8:-540}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_fp8_gemv.py; a=\$?; $PY -m bench.kernels --only fp8 --out '$OUT/kernels_fp8.json'; b=\$?; exit \$((a | b))" ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     # The dense roofline once per kernel plan, one after another on the same machine; one JSON each.
     roofline_plans)

@@ -243,3 +243,31 @@ def test_norm_and_silu_kernels_compile_for_sm90(dtype: str) -> None:
     out = compiles("gpu_engine.kernels.activation", "_silu_mul_kernel",
                    _sig(f"x_ptr:*{dtype} out_ptr:*{dtype} I:i32 sx:i32 so:i32"), {"BLOCK": 1024})
     assert out.startswith("True"), out
+
+
+FP8_SIG = ("x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 "
+           "sw:i32 so:i32 k_split:i32")
+
+
+@pytest.mark.parametrize("which", ["stepped", pytest.param("all", marks=pytest.mark.slow)])
+def test_fp8_gemv_configurations_compile_for_sm90_within_a_blocks_shared_memory(which: str) -> None:
+    """The FP8 GEMV (`kernels.fp8_gemv`) in each configuration `FP8_STEPS` names (all candidates with ``-m slow``) at
+    the most rows its form takes (fma: FMA_ROWS; the tensor-core forms: 128), split over K and as a glu, with the
+    stages the launcher gives it (`fp8_stages`): a cubin within a block's shared memory."""
+    from gpu_engine.kernels.fp8_gemv import FMA_ROWS, FP8_CONFIGS, FP8_STEPS, fp8_stages
+    from gpu_engine.kernels.tiled_linear import SHARED_BYTES
+
+    stepped = {name for _, name in FP8_STEPS}
+    divisible = ["x_ptr", "w_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "K", "sx", "sw", "so", "k_split"]
+    for name, c in FP8_CONFIGS.items():
+        if which == "stepped" and name not in stepped:
+            continue
+        block_m = FMA_ROWS if c.form == "fma" else 128
+        stages = fp8_stages(c, block_m, 2)
+        for split, glu in ((4, False), (1, True)):
+            consts = {"GLU": glu, "FORM": c.form, "BLOCK_M": block_m, "BLOCK_N": c.block_n // 2 if glu else c.block_n,
+                      "BLOCK_K": c.block_k, "SPLIT_K": split, "PREC": "tf32", "STAGES": stages}
+            out = compiles("gpu_engine.kernels.fp8_gemv", "_fp8_gemv_kernel", _sig(FP8_SIG), consts,
+                           options={"num_warps": c.num_warps, "num_stages": stages}, divisible=divisible)
+            got = re.match(r"\d+", out)
+            assert got is not None and int(got.group()) <= SHARED_BYTES, (name, glu, out)
