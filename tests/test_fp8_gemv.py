@@ -218,13 +218,14 @@ def test_gpu_glu_at_gate_up(M: int) -> None:
     w, x, scratch = _on_gpu("gate_up", M)
     config = fp8_config(M)
     gate, up = (Fp8Weight(c, s) for c, s in zip(w.weight.chunk(2), w.scale.chunk(2), strict=True))
-    half = config._replace(block_n=config.block_n // 2)
+    half = config._replace(block_n=max(16, config.block_n // 2))  # a launch's tiles are 16 wide or more
     plain = torch.cat([fp8_gemv(x, part, config=half, scratch=scratch) for part in (gate, up)], 1)
     assert_within_rounding(plain, x, Fp8Weight.cat([gate, up]))
     got = fp8_gemv(x, w, act="glu", config=config, scratch=scratch)
     assert got.shape == (M, SHAPES["gate_up"][0] // 2)
     torch.testing.assert_close(got, silu_and_mul(plain), rtol=2.0 ** -7, atol=1e-6)
-    torch.testing.assert_close(got, fp8_gemv_ref(x, w, "glu"), rtol=2.0 ** -6, atol=1e-5)
+    ref = fp8_gemv_ref(x, w, "glu")  # near zero a relative bound is none: a bf16 step of the largest value there
+    torch.testing.assert_close(got, ref, rtol=2.0 ** -6, atol=2.0 ** -8 * float(ref.abs().max()))
 
 
 @pytest.mark.gpu
