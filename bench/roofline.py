@@ -30,10 +30,11 @@ forms), which the benchmark builds itself (`KernelPlan.every_weight`). The file'
 `moe_plan`) names the plan its rows ran with.
 `--weights bf16,fp8` runs the dense rows once more with FP8 linears (`gpu_engine.kernels.fp8_linear`: the decoder
 layers' projections quantized at load as `--quantization fp8` does, per-channel weight scales and per-token
-activations; `fp8-tensor`: one scale each), in the same process, beside the bf16 rows: model
-`llama3-8b-shape-fp8` (`-fp8-tensor`), its floor the FP8 weights' bytes (and their scales, the bf16 norms and LM
-head) plus the KV bytes over the copy rate, and its prefill floor the same FLOPs over the bf16 matmul rate (the
-FP8 rate is about twice that: `x floor` below 1 is possible there); FP8 rows carry no breakdown.
+activations; `fp8-tensor`: one scale each; `fp8-gemv`: per-channel weights through the weight-only GEMV,
+`kernels.fp8_gemv`, at up to 128 rows), in the same process, beside the bf16 rows: model
+`llama3-8b-shape-fp8` (`-fp8-tensor`, `-fp8-gemv`), its floor the FP8 weights' bytes (and their scales, the bf16
+norms and LM head) plus the KV bytes over the copy rate, and its prefill floor the same FLOPs over the bf16 matmul
+rate (the FP8 rate is about twice that: `x floor` below 1 is possible there); FP8 rows carry no breakdown.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -325,7 +326,7 @@ def saturated_rate(rows: list[dict], prompt: float = 1019.0, output: float = 463
     return rates
 
 
-WEIGHTS = ("bf16", "fp8", "fp8-tensor")  # --weights: the dense rows' linears (`fp8_scheme`)
+WEIGHTS = ("bf16", "fp8", "fp8-tensor", "fp8-gemv")  # --weights: the dense rows' linears (`fp8_scheme`, `form_plan`)
 MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
           "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
 KINDS = (*MODELS, "mixed")
@@ -346,7 +347,22 @@ def fp8_scheme(weights: str):
     """The `Fp8Scheme` of a `--weights` entry (None: bf16)."""
     from gpu_engine.models.fp8_checkpoint import Fp8Scheme
 
-    return {"bf16": None, "fp8": Fp8Scheme(), "fp8-tensor": Fp8Scheme("tensor", "tensor")}[weights]
+    return {"bf16": None, "fp8": Fp8Scheme(), "fp8-tensor": Fp8Scheme("tensor", "tensor"),
+            "fp8-gemv": Fp8Scheme()}[weights]
+
+
+def form_plan(plan, weights: str):
+    """The plan a `--weights` form runs under: fp8-gemv sends every decode-sized step's FP8 products to the
+    weight-only GEMV (`KernelPlan.fp8_gemv_rows`), the other forms run `plan` as it is."""
+    import dataclasses
+
+    from gpu_engine.kernels.plan import PLANS
+    from gpu_engine.kernels.tiled_linear import MAX_ROWS
+
+    if weights != "fp8-gemv":
+        return plan
+    base = PLANS["cublas"] if plan is None else plan
+    return dataclasses.replace(base, name=f"{base.name}+fp8gemv", fp8_gemv_rows=MAX_ROWS)
 
 
 def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tuple[int, ...] = (),
@@ -368,7 +384,8 @@ def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tupl
                     continue
             for form in weights if m == "dense" else ("bf16",):
                 label = name if form == "bf16" else f"{name}-{form}"
-                rows += run_model(label, hf, model_batches, prefill, gbps, tflops, iters, plan, fp8_scheme(form))
+                rows += run_model(label, hf, model_batches, prefill, gbps, tflops, iters, form_plan(plan, form),
+                                  fp8_scheme(form))
                 torch.cuda.empty_cache()
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
@@ -484,7 +501,8 @@ def main() -> None:
                         "own --out)")
     parser.add_argument("--weights", default="bf16", help="comma-separated, the dense rows' linears, each a run of its "
                         "own in this process: bf16, fp8 (per-channel weights, per-token activations), fp8-tensor "
-                        "(a scale each); e.g. bf16,fp8")
+                        "(a scale each), fp8-gemv (per-channel weights, bf16 activations: the weight-only GEMV at "
+                        "decode sizes); e.g. bf16,fp8,fp8-gemv")
     args = parser.parse_args()
     weights = tuple(w for w in args.weights.split(",") if w)
     if not weights or any(w not in WEIGHTS for w in weights):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from gpu_engine.gpu.sched_structs import GRAM_COLS, PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.fp8_gemv import fp8_config, fp8_gemv, fp8_gemv_scratch
 from gpu_engine.kernels.fp8_linear import fp8_linear
 from gpu_engine.kernels.grammar import DeviceGrammar
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
@@ -292,6 +293,7 @@ class GpuModelRunner:
                              f"model is {self.dtype} on {self.device}")
         self._take_weights(model, dict(quantized or {}))
         self.tiled = self._bind_linears()
+        self.fp8_scratch = self._fp8_scratch()
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -336,6 +338,16 @@ class GpuModelRunner:
         scratch = tiled_scratch(shapes, configs, self.device)
         return {config: functools.partial(_silu_apart, functools.partial(
             tiled_linear, **config._asdict(), scratch=scratch)) for config in self.plan.configs()}
+
+    def _fp8_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One workspace for the FP8 GEMV's launches over this model's FP8 weights, where the plan sends steps to it
+        (`KernelPlan.fp8_gemv_rows`)."""
+        rows = self.plan.fp8_gemv_rows
+        shapes = sorted({(int(w.weight.shape[0]), int(w.weight.shape[1])) for layer in self.layers
+                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(w, Fp8Weight)})
+        if not rows or not shapes:
+            return None
+        return fp8_gemv_scratch(shapes, {fp8_config(r) for r in range(1, rows + 1)}, self.device)
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True, keep_hidden: bool = False) -> None:
@@ -520,7 +532,10 @@ class GpuModelRunner:
         weight to the tiled linear (`kernels.tiled_linear`); a Q8_0 weight through `kernels.q8_linear`, an FP8 one
         through `kernels.fp8_linear`."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(silu_and_mul(x) if silu_mul else x, w)
+            x = silu_and_mul(x) if silu_mul else x
+            if x.shape[0] <= self.plan.fp8_gemv_rows:
+                return fp8_gemv(x, w, scratch=self.fp8_scratch)
+            return fp8_linear(x, w)
         matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], (w.shape[0], w.shape[1]))
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)
