@@ -113,8 +113,9 @@ def test_fused_writers_into_fp8_match_their_references(qk_norm: bool) -> None:
 def test_runner_logits_over_fp8_within_the_bound_of_bf16_kv() -> None:
     """A random Llama-shaped model (hidden 1024, 4 layers, 16 query and 4 KV heads of 64, a 2,000-token vocabulary)
     in bf16, over a bf16 cache and over an FP8 one: 4 prompts of 200 tokens then 60 greedy decode steps on the same
-    tokens, each step's logits within 2u x layers x max|logit| of the bf16 cache's (``helpers.fp8_kv_runner``), the
-    greedy tokens the same at 90% of the steps or more."""
+    tokens, each step's logits within 2u x layers x max|logit| of the bf16 cache's (``helpers.fp8_kv_runner``), and
+    the same greedy token in every row whose top-2 margin exceeds twice that bound. (Random weights give near-flat
+    logits: on an H100 only 37 of 61 steps had all four rows' tokens equal, every one within the bound.)"""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -131,9 +132,10 @@ def test_runner_logits_over_fp8_within_the_bound_of_bf16_kv() -> None:
     plain = GpuModelRunner(model, KVCache(cfg, 80, 16, dtype=torch.bfloat16, device="cuda"), limits)
     fp8 = GpuModelRunner(model, KVCache(cfg, 80, 16, dtype=FP8, device="cuda"), limits)
     pairs = compare(plain, fp8, num_seqs=4, prompt=200, decodes=60, vocab=cfg.vocab_size, device="cuda")
-    same = 0
     for want, got in pairs:
-        assert float((got - want).abs().max()) <= logit_bound(cfg.num_layers, want)
-        same += int(torch.equal(got.argmax(-1), want.argmax(-1)))
-    assert same >= 0.9 * len(pairs), f"{same} of {len(pairs)} steps"
+        bound = logit_bound(cfg.num_layers, want)
+        assert float((got - want).abs().max()) <= bound
+        top = want.float().topk(2, dim=-1).values
+        clear = (top[:, 0] - top[:, 1]) > 2 * bound
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert any(not torch.equal(got, want) for want, got in pairs)
