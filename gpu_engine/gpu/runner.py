@@ -31,6 +31,7 @@ from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_attention, decod
 from gpu_engine.kernels.fp8_gemv import fp8_config, fp8_gemv, fp8_gemv_scratch
 from gpu_engine.kernels.fp8_linear import fp8_linear
 from gpu_engine.kernels.grammar import DeviceGrammar
+from gpu_engine.kernels.kv_cache import FP8_KV
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.plan import PLANS, KernelPlan
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
@@ -288,9 +289,9 @@ class GpuModelRunner:
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv, self.plan = cfg, limits, kv_cache, plan
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
-        if kv_cache.dtype != self.dtype or kv_cache.k[0].device != self.device:
+        if kv_cache.dtype not in (self.dtype, FP8_KV) or kv_cache.k[0].device != self.device:
             raise ValueError(f"KV cache is {kv_cache.dtype} on {kv_cache.k[0].device}, "
-                             f"model is {self.dtype} on {self.device}")
+                             f"model is {self.dtype} on {self.device} (the cache takes its dtype or FP8)")
         self._take_weights(model, dict(quantized or {}))
         self.tiled = self._bind_linears()
         self.fp8_scratch = self._fp8_scratch()
@@ -413,15 +414,16 @@ class GpuModelRunner:
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
         if heads is None:  # with `heads` the product did it: q normalised and rotated in place, k and v in the caches
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
-                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps, kv_scale=self.kv.kv_scale(i))
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
-        how = self.decode_form(batch)
+        how = self.decode_form(batch) | {"kv_scale": self.kv.kv_scale(i)}
         if decode:
             out = decode_attention(q, kc, vc, tables, ctx, self.scale, **how)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch], **how)
-            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
+            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
+                              kv_scale=how["kv_scale"])
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
     def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
@@ -468,7 +470,8 @@ class GpuModelRunner:
             return None
         cfg, buf = self.config, self.buffers
         return Heads(cfg.num_heads, cfg.num_kv_heads, buf.positions[:tokens], self.rope_cache, self.kv.k[i],
-                     self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps)
+                     self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps,
+                     self.kv.kv_scale(i))
 
     def _norm_fuses(self) -> bool:
         """Whether a norm goes into the product after it (a fused plan; not for an fp16 model, whose un-normalised x
