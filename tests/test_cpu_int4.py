@@ -70,6 +70,7 @@ def with_int4_weights_in_float32(model: nn.Module) -> nn.Module:
     return ref
 
 
+@pytest.mark.slow  # the embedded model four ways, six prompts: over two minutes on a busy two-core host
 def test_embedded_model_int4_greedy_within_the_stated_bound() -> None:
     try:
         path = default_model_path()

@@ -57,14 +57,15 @@ MIXED_LINEARS = {(128, 64): ((4, "n64_k64_s6"), (32, "n32_k128_s4")),
                  (192, 64): ((32, "n128_k64_s4_w8"),), (64, 96): ((4, "n64_k64_s6"),)}
 MIXED = KernelPlan("mixed", MIXED_LINEARS)
 MIXED_FUSED = KernelPlan("mixed+fused", MIXED_LINEARS, fused=True)
+SLOW = pytest.mark.slow  # the MoE model on tiled linears: the longest cases; CI keeps its cublas one
 
 
 @pytest.mark.parametrize(("family", "plan"), [(f, PLANS["cublas"]) for f in sorted(FAMILIES)]
                          + [("llama", KernelPlan.every_weight("n64_k64_s6")),
-                            ("qwen3_moe", KernelPlan.every_weight("n128_k64_s4_w8")),
+                            pytest.param("qwen3_moe", KernelPlan.every_weight("n128_k64_s4_w8"), marks=SLOW),
                             ("llama", MIXED), ("llama", MIXED_FUSED),
                             ("qwen3", KernelPlan.every_weight("n64_k64_s6", fused=True)),
-                            ("qwen3_moe", KernelPlan.every_weight("n32_k128_s4", fused=True)),
+                            pytest.param("qwen3_moe", KernelPlan.every_weight("n32_k128_s4", fused=True), marks=SLOW),
                             ("phi3", KernelPlan.every_weight("n128_k64_s4_w8", fused=True))],
                          ids=lambda v: v.name if isinstance(v, KernelPlan) else v)
 def test_runner_matches_reference_model(family, plan):

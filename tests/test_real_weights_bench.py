@@ -23,7 +23,7 @@ def run(tmp_path: Path, dtype: str, prompts: int, tokens: int) -> dict:
     return json.loads(out.read_text())["backends"]["cpu"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_real_weights_on_the_cpu_backend(tmp_path: Path, dtype: str) -> None:
     got = run(tmp_path, dtype, 4, 12)
     assert got["prompts"] == 4

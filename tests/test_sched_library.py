@@ -54,3 +54,22 @@ def test_a_score_graph_without_its_buffers_or_launch_headroom_is_refused(lib: pe
                                    "score_ranks", "score_top_ids", "score_top_logprobs")}
     assert "200 score launches" in create(lib, score_rows=16, score_top=2, score_max_pieces=200,
                                           prompt_logprob_rows=64, **parts)
+
+
+def test_the_overlap_diagnostics_are_exported_and_answer_without_a_device(lib: pers.Library) -> None:
+    """bench/overlap_probe's entry points (sched_overlap.cuh) bind; with no executables a pair launch times nothing
+    on a GPU, and where there is none both it and the green split return a CUDA error with its message."""
+    from bench.overlap_probe import bind
+
+    f = bind(lib).lib
+    ms, err = (C.c_float * 2)(), (C.c_int * 2)(-7, -7)
+    rc = f.blink_launch_pair(0, 0, 0, 2, 1.0, ms, err)
+    assert list(err) == [0, 0]
+    assert rc == 0 or "cuda" in f.blink_last_error().decode().lower()
+    handle, streams, sms = C.c_void_p(), (C.c_uint64 * 2)(), (C.c_uint * 2)()
+    rc = f.blink_green_split(0, 16, C.byref(handle), streams, sms)
+    if rc == 0:
+        assert sms[0] >= 16 and sms[1] > 0 and all(streams)
+        assert f.blink_green_destroy(handle) == 0
+    else:
+        assert f.blink_last_error().decode()

@@ -46,6 +46,14 @@ int blink_probe_hold(void **probe);
 int blink_probe_release(void *probe);
 // Diagnostics: launch a device-launch executable once from the host or from the device.
 int blink_launch_once(uint64_t exec, int device, int *launch_err);
+// Diagnostics (sched_overlap.cuh): two executables launched from the device, together or the second as the
+// parent's tail launch, `reps` timed launches (ms each); and the SMs split into two green contexts.
+int blink_launch_pair(uint64_t first, uint64_t second, int sequential, int reps, double timeout_s, float *ms,
+                      int *launch_err);
+int blink_green_split(int device, unsigned first_sms, void **handle, uint64_t *streams, unsigned *sms);
+int blink_green_enter(void *handle, int which);
+int blink_green_leave(void);
+int blink_green_destroy(void *handle);
 
 #ifdef __cplusplus
 }

@@ -509,9 +509,11 @@ def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                       ids: torch.Tensor, residual: torch.Tensor | None = None,
                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The sort-free expert path: gate_up + SiLU-and-multiply per pair, then down + route-weighted sum
-    per token. It sums in another order than `moe_experts_sorted` (the activations rounded, then each
-    token's output once from its fp32 sum over k, where the sorted path also rounds each pair's down
-    product before that sum), so an MoE request's greedy tokens may depend on whether its step was small, as
+    per token. It rounds at fewer points than `moe_experts_sorted`: gate and up stay fp32 into the SiLU, each
+    pair's activation is rounded once, each token's output once from its fp32 sum over k; the sorted path also
+    rounds gate and up (its `inter`) and each pair's route-weighted down product (its `y`), and both sum in other
+    fp32 orders (tests/helpers/moe_rounding.py bounds each). So an MoE request's greedy tokens may depend on
+    whether its step was small, as
     cuBLAS's choice of kernel by GEMM size already makes them for the dense layers (docs/GPU_NOTES.md, batch
     invariance). `residual`: the output added into it (`moe_down_sum`); `norm`: x's RMSNorm taken in the gate_up
     kernel (`moe_gate_up_silu`)."""
