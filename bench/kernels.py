@@ -8,7 +8,8 @@ small batches, the MoE align by torch's sort), it is timed beside the new one.
 Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attention,moe,...] (`--only blas`:
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
 `--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; `--only fused`: its fused forms
-against the kernels they replace; none in the default sets)
+against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the W8A8 product and bf16 cuBLAS at
+1-128 rows; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -570,6 +571,64 @@ def q8_rows(gbps: float) -> list[dict]:
     return rows
 
 
+FP8_BATCHES = (1, 8, 32, 64, 128)
+
+
+def fp8_rows(gbps: float, copies: int = 4, shapes=LLAMA_PROJECTIONS, batches=FP8_BATCHES, device: str = "cuda",
+             dtype=torch.bfloat16) -> list[dict]:
+    """The FP8-weight GEMV (W8A16, `kernels.fp8_gemv`) at the Llama-3-8B projections and decode steps of 1-128 rows:
+    each configuration of `FP8_CONFIGS` that takes the step (case NAME), the launcher's own pick (`gemv`) and, on
+    gate_up, silu(gate) * up in the launch (`gemv_glu`) against the product then `silu_and_mul` (`gemv_then_silu`);
+    beside the W8A8 product the runner takes now (`fp8_linear`: x to FP8 per token, then `torch._scaled_mm`) and
+    cuBLAS on the same weight in bf16 (`cublas_bf16`). Bytes: the FP8 weight, its scales, x and the [M, N] out for
+    every FP8 case (one floor for all, `fp8_floor_ms`); the bf16 weight, x and out for cuBLAS. A case the compiler
+    refuses is printed and left out. Weights taken in turn from `copies`, as `_against_cublas` does; `device` and
+    `dtype`: the check of these calls on tiny shapes in the CPU interpreter (tests/test_bench_kernels_fp8.py)."""
+    from gpu_engine.kernels.fp8_gemv import FP8_CONFIGS, fp8_gemv_scratch
+    from gpu_engine.models.fp8_weight import quantize_fp8
+
+    rows = []
+    for name, N, K in shapes:
+        dense = [(torch.randn(N, K, device=device) * 0.02).to(dtype) for _ in range(copies)]
+        fp8 = [quantize_fp8(w) for w in dense]
+        scratch = fp8_gemv_scratch([(N, K)], FP8_CONFIGS.values(), device)
+        for M in batches:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            out = torch.empty(M, N, device=device, dtype=dtype)
+            floor = fp8[0].nbytes + _nbytes(x, out)
+            for case, (ws, call) in _fp8_cases(x, out, scratch, dense, fp8, name == "gate_up").items():
+                try:
+                    ms = graph_ms(_in_turn(ws, call))
+                except Exception as exc:  # noqa: BLE001  (a configuration the compiler refuses, e.g. out of resources)
+                    print(f"fp8_{name} {case} batch={M}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                nbytes = _nbytes(ws[0], x, out) if ws is dense else floor
+                rows.append({"kernel": f"fp8_{name}", "case": case, "batch": M, **entry(ms, nbytes, gbps),
+                             "fp8_floor_ms": floor / (gbps * 1e9) * 1e3})
+        del dense, fp8
+    return rows
+
+
+def _fp8_cases(x: torch.Tensor, out: torch.Tensor, scratch, dense: list, fp8: list, glu: bool) -> dict:
+    """`fp8_rows`' cases for one step: {case: (the weights it takes in turn, call(w))}."""
+    from gpu_engine.kernels.activation import silu_and_mul
+    from gpu_engine.kernels.fp8_gemv import FMA_ROWS, FP8_CONFIGS, fp8_gemv
+    from gpu_engine.kernels.fp8_linear import fp8_linear
+
+    M = x.shape[0]
+    cases: dict[str, tuple[list, Callable[[object], object]]] = {
+        case: (fp8, lambda w, c=config: fp8_gemv(x, w, out=out, config=c, scratch=scratch))
+        for case, config in FP8_CONFIGS.items() if config.form != "fma" or M <= FMA_ROWS}
+    cases["gemv"] = (fp8, lambda w: fp8_gemv(x, w, out=out, scratch=scratch))
+    if glu:
+        half = out[:, : out.shape[1] // 2]
+        cases["gemv_glu"] = (fp8, lambda w: fp8_gemv(x, w, act="glu", out=half, scratch=scratch))
+        cases["gemv_then_silu"] = (fp8, lambda w: silu_and_mul(fp8_gemv(x, w, out=out, scratch=scratch)))
+    cases["fp8_linear"] = (fp8, lambda w: fp8_linear(x, w))
+    cases["cublas_bf16"] = (dense, lambda w: F.linear(x, w))
+    return cases
+
+
 def silu_rows(gbps: float) -> list[dict]:
     from gpu_engine.kernels.activation import silu_and_mul
 
@@ -677,8 +736,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, "
-                        "tiled, fused, silu, moe, q8, blas, prefill); default: all but q8, blas, prefill, tiled and "
-                        "fused")
+                        "tiled, fused, silu, moe, q8, fp8, blas, prefill); default: all but q8, fp8, blas, prefill, "
+                        "tiled and fused")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -687,8 +746,8 @@ def main() -> None:
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
-            "blas": blas_rows, "prefill": prefill_rows}
-    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "blas", "prefill",
+            "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows}
+    chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "fp8", "blas", "prefill",
                                                                                        "tiled", "fused")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")

@@ -30,10 +30,15 @@ forms), which the benchmark builds itself (`KernelPlan.every_weight`). The file'
 `moe_plan`) names the plan its rows ran with.
 `--weights bf16,fp8` runs the dense rows once more with FP8 linears (`gpu_engine.kernels.fp8_linear`: the decoder
 layers' projections quantized at load as `--quantization fp8` does, per-channel weight scales and per-token
-activations; `fp8-tensor`: one scale each), in the same process, beside the bf16 rows: model
-`llama3-8b-shape-fp8` (`-fp8-tensor`), its floor the FP8 weights' bytes (and their scales, the bf16 norms and LM
-head) plus the KV bytes over the copy rate, and its prefill floor the same FLOPs over the bf16 matmul rate (the
-FP8 rate is about twice that: `x floor` below 1 is possible there); FP8 rows carry no breakdown.
+activations; `fp8-tensor`: one scale each; `fp8-gemv`: per-channel weights through the weight-only GEMV,
+`kernels.fp8_gemv`, at up to 128 rows), in the same process, beside the bf16 rows: model
+`llama3-8b-shape-fp8` (`-fp8-tensor`, `-fp8-gemv`), its floor the FP8 weights' bytes (and their scales, the bf16
+norms and LM head) plus the KV bytes over the copy rate, and its prefill floor the same FLOPs over the bf16 matmul
+rate (the FP8 rate is about twice that: `x floor` below 1 is possible there); FP8 rows carry no breakdown.
+`--kv-dtype bf16,fp8` runs each of those forms over a bf16 KV cache and over an FP8 one (float8_e4m3fn with a scale
+of 1.0 a layer for keys and values, the cache `--kv-cache-dtype fp8` gives the engine): model suffix `-kvfp8`
+(`llama3-8b-shape-kvfp8`, `llama3-8b-shape-fp8-kvfp8`), key `kv_dtype`, the floor's KV bytes at one byte an element;
+these rows carry no breakdown either.
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -87,11 +92,13 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = (), fp8=None):
+def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = (), fp8=None,
+          kv_dtype: torch.dtype = torch.bfloat16):
     """The model, its KV cache and a runner with `plan` (a `KernelPlan`; cuBLAS where None); `served`:
     the uneven contexts of steps to be staged too (their longest row sets the block tables' width, their sum the
     cache's blocks where that is more); `fp8`: an `Fp8Scheme` for the decoder layers' projections (the model's
-    `quantized` attribute holds them), else bf16."""
+    `quantized` attribute holds them), else bf16; `kv_dtype`: the cache's elements (bf16, or float8_e4m3fn with the
+    cache's unit scales, which the runner passes to every KV writer and reader)."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.config import ModelConfig
@@ -108,7 +115,7 @@ def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[lis
     setattr(model, "quantized", quantized)  # noqa: B010 - what weight_bytes and layer_params count
     torch.cuda.empty_cache()
     blocks, limits = sizes(max_ctx, batches, prefill, served)
-    kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    kv = KVCache(cfg, blocks, BLOCK, dtype=kv_dtype, device="cuda")
     return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), quantized=quantized,
                                       **({} if plan is None else {"plan": plan}))
 
@@ -181,12 +188,22 @@ def capture(runner, batches, prefill):
         return graphs, graphs.capture(progress=True)
 
 
+def kv_token_bytes(cfg, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+    """A token's keys and values over every layer, in bytes, in a cache of `kv_dtype`."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+
+
+def plain(model, runner) -> bool:
+    """Whether a run is the bf16 one that the per-component breakdowns measure: no FP8 linears, a bf16 cache."""
+    return not getattr(model, "quantized", None) and runner.kv.dtype == runner.dtype
+
+
 def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters: int) -> dict:
     """One decode row: `ctx` tokens for every sequence, or a list of each sequence's (served contexts: the row's
     `context` is -1, `context_mean` their mean)."""
     from bench.kernels import active_experts, graph_ms, step_breakdown
 
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_per_token = kv_token_bytes(cfg, runner.kv.dtype)
     total = sum(ctx) if isinstance(ctx, list) else b * ctx
     stage_step(runner, b, ctx, 1, logprobs=True)
     ms_logprobs = _time_ms(lambda: graphs.replay((True, b, b), filtered=False), iters)
@@ -195,7 +212,7 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
     ms_filtered = _time_ms(lambda: graphs.replay((True, b, b), filtered=True), iters)
     sample_ms = graph_ms(lambda: runner._sample(b))  # in a graph, as the step runs it (eager, it was launch-bound)
     floor = (weight_bytes(model, b) + total * kv_per_token) / (gbps * 1e9) * 1e3
-    parts = {} if getattr(model, "quantized", None) else step_breakdown(runner, b, round(total / b), gbps)
+    parts = step_breakdown(runner, b, round(total / b), gbps) if plain(model, runner) else {}
     row = {"model": name, "phase": "decode", "batch": b, "context": -1 if isinstance(ctx, list) else ctx,
            "context_mean": total / b, "tokens": b, "ms": ms, "floor_ms": floor, "sample_ms": sample_ms,
            "ms_filtered": ms_filtered, "ms_logprobs": ms_logprobs, "breakdown": parts}
@@ -208,13 +225,13 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              plan=None, fp8=None) -> list[dict]:
+              plan=None, fp8=None, kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     from bench.kernels import served_contexts
 
     # steps as served (dense only): uneven contexts (equal ones hid a form that waits on the longest row)
     served = [] if hf.get("num_experts") else [b for b in SERVED_BATCHES if b in batches]
     cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, plan, tuple(served_contexts(b) for b in served),
-                               fp8)
+                               fp8, kv_dtype)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
@@ -222,21 +239,29 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
     rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters)
             for ctx in CONTEXTS for b in batches]
     rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters) for b in served]
-    if fp8 is not None:
-        for row in rows:
-            row["fp8"] = f"{fp8.weights}/{fp8.activations}"
+    tag_rows(rows, fp8, kv_dtype)
     for t in prefill:
         stage_step(runner, 1, t, t)
         ms = _time_ms(lambda t=t: graphs.replay((False, 1, t)), max(3, iters // 4))
         floor = prefill_flops(cfg, model, t) / (tflops * 1e12) * 1e3
         row = {"model": name, "phase": "prefill", "batch": 1, "context": t, "tokens": t, "ms": ms, "floor_ms": floor}
-        if not cfg.num_experts and fp8 is None:
+        if not cfg.num_experts and plain(model, runner):
             from bench.kernels import prefill_breakdown
 
             row["breakdown"] = prefill_breakdown(runner, t, gbps, tflops)
         rows.append(row)
     graphs.close()
     return rows
+
+
+def tag_rows(rows: list[dict], fp8, kv_dtype: torch.dtype) -> None:
+    """What a form's decode rows ran with, beside bf16: `fp8` (the weights' and activations' scales) for FP8 linears,
+    `kv_dtype` for a cache of other than bf16."""
+    for row in rows:
+        if fp8 is not None:
+            row["fp8"] = f"{fp8.weights}/{fp8.activations}"
+        if kv_dtype != torch.bfloat16:
+            row["kv_dtype"] = str(kv_dtype).removeprefix("torch.")
 
 
 def mixed_seqs(decodes: int, ctx: int, chunk: int, cached: int = 0,
@@ -260,7 +285,7 @@ def stage_seqs(runner, seqs, device: str = "cuda", block: int = BLOCK) -> torch.
 
 
 def mixed_floor_ms(cfg, model, decodes: int, ctx: int, chunk: int, gbps: float, tflops: float) -> float:
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_per_token = kv_token_bytes(cfg)
     layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     bytes_read = weight_bytes(model, decodes + 1) + decodes * ctx * kv_per_token
     flops = prefill_flops(cfg, model, chunk) + 2.0 * decodes * layer_params
@@ -325,7 +350,8 @@ def saturated_rate(rows: list[dict], prompt: float = 1019.0, output: float = 463
     return rates
 
 
-WEIGHTS = ("bf16", "fp8", "fp8-tensor")  # --weights: the dense rows' linears (`fp8_scheme`)
+WEIGHTS = ("bf16", "fp8", "fp8-tensor", "fp8-gemv")  # --weights: the dense rows' linears (`fp8_scheme`, `form_plan`)
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # --kv-dtype: the dense rows' KV cache
 MODELS = {"dense": ("llama3-8b-shape", LLAMA3_8B, DECODE_BATCHES, PREFILL_TOKENS),
           "moe": ("qwen3-30b-a3b-shape", QWEN3_30B_A3B, MOE_BATCHES, ())}
 KINDS = (*MODELS, "mixed")
@@ -338,21 +364,56 @@ def replaced(row: dict, kinds, batches: tuple[int, ...] = ()) -> bool:
         return "mixed" in kinds
     if batches and (row.get("phase") != "decode" or row.get("batch") not in batches):
         return False
-    return any(row.get("model") in (MODELS[k][0], *(f"{MODELS[k][0]}-{w}" for w in WEIGHTS if w != "bf16"))
-               for k in kinds if k in MODELS)
+    return row.get("model") in {label(MODELS[k][0], w, kv) for k in kinds if k in MODELS for w in WEIGHTS
+                                for kv in KV_DTYPES}
+
+
+def label(name: str, weights: str = "bf16", kv: str = "bf16") -> str:
+    """A run's model name: the shape's, `-<weights>` after it for FP8 linears, then `-kvfp8` for an FP8 KV cache."""
+    return name + ("" if weights == "bf16" else f"-{weights}") + ("" if kv == "bf16" else f"-kv{kv}")
+
+
+def forms(kind: str, weights: tuple[str, ...], kv: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The (weights, KV cache) runs of a kind of model: the dense one's every pairing of `--weights` and
+    `--kv-dtype`, bf16 weights first; the MoE one's bf16 alone."""
+    return list(itertools.product(weights, kv)) if kind == "dense" else [("bf16", "bf16")]
+
+
+def parse_forms(text: str, known, flag: str) -> tuple[str, ...]:
+    """A comma-separated list of `known` names, or SystemExit naming the flag and the choices."""
+    got = tuple(w for w in text.split(",") if w)
+    if not got or any(w not in known for w in got):
+        raise SystemExit(f"{flag}: pick from {', '.join(known)}")
+    return got
 
 
 def fp8_scheme(weights: str):
     """The `Fp8Scheme` of a `--weights` entry (None: bf16)."""
     from gpu_engine.models.fp8_checkpoint import Fp8Scheme
 
-    return {"bf16": None, "fp8": Fp8Scheme(), "fp8-tensor": Fp8Scheme("tensor", "tensor")}[weights]
+    return {"bf16": None, "fp8": Fp8Scheme(), "fp8-tensor": Fp8Scheme("tensor", "tensor"),
+            "fp8-gemv": Fp8Scheme()}[weights]
+
+
+def form_plan(plan, weights: str):
+    """The plan a `--weights` form runs under: fp8-gemv sends every decode-sized step's FP8 products to the
+    weight-only GEMV (`KernelPlan.fp8_gemv_rows`), the other forms run `plan` as it is."""
+    import dataclasses
+
+    from gpu_engine.kernels.plan import PLANS
+    from gpu_engine.kernels.tiled_linear import MAX_ROWS
+
+    if weights != "fp8-gemv":
+        return plan
+    base = PLANS["cublas"] if plan is None else plan
+    return dataclasses.replace(base, name=f"{base.name}+fp8gemv", fp8_gemv_rows=MAX_ROWS)
 
 
 def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tuple[int, ...] = (),
-        weights: tuple[str, ...] = ("bf16",)) -> dict:
+        weights: tuple[str, ...] = ("bf16",), kv: tuple[str, ...] = ("bf16",)) -> dict:
     """`plan`: the runner's `KernelPlan` (cuBLAS where None). `batches`: only those decode batches of each model and
-    no prefill rows (all where empty). `weights`: the dense model's rows once per form (`WEIGHTS`)."""
+    no prefill rows (all where empty). `weights`, `kv`: the dense model's rows once per pairing of a form (`WEIGHTS`)
+    and a KV cache (`KV_DTYPES`)."""
     gbps, tflops = measure_ceilings()
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
@@ -366,9 +427,9 @@ def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tupl
                 model_batches, prefill = tuple(b for b in model_batches if b in batches), ()
                 if not model_batches:  # none of this model's batches asked for: its rows stay as they are
                     continue
-            for form in weights if m == "dense" else ("bf16",):
-                label = name if form == "bf16" else f"{name}-{form}"
-                rows += run_model(label, hf, model_batches, prefill, gbps, tflops, iters, plan, fp8_scheme(form))
+            for form, kv_form in forms(m, weights, kv):
+                rows += run_model(label(name, form, kv_form), hf, model_batches, prefill, gbps, tflops, iters,
+                                  form_plan(plan, form), fp8_scheme(form), KV_DTYPES[kv_form])
                 torch.cuda.empty_cache()
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
@@ -409,9 +470,9 @@ def _chunk_token_us(row: dict) -> float:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'model':20} {'phase':8} {'batch':>5} {'ctx':>5} {'tokens':>6} {'ms':>9} {'floor':>9} {'x floor':>7}")
+    print(f"{'model':32} {'phase':8} {'batch':>5} {'ctx':>5} {'tokens':>6} {'ms':>9} {'floor':>9} {'x floor':>7}")
     for r in result["rows"]:
-        print(f"{r['model']:20} {r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
+        print(f"{r['model']:32} {r['phase']:8} {r['batch']:5d} {r['context']:5d} {r['tokens']:6d} {r['ms']:9.3f} "
               f"{r['floor_ms']:9.3f} {r['ms'] / r['floor_ms']:7.2f}"
               + (f"  (filtered {r['ms_filtered']:.3f} ms)" if "ms_filtered" in r else "")
               + (f"  (sampling {r['sample_ms']:.3f} ms)" if "sample_ms" in r else "")
@@ -422,7 +483,7 @@ def print_table(result: dict) -> None:
                  if r.get("phase") == "mixed" else ""))
         for part, v in r.get("breakdown", {}).items():
             rate = f"{v['tflops']:7.1f} TFLOP/s" if "tflops" in v else f"{v['gbps']:7.0f} GB/s"
-            print(f"{'':22}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {rate}")
+            print(f"{'':34}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {rate}")
     for budget, rate in result.get("mixed_saturated_rate", {}).items():
         print(f"budget {budget:>5} tokens: saturated about {rate:.1f} req/s (`saturated_rate`, a model)")
 
@@ -484,11 +545,14 @@ def main() -> None:
                         "own --out)")
     parser.add_argument("--weights", default="bf16", help="comma-separated, the dense rows' linears, each a run of its "
                         "own in this process: bf16, fp8 (per-channel weights, per-token activations), fp8-tensor "
-                        "(a scale each); e.g. bf16,fp8")
+                        "(a scale each), fp8-gemv (per-channel weights, bf16 activations: the weight-only GEMV at "
+                        "decode sizes); e.g. bf16,fp8,fp8-gemv")
+    parser.add_argument("--kv-dtype", default="bf16", help="comma-separated, the dense rows' KV cache, each form of "
+                        "--weights once over each: bf16, fp8 (float8_e4m3fn, unit scales, as --kv-cache-dtype fp8 "
+                        "serves; rows named -kvfp8); e.g. bf16,fp8")
     args = parser.parse_args()
-    weights = tuple(w for w in args.weights.split(",") if w)
-    if not weights or any(w not in WEIGHTS for w in weights):
-        raise SystemExit(f"--weights: pick from {', '.join(WEIGHTS)}")
+    weights = parse_forms(args.weights, WEIGHTS, "--weights")
+    kv = parse_forms(args.kv_dtype, tuple(KV_DTYPES), "--kv-dtype")
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
         return
@@ -506,7 +570,7 @@ def main() -> None:
         raise SystemExit("roofline needs a CUDA device")
     plan = bench_plan(args.plan, torch.cuda.get_device_name())
     print(f"kernel plan: {plan.summary()}", flush=True)
-    result = run(args.out, args.iters, models, plan=plan, batches=batches, weights=weights)
+    result = run(args.out, args.iters, models, plan=plan, batches=batches, weights=weights, kv=kv)
     print_table(result)
     if args.plot:
         plot(result, args.plot)

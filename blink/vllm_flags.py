@@ -26,8 +26,6 @@ REFUSED = (
             "per GPU: see --data-parallel-size", "1"),
     Refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not supported; Blink runs one "
             "engine per GPU", "1"),
-    Refused(("--kv-cache-dtype",), "the KV cache has the model's dtype (bf16 under --quantization fp8 too): "
-            "see --dtype", "auto"),
     Refused(("--enable-lora", "--lora-modules"), "LoRA adapters are not supported", takes_value=False),
     Refused(("--speculative-config",), "speculative decoding is not supported"),
     Refused(("--enforce-eager",), "the GPU backends always replay captured graphs (the CPU backend has "

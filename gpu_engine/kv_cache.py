@@ -118,11 +118,27 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def block_bytes(config: KVShape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over every layer, keys and values (an FP8 block half a bf16 one's)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize * block_size
+
+
+def blocks_for_memory(config: KVShape, block_size: int, dtype: torch.dtype, free_bytes: int, fraction: float) -> int:
+    """Blocks that ``fraction`` of ``free_bytes`` holds (``--gpu-memory-utilization`` of the memory free after
+    loading): an FP8 cache gets twice a bf16 one's for the same memory."""
+    return int(free_bytes * fraction // block_bytes(config, block_size, dtype))
+
+
 class KVCache:
     """Per layer ``k[i]`` / ``v[i]`` tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 
     Token at position p of a sequence lives in block ``block_table[p // block_size]`` at offset
     ``p % block_size``; its flat slot is ``block * block_size + offset``. ``allocator`` manages the blocks.
+
+    An FP8 cache (``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``) has a scale a layer for its keys and one for
+    its values (``kv_scale(i)``), 1.0 each: vLLM's default without calibration. e4m3 keeps 3 significand bits from
+    2^-6 to 448, so a scale of 1 stores keys and values of the usual sizes (a few units to a few tens) at full
+    relative precision and saturates only past 448; the kernels take any other positive scale.
     """
 
     def __init__(self, config: KVShape, num_blocks: int, block_size: int,
@@ -136,6 +152,12 @@ class KVCache:
         self.k = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
         self.allocator = BlockAllocator(num_blocks)
+        self.k_scale = [1.0] * config.num_layers
+        self.v_scale = [1.0] * config.num_layers
+
+    def kv_scale(self, layer: int) -> tuple[float, float]:
+        """Layer ``layer``'s (key scale, value scale): what an FP8 cache's codes are multiplied by when read."""
+        return self.k_scale[layer], self.v_scale[layer]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks required to hold ``num_tokens`` tokens of one sequence."""

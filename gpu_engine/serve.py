@@ -251,7 +251,15 @@ def serve(cfg: EngineConfig, backend: Backend, export: ExportServer | None = Non
 
 
 KV_DTYPES = {"float32": L.KvCacheDtype.FLOAT32, "float16": L.KvCacheDtype.FLOAT16,
-             "bfloat16": L.KvCacheDtype.BFLOAT16}
+             "bfloat16": L.KvCacheDtype.BFLOAT16, "float8_e4m3fn": L.KvCacheDtype.FLOAT8_E4M3}
+
+
+def kv_dtype_name(cfg: EngineConfig) -> str:
+    """The KV cache's torch dtype name (``cfg.backend`` resolved): the CPU backend's format, FP8 under
+    --kv-cache-dtype fp8 on a GPU, else the model's GPU dtype."""
+    if cfg.backend == "cpu":
+        return str(CpuFormats.for_dtype(cfg.dtype).kv_dtype).removeprefix("torch.")
+    return "float8_e4m3fn" if cfg.fp8_kv_cache else cfg.gpu_torch_dtype_name()
 
 
 def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:
@@ -259,10 +267,8 @@ def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:
     ``vllm:cache_config_info``: block size, element type, prefix caching and its block hash, and on a GPU
     the fraction of free memory the cache is sized by (``cfg.backend`` is resolved here)."""
     on_cpu = cfg.backend == "cpu"
-    kv_dtype = str(CpuFormats.for_dtype(cfg.dtype).kv_dtype).removeprefix("torch.") if on_cpu \
-        else cfg.gpu_torch_dtype_name()
     ring.header_store32("kv_block_size", cfg.block_size)
-    ring.header_store32("kv_cache_dtype", KV_DTYPES.get(kv_dtype, L.KvCacheDtype.UNKNOWN))
+    ring.header_store32("kv_cache_dtype", KV_DTYPES.get(kv_dtype_name(cfg), L.KvCacheDtype.UNKNOWN))
     ring.header_store32("cache_features", L.CacheFeatures.PREFIX_CACHING if backend.policy.prefix_caching else 0)
     persistent = backend.make_engine is not None  # the CUDA scheduler's own prefix cache (sched_prefix.cuh)
     ring.header_store32("prefix_hash", L.PrefixHash.SPLITMIX64 if persistent else L.PrefixHash.BLAKE2B_64)

@@ -21,12 +21,16 @@
 # over two calls),
 # kernels_q8 (its Q8_0 products against cuBLAS, bench/results/kernels_q8.json's rows), kernels_tiled (the
 # tiled linear's configurations against cuBLAS at 1-128 rows), kernels_fused (its fused forms against the kernels
-# they replace, per configuration, at 1-64 rows), roofline_plans (the dense rows once for each of PLANS, space-
+# they replace, per configuration, at 1-64 rows), kernels_fp8 (tests/test_fp8_gemv.py's GPU tests, then the
+# FP8-weight GEMV's configurations beside fp8_linear and bf16 cuBLAS at 1-128 rows: kernels_fp8.json; T_KERNELS_FP8),
+# roofline_plans (the dense rows once for each of PLANS, space-
 # separated bench/roofline.py --plan settings, default "cublas h200": a kernels.plan.PLANS name or a TILED_CONFIGS
 # name with an optional +fused; roofline_<plan>.json each, side by side in one call; PLAN_MODELS=moe (or dense,moe)
 # for the MoE rows; the roofline step itself takes what the engine takes on this GPU, --kernel-plan auto),
-# roofline_fp8 (bench/roofline.py's dense rows with bf16 and with FP8 linears, --weights "${FP8_WEIGHTS:-bf16,fp8}",
-# in one process: roofline_fp8.json; then tests/gpu/test_gpu_fp8.py, the FP8 product against its reference),
+# roofline_fp8 (tests/gpu/test_gpu_fp8.py, tests/test_fp8_gemv.py's GPU tests and tests/gpu/test_gpu_fp8_kv.py, then
+# bench/roofline.py's dense rows with bf16 and with FP8 linears, --weights "${FP8_WEIGHTS:-bf16,fp8}", each over the
+# KV caches of --kv-dtype "${FP8_KV:-bf16,fp8}" (fp8: float8_e4m3fn, rows named -kvfp8; FP8_KV=bf16 for bf16 caches
+# alone), in one process: roofline_fp8.json; T_ROOFLINE_FP8; ROOFLINE_ARGS="--batches 1,8,64,128" keeps it one call),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # trace (bench/trace.py: per-kernel CUPTI trace of the 8B shape's saturated mixed step and 128-row decode step,
 # launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png),
@@ -203,6 +207,7 @@ run_step() {
     kernels_bench) step kernels_bench "${T_KERNELS_BENCH:-240}" "$PY" -m bench.kernels ${KERNELS_ONLY:+--only "$KERNELS_ONLY"} --out "$OUT/kernels.json" ;;
     kernels_q8) step kernels_q8 "${T_KERNELS_Q8:-150}" "$PY" -m bench.kernels --only q8 --out "$OUT/kernels_q8.json" ;;
     kernels_fused) step kernels_fused "${T_KERNELS_FUSED:-540}" "$PY" -m bench.kernels --only fused --out "$OUT/kernels_fused.json" ;;
+    kernels_fp8) step kernels_fp8 "${T_KERNELS_FP8:-540}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_fp8_gemv.py; a=\$?; $PY -m bench.kernels --only fp8 --out '$OUT/kernels_fp8.json'; b=\$?; exit \$((a | b))" ;;
     kernels_tiled) step kernels_tiled "${T_KERNELS_TILED:-300}" "$PY" -m bench.kernels --only tiled --out "$OUT/kernels_tiled.json" ;;
     # The dense roofline once per kernel plan, one after another on the same machine; one JSON each.
     roofline_plans)
@@ -210,7 +215,7 @@ run_step() {
       for plan in ${PLANS:-cublas h200}; do
         step "roofline_${plan//+/_}" "${T_ROOFLINE_PLAN:-150}" "$PY" bench/roofline.py --models "${PLAN_MODELS:-dense}" --plan "$plan" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_${plan//+/_}.json"
       done ;;
-    roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-420}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
+    roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-540}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/test_fp8_gemv.py tests/gpu/test_gpu_fp8_kv.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' --kv-dtype '${FP8_KV:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
     trace) step trace "${T_TRACE:-300}" "$PY" -m bench.trace --out "$OUT/trace.json" --plot "$OUT/trace.png" ;;
     overlap_probe) step overlap_probe "${T_OVERLAP_PROBE:-420}" "$PY" -m bench.overlap_probe --out "$OUT/overlap_probe.json" ${OVERLAP_ARGS:-} ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
 CPU_WEIGHTS = ("auto", "int8act", "fp16", "int4")
 GPU_WEIGHTS = ("auto", "dense")
 QUANTIZATIONS = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as in vLLM
 # --kernel-plan: auto and the names of gpu_engine.kernels.plan.PLANS (a test keeps them equal)
 KERNEL_PLANS = ("auto", "cublas", "h200")
 DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
@@ -92,6 +93,11 @@ class EngineConfig:
                               "checkpoint's own form; an FP8 checkpoint (quantization_config quant_method fp8 or "
                               "compressed-tensors) loads as stored, with or without this flag", choices=QUANTIZATIONS,
                               aliases=("-q",))
+    kv_cache_dtype: str = _flag("auto", "GPU backends: the KV cache's element type. auto: the model's dtype (--dtype); "
+                                "fp8 (or fp8_e4m3, vLLM's names): float8_e4m3fn with a scale of 1.0 for the keys "
+                                "and one for the values of every layer (vLLM's default without calibration), values "
+                                "saturated to +-448, twice the blocks for the same memory; attention computes in "
+                                "--dtype", choices=KV_CACHE_DTYPES)
     kernel_plan: str = _flag("auto", "GPU backends: which kernels take each product of a step (gpu_engine/kernels/"
                              "plan.py). auto: the plan measured fastest on this GPU (h200 on an NVIDIA H200), cuBLAS "
                              "and the plain kernels on any other; cublas: cuBLAS for every product, whatever the GPU; "
@@ -174,6 +180,11 @@ class EngineConfig:
             return None
         return max(DEFAULT_TOKEN_BUDGET["gpu" if gpu else "cpu"], self.max_batch)
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """--kv-cache-dtype fp8 (or fp8_e4m3): the GPU backends' KV cache holds float8_e4m3fn."""
+        return self.kv_cache_dtype != "auto"
+
     def gpu_torch_dtype_name(self) -> str:
         """The torch dtype of weights and KV cache on a GPU: ``auto`` and ``half`` resolved (the CPU backend's
         formats are ``gpu_engine.backend.CpuFormats``)."""
@@ -249,6 +260,10 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError(f"--quantization fp8 computes in bfloat16 (the FP8 products' output): --dtype "
                              f"{self.dtype} does not apply; leave --dtype auto or give bfloat16")
+        if self.fp8_kv_cache and self.backend == "cpu":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the GPU backends (float8_e4m3fn, "
+                             "sm_89 and later); the CPU backend's KV cache has its own dtype (fp16 with --dtype auto): "
+                             "drop the flag there")
         if self.max_model_len == 1:
             raise ValueError("--max-model-len must be >= 2 (one prompt token and one output token)")
         if self.model is not None and not Path(self.model).exists():

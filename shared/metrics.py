@@ -90,7 +90,7 @@ ENGINE_GAUGES = {"kv_blocks_total": "KV cache blocks.", "kv_blocks_free": "KV ca
                  "token_budget": "Tokens one engine step may carry (--max-num-batched-tokens)."}
 PER_ENGINE_COUNTERS = ("steps", "prompt_tokens", "output_tokens", "window_relaunches")  # blink:dp_engine_*
 KV_DTYPE_NAMES: dict[int, str] = {L.KvCacheDtype.FLOAT32: "float32", L.KvCacheDtype.FLOAT16: "float16",
-                                  L.KvCacheDtype.BFLOAT16: "bfloat16"}
+                                  L.KvCacheDtype.BFLOAT16: "bfloat16", L.KvCacheDtype.FLOAT8_E4M3: "fp8_e4m3"}
 PREFIX_HASH_NAMES: dict[int, str] = {L.PrefixHash.BLAKE2B_64: "blake2b_64", L.PrefixHash.SPLITMIX64: "splitmix64"}
 
 

@@ -67,6 +67,7 @@ class KvCacheDtype(enum.IntEnum):
     FLOAT32 = 1
     FLOAT16 = 2
     BFLOAT16 = 3
+    FLOAT8_E4M3 = 4
 
 
 class CacheFeatures(enum.IntFlag):

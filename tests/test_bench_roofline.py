@@ -119,6 +119,59 @@ def test_the_plan_setting_names_a_plan_or_one_configuration_for_every_weight() -
             bench_plan(bad, "NVIDIA H200")
 
 
+def test_the_kv_dtype_setting_pairs_each_weight_form_with_each_cache() -> None:
+    """`--kv-dtype bf16,fp8`: the dense model runs once per pairing of a `--weights` form and a cache, bf16 weights
+    first, the MoE model once in bf16; an FP8 cache's rows are named with `-kvfp8` after the weights' suffix, a full
+    dense run replaces them, and anything but bf16 and fp8 is refused naming the flag."""
+    sys.path.insert(0, str(ROOT))
+    from bench.roofline import KV_DTYPES, WEIGHTS, forms, label, parse_forms, replaced
+
+    assert parse_forms("bf16,fp8", tuple(KV_DTYPES), "--kv-dtype") == ("bf16", "fp8")
+    assert parse_forms("fp8-gemv", WEIGHTS, "--weights") == ("fp8-gemv",)
+    for bad in ("", "fp16", "bf16,e5m2"):
+        with pytest.raises(SystemExit, match="--kv-dtype: pick from bf16, fp8"):
+            parse_forms(bad, tuple(KV_DTYPES), "--kv-dtype")
+    assert forms("dense", ("bf16", "fp8"), ("bf16", "fp8")) == [("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "bf16"),
+                                                                ("fp8", "fp8")]
+    assert forms("moe", ("bf16", "fp8"), ("fp8",)) == [("bf16", "bf16")]
+    dense = "llama3-8b-shape"
+    assert [label(dense, w, kv) for w, kv in forms("dense", ("bf16", "fp8-gemv"), ("bf16", "fp8"))] == [
+        dense, f"{dense}-kvfp8", f"{dense}-fp8-gemv", f"{dense}-fp8-gemv-kvfp8"]
+    assert replaced(_row(f"{dense}-fp8-kvfp8", 8, 512, 5.0, 2.5), ("dense",))
+    assert replaced(_row(f"{dense}-kvfp8", 8, 512, 5.0, 2.5), ("dense",), (8,))
+    assert not replaced(_row(f"{dense}-kvfp8", 8, 512, 5.0, 2.5), ("moe",))
+
+
+def test_an_fp8_cache_counts_a_byte_an_element_and_tags_its_rows() -> None:
+    """The decode floor's KV bytes a token (every layer's keys and values): two an element in bf16, one in FP8 (the
+    Llama-3-8B shape: 128 KiB and 64 KiB); an FP8 cache's rows say so (`kv_dtype`), a bf16 one's carry no key."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench.roofline import KV_DTYPES, LLAMA3_8B, kv_token_bytes, tag_rows
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.fp8_checkpoint import Fp8Scheme
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    assert kv_token_bytes(cfg) == kv_token_bytes(cfg, KV_DTYPES["bf16"]) == 128 * 1024
+    assert kv_token_bytes(cfg, KV_DTYPES["fp8"]) == 64 * 1024
+    assert KV_DTYPES["fp8"] == torch.float8_e4m3fn
+    rows = [{"model": "a"}, {"model": "b"}]
+    tag_rows(rows, Fp8Scheme(), torch.float8_e4m3fn)
+    assert rows == [{"model": m, "fp8": "channel/token", "kv_dtype": "float8_e4m3fn"} for m in "ab"]
+    rows = [{"model": "a"}]
+    tag_rows(rows, None, torch.bfloat16)
+    assert rows == [{"model": "a"}]
+
+
+def test_an_unknown_kv_dtype_is_refused_before_any_gpu_work(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "bench/roofline.py", "--kv-dtype", "fp8_e5m2", "--out",
+                          str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--kv-dtype: pick from bf16, fp8" in res.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
 @pytest.mark.parametrize("first", ["bench.roofline", "bench.kernels"])
 def test_the_bench_modules_import_in_either_order(first: str) -> None:
     """bench.kernels imports nothing of bench.roofline (which takes `active_experts` from it): either module imports

@@ -109,7 +109,7 @@ def test_backend_auto_is_the_default_and_resolves_by_the_hardware() -> None:
     (["-tp", "4"], "-tp 4: tensor parallelism is not supported"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
-    (["--kv-cache-dtype", "fp8"], "the KV cache has the model's dtype (bf16 under --quantization fp8 too)"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'"),
     (["--trust-remote-code"], "Blink never runs a model's own code"),
 ])
 def test_vllm_flags_blink_lacks_are_refused_with_what_to_do_instead(argv: list[str], message: str,
@@ -121,6 +121,28 @@ def test_vllm_flags_blink_lacks_are_refused_with_what_to_do_instead(argv: list[s
 
 def test_vllm_flags_that_ask_for_nothing_different_are_accepted() -> None:
     assert engine_of(["--tensor-parallel-size", "1", "-pp", "1", "--kv-cache-dtype", "auto"]) == engine_of([])
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_fp8_is_taken_by_the_gpu_backends_and_refused_on_the_cpu(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --kv-cache-dtype fp8 (e4m3, as vLLM's fp8): the GPU backends' cache holds float8_e4m3fn, the flag
+    passed on to the engine; the CPU backend refuses it naming the backends that take it, before anything starts
+    (also under --backend auto on a host whose auto is the CPU)."""
+    for backend in ("host", "persistent"):
+        cfg = engine_of(["--backend", backend, "--kv-cache-dtype", value])
+        assert cfg.fp8_kv_cache and engine_serve.kv_dtype_name(cfg) == "float8_e4m3fn"
+        assert cfg.to_argv()[-2:] == ["--kv-cache-dtype", value]
+        assert EngineConfig.from_namespace(engine_serve.build_parser().parse_args(cfg.to_argv())) == cfg
+    assert not engine_of(["--backend", "host"]).fp8_kv_cache
+    assert engine_serve.kv_dtype_name(engine_of(["--backend", "host"])) == "bfloat16"
+    with pytest.raises(ValueError, match=f"--kv-cache-dtype {value} runs on the GPU backends"):
+        engine_of(["--backend", "cpu", "--kv-cache-dtype", value])
+    auto = engine_of(["--kv-cache-dtype", value])
+    assert auto.refusal_on("host", None) is None
+    assert f"--kv-cache-dtype {value} runs on the GPU backends" in (auto.refusal_on("cpu", None) or "")
+    assert main(["serve", "--backend", "cpu", "--kv-cache-dtype", value]) == 2
+    assert "the CPU backend's KV cache has its own dtype" in capsys.readouterr().err
 
 
 def test_every_serve_flag_has_help_and_shows_its_default(monkeypatch: pytest.MonkeyPatch,

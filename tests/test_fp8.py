@@ -284,7 +284,7 @@ def _config_with(folder: Path, qc: dict) -> None:
     ("weights.strategy=group", "weight strategy 'group'"),
     ("input_activations=None", r"weight-only FP8 \(W8A16"),
     ("input_activations.strategy=token,dynamic=False", "input activation strategy 'token'"),
-    ("kv_cache_scheme", "an FP8 KV cache"),
+    ("kv_cache_scheme", "an FP8 KV cache with calibrated scales"),
     ("format=pack-quantized", "compressed-tensors format 'pack-quantized'"),
     ("weights.type=int", "compressed-tensors weights"),
 ])
@@ -344,21 +344,24 @@ def test_cpu_backend_refuses_fp8(tmp_path: Path) -> None:
         EngineConfig(ring_name="r", backend="host", quantization="fp8", dtype="float16")
     assert EngineConfig(ring_name="r", backend="host", quantization="fp8").to_argv()[-2:] == ["--quantization", "fp8"]
     assert EngineConfig(ring_name="r", backend="auto", quantization="fp8").refusal_on("cpu", None) is not None
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on the GPU backends"):
+        EngineConfig(ring_name="r", backend="cpu", kv_cache_dtype="fp8")
+    assert EngineConfig(ring_name="r", backend="host", quantization="fp8", kv_cache_dtype="fp8").fp8_kv_cache
     model, hf = tiny_model("llama")
     write_checkpoint(tmp_path / "ckpt", model, hf, "fp8-dynamic")
     with pytest.raises(ModelLoadError, match="an FP8 checkpoint .* runs on the GPU backends"):
         load_model(tmp_path / "ckpt")
 
 
-def test_quantization_flag_refuses_gguf_and_kv_cache_dtype_stays_refused(tmp_path: Path,
-                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_quantization_flag_refuses_gguf_and_kv_cache_dtype_takes_only_e4m3(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="a GGUF file's weights are already quantized"):
         load_gpu_weights(gguf, dtype=torch.bfloat16, device="cpu", quantization="fp8")
     from blink.cli import build_parser
 
-    for argv, message in ((["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache has the model's dtype"),
+    for argv, message in ((["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice"),
                           (["--quantization", "awq"], "invalid choice: 'awq'")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *argv])

@@ -99,6 +99,15 @@ def test_a_plan_refuses_what_no_runner_could_follow(linears: dict, fused: bool, 
         KernelPlan.every_weight("n64_tiny")
 
 
+def test_the_fp8_gemv_takes_steps_of_at_most_its_rows_and_no_plan_sends_them_there_yet() -> None:
+    for rows in (-1, MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="fp8_gemv_rows"):
+            KernelPlan("bad", fp8_gemv_rows=rows)
+    assert KernelPlan("x", fp8_gemv_rows=64).summary()["fp8_gemv_rows"] == 64
+    assert "fp8_gemv_rows" not in PLANS["cublas"].summary()
+    assert all(plan.fp8_gemv_rows == 0 for plan in PLANS.values())  # not measured faster anywhere yet
+
+
 def test_a_plan_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         PLANS["h200"].fused = False  # type: ignore[misc]

@@ -26,20 +26,44 @@ def compiles(module: str, kernel: str, signature: dict[str, str], constexprs: di
     return res.stdout.strip() + res.stderr[-3000:]
 
 
+# An FP8 KV cache's kernels are compiled to a cubin for sm_90 (`options`: Triton's whole pipeline and ptxas), not
+# only to TTIR: the e4m3 conversions are lowered there.
+CUBIN = {"options": {"num_warps": 4}}
+
+
+def _built(out: str, kv: str) -> bool:
+    """Whether `compiles` built the kernel: its TTIR (True), or for an FP8 cache its cubin (its shared bytes)."""
+    return re.match(r"\d+", out) is not None if kv == "fp8e4nv" else out.startswith("True")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (4, 2)])
-def test_fused_qkv_kernel_compiles_for_sm90(norm: bool, hq: int, hk: int) -> None:
-    """Query and key heads of different counts (their tiles have different shapes) in one kernel."""
-    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "qw_ptr", "kw_ptr")}
+def test_fused_qkv_kernel_compiles_for_sm90(norm: bool, hq: int, hk: int, kv: str) -> None:
+    """Query and key heads of different counts (their tiles have different shapes) in one kernel; into a cache of
+    the activations' dtype or FP8."""
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr")} | {"kc_ptr": f"*{kv}",
+                                                                                  "vc_ptr": f"*{kv}"}
     ptrs |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp32"}
-    scalars = dict.fromkeys(("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "HQ", "HK"), "i32") | {"eps": "fp32"}
+    scalars = dict.fromkeys(("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "HQ", "HK"), "i32")
+    scalars |= dict.fromkeys(("eps", "k_scale", "v_scale"), "fp32")
     order = ("q_ptr k_ptr v_ptr pos_ptr cache_ptr kc_ptr vc_ptr slot_ptr qw_ptr kw_ptr "
-             "sq_t sq_h sk_t sk_h sv_t sv_h HQ HK eps").split()
+             "sq_t sq_h sk_t sk_h sv_t sv_h HQ HK eps k_scale v_scale").split()
     signature = {n: (ptrs | scalars)[n] for n in order}
     consts = {"NORM": norm, "D": 128, "ROT_HALF": 64, "BLOCK_HQ": hq, "BLOCK_HK": hk, "BLOCK_R": 64, "BLOCK_P": 1,
               "BLOCK_D": 128}
-    out = compiles("gpu_engine.kernels.qkv_prep", "_prep_kernel", signature, consts)
-    assert out.startswith("True"), out
+    out = compiles("gpu_engine.kernels.qkv_prep", "_prep_kernel", signature, consts, **(CUBIN if kv != "bf16" else {}))
+    assert _built(out, kv), out
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
+def test_kv_write_kernel_compiles_into_an_fp8_cache_for_sm90(act: str) -> None:
+    """The KV write from each activation dtype into an FP8 cache, to its cubin."""
+    sig = (f"k_ptr:*{act} v_ptr:*{act} kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv slot_ptr:*i64 sk_t:i32 sk_h:i32 sv_t:i32 "
+           "sv_h:i32 H:i32 D:i32 k_scale:fp32 v_scale:fp32")
+    out = compiles("gpu_engine.kernels.kv_cache", "_write_kv_kernel", _sig(sig), {"BLOCK_H": 8, "BLOCK_D": 128},
+                   **CUBIN)
+    assert _built(out, "fp8e4nv"), out
 
 
 ROW_KERNELS = {
@@ -102,18 +126,18 @@ def test_q8_dequant_kernel_compiles_for_sm90(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["split", "last"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> None:
+@pytest.mark.parametrize(("dtype", "kv"), [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")])
+def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: str) -> None:
     """The decode attention in its two forms (a program per split; the same with the last to finish folding, an
-    atomic count) at the runner's shape, and the fold of the partials."""
-    sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+    atomic count) at the runner's shape, over a cache of the queries' dtype or FP8, and the fold of the partials."""
+    sig = (f"q_ptr:*{dtype} kc_ptr:*{kv} vc_ptr:*{kv} bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
            f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
-           "scale_log2:fp32 NSPLIT:i32")
+           "scale_log2:fp32 v_scale:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
               "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32"}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
-                   consts)
-    assert out.startswith("True"), out
+                   consts, **(CUBIN if kv == "fp8e4nv" else {}))
+    assert _built(out, kv), out
     sig = f"po_ptr:*fp32 pm_ptr:*fp32 pl_ptr:*fp32 ctx_ptr:*i32 out_ptr:*{dtype} so_b:i32 so_h:i32 NSPLIT:i32"
     consts = {k: consts[k] for k in ("HKV", "D", "G", "BLOCK_G", "BLOCK_D", "PART")}
     out = compiles("gpu_engine.kernels.attention", "_fold_kernel", dict(item.split(":") for item in sig.split()),
@@ -121,20 +145,23 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, form: str) -> Non
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize(("dtype", "block_m", "whole", "packed"),
-                         [("bf16", 64, True, True), ("bf16", 16, True, True), ("fp32", 64, True, True),
-                          ("bf16", 64, False, True), ("bf16", 64, True, False)])
-def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, whole: bool, packed: bool) -> None:
+@pytest.mark.parametrize(("dtype", "block_m", "whole", "kv", "packed"),
+                         [("bf16", 64, True, "bf16", True), ("bf16", 16, True, "bf16", True),
+                          ("fp32", 64, True, "fp32", True), ("bf16", 64, False, "bf16", True),
+                          ("bf16", 64, True, "fp8e4nv", True), ("bf16", 16, True, "fp8e4nv", True),
+                          ("bf16", 64, True, "bf16", False)])
+def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, whole: bool, kv: str,
+                                                    packed: bool) -> None:
     """The prefill attention (its whole-tile and diagonal loops, or the diagonal loop alone) at the runner's tile
-    sizes, on the packed grid (a mixed step of 256 rows: 257 sequences' tile counts summed in the program) and on
-    the sequence grid."""
-    sig = (f"q_ptr:*{dtype} kc_ptr:*{dtype} vc_ptr:*{dtype} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
-           "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 NB:i32 T:i32")
+    sizes, over a cache of the queries' dtype or FP8, on the packed grid (a mixed step of 256 rows: 257 sequences'
+    tile counts summed in the program) and on the sequence grid."""
+    sig = (f"q_ptr:*{dtype} kc_ptr:*{kv} vc_ptr:*{kv} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
+           "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 NB:i32 T:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
               "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512}
     out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
-                   consts)
-    assert out.startswith("True"), out
+                   consts, **(CUBIN if kv == "fp8e4nv" else {}))
+    assert _built(out, kv), out
 
 
 def test_moe_align_kernel_compiles_for_sm90() -> None:
@@ -169,16 +196,19 @@ def test_tiled_linear_kernel_compiles_for_sm90(block_m: int, split_k: int, silu:
 
 HEADS_SIG = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 pos_ptr:*i64 "
              "cache_ptr:*fp32 kc_ptr:*bf16 vc_ptr:*bf16 slot_ptr:*i64 qw_ptr:*bf16 kw_ptr:*bf16 M:i32 K:i32 HQ:i32 "
-             "HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32")
+             "HK:i32 sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32 qk_eps:fp32 k_scale:fp32 v_scale:fp32")
 
 
-@pytest.mark.parametrize(("block_m", "split_k", "qk_norm", "norm", "d", "rot_half"),
-                         [(16, 1, False, True, 128, 64), (16, 8, False, True, 128, 64), (16, 8, True, False, 128, 64),
-                          (64, 8, True, True, 128, 64), (128, 8, True, True, 128, 64), (16, 8, False, True, 96, 16)])
+@pytest.mark.parametrize(("block_m", "split_k", "qk_norm", "norm", "d", "rot_half", "kv"),
+                         [(16, 1, False, True, 128, 64, "bf16"), (16, 8, False, True, 128, 64, "bf16"),
+                          (16, 8, True, False, 128, 64, "bf16"), (64, 8, True, True, 128, 64, "bf16"),
+                          (128, 8, True, True, 128, 64, "bf16"), (16, 8, False, True, 96, 16, "bf16"),
+                          (16, 8, True, True, 128, 64, "fp8e4nv"), (16, 1, False, True, 96, 16, "fp8e4nv")])
 def test_tiled_heads_kernel_compiles_for_sm90_within_half_a_blocks_shared_memory(
-        block_m: int, split_k: int, qk_norm: bool, norm: bool, d: int, rot_half: int) -> None:
+        block_m: int, split_k: int, qk_norm: bool, norm: bool, d: int, rot_half: int, kv: str) -> None:
     """The qkv product with `qkv_prep` as its output at the Llama-3-8B head (128 wide, full rotary: no pass-through
-    tile) and at Phi-3's (96 wide, 32 rotary: a pass-through tile), with the h200 plan's qkv configuration, whole
+    tile) and at Phi-3's (96 wide, 32 rotary: a pass-through tile), into a cache of the activations' dtype or FP8,
+    with the h200 plan's qkv configuration, whole
     and split over K, with the QK norms of Qwen3 or the layer's RMSNorm, at 16 to 128 rows, with the warps and
     stages the launcher gives it (`_tiled_heads`, `heads_stages`): it compiles to a cubin within half a block's
     shared memory, so two programs share an SM (a block's at 128 rows, where half would leave one stage). Its
@@ -193,7 +223,8 @@ def test_tiled_heads_kernel_compiles_for_sm90_within_half_a_blocks_shared_memory
               "BLOCK_P": block_p, "PASS": passing, "BLOCK_K": c.block_k, "SPLIT_K": split_k, "PREC": "tf32"}
     options = {"num_warps": 8 if block_m >= 64 else c.num_warps,
                "num_stages": heads_stages(c.num_stages, block_m, block_r, block_p if passing else 0, c.block_k, 2)}
-    out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(HEADS_SIG), consts,
+    sig = HEADS_SIG.replace("kc_ptr:*bf16 vc_ptr:*bf16", f"kc_ptr:*{kv} vc_ptr:*{kv}")
+    out = compiles("gpu_engine.kernels.tiled_linear", "_tiled_heads_kernel", _sig(sig), consts,
                    options=options, divisible=["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "K", "sx", "sw", "so", "k_split"])
     got = re.match(r"\d+", out)
     assert got is not None and int(got.group()) <= (SHARED_BYTES if block_m == 128 else SHARED_BYTES // 2), out
@@ -245,3 +276,31 @@ def test_norm_and_silu_kernels_compile_for_sm90(dtype: str) -> None:
     out = compiles("gpu_engine.kernels.activation", "_silu_mul_kernel",
                    _sig(f"x_ptr:*{dtype} out_ptr:*{dtype} I:i32 sx:i32 so:i32"), {"BLOCK": 1024})
     assert out.startswith("True"), out
+
+
+FP8_SIG = ("x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 M:i32 N:i32 K:i32 sx:i32 "
+           "sw:i32 so:i32 k_split:i32")
+
+
+@pytest.mark.parametrize("which", ["stepped", pytest.param("all", marks=pytest.mark.slow)])
+def test_fp8_gemv_configurations_compile_for_sm90_within_a_blocks_shared_memory(which: str) -> None:
+    """The FP8 GEMV (`kernels.fp8_gemv`) in each configuration `FP8_STEPS` names (all candidates with ``-m slow``) at
+    the most rows its form takes (fma: FMA_ROWS; the tensor-core forms: 128), split over K and as a glu, with the
+    stages the launcher gives it (`fp8_stages`): a cubin within a block's shared memory."""
+    from gpu_engine.kernels.fp8_gemv import FMA_ROWS, FP8_CONFIGS, FP8_STEPS, fp8_stages
+    from gpu_engine.kernels.tiled_linear import SHARED_BYTES
+
+    stepped = {name for _, name in FP8_STEPS}
+    divisible = ["x_ptr", "w_ptr", "s_ptr", "out_ptr", "ws_ptr", "N", "K", "sx", "sw", "so", "k_split"]
+    for name, c in FP8_CONFIGS.items():
+        if which == "stepped" and name not in stepped:
+            continue
+        block_m = FMA_ROWS if c.form == "fma" else 128
+        stages = fp8_stages(c, block_m, 2)
+        for split, glu in ((4, False), (1, True)):
+            consts = {"GLU": glu, "FORM": c.form, "BLOCK_M": block_m, "BLOCK_N": c.block_n // 2 if glu else c.block_n,
+                      "BLOCK_K": c.block_k, "SPLIT_K": split, "PREC": "tf32", "STAGES": stages}
+            out = compiles("gpu_engine.kernels.fp8_gemv", "_fp8_gemv_kernel", _sig(FP8_SIG), consts,
+                           options={"num_warps": c.num_warps, "num_stages": stages}, divisible=divisible)
+            got = re.match(r"\d+", out)
+            assert got is not None and int(got.group()) <= SHARED_BYTES, (name, glu, out)

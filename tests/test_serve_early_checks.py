@@ -66,6 +66,7 @@ def config_only_model(tmp_path: Path, context: int) -> Path:
     (["--port", "70000"], "gateway: --port must be within 0..65535, got 70000"),
     (["--max-waiting", "-1"], "tracker: max_waiting must be >= 0, got -1"),
     (["--backend", "cpu", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization applies to the GPU backends"),
+    (["--backend", "cpu", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 runs on the GPU backends"),
     (["--gateways", "0"], "--gateways must be >= 1, got 0"),
     (["--tool-call-parser", "nope"], "--tool-call-parser: unknown parser 'nope'"),
     (["--tokenizer", "/no/such/tokenizer"], "--tokenizer: path /no/such/tokenizer does not exist"),

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from gpu_engine.gpu.sched_structs import GRAM_COLS, PROC_COLS
 from gpu_engine.kernels.activation import silu_and_mul
 from gpu_engine.kernels.attention import LAST_FOLD_ROWS, decode_attention, decode_partition, prefill_attention
+from gpu_engine.kernels.fp8_gemv import fp8_config, fp8_gemv, fp8_gemv_scratch
 from gpu_engine.kernels.fp8_linear import fp8_linear
 from gpu_engine.kernels.grammar import DeviceGrammar
+from gpu_engine.kernels.kv_cache import FP8_KV
 from gpu_engine.kernels.moe import SMALL_PAIRS, fused_moe, small_path
 from gpu_engine.kernels.plan import PLANS, KernelPlan
 from gpu_engine.kernels.processors import BIAS_MASK, MAX_COUNT, DeviceProcessors
@@ -287,11 +289,12 @@ class GpuModelRunner:
         cfg: ModelConfig = model.config
         self.config, self.limits, self.kv, self.plan = cfg, limits, kv_cache, plan
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
-        if kv_cache.dtype != self.dtype or kv_cache.k[0].device != self.device:
+        if kv_cache.dtype not in (self.dtype, FP8_KV) or kv_cache.k[0].device != self.device:
             raise ValueError(f"KV cache is {kv_cache.dtype} on {kv_cache.k[0].device}, "
-                             f"model is {self.dtype} on {self.device}")
+                             f"model is {self.dtype} on {self.device} (the cache takes its dtype or FP8)")
         self._take_weights(model, dict(quantized or {}))
         self.tiled = self._bind_linears()
+        self.fp8_scratch = self._fp8_scratch()
         n_pos = max_positions or limits.max_blocks_per_seq * kv_cache.block_size
         cos, sin = model.rope.cos_sin(torch.arange(n_pos, device=self.device))
         self.rope_cache = cache_from_cos_sin(cos, sin)
@@ -336,6 +339,16 @@ class GpuModelRunner:
         scratch = tiled_scratch(shapes, configs, self.device)
         return {config: functools.partial(_silu_apart, functools.partial(
             tiled_linear, **config._asdict(), scratch=scratch)) for config in self.plan.configs()}
+
+    def _fp8_scratch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One workspace for the FP8 GEMV's launches over this model's FP8 weights, where the plan sends steps to it
+        (`KernelPlan.fp8_gemv_rows`)."""
+        rows = self.plan.fp8_gemv_rows
+        shapes = sorted({(int(w.weight.shape[0]), int(w.weight.shape[1])) for layer in self.layers
+                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(w, Fp8Weight)})
+        if not rows or not shapes:
+            return None
+        return fp8_gemv_scratch(shapes, {fp8_config(r) for r in range(1, rows + 1)}, self.device)
 
     # One step: the whole device-side work, capturable.
     def forward(self, batch: int, tokens: int, decode: bool, filtered: bool = True, keep_hidden: bool = False) -> None:
@@ -401,15 +414,16 @@ class GpuModelRunner:
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
         if heads is None:  # with `heads` the product did it: q normalised and rotated in place, k and v in the caches
             qkv_prep(q, k, v, buf.positions[:tokens], self.rope_cache, kc, vc, buf.slot_mapping[:tokens],
-                     w.q_norm, w.k_norm, cfg.rms_norm_eps)
+                     w.q_norm, w.k_norm, cfg.rms_norm_eps, kv_scale=self.kv.kv_scale(i))
         tables, ctx = buf.block_tables[:batch], buf.context_lens[:batch]
-        how = self.decode_form(batch)
+        how = self.decode_form(batch) | {"kv_scale": self.kv.kv_scale(i)}
         if decode:
             out = decode_attention(q, kc, vc, tables, ctx, self.scale, **how)
         else:  # the decode rows of a mixed step first (they write rows :batch), then the chunks over them
             out = torch.empty_like(q)
             decode_attention(q[:batch], kc, vc, tables, buf.decode_ctx[:batch], self.scale, out=out[:batch], **how)
-            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out)
+            prefill_attention(q, kc, vc, tables, ctx, buf.cu_chunks[: batch + 1], self.scale, out=out,
+                              kv_scale=how["kv_scale"])
         return self._add_linear(out.view(tokens, hq * d), w.o, residual)
 
     def _mlp(self, w: LayerWeights, residual: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor | None:
@@ -456,7 +470,8 @@ class GpuModelRunner:
             return None
         cfg, buf = self.config, self.buffers
         return Heads(cfg.num_heads, cfg.num_kv_heads, buf.positions[:tokens], self.rope_cache, self.kv.k[i],
-                     self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps)
+                     self.kv.v[i], buf.slot_mapping[:tokens], w.q_norm, w.k_norm, cfg.rms_norm_eps,
+                     self.kv.kv_scale(i))
 
     def _norm_fuses(self) -> bool:
         """Whether a norm goes into the product after it (a fused plan; not for an fp16 model, whose un-normalised x
@@ -520,7 +535,10 @@ class GpuModelRunner:
         weight to the tiled linear (`kernels.tiled_linear`); a Q8_0 weight through `kernels.q8_linear`, an FP8 one
         through `kernels.fp8_linear`."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(silu_and_mul(x) if silu_mul else x, w)
+            x = silu_and_mul(x) if silu_mul else x
+            if x.shape[0] <= self.plan.fp8_gemv_rows:
+                return fp8_gemv(x, w, scratch=self.fp8_scratch)
+            return fp8_linear(x, w)
         matmul = None if isinstance(w, Q8Weight) else self.matmul_for(x.shape[0], (w.shape[0], w.shape[1]))
         if matmul is not None:
             return matmul(x, w, act="silu_mul" if silu_mul else None)

@@ -28,7 +28,7 @@ from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresiden
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kernels.plan import resolve_plan
-from gpu_engine.kv_cache import KVCache
+from gpu_engine.kv_cache import KVCache, block_bytes, blocks_for_memory
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
 from shared import env
@@ -108,11 +108,12 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=cfg.context_cap)
     budget = cfg.token_budget(gpu=True)
     max_tokens = step_token_limit(max_context, budget, cfg.max_batch)
-    per_block = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * dtype.itemsize * cfg.block_size
-    blocks = cfg.kv_blocks or int(torch.cuda.mem_get_info()[0] * cfg.kv_memory_fraction // per_block)
-    kv = KVCache(mcfg, blocks, cfg.block_size, dtype=dtype, device="cuda")
-    log.info("KV cache", dtype=str(dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
-             gib=round(blocks * per_block / 2**30, 2))
+    kv_dtype = kv_cache_dtype(cfg)
+    blocks = cfg.kv_blocks or blocks_for_memory(mcfg, cfg.block_size, kv_dtype, torch.cuda.mem_get_info()[0],
+                                                cfg.kv_memory_fraction)
+    kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
+    log.info("KV cache", dtype=str(kv_dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
+             gib=round(blocks * block_bytes(mcfg, cfg.block_size, kv_dtype) / 2**30, 2))
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
     # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
     # leaves it out).
@@ -144,6 +145,11 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
+
+
+def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
+    """The GPU backends' KV cache element type: float8_e4m3fn under --kv-cache-dtype fp8, else the model's."""
+    return torch.float8_e4m3fn if cfg.fp8_kv_cache else getattr(torch, cfg.gpu_torch_dtype_name())
 
 
 def graph_counts(cache: GraphCache) -> dict[str, int]:

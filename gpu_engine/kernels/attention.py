@@ -4,6 +4,10 @@ Both read K/V from the paged cache [num_blocks, block_size, Hkv, D] through bloc
 [B, max_blocks] (int32, -1 padded); `context_lens[B]` counts the tokens in the cache after this
 step (the new tokens included, already written). GQA: query head h reads KV head h // (Hq // Hkv).
 Softmax runs in the exp2 domain in fp32.
+
+An FP8 cache (`kernels.kv_cache.FP8_KV`) is read as its codes widened to the queries' dtype (exact), its scales
+applied outside the products: the key scale to the scores (folded into the softmax scale), the value scale to each
+output sum (`_v_scaled`). A cache of the queries' dtype runs the same code as before the FP8 form.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_engine.kernels._checks import FLOAT_DTYPES, check, check_contiguous, next_pow2
+from gpu_engine.kernels._checks import FLOAT_DTYPES, check, next_pow2
 from gpu_engine.kernels._sync import last_to_finish
+from gpu_engine.kernels.kv_cache import UNIT_SCALE, check_kv_caches, check_kv_scale, dequantize_kv_ref
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -24,7 +29,7 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _load_kv_tile(c_ptr, bt_ptr, n, valid, kvh, d, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-    """Gather [BLOCK_N, BLOCK_D] rows of one KV head for logical token indices `n`."""
+    """Gather [BLOCK_N, BLOCK_D] rows of one KV head for logical token indices `n` (in the cache's dtype)."""
     blk = tl.load(bt_ptr + n // BS, mask=valid, other=0).to(tl.int64)
     row = (blk * BS + n % BS) * (HKV * D) + kvh * D
     return tl.load(c_ptr + row[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0)
@@ -38,7 +43,7 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
     which scores enter the max and zeroes the masked terms after the exp2, whose argument is one explicit fma either
     way (left to the compiler, a multiply and a subtract are contracted or not depending on what lies between them;
     they then differ in the last bit)."""
-    k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+    k = _load_kv_tile(kc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS).to(q.dtype)  # FP8: exact; else no-op
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     sc = qk * scale_log2
     if MASK:
@@ -48,9 +53,18 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
     if MASK:
         p = tl.where(vis, p, 0.0)
     alpha = tl.exp2(m - m_new)
-    v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS)
+    v = _load_kv_tile(vc_ptr, bt_row, n, valid, kvh, d, HKV, D, BS).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, lsum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _v_scaled(acc, v_scale, vc_ptr):
+    """An unnormalised output sum of an FP8 cache's value codes times the value scale; any other cache's as it is
+    (the same code as without FP8)."""
+    if vc_ptr.dtype.element_ty == tl.float8e4nv:
+        acc = acc * v_scale
+    return acc
 
 
 @triton.jit
@@ -87,11 +101,12 @@ def _fold_splits(po_ptr, pm_ptr, pl_ptr, base, n_active, d, gmask, BLOCK_G: tl.c
 
 
 @triton.jit
-def _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV: tl.constexpr, D: tl.constexpr,
+def _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, v_scale, HKV: tl.constexpr,
+                D: tl.constexpr,
                 BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
                 BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     """Split s's online softmax of the G query heads over its tokens (exp2 domain, fp32): (unnormalised output,
-    max, sum)."""
+    max, sum); an FP8 cache's output times `v_scale`."""
     start = s * PART
     end = tl.minimum(start + PART, n_ctx)
     m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
@@ -102,7 +117,7 @@ def _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV: tl
         valid = n < end
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, valid[None, :], kvh, d, acc, m, lsum,
                                     scale_log2, HKV, D, BS, PREC, True)
-    return acc, m, lsum
+    return _v_scaled(acc, v_scale, vc_ptr), m, lsum
 
 
 @triton.jit
@@ -136,7 +151,7 @@ def _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, s, n_ctx, s
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr,
-    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, NSPLIT,
+    sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, v_scale, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
     FORM: tl.constexpr, PREC: tl.constexpr,
@@ -156,8 +171,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     if s < tl.cdiv(n_ctx, PART):  # a split past the row's context has nothing to compute
-        acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, HKV, D, BS, BLOCK_G,
-                                   BLOCK_D, PART, BLOCK_N, PREC)
+        acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, v_scale, HKV, D, BS,
+                                   BLOCK_G, BLOCK_D, PART, BLOCK_N, PREC)
         _store_partial(po_ptr, pm_ptr, pl_ptr, b, heads, s, d, gmask, acc, m, lsum, NSPLIT, HKV, G, BLOCK_D)
     _finish_splits(po_ptr, pm_ptr, pl_ptr, out_ptr, cnt_ptr, b, kvh, s, n_ctx, so_b, so_h, NSPLIT, heads, d, gmask,
                    omask, run_acc, run_l, HKV, G, BLOCK_G, BLOCK_D, PART, FORM)
@@ -189,11 +204,12 @@ def _fold_kernel(po_ptr, pm_ptr, pl_ptr, ctx_ptr, out_ptr, so_b, so_h, NSPLIT, H
               BLOCK_D)
 
 
-def _gather_kv(k_cache, v_cache, block_table, n_tokens):
+def _gather_kv(k_cache, v_cache, block_table, n_tokens, kv_scale):
     bs = k_cache.shape[1]
     idx = torch.arange(n_tokens, device=k_cache.device)
     blocks = block_table[idx // bs].long()
-    return k_cache[blocks, idx % bs], v_cache[blocks, idx % bs]
+    k, v = k_cache[blocks, idx % bs], v_cache[blocks, idx % bs]
+    return dequantize_kv_ref(k, kv_scale[0]), dequantize_kv_ref(v, kv_scale[1])
 
 
 def _attend_ref(q, k, v, scale, q_pos):
@@ -207,28 +223,31 @@ def _attend_ref(q, k, v, scale, q_pos):
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
 
 
-def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    """Plain PyTorch: q [B, H, D] -> [B, H, D]."""
+def decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                         kv_scale: tuple[float, float] = UNIT_SCALE) -> torch.Tensor:
+    """Plain PyTorch: q [B, H, D] -> [B, H, D]; an FP8 cache read as its codes times `kv_scale` (fp32)."""
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         if n == 0:
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n, kv_scale)
         pos = torch.tensor([n - 1], device=q.device)
         out[b] = _attend_ref(q[b : b + 1], k, v, scale, pos)[0].to(q.dtype)
     return out
 
 
-def prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale):
-    """Plain PyTorch: packed q [T, H, D] -> [T, H, D], causal, cached prefix included."""
+def prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale,
+                          kv_scale: tuple[float, float] = UNIT_SCALE):
+    """Plain PyTorch: packed q [T, H, D] -> [T, H, D], causal, cached prefix included; an FP8 cache as in
+    `decode_attention_ref`."""
     out = torch.zeros_like(q)
     for b in range(block_tables.shape[0]):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         n = int(context_lens[b])
         if hi == lo:
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], n, kv_scale)
         pos = torch.arange(n - (hi - lo), n, device=q.device)
         out[lo:hi] = _attend_ref(q[lo:hi], k, v, scale, pos).to(q.dtype)
     return out
@@ -237,7 +256,7 @@ def prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_se
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
-    sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, NB, T,
+    sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, v_scale, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
     PACKED: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -300,7 +319,7 @@ def _prefill_kernel(
         valid = n < hi
         acc, m, lsum = _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, (n[None, :] <= qpos[:, None]) & valid[None, :],
                                     kvh, d, acc, m, lsum, scale_log2, HKV, D, BS, PREC, True)
-    out = acc / tl.maximum(lsum, 1e-30)[:, None]
+    out = _v_scaled(acc, v_scale, vc_ptr) / tl.maximum(lsum, 1e-30)[:, None]
     o_ptrs = out_ptr + rows[:, None] * so_t + h * so_h + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -310,10 +329,7 @@ def _check_paged(q, k_cache, v_cache, block_tables, context_lens, n_seqs: int):
     if q.dim() != 3:
         raise ValueError(f"q: expected 3 dims, got {tuple(q.shape)}")
     D = q.shape[2]
-    check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, D), device=q.device)
-    check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=q.device)
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
+    check_kv_caches(k_cache, v_cache, q.dtype, (None, None, None, D), q.device)
     hkv = k_cache.shape[2]
     if q.shape[1] % hkv:
         raise ValueError(f"q heads {q.shape[1]} not a multiple of KV heads {hkv}")
@@ -358,6 +374,7 @@ def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
     num_warps: int = 4, num_stages: int | None = None, counters: torch.Tensor | None = None,
+    kv_scale: tuple[float, float] = UNIT_SCALE,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -371,7 +388,8 @@ def decode_attention(
     give the same bits; only the split size and the tile size change a sum, and they are the same for every batch.
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and 2,048, 8
     and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16). "last" measured level
-    with "split" at batch 1 (7.5 against 7.7 us a layer at context 512)."""
+    with "split" at batch 1 (7.5 against 7.7 us a layer at context 512). The caches are q's dtype or FP8 (`kv_scale`:
+    their key and value scales)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -382,6 +400,7 @@ def decode_attention(
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    ks, vs = check_kv_scale(kv_scale)
     nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size)
     if form == "last":
         if counters is None:
@@ -393,7 +412,8 @@ def decode_attention(
         return out
     _decode_kernel[(B, hkv, nsplit)](
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, nsplit,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E * ks, vs,
+        nsplit,
         BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
@@ -417,6 +437,7 @@ def prefill_attention(
     q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale: float,
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2, whole_tiles: bool = True,
+    kv_scale: tuple[float, float] = UNIT_SCALE,
     grid: str = "packed",
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
@@ -426,7 +447,8 @@ def prefill_attention(
     `block_m` left None: `prefill_block_m`.
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
-    against). It does not change a bit of the output.
+    against). It does not change a bit of the output. The caches are q's dtype or FP8 (`kv_scale`: their key and
+    value scales).
 
     `grid`: "packed" (a program per query tile of the step, tiles of one sequence after another, and head; at
     most cdiv(T, block_m) + B + 1 tiles) or "seq" (a program per (tile, head, sequence), every sequence given
@@ -444,6 +466,7 @@ def prefill_attention(
     block_m = block_m or prefill_block_m(T)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    ks, vs = check_kv_scale(kv_scale)
     if grid == "packed":
         programs: tuple[int, ...] = (triton.cdiv(T, block_m) + B + 1, H)
     elif grid == "seq":
@@ -452,7 +475,7 @@ def prefill_attention(
         raise ValueError(f"grid must be 'packed' or 'seq', got {grid!r}")
     _prefill_kernel[programs](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, B, T,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E * ks, vs, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
         PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), num_warps=num_warps,
         num_stages=num_stages,

@@ -36,6 +36,7 @@ class KernelPlan:
     name: str
     linears: Mapping[Shape | None, Steps] = dataclasses.field(default_factory=dict)
     fused: bool = False
+    fp8_gemv_rows: int = 0  # FP8 weights in steps of at most this many rows: `fp8_gemv` (weight-only, one launch)
 
     def __post_init__(self) -> None:
         for shape, steps in self.linears.items():
@@ -45,6 +46,8 @@ class KernelPlan:
             unknown = [config for _, config in steps if config not in TILED_CONFIGS]
             if unknown:
                 raise ValueError(f"plan {self.name}: {shape}: no configuration {unknown} in {sorted(TILED_CONFIGS)}")
+        if not 0 <= self.fp8_gemv_rows <= MAX_ROWS:
+            raise ValueError(f"plan {self.name}: fp8_gemv_rows {self.fp8_gemv_rows} outside 0..{MAX_ROWS}")
         if self.fused and not self.linears:
             raise ValueError(f"plan {self.name}: the fused forms come with the tiled linear, which it never takes")
 
@@ -68,7 +71,10 @@ class KernelPlan:
         """What the engine's start log prints."""
         shapes = {"any" if s is None else f"{s[0]}x{s[1]}": [f"<={r}:{c}" for r, c in steps]
                   for s, steps in self.linears.items()}
-        return {"kernel_plan": self.name, "fused": self.fused, "tiled_linears": shapes or "none (cuBLAS)"}
+        out = {"kernel_plan": self.name, "fused": self.fused, "tiled_linears": shapes or "none (cuBLAS)"}
+        if self.fp8_gemv_rows:
+            out["fp8_gemv_rows"] = self.fp8_gemv_rows
+        return out
 
 
 # The H200's plan: the Llama-3-8B projections' fastest configurations where they beat cuBLAS by more than the run's

@@ -29,6 +29,7 @@ import triton.language as tl
 from gpu_engine.kernels._checks import FLOAT_DTYPES, check
 from gpu_engine.kernels._sync import last_to_finish
 from gpu_engine.kernels.activation import silu_and_mul_ref
+from gpu_engine.kernels.kv_cache import UNIT_SCALE, check_kv_scale, to_cache
 from gpu_engine.kernels.qkv_prep import _check as _check_prep
 from gpu_engine.kernels.qkv_prep import _norm_rotate_values, qkv_prep_ref
 from gpu_engine.kernels.rmsnorm import rms_norm_ref
@@ -133,6 +134,33 @@ def _finish(optrs, omask, acc, acc_u, GLU: tl.constexpr, ADD: tl.constexpr):
 
 
 @triton.jit
+def _store_slice(ws_ptr, s, m, n, M, N, omask, acc, acc_u, GLU: tl.constexpr):
+    """Slice s's fp32 sums of an [M, N] tile into the workspace: a slice's partials [M, N], or with GLU the gate's
+    then the up's, [M, 2N]."""
+    width = 2 * N if GLU else N
+    at = ws_ptr + s.to(tl.int64) * M * width + m[:, None].to(tl.int64) * width + n[None, :]
+    tl.store(at, acc, mask=omask)
+    if GLU:
+        tl.store(at + N, acc_u, mask=omask)
+
+
+@triton.jit
+def _slice_totals(ws_ptr, m, n, M, N, omask, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """The tile's sums over the SPLIT_K slices `_store_slice` wrote, (total, up's total with GLU), added in slice order
+    whichever program adds them; the loads bypass L1 (`.cg`): other SMs wrote them."""
+    width = 2 * N if GLU else N
+    part = m[:, None].to(tl.int64) * width + n[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + i * M * width + part, mask=omask, other=0.0, cache_modifier=".cg")
+        if GLU:
+            total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0, cache_modifier=".cg")
+    return total, total_u
+
+
+@triton.jit
 def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, sw, so, k_split, eps,
                   SILU: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -166,36 +194,27 @@ def _tiled_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, M, N, K, sx, s
             acc, acc_u = acc * scale, acc_u * scale
         _finish(optrs, omask, acc, acc_u, GLU, ADD)
     else:
-        width = 2 * N if GLU else N  # a slice's partials: [M, N], or gate then up [M, 2N]; then NORM's [M] sums
-        part = m[:, None].to(tl.int64) * width + n[None, :]
-        tl.store(ws_ptr + s.to(tl.int64) * M * width + part, acc, mask=omask)
-        if GLU:
-            tl.store(ws_ptr + s.to(tl.int64) * M * width + part + N, acc_u, mask=omask)
+        sq_at = ws_ptr + SPLIT_K * M * (2 * N if GLU else N)  # NORM: the slices' [M] sums after their partials
+        _store_slice(ws_ptr, s, m, n, M, N, omask, acc, acc_u, GLU)
         if NORM:
-            tl.store(ws_ptr + SPLIT_K * M * width + s * M + m, sq_rows, mask=m < M)
+            tl.store(sq_at + s * M + m, sq_rows, mask=m < M)
         if last_to_finish(cnt_ptr + pn, SPLIT_K):
-            # slice order whichever program sums; loads bypass L1 (`.cg`): other SMs wrote them
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            total_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + i * M * width + part, mask=omask, other=0.0, cache_modifier=".cg")
-                if GLU:
-                    total_u += tl.load(ws_ptr + i * M * width + part + N, mask=omask, other=0.0,
-                                       cache_modifier=".cg")
+            total, total_u = _slice_totals(ws_ptr, m, n, M, N, omask, GLU, BLOCK_M, BLOCK_N, SPLIT_K)
             if NORM:
-                scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * width, m, M, K, eps, BLOCK_M, SPLIT_K)
+                scale = _slices_rms_scale(sq_at, m, M, K, eps, BLOCK_M, SPLIT_K)
                 total, total_u = total * scale, total_u * scale
             _finish(optrs, omask, total, total_u, GLU, ADD)
 
 
 @triton.jit
 def _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr, kw_ptr,
-                  HQ, HK, qk_eps, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
+                  HQ, HK, qk_eps, k_scale, v_scale, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     """One head's columns of a qkv product (fp32 sums: first rotary half, second, pass-through; a row a token) as
     `qkv_prep` takes them after the product is rounded: a query head normalised (QK_NORM), rotated and stored into
     `out`'s row; a key head the same into the key cache at the row's slot; a value head as it is into the value
-    cache (a negative slot writes nothing)."""
+    cache (a negative slot writes nothing; an FP8 cache takes them as `to_cache` stores them, with `k_scale` /
+    `v_scale`). Each branch stores through its own pointer: an FP8 cache's pointers are not `out`'s type."""
     dt = out_ptr.dtype.element_ty
     x1, x2, x3 = a1.to(dt).to(tl.float32), a2.to(dt).to(tl.float32), a3.to(dt).to(tl.float32)
     r = tl.arange(0, BLOCK_R)[None, :]
@@ -208,25 +227,32 @@ def _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_pt
     if head < HQ:
         y1, y2, y3 = _norm_rotate_values(x1, x2, x3, qw_ptr, qk_eps, cos, sin, dt, QK_NORM, D, ROT_HALF, BLOCK_R,
                                          BLOCK_P)
-        dst = out_ptr + m[:, None].to(tl.int64) * so + head * D
+        _store_head(out_ptr + m[:, None].to(tl.int64) * so + head * D, r, p, y1, y2, y3, rm, pm, 1.0, dt, ROT_HALF)
     else:
         slot = tl.load(slot_ptr + m, mask=m < M, other=-1)[:, None]
         rm, pm = rm & (slot >= 0), pm & (slot >= 0)
         if head < HQ + HK:
             y1, y2, y3 = _norm_rotate_values(x1, x2, x3, kw_ptr, qk_eps, cos, sin, dt, QK_NORM, D, ROT_HALF,
                                              BLOCK_R, BLOCK_P)
-            dst = kc_ptr + slot * (HK * D) + (head - HQ) * D
+            _store_head(kc_ptr + slot * (HK * D) + (head - HQ) * D, r, p, y1, y2, y3, rm, pm, k_scale, dt, ROT_HALF)
         else:
-            y1, y2, y3 = x1, x2, x3
-            dst = vc_ptr + slot * (HK * D) + (head - HQ - HK) * D
-    tl.store(dst + r, y1.to(dt), mask=rm)
-    tl.store(dst + ROT_HALF + r, y2.to(dt), mask=rm)
-    tl.store(dst + 2 * ROT_HALF + p, y3.to(dt), mask=pm)
+            _store_head(vc_ptr + slot * (HK * D) + (head - HQ - HK) * D, r, p, x1, x2, x3, rm, pm, v_scale, dt,
+                        ROT_HALF)
+
+
+@triton.jit
+def _store_head(dst, r, p, y1, y2, y3, rm, pm, scale, ACT: tl.constexpr, ROT_HALF: tl.constexpr):
+    """A head's rotary halves and pass-through (fp32) rounded to the activation dtype ACT, stored as `dst`'s element
+    type takes them (`to_cache`)."""
+    dt = dst.dtype.element_ty
+    tl.store(dst + r, to_cache(y1.to(ACT), scale, dt), mask=rm)
+    tl.store(dst + ROT_HALF + r, to_cache(y2.to(ACT), scale, dt), mask=rm)
+    tl.store(dst + 2 * ROT_HALF + p, to_cache(y3.to(ACT), scale, dt), mask=pm)
 
 
 @triton.jit
 def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr,
-                        qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps,
+                        qw_ptr, kw_ptr, M, K, HQ, HK, sx, sw, so, k_split, eps, qk_eps, k_scale, v_scale,
                         NORM: tl.constexpr, QK_NORM: tl.constexpr, D: tl.constexpr, ROT_HALF: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PASS: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr):
@@ -283,19 +309,20 @@ def _tiled_heads_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, pos_ptr,
                 scale = _slices_rms_scale(ws_ptr + SPLIT_K * M * N, m, M, K, eps, BLOCK_M, SPLIT_K)
                 a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
             _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
-                          kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
+                          kw_ptr, HQ, HK, qk_eps, k_scale, v_scale, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
     else:
         if NORM:
             scale = _rms_scale(_diagonal(gram, BLOCK_M), K, eps)
             a1, a2, a3 = a1 * scale, a2 * scale, a3 * scale
         _heads_finish(a1, a2, a3, head, m, M, out_ptr, so, pos_ptr, cache_ptr, kc_ptr, vc_ptr, slot_ptr, qw_ptr,
-                      kw_ptr, HQ, HK, qk_eps, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
+                      kw_ptr, HQ, HK, qk_eps, k_scale, v_scale, QK_NORM, D, ROT_HALF, BLOCK_R, BLOCK_P)
 
 
 class Heads(NamedTuple):
     """Where a qkv product goes when `tiled_linear` applies `qkv_prep` as its output (`heads=`): the query heads,
     normalised (with `q_norm` and `k_norm`) and rotated, into the product's first num_heads x head_dim columns;
-    the key and value heads into the paged caches at each row's slot, which is where attention reads them."""
+    the key and value heads into the paged caches at each row's slot, which is where attention reads them (caches of
+    the product's dtype, or FP8 with `kv_scale`, their key and value scales)."""
 
     num_heads: int
     num_kv_heads: int
@@ -307,6 +334,7 @@ class Heads(NamedTuple):
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     eps: float = 1e-6
+    kv_scale: tuple[float, float] = UNIT_SCALE
 
 
 class TiledConfig(NamedTuple):
@@ -547,13 +575,14 @@ def _tiled_heads(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, heads: Hea
     _check_prep(q, out[:, HQ * D: (HQ + HK) * D].view(M, HK, D), out[:, (HQ + HK) * D:].view(M, HK, D),
                 heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping, heads.q_norm,
                 heads.k_norm)
+    ks, vs = check_kv_scale(heads.kv_scale)
     ws, cnt = _split_scratch(scratch, g.split, g.parts, HQ + 2 * HK, out)
     nw, eps = norm if norm is not None else (out, 0.0)
     qk = heads.q_norm is not None
     _tiled_heads_kernel[(HQ + 2 * HK, g.split)](
         x, w, out, ws, cnt, nw, heads.positions, heads.cache, heads.k_cache, heads.v_cache, heads.slot_mapping,
         heads.q_norm if qk else out, heads.k_norm if qk else out, M, x.shape[1], HQ, HK, x.stride(0), w.stride(0),
-        out.stride(0), g.width, float(eps), float(heads.eps), NORM=norm is not None, QK_NORM=qk, D=D,
+        out.stride(0), g.width, float(eps), float(heads.eps), ks, vs, NORM=norm is not None, QK_NORM=qk, D=D,
         ROT_HALF=g.rot_half, BLOCK_M=g.block_m, BLOCK_R=g.block_r, BLOCK_P=g.block_p, PASS=g.passing,
         BLOCK_K=block_k, SPLIT_K=g.split, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=g.warps,
         num_stages=g.stages,
@@ -578,5 +607,5 @@ def tiled_ref(x: torch.Tensor, w: torch.Tensor, act: str | None = None, norm: tu
         q, k, v = y[:, : HQ * D].view(M, HQ, D), y[:, HQ * D: (HQ + HK) * D].view(M, HK, D), y[:, (HQ + HK) * D:]
         y[:, : HQ * D] = qkv_prep_ref(q, k, v.reshape(M, HK, D), heads.positions, heads.cache, heads.k_cache,
                                       heads.v_cache, heads.slot_mapping, heads.q_norm, heads.k_norm,
-                                      heads.eps).reshape(M, HQ * D)
+                                      heads.eps, heads.kv_scale).reshape(M, HQ * D)
     return y

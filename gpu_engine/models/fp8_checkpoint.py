@@ -107,7 +107,8 @@ def _compressed_tensors(path: Path, qc: dict[str, Any]) -> Fp8Scheme:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(path, f"compressed-tensors format {fmt!r}")
     if qc.get("kv_cache_scheme") is not None:
-        raise _refuse(path, "an FP8 KV cache (kv_cache_scheme; Blink's KV cache has the weights' dtype)")
+        raise _refuse(path, "an FP8 KV cache with calibrated scales (kv_cache_scheme; Blink's FP8 KV cache, "
+                      "--kv-cache-dtype fp8, takes a scale of 1.0)")
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _refuse(path, f"{len(groups)} compressed-tensors config groups (Blink takes one)")

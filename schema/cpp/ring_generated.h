@@ -358,33 +358,36 @@ enum KvCacheDtype : uint32_t {
   KvCacheDtype_FLOAT32 = 1,
   KvCacheDtype_FLOAT16 = 2,
   KvCacheDtype_BFLOAT16 = 3,
+  KvCacheDtype_FLOAT8_E4M3 = 4,
   KvCacheDtype_MIN = KvCacheDtype_UNKNOWN,
-  KvCacheDtype_MAX = KvCacheDtype_BFLOAT16
+  KvCacheDtype_MAX = KvCacheDtype_FLOAT8_E4M3
 };
 
-inline const KvCacheDtype (&EnumValuesKvCacheDtype())[4] {
+inline const KvCacheDtype (&EnumValuesKvCacheDtype())[5] {
   static const KvCacheDtype values[] = {
     KvCacheDtype_UNKNOWN,
     KvCacheDtype_FLOAT32,
     KvCacheDtype_FLOAT16,
-    KvCacheDtype_BFLOAT16
+    KvCacheDtype_BFLOAT16,
+    KvCacheDtype_FLOAT8_E4M3
   };
   return values;
 }
 
 inline const char * const *EnumNamesKvCacheDtype() {
-  static const char * const names[5] = {
+  static const char * const names[6] = {
     "UNKNOWN",
     "FLOAT32",
     "FLOAT16",
     "BFLOAT16",
+    "FLOAT8_E4M3",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameKvCacheDtype(KvCacheDtype e) {
-  if (::flatbuffers::IsOutRange(e, KvCacheDtype_UNKNOWN, KvCacheDtype_BFLOAT16)) return "";
+  if (::flatbuffers::IsOutRange(e, KvCacheDtype_UNKNOWN, KvCacheDtype_FLOAT8_E4M3)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesKvCacheDtype()[index];
 }

@@ -156,6 +156,7 @@ static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_UNKNOWN) == BLINK_
 static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_FLOAT32) == BLINK_KV_CACHE_DTYPE_FLOAT32, "KvCacheDtype::FLOAT32 differs");
 static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_FLOAT16) == BLINK_KV_CACHE_DTYPE_FLOAT16, "KvCacheDtype::FLOAT16 differs");
 static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_BFLOAT16) == BLINK_KV_CACHE_DTYPE_BFLOAT16, "KvCacheDtype::BFLOAT16 differs");
+static_assert(static_cast<uint32_t>(blink::ring::KvCacheDtype_FLOAT8_E4M3) == BLINK_KV_CACHE_DTYPE_FLOAT8_E4M3, "KvCacheDtype::FLOAT8_E4M3 differs");
 static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_UNKNOWN) == BLINK_PREFIX_HASH_UNKNOWN, "PrefixHash::UNKNOWN differs");
 static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_BLAKE2B_64) == BLINK_PREFIX_HASH_BLAKE2B_64, "PrefixHash::BLAKE2B_64 differs");
 static_assert(static_cast<uint32_t>(blink::ring::PrefixHash_SPLITMIX64) == BLINK_PREFIX_HASH_SPLITMIX64, "PrefixHash::SPLITMIX64 differs");

@@ -67,8 +67,12 @@ def test_fp8_linear_is_captured_by_a_cuda_graph() -> None:
     assert torch.equal(out, fp8_linear(x, w))
 
 
-def test_runner_on_an_fp8_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gemv_rows", [0, 128], ids=["fp8_linear", "fp8_gemv"])
+def test_runner_on_an_fp8_checkpoint(tmp_path: Path, gemv_rows: int) -> None:
+    """The runner on an FP8 checkpoint, its products through `fp8_linear` (W8A8) or, for steps of up to
+    `gemv_rows` rows, the weight-only `fp8_gemv` (`KernelPlan.fp8_gemv_rows`), against the same stored values."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kernels.plan import KernelPlan
     from gpu_engine.kv_cache import KVCache
     from gpu_engine.models.attention import build_metadata
     from gpu_engine.models.loader import load_gpu_weights
@@ -80,7 +84,9 @@ def test_runner_on_an_fp8_checkpoint(tmp_path: Path) -> None:
     cfg = got.config
     assert all(w.weight.is_cuda for w in got.quantized.values())
     runner = GpuModelRunner(got.model, KVCache(cfg, 16, 4, dtype=torch.bfloat16, device="cuda"),
-                            RunnerLimits(4, 32, 8), quantized=got.quantized)
+                            RunnerLimits(4, 32, 8), quantized=got.quantized,
+                            plan=KernelPlan("cublas", fp8_gemv_rows=gemv_rows))
+    assert (runner.fp8_scratch is not None) == bool(gemv_rows)
     # the reference on the CPU (its attention is the CPU engine's): the same stored FP8 values, float32 products
     on_cpu = {name: w.to("cpu") for name, w in got.quantized.items()}
     reference = with_linears(copy.deepcopy(got.model).cpu(), on_cpu, False)

@@ -8,3 +8,4 @@ class KvCacheDtype(object):
     FLOAT32 = 1
     FLOAT16 = 2
     BFLOAT16 = 3
+    FLOAT8_E4M3 = 4
