@@ -357,7 +357,7 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
 
 
 PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_block_m`)
-    "default": {}, "seq_grid": {"grid": "seq"}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
+    "default": {}, "packed_grid": {"grid": "packed"}, "seq_grid": {"grid": "seq"}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
     "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128}}
 
 
@@ -373,15 +373,16 @@ def prefill_rows(gbps: float) -> list[dict]:
     as (query rows, context)): one prompt of 2,048 and of 8,192 tokens, a 2,048-token chunk over a 6,144-token
     cached prefix, four prompts of 512 in one step, and a saturated mixed step's chunk attention (`mixed_128_896`:
     128 decode rows at served contexts, empty in the chunk bounds as the runner stages them, then an 896-token
-    prompt, in a 1,024-row step; the decode rows' own attention is not in it). `seq_grid`: the grid of a program
-    per (tile, head, sequence) against the default packed one."""
+    prompt, in a 1,024-row step; the decode rows' own attention is not in it), and the same chunk beside 8 and 32
+    decode rows. `packed_grid` and `seq_grid`: the two grids (the default picks one by the step's sequences,
+    `attention.prefill_grid`)."""
     from gpu_engine.kernels.attention import prefill_attention
 
     peak = matmul_tflops()
     H, hkv, D, bs = 32, 8, 128, 16
     cases = {"prompt_2048": [(2048, 2048)], "prompt_8192": [(8192, 8192)], "chunk_2048_at_8192": [(2048, 8192)],
              "4x_prompt_512": [(512, 512)] * 4,
-             "mixed_128_896": [(1, ctx) for ctx in served_contexts(128)] + [(896, 896)]}
+             **{f"mixed_{n}_896": [(1, ctx) for ctx in served_contexts(n)] + [(896, 896)] for n in (8, 32, 128)}}
     rows = []
     for case, seqs in cases.items():
         kc, vc, tables = _paged_cache([-(-ctx // bs) for _, ctx in seqs], hkv, bs=bs, d=D)

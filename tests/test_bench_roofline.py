@@ -108,7 +108,8 @@ def test_the_plan_setting_names_a_plan_or_one_configuration_for_every_weight() -
     from gpu_engine.kernels.plan import PLANS, KernelPlan
 
     assert bench_plan("auto", "NVIDIA H200") is PLANS["h200"]
-    assert bench_plan("auto", "NVIDIA H100 80GB HBM3") is PLANS["cublas"]
+    assert bench_plan("auto", "NVIDIA H100 80GB HBM3") is PLANS["h100"]
+    assert bench_plan("auto", "NVIDIA L4") is PLANS["cublas"]
     assert bench_plan("h200", "NVIDIA H100 80GB HBM3") is PLANS["h200"]
     assert bench_plan("cublas", "NVIDIA H200") is PLANS["cublas"]
     assert bench_plan("n64_k128_s4", "NVIDIA H200") == KernelPlan.every_weight("n64_k128_s4")

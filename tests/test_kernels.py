@@ -198,6 +198,31 @@ def test_prefill_attention_packed_grid_gives_the_sequence_grids_bits(block_m):
         attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, grid="flat")
 
 
+def test_prefill_attention_picks_its_grid_by_the_steps_sequences(monkeypatch):
+    """Left to choose, a step of few sequences (one prompt, a few) takes the sequence grid and a step with many
+    (decode rows beside a chunk) the packed one, with the bits either gives."""
+    assert [attention.prefill_grid(n) for n in (1, attention.SEQ_GRID_SEQS, attention.SEQ_GRID_SEQS + 1, 129)] == [
+        "seq", "seq", "packed", "packed"]
+    seen = []
+    kernel = attention._prefill_kernel
+
+    class Spy:
+        def __getitem__(self, programs):
+            seen.append(len(programs))  # the packed grid is 2-D, the sequence grid 3-D
+            return kernel[programs]
+
+    monkeypatch.setattr(attention, "_prefill_kernel", Spy())
+    for lens_q in ([7], [0, 0, 0, 0, 0, 6]):
+        kc, vc, bt, ctx = _paged([9] * len(lens_q), nblocks=16, seed=5)
+        cu = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+        q = torch.randn(int(cu[-1]), 8, 16, device=DEV)
+        auto = attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, block_m=16, block_n=16)
+        grid = attention.prefill_grid(len(lens_q))
+        assert torch.equal(auto, attention.prefill_attention(q, kc, vc, bt, ctx, cu, 0.3, block_m=16, block_n=16,
+                                                             grid=grid))
+    assert seen == [3, 3, 2, 2]
+
+
 def _prefill_in_chunks(q, kc, vc, table, n, chunks, scale=0.3, **tiles):
     """One prompt of n tokens (its K/V already in the cache) prefilled chunk by chunk: each chunk's rows see
     the cache up to their own position, as the runner's steps do."""

@@ -91,12 +91,18 @@ H200_LINEARS: dict[Shape | None, Steps] = {
     (2048, 4096): ((8, "n64_k128_s4_x2"),),  # Qwen3-30B-A3B o
 }
 
+# The H100's plan: cuBLAS for the bf16 products; FP8 weights in steps of up to 8 rows through the weight-only GEMV.
+# Llama-3-8B decode steps with FP8 weights took 4.03 against 5.58 ms (cuBLASLt's FP8 product) at batch 1 and 4.91
+# against 5.65 at 8, context 512, and 10.12 against 9.17 at 64 rows (BENCHMARKS.md, "FP8 weights beside bf16").
+H100_FP8_GEMV_ROWS = 8
+
 PLANS = {
     "cublas": KernelPlan("cublas"),
+    "h100": KernelPlan("h100", fp8_gemv_rows=H100_FP8_GEMV_ROWS),
     "h200": KernelPlan("h200", H200_LINEARS, fused=True),
 }
 # torch.cuda.get_device_name() -> the plan measured fastest there; any other GPU gets "cublas"
-GPU_PLANS = {"NVIDIA H200": "h200"}
+GPU_PLANS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
 
 
 def resolve_plan(setting: str, device_name: str) -> KernelPlan:
