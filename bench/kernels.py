@@ -357,7 +357,8 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
 
 
 PREFILL_VARIANTS = {  # name: keywords of prefill_attention; "default": the runner's (`prefill_block_m`)
-    "default": {}, "packed_grid": {"grid": "packed"}, "seq_grid": {"grid": "seq"}, "unsplit": {"whole_tiles": False}, "m64_n64_w4_s3": {"num_stages": 3},
+    "default": {}, "packed_grid": {"grid": "packed"}, "seq_grid": {"grid": "seq"}, "unsplit": {"whole_tiles": False},
+    "m64_n64_w4_s3": {"num_stages": 3},
     "m128_n64_w8_s2": {"block_m": 128, "num_stages": 2}, "m128_n128_w8_s2": {"block_m": 128, "block_n": 128}}
 
 

@@ -99,10 +99,11 @@ class EngineConfig:
                                 "saturated to +-448, twice the blocks for the same memory; attention computes in "
                                 "--dtype", choices=KV_CACHE_DTYPES)
     kernel_plan: str = _flag("auto", "GPU backends: which kernels take each product of a step (gpu_engine/kernels/"
-                             "plan.py). auto: the plan measured fastest on this GPU (h200 on an NVIDIA H200, h100 on an "
-                             "NVIDIA H100 80GB HBM3), cuBLAS and the plain kernels on any other; cublas: cuBLAS for "
-                             "every product, whatever the GPU; h100: cuBLAS, and FP8 weights in steps of up to 8 rows "
-                             "through the weight-only FP8 GEMV; h200: the H200's tiled linears and fused forms", choices=KERNEL_PLANS)
+                             "plan.py). auto: the plan measured fastest on this GPU (h200 on an NVIDIA H200, h100 on "
+                             "an NVIDIA H100 80GB HBM3), cuBLAS and the plain kernels on any other; cublas: cuBLAS "
+                             "for every product, whatever the GPU; h100: cuBLAS, and FP8 weights in steps of up to 8 "
+                             "rows through the weight-only FP8 GEMV; h200: the H200's tiled linears and fused forms",
+                             choices=KERNEL_PLANS)
     max_model_len: int = _flag(0, "the context limit, prompt plus output tokens, as /v1/models reports it; "
                                "the prompt limit is one less unless --max-prompt-tokens is given; 0: the "
                                f"model's context, capped at {DEFAULT_MAX_MODEL_LEN} (the prompt limit one less, "
