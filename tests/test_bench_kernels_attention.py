@@ -47,8 +47,8 @@ def test_every_attention_variant_gives_the_runner_form_s_result():
 
 
 def test_every_prefill_variant_is_a_prefill_attention_setting() -> None:
-    """The prefill rows' variants (the packed grid by default, `seq_grid` the sequence grid) name keywords that
-    `prefill_attention` takes, so none of them fails only on the GPU."""
+    """The prefill rows' variants (the default grid by the step's sequences, `packed_grid` and `seq_grid` each
+    grid) name keywords that `prefill_attention` takes, so none of them fails only on the GPU."""
     import inspect
 
     from bench.kernels import PREFILL_VARIANTS
@@ -57,4 +57,5 @@ def test_every_prefill_variant_is_a_prefill_attention_setting() -> None:
     params = inspect.signature(prefill_attention).parameters
     for name, kw in PREFILL_VARIANTS.items():
         assert set(kw) <= set(params), name
-    assert PREFILL_VARIANTS["seq_grid"] == {"grid": "seq"} and params["grid"].default == "packed"
+    assert PREFILL_VARIANTS["seq_grid"] == {"grid": "seq"} and PREFILL_VARIANTS["packed_grid"] == {"grid": "packed"}
+    assert params["grid"].default == "auto" and PREFILL_VARIANTS["default"] == {}

@@ -526,12 +526,12 @@ def test_gpu_prefill_attention_real_sizes():
     cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device=DEV)
     q = torch.randn(1010, 32, 128, device=DEV, dtype=torch.bfloat16)  # 9 padding rows at the end
     out = torch.full_like(q, float("nan"))
-    attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out)
+    attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=out, grid="packed")
     _close(out[:1001], attention.prefill_attention_ref(q, kc, vc, bt, ctx, cu, 128 ** -0.5)[:1001], 2e-2)
     assert torch.equal(out[1001:], torch.zeros_like(out[1001:]))
     seq = torch.full_like(q, float("nan"))
     attention.prefill_attention(q, kc, vc, bt, ctx, cu, 128 ** -0.5, out=seq, grid="seq")
-    assert torch.equal(out, seq)  # the packed grid (default) and the sequence grid: the same bits
+    assert torch.equal(out, seq)  # the packed grid and the sequence grid: the same bits
 
 
 @gpu
