@@ -16,6 +16,10 @@ alone, the prefill graph alone and both launched together:
   once on its own, when each was done; with each alone and the mixed step (the 128 decodes and the chunk in one
   graph, the mixed-step policy's round). What a decode row's tokens would take if decode steps went on while a
   chunk ran beside them, and what that costs the chunk;
+- priority (host and device): the decode graph ahead of the chunk's, the device's most urgent launch priority
+  against its least: replayed from the host on streams of those priorities (decode steps beside one chunk, as
+  `beside`), and launched from the device as executables whose kernel nodes carry them (instantiated with
+  cudaGraphInstantiateFlagUseNodePriority);
 - cublas N (host and device): both graphs captured again with cuBLAS SM-count targets (`sm_share.reserve_sms`):
   N SMs for the decode graph's products, the rest but the scheduler's one for the prefill graph's (the Triton
   kernels still size their grids for the whole GPU);
@@ -217,6 +221,26 @@ class Device:
             raise RuntimeError(f"blink_launch_pair failed ({rc}, device-side launch status {list(err)}): {message}")
         return list(ms)
 
+    def priority_range(self) -> tuple[int, int]:
+        """The device's launch priorities: (least urgent, most urgent)."""
+        import ctypes as C
+
+        least, greatest = C.c_int(), C.c_int()
+        self.lib.check(self.lib.lib.blink_priority_range(C.byref(least), C.byref(greatest)), "priority range")
+        return least.value, greatest.value
+
+    def priority_exec(self, graph: Graph, priority: int) -> int:
+        """A device-launch executable of `graph`'s captured step whose every kernel runs at `priority`."""
+        import ctypes as C
+
+        exec_, kernels = C.c_uint64(), C.c_int()
+        self.lib.check(self.lib.lib.blink_priority_exec(int(graph.graph.raw_cuda_graph()), priority,
+                                                        graph.stream.cuda_stream, C.byref(exec_), C.byref(kernels)),
+                       "priority executable")
+        if kernels.value == 0:
+            raise RuntimeError("the captured step has no kernel node to give a priority")
+        return int(exec_.value)
+
 
 def probe_library():
     """The scheduler's library with the overlap diagnostics (bench/csrc/overlap_probe.cu; the engine's has none),
@@ -233,6 +257,8 @@ def bind(lib):
     f = lib.lib
     f.blink_launch_pair.argtypes = [C.c_uint64, C.c_uint64, C.c_int, C.c_int, C.c_double, C.POINTER(C.c_float),
                                     C.POINTER(C.c_int)]
+    f.blink_priority_range.argtypes = [C.POINTER(C.c_int), C.POINTER(C.c_int)]
+    f.blink_priority_exec.argtypes = [C.c_uint64, C.c_int, C.c_uint64, C.POINTER(C.c_uint64), C.POINTER(C.c_int)]
     f.blink_green_split.argtypes = [C.c_int, C.c_uint, C.POINTER(C.c_void_p), C.POINTER(C.c_uint64),
                                     C.POINTER(C.c_uint)]
     f.blink_green_enter.argtypes = [C.c_void_p, C.c_int]
@@ -490,19 +516,20 @@ class Probe:
         entry["overlap"] = overlap(trace(lambda: host_launch(both, pair.split)), shorter)
         return entry
 
-    def beside(self, pair: Pair, counts: Sequence[int] = BESIDE) -> dict[str, Any]:
+    def beside(self, pair: Pair, counts: Sequence[int] = BESIDE, mixed: bool = True) -> dict[str, Any]:
         """Decode steps one after another beside one chunk (host replays, two streams), for each count in `counts`:
-        when each decode and the chunk were done; beside them each graph alone and the mixed step that does one
-        decode's and the chunk's work in one graph (the mixed-step policy's round)."""
-        mixed = capture(self.mixer, False, shape=(DECODES + 1, BUDGET))
-        try:
-            entry: dict[str, Any] = {
-                "launch": "host", "partition": "none",
-                "decode_ms": median_ms(host_ms(lambda: host_launch([pair.decode]), self.reps, self.timeout_s)),
-                "prefill_ms": median_ms(host_ms(lambda: host_launch([pair.prefill]), self.reps, self.timeout_s)),
-                "mixed_ms": median_ms(host_ms(lambda: host_launch([mixed]), self.reps, self.timeout_s))}
-        finally:
-            destroy_graphs([mixed])
+        when each decode and the chunk were done; beside them each graph alone and, with `mixed`, the mixed step
+        that does one decode's and the chunk's work in one graph (the mixed-step policy's round)."""
+        entry: dict[str, Any] = {
+            "launch": "host", "partition": "none",
+            "decode_ms": median_ms(host_ms(lambda: host_launch([pair.decode]), self.reps, self.timeout_s)),
+            "prefill_ms": median_ms(host_ms(lambda: host_launch([pair.prefill]), self.reps, self.timeout_s))}
+        if mixed:
+            graph = capture(self.mixer, False, shape=(DECODES + 1, BUDGET))
+            try:
+                entry["mixed_ms"] = median_ms(host_ms(lambda: host_launch([graph]), self.reps, self.timeout_s))
+            finally:
+                destroy_graphs([graph])
         entry["beside"] = {}
         for n in counts:
             done = finish_ms(lambda marks, n=n: beside_launch(pair.decode, pair.prefill, n, marks), self.reps,
@@ -511,7 +538,32 @@ class Probe:
             entry["beside"][str(n)] = finished(done, names)
         return entry
 
-    def device_launch(self, pair: Pair, sequential: bool = False) -> dict[str, Any]:
+    def prioritized(self) -> list[dict[str, Any]]:
+        """The decode graph ahead of the chunk's: replayed from the host on a stream of the device's most urgent
+        priority beside the chunk's on a least urgent one (decode steps beside one chunk, as `beside`), and both
+        launched from the device as executables whose kernel nodes carry those priorities."""
+        import torch
+
+        least, greatest = self.device.priority_range()
+        pair = Pair(capture(self.decoder, True, torch.cuda.Stream(priority=greatest)),
+                    capture(self.prefiller, False, torch.cuda.Stream(priority=least)))
+        shares = {"partition": "priority", "priorities": {"decode": greatest, "prefill": least}}
+        execs: list[int] = []
+        try:
+            host = {**attempt("host", lambda: self.beside(pair, mixed=False)), **shares}
+
+            def device() -> dict[str, Any]:
+                execs.extend([self.device.priority_exec(pair.decode, greatest),
+                              self.device.priority_exec(pair.prefill, least)])
+                return self.device_launch(Pair(Graph(None, execs[0], pair.decode.stream),
+                                               Graph(None, execs[1], pair.prefill.stream)), trace_it=False)
+
+            return [host, {**attempt("device", device), **shares}]
+        finally:
+            destroy_graphs([Graph(None, e, None) for e in execs])
+            destroy(pair)
+
+    def device_launch(self, pair: Pair, sequential: bool = False, trace_it: bool = True) -> dict[str, Any]:
         """The same from the device: each executable alone, both fire-and-forget (and the second as a tail launch,
         with `sequential`), then one traced launch of the pair."""
         d, p = pair.decode.exec_handle, pair.prefill.exec_handle
@@ -524,8 +576,9 @@ class Probe:
         entry.update(pair_ms=median_ms(pairs), pair_all_ms=pairs, alone_sum_ms=entry["decode_ms"] + entry["prefill_ms"])
         if sequential:
             entry["sequential_ms"] = median_ms(timed(d, p, tail=True))
-        shorter = min(entry["decode_ms"], entry["prefill_ms"]) * 1e3
-        entry["overlap"] = overlap(trace(lambda: self.device.pair(d, p, False, 1, self.timeout_s)), shorter)
+        if trace_it:
+            shorter = min(entry["decode_ms"], entry["prefill_ms"]) * 1e3
+            entry["overlap"] = overlap(trace(lambda: self.device.pair(d, p, False, 1, self.timeout_s)), shorter)
         return entry
 
 
@@ -638,6 +691,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     guarded(result, ["host", "device"], lambda: unpartitioned(probe, result), save)
     guarded(result, ["beside"], lambda: besides(probe), save)
+    guarded(result, ["priority/host", "priority/device"], probe.prioritized, save)
     for kind in ("cublas", "green"):
         for n in splits:
             guarded(result, [f"{kind} {n}/host", f"{kind} {n}/device"], lambda k=kind, n=n: partitioned(probe, k, n),

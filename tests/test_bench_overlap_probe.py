@@ -147,7 +147,7 @@ def test_decodes_beside_a_chunk_are_tabled_as_each_steps_own_time() -> None:
 def test_the_overlap_diagnostics_build_apart_and_answer_without_a_device() -> None:
     """bench/csrc/overlap_probe.cu builds as a library of its own (the engine's scheduler library exports none of
     its entry points); they bind, with no executables a pair launch times nothing on a GPU, and where there is none
-    both it and the green split return a CUDA error with its message."""
+    it, the green split and the launch priorities return a CUDA error with its message."""
     import ctypes as C
 
     from bench.overlap_probe import bind, probe_library
@@ -165,4 +165,14 @@ def test_the_overlap_diagnostics_build_apart_and_answer_without_a_device() -> No
         assert sms[0] >= 16 and sms[1] > 0 and all(streams)
         assert f.blink_green_destroy(handle) == 0
     else:
+        assert f.blink_last_error().decode()
+    least, greatest = C.c_int(7), C.c_int(7)
+    rc = f.blink_priority_range(C.byref(least), C.byref(greatest))
+    if rc == 0:
+        assert greatest.value <= least.value  # lower is more urgent
+    else:
+        assert "cudaDeviceGetStreamPriorityRange" in f.blink_last_error().decode()
+    exec_, kernels = C.c_uint64(), C.c_int()
+    if rc != 0:  # no device: the node walk fails with its CUDA error, never a crash
+        assert f.blink_priority_exec(0, 0, 0, C.byref(exec_), C.byref(kernels)) != 0
         assert f.blink_last_error().decode()

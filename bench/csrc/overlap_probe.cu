@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <time.h>
 
+#include <vector>
+
 #include "sched.h"
 #include "sched_host.cuh"
 #include "sched_kernel.cuh"
@@ -21,6 +23,8 @@ extern "C" {
 int blink_launch_pair(uint64_t first, uint64_t second, int sequential, int reps, double timeout_s, float *ms,
                       int *launch_err);
 int blink_green_split(int device, unsigned first_sms, void **handle, uint64_t *streams, unsigned *sms);
+int blink_priority_range(int *least, int *greatest);
+int blink_priority_exec(uint64_t graph, int priority, uint64_t stream, uint64_t *exec, int *kernels);
 int blink_green_enter(void *handle, int which);
 int blink_green_leave(void);
 int blink_green_destroy(void *handle);
@@ -229,6 +233,40 @@ int blink_launch_pair(uint64_t first, uint64_t second, int sequential, int reps,
   for (int r = 0; rc == 0 && r < reps; ++r) rc = pair_rep(&p, timeout_s, &ms[r], launch_err);
   if (rc != -2) pair_free(&p);  // past the bound the graphs may still run: what they use stays
   return rc;
+}
+
+// The device's launch priorities: `least` urgent (0) to `greatest` (a negative number; lower is more urgent).
+int blink_priority_range(int *least, int *greatest) {
+  BLINK_CHECK(cudaDeviceGetStreamPriorityRange(least, greatest));
+  return 0;
+}
+
+// Every kernel node of `graph` (a captured step, as cudaGraph_t) given launch priority `priority`, then the graph
+// instantiated for device launch with its nodes' priorities in force rather than its launch stream's
+// (cudaGraphInstantiateFlagUseNodePriority) and uploaded on `stream`: *exec, and in *kernels how many nodes took it.
+int blink_priority_exec(uint64_t graph, int priority, uint64_t stream, uint64_t *exec, int *kernels) {
+  cudaGraph_t g = reinterpret_cast<cudaGraph_t>(graph);
+  size_t n = 0;
+  BLINK_CHECK(cudaGraphGetNodes(g, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  BLINK_CHECK(cudaGraphGetNodes(g, nodes.data(), &n));
+  cudaLaunchAttributeValue value = {};
+  value.priority = priority;
+  *kernels = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cudaGraphNodeType type;
+    BLINK_CHECK(cudaGraphNodeGetType(nodes[i], &type));
+    if (type != cudaGraphNodeTypeKernel) continue;
+    BLINK_CHECK(cudaGraphKernelNodeSetAttribute(nodes[i], cudaLaunchAttributePriority, &value));
+    ++*kernels;
+  }
+  cudaGraphExec_t e = nullptr;
+  BLINK_CHECK(cudaGraphInstantiate(&e, g, cudaGraphInstantiateFlagDeviceLaunch | cudaGraphInstantiateFlagUseNodePriority));
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  BLINK_CHECK(cudaGraphUpload(e, st));
+  BLINK_CHECK(cudaStreamSynchronize(st));
+  *exec = reinterpret_cast<uint64_t>(e);
+  return 0;
 }
 
 #if CUDA_VERSION >= 12050
