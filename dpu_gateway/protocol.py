@@ -301,31 +301,63 @@ def check_json_text(body: bytes) -> None:
         pass
 
 
-_FLOAT_FOR_INT = re.compile(r"Expected `[^`]*\bint\b[^`]*`, got `float`")
+_FLOAT_FOR_INT = re.compile(r"Expected `[^`]*\bint\b[^`]*`, got `float` - at `\$(?P<path>[^`]*)`")
+_PATH_STEP = re.compile(r"\.(?P<name>[A-Za-z_]\w*)|\[(?P<index>\d+|\.\.\.)\]")
+INTEGRAL_PASSES = 32  # integer fields holding integral floats mended in one body; past them the 400 stands
 
 
-def _integral_as_int(value: Any) -> Any:
-    """A decoded JSON value with each number that has no fractional part (5.0) made an int: JSON Schema's
-    `integer` admits it, and so does vLLM's parsing, so `"max_tokens": 5.0` is 5. A float field takes the int back
-    as a float, so nothing else changes."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral_as_int(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _integral_as_int(v) for k, v in value.items()}
-    return value
+def _integral(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer()
+
+
+def _int_at(node: Any, steps: list[str]) -> bool:
+    """The integral float at `steps` below `node` (decoded JSON; a step is a field name, a list index, or "..." for
+    any key of a mapping) made an int, in place. Where the last step is an index or "...", every integral float of
+    that list or mapping, whose items share the one integer type. False where nothing changed."""
+    step, rest = steps[0], steps[1:]
+    keys: list[Any]
+    if isinstance(node, list) and step.isdigit():
+        keys = list(range(len(node))) if not rest else [int(step)] if int(step) < len(node) else []
+    elif isinstance(node, dict) and step == "...":
+        keys = list(node)
+    elif isinstance(node, dict) and not step.isdigit():
+        keys = [step] if step in node else []
+    else:
+        return False
+    if rest:
+        return any([_int_at(node[k], rest) for k in keys])  # noqa: C419  (every key walked)
+    changed = False
+    for k in keys:
+        if _integral(node[k]):
+            node[k] = int(node[k])
+            changed = True
+    return changed
 
 
 def _strict_or_integral(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    """The body decoded as it is; where an integer field held an integral float, decoded once more with such
-    numbers as ints (a string or a fraction stays refused, and the second decode's error names what is left)."""
+    """The body decoded as it is. Where an integer field held a number with no fractional part (5.0), JSON Schema's
+    `integer` admits it and so does vLLM's parsing (`"max_tokens": 5.0` is 5): that field, the one msgspec's error
+    names, made an int and the body decoded again, field after field. Nothing else changes (an integral float in a
+    free-form field, a schema's `"minimum": 1.0`, stays a float); a string or a fraction stays refused, with the
+    error naming it."""
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        if not _FLOAT_FOR_INT.search(str(exc)):
-            raise
-    return decoder.decode(msgspec.json.encode(_integral_as_int(msgspec.json.decode(body))))
+        error = exc
+    tree: Any = None
+    for _ in range(INTEGRAL_PASSES):
+        match = _FLOAT_FOR_INT.search(str(error))
+        if match is None:
+            break
+        tree = msgspec.json.decode(body) if tree is None else tree
+        steps = [m.group("name") or m.group("index") for m in _PATH_STEP.finditer(match.group("path"))]
+        if not steps or not _int_at(tree, steps):
+            break
+        try:
+            return decoder.decode(msgspec.json.encode(tree))
+        except msgspec.ValidationError as exc:
+            error = exc
+    raise error
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes, refused: bool = True) -> Any:

@@ -183,6 +183,15 @@ def test_an_integral_float_is_an_integer_as_json_schema_and_vllm_take_it() -> No
                        b'"top_logprobs": 2.0, "response_format": {"type": "json_schema", "json_schema": '
                        b'{"name": "a", "schema": {"type": "number", "maximum": 2.5}}}}')
     assert chat.top_logprobs == 2 and chat.response_format["json_schema"]["schema"]["maximum"] == 2.5
+    # only the integer fields change: a free-form schema's integral floats stay floats (the grammar writes 1.0)
+    chat = decode_chat(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4.0, '
+                       b'"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": '
+                       b'{"enum": [1.0, 2], "minimum": 1.0}}}, "logit_bias": {"5": 2.0}}')
+    schema = chat.response_format["json_schema"]["schema"]
+    assert type(chat.max_tokens) is int and [type(v) for v in schema["enum"]] == [float, int]
+    assert type(schema["minimum"]) is float
+    many = decode_completion(b'{"model": "m", "prompt": [' + b", ".join(b"%d.0" % i for i in range(3000)) + b"]}")
+    assert many.prompt == list(range(3000))  # a list of integers mended at once, not one decode an item
     for body, where in ((b'{"model": "m", "prompt": "x", "max_tokens": 5.5}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": 5.0, "n": "2"}', "n")):
