@@ -9,7 +9,10 @@ After publishing a slot it tells the token reader who owns it (``Track``, with t
 and re-sends every live ``Track`` whenever the reader link is re-established.
 
 Each ring's slot cache (and so its slot writer) is dropped through the ring watch's ``on_detach``,
-while the old mapping is still open: nothing in the tracker outlives the ring it writes to.
+while the old mapping is still open: nothing in the tracker outlives the ring it writes to. A publication that
+a remote ring's failed access cut short leaves its slot RESERVED (the state word never landed); the lane keeps
+that (slot, seq) and gives the slot back (RESERVED -> EMPTY) once it attaches the same engine's ring again. An
+engine that restarted made its ring anew, the slot with it.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class Lane:
         self.work: Notifier | None = None  # the engine's wake-up (shared/notify.py), None while it has none
         self._looked = False  # whether the attached ring's answer about it is final (notify.look_for)
         self.on_lost = on_lost  # called with the index when a ring this lane wrote to goes
+        self.cut: list[tuple[int, int, int]] = []  # (ring's created_ns, slot, seq) of publications cut short
+        self.born = 0  # the attached ring's created_ns
 
     def _detached(self, old: Ring) -> None:
         """The watch is closing ``old``: drop the cache (and its slot writer) that points into it."""
@@ -113,9 +118,32 @@ class Lane:
         if ring is None:
             return None
         if self.cache is None:
-            self.cache = SlotCache(ring)
-            self.cache.refresh()
+            cache = SlotCache(ring)
+            cache.refresh()
+            self.cache, self.born = cache, ring.header_load64("created_ns")
+            if self.cut:
+                self._give_back_cut(cache)
         return self.cache
+
+    def cut_short(self, idx: int, seq: int) -> None:
+        """A publication into slot ``idx`` (reserved with ``seq``) failed with the ring's access: the slot
+        stays RESERVED until this lane gives it back to the same ring (``_give_back_cut``)."""
+        self.cut.append((self.born, idx, seq))
+
+    def _give_back_cut(self, cache: SlotCache) -> None:
+        """RESERVED(seq) -> EMPTY(seq) for each cut publication of this ring (the same engine, attached again: the
+        same creation time); those of an engine that has since made a new ring are dropped. A failed access keeps
+        them for the next attach (giving one back twice fails its compare-and-swap: nothing moves)."""
+        try:
+            for created, idx, seq in self.cut:
+                if created == self.born:
+                    freed = cache.writer.abandon(idx, seq)
+                    log.info("slot of a publication cut short given back" if freed else
+                             "slot of a publication cut short had moved on", engine=self.index, slot=idx, seq=seq)
+            self.cut = []
+            cache.refresh()
+        except RingError as exc:
+            log.warning("publications cut short not given back yet", engine=self.index, error=str(exc))
 
     def serving(self) -> SlotCache | None:
         """The slot cache when the engine serves (READY with a fresh heartbeat), else None."""
@@ -212,6 +240,9 @@ class SlotTracker:
             cache.writer.abandon(idx, seq)
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))
             return
+        except RingError:  # a remote ring lost mid-publication: the slot is given back when it is reached again
+            self.lanes[engine].cut_short(idx, seq)
+            raise
         self.lanes[engine].wake_engine()
         live = Live(chan, sub, engine, idx, seq)
         self.live[sub.req_id] = live

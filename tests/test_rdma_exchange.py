@@ -527,6 +527,60 @@ def test_the_tracker_answers_503_when_the_ring_goes_mid_publication_and_serves_a
         eng.stop()
 
 
+def test_a_slot_whose_publication_the_link_cut_is_given_back_when_the_same_engine_is_reached_again(
+        ring_name: str, tmp_path: Path) -> None:
+    """The link goes mid-publication and comes back to the same engine (no restart): the slot left RESERVED is
+    given back (EMPTY, its seq kept), so the ring loses no slot; the next request is admitted."""
+    eng = start_engine(ring_name)
+    tracker = SlotTracker(TrackerConfig(tmp_path, eng.address.url))
+    chan = Chan()
+    try:
+        eventually(lambda: bool(tracker.serving()))
+        cache = tracker.lanes[0].cache
+        assert cache is not None
+        cache.ring.transport.poster.link_down_after = 4  # type: ignore[attr-defined]
+        tracker.submit(chan, m.Submit(2, 1, [4, 5, 6], m.Sampling(4)))  # type: ignore[arg-type]
+        assert isinstance(chan.sent[-1], m.Rejected) and chan.sent[-1].status == 503
+        cut = engine_slot_states(eng)
+        assert cut.count(S.RESERVED) == 1 and tracker.lanes[0].cut
+        idx = cut.index(S.RESERVED)
+        seq = int(eng.ring.read_slots()["seq"][idx])
+        eventually(lambda: bool(tracker.serving()))  # the watch attaches the same engine's ring again
+        assert engine_slot_states(eng) == [S.EMPTY] * GEO.num_slots and not tracker.lanes[0].cut
+        assert int(eng.ring.read_slots()["seq"][idx]) == seq
+        tracker.submit(chan, m.Submit(3, 1, [1, 2], m.Sampling(4)))  # type: ignore[arg-type]
+        assert isinstance(chan.sent[-1], m.Admitted)
+        assert [p[0] for p in eng.slots.scan_pending()] != []
+    finally:
+        tracker.close()
+        eng.stop()
+
+
+def test_a_cut_publication_of_an_engine_that_restarted_is_dropped(ring_name: str, tmp_path: Path) -> None:
+    """The same cut, then the engine restarts: its new ring has every slot EMPTY already; the lane drops what it
+    kept (a give-back there would compare against another ring's words) and serves."""
+    eng = start_engine(ring_name)
+    port = eng.address.port
+    tracker = SlotTracker(TrackerConfig(tmp_path, eng.address.url))
+    chan = Chan()
+    try:
+        eventually(lambda: bool(tracker.serving()))
+        tracker.lanes[0].cache.ring.transport.poster.link_down_after = 4  # type: ignore[union-attr, attr-defined]
+        tracker.submit(chan, m.Submit(2, 1, [4, 5, 6], m.Sampling(4)))  # type: ignore[arg-type]
+        assert tracker.lanes[0].cut
+        eng.stop()
+        eng = start_engine(ring_name, port=port)
+        eventually(lambda: bool(tracker.serving()))
+        assert not tracker.lanes[0].cut and engine_slot_states(eng) == [S.EMPTY] * GEO.num_slots
+    finally:
+        tracker.close()
+        eng.stop()
+
+
+def engine_slot_states(eng: Engine) -> list[int]:
+    return [int(s) for s in eng.ring.read_slots()["state"]]
+
+
 def test_the_reader_streams_over_rdma_and_fails_the_streams_of_an_engine_that_goes(ring_name: str,
                                                                                    tmp_path: Path) -> None:
     eng = start_engine(ring_name)
