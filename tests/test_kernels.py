@@ -9,6 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from helpers.paged import paged_cache  # noqa: E402
+
 from gpu_engine.kernels import activation, attention, kv_cache, moe, rmsnorm, rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,18 +89,7 @@ def test_write_kv_skips_padding():
 
 
 def _paged(lens, hkv=2, d=16, bs=4, nblocks=40, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(DEV, dtype)
-    vc = torch.randn(nblocks, bs, hkv, d, generator=g).to(DEV, dtype)
-    width = max(1, max(-(-n // bs) for n in lens) + 1)
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        nb = -(-n // bs)
-        tables[b, :nb] = torch.tensor(perm[used: used + nb], dtype=torch.int32)
-        used += nb
-    return kc, vc, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return paged_cache(lens, DEV, hkv=hkv, d=d, bs=bs, nblocks=nblocks, dtype=dtype, seed=seed)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers.fp8_interpret import gpu_rounding, interpreter_rounds_like_gpu  # noqa: E402
+from helpers.paged import paged_cache  # noqa: E402
 
 from gpu_engine.kernels import attention, kv_cache, rope  # noqa: E402
 from gpu_engine.kernels.kv_cache import FP8_KV, quantize_kv_ref  # noqa: E402
@@ -161,19 +162,10 @@ def test_tiled_heads_into_fp8_match_the_reference(qk_norm):
 
 def _paged_fp8(lens, kv_scale, hkv=2, d=16, bs=4, nblocks=40, seed=0, spread=3.0):
     """Float32 K/V caches and the same quantized to FP8, with their block tables and context lengths."""
-    g = torch.Generator().manual_seed(seed)
-    kf = (torch.randn(nblocks, bs, hkv, d, generator=g) * spread).to(DEV)
-    vf = (torch.randn(nblocks, bs, hkv, d, generator=g) * spread).to(DEV)
-    width = max(1, max(-(-n // bs) for n in lens) + 1)
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        nb = -(-n // bs)
-        tables[b, :nb] = torch.tensor(perm[used: used + nb], dtype=torch.int32)
-        used += nb
+    kc, vc, tables, lens_t = paged_cache(lens, DEV, hkv=hkv, d=d, bs=bs, nblocks=nblocks, seed=seed)
+    kf, vf = kc * spread, vc * spread
     k8, v8 = quantize_kv_ref(kf, kv_scale[0], FP8_KV), quantize_kv_ref(vf, kv_scale[1], FP8_KV)
-    return kf, vf, k8, v8, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return kf, vf, k8, v8, tables, lens_t
 
 
 @pytest.mark.parametrize("kv_scale", SCALES)
