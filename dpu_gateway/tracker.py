@@ -10,9 +10,11 @@ and re-sends every live ``Track`` whenever the reader link is re-established.
 
 Each ring's slot cache (and so its slot writer) is dropped through the ring watch's ``on_detach``,
 while the old mapping is still open: nothing in the tracker outlives the ring it writes to. A publication that
-a remote ring's failed access cut short leaves its slot RESERVED (the state word never landed); the lane keeps
-that (slot, seq) and gives the slot back (RESERVED -> EMPTY) once it attaches the same engine's ring again. An
-engine that restarted made its ring anew, the slot with it.
+a remote ring's failed access cut short (its client told 503) leaves its slot RESERVED where the state word never
+landed: the lane keeps that (slot, seq) and gives the slot back (RESERVED -> EMPTY) once it attaches the same
+engine's ring again. Where the state word had landed the engine serves it: the lane then hands the slot to the
+reader as an orphan (a ``Track`` of no gateway), which stops it and releases it quietly. An engine that restarted
+made its ring anew, the slot with it.
 """
 
 from __future__ import annotations
@@ -85,14 +87,16 @@ class Live:
 class Lane:
     """One engine's ring as the tracker sees it: the watch and the slot cache of the attached ring."""
 
-    def __init__(self, index: int, name: str, heartbeat_timeout_s: float, on_lost: Callable[[int], None]) -> None:
+    def __init__(self, index: int, name: str, heartbeat_timeout_s: float, on_lost: Callable[[int], None],
+                 on_orphan: Callable[[m.Track], None] = lambda track: None) -> None:
         self.index = index
         self.watch = RingWatch(name, heartbeat_timeout_s, on_detach=self._detached)
         self.cache: SlotCache | None = None
         self.work: Notifier | None = None  # the engine's wake-up (shared/notify.py), None while it has none
         self._looked = False  # whether the attached ring's answer about it is final (notify.look_for)
         self.on_lost = on_lost  # called with the index when a ring this lane wrote to goes
-        self.cut: list[tuple[int, int, int]] = []  # (ring's created_ns, slot, seq) of publications cut short
+        self.cut: list[tuple[int, int, int, int]] = []  # (ring's created_ns, slot, seq, req_id) cut short
+        self.on_orphan = on_orphan  # a cut publication the engine has after all, for the reader to release
         self.born = 0  # the attached ring's created_ns
 
     def _detached(self, old: Ring) -> None:
@@ -125,21 +129,25 @@ class Lane:
                 self._give_back_cut(cache)
         return self.cache
 
-    def cut_short(self, idx: int, seq: int) -> None:
-        """A publication into slot ``idx`` (reserved with ``seq``) failed with the ring's access: the slot
-        stays RESERVED until this lane gives it back to the same ring (``_give_back_cut``)."""
-        self.cut.append((self.born, idx, seq))
+    def cut_short(self, idx: int, seq: int, req_id: int) -> None:
+        """A publication of ``req_id`` into slot ``idx`` (reserved with ``seq``) failed with the ring's access:
+        this lane settles the slot when it reaches the same ring again (``_give_back_cut``)."""
+        self.cut.append((self.born, idx, seq, req_id))
 
     def _give_back_cut(self, cache: SlotCache) -> None:
         """RESERVED(seq) -> EMPTY(seq) for each cut publication of this ring (the same engine, attached again: the
         same creation time); those of an engine that has since made a new ring are dropped. A failed access keeps
         them for the next attach (giving one back twice fails its compare-and-swap: nothing moves)."""
         try:
-            for created, idx, seq in self.cut:
-                if created == self.born:
-                    freed = cache.writer.abandon(idx, seq)
-                    log.info("slot of a publication cut short given back" if freed else
-                             "slot of a publication cut short had moved on", engine=self.index, slot=idx, seq=seq)
+            for created, idx, seq, req_id in self.cut:
+                if created != self.born:
+                    continue
+                if cache.writer.abandon(idx, seq):
+                    log.info("slot of a publication cut short given back", engine=self.index, slot=idx, seq=seq)
+                elif cache.writer.published(idx, seq):  # the state word had landed: the engine has it
+                    log.info("publication cut short reached the engine: handed to the reader to stop and release",
+                             engine=self.index, slot=idx, seq=seq, req_id=req_id)
+                    self.on_orphan(m.Track(req_id, m.NO_GATEWAY, idx, seq, engine=self.index))
             self.cut = []
             cache.refresh()
         except RingError as exc:
@@ -147,8 +155,8 @@ class Lane:
 
     def serving(self) -> SlotCache | None:
         """The slot cache when the engine serves (READY with a fresh heartbeat), else None."""
-        cache = self.slots()
         try:
+            cache = self.slots()
             return cache if cache is not None and cache.ring.engine_alive(self.watch.timeout_s) else None
         except RingError:  # a remote ring whose access failed: its watch lets it go at the next look
             return None
@@ -167,11 +175,12 @@ class Lane:
 class SlotTracker:
     def __init__(self, cfg: TrackerConfig) -> None:
         self.cfg = cfg
-        self.lanes = [Lane(i, name, cfg.heartbeat_timeout_s, self._forget_engine)
+        self.lanes = [Lane(i, name, cfg.heartbeat_timeout_s, self._forget_engine, self._hand_orphan)
                       for i, name in enumerate(cfg.ring_names)]
         self.waiting: collections.deque[tuple[ipc.Channel, m.Submit]] = collections.deque()
         self.live: dict[int, Live] = {}
         self.reader: ipc.Channel | None = None
+        self.orphans: list[m.Track] = []  # slots of cut publications the engine has, for the reader when linked
         self.last_engine = -1  # the engine the last request went to (ties go to the next one)
         self.routed = [0] * len(self.lanes)  # requests published to each engine since start
         self._wake = asyncio.Event()
@@ -241,7 +250,7 @@ class SlotTracker:
             chan.send(m.Rejected(sub.req_id, 400, str(exc)))
             return
         except RingError:  # a remote ring lost mid-publication: the slot is given back when it is reached again
-            self.lanes[engine].cut_short(idx, seq)
+            self.lanes[engine].cut_short(idx, seq, sub.req_id)
             raise
         self.lanes[engine].wake_engine()
         live = Live(chan, sub, engine, idx, seq)
@@ -337,6 +346,14 @@ class SlotTracker:
         for lane in self.lanes:
             lane.watch.close()
 
+    def _hand_orphan(self, track: m.Track) -> None:
+        """A slot the engine serves for a request whose client was told 503: the reader stops it and releases
+        it (a route of no gateway); kept until the reader is linked."""
+        if self.reader is not None:
+            self.reader.send(track)
+        else:
+            self.orphans.append(track)
+
     # ------------------------------------------------------------ reader link
     async def reader_link(self) -> None:
         while True:
@@ -344,6 +361,8 @@ class SlotTracker:
             self.reader = chan
             for live in self.live.values():
                 chan.send(live.track())
+            while self.orphans:
+                chan.send(self.orphans.pop())
             log.info("reader_linked", live=len(self.live))
             try:
                 while True:

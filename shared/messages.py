@@ -152,6 +152,9 @@ class Track(_Msg, tag="track"):
     prompt_logprobs: int = -1
 
 
+# Track.gateway_id of a slot whose client is gone already (told it failed): the reader stops and releases it
+NO_GATEWAY = -1
+
 ToReader = GatewayHello | Track
 
 

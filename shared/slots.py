@@ -146,6 +146,11 @@ class SlotWriter:
         return self.t.cas64(self.ring.slot_offset(idx), state_word(S.RESERVED, seq),
                             state_word(S.EMPTY, seq)) == state_word(S.RESERVED, seq)
 
+    def published(self, idx: int, seq: int) -> bool:
+        """Whether slot ``idx`` still holds ``seq``'s request past RESERVED (published, running or finished)."""
+        state, cur = split_word(self.t.load64(self.ring.slot_offset(idx)))
+        return cur == seq and state not in (S.EMPTY, S.RESERVED)
+
     def cancel(self, idx: int, seq: int) -> bool:
         """Ask the engine to stop the request in slot ``idx`` if it is still ``seq``'s."""
         word = self.t.load64(self.ring.slot_offset(idx))

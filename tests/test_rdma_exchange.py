@@ -529,10 +529,13 @@ def test_the_tracker_answers_503_when_the_ring_goes_mid_publication_and_serves_a
         eng.stop()
 
 
-def test_a_slot_whose_publication_the_link_cut_is_given_back_when_the_same_engine_is_reached_again(
-        ring_name: str, tmp_path: Path) -> None:
-    """The link goes mid-publication and comes back to the same engine (no restart): the slot left RESERVED is
-    given back (EMPTY, its seq kept), so the ring loses no slot; the next request is admitted."""
+@pytest.mark.parametrize("accesses", [4, 7], ids=["before-the-state-word", "after-the-state-word"])
+def test_a_slot_whose_publication_the_link_cut_is_settled_when_the_same_engine_is_reached_again(
+        ring_name: str, tmp_path: Path, accesses: int) -> None:
+    """The link goes mid-publication (its client told 503) and comes back to the same engine (no restart). Cut
+    before the state word landed, the slot left RESERVED is given back (EMPTY, its seq kept); cut after it (the
+    flip or the doorbell lost), the engine has the request: the slot goes to the reader as an orphan (a Track of
+    no gateway), which stops and releases it. Either way the ring loses no slot and the next request is admitted."""
     eng = start_engine(ring_name)
     tracker = SlotTracker(TrackerConfig(tmp_path, eng.address.url))
     chan = Chan()
@@ -540,19 +543,25 @@ def test_a_slot_whose_publication_the_link_cut_is_given_back_when_the_same_engin
         eventually(lambda: bool(tracker.serving()))
         cache = tracker.lanes[0].cache
         assert cache is not None
-        cache.ring.transport.poster.link_down_after = 4  # type: ignore[attr-defined]
+        # the liveness READs (2), the claim's CAS, the prompt's and the record's WRITEs, the state word's
+        cache.ring.transport.poster.link_down_after = accesses  # type: ignore[attr-defined]
         tracker.submit(chan, m.Submit(2, 1, [4, 5, 6], m.Sampling(4)))  # type: ignore[arg-type]
         assert isinstance(chan.sent[-1], m.Rejected) and chan.sent[-1].status == 503
         cut = engine_slot_states(eng)
-        assert cut.count(S.RESERVED) == 1 and tracker.lanes[0].cut
-        idx = cut.index(S.RESERVED)
+        landed = S.PREFILL_PENDING in cut
+        assert cut.count(S.PREFILL_PENDING if landed else S.RESERVED) == 1 and tracker.lanes[0].cut
+        assert landed == (accesses == 7)
+        idx = cut.index(S.PREFILL_PENDING if landed else S.RESERVED)
         seq = int(eng.ring.read_slots()["seq"][idx])
         eventually(lambda: bool(tracker.serving()))  # the watch attaches the same engine's ring again
-        assert engine_slot_states(eng) == [S.EMPTY] * GEO.num_slots and not tracker.lanes[0].cut
-        assert int(eng.ring.read_slots()["seq"][idx]) == seq
+        assert not tracker.lanes[0].cut and int(eng.ring.read_slots()["seq"][idx]) == seq
+        if landed:  # no reader linked here: kept for it
+            assert engine_slot_states(eng)[idx] == S.PREFILL_PENDING
+            assert tracker.orphans == [m.Track(2, m.NO_GATEWAY, idx, seq)]
+        else:
+            assert engine_slot_states(eng) == [S.EMPTY] * GEO.num_slots and tracker.orphans == []
         tracker.submit(chan, m.Submit(3, 1, [1, 2], m.Sampling(4)))  # type: ignore[arg-type]
         assert isinstance(chan.sent[-1], m.Admitted)
-        assert [p[0] for p in eng.slots.scan_pending()] != []
     finally:
         tracker.close()
         eng.stop()

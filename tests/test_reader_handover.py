@@ -276,3 +276,26 @@ async def test_a_new_reader_started_beside_the_old_takes_its_streams(ring_name: 
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
         ring.close()
+
+
+def test_a_track_of_no_gateway_is_stopped_and_released_quietly(ring_name: str, tmp_path: Path) -> None:
+    """A slot the tracker hands over after its client was told 503 (a publication cut short that reached the
+    engine after all): after the unowned grace the reader cancels it, sends nothing to anyone, and releases it
+    once it finishes."""
+    ring = serving_ring(ring_name)
+    track = publish(ring, 5)
+    orphan = m.Track(track.req_id, m.NO_GATEWAY, track.slot, track.seq)
+    generate(ring, track, 0, 3)
+    reader = TokenReader(ReaderConfig(tmp_path, ring_name, heartbeat_timeout_s=5.0, unowned_grace_s=0.0))
+    reader.check_health()
+    gw = Gateway()
+    reader.hello(gw, m.GatewayHello(GATEWAY))  # type: ignore[arg-type]
+    reader.track([orphan])
+    reader.cycle()
+    assert int(ring.read_slots()[track.slot]["cancel"]) == 1  # the engine is asked to stop it
+    generate(ring, track, 3, 4, finish=True)  # the engine stops it
+    reader.cycle()
+    assert int(ring.read_slots()[track.slot]["state"]) == L.SlotState.EMPTY and gw.sent == []
+    assert not reader.busy
+    reader.close()
+    ring.close()
