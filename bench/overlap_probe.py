@@ -545,20 +545,22 @@ class Probe:
         import torch
 
         least, greatest = self.device.priority_range()
-        pair = Pair(capture(self.decoder, True, torch.cuda.Stream(priority=greatest)),
-                    capture(self.prefiller, False, torch.cuda.Stream(priority=least)))
-        shares = {"partition": "priority", "priorities": {"decode": greatest, "prefill": least}}
+        streams = torch.cuda.Stream(priority=greatest), torch.cuda.Stream(priority=least)
+        pair = Pair(capture(self.decoder, True, streams[0]), capture(self.prefiller, False, streams[1]))
         execs: list[int] = []
         try:
-            host = {**attempt("host", lambda: self.beside(pair, mixed=False)), **shares}
+            # torch may clamp a stream's priority to its own range: the host mode records what the streams got
+            host = {**attempt("host", lambda: self.beside(pair, mixed=False)), "partition": "priority",
+                    "priorities": {"decode": streams[0].priority, "prefill": streams[1].priority}}
 
             def device() -> dict[str, Any]:
-                execs.extend([self.device.priority_exec(pair.decode, greatest),
-                              self.device.priority_exec(pair.prefill, least)])
+                execs.append(self.device.priority_exec(pair.decode, greatest))
+                execs.append(self.device.priority_exec(pair.prefill, least))
                 return self.device_launch(Pair(Graph(None, execs[0], pair.decode.stream),
                                                Graph(None, execs[1], pair.prefill.stream)), trace_it=False)
 
-            return [host, {**attempt("device", device), **shares}]
+            return [host, {**attempt("device", device), "partition": "priority",
+                           "priorities": {"decode": greatest, "prefill": least}}]
         finally:
             destroy_graphs([Graph(None, e, None) for e in execs])
             destroy(pair)
@@ -608,8 +610,8 @@ def guarded(result: dict[str, Any], names: Sequence[str], measure: Callable[[], 
         save()
         print("\n".join(table(result)), flush=True)
         os._exit(3)
-    except Exception as exc:  # noqa: BLE001  (a capture failed: recorded for both modes)
-        entries = [attempt(launch, lambda exc=exc: _raise(exc)) for launch in ("host", "device")]
+    except Exception as exc:  # noqa: BLE001  (a capture failed: recorded for each mode)
+        entries = [attempt(launch, lambda exc=exc: _raise(exc)) for launch in ("host", "device")[:len(names)]]
     baselines = result.get("baseline", {})
     for name, entry in zip(names, entries, strict=True):
         baseline = baselines.get(entry.get("launch", "")) or baselines.get("host")
@@ -639,12 +641,16 @@ def unpartitioned(probe: Probe, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def besides(probe: Probe) -> list[dict[str, Any]]:
-    """The entry of decode steps beside one chunk (`Probe.beside`), the graphs as served."""
-    pair = probe.pair()
-    try:
-        return [attempt("host", lambda: probe.beside(pair))]
-    finally:
-        destroy(pair)
+    """The entry of decode steps beside one chunk (`Probe.beside`), the graphs as served (a failed capture is the
+    entry's error)."""
+    def measure() -> dict[str, Any]:
+        pair = probe.pair()
+        try:
+            return probe.beside(pair)
+        finally:
+            destroy(pair)
+
+    return [attempt("host", measure)]
 
 
 def partitioned(probe: Probe, kind: str, sms: int) -> list[dict[str, Any]]:

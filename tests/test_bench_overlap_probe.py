@@ -105,6 +105,8 @@ def test_a_failing_mode_is_recorded_and_the_file_saved(capsys: pytest.CaptureFix
     assert result["modes"]["a/host"]["speedup"] == 2.0
     assert result["modes"]["a/device"]["error"] == "KeyError: 'missing'"
     assert "a/host, a/device: done" in capsys.readouterr().out
+    probe.guarded(result, ["beside"], broken, lambda: None)  # a mode of one entry fails as one entry
+    assert result["modes"]["beside"]["error"] == "RuntimeError: capture failed"
 
 
 def test_a_timeout_ends_the_run_after_writing_what_was_measured(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -263,8 +263,12 @@ int blink_priority_exec(uint64_t graph, int priority, uint64_t stream, uint64_t 
   cudaGraphExec_t e = nullptr;
   BLINK_CHECK(cudaGraphInstantiate(&e, g, cudaGraphInstantiateFlagDeviceLaunch | cudaGraphInstantiateFlagUseNodePriority));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  BLINK_CHECK(cudaGraphUpload(e, st));
-  BLINK_CHECK(cudaStreamSynchronize(st));
+  cudaError_t err = cudaGraphUpload(e, st);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(st);
+  if (err != cudaSuccess) {
+    cudaGraphExecDestroy(e);
+    return fail(err, "cudaGraphUpload", __FILE__, __LINE__);
+  }
   *exec = reinterpret_cast<uint64_t>(e);
   return 0;
 }
