@@ -312,12 +312,13 @@ def _integral(value: Any) -> bool:
 
 def _int_at(node: Any, steps: list[str]) -> bool:
     """The integral float at `steps` below `node` (decoded JSON; a step is a field name, a list index, or "..." for
-    any key of a mapping) made an int, in place. Where the last step is an index or "...", every integral float of
-    that list or mapping, whose items share the one integer type. False where nothing changed."""
+    any key of a mapping) made an int, in place, and so at every sibling path: an index or "..." stands for every
+    item of that list or mapping, whose items share one type (one pass mends a field in every message, every
+    prompt of a batch). False where nothing changed."""
     step, rest = steps[0], steps[1:]
     keys: list[Any]
     if isinstance(node, list) and step.isdigit():
-        keys = list(range(len(node))) if not rest else [int(step)] if int(step) < len(node) else []
+        keys = list(range(len(node)))
     elif isinstance(node, dict) and step == "...":
         keys = list(node)
     elif isinstance(node, dict) and not step.isdigit():

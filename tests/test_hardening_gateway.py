@@ -192,6 +192,8 @@ def test_an_integral_float_is_an_integer_as_json_schema_and_vllm_take_it() -> No
     assert type(schema["minimum"]) is float
     many = decode_completion(b'{"model": "m", "prompt": [' + b", ".join(b"%d.0" % i for i in range(3000)) + b"]}")
     assert many.prompt == list(range(3000))  # a list of integers mended at once, not one decode an item
+    batch = decode_completion(b'{"model": "m", "prompt": [' + b", ".join(b"[1.0, %d.0]" % i for i in range(40)) + b"]}")
+    assert batch.prompt == [[1, i] for i in range(40)]  # 40 prompts in one pass, not one pass a prompt
     for body, where in ((b'{"model": "m", "prompt": "x", "max_tokens": 5.5}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
                         (b'{"model": "m", "prompt": "x", "max_tokens": 5.0, "n": "2"}', "n")):
