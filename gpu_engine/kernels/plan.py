@@ -8,8 +8,12 @@ other product goes to cuBLAS. With `fused`, the products the tiled linear takes 
 into their launch: the RMSNorm before qkv and gate_up, the SiLU-and-multiply as gate_up's output, the residual
 add after o and down, the q/k norms, RoPE and KV cache write as qkv's output; an MoE layer's small steps take
 the same in their own kernels (`moe.fused_moe`), and one-row decode steps fold their attention splits in the split
-launch (`attention.LAST_FOLD_ROWS`). Every plan gives the same tokens within rounding (the fused norm rounds
-once less); within one plan a request's bits do not depend on its neighbours in the step.
+launch (`attention.LAST_FOLD_ROWS`). With `fp8_gemv_rows`, FP8 weights in steps of up to that many rows go
+through the weight-only FP8 GEMV (bf16 activations) and larger steps through cuBLASLt's FP8 product (activations
+quantized per token). Every plan gives the same tokens within rounding (the fused norm rounds once less); within
+one plan a request's bits do not depend on its neighbours in the step, except where steps of different sizes take
+different kernels: an MoE layer's small path, and FP8 weights under `fp8_gemv_rows` (each path within the
+quantization's bound of the reference, not the same bits; docs/GPU_NOTES.md).
 
 A variant enters this table only after a same-machine measurement shows it faster on that GPU at the step sizes
 serving uses (`bench/roofline.py --plan`, `bench/kernels.py`); the benchmarks build any other plan they compare.
@@ -93,7 +97,8 @@ H200_LINEARS: dict[Shape | None, Steps] = {
 
 # The H100's plan: cuBLAS for the bf16 products; FP8 weights in steps of up to 8 rows through the weight-only GEMV.
 # Llama-3-8B decode steps with FP8 weights took 4.03 against 5.58 ms (cuBLASLt's FP8 product) at batch 1 and 4.91
-# against 5.65 at 8, context 512, and 10.12 against 9.17 at 64 rows (BENCHMARKS.md, "FP8 weights beside bf16").
+# against 5.65 at 8, context 512, and 7.95 against 6.99 at 64 (10.12 against 9.17 at served contexts) on an H100
+# (BENCHMARKS.md, "FP8 weights and FP8 KV beside bf16").
 H100_FP8_GEMV_ROWS = 8
 
 PLANS = {
