@@ -142,23 +142,20 @@ def floor_ms(cfg, model, contexts: Sequence[int], chunk: int, gbps: float, tflop
 def launchers(graphs, shape: tuple[bool, int, int]) -> dict[str, Callable[[], None]]:
     """'device': the device-launch executable launched by a one-thread kernel of a device-launched parent graph (as
     the scheduler does; `blink_launch_once` waits for it); 'host': the same executable launched from the host."""
-    import ctypes as C
 
     import torch
 
     from gpu_engine.gpu.persistent import library
 
     lib = library()
-    lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
     handle = graphs.exec_handles(graphs.captured(*shape, filtered=False))[0]
 
     def make(device: int) -> Callable[[], None]:
         def go() -> None:
-            err = C.c_int(0)
             torch.cuda.synchronize()
-            lib.check(lib.lib.blink_launch_once(handle, device, C.byref(err)), "launch")
-            if err.value:
-                raise RuntimeError(f"device-side cudaGraphLaunch returned {err.value}")
+            err = lib.launch_once(handle, bool(device))
+            if err:
+                raise RuntimeError(f"device-side cudaGraphLaunch returned {err}")
         return go
 
     return {"device": make(1), "host": make(0)}

@@ -3,7 +3,6 @@ executable launched from the host, and the same executable launched from the dev
 
 from __future__ import annotations
 
-import ctypes as C
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,6 @@ def main() -> None:
     cache = GraphCache(runner, [4], [(4, 512)], copies=1, device_launch=True)
     cache.capture(progress=False)
     lib = library()
-    lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
     steps = [SeqStep(0, 100, list(range(8 * k, 8 * k + 8))) for k in range(4)]
     ids = torch.randint(10, cfg["vocab_size"], (400,))
     for g, shape_ in enumerate(cache.shapes):
@@ -46,10 +44,8 @@ def main() -> None:
                 if how == "replay":
                     cache.graphs[g].graph.replay()
                 else:
-                    err = C.c_int(0)
-                    lib.check(lib.lib.blink_launch_once(cache.exec_handles(g)[0], int(how == "device"), C.byref(err)),
-                              how)
-                    print(how, "device-side launch status", err.value, flush=True)
+                    err = lib.launch_once(cache.exec_handles(g)[0], device=how == "device")
+                    print(how, "device-side launch status", err, flush=True)
                 torch.cuda.synchronize()
                 results[how] = runner.buffers.next_tokens[:4].tolist()
             except Exception as exc:  # noqa: BLE001

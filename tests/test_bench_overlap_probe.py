@@ -156,6 +156,8 @@ def test_the_overlap_diagnostics_build_apart_and_answer_without_a_device() -> No
     from gpu_engine.gpu import persistent as pers
 
     assert not hasattr(pers.library().lib, "blink_launch_pair")
+    with pytest.raises(pers.SchedulerError, match="host launch failed"):  # no executable (and here no device)
+        pers.library().launch_once(0, device=False)
     f = bind(probe_library()).lib
     ms, err = (C.c_float * 2)(), (C.c_int * 2)(-7, -7)
     rc = f.blink_launch_pair(0, 0, 0, 2, 1.0, ms, err)

@@ -116,6 +116,7 @@ class Library:
             getattr(lib, fn).argtypes = [P]
         lib.blink_probe_hold.argtypes = [C.POINTER(P)]
         lib.blink_sched_guard_report.argtypes = [P, C.c_char_p, C.c_size_t]
+        lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
         if lib.blink_sched_config_size() != C.sizeof(SchedConfig):
             raise SchedulerError(f"SchedConfig mirror is {C.sizeof(SchedConfig)} bytes, "
                                  f"library says {lib.blink_sched_config_size()}")
@@ -125,6 +126,15 @@ class Library:
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
             raise SchedulerError(f"{what} failed ({rc}): {self.lib.blink_last_error().decode()}")
+
+    def launch_once(self, exec_handle: int, device: bool) -> int:
+        """Launch a device-launch executable once, from the host or (``device``) as the scheduler does, from a
+        kernel of a device-launched parent graph, and wait for it (diagnostics, benchmarks and tests); the
+        device-side ``cudaGraphLaunch``'s status (0: launched). A host-side failure raises."""
+        err = C.c_int(0)
+        self.check(self.lib.blink_launch_once(exec_handle, int(device), C.byref(err)),
+                   "device launch" if device else "host launch")
+        return err.value
 
     def register_host(self, addr: int, size: int) -> int:
         dev = P()

@@ -259,13 +259,11 @@ def _at_rest(runner) -> bool:
 def _same_bits(hf, plan) -> None:
     """A prefill and a decode step of a runner with `plan`, run eagerly, through its captured graphs replayed, and
     launched once from the device: the same logits and tokens, every count at rest after each."""
-    import ctypes as C
 
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.persistent import library
 
     lib = library()
-    lib.lib.blink_launch_once.argtypes = [C.c_uint64, C.c_int, C.POINTER(C.c_int)]
     g = torch.Generator().manual_seed(0)
     lens, tables = (37, 90, 60, 11), [[0, 1, 2], list(range(3, 9)), list(range(9, 13)), [13]]
     steps = [(torch.cat([torch.randint(3, 32000, (n,), generator=g) for n in lens]).cuda(),
@@ -291,10 +289,8 @@ def _same_bits(hf, plan) -> None:
                 graphs.replay((decode, batch, tokens))
             else:
                 torch.cuda.synchronize()  # the staging above is on this stream; the launch takes its own
-                err = C.c_int(0)
-                handle = graphs.exec_handles(index)[0]
-                lib.check(lib.lib.blink_launch_once(handle, 1, C.byref(err)), "device launch")
-                assert err.value == 0, f"device-side cudaGraphLaunch returned {err.value}"
+                err = lib.launch_once(graphs.exec_handles(index)[0], device=True)
+                assert err == 0, f"device-side cudaGraphLaunch returned {err}"
             torch.cuda.synchronize()
             outs.append((runner.buffers.logits[:batch].clone(), runner.buffers.next_tokens[:batch].clone()))
             assert _at_rest(runner), (how, decode)
