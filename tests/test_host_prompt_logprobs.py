@@ -57,10 +57,11 @@ class Graphs:
     def captured(self, decode: bool, batch: int, tokens: int, filtered: bool = True) -> int:
         return 0 if decode else 1
 
-    def replay(self, shape: tuple[bool, int, int], filtered: bool = True) -> None:
+    def replay(self, shape: tuple[bool, int, int], filtered: bool = True) -> GraphShape:
         s = self.shapes[self.captured(*shape)]
         self.log.append("replay")
         self.runner.forward(s.batch, s.tokens, s.decode, filtered)
+        return s  # the captured shape that ran, as GraphCache.replay returns it
 
 
 @pytest.fixture

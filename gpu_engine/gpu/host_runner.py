@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpu_engine.faults import DeviceFailure, LaunchFailure, poll_until
-from gpu_engine.gpu.graph_cache import GraphCache
+from gpu_engine.gpu.graph_cache import GraphCache, GraphShape
 from gpu_engine.gpu.runner import GpuModelRunner
 from gpu_engine.kernels.sampling import processor_columns
 from gpu_engine.models.attention import build_metadata
@@ -73,12 +73,12 @@ class HostGraphRunner:
         spans = prompt_spans(plan)
         failed: tuple[int, ...] = ()
         try:
-            scored = self._replay_and_wait(plan, b, t, spans)
+            scored, shape = self._replay_and_wait(plan, b, t, spans)
         except torch.cuda.OutOfMemoryError as exc:  # only the eager path allocates: the graph needs nothing more
             failed = tuple(s.row for s in spans)
             log.warning("out of device memory computing prompt log-probs; those requests fail", rows=len(failed),
                         tokens=t, error=str(exc).splitlines()[0])
-            scored = self._replay_and_wait(plan, b, t, [])
+            scored, shape = self._replay_and_wait(plan, b, t, [])
         buf = self.runner.buffers
         return StepOutput(
             tokens=buf.next_tokens[:b].cpu().tolist(),
@@ -87,13 +87,14 @@ class HostGraphRunner:
             top_logprobs=buf.top_logprobs[:b].float().cpu().numpy().astype(np.float32),
             prompt=fetch(scored),
             failed=failed,
-            graph_tokens=self.cache.shapes[self.cache.captured(plan.kind == "decode", b, t, step_filters(plan))].tokens,
+            graph_tokens=shape.tokens,
         )
 
-    def _replay_and_wait(self, plan: StepPlan, b: int, t: int, spans: list[PromptSpan]) -> list[Scored]:
+    def _replay_and_wait(self, plan: StepPlan, b: int, t: int,
+                         spans: list[PromptSpan]) -> tuple[list[Scored], GraphShape]:
         """Replay the step's graph (with ``spans``: run its forward eagerly, keeping the hidden states, and
-        score them) and wait, within ``step_timeout_s``, for it to complete. An out-of-memory of the eager
-        path is raised as it is, before anything is waited for."""
+        score them) and wait, within ``step_timeout_s``, for it to complete; the scores and the captured shape
+        that ran. An out-of-memory of the eager path is raised as it is, before anything is waited for."""
         what = f"the {plan.kind} step of {b} rows and {t} tokens"
         decode, filtered = plan.kind == "decode", step_filters(plan)
         scored: list[Scored] = []
@@ -106,7 +107,7 @@ class HostGraphRunner:
                 finally:
                     self.runner.drop_hidden()
             else:
-                self.cache.replay((decode, b, t), filtered=filtered)
+                shape = self.cache.replay((decode, b, t), filtered=filtered)
             done = torch.cuda.Event()
             done.record()
         except torch.cuda.OutOfMemoryError:
@@ -121,4 +122,4 @@ class HostGraphRunner:
                 raise DeviceFailure(f"{what} failed on the device: {exc}") from exc
 
         poll_until(complete, self.step_timeout_s, what)
-        return scored
+        return scored, shape
