@@ -158,6 +158,29 @@ def nic_from_env() -> Nic:
     return found() if isinstance(found, type) else found
 
 
+MIN_SECRET = 16  # bytes of BLINK_RDMA_SECRET_FILE's content
+
+
+def exchange_secret() -> bytes:
+    """The shared secret the endpoint exchange is signed with (``BLINK_RDMA_SECRET_FILE``), or b"" (unset: the
+    exchange is open). A file that cannot be read, holds fewer than ``MIN_SECRET`` bytes, or that its group or
+    others may read is a ``RingError`` naming it (a readable secret is no secret)."""
+    path = env().rdma_secret_file
+    if path is None:
+        return b""
+    try:
+        mode = path.stat().st_mode
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: cannot read it ({exc.strerror or exc})") from None
+    if mode & 0o077:
+        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: group or others may access it (mode {mode & 0o777:o}); "
+                        "chmod 600 it")
+    if len(secret) < MIN_SECRET:
+        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: {len(secret)} bytes; at least {MIN_SECRET}")
+    return secret
+
+
 def rdma_problem(cfg: VerbsConfig = DEFAULT_VERBS) -> str | None:
     """What this host lacks to use the RDMA transport (pyverbs, a device, atomics), or None."""
     try:
@@ -198,7 +221,12 @@ def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: N
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     keep_lease_alive(sock)
-    transport = connect_ring(sock, addr.name, cfg, nic)  # closes the socket when it fails
+    try:
+        secret = exchange_secret()
+    except RingError:
+        sock.close()
+        raise
+    transport = connect_ring(sock, addr.name, cfg, nic, secret)  # closes the socket when it fails
     try:
         return attach_ring(transport, addr.url)
     except BaseException:
@@ -227,6 +255,7 @@ class ExportServer:
         self.cfg, self.max_pairs = cfg, max_pairs
         self.nic = nic or nic_from_env()
         self.nic.check(cfg)
+        self.secret = exchange_secret()  # read before the model loads: a bad file fails the start at once
         try:
             family, kind, proto, _, where = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
                                                                flags=socket.AI_PASSIVE)[0]
@@ -260,13 +289,13 @@ class ExportServer:
         """Register ``ring``'s memory and answer exchanges from now on."""
         header = ring.read_header()
         self.export = RingExport(ring.transport, ring.name, (int(header["schema_major"]), int(header["schema_minor"])),
-                                 self.nic, self.cfg)
+                                 self.nic, self.cfg, secret=self.secret)
         self.listener.listen(LISTEN_BACKLOG)
         self.listener.setblocking(False)  # accepted only when the selector says one waits
         self._thread = threading.Thread(target=self._serve, name="rdma-export", daemon=True)
         self._thread.start()
         log.info("rdma export ready", listen=f"{self.host}:{self.port}", ring=ring.name, size=ring.transport.size,
-                 rkey=self.export.region.rkey)
+                 rkey=self.export.region.rkey, exchange="signed" if self.secret else "open")
 
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()

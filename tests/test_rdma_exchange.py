@@ -237,6 +237,77 @@ def test_the_exchange_refuses_another_rings_name(engine: Engine) -> None:
     assert not engine.export.leases
 
 
+def with_secret(monkeypatch: pytest.MonkeyPatch, path: Path | None) -> None:
+    """This process as one started with BLINK_RDMA_SECRET_FILE=path (None: unset), the stand-in NIC kept."""
+    extra = {} if path is None else {"BLINK_RDMA_SECRET_FILE": str(path)}
+    monkeypatch.setattr(remote_ring, "env",
+                        lambda: Env.from_environ({**os.environ, "BLINK_RDMA_NIC": STANDIN, **extra}))
+
+
+def secret_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
+    path = tmp_path / f"secret-{len(list(tmp_path.iterdir()))}"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_a_signed_exchange_attaches_and_an_unsigned_or_wrongly_signed_peer_is_refused(
+        ring_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BLINK_RDMA_SECRET_FILE the engine signs its answer and refuses a frontend whose line is unsigned or
+    signed with another secret before making a queue pair for it; a frontend with a secret refuses an engine
+    that answers unsigned. The same secret on both sides attaches and serves."""
+    good = secret_file(tmp_path, "correct horse battery staple\n")
+    with_secret(monkeypatch, good)
+    eng = start_engine(ring_name)  # reads the secret now
+    try:
+        ring = attach_remote_ring(eng.address, nic=NIC)
+        assert ring.engine_alive(10.0)
+        ring.close()
+        with_secret(monkeypatch, None)
+        with pytest.raises(ExchangeRefused, match="authentication failed: the peer's endpoint is not signed"):
+            attach_remote_ring(eng.address, nic=NIC)
+        with_secret(monkeypatch, secret_file(tmp_path, "another secret of enough bytes"))
+        with pytest.raises(ExchangeRefused, match="signature does not match"):
+            attach_remote_ring(eng.address, nic=NIC)
+        eventually(lambda: len(eng.export.leases) == 0)  # refused before any queue pair was made for them
+    finally:
+        eng.stop()
+    with_secret(monkeypatch, None)
+    open_engine = start_engine(ring_name)  # no secret: the engine answers unsigned
+    try:
+        with_secret(monkeypatch, good)
+        with pytest.raises(RingError, match="engine's answer failed authentication: .* not signed"):
+            attach_remote_ring(open_engine.address, nic=NIC)
+    finally:
+        open_engine.stop()
+
+
+def test_a_stale_signature_is_refused() -> None:
+    from shared.transport.rdma import SIGNATURE_WINDOW_S, Endpoint
+
+    ep = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring="r").signed(b"s" * 16)
+    assert ep.check_signature(b"s" * 16) is None
+    old = dataclasses.replace(ep, ts=ep.ts - int((SIGNATURE_WINDOW_S + 1) * 1e9))
+    assert "signature does not match" in (old.check_signature(b"s" * 16) or "")  # ts is signed too
+    resigned = dataclasses.replace(old, mac="")
+    resigned = dataclasses.replace(resigned, mac=resigned._digest(b"s" * 16))
+    assert "signed more than" in (resigned.check_signature(b"s" * 16) or "")
+    forged = dataclasses.replace(ep, qp_num=6)  # another queue pair under the first one's signature
+    assert "does not match" in (forged.check_signature(b"s" * 16) or "")
+
+
+@pytest.mark.parametrize(("text", "mode", "why"), [("short", 0o600, "5 bytes; at least 16"),
+                                                   ("x" * 32, 0o644, "group or others may access it")])
+def test_a_bad_secret_file_stops_the_export_before_the_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, mode: int, why: str) -> None:
+    with_secret(monkeypatch, secret_file(tmp_path, text, mode))
+    with pytest.raises(RingError, match=why):
+        ExportServer(f"127.0.0.1:{free_port()}", nic=NIC)
+    with_secret(monkeypatch, tmp_path / "missing")
+    with pytest.raises(RingError, match="cannot read it"):
+        ExportServer(f"127.0.0.1:{free_port()}", nic=NIC)
+
+
 def test_a_schema_major_mismatch_is_refused_in_the_exchange_naming_both(ring_name: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine refuses a frontend of another major before it makes a queue pair for it, and says so once,

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
+import hmac
 import json
 import secrets
 import socket
@@ -363,13 +365,19 @@ def pick_device(name: str | None, sys_dir: Path = SYS_RDMA) -> str:
     return name
 
 
+SIGNATURE_WINDOW_S = 120.0  # how far from now a signed endpoint's time may be
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Endpoint:
     """What each side tells the other to connect an RC queue pair (exchanged as one JSON line).
 
     The frontend speaks first, naming the ring it wants (``ring``); the engine answers with its queue pair,
     the ring's memory region (``addr``, ``rkey``, ``size``) and the ring's schema version, or with a refusal
-    (``{"error": ...}``, raised here as ``ExchangeRefused``)."""
+    (``{"error": ...}``, raised here as ``ExchangeRefused``). With a shared secret each side signs its line
+    (``ts``, ``mac``: HMAC-SHA256 over the other fields) and refuses a peer's that is unsigned, signed with
+    another secret, or signed more than ``SIGNATURE_WINDOW_S`` from now. A replayed frontend line gains nothing:
+    the engine connects its queue pair only to the queue pair that line names."""
 
     qp_num: int
     psn: int
@@ -382,9 +390,31 @@ class Endpoint:
     ring: str = ""    # frontend: the ring asked for; engine: the ring exported
     schema_major: int = 0  # engine: the ring's schema version (schema/ring.fbs); frontend: its own
     schema_minor: int = 0
+    ts: int = 0       # with a shared secret: when it was signed (ns since the epoch), and the signature
+    mac: str = ""
 
     def encode(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+
+    def signed(self, secret: bytes) -> Endpoint:
+        """This endpoint with ``ts`` now and ``mac`` the HMAC-SHA256 of every other field under ``secret``."""
+        ep = dataclasses.replace(self, ts=time.time_ns(), mac="")
+        return dataclasses.replace(ep, mac=ep._digest(secret))
+
+    def check_signature(self, secret: bytes, window_s: float = SIGNATURE_WINDOW_S) -> str | None:
+        """Why this endpoint's signature under ``secret`` is not good (none, wrong, or signed more than
+        ``window_s`` from now), or None."""
+        if not self.mac:
+            return "the peer's endpoint is not signed (set BLINK_RDMA_SECRET_FILE on both sides)"
+        if not hmac.compare_digest(self.mac, dataclasses.replace(self, mac="")._digest(secret)):
+            return "the peer's endpoint signature does not match this side's secret"
+        if abs(time.time_ns() - self.ts) > window_s * 1e9:
+            return f"the peer's endpoint was signed more than {window_s:.0f}s from now (a replay, or clocks apart)"
+        return None
+
+    def _digest(self, secret: bytes) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hmac.new(secret, text, hashlib.sha256).hexdigest()
 
     @classmethod
     def decode(cls, line: bytes) -> Endpoint:
@@ -745,9 +775,10 @@ class RingExport:
     each frontend gets its own pair in that domain (``accept``), closed when its lease ends (``drop``)."""
 
     def __init__(self, transport: Transport, name: str, schema: tuple[int, int], nic: Nic | None = None,
-                 cfg: VerbsConfig = VerbsConfig(), dmabuf_fd: int | None = None) -> None:
+                 cfg: VerbsConfig = VerbsConfig(), dmabuf_fd: int | None = None, secret: bytes = b"") -> None:
         self.nic: Nic = nic or PyverbsNic()
         self.cfg, self.size, self.name, self.schema = cfg, transport.size, name, schema
+        self.secret = secret  # non-empty: every frontend's endpoint must be signed with it, and ours is
         self._owner = self.nic.queue_pair(cfg)
         try:
             self.region = self.nic.register(self._owner, transport, dmabuf_fd)
@@ -762,8 +793,10 @@ class RingExport:
         its reason sent back)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         peer = Endpoint.decode(read_line(sock, self.cfg.timeout_s, deadline))
-        why = None
-        if peer.ring != self.name:
+        why = peer.check_signature(self.secret) if self.secret else None
+        if why is not None:
+            why = f"authentication failed: {why}"
+        elif peer.ring != self.name:
             why = f"this engine exports ring {self.name!r}, not {peer.ring!r}"
         elif peer.schema_major != self.schema[0]:
             why = (f"ring {self.name}: schema version {self.schema[0]}.{self.schema[1]} is incompatible with the "
@@ -776,6 +809,7 @@ class RingExport:
         try:
             ours = dataclasses.replace(pair.endpoint(self.region.addr, self.region.rkey, self.size), ring=self.name,
                                        schema_major=self.schema[0], schema_minor=self.schema[1])
+            ours = ours.signed(self.secret) if self.secret else ours
             # up before the answer: the frontend posts as soon as it has it, and this pair must be ready to respond
             pair.connect(peer)
             send_line(sock, ours.encode(), self.cfg.timeout_s, deadline)
@@ -793,10 +827,11 @@ class RingExport:
 
 
 def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsConfig(),
-                 nic: Nic | None = None) -> RdmaTransport:
+                 nic: Nic | None = None, secret: bytes = b"") -> RdmaTransport:
     """The frontend side of ``RingExport.accept``: the ring as a Transport over a fresh queue pair. ``sock``
     becomes the transport's lease (closed with it). A ring of another schema major is refused here, before
-    the queue pair is connected, naming both versions. Whatever the verbs layer raises is a ``RingError``."""
+    the queue pair is connected, naming both versions; with ``secret``, our endpoint is signed and an engine's
+    that is not signed with it is refused too. Whatever the verbs layer raises is a ``RingError``."""
     nic = nic if nic is not None else PyverbsNic()
     try:
         with verbs_errors("queue pair setup"):
@@ -809,7 +844,9 @@ def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsCo
         with verbs_errors("queue pair setup"):
             ours = dataclasses.replace(pair.endpoint(), ring=ring_name, schema_major=L.SCHEMA_MAJOR,
                                        schema_minor=L.SCHEMA_MINOR)
-        ring = exchange(sock, ours, cfg.timeout_s)
+        ring = exchange(sock, ours.signed(secret) if secret else ours, cfg.timeout_s)
+        if secret and (why := ring.check_signature(secret)) is not None:
+            raise RingError(f"ring {ring_name}: the engine's answer failed authentication: {why}")
         if ring.schema_major != L.SCHEMA_MAJOR:
             raise RingError(f"ring {ring_name}: schema version {ring.schema_major}.{ring.schema_minor} is "
                             f"incompatible with this program's {L.SCHEMA_MAJOR}.{L.SCHEMA_MINOR} (major versions "
