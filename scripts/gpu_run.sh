@@ -139,6 +139,8 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #   PEERS_CONFIG=defaults PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm     (then peers_blink)
 # The Qwen3-30B-A3B (MoE) shape, to bench/results/peers_moe.json:
 #   PEERS_MODEL=qwen3-30b-a3b PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm (then peers_blink)
+# Both systems in FP8 (weights quantized at load, an FP8 KV cache), to a file of their own (vLLM: peers_vllm, the same):
+#   PEERS_RATES=10,16 PEERS_ARGS="--quantization fp8 --kv-cache-dtype fp8 --out bench/results/peers_fp8_h100.json" bash scripts/gpu_run.sh OUT peers_blink
 # A constrained load under the heavy co-tenant:
 #   PEERS_RESPONSE_FORMAT=json_schema:person PEERS_RATES=10 PEERS_COTENANTS=heavy bash scripts/gpu_run.sh OUT peers_vllm
 # The shared-prefix workload (bench/workloads.py `shared`) goes to a file of its own (vLLM: peers_vllm, the same args):

@@ -510,12 +510,36 @@ def test_each_config_s_server_flags() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):  # a command that asks for it has none under defaults
         parse_peer("vllm", "tuned128").render(values)
     args = argparse.Namespace(config="defaults", max_model_len=8192, serve_args="--kv-blocks 64", max_batch=128,
-                              max_prompt_tokens=4096, max_output_tokens=2048)
+                              max_prompt_tokens=4096, max_output_tokens=2048, quantization="none",
+                              kv_cache_dtype="auto")
     flags = blink_flags(args, "persistent", Path("/x/model"))
     assert flags == ("--backend", "persistent", "--max-model-len", "8192", "--drain-timeout", "5", "--model",
                      "/x/model", "--random-weights", "--served-model-name", "model", "--kv-blocks", "64")
     tuned = blink_flags(argparse.Namespace(**{**vars(args), "config": "tuned128"}), "persistent", None)
     assert tuned[tuned.index("--max-batch") + 1] == "128" and "--max-model-len" not in tuned
+
+
+def test_an_fp8_study_gives_every_system_the_flags_and_keeps_a_file_of_its_own() -> None:
+    """--quantization fp8 --kv-cache-dtype fp8: vLLM's command and blink serve's flags both end with them, the
+    header records the precision, and a bf16 file (one from before the precision was recorded included) refuses
+    the FP8 records."""
+    from bench.peers.cli import build_parser, check, header_of
+    from bench.peers.study import blink_flags
+
+    ap = build_parser()
+    args = ap.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--config", "tuned128",
+                          "--client-cores", "1"])
+    peers = check(ap, args)
+    assert peers["vllm"].command.endswith(" --quantization fp8 --kv-cache-dtype fp8")
+    assert blink_flags(args, "persistent", None)[-4:] == ("--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    fp8 = header_of(args)
+    assert fp8["precision"] == {"weights": "fp8", "kv_cache": "fp8"}
+    bf16 = header_of(ap.parse_args([]))
+    assert report.compatible(bf16, bf16) is None and report.compatible(fp8, fp8) is None
+    assert "precision" in (report.compatible(bf16, fp8) or "")
+    legacy = {k: v for k, v in bf16.items() if k != "precision"}
+    assert report.compatible(legacy, bf16) is None and "precision" in (report.compatible(legacy, fp8) or "")
+    assert parse_peer("vllm").with_flags(()) == parse_peer("vllm")
 
 
 @pytest.mark.timeout(60)

@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend-override", choices=("cpu", "host", "persistent"), default=None,
                     help="engine backend of every Blink mode (the mode stays the label), e.g. cpu in tests")
     ap.add_argument("--serve-args", default="", help="more flags for blink serve")
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: every system quantizes its weights to FP8 at load (blink serve and vllm serve "
+                         "--quantization fp8)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="fp8: every system keeps an FP8 KV cache (--kv-cache-dtype fp8 on each command line)")
     ap.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                     help="Blink engines behind one frontend (one per GPU); N > 1 names the systems MODE-dpN")
     ap.add_argument("--startup-timeout-s", type=float, default=420.0)
@@ -128,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Peer]:
     """The peers by name; exits with a usage error on settings that cannot run."""
-    peers = {p.name: p for p in [parse_peer("vllm", args.config), *args.peer]}
+    peers = {p.name: p.with_flags(study.precision_flags(args)) for p in [parse_peer("vllm", args.config), *args.peer]}
     unknown = [s for s in args.systems if s not in BLINK_MODES and s not in peers]
     if unknown:
         ap.error(f"systems {unknown} are neither Blink modes nor peers given with --peer")
@@ -167,6 +172,7 @@ def header_of(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {**workload.record(), "max_prompt": args.max_prompt_tokens,
                          "max_output": args.max_output_tokens, "arrivals": "poisson", "seed": args.seed},
             "device": device(args.backend_override), "host_cpu": ss.device_name("cpu"),
+            "precision": {"weights": args.quantization, "kv_cache": args.kv_cache_dtype},
             "window": {"window_s": args.window_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s}}
 
 

@@ -132,7 +132,11 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
 
 def compatible(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """Why ``old``'s records cannot stand beside ``new``'s (None when they can)."""
-    for key in ("model", "workload", "window", "device"):  # one file, one machine: figures of two cards never mix
+    # one file, one machine and one precision: figures of two cards, or of bf16 and FP8, never mix (a file from
+    # before the precision was recorded is bf16's)
+    old = {"precision": {"weights": "none", "kv_cache": "auto"}, **old}
+    new = {"precision": {"weights": "none", "kv_cache": "auto"}, **new}
+    for key in ("model", "workload", "window", "device", "precision"):
         if old.get(key) != new.get(key):
             return f"its {key} differs: {json.dumps(old.get(key))} vs {json.dumps(new.get(key))}"
     return None

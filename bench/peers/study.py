@@ -24,6 +24,8 @@ at its own default batch. ``--response-format json_object|json_schema:NAME|json_
 constrained: the same ``response_format`` in every request of every system, and each record counts the answers
 that break it (``bench/peers/constraint.py``). ``--model-config qwen3-30b-a3b`` serves the Qwen3-30B-A3B (MoE)
 shape with the real Qwen3 tokenizer; its results go to ``bench/results/peers_moe.json`` unless ``--out`` says.
+``--quantization fp8`` and ``--kv-cache-dtype fp8`` put those flags on every system's command line (FP8 weights
+quantized at load, an FP8 KV cache); the header records the precision and a file keeps one precision.
 
 ``--plateau-search LOW:HIGH`` adds, after ``--rates``, probes that bisect the plateau (the highest offered
 rate at which the waiting queue does not grow and TTFT p50 stays under 1 s) to within 1 req/s, starting from
@@ -154,16 +156,27 @@ class Context:
 
 
 # ---------------------------------------------------------------------- one system
+def precision_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags every system's command line gets for ``--quantization`` and ``--kv-cache-dtype`` (vLLM's names,
+    which ``blink serve`` takes too)."""
+    out: tuple[str, ...] = ()
+    if args.quantization != "none":
+        out += ("--quantization", args.quantization)
+    if args.kv_cache_dtype != "auto":
+        out += ("--kv-cache-dtype", args.kv_cache_dtype)
+    return out
+
+
 def blink_flags(args: argparse.Namespace, backend: str, model: Path | None) -> tuple[str, ...]:
     """``blink serve``'s flags: tuned128's (the serving study's: --max-batch, the prompt and output limits),
     or under ``defaults`` only the backend, --max-model-len, the model (random weights, served name) and a
     short drain (how long a stop waits for streams; the harness stops the server only when it is idle)."""
     if args.config != "defaults":
-        return ss.serve_args(args, backend, model)
+        return (*ss.serve_args(args, backend, model), *precision_flags(args))
     out = ["--backend", backend, "--max-model-len", str(args.max_model_len), "--drain-timeout", "5"]
     if model is not None:
         out += ["--model", str(model), "--random-weights", "--served-model-name", model.name]
-    return (*out, *shlex.split(args.serve_args))
+    return (*out, *shlex.split(args.serve_args), *precision_flags(args))
 
 
 def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> System:

@@ -171,6 +171,10 @@ class Peer:
         if unknown:
             raise ValueError(f"peer {self.name}: unknown placeholders {sorted(unknown)}; known: {PLACEHOLDERS}")
 
+    def with_flags(self, flags: tuple[str, ...]) -> Peer:
+        """This peer with ``flags`` at the end of its command (the study's precision, for every system)."""
+        return self if not flags else dataclasses.replace(self, command=f"{self.command} {shlex.join(flags)}")
+
     @property
     def observer(self) -> PeerKind:
         return PEER_KINDS[self.kind]
