@@ -261,7 +261,8 @@ int blink_priority_exec(uint64_t graph, int priority, uint64_t stream, uint64_t 
     ++*kernels;
   }
   cudaGraphExec_t e = nullptr;
-  BLINK_CHECK(cudaGraphInstantiate(&e, g, cudaGraphInstantiateFlagDeviceLaunch | cudaGraphInstantiateFlagUseNodePriority));
+  BLINK_CHECK(
+      cudaGraphInstantiate(&e, g, cudaGraphInstantiateFlagDeviceLaunch | cudaGraphInstantiateFlagUseNodePriority));
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err = cudaGraphUpload(e, st);
   if (err == cudaSuccess) err = cudaStreamSynchronize(st);
