@@ -104,3 +104,40 @@ def test_runner_on_an_fp8_checkpoint(tmp_path: Path, gemv_rows: int) -> None:
         got_logits = runner.buffers.logits[: len(seqs)].float().cpu()
         bound = 0.10 * float(want.float().abs().max())
         assert float((got_logits - want.float()).abs().max()) <= bound, (got_logits - want.float()).abs().max()
+
+
+def test_a_requests_logits_across_the_gemv_and_cublaslt_paths_stay_within_both_bounds(tmp_path: Path) -> None:
+    """Under a plan with `fp8_gemv_rows` (the h100 plan's 8), one request's decode step alone (1 row: the GEMV) and
+    beside 11 others (12 rows: cuBLASLt's W8A8 product) round differently; its logits stay within twice the bound
+    each path keeps to the reference (`test_runner_on_an_fp8_checkpoint`: 10% of the largest logit)."""
+    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kernels.plan import KernelPlan
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.attention import build_metadata
+    from gpu_engine.models.loader import load_gpu_weights
+    from tests.test_fp8 import tiny_model, write_checkpoint
+
+    model, hf = tiny_model("qwen3")
+    write_checkpoint(tmp_path / "ckpt", model, hf, "ct-channel-token")
+    got = load_gpu_weights(tmp_path / "ckpt", dtype=torch.bfloat16, device="cuda")
+    cfg = got.config
+    runner = GpuModelRunner(got.model, KVCache(cfg, 64, 4, dtype=torch.bfloat16, device="cuda"),
+                            RunnerLimits(16, 64, 8), quantized=got.quantized,
+                            plan=KernelPlan("gemv8", fp8_gemv_rows=8))
+    g = torch.Generator().manual_seed(3)
+
+    def step(seqs: list, ids: torch.Tensor, decode: bool) -> torch.Tensor:
+        runner.stage(ids.cuda(), build_metadata(seqs, 4, device="cuda"))
+        runner.forward(len(seqs), int(ids.shape[0]), decode)
+        torch.cuda.synchronize()
+        return runner.buffers.logits[: len(seqs)].float().cpu()
+
+    step([(0, 7, [0, 1])], torch.randint(0, cfg.vocab_size, (7,), generator=g), False)  # the request's prompt
+    token = torch.randint(0, cfg.vocab_size, (1,), generator=g)
+    alone = step([(7, 1, [0, 1])], token, True)[0]
+    others = [(5, 1, [2 + 2 * k, 3 + 2 * k]) for k in range(11)]
+    crowd = step([(7, 1, [0, 1]), *others], torch.cat([token, torch.randint(0, cfg.vocab_size, (11,), generator=g)]),
+                 True)[0]
+    assert bool(alone.isfinite().all()) and bool(crowd.isfinite().all())
+    bound = 2 * 0.10 * float(alone.abs().max())
+    assert float((alone - crowd).abs().max()) <= bound, (alone - crowd).abs().max()
