@@ -259,7 +259,7 @@ def kv_dtype_name(cfg: EngineConfig) -> str:
     --kv-cache-dtype fp8 on a GPU, else the model's GPU dtype."""
     if cfg.backend == "cpu":
         return str(CpuFormats.for_dtype(cfg.dtype).kv_dtype).removeprefix("torch.")
-    return "float8_e4m3fn" if cfg.fp8_kv_cache else cfg.gpu_torch_dtype_name()
+    return cfg.gpu_kv_dtype_name()
 
 
 def write_cache_config(ring: Ring, cfg: EngineConfig, backend: Backend) -> None:

@@ -188,11 +188,15 @@ class EngineConfig:
         return self.kv_cache_dtype != "auto"
 
     def gpu_torch_dtype_name(self) -> str:
-        """The torch dtype of weights and KV cache on a GPU: ``auto`` and ``half`` resolved (the CPU backend's
+        """The torch dtype of the weights' activations on a GPU: ``auto`` and ``half`` resolved (the CPU backend's
         formats are ``gpu_engine.backend.CpuFormats``)."""
         if self.dtype == "auto":
             return "bfloat16"
         return "float16" if self.dtype == "half" else self.dtype
+
+    def gpu_kv_dtype_name(self) -> str:
+        """The torch dtype of the KV cache on a GPU: float8_e4m3fn under --kv-cache-dtype fp8, else the model's."""
+        return "float8_e4m3fn" if self.fp8_kv_cache else self.gpu_torch_dtype_name()
 
     def context_limit(self, model_context: int, cap: int | None = None) -> int:
         """Prompt plus output tokens a request may have: --max-model-len, or the model's context capped

@@ -108,7 +108,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=cfg.context_cap)
     budget = cfg.token_budget(gpu=True)
     max_tokens = step_token_limit(max_context, budget, cfg.max_batch)
-    kv_dtype = kv_cache_dtype(cfg)
+    kv_dtype = getattr(torch, cfg.gpu_kv_dtype_name())
     blocks = cfg.kv_blocks or blocks_for_memory(mcfg, cfg.block_size, kv_dtype, torch.cuda.mem_get_info()[0],
                                                 cfg.kv_memory_fraction)
     kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
@@ -145,11 +145,6 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
-
-
-def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
-    """The GPU backends' KV cache element type: float8_e4m3fn under --kv-cache-dtype fp8, else the model's."""
-    return torch.float8_e4m3fn if cfg.fp8_kv_cache else getattr(torch, cfg.gpu_torch_dtype_name())
 
 
 def graph_counts(cache: GraphCache) -> dict[str, int]:
