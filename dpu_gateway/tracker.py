@@ -136,9 +136,13 @@ class Lane:
 
     def _give_back_cut(self, cache: SlotCache) -> None:
         """RESERVED(seq) -> EMPTY(seq) for each cut publication of this ring (the same engine, attached again: the
-        same creation time); those of an engine that has since made a new ring are dropped. A failed access keeps
-        them for the next attach (giving one back twice fails its compare-and-swap: nothing moves)."""
+        same creation time); those of an engine that has since made a new ring are dropped. A publication whose state
+        word had landed is the engine's: handed to the reader to stop and release, and, if the engine has not claimed
+        it yet (its flip may be lost, and an engine reads only the slots that flipped), announced by doorbell rings
+        that make the engine read every slot. A failed access keeps them for the next attach (giving one back twice
+        fails its compare-and-swap: nothing moves; ringing twice costs one more scan of every slot)."""
         try:
+            unclaimed = False
             for created, idx, seq, req_id in self.cut:
                 if created != self.born:
                     continue
@@ -147,7 +151,10 @@ class Lane:
                 elif cache.writer.published(idx, seq):  # the state word had landed: the engine has it
                     log.info("publication cut short reached the engine: handed to the reader to stop and release",
                              engine=self.index, slot=idx, seq=seq, req_id=req_id)
+                    unclaimed = unclaimed or cache.writer.pending(idx, seq)
                     self.on_orphan(m.Track(req_id, m.NO_GATEWAY, idx, seq, engine=self.index))
+            if unclaimed:
+                cache.writer.ring_for_full_scan()
             self.cut = []
             cache.refresh()
         except RingError as exc:

@@ -68,6 +68,12 @@ class SlotRequest:
         return table
 
 
+# Doorbell increments with no flip that make an engine read every slot (`SlotWriter.ring_for_full_scan`): more than
+# the publications whose flip landed and whose increment did not, across the ring's writers, that an engine has not
+# yet made up for by reading every slot.
+FULL_SCAN_RINGS = 64
+
+
 class SlotWriter:
     """Frontend transitions: EMPTY->RESERVED->PREFILL_PENDING, cancel, COMPLETED->EMPTY."""
 
@@ -145,6 +151,17 @@ class SlotWriter:
         """RESERVED(seq) -> EMPTY(seq), when a reservation cannot be filled."""
         return self.t.cas64(self.ring.slot_offset(idx), state_word(S.RESERVED, seq),
                             state_word(S.EMPTY, seq)) == state_word(S.RESERVED, seq)
+
+    def pending(self, idx: int, seq: int) -> bool:
+        """Whether slot ``idx`` is PREFILL_PENDING(seq): published, not claimed yet."""
+        return self.t.load64(self.ring.slot_offset(idx)) == state_word(S.PREFILL_PENDING, seq)
+
+    def ring_for_full_scan(self) -> None:
+        """``FULL_SCAN_RINGS`` doorbell increments without a flip, for a publication whose flip may not have landed
+        (its access cut): the flips then fall short of the rings by more than flips counted ahead of rings that never
+        landed can make up, so the engine's next look reads every slot's state word (schema/OWNERSHIP.md) and finds
+        the slot whatever its flip did."""
+        self.t.fetch_add64(HEADER_OFF["doorbell"], FULL_SCAN_RINGS)
 
     def published(self, idx: int, seq: int) -> bool:
         """Whether slot ``idx`` still holds ``seq``'s request past RESERVED (published, running or finished)."""
