@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
 import re
 import selectors
 import socket
@@ -163,19 +164,24 @@ MIN_SECRET = 16  # bytes of BLINK_RDMA_SECRET_FILE's content
 
 def exchange_secret() -> bytes:
     """The shared secret the endpoint exchange is signed with (``BLINK_RDMA_SECRET_FILE``), or b"" (unset: the
-    exchange is open). A file that cannot be read, holds fewer than ``MIN_SECRET`` bytes, or that its group or
-    others may read is a ``RingError`` naming it (a readable secret is no secret)."""
+    exchange is open). A file that cannot be read, holds fewer than ``MIN_SECRET`` bytes, that its group or others
+    may access, or that another user than this process's (or root) owns is a ``RingError`` naming it (a secret
+    others can read or rewrite is no secret). Mode and owner are those of the file as opened."""
     path = env().rdma_secret_file
     if path is None:
         return b""
     try:
-        mode = path.stat().st_mode
-        secret = path.read_bytes().strip()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            secret = f.read().strip()
     except OSError as exc:
         raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: cannot read it ({exc.strerror or exc})") from None
-    if mode & 0o077:
-        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: group or others may access it (mode {mode & 0o777:o}); "
-                        "chmod 600 it")
+    if st.st_mode & 0o077:
+        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: group or others may access it (mode "
+                        f"{st.st_mode & 0o777:o}); chmod 600 it")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: owned by uid {st.st_uid}, not by this user "
+                        f"({os.geteuid()}) or root")
     if len(secret) < MIN_SECRET:
         raise RingError(f"BLINK_RDMA_SECRET_FILE={path}: {len(secret)} bytes; at least {MIN_SECRET}")
     return secret

@@ -15,6 +15,7 @@ the leases' keepalive.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import threading
@@ -282,18 +283,83 @@ def test_a_signed_exchange_attaches_and_an_unsigned_or_wrongly_signed_peer_is_re
         open_engine.stop()
 
 
+def test_a_signed_frontend_line_sent_again_is_refused_by_the_engine(
+        ring_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frontend's signed line, replayed within its window by whoever saw it, gets a refusal, not a lease."""
+    from shared.transport.rdma import Endpoint
+
+    key = secret_file(tmp_path, "correct horse battery staple\n")
+    with_secret(monkeypatch, key)
+    eng = start_engine(ring_name)
+    try:
+        line = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring=ring_name, schema_major=L.SCHEMA_MAJOR,
+                        schema_minor=L.SCHEMA_MINOR).signed(key.read_bytes().strip(), "frontend").encode()
+        answers = []
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", eng.address.port), timeout=30) as sock:
+                sock.sendall(line)
+                answers.append(sock.makefile("rb").readline())
+        assert "error" not in json.loads(answers[0])
+        assert "used already (a replay)" in json.loads(answers[1])["error"]
+    finally:
+        eng.stop()
+
+
 def test_a_stale_signature_is_refused() -> None:
     from shared.transport.rdma import SIGNATURE_WINDOW_S, Endpoint
 
-    ep = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring="r").signed(b"s" * 16)
-    assert ep.check_signature(b"s" * 16) is None
+    ep = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring="r").signed(b"s" * 16, "frontend")
+    assert ep.check_signature(b"s" * 16, "frontend") is None
     old = dataclasses.replace(ep, ts=ep.ts - int((SIGNATURE_WINDOW_S + 1) * 1e9))
-    assert "signature does not match" in (old.check_signature(b"s" * 16) or "")  # ts is signed too
+    assert "signature does not match" in (old.check_signature(b"s" * 16, "frontend") or "")  # ts is signed too
     resigned = dataclasses.replace(old, mac="")
-    resigned = dataclasses.replace(resigned, mac=resigned._digest(b"s" * 16))
-    assert "signed more than" in (resigned.check_signature(b"s" * 16) or "")
+    resigned = dataclasses.replace(resigned, mac=resigned._digest(b"s" * 16, "frontend", ""))
+    assert "signed more than" in (resigned.check_signature(b"s" * 16, "frontend") or "")
     forged = dataclasses.replace(ep, qp_num=6)  # another queue pair under the first one's signature
-    assert "does not match" in (forged.check_signature(b"s" * 16) or "")
+    assert "does not match" in (forged.check_signature(b"s" * 16, "frontend") or "")
+
+
+def test_a_signature_covers_the_signer_s_role_and_the_line_the_engine_answers() -> None:
+    """An engine's signed answer is no frontend line (reflected to an engine, it is refused), and it answers one
+    frontend line: checked against another, it is refused."""
+    from shared.transport.rdma import Endpoint
+
+    key = b"k" * 16
+    asked = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring="r").signed(key, "frontend")
+    answer = Endpoint(qp_num=9, psn=1, lid=1, gid="", mtu=3, ring="r", rkey=3, size=64).signed(key, "engine",
+                                                                                              answers=asked.mac)
+    assert answer.check_signature(key, "engine", answers=asked.mac) is None
+    assert "does not match" in (answer.check_signature(key, "frontend") or "")  # reflected: not a frontend's
+    other = Endpoint(qp_num=6, psn=7, lid=1, gid="", mtu=3, ring="r").signed(key, "frontend")
+    assert "does not match" in (answer.check_signature(key, "engine", answers=other.mac) or "")
+    assert "does not match" in (asked.check_signature(key, "engine") or "")
+    with pytest.raises(ValueError, match="role"):
+        asked.signed(key, "client")
+
+
+def test_unsigned_lines_carry_no_signature_fields_and_bad_ones_are_malformed() -> None:
+    """Without a secret the line is what an engine that knows no signature reads (no ts, no mac); a signed line's
+    ts and mac of the wrong types are a malformed message (a RingError), not a TypeError."""
+    from shared.transport.rdma import Endpoint
+
+    plain = Endpoint(qp_num=5, psn=7, lid=1, gid="", mtu=3, ring="r")
+    assert set(json.loads(plain.encode())) == {f.name for f in dataclasses.fields(Endpoint)} - {"ts", "mac"}
+    assert Endpoint.decode(plain.encode()) == plain
+    signed = plain.signed(b"s" * 16, "frontend")
+    assert Endpoint.decode(signed.encode()) == signed
+    for bad in ({"mac": 5}, {"mac": "\u00e9" * 64}, {"ts": "1"}, {"ts": 1.5}):
+        line = json.dumps({**json.loads(signed.encode()), **bad}).encode()
+        with pytest.raises(RingError, match="malformed"):
+            Endpoint.decode(line)
+
+
+def test_the_engine_refuses_a_signed_frontend_line_it_accepted_already() -> None:
+    from shared.transport.rdma import SeenSignatures
+
+    seen = SeenSignatures(window_s=0.05)
+    assert seen.first_time("a") and seen.first_time("b") and not seen.first_time("a")
+    time.sleep(0.11)  # past twice the window: forgotten (its time is refused by then)
+    assert seen.first_time("a")
 
 
 @pytest.mark.parametrize(("text", "mode", "why"), [("short", 0o600, "5 bytes; at least 16"),
@@ -305,6 +371,22 @@ def test_a_bad_secret_file_stops_the_export_before_the_model_loads(
         ExportServer(f"127.0.0.1:{free_port()}", nic=NIC)
     with_secret(monkeypatch, tmp_path / "missing")
     with pytest.raises(RingError, match="cannot read it"):
+        ExportServer(f"127.0.0.1:{free_port()}", nic=NIC)
+
+
+def test_a_secret_file_another_user_owns_stops_the_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mode 600 is not enough when the file is another user's (who may read it or rewrite it): refused, naming the
+    owner; this user's file, or root's, is taken."""
+    path = secret_file(tmp_path, "x" * 32)
+    with_secret(monkeypatch, path)
+    assert remote_ring.exchange_secret() == b"x" * 32
+    owner = path.stat().st_uid
+    if owner == 0:  # root runs this: the file goes to another user
+        os.chown(path, 65534, -1)
+        owner = 65534
+    else:  # this process as another (non-root) user
+        monkeypatch.setattr(remote_ring.os, "geteuid", lambda: owner + 1)
+    with pytest.raises(RingError, match=f"owned by uid {owner}, not by this user"):
         ExportServer(f"127.0.0.1:{free_port()}", nic=NIC)
 
 

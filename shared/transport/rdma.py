@@ -39,6 +39,7 @@ import json
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -366,6 +367,27 @@ def pick_device(name: str | None, sys_dir: Path = SYS_RDMA) -> str:
 
 
 SIGNATURE_WINDOW_S = 120.0  # how far from now a signed endpoint's time may be
+ROLES = ("frontend", "engine")  # who signed a line: part of what its signature covers
+
+
+class SeenSignatures:
+    """The signatures of the frontend lines an engine accepted within the last ``window_s``: a line that comes
+    again inside the window (a replay; outside it its time is refused) is refused."""
+
+    def __init__(self, window_s: float = SIGNATURE_WINDOW_S) -> None:
+        self.window_ns = int(2 * window_s * 1e9)  # a line's time may be up to window_s ahead of now or behind it
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def first_time(self, mac: str) -> bool:
+        """Whether ``mac`` was not accepted within the window; it is from now on."""
+        now = time.monotonic_ns()
+        with self._lock:
+            self._seen = {m: t for m, t in self._seen.items() if now - t < self.window_ns}
+            if mac in self._seen:
+                return False
+            self._seen[mac] = now
+            return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -375,9 +397,12 @@ class Endpoint:
     The frontend speaks first, naming the ring it wants (``ring``); the engine answers with its queue pair,
     the ring's memory region (``addr``, ``rkey``, ``size``) and the ring's schema version, or with a refusal
     (``{"error": ...}``, raised here as ``ExchangeRefused``). With a shared secret each side signs its line
-    (``ts``, ``mac``: HMAC-SHA256 over the other fields) and refuses a peer's that is unsigned, signed with
-    another secret, or signed more than ``SIGNATURE_WINDOW_S`` from now. A replayed frontend line gains nothing:
-    the engine connects its queue pair only to the queue pair that line names."""
+    (``ts``, ``mac``: HMAC-SHA256 over the other fields, the signer's role, and for the engine the frontend's
+    ``mac`` it answers) and refuses a peer's that is unsigned, signed with another secret or for the other role,
+    or signed more than ``SIGNATURE_WINDOW_S`` from now; the engine refuses a frontend line it has already
+    accepted (`SeenSignatures`). So an engine's answer is no frontend line (its role), it answers one frontend
+    line only (the binding), and a frontend line replayed within the window gets nothing. Unsigned, the line has
+    no ``ts`` and ``mac`` (as before the secret existed)."""
 
     qp_num: int
     psn: int
@@ -394,26 +419,34 @@ class Endpoint:
     mac: str = ""
 
     def encode(self) -> bytes:
-        return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+        fields = dataclasses.asdict(self)
+        if not self.mac:  # unsigned: the line an engine without the secret's fields reads too
+            del fields["ts"], fields["mac"]
+        return (json.dumps(fields) + "\n").encode()
 
-    def signed(self, secret: bytes) -> Endpoint:
-        """This endpoint with ``ts`` now and ``mac`` the HMAC-SHA256 of every other field under ``secret``."""
+    def signed(self, secret: bytes, role: str, answers: str = "") -> Endpoint:
+        """This endpoint with ``ts`` now and ``mac`` the HMAC-SHA256 under ``secret`` of every other field, the
+        signer's ``role`` ("frontend" or "engine") and the ``mac`` of the line it ``answers`` (the engine's)."""
         ep = dataclasses.replace(self, ts=time.time_ns(), mac="")
-        return dataclasses.replace(ep, mac=ep._digest(secret))
+        return dataclasses.replace(ep, mac=ep._digest(secret, role, answers))
 
-    def check_signature(self, secret: bytes, window_s: float = SIGNATURE_WINDOW_S) -> str | None:
-        """Why this endpoint's signature under ``secret`` is not good (none, wrong, or signed more than
-        ``window_s`` from now), or None."""
+    def check_signature(self, secret: bytes, role: str, answers: str = "",
+                        window_s: float = SIGNATURE_WINDOW_S) -> str | None:
+        """Why this endpoint's signature under ``secret``, as ``role``'s line answering ``answers``, is not good
+        (none, wrong, or signed more than ``window_s`` from now), or None."""
         if not self.mac:
             return "the peer's endpoint is not signed (set BLINK_RDMA_SECRET_FILE on both sides)"
-        if not hmac.compare_digest(self.mac, dataclasses.replace(self, mac="")._digest(secret)):
+        if not hmac.compare_digest(self.mac.encode(), dataclasses.replace(self, mac="")._digest(
+                secret, role, answers).encode()):
             return "the peer's endpoint signature does not match this side's secret"
         if abs(time.time_ns() - self.ts) > window_s * 1e9:
             return f"the peer's endpoint was signed more than {window_s:.0f}s from now (a replay, or clocks apart)"
         return None
 
-    def _digest(self, secret: bytes) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+    def _digest(self, secret: bytes, role: str, answers: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        text = json.dumps([role, answers, dataclasses.asdict(self)], sort_keys=True).encode()
         return hmac.new(secret, text, hashlib.sha256).hexdigest()
 
     @classmethod
@@ -423,6 +456,8 @@ class Endpoint:
             if isinstance(fields, dict) and set(fields) == {"error"}:
                 raise ExchangeRefused(f"RDMA endpoint exchange: the engine refused: {fields['error']}")
             ep = cls(**fields)
+            if not (isinstance(ep.mac, str) and ep.mac.isascii() and type(ep.ts) is int):
+                raise ValueError("ts must be an integer and mac an ASCII string")
         except (ValueError, TypeError) as exc:
             raise RingError(f"RDMA endpoint exchange: malformed message {line[:200]!r}: {exc}") from None
         if not 0 < ep.qp_num < 1 << 24 or not 0 <= ep.psn < 1 << 24:
@@ -779,6 +814,7 @@ class RingExport:
         self.nic: Nic = nic or PyverbsNic()
         self.cfg, self.size, self.name, self.schema = cfg, transport.size, name, schema
         self.secret = secret  # non-empty: every frontend's endpoint must be signed with it, and ours is
+        self.seen = SeenSignatures()  # the frontend lines accepted lately: none is accepted twice
         self._owner = self.nic.queue_pair(cfg)
         try:
             self.region = self.nic.register(self._owner, transport, dmabuf_fd)
@@ -793,9 +829,11 @@ class RingExport:
         its reason sent back)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         peer = Endpoint.decode(read_line(sock, self.cfg.timeout_s, deadline))
-        why = peer.check_signature(self.secret) if self.secret else None
+        why = peer.check_signature(self.secret, "frontend") if self.secret else None
         if why is not None:
             why = f"authentication failed: {why}"
+        elif self.secret and not self.seen.first_time(peer.mac):
+            why = "authentication failed: this signed endpoint was used already (a replay)"
         elif peer.ring != self.name:
             why = f"this engine exports ring {self.name!r}, not {peer.ring!r}"
         elif peer.schema_major != self.schema[0]:
@@ -809,7 +847,7 @@ class RingExport:
         try:
             ours = dataclasses.replace(pair.endpoint(self.region.addr, self.region.rkey, self.size), ring=self.name,
                                        schema_major=self.schema[0], schema_minor=self.schema[1])
-            ours = ours.signed(self.secret) if self.secret else ours
+            ours = ours.signed(self.secret, "engine", answers=peer.mac) if self.secret else ours
             # up before the answer: the frontend posts as soon as it has it, and this pair must be ready to respond
             pair.connect(peer)
             send_line(sock, ours.encode(), self.cfg.timeout_s, deadline)
@@ -844,8 +882,9 @@ def connect_ring(sock: socket.socket, ring_name: str, cfg: VerbsConfig = VerbsCo
         with verbs_errors("queue pair setup"):
             ours = dataclasses.replace(pair.endpoint(), ring=ring_name, schema_major=L.SCHEMA_MAJOR,
                                        schema_minor=L.SCHEMA_MINOR)
-        ring = exchange(sock, ours.signed(secret) if secret else ours, cfg.timeout_s)
-        if secret and (why := ring.check_signature(secret)) is not None:
+        ours = ours.signed(secret, "frontend") if secret else ours
+        ring = exchange(sock, ours, cfg.timeout_s)
+        if secret and (why := ring.check_signature(secret, "engine", answers=ours.mac)) is not None:
             raise RingError(f"ring {ring_name}: the engine's answer failed authentication: {why}")
         if ring.schema_major != L.SCHEMA_MAJOR:
             raise RingError(f"ring {ring_name}: schema version {ring.schema_major}.{ring.schema_minor} is "
