@@ -540,6 +540,14 @@ def test_an_fp8_study_gives_every_system_the_flags_and_keeps_a_file_of_its_own()
     legacy = {k: v for k, v in bf16.items() if k != "precision"}
     assert report.compatible(legacy, bf16) is None and "precision" in (report.compatible(legacy, fp8) or "")
     assert parse_peer("vllm").with_flags(()) == parse_peer("vllm")
+    # a peer of another kind takes them where its command says, or the study is refused
+    sglang = parse_peer("sglang=python -m sglang.launch_server --port {port} {precision} --log-level info")
+    assert sglang.kind == "openai"
+    assert sglang.with_flags(("--quantization", "fp8")).command.endswith("--quantization fp8 --log-level info")
+    assert "{precision}" not in sglang.with_flags(()).command
+    with pytest.raises(SystemExit):
+        check(ap, ap.parse_args(["--quantization", "fp8", "--client-cores", "1", "--peer",
+                                 "other=serve --port {port} | tee log"]))
 
 
 @pytest.mark.timeout(60)

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"in order: Blink modes ({', '.join(BLINK_MODES)}) and peer names")
     ap.add_argument("--peer", type=peer_arg, action="append", default=[], metavar="NAME[:KIND][=COMMAND]",
                     help=f"a peer (kinds {', '.join(PEER_KINDS)}); placeholders {{model}} {{port}} {{max_num_seqs}} "
-                         "{max_model_len} {served_name} {python}; 'vllm' alone is vLLM's own command")
+                         "{max_model_len} {served_name} {python} {precision} (--quantization and --kv-cache-dtype "
+                         "as vLLM names them; vllm and blink commands get them at the end); 'vllm' alone is vLLM's "
+                         "own command")
     ap.add_argument("--cotenants", type=parse_list(study.LEVELS), default=["none", "heavy"])
     ap.add_argument("--rates", type=parse_finite_rates, default=[10.0, 16.0, 22.0], help="offered req/s")
     ap.add_argument("--plateau-search", type=parse_range, default=None, metavar="LOW:HIGH",
@@ -133,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Peer]:
     """The peers by name; exits with a usage error on settings that cannot run."""
-    peers = {p.name: p.with_flags(study.precision_flags(args)) for p in [parse_peer("vllm", args.config), *args.peer]}
+    try:
+        peers = {p.name: p.with_flags(study.precision_flags(args))
+                 for p in [parse_peer("vllm", args.config), *args.peer]}
+    except ValueError as exc:
+        ap.error(str(exc))
     unknown = [s for s in args.systems if s not in BLINK_MODES and s not in peers]
     if unknown:
         ap.error(f"systems {unknown} are neither Blink modes nor peers given with --peer")

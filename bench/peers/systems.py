@@ -36,7 +36,7 @@ from harness.serve_proc import ROOT, ServeProc, free_port, http_get, parse_metri
 VLLM_COMMAND = ("vllm serve {model} --load-format dummy --served-model-name {served_name} "
                 "--max-model-len {max_model_len} --max-num-seqs {max_num_seqs} --host 127.0.0.1 --port {port}")
 VLLM_DEFAULTS_COMMAND = VLLM_COMMAND.replace(" --max-num-seqs {max_num_seqs}", "")
-PLACEHOLDERS = ("model", "port", "max_num_seqs", "max_model_len", "served_name", "python")
+PLACEHOLDERS = ("model", "port", "max_num_seqs", "max_model_len", "served_name", "python", "precision")
 NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
 BLINK_MODES = ("persistent", "host")
 # what vLLM needs beside tokenizer.json to load the tokenizer of a bare model folder
@@ -172,8 +172,18 @@ class Peer:
             raise ValueError(f"peer {self.name}: unknown placeholders {sorted(unknown)}; known: {PLACEHOLDERS}")
 
     def with_flags(self, flags: tuple[str, ...]) -> Peer:
-        """This peer with ``flags`` at the end of its command (the study's precision, for every system)."""
-        return self if not flags else dataclasses.replace(self, command=f"{self.command} {shlex.join(flags)}")
+        """This peer with the study's precision ``flags`` (vLLM's names): at the end of a vLLM or Blink command,
+        in place of ``{precision}`` in any other (whose server may name them otherwise); a command of another kind
+        without the placeholder is refused when there are flags (the header would record a precision the server
+        was never given)."""
+        if "{precision}" in self.command:
+            return dataclasses.replace(self, command=self.command.replace("{precision}", shlex.join(flags)))
+        if not flags:
+            return self
+        if self.kind not in ("vllm", "blink"):
+            raise ValueError(f"peer {self.name} (kind {self.kind}): put {{precision}} where its command takes "
+                             f"{shlex.join(flags)} (or that server's own flags for them)")
+        return dataclasses.replace(self, command=f"{self.command} {shlex.join(flags)}")
 
     @property
     def observer(self) -> PeerKind:
