@@ -162,3 +162,11 @@ class KVCache:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks required to hold ``num_tokens`` tokens of one sequence."""
         return -(-num_tokens // self.block_size)
+
+
+def fp8_cache_runs_on(capability: tuple[int, int]) -> None:
+    """An FP8 (e4m3) KV cache needs an sm_89 GPU or later (the kernels' e4m3 conversions); ValueError, at the
+    engine's start, on an older one."""
+    if capability < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8 needs an sm_89 GPU or later (e4m3 conversions); this one is "
+                         f"sm_{capability[0]}{capability[1]}: drop the flag")

@@ -122,3 +122,18 @@ def test_the_runner_over_an_fp8_cache_keeps_the_logits_within_the_bound_and_the_
         same += int(torch.equal(got.argmax(-1), want.argmax(-1)))
     assert same >= len(pairs) - 1
     assert any(not torch.equal(got, want) for want, got in pairs)
+
+
+def test_an_fp8_cache_is_refused_at_the_engine_start_on_a_gpu_before_sm89(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_80 GPU the flag is refused before the weights load (a ValueError, which the engine's start prints
+    as a refused setting), not at a kernel's compile or a graph's capture; sm_89 and sm_90 take it."""
+    from gpu_engine.gpu import serve_gpu
+    from gpu_engine.kv_cache import fp8_cache_runs_on
+
+    fp8_cache_runs_on((8, 9))
+    fp8_cache_runs_on((9, 0))
+    monkeypatch.setattr(serve_gpu.torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(serve_gpu, "load_gpu_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    cfg = EngineConfig(backend="persistent", kv_cache_dtype="fp8", random_weights=True)
+    with pytest.raises(ValueError, match="sm_89 GPU or later .* this one is sm_80"):
+        serve_gpu.build_parts(cfg)

@@ -28,7 +28,7 @@ from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresiden
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kernels.plan import resolve_plan
-from gpu_engine.kv_cache import KVCache, block_bytes, blocks_for_memory
+from gpu_engine.kv_cache import KVCache, block_bytes, blocks_for_memory, fp8_cache_runs_on
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
 from shared import env
@@ -96,6 +96,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     """Load, size the cache, capture every graph (device-launchable for the persistent mode)."""
     dtype = getattr(torch, cfg.gpu_torch_dtype_name())
     path = Path(cfg.model) if cfg.model else default_model_path()
+    if cfg.fp8_kv_cache:  # before the weights load: refused at once on a GPU without e4m3
+        fp8_cache_runs_on(torch.cuda.get_device_capability())
     plan = resolve_plan(cfg.kernel_plan, torch.cuda.get_device_name())  # before the weights load
     log.info("kernel plan", gpu=torch.cuda.get_device_name(), **plan.summary())
     log.info("loading weights", model=str(path), dtype=str(dtype).removeprefix("torch."), device="cuda",
