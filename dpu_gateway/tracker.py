@@ -187,7 +187,7 @@ class SlotTracker:
         self.waiting: collections.deque[tuple[ipc.Channel, m.Submit]] = collections.deque()
         self.live: dict[int, Live] = {}
         self.reader: ipc.Channel | None = None
-        self.orphans: list[m.Track] = []  # slots of cut publications the engine has, for the reader when linked
+        self.orphans: list[m.Track] = []  # slots of cut publications the engine has: for every reader that links
         self.last_engine = -1  # the engine the last request went to (ties go to the next one)
         self.routed = [0] * len(self.lanes)  # requests published to each engine since start
         self._wake = asyncio.Event()
@@ -355,11 +355,26 @@ class SlotTracker:
 
     def _hand_orphan(self, track: m.Track) -> None:
         """A slot the engine serves for a request whose client was told 503: the reader stops it and releases
-        it (a route of no gateway); kept until the reader is linked."""
+        it (a route of no gateway); kept, and sent again to a reader that links later (one that restarted before
+        releasing it included), while the slot still holds that request."""
+        self.orphans.append(track)
         if self.reader is not None:
             self.reader.send(track)
-        else:
-            self.orphans.append(track)
+
+    def _orphans_held(self) -> list[m.Track]:
+        """The orphans whose slot still holds their request (not EMPTY, the same seq), or whose ring cannot be
+        read now (kept, to look again at the next link); the others are forgotten."""
+        kept = []
+        for track in self.orphans:
+            try:
+                cache = self.lanes[track.engine].slots()
+                held = cache is None or cache.writer.published(track.slot, track.seq)
+            except RingError:
+                held = True
+            if held:
+                kept.append(track)
+        self.orphans = kept
+        return kept
 
     # ------------------------------------------------------------ reader link
     async def reader_link(self) -> None:
@@ -368,8 +383,8 @@ class SlotTracker:
             self.reader = chan
             for live in self.live.values():
                 chan.send(live.track())
-            while self.orphans:
-                chan.send(self.orphans.pop())
+            for track in self._orphans_held():
+                chan.send(track)
             log.info("reader_linked", live=len(self.live))
             try:
                 while True:

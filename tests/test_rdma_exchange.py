@@ -717,6 +717,13 @@ def test_a_slot_whose_publication_the_link_cut_is_settled_when_the_same_engine_i
             assert engine_slot_states(eng)[idx] == S.PREFILL_PENDING
             assert tracker.orphans == [m.Track(2, m.NO_GATEWAY, idx, seq)]
             assert engine.scan_pending() == [(idx, seq)]  # found, though its flip may not have landed
+            # kept for every reader that links (one that restarted first included) while the slot holds it
+            assert tracker._orphans_held() == [m.Track(2, m.NO_GATEWAY, idx, seq)]
+            assert engine.claim(idx, seq) is not None
+            engine.complete(idx, L.FinishReason.CANCELLED)
+            assert tracker._orphans_held() == [m.Track(2, m.NO_GATEWAY, idx, seq)]
+            assert tracker.serving()[0][1].writer.release(idx, seq)  # what the reader does
+            assert tracker._orphans_held() == [] and tracker.orphans == []
         else:
             assert engine_slot_states(eng).count(S.EMPTY) == GEO.num_slots - 1 and tracker.orphans == []
             assert engine.scan_pending() == []
