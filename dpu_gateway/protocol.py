@@ -350,12 +350,12 @@ def _strict_or_integral(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         match = _FLOAT_FOR_INT.search(str(error))
         if match is None:
             break
-        tree = msgspec.json.decode(body) if tree is None else tree
+        tree = msgspec.json.decode(body) if tree is None else tree  # parsed once; each pass validates the tree
         steps = [m.group("name") or m.group("index") for m in _PATH_STEP.finditer(match.group("path"))]
         if not steps or not _int_at(tree, steps):
             break
         try:
-            return decoder.decode(msgspec.json.encode(tree))
+            return msgspec.convert(tree, type=decoder.type)
         except msgspec.ValidationError as exc:
             error = exc
     raise error
