@@ -313,6 +313,56 @@ def test_unsupported_fp8_variants_are_refused_by_name(change, message: str, tmp_
         load_gpu_weights(folder, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("case", ["input-channel scale", "zero scale", "nan scale", "negative input scale",
+                                  "k_scale", "output_scale", "kv_cache_scheme", "scale beside int8"])
+def test_scales_a_checkpoint_cannot_mean_are_refused_not_loaded(tmp_path: Path, case: str) -> None:
+    """A weight scale per input channel on a square weight (its element count is the rows'), a scale that is not
+    finite and positive, calibrated KV-cache or output scales (in tensors, or kv_cache_scheme under quant_method
+    fp8), and a scale beside a weight not stored in FP8 each load as something else than the checkpoint means
+    (saturated keys, zeroed or non-finite weights, raw codes as weights): refused, naming the tensor."""
+    from safetensors.torch import load_file
+
+    model, hf = tiny_model("llama")
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, model, hf, "fp8-static" if "input" in case else "fp8-dynamic")
+    tensors = dict(load_file(str(folder / "model.safetensors")))
+    o = "model.layers.0.self_attn.o_proj"  # 64 x 64: square
+    want = {"input-channel scale": r"o_proj.weight_scale of shape \(1, 64\)",
+            "zero scale": "o_proj.weight_scale holds 1 scale\\(s\\) that are not finite and positive",
+            "nan scale": "o_proj.weight_scale holds 1 scale",
+            "negative input scale": "o_proj.input_scale holds 1 scale",
+            "k_scale": "calibrated scales \\(model.layers.0.self_attn.k_scale",
+            "output_scale": "calibrated scales \\(model.layers.1.self_attn.k_proj.output_scale",
+            "kv_cache_scheme": "calibrated scales \\(kv_cache_scheme",
+            "scale beside int8": "down_proj.weight_scale beside a weight not stored as float8_e4m3fn"}[case]
+    if case == "input-channel scale":
+        tensors[f"{o}.weight_scale"] = torch.full((1, 64), 0.01)
+    elif case == "zero scale":
+        scale = tensors[f"{o}.weight_scale"].clone()
+        scale.view(-1)[-1] = 0.0
+        tensors[f"{o}.weight_scale"] = scale
+    elif case == "nan scale":
+        scale = tensors[f"{o}.weight_scale"].clone()
+        scale.view(-1)[0] = float("nan")
+        tensors[f"{o}.weight_scale"] = scale
+    elif case == "negative input scale":
+        tensors[f"{o}.input_scale"] = -tensors[f"{o}.input_scale"]
+    elif case == "k_scale":
+        tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    elif case == "output_scale":
+        tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor(0.5)
+    elif case == "scale beside int8":
+        down = "model.layers.1.mlp.down_proj"
+        tensors[f"{down}.weight"] = torch.zeros_like(tensors[f"{down}.weight"], dtype=torch.int8)
+    if case == "kv_cache_scheme":
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+        (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=want):
+        load_gpu_weights(folder, dtype=torch.float32, device="cpu")
+
+
 def test_block_scales_and_stray_fp8_tensors_are_refused(tmp_path: Path) -> None:
     model, hf = tiny_model("llama")
     folder = tmp_path / "ckpt"
@@ -323,7 +373,7 @@ def test_block_scales_and_stray_fp8_tensors_are_refused(tmp_path: Path) -> None:
     name = "model.layers.0.self_attn.o_proj"
     odd = dict(tensors) | {f"{name}.weight_scale": torch.ones(2, 2)}
     save_file(odd, str(folder / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"o_proj.weight_scale of 4 values for 64 rows \(block- or group-wise"):
+    with pytest.raises(ModelLoadError, match=r"o_proj.weight_scale of shape \(2, 2\) for a weight of 64 rows"):
         load_gpu_weights(folder, dtype=torch.float32, device="cpu")
     stray = dict(tensors) | {"lm_head.weight": tensors["lm_head.weight"].to(FP8)}
     save_file(stray, str(folder / "model.safetensors"))

@@ -12,7 +12,9 @@ Checkpoints (``config.json``'s ``quantization_config``), read as they are, nothi
 Which linears are FP8 is what the file stores as float8_e4m3fn (its ignore lists are not read). Blink keeps FP8
 the decoder layers' dense projections (q/k/v, o, gate/up, down); every other variant is refused by name:
 block-wise scales (``weight_block_size``, ``weight_scale_inv``: the official Qwen3 and DeepSeek FP8 files),
-group scales, weight-only FP8, FP8 KV-cache scales, e5m2, and FP8 tensors elsewhere (MoE experts, the LM head).
+group or per-input-channel scales, weight-only FP8, calibrated KV-cache or output scales (``kv_cache_scheme``,
+``k_scale``/``v_scale``/``output_scale`` tensors), e5m2, and FP8 tensors elsewhere (MoE experts, the LM head); so are
+scales that are not finite and positive, and a scale beside a weight not stored in FP8.
 
 ``--quantization fp8`` of a dense model takes the same linears, as vLLM's online fp8 takes every linear but the
 LM head (MoE experts and routers stay in --dtype here: the fused MoE kernel multiplies bf16 experts).
@@ -90,7 +92,15 @@ def read_scheme(directory: Path) -> Fp8Scheme | None:
     raise _refuse(directory, f"quantization_config quant_method {method!r}")
 
 
+KV_SCALES = ("an FP8 KV cache with calibrated scales ({}; Blink's FP8 KV cache, --kv-cache-dtype fp8, takes a "
+             "scale of 1.0)")
+# tensors of calibrated KV-cache (and attention output) scales, in either format: refused, not left unread
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".output_scale", ".q_scale", ".prob_scale")
+
+
 def _fp8_method(path: Path, qc: dict[str, Any]) -> Fp8Scheme:
+    if qc.get("kv_cache_scheme") is not None:
+        raise _refuse(path, KV_SCALES.format("kv_cache_scheme"))
     if qc.get("weight_block_size") is not None:
         raise _refuse(path, f"block-wise FP8 (weight_block_size {qc['weight_block_size']}, weight_scale_inv)")
     if qc.get("fmt", "e4m3") != "e4m3":
@@ -107,8 +117,7 @@ def _compressed_tensors(path: Path, qc: dict[str, Any]) -> Fp8Scheme:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(path, f"compressed-tensors format {fmt!r}")
     if qc.get("kv_cache_scheme") is not None:
-        raise _refuse(path, "an FP8 KV cache with calibrated scales (kv_cache_scheme; Blink's FP8 KV cache, "
-                      "--kv-cache-dtype fp8, takes a scale of 1.0)")
+        raise _refuse(path, KV_SCALES.format("kv_cache_scheme"))
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _refuse(path, f"{len(groups)} compressed-tensors config groups (Blink takes one)")
@@ -152,6 +161,12 @@ def checkpoint_linears(source: TensorSource, config: ModelConfig, scheme: Fp8Sch
         if name not in used and source.stored_dtype(name).startswith("F8"):
             raise _refuse(source.location, f"FP8 tensor {name} ({source.stored_dtype(name)}) outside the decoder "
                           "layers' dense projections")
+        if name.endswith(KV_SCALE_SUFFIXES):
+            raise _refuse(source.location, KV_SCALES.format(name))
+        weight = name.rsplit(".", 1)[0] + ".weight"
+        if name.endswith((".weight_scale", ".input_scale")) and weight not in used:
+            kind = source.stored_dtype(weight) if source.has(weight) else "absent"
+            raise _refuse(source.location, f"{name} beside a weight not stored as float8_e4m3fn ({weight}: {kind})")
     if not out:
         raise ModelLoadError(f"{source.location}: quantization_config says {scheme.method} but no linear is stored "
                              "as float8_e4m3fn")
@@ -164,19 +179,35 @@ def _part(source: TensorSource, name: str, scheme: Fp8Scheme) -> Fp8Weight:
         raise _refuse(source.location, f"block-wise scales ({name}.weight_scale_inv)")
     weight = source.get(f"{name}.weight")
     rows = weight.shape[0]
-    scale = source.get(f"{name}.weight_scale").float().flatten()
-    if scale.numel() not in (1, rows):
-        raise _refuse(source.location, f"{name}.weight_scale of {scale.numel()} values for {rows} rows "
-                      "(block- or group-wise scales)")
+    stored = source.get(f"{name}.weight_scale")
+    # one scale (any shape of one element), or one a row ([rows] or [rows, 1]); a [1, K] or [K] scale is per input
+    # channel, which a square weight's element count alone would not tell apart
+    if stored.numel() != 1 and tuple(stored.shape) not in ((rows,), (rows, 1)):
+        raise _refuse(source.location, f"{name}.weight_scale of shape {tuple(stored.shape)} for a weight of "
+                      f"{rows} rows (per input channel, block- or group-wise scales)")
+    if scheme.method == "compressed-tensors" and (stored.numel() == 1) != (scheme.weights == "tensor"):
+        raise ModelLoadError(f"{source.location}: {name}.weight_scale of shape {tuple(stored.shape)} under weight "
+                             f"strategy {scheme.weights!r}")
+    scale = _positive(source, f"{name}.weight_scale", stored.float().flatten())
     input_scale = None
     if scheme.activations == "static":
         if not source.has(f"{name}.input_scale"):
             raise ModelLoadError(f"{source.location}: static activation scales but no {name}.input_scale")
-        input_scale = source.get(f"{name}.input_scale").float().flatten()
+        input_scale = _positive(source, f"{name}.input_scale", source.get(f"{name}.input_scale").float().flatten())
         if input_scale.numel() != 1:
             raise _refuse(source.location, f"{name}.input_scale of {input_scale.numel()} values (per-tensor only)")
     return Fp8Weight(weight, scale.expand(rows).contiguous(), scale.numel() == 1, scheme.activations == "tensor",
                      input_scale)
+
+
+def _positive(source: TensorSource, name: str, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` when every value is finite and above zero; a scale of 0, below 0, inf or NaN would load as zeroed
+    weights or non-finite logits: ``ModelLoadError`` naming the tensor."""
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        bad = scale[~(torch.isfinite(scale) & (scale > 0))]
+        raise ModelLoadError(f"{source.location}: {name} holds {bad.numel()} scale(s) that are not finite and "
+                             f"positive (first: {bad[0].item()})")
+    return scale
 
 
 def quantize_linears(model: CausalLM, scheme: Fp8Scheme = Fp8Scheme()) -> dict[str, Fp8Weight]:
