@@ -83,7 +83,8 @@ class EngineConfig:
                              "layers' dense projections and an untied LM head) and Q8_0 token table kept as int8 "
                              "codes with their fp16 scales (8.5 bits a weight), the linears multiplied by the Q8_0 "
                              "Triton kernel, every other tensor dequantized to --dtype; dense: every tensor "
-                             "dequantized to --dtype",
+                             "dequantized to --dtype (refused with an FP8 checkpoint or --quantization fp8, whose "
+                             "linears stay FP8)",
                              choices=GPU_WEIGHTS)
     quantization: str = _flag("auto", "GPU backends (bfloat16): fp8 quantizes a Hugging Face folder's bf16/fp16 "
                               "weights at load, as vLLM's --quantization fp8: the decoder layers' q/k/v, o, gate/up "

@@ -363,6 +363,23 @@ def test_scales_a_checkpoint_cannot_mean_are_refused_not_loaded(tmp_path: Path, 
         load_gpu_weights(folder, dtype=torch.float32, device="cpu")
 
 
+def test_gpu_weights_dense_is_refused_where_the_linears_stay_fp8(tmp_path: Path) -> None:
+    """--gpu-weights dense (every tensor dequantized) cannot be honoured by an FP8 checkpoint or --quantization fp8,
+    whose linears stay FP8: refused, not ignored."""
+    model, hf = tiny_model("llama")
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, model, hf, "fp8-dynamic")
+    with pytest.raises(ModelLoadError, match="--gpu-weights dense dequantizes a GGUF"):
+        load_gpu_weights(folder, dtype=torch.float32, device="cpu", weights="dense")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.contiguous() for k, v in hf_tensors(model).items()}, str(plain / "model.safetensors"))
+    assert load_gpu_weights(plain, dtype=torch.float32, device="cpu", weights="dense").quantized == {}
+    with pytest.raises(ModelLoadError, match="--gpu-weights dense"):
+        load_gpu_weights(plain, dtype=torch.float32, device="cpu", weights="dense", quantization="fp8")
+
+
 def test_block_scales_and_stray_fp8_tensors_are_refused(tmp_path: Path) -> None:
     model, hf = tiny_model("llama")
     folder = tmp_path / "ckpt"

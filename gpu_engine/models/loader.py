@@ -133,6 +133,10 @@ def load_gpu_weights(path: str | Path, *, dtype: torch.dtype, device: torch.devi
                              "checkpoint); a GGUF file's weights are already quantized (see --gpu-weights)")
     gguf = GGUFSource(path) if path.suffix == ".gguf" and path.is_file() else None
     if gguf is None and path.is_dir():
+        if weights == "dense" and (quantization == "fp8" or read_scheme(path) is not None):
+            raise ModelLoadError(f"{path}: --gpu-weights dense dequantizes a GGUF file's weights; an FP8 checkpoint "
+                                 "or --quantization fp8 keeps the linears in FP8 (leave --gpu-weights auto, or serve "
+                                 "a bf16 folder without --quantization)")
         return _load_fp8_or_dense(path, dtype, device, random_weights, seed, quantization, fp8)
     quantized: dict[str, Q8Weight] = {}
     if gguf is not None and weights == "auto" and not random_weights:
