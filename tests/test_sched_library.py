@@ -55,3 +55,9 @@ def test_a_score_graph_without_its_buffers_or_launch_headroom_is_refused(lib: pe
     assert "200 score launches" in create(lib, score_rows=16, score_top=2, score_max_pieces=200,
                                           prompt_logprob_rows=64, **parts)
 
+
+def test_a_zero_batch_block_size_or_token_grain_is_refused(lib: pers.Library) -> None:
+    """The device divides by each (rows a thread, tokens a block, the step's token grain)."""
+    for zero in ("max_batch", "block_size", "token_grain"):
+        fields = {"block_size": 16, "token_grain": 16, zero: 0}
+        assert f"{zero} 0" in create(lib, **fields) and "(each >= 1)" in create(lib, **fields)

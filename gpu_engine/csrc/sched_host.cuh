@@ -242,6 +242,12 @@ int blink_sched_create(const blink_sched_config *cfg, void **handle, blink_sched
              BLINK_SCHED_THREADS * kMaxPerThread, kFlipWords * 64);
     return -1;
   }
+  if (cfg->max_batch == 0 || cfg->block_size == 0 || cfg->token_grain == 0) {  // divisors on the device
+    snprintf(g_error, sizeof(g_error),
+             "invalid scheduler config: max_batch %u, block_size %u, token_grain %u (each >= 1)", cfg->max_batch,
+             cfg->block_size, cfg->token_grain);
+    return -1;
+  }
   Handle *h = new Handle();
   SchedState st;
   int rc = init_state(*cfg, h, &st);
