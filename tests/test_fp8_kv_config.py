@@ -137,3 +137,4 @@ def test_an_fp8_cache_is_refused_at_the_engine_start_on_a_gpu_before_sm89(monkey
     cfg = EngineConfig(backend="persistent", kv_cache_dtype="fp8", random_weights=True)
     with pytest.raises(ValueError, match="sm_89 GPU or later .* this one is sm_80"):
         serve_gpu.build_parts(cfg)
+

@@ -9,9 +9,10 @@ engine fails its requests with ENGINE_FAILURE and exits for a restart."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -113,7 +114,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     kv_dtype = getattr(torch, cfg.gpu_kv_dtype_name())
     blocks = cfg.kv_blocks or blocks_for_memory(mcfg, cfg.block_size, kv_dtype, torch.cuda.mem_get_info()[0],
                                                 cfg.kv_memory_fraction)
-    kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
+    with memory_for("allocating the KV cache", cfg, blocks):
+        kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
     log.info("KV cache", dtype=str(kv_dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
              gib=round(blocks * block_bytes(mcfg, cfg.block_size, kv_dtype) / 2**30, 2))
     # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
@@ -129,7 +131,8 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                           max_blocks_per_seq=-(-max_context // cfg.block_size),
                           num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
                           device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
-    runner = GpuModelRunner(model, kv, limits, plan, quantized=loaded.quantized)
+    with memory_for("allocating the step buffers", cfg, blocks):
+        runner = GpuModelRunner(model, kv, limits, plan, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
     log.info("cuBLAS SM target", **sms)
@@ -140,13 +143,30 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                        prefill_variants=chunked)
     t0 = time.perf_counter()
     log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache))
-    graphs = cache.capture(progress=False, on_graph=capture_progress)
+    with memory_for("capturing the graphs", cfg, blocks):
+        graphs = cache.capture(progress=False, on_graph=capture_progress)
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
              memory_mib=round(sum(g.memory_bytes for g in graphs) / 2**20, 1),
              kv_blocks=blocks, model=str(path), family=mcfg.family, chunked_prefill=chunked,
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
+
+
+@contextlib.contextmanager
+def memory_for(what: str, cfg: EngineConfig, blocks: int) -> Iterator[None]:
+    """The GPU running out of memory at a start (the KV cache, the step buffers, the graphs' pool) as a refused
+    setting (ValueError: the start prints it and exits 2) that says which settings take the memory, instead of a
+    traceback."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        kv = (f"--kv-blocks {cfg.kv_blocks}" if cfg.kv_blocks else
+              f"--gpu-memory-utilization {cfg.kv_memory_fraction:g} (of the memory free after the weights)")
+        detail = (str(exc).splitlines() or ["no detail"])[0]
+        raise ValueError(f"the GPU ran out of memory {what} ({detail}); the KV cache holds {blocks} blocks by {kv}: "
+                         f"give a smaller one, or lower --max-num-seqs ({cfg.max_batch}) or "
+                         "--max-num-batched-tokens") from None
 
 
 def graph_counts(cache: GraphCache) -> dict[str, int]:
