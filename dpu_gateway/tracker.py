@@ -363,9 +363,10 @@ class SlotTracker:
 
     def _orphans_held(self) -> list[m.Track]:
         """The orphans whose slot still holds their request (not EMPTY, the same seq), or whose ring cannot be
-        read now (kept, to look again at the next link); the others are forgotten."""
-        kept = []
-        for track in self.orphans:
+        read now (kept, to look again at the next link); the others are forgotten. An orphan that a ring attached
+        here hands over (`_give_back_cut`) was sent by `_hand_orphan` already: it is kept, not returned."""
+        looked, self.orphans, kept = self.orphans, [], []
+        for track in looked:
             try:
                 cache = self.lanes[track.engine].slots()
                 held = cache is None or cache.writer.published(track.slot, track.seq)
@@ -373,7 +374,7 @@ class SlotTracker:
                 held = True
             if held:
                 kept.append(track)
-        self.orphans = kept
+        self.orphans = kept + self.orphans
         return kept
 
     # ------------------------------------------------------------ reader link

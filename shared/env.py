@@ -102,7 +102,8 @@ class Env:
                          "device); the tests name harness.rdma_standin:SharedMemoryNic, a stand-in for the NIC that "
                          "works on one host without a device (docs/RDMA.md)")
     rdma_secret_file: Path | None = _var("BLINK_RDMA_SECRET_FILE", None, "a file both sides of an RDMA ring read "
-                                         "(at least 16 bytes, readable by its owner only): the endpoint exchange "
+                                         "(at least 16 bytes, readable by its owner only, owned by the user that "
+                                         "reads it or root): the endpoint exchange "
                                          "is then signed both ways with it and an unsigned peer refused "
                                          "(docs/RDMA.md); unset: the exchange is open", Path)
     tokenizer_assets: Path = _var("BLINK_TOKENIZER_ASSETS", None, "tokenizer files of other model families "

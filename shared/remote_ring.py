@@ -219,6 +219,7 @@ def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: N
     and GID index unless given."""
     cfg = cfg or addr.verbs
     nic = nic or nic_from_env()
+    secret = exchange_secret()  # a bad file refused before any connection
     try:
         sock = socket.create_connection((addr.host, addr.port), timeout=cfg.timeout_s)
     except OSError as exc:
@@ -227,11 +228,6 @@ def attach_remote_ring(addr: RdmaAddress, cfg: VerbsConfig | None = None, nic: N
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     keep_lease_alive(sock)
-    try:
-        secret = exchange_secret()
-    except RingError:
-        sock.close()
-        raise
     transport = connect_ring(sock, addr.name, cfg, nic, secret)  # closes the socket when it fails
     try:
         return attach_ring(transport, addr.url)
