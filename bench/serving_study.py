@@ -379,7 +379,13 @@ def serve_args(args: argparse.Namespace, backend: str, model: Path | None) -> tu
            str(args.max_prompt_tokens), "--max-output-tokens", str(args.max_output_tokens), "--drain-timeout", "5"]
     if model is not None:
         out += ["--model", str(model), "--random-weights", "--served-model-name", model.name]
-    return (*out, *shlex.split(args.serve_args))
+    return (*out, *extra_serve_args(args))
+
+
+def extra_serve_args(args: argparse.Namespace) -> list[str]:
+    """--serve-args, given once as one string or repeated (each value split as a shell would)."""
+    given = args.serve_args
+    return [w for part in ([given] if isinstance(given, str) else given) for w in shlex.split(part)]
 
 
 def run_mode(mode: str, args: argparse.Namespace, plan: Plan, model: Path | None, budget: Budget, work: Path,
@@ -569,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder with llama3/tokenizer.json and llama3/tokenizer.model")
     ap.add_argument("--backend-override", choices=("cpu", "host", "persistent"), default=None,
                     help="engine backend for every mode (the mode stays the label), e.g. cpu in tests")
-    ap.add_argument("--serve-args", default="", help="more flags for blink serve, e.g. '--num-slots 512'")
+    ap.add_argument("--serve-args", action="append", default=[],
+                    help="more flags for blink serve, e.g. '--num-slots 512'; repeatable (a word each where a "
+                    "shell splits the value: --serve-args=--max-num-seqs=256 --serve-args=--kv-blocks=4096)")
     ap.add_argument("--startup-timeout-s", type=float, default=420.0)
     ap.add_argument("--free-cores", type=int, default=2, help="cores kept free of co-tenants for the generator")
     ap.add_argument("--interfere-kinds", default="compress,thrash")

@@ -517,6 +517,12 @@ def test_each_config_s_server_flags() -> None:
                      "/x/model", "--random-weights", "--served-model-name", "model", "--kv-blocks", "64")
     tuned = blink_flags(argparse.Namespace(**{**vars(args), "config": "tuned128"}), "persistent", None)
     assert tuned[tuned.index("--max-batch") + 1] == "128" and "--max-model-len" not in tuned
+    # repeated on the command line (a shell-split PEERS_ARGS carries a flag per value): every word, in order
+    from bench.peers.cli import build_parser
+    parsed = build_parser().parse_args(["--config", "defaults", "--serve-args=--max-num-seqs=256",
+                                        "--serve-args", "--gpu-memory-utilization 0.85"])
+    flags = blink_flags(parsed, "persistent", None)
+    assert flags[-3:] == ("--max-num-seqs=256", "--gpu-memory-utilization", "0.85")
 
 
 def test_an_fp8_study_gives_every_system_the_flags_and_keeps_a_file_of_its_own() -> None:

@@ -41,7 +41,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -176,7 +175,7 @@ def blink_flags(args: argparse.Namespace, backend: str, model: Path | None) -> t
     out = ["--backend", backend, "--max-model-len", str(args.max_model_len), "--drain-timeout", "5"]
     if model is not None:
         out += ["--model", str(model), "--random-weights", "--served-model-name", model.name]
-    return (*out, *shlex.split(args.serve_args), *precision_flags(args))
+    return (*out, *ss.extra_serve_args(args), *precision_flags(args))
 
 
 def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> System:
