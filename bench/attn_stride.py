@@ -34,7 +34,7 @@ from gpu_engine.kernels.attention import (
     decode_partials,
 )
 
-LANES = (2, 4, 8)
+LANES = (2, 4, 8, 64)  # 64: as many as the splits (33 here), a program each, the query read only with tokens
 
 
 @triton.jit
