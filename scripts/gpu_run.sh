@@ -31,6 +31,9 @@
 # bench/roofline.py's dense rows with bf16 and with FP8 linears, --weights "${FP8_WEIGHTS:-bf16,fp8}", each over the
 # KV caches of --kv-dtype "${FP8_KV:-bf16,fp8}" (fp8: float8_e4m3fn, rows named -kvfp8; FP8_KV=bf16 for bf16 caches
 # alone), in one process: roofline_fp8.json; T_ROOFLINE_FP8; ROOFLINE_ARGS="--batches 1,8,64,128" keeps it one call),
+# attn_stride (bench/attn_stride.py: the decode attention's split form with 2, 4, 8 or a program per split a (row,
+# KV head), each striding over the row's splits, beside the runner's kernel, equal and served contexts, bits checked:
+# attn_stride.json; needs none of .whl/),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # trace (bench/trace.py: per-kernel CUPTI trace of the 8B shape's saturated mixed step and 128-row decode step,
 # launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png),
@@ -221,6 +224,7 @@ run_step() {
         step "roofline_${plan//+/_}" "${T_ROOFLINE_PLAN:-150}" "$PY" bench/roofline.py --models "${PLAN_MODELS:-dense}" --plan "$plan" ${ROOFLINE_ARGS:-} --out "$OUT/roofline_${plan//+/_}.json"
       done ;;
     roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-540}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/test_fp8_gemv.py tests/gpu/test_gpu_fp8_kv.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' --kv-dtype '${FP8_KV:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
+    attn_stride) step attn_stride "${T_ATTN_STRIDE:-200}" "$PY" -m bench.attn_stride --out "$OUT/attn_stride.json" ;;
     trace) step trace "${T_TRACE:-300}" "$PY" -m bench.trace --out "$OUT/trace.json" --plot "$OUT/trace.png" ;;
     overlap_probe) step overlap_probe "${T_OVERLAP_PROBE:-420}" "$PY" -m bench.overlap_probe --out "$OUT/overlap_probe.json" ${OVERLAP_ARGS:-} ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;

@@ -59,3 +59,30 @@ def test_every_prefill_variant_is_a_prefill_attention_setting() -> None:
         assert set(kw) <= set(params), name
     assert PREFILL_VARIANTS["seq_grid"] == {"grid": "seq"} and PREFILL_VARIANTS["packed_grid"] == {"grid": "packed"}
     assert params["grid"].default == "auto" and PREFILL_VARIANTS["default"] == {}
+
+
+def test_attn_stride_lanes_give_the_runner_s_bits():
+    """bench/attn_stride.py's kernel (a few programs a (row, KV head), each striding over the row's splits) against
+    the runner's decode attention: the same split sums folded in the same order, so every lane count, a lane per
+    split included, gives the same bits; an empty row zero (the output starts poisoned)."""
+    from bench.attn_stride import LANES, stride_attention
+
+    g = torch.Generator().manual_seed(1)
+    lens, bs, hkv, d = [300, 17, 0, 700, 1, 129], 16, 2, 16
+    width = 50  # 800 tokens: 7 splits of 128 in the table
+    blocks = [-(-n // bs) for n in lens]
+    kc = torch.randn(sum(blocks) + 1, bs, hkv, d, generator=g)
+    vc = torch.randn_like(kc)
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, nb in enumerate(blocks):
+        tables[b, :nb] = torch.arange(used, used + nb, dtype=torch.int32)
+        used += nb
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 8, d, generator=g)
+    want = decode_attention(q, kc, vc, tables, ctx, 0.25, partition_size=128, block_n=64)
+    for lanes in (1, 3, *LANES):
+        got = stride_attention(q, kc, vc, tables, ctx, 0.25, torch.full_like(q, float("nan")), lanes,
+                               partition_size=128, block_n=64)
+        assert torch.equal(got, want), lanes
+    assert not want[2].any()
