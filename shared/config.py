@@ -282,10 +282,19 @@ class EngineConfig:
         --max-prompt-tokens left out is ``max_model_len - 1`` when --max-model-len is given."""
         flags = engine_flags()
         geo = {fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry}
+        rest = {fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry}
         if geo["max_prompt_tokens"] is None:
             geo["max_prompt_tokens"] = ns.max_model_len - 1 if ns.max_model_len > 1 else PROMPT_TOKENS_DEFAULT
-        geometry = RingGeometry(**geo)
-        return cls(geometry=geometry, **{fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry})
+        if rest["max_batch"] is None:
+            rest["max_batch"] = MAX_NUM_SEQS_DEFAULT
+        elif geo["num_slots"] is not None and geo["num_slots"] < rest["max_batch"]:
+            # both given: a sequence runs in a ring slot, so the smaller would silently bound the larger
+            raise ValueError(f"--num-slots {geo['num_slots']} holds fewer requests than --max-num-seqs "
+                             f"{rest['max_batch']} runs at once: give --num-slots of at least {rest['max_batch']}, "
+                             "or leave it out (it follows --max-num-seqs)")
+        if geo["num_slots"] is None:
+            geo["num_slots"] = slots_for(rest["max_batch"])
+        return cls(geometry=RingGeometry(**geo), **rest)
 
     def to_argv(self) -> list[str]:
         """Engine flags that parse back to this config: those whose value is not the default, plus those
@@ -293,16 +302,31 @@ class EngineConfig:
         argv: list[str] = []
         for fl in engine_flags():
             value = getattr(self.geometry if fl.in_geometry else self, fl.name)
-            derived_differently = fl.name in DERIVED_DEFAULTS and self.max_model_len > 1
-            if value == fl.default and not fl.default_from_env and not derived_differently:
+            derived_differently = fl.name == "max_prompt_tokens" and self.max_model_len > 1
+            left_out = slots_for(self.max_batch) if fl.name == "num_slots" else fl.default  # what parses back
+            if value == left_out and not fl.default_from_env and not derived_differently:
                 continue
             argv += [fl.flag] if isinstance(value, bool) else [fl.flag, str(value)]
         return argv
 
 
 PROMPT_TOKENS_DEFAULT = RingGeometry().max_prompt_tokens
+SLOTS_DEFAULT = RingGeometry().num_slots
+MAX_NUM_SEQS_DEFAULT = EngineConfig.__dataclass_fields__["max_batch"].default
+
+
+def slots_for(max_batch: int) -> int:
+    """--num-slots left out: a ring slot for each sequence a step runs and a quarter more for prompts waiting on
+    the device (admitted as rows finish, without a trip through the frontend), at least 256."""
+    return max(SLOTS_DEFAULT, max_batch + max_batch // 4)
+
+
+# The flags whose default follows other flags: they parse to None when left out, and `from_namespace` derives them.
 DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is given, else {PROMPT_TOKENS_DEFAULT}: the "
-                                         f"default context, {DEFAULT_MAX_MODEL_LEN}, less one"}
+                                         f"default context, {DEFAULT_MAX_MODEL_LEN}, less one",
+                    "num_slots": f"{SLOTS_DEFAULT}, or --max-num-seqs and a quarter more where that is larger: a "
+                                 "slot for each running sequence, and prompts waiting on the device",
+                    "max_batch": f"{MAX_NUM_SEQS_DEFAULT}"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -371,7 +395,7 @@ def add_engine_arguments(ap: ArgumentAdder) -> None:
             continue
         kind = fl.kind or (str if fl.default is None else type(fl.default))
         metavar = None if fl.choices else "N" if kind is int else fl.flag.lstrip("-").upper()
-        # --max-prompt-tokens parses to None when left out, so that --max-model-len can derive it
+        # --max-prompt-tokens, --num-slots and --max-num-seqs parse to None when left out: others derive from them
         default = None if fl.name in DERIVED_DEFAULTS else fl.default
         ap.add_argument(*names, dest=fl.name, type=kind, default=default, choices=fl.choices or None,
                         metavar=metavar, help=fl.help_with_default)

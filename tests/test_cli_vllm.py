@@ -71,6 +71,26 @@ def test_max_num_seqs_and_its_alias_max_batch() -> None:
     assert engine_of(["--max-num-seqs", "7"]).max_batch == engine_of(["--max-batch", "7"]).max_batch == 7
 
 
+@pytest.mark.parametrize(("argv", "seqs", "slots"), [
+    ([], 64, 256), (["--max-num-seqs", "200"], 200, 256), (["--max-num-seqs", "512"], 512, 640),
+    (["--max-num-seqs", "1024", "--backend", "persistent"], 1024, 1280), (["--num-slots", "16"], 64, 16),
+    (["--max-num-seqs", "512", "--num-slots", "512"], 512, 512)])
+def test_ring_slots_follow_max_num_seqs(argv: list[str], seqs: int, slots: int) -> None:
+    """A running sequence holds a ring slot: --num-slots left out is --max-num-seqs and a quarter more (at least
+    256), so --max-num-seqs 512 runs 512 sequences (before, 256 slots bounded it); a given --num-slots is kept, and
+    the config reaches the engine process unchanged."""
+    cfg = engine_of(argv)
+    assert (cfg.max_batch, cfg.geometry.num_slots) == (seqs, slots)
+    assert engine_serve.parse_args(children(argv).engine.argv[3:]) == cfg
+
+
+def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="--num-slots 256 holds fewer requests than --max-num-seqs 512"):
+        engine_of(["--max-num-seqs", "512", "--num-slots", "256"])
+    assert main(["serve", "--max-num-seqs", "300", "--num-slots", "100"]) == 2
+    assert "give --num-slots of at least 300" in capsys.readouterr().err
+
+
 def test_gpu_memory_utilization_is_the_gpu_kv_budget_and_refused_on_the_cpu(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_of(["--gpu-memory-utilization", "0.9"]).kv_memory_fraction == 0.9
