@@ -5,7 +5,8 @@ The runner's decode attention (`gpu_engine.kernels.attention.decode_attention`, 
 (mean context about 1,200 tokens, 5 splits) starts about 33,800 programs of which about 5,300 have tokens. Here a
 program per (row, KV head, lane) of `lanes` lanes computes splits lane, lane + lanes, ... of its row, each split's
 sums exactly as the runner's (`_split_sums`) and folded by the same `_fold_kernel`, so the output has the same bits;
-the empty programs are `lanes / 33` as many. Timed against the runner's form on the kernel benchmark's shapes,
+the programs are min(lanes, 33) / 33 as many (64 lanes: the runner's grid, its query read only by programs with
+tokens). Timed against the runner's form on the kernel benchmark's shapes,
 equal contexts and served ones, with a bit check:
 
     python -m bench.attn_stride --out OUT/attn_stride.json

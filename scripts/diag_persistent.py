@@ -21,7 +21,8 @@ def main() -> None:
     model = write_config(Path(tempfile.mkdtemp()) / "model", cfg)
     log = Path(tempfile.mkdtemp()) / "engine.log"
     name = f"blink-diag-{int(time.time() * 1000) % 100000}"
-    proc = start_engine(name, model, "persistent", "--random-weights", "--dtype", dtype, "--num-slots", "16",
+    slots = str(max(16, int(max_batch)))  # a running sequence holds a slot: at least the batch
+    proc = start_engine(name, model, "persistent", "--random-weights", "--dtype", dtype, "--num-slots", slots,
                         "--max-prompt-tokens", "512", "--max-output-tokens", "64", "--max-batch", max_batch,
                         log=log)
     t0 = time.time()

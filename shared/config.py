@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.env import env
-from shared.ring import DEFAULT_MAX_MODEL_LEN, RingGeometry
+from shared.ring import DEFAULT_MAX_MODEL_LEN, FLIP_SLOTS, RingGeometry
 
 BACKENDS = ("auto", "cpu", "host", "persistent")
 DTYPES = ("auto", "float16", "half", "bfloat16", "float32")
@@ -248,6 +248,11 @@ class EngineConfig:
         if self.grammar_cache_mb is not None and self.backend in ("cpu", "host"):
             raise ValueError(f"--grammar-cache-mb sizes the persistent backend's device arena; the {self.backend} "
                              "backend keeps grammars in host memory (no such limit)")
+        if self.geometry.num_slots == SLOTS_DEFAULT and slots_for(self.max_batch) > SLOTS_DEFAULT:
+            # the ring's default follows the batch here too (a config built without the parser: `to_argv` must give
+            # flags that parse back to it)
+            wider = dataclasses.replace(self.geometry, num_slots=slots_for(self.max_batch))
+            object.__setattr__(self, "geometry", wider)
         if self.backend == "persistent" and self.max_batch > PERSISTENT_MAX_BATCH:
             raise ValueError(f"--max-num-seqs {self.max_batch}: the persistent backend serves at most "
                              f"{PERSISTENT_MAX_BATCH} sequences at once")
@@ -317,8 +322,10 @@ MAX_NUM_SEQS_DEFAULT = EngineConfig.__dataclass_fields__["max_batch"].default
 
 def slots_for(max_batch: int) -> int:
     """--num-slots left out: a ring slot for each sequence a step runs and a quarter more for prompts waiting on
-    the device (admitted as rows finish, without a trip through the frontend), at least 256."""
-    return max(SLOTS_DEFAULT, max_batch + max_batch // 4)
+    the device (admitted as rows finish, without a trip through the frontend), at least 256; the quarter only up
+    to the slots the header's flip bits cover (`FLIP_SLOTS`: past them the engine scans every slot for new
+    prompts). The ring grows with them: 90 MiB at 256 slots, 450 MiB at 1,280 (mostly the top-log-prob arena)."""
+    return max(SLOTS_DEFAULT, max_batch, min(max_batch + max_batch // 4, FLIP_SLOTS))
 
 
 # The flags whose default follows other flags: they parse to None when left out, and `from_namespace` derives them.

@@ -84,6 +84,19 @@ def test_ring_slots_follow_max_num_seqs(argv: list[str], seqs: int, slots: int) 
     assert engine_serve.parse_args(children(argv).engine.argv[3:]) == cfg
 
 
+def test_a_config_built_without_the_parser_gets_the_same_slots_and_parses_back() -> None:
+    """EngineConfig(max_batch=512) (the ring's default geometry) widens its ring as the parser does, so its flags
+    parse back to it; past the slots the header's flip bits cover, the quarter more is dropped, never the batch."""
+    from shared.config import slots_for
+    from shared.ring import FLIP_SLOTS
+
+    cfg = EngineConfig(max_batch=512)
+    assert cfg.geometry.num_slots == 640
+    assert engine_serve.parse_args(cfg.to_argv()) == cfg
+    assert slots_for(3000) == 3750 and slots_for(3500) == FLIP_SLOTS == 4096 and slots_for(4000) == 4096 and slots_for(5000) == 5000
+    assert EngineConfig(max_batch=4, geometry=EngineConfig().geometry).geometry.num_slots == 256
+
+
 def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="--num-slots 256 holds fewer requests than --max-num-seqs 512"):
         engine_of(["--max-num-seqs", "512", "--num-slots", "256"])

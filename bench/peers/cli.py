@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend-override", choices=("cpu", "host", "persistent"), default=None,
                     help="engine backend of every Blink mode (the mode stays the label), e.g. cpu in tests")
     ap.add_argument("--serve-args", action="append", default=[],
-                    help="more flags for blink serve; repeatable, each value split as a shell would")
+                    help="more flags for blink serve; repeatable, each value split as a shell would (a value of one "
+                    "word that starts with -- goes after '=': --serve-args=--max-num-seqs=256)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: every system quantizes its weights to FP8 at load (blink serve and vllm serve "
                          "--quantization fp8)")
