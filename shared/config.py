@@ -248,9 +248,9 @@ class EngineConfig:
         if self.grammar_cache_mb is not None and self.backend in ("cpu", "host"):
             raise ValueError(f"--grammar-cache-mb sizes the persistent backend's device arena; the {self.backend} "
                              "backend keeps grammars in host memory (no such limit)")
-        if self.geometry.num_slots == SLOTS_DEFAULT and slots_for(self.max_batch) > SLOTS_DEFAULT:
-            # the ring's default follows the batch here too (a config built without the parser: `to_argv` must give
-            # flags that parse back to it)
+        if self.geometry.num_slots == SLOTS_DEFAULT and self.max_batch > SLOTS_DEFAULT:
+            # a config built without the parser whose default ring would bound its batch widens it as the parser
+            # does (`to_argv` must give flags that parse back to it); a ring of 256 given for a batch it holds stays
             wider = dataclasses.replace(self.geometry, num_slots=slots_for(self.max_batch))
             object.__setattr__(self, "geometry", wider)
         if self.backend == "persistent" and self.max_batch > PERSISTENT_MAX_BATCH:

@@ -93,8 +93,14 @@ def test_a_config_built_without_the_parser_gets_the_same_slots_and_parses_back()
     cfg = EngineConfig(max_batch=512)
     assert cfg.geometry.num_slots == 640
     assert engine_serve.parse_args(cfg.to_argv()) == cfg
-    assert slots_for(3000) == 3750 and slots_for(3500) == FLIP_SLOTS == 4096 and slots_for(4000) == 4096 and slots_for(5000) == 5000
+    assert slots_for(3000) == 3750 and slots_for(3500) == FLIP_SLOTS == 4096
+    assert slots_for(4000) == 4096 and slots_for(5000) == 5000
     assert EngineConfig(max_batch=4, geometry=EngineConfig().geometry).geometry.num_slots == 256
+    for argv in (["--num-slots", "256", "--max-num-seqs", "210"], ["--max-num-seqs", "230"]):  # given: kept
+        cfg = engine_of(argv)
+        assert engine_serve.parse_args(cfg.to_argv()) == cfg
+    assert engine_of(["--num-slots", "256", "--max-num-seqs", "210"]).geometry.num_slots == 256
+    assert EngineConfig(max_batch=230).geometry.num_slots == 256  # holds the batch: the default stays
 
 
 def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
