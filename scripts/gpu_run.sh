@@ -47,14 +47,10 @@
 # ROOFLINE_ARGS: more flags for the roofline steps (roofline, roofline_moe, roofline_plans),
 # e.g. "--batches 1,8" for a few rows of each in a short call (the other rows stay as the file has them).
 # T_<STEP> sets a step's time limit in seconds; PERSISTENT_K picks tests of tests/persistent (pytest -k).
-# Run from the repository root; the project need not be installed. Wheels of packages missing
-# on the host may be put in .whl/ (they are installed into a private folder first). For the H200's Python 3.12,
-# made on any host (about 8 MB; the tokenizer assets, for the serving and peer steps, go in .whl/tokenizer-assets):
-#   pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl msgspec==0.22.0 structlog==26.1.0 \
-#     pytest-asyncio==1.5.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet==2.1.2 gguf==0.19.0 safetensors==0.8.0 \
-#     openai==3.57.0 pydantic==2.14.4 pydantic-core==2.50.5 jiter==0.19.0 distro==1.9.0 annotated-types==0.8.0 \
-#     typing-inspection==0.4.5 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 anyio==4.16.0 sniffio==1.3.1
+# Run from the repository root; the project need not be installed. Wheels of packages missing on the host may be
+# put in .whl/ (they are installed into a private folder first), the tokenizer assets of the serving and peer steps
+# in .whl/tokenizer-assets, and the vLLM kit's parts in .vllmkit/ or .vllmkit0/, 1/, 2/ (a folder a call):
+# scripts/gpu_payload.sh makes them all on a machine that reaches PyPI.
 set -u
 OUT="${1:?usage: scripts/gpu_run.sh OUTDIR [STEP ...]}"
 shift
@@ -66,17 +62,18 @@ PY="${PYTHON:-python3}"
 # A lent machine takes one transfer of at most 64 MiB a call: the wheels (.whl/, 25 MB with the tokenizer assets)
 # and each vLLM kit part (55 MiB) travel in separate calls. What a call brings is kept in /tmp for the calls after
 # it, while the machine stays up: the wheels installed in /tmp/blink-site, the tokenizer assets copied to
-# /tmp/blink-tokenizer-assets, and any file in .vllmkit/ (ignored by git) copied to $VLLMKIT_PARTS.
+# /tmp/blink-tokenizer-assets, and any file in .vllmkit/ or .vllmkit0/..9/ (ignored by git) copied to $VLLMKIT_PARTS.
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site .whl/*.whl
   [ -d .whl/tokenizer-assets ] && rm -rf /tmp/blink-tokenizer-assets && cp -r .whl/tokenizer-assets /tmp/blink-tokenizer-assets
 fi
 [ -d /tmp/blink-site ] && export PYTHONPATH="/tmp/blink-site${PYTHONPATH:+:$PYTHONPATH}"
 export VLLMKIT_PARTS="${VLLMKIT_PARTS:-/tmp/vllmkit-parts}"
-if ls .vllmkit/* >/dev/null 2>&1; then
-  mkdir -p "$VLLMKIT_PARTS" && cp .vllmkit/* "$VLLMKIT_PARTS/"
-  echo "vLLM kit parts now in $VLLMKIT_PARTS: $(ls "$VLLMKIT_PARTS" | tr '\n' ' ')"
-fi
+KIT_BROUGHT=""
+for f in .vllmkit/* .vllmkit[0-9]/*; do  # a pattern that matches nothing stays as written: no file
+  [ -f "$f" ] && mkdir -p "$VLLMKIT_PARTS" && cp "$f" "$VLLMKIT_PARTS/" && KIT_BROUGHT=1
+done
+if [ -n "$KIT_BROUGHT" ]; then echo "vLLM kit parts now in $VLLMKIT_PARTS: $(ls "$VLLMKIT_PARTS" | tr '\n' ' ')"; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 BLINK_GPU_OUT="$OUT"
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
