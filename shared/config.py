@@ -283,22 +283,19 @@ class EngineConfig:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineConfig:
-        """The config from arguments parsed by a parser that ``add_engine_arguments`` filled. A
-        --max-prompt-tokens left out is ``max_model_len - 1`` when --max-model-len is given."""
+        """The config from arguments parsed by a parser that ``add_engine_arguments`` filled; a flag of
+        DERIVED_DEFAULTS left out takes `left_out`'s value."""
         flags = engine_flags()
         geo = {fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry}
         rest = {fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry}
-        if geo["max_prompt_tokens"] is None:
-            geo["max_prompt_tokens"] = ns.max_model_len - 1 if ns.max_model_len > 1 else PROMPT_TOKENS_DEFAULT
-        if rest["max_batch"] is None:
-            rest["max_batch"] = MAX_NUM_SEQS_DEFAULT
-        elif geo["num_slots"] is not None and geo["num_slots"] < rest["max_batch"]:
+        if rest["max_batch"] is not None and geo["num_slots"] is not None and geo["num_slots"] < rest["max_batch"]:
             # both given: a sequence runs in a ring slot, so the smaller would silently bound the larger
             raise ValueError(f"--num-slots {geo['num_slots']} holds fewer requests than --max-num-seqs "
                              f"{rest['max_batch']} runs at once: give --num-slots of at least {rest['max_batch']}, "
                              "or leave it out (it follows --max-num-seqs)")
-        if geo["num_slots"] is None:
-            geo["num_slots"] = slots_for(rest["max_batch"])
+        for values, name in ((rest, "max_batch"), (geo, "max_prompt_tokens"), (geo, "num_slots")):
+            if values[name] is None:
+                values[name] = left_out(name, ns.max_model_len, rest["max_batch"])
         return cls(geometry=RingGeometry(**geo), **rest)
 
     def to_argv(self) -> list[str]:
@@ -307,9 +304,10 @@ class EngineConfig:
         argv: list[str] = []
         for fl in engine_flags():
             value = getattr(self.geometry if fl.in_geometry else self, fl.name)
-            derived_differently = fl.name == "max_prompt_tokens" and self.max_model_len > 1
-            left_out = slots_for(self.max_batch) if fl.name == "num_slots" else fl.default  # what parses back
-            if value == left_out and not fl.default_from_env and not derived_differently:
+            if fl.name in DERIVED_DEFAULTS:  # left out, it parses back to what the others derive
+                if value == left_out(fl.name, self.max_model_len, self.max_batch):
+                    continue
+            elif value == fl.default and not fl.default_from_env:
                 continue
             argv += [fl.flag] if isinstance(value, bool) else [fl.flag, str(value)]
         return argv
@@ -326,6 +324,16 @@ def slots_for(max_batch: int) -> int:
     to the slots the header's flip bits cover (`FLIP_SLOTS`: past them the engine scans every slot for new
     prompts). The ring grows with them: 90 MiB at 256 slots, 450 MiB at 1,280 (mostly the top-log-prob arena)."""
     return max(SLOTS_DEFAULT, max_batch, min(max_batch + max_batch // 4, FLIP_SLOTS))
+
+
+def left_out(name: str, max_model_len: int, max_batch: int) -> Any:
+    """What DERIVED_DEFAULTS' flag ``name`` is when it is not given, from the flags it follows: what
+    `EngineConfig.from_namespace` takes for it and `EngineConfig.to_argv` leaves out."""
+    if name == "max_batch":
+        return MAX_NUM_SEQS_DEFAULT
+    if name == "num_slots":
+        return slots_for(max_batch)
+    return max_model_len - 1 if max_model_len > 1 else PROMPT_TOKENS_DEFAULT
 
 
 # The flags whose default follows other flags: they parse to None when left out, and `from_namespace` derives them.

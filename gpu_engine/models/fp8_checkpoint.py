@@ -203,8 +203,8 @@ def _part(source: TensorSource, name: str, scheme: Fp8Scheme) -> Fp8Weight:
 def _positive(source: TensorSource, name: str, scale: torch.Tensor) -> torch.Tensor:
     """``scale`` when every value is finite and above zero; a scale of 0, below 0, inf or NaN would load as zeroed
     weights or non-finite logits: ``ModelLoadError`` naming the tensor."""
-    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        bad = scale[~(torch.isfinite(scale) & (scale > 0))]
+    bad = scale[~(torch.isfinite(scale) & (scale > 0))]
+    if bad.numel():
         raise ModelLoadError(f"{source.location}: {name} holds {bad.numel()} scale(s) that are not finite and "
                              f"positive (first: {bad[0].item()})")
     return scale
