@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dpu_gateway import regex
 from dpu_gateway.grammar import Pat, alt, byteset, lit, opt, rep, seq, star
 from shared.token_dfa import GrammarError
 
@@ -57,37 +58,37 @@ def encode(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
 
-def any_value(depth: int = ANY_DEPTH) -> Pat:
+def any_value(depth: int = ANY_DEPTH, ws: Pat = WS) -> Pat:
     if depth <= 0:
         return alt(STRING, NUMBER, BOOLEAN, NULL)
-    return alt(STRING, NUMBER, BOOLEAN, NULL, any_object(depth - 1), array(any_value(depth - 1)))
+    return alt(STRING, NUMBER, BOOLEAN, NULL, any_object(depth - 1, ws), array(any_value(depth - 1, ws), ws=ws))
 
 
-def any_object(depth: int = ANY_DEPTH - 1) -> Pat:
-    return mapping(any_value(depth))
+def any_object(depth: int = ANY_DEPTH - 1, ws: Pat = WS) -> Pat:
+    return mapping(any_value(depth, ws), ws)
 
 
-def mapping(value: Pat) -> Pat:
-    member = seq(STRING, lit(":"), WS, value)
-    return seq(lit("{"), opt(seq(member, star(seq(lit(","), WS, member)))), lit("}"))
+def mapping(value: Pat, ws: Pat = WS) -> Pat:
+    member = seq(STRING, lit(":"), ws, value)
+    return seq(lit("{"), opt(seq(member, star(seq(lit(","), ws, member)))), lit("}"))
 
 
-def array(item: Pat, lo: int = 0, hi: int | None = None) -> Pat:
+def array(item: Pat, lo: int = 0, hi: int | None = None, ws: Pat = WS) -> Pat:
     if hi == 0:
         return lit("[]")
-    rest = rep(seq(lit(","), WS, item), max(lo - 1, 0), None if hi is None else hi - 1)
+    rest = rep(seq(lit(","), ws, item), max(lo - 1, 0), None if hi is None else hi - 1)
     body = seq(item, rest)
     return seq(lit("["), body if lo > 0 else opt(body), lit("]"))
 
 
-def members(props: list[tuple[str, Pat, bool]]) -> Pat:
+def members(props: list[tuple[str, Pat, bool]], ws: Pat = WS) -> Pat:
     """An object with these (name, value, required) members, in this order, optional ones omissible."""
 
     def build(nfa: Any, cont: int) -> int:
         first = rest = lit("}")(nfa, cont)  # after no member yet / after one
         for name, value, required in reversed(props):
-            member = seq(lit(encode(name)), lit(":"), WS, value)
-            with_first, with_rest = member(nfa, rest), seq(lit(","), WS, member)(nfa, rest)
+            member = seq(lit(encode(name)), lit(":"), ws, value)
+            with_first, with_rest = member(nfa, rest), seq(lit(","), ws, member)(nfa, rest)
             first = with_first if required else nfa.fork([with_first, first])
             rest = with_rest if required else nfa.fork([with_rest, rest])
         return lit("{")(nfa, first)
@@ -98,21 +99,41 @@ def members(props: list[tuple[str, Pat, bool]]) -> Pat:
 # is refused.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
                          "writeOnly", "deprecated", "discriminator", "strict"})
+STRING_KEYWORDS = ("pattern", "format", "minLength", "maxLength")
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"})
+                     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", *STRING_KEYWORDS})
+# ``format`` values served, as regular expressions (dpu_gateway/regex.py) a string's value matches. Each is a
+# part of what the format allows, so every answer passes a validator that checks formats: dates have days that
+# exist in every year (February up to the 28th) of years 1000-9999, times and date-times carry an offset (RFC 3339).
+_YEAR = r"[1-9][0-9]{3}"
+_DAY = r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)" \
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMATS = {
+    "date": rf"{_YEAR}-{_DAY}",
+    "time": _TIME,
+    "date-time": rf"{_YEAR}-{_DAY}T{_TIME}",
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": rf"[A-Za-z0-9_+-]+(?:\.[A-Za-z0-9_+-]+)*@{_LABEL}(?:\.{_LABEL})*\.[A-Za-z]{{2,24}}",
+    "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+}
+MAX_LENGTH_BOUND = 256  # minLength / maxLength above this are refused (each allowed character is a copy)
 MAX_REF_DEPTH = 8
 
 
 class SchemaCompiler:
-    """One schema (with its ``$defs``) to a pattern."""
+    """One schema (with its ``$defs``) to a pattern; ``ws`` is what may follow ``:`` and ``,``."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, ws: Pat = WS) -> None:
         self.root = root
+        self.ws = ws
         self.refs: list[str] = []
 
     def pattern(self, schema: Any) -> Pat:
         if schema is True or schema == {}:
-            return any_value()
+            return any_value(ws=self.ws)
         if not isinstance(schema, dict):
             raise SchemaError(f"a schema must be an object or true, got {schema!r}")
         unknown = sorted(set(schema) - ANNOTATIONS - HANDLED)
@@ -139,9 +160,10 @@ class SchemaCompiler:
     def _typed(self, schema: dict) -> Pat:
         kinds = schema.get("type")
         if kinds is None:
-            kinds = "object" if "properties" in schema else "array" if "items" in schema else None
+            kinds = "object" if "properties" in schema else "array" if "items" in schema else \
+                "string" if any(k in schema for k in STRING_KEYWORDS) else None
         if kinds is None:
-            return any_value()
+            return any_value(ws=self.ws)
         kinds = kinds if isinstance(kinds, list) else [kinds]
         return alt(*(self._one_type(schema, k) for k in kinds)) if len(kinds) > 1 else self._one_type(schema, kinds[0])
 
@@ -150,22 +172,53 @@ class SchemaCompiler:
             return self._object(schema)
         if kind == "array":
             return self._array(schema)
+        if kind == "string":
+            return self._string(schema)
         if kind not in SCALARS:
             raise SchemaError(f"unknown JSON Schema type {kind!r}", "type")
+        if "format" in schema:
+            raise SchemaError(f"format on a {kind} is not enforced by this server", "format")
         return SCALARS[kind]
+
+    def _string(self, schema: dict) -> Pat:
+        given = [k for k in ("pattern", "format") if k in schema]
+        lengths = [k for k in ("minLength", "maxLength") if k in schema]
+        if len(given) + bool(lengths) > 1:
+            raise SchemaError(f"{' and '.join(given + lengths)} together are not enforced by this server",
+                              (given + lengths)[1])
+        if "pattern" in schema:
+            return seq(lit('"'), regex.pattern(schema["pattern"], json=True, keyword="pattern"), lit('"'))
+        if "format" in schema:
+            source = FORMATS.get(schema["format"]) if isinstance(schema["format"], str) else None
+            if source is None:
+                raise SchemaError(f"format {schema['format']!r} is not enforced by this server (served: "
+                                  f"{', '.join(FORMATS)})", "format")
+            return seq(lit('"'), regex.pattern(source, json=True), lit('"'))
+        if lengths:
+            lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+            if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+                raise SchemaError("minLength / maxLength must be integers with 0 <= minLength <= maxLength",
+                                  lengths[-1])
+            if max(lo, hi or 0) > MAX_LENGTH_BOUND:
+                raise SchemaError(f"minLength / maxLength above {MAX_LENGTH_BOUND} are not enforced by this server",
+                                  lengths[-1])
+            return seq(lit('"'), rep(regex.set_pattern(regex.ANY, json=True), lo, hi), lit('"'))
+        return STRING
 
     def _object(self, schema: dict) -> Pat:
         props = schema.get("properties")
         extra = schema.get("additionalProperties", True)
         if props is None:
-            return any_object() if extra in (True, {}) else mapping(self.pattern(extra)) if extra else lit("{}")
+            if extra in (True, {}):
+                return any_object(ws=self.ws)
+            return mapping(self.pattern(extra), self.ws) if extra else lit("{}")
         if not isinstance(props, dict):
             raise SchemaError("properties must be an object", "properties")
         required = schema.get("required", [])
         missing = [r for r in required if r not in props]
         if missing:
             raise SchemaError(f"required property {missing[0]!r} has no schema in properties", "required")
-        return members([(name, self.pattern(sub), name in required) for name, sub in props.items()])
+        return members([(name, self.pattern(sub), name in required) for name, sub in props.items()], self.ws)
 
     def _array(self, schema: dict) -> Pat:
         lo, hi = schema.get("minItems", 0), schema.get("maxItems")
@@ -177,7 +230,7 @@ class SchemaCompiler:
         items = schema.get("items", True)
         if isinstance(items, list):
             raise SchemaError("tuple-form items are not enforced by this server", "items")
-        return array(self.pattern(items), lo, hi)
+        return array(self.pattern(items), lo, hi, self.ws)
 
     def _ref(self, ref: Any) -> Pat:
         if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")):
@@ -214,5 +267,6 @@ def _sub(s: Any) -> dict:
     return s
 
 
-def schema_pattern(schema: Any) -> Pat:
-    return SchemaCompiler(schema).pattern(schema)
+def schema_pattern(schema: Any, compact: bool = False) -> Pat:
+    """``compact``: no space after ``:`` and ``,`` (vLLM's ``disable_any_whitespace``)."""
+    return SchemaCompiler(schema, seq() if compact else WS).pattern(schema)

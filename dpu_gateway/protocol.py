@@ -113,13 +113,13 @@ class _Common(_Body, kw_only=True):
     spaces_between_special_tokens: bool | None = None  # either way no space is put between them (docs/API.md)
     response_format: dict | None = None      # enforced by constrained decoding (dpu_gateway/structured.py)
     guided_json: Any = None                  # enforced (a schema)
-    guided_regex: str | None = None
+    guided_regex: Any = None                 # enforced (a regular expression, dpu_gateway/regex.py)
     guided_choice: list | None = None        # enforced (one of these strings)
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: Any = None
-    structured_outputs: Any = None
+    structured_outputs: Any = None           # enforced: json, regex, choice, json_object (structured.py)
     priority: int | None = None
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -178,16 +178,14 @@ def _off(v: Any) -> bool:
 
 
 _TOOLS = "the deprecated functions API is not supported; use tools and tool_choice"
-_JSON = "this kind of structured output (regular expressions, grammars, structural tags) is not supported " \
-    "by this server; use response_format, guided_json or guided_choice"
+_JSON = "this kind of structured output (context-free grammars, structural tags, whitespace patterns) is not " \
+    "supported by this server; use structured_outputs' json, regex, choice or json_object, or response_format"
 # field -> (is the value a no-op, why another value is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_off, _TOOLS),
     "function_call": (lambda v: v in (None, "none"), _TOOLS),
-    "guided_regex": (_off, _JSON),
     "guided_grammar": (_off, _JSON), "guided_decoding_backend": (_off, _JSON),
     "guided_whitespace_pattern": (_off, _JSON), "structural_tag": (_off, _JSON),
-    "structured_outputs": (_off, _JSON),
     "audio": (_off, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is served"),
     "prediction": (_off, "predicted outputs are not supported"),

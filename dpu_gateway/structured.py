@@ -1,5 +1,6 @@
-"""Structured output requests: ``response_format`` (OpenAI) and ``guided_json`` / ``guided_choice`` (vLLM)
-to the grammar that constrains the answer, or a 400 naming what cannot be enforced."""
+"""Structured output requests: ``response_format`` (OpenAI), ``structured_outputs`` (vLLM) and vLLM's older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` to the grammar that constrains the answer, or a 400
+naming what cannot be enforced."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
+from dpu_gateway import regex
 from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import Pat, alt, lit, seq, until, without
 from dpu_gateway.json_grammar import any_object, schema_pattern
@@ -34,17 +36,20 @@ def _key(kind: str, value: Any) -> str:
 
 
 def pattern_of(key: str) -> Pat:
-    """The pattern a constraint's ``key`` names (``json_object``, ``json_schema``, ``choice``, ``tool_call``, and
-    ``after_reasoning``: free text up to a marker, then another constraint's pattern; see reasoning.py)."""
+    """The pattern a constraint's ``key`` names (``json_object``, ``json_schema``, their ``_compact`` forms with no
+    space after ``:`` and ``,``, ``regex``, ``choice``, ``tool_call``, and ``after_reasoning``: free text up to a
+    marker, then another constraint's pattern; see reasoning.py)."""
     kind, value = json.loads(key)
     if kind == "after_reasoning":
         end, inner = value
         # vLLM applies the grammar once the reasoning ended: the model may also end inside it
         return alt(without(end), seq(until(end), pattern_of(json.dumps(inner))))
-    if kind == "json_object":
-        return any_object()
-    if kind == "json_schema":
-        return schema_pattern(value)
+    if kind in ("json_object", "json_object_compact"):
+        return any_object(ws=seq()) if kind.endswith("_compact") else any_object()
+    if kind in ("json_schema", "json_schema_compact"):
+        return schema_pattern(value, compact=kind.endswith("_compact"))
+    if kind == "regex":
+        return regex.pattern(value)
     if kind == "choice":
         return alt(*(lit(c) for c in value))
     if kind == "tool_call":
@@ -74,27 +79,97 @@ def response_format(value: dict | None) -> Constraint | None:
                "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": ...}}")
 
 
-def guided(req: _Common) -> Constraint | None:
-    """vLLM's ``guided_json`` (a schema) and ``guided_choice`` (one of these strings)."""
+def _schema(value: Any, param: str, compact: bool = False) -> Constraint:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _bad(param, "must be a JSON Schema (an object, or its JSON text)") from None
+    return Constraint(_key("json_schema_compact" if compact else "json_schema", value), param)
+
+
+def _regex(value: Any, param: str) -> Constraint:
+    if not isinstance(value, str):
+        raise _bad(param, "must be a regular expression (a string)")
+    try:
+        regex.parse(value)  # a syntax error or an unsupported construct is a 400 before any compile
+    except regex.RegexError as exc:
+        raise _bad(param, str(exc)) from None
+    return Constraint(_key("regex", value), param)
+
+
+def _choice(value: Any, param: str) -> Constraint:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise _bad(param, "must be a non-empty list of non-empty strings")
+    return Constraint(_key("choice", value), param)
+
+
+def guided(req: _Common) -> list[Constraint]:
+    """vLLM's ``guided_json`` (a schema), ``guided_regex`` and ``guided_choice`` (one of these strings)."""
+    found = []
     if req.guided_json is not None:
-        schema = req.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError:
-                raise _bad("guided_json", "must be a JSON Schema (an object, or its JSON text)") from None
-        return Constraint(_key("json_schema", schema), "guided_json")
+        found.append(_schema(req.guided_json, "guided_json"))
+    if req.guided_regex is not None:
+        found.append(_regex(req.guided_regex, "guided_regex"))
     if req.guided_choice is not None:
-        choices = req.guided_choice
-        if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise _bad("guided_choice", "must be a non-empty list of non-empty strings")
-        return Constraint(_key("choice", choices), "guided_choice")
-    return None
+        found.append(_choice(req.guided_choice, "guided_choice"))
+    return found
+
+
+# vLLM's StructuredOutputsParams: the constraints (one at most) and the options
+_CONSTRAINTS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "whitespace_pattern")
+
+
+def structured_outputs(value: Any) -> Constraint | None:
+    """vLLM's ``structured_outputs``: ``json`` (a schema or its text), ``regex``, ``choice`` or ``json_object``,
+    with ``disable_any_whitespace`` (JSON with no space after ``:`` and ``,``). ``disable_additional_properties``
+    and ``disable_fallback`` change nothing here (extra keys are never produced; there is no other backend to
+    fall back to); ``grammar``, ``structural_tag`` and ``whitespace_pattern`` are refused."""
+    if value is None:
+        return None
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise _bad(param, "must be an object (vLLM's StructuredOutputsParams)")
+    unknown = sorted(set(value) - set(_CONSTRAINTS) - set(_OPTIONS))
+    if unknown:
+        raise _bad(f"{param}.{unknown[0]}", f"unknown field (known: {', '.join(_CONSTRAINTS + _OPTIONS)})")
+    for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if not isinstance(value.get(flag, False), bool):
+            raise _bad(f"{param}.{flag}", "must be true or false")
+    for name in ("grammar", "structural_tag", "whitespace_pattern"):
+        if value.get(name) is not None:
+            what = {"grammar": "context-free grammars are", "structural_tag": "structural tags are",
+                    "whitespace_pattern": "a whitespace pattern is"}[name]
+            raise APIError(400, f"{param}.{name}: {what} not supported by this server (served: json, regex, choice, "
+                           "json_object)", param=f"{param}.{name}", code="unsupported_value")
+    given = [k for k in _CONSTRAINTS if value.get(k) is not None and value.get(k) is not False]
+    compact = value.get("disable_any_whitespace", False)
+    if len(given) > 1:
+        raise _bad(f"{param}.{given[1]}", f"only one constraint may be given, got {' and '.join(given)}")
+    if not given:
+        if compact:
+            raise _bad(f"{param}.disable_any_whitespace", "applies to a json or json_object constraint; none given")
+        return None
+    kind = given[0]
+    if compact and kind not in ("json", "json_object"):
+        raise _bad(f"{param}.disable_any_whitespace", f"applies to json and json_object, not to {kind}")
+    if kind == "json":
+        return _schema(value["json"], f"{param}.json", compact)
+    if kind == "regex":
+        return _regex(value["regex"], f"{param}.regex")
+    if kind == "choice":
+        return _choice(value["choice"], f"{param}.choice")
+    if value["json_object"] is not True:
+        raise _bad(f"{param}.json_object", "must be true or false")
+    return Constraint(_key("json_object_compact" if compact else "json_object", None), f"{param}.json_object")
 
 
 def constraint_of(req: _Common) -> Constraint | None:
     """The request's one output constraint (at most one of the fields may ask for one)."""
-    found = [c for c in (response_format(req.response_format), guided(req)) if c is not None]
+    found = [c for c in (response_format(req.response_format), structured_outputs(req.structured_outputs),
+                         *guided(req)) if c is not None]
     if len(found) > 1:
-        raise _bad(found[1].param, "only one of response_format, guided_json and guided_choice may be given")
+        raise _bad(found[1].param, f"only one output constraint may be given, got {found[0].param} and "
+                   f"{found[1].param}")
     return found[0] if found else None

@@ -108,9 +108,10 @@ def test_return_tokens_as_token_ids_names_every_entry_by_its_id(real: Stack, tex
 @pytest.mark.parametrize(("kw", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
-                                                                                         "pattern": "a+"}}}},
+                                                                                         "pattern": "(?=a)"}}}},
      "response_format.pattern"),
-    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ({"extra_body": {"guided_grammar": "root ::= 'a'"}}, "guided_grammar"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= 'a'"}}}, "structured_outputs.grammar"),
     ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
 ])
 def test_refused_fields_are_400_naming_them(real: Stack, kw: dict, param: str) -> None:

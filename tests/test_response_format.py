@@ -1,11 +1,13 @@
 """Structured output: JSON and JSON Schema grammars, their token DFA, the engine's mask, and
-``response_format`` / ``guided_json`` / ``guided_choice`` end to end (the official ``openai`` client against
+``response_format`` / ``structured_outputs`` / ``guided_*`` end to end (the official ``openai`` client against
 ``blink serve`` with the real CPU engine and the embedded model)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,7 +50,7 @@ def test_json_schema_grammar(text: bytes, ok: bool) -> None:
 
 
 @pytest.mark.parametrize(("schema", "keyword"), [
-    ({"type": "string", "pattern": "a+"}, "pattern"), ({"type": "integer", "minimum": 3}, "minimum"),
+    ({"type": "string", "format": "uri"}, "format"), ({"type": "integer", "minimum": 3}, "minimum"),
     ({"$ref": "#/$defs/N", "$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}},
      "$ref"),
 ])
@@ -156,6 +158,28 @@ def test_guided_choice_on_completions(real: Stack) -> None:
     assert all(c.text in ("Lyon", "Nice", "Paris") and c.finish_reason == "stop" for c in out.choices)
 
 
+def test_structured_outputs_as_vllm_clients_send_them(real: Stack) -> None:
+    """vLLM's ``structured_outputs`` (what its 0.12+ clients send in place of ``guided_*``): a regex, a schema
+    with a date and no white space, a choice; and ``guided_regex`` on completions."""
+    client = sync_client(real)
+    out = chat(real, messages=FRANCE, max_tokens=16,
+               extra_body={"structured_outputs": {"regex": r"(The capital is )?[A-Z][a-z]{2,8}\."}})
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(r"(The capital is )?[A-Z][a-z]{2,8}\.", text), text
+    schema = {"type": "object", "properties": {"born": {"type": "string", "format": "date"},
+                                               "kind": {"enum": ["cat", "dog"]}}, "required": ["born", "kind"]}
+    out = chat(real, max_tokens=48, messages=[{"role": "user", "content": "When was the cat born? Answer in JSON."}],
+               extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    text = out.choices[0].message.content
+    value = json.loads(text)
+    assert " " not in text and value["kind"] in ("cat", "dog") and datetime.date.fromisoformat(value["born"]), text
+    out = chat(real, messages=FRANCE, max_tokens=8, extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert out.choices[0].message.content in ("Paris", "Lyon")
+    done = client.completions.create(model=MODEL, prompt="The year the Eiffel Tower opened:", max_tokens=8,
+                                     temperature=1.0, seed=5, n=2, extra_body={"guided_regex": r" ?1[89]\d\d"})
+    assert all(re.fullmatch(r" ?1[89]\d\d", c.text) and c.finish_reason == "stop" for c in done.choices), done
+
+
 @pytest.mark.parametrize(("kw", "param"), [
     ({"response_format": {"type": "bogus"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer",
@@ -163,6 +187,9 @@ def test_guided_choice_on_completions(real: Stack) -> None:
      "response_format.maximum"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"min_tokens": 3}}, "min_tokens"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "guided_choice"),
+    ({"extra_body": {"structured_outputs": {"regex": "(a)\\1"}}}, "structured_outputs.regex"),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "string", "format": "uri"}}}},
+     "structured_outputs.json.format"),
 ])
 def test_what_cannot_be_enforced_is_a_400_naming_it(real: Stack, kw: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:

@@ -1,0 +1,439 @@
+"""Regular expressions to byte patterns (``dpu_gateway/grammar.py``): ``structured_outputs.regex`` and
+``guided_regex`` (the whole answer matches), JSON Schema's ``pattern`` and ``format`` (a string's value matches).
+
+The syntax is the common part of Python's ``re`` and ECMAScript's: literals, ``.``, classes (``[a-z]``,
+``[^...]``, ``\\d \\w \\s`` and their negations, inside classes too), groups (``(...)``, ``(?:...)``, named),
+alternation, the quantifiers ``* + ? {n} {n,} {n,m}`` (lazy forms too: the same strings match), escapes
+(``\\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH \\u{H...} \\UHHHHHHHH`` and escaped punctuation), and ``^`` / ``$`` /
+``\\A`` / ``\\Z`` / ``\\z`` where they change nothing (at the start and end: the whole text must match).
+What would change the language and is not compiled is refused (``RegexError`` naming it): backreferences,
+lookaround, word boundaries, flags, possessive quantifiers and atomic groups, Unicode property classes.
+
+Where the two dialects differ the compiled set is their common part, so every answer matches the pattern
+under either: ``\\d`` and ``\\w`` are ASCII (ECMAScript's, and Python's with ``re.ASCII``), ``\\s`` is the
+ASCII white space and ``\\S`` excludes every Unicode white space, ``.`` excludes the line terminators of both
+(``\\n \\r`` U+2028 U+2029).
+
+A character set is a sorted list of disjoint inclusive ranges of code points, never a surrogate; it becomes
+the alternatives of its UTF-8 encodings, a byte range per position (``utf8_ranges``). In ``json`` mode a
+character is written as it appears inside a JSON string: ``"``, ``\\`` and the controls escaped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dpu_gateway.grammar import Pat, alt, byteset, lit, rep, seq
+from shared.token_dfa import GrammarError
+
+MAX_CODE = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)
+MAX_REPEAT = 1000  # a bound of {n,m} above this is refused before anything is built (each copy is states)
+MAX_NESTING = 64  # groups inside groups: deeper is refused (the parser and the build recurse)
+
+Ranges = list[tuple[int, int]]
+
+
+class RegexError(GrammarError):
+    """A pattern this server cannot enforce (a syntax error, or a construct that is not compiled)."""
+
+    def __init__(self, message: str, keyword: str = "") -> None:
+        super().__init__(message)
+        self.keyword = keyword
+
+
+# ------------------------------------------------------------------------------------------------ sets
+def normalize(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    """Sorted, merged, surrogates taken out."""
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        for a, b in ((lo, min(hi, SURROGATES[0] - 1)), (max(lo, SURROGATES[1] + 1), hi)):
+            if a > b:
+                continue
+            if out and a <= out[-1][1] + 1:
+                out[-1] = (out[-1][0], max(out[-1][1], b))
+            else:
+                out.append((a, b))
+    return out
+
+
+def complement(ranges: Ranges) -> Ranges:
+    out, start = [], 0
+    for lo, hi in normalize(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CODE:
+        out.append((start, MAX_CODE))
+    return normalize(out)
+
+
+def chars(text: str) -> Ranges:
+    return normalize((ord(c), ord(c)) for c in text)
+
+
+DIGITS = [(0x30, 0x39)]
+WORD = normalize([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
+SPACE = chars(" \t\n\r\f\v")
+# every code point either dialect calls white space: \S leaves them all out
+UNICODE_SPACE = normalize([*SPACE, (0x1C, 0x1F), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                           (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)])
+DOT = complement(chars("\n\r\u2028\u2029"))
+ANY = complement([])
+CLASSES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD), "s": SPACE,
+           "S": complement(UNICODE_SPACE)}
+
+
+def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    """The UTF-8 encodings of code points ``lo..hi`` (no surrogate between them) as sequences of byte ranges:
+    a code point is in the range exactly when its encoding is in one sequence's product of ranges."""
+    out: list[list[tuple[int, int]]] = []
+    for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE)):
+        if max(lo, a) <= min(hi, b):
+            _same_length(max(lo, a), min(hi, b), out)
+    return out
+
+
+def _same_length(lo: int, hi: int, out: list[list[tuple[int, int]]]) -> None:
+    """Split ``lo..hi`` (encodings of one length) until, at each position, every byte between lo's and hi's
+    is allowed whatever the bytes before: then the sequence is one range a position."""
+    for i in range(1, 4):
+        tail = (1 << (6 * i)) - 1
+        if lo & ~tail == hi & ~tail:
+            continue
+        if lo & tail:
+            _same_length(lo, lo | tail, out)
+            _same_length((lo | tail) + 1, hi, out)
+            return
+        if hi & tail != tail:
+            _same_length(lo, (hi & ~tail) - 1, out)
+            _same_length(hi & ~tail, hi, out)
+            return
+    out.append(list(zip(chr(lo).encode(), chr(hi).encode(), strict=True)))
+
+
+_JSON_SHORT = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+
+
+def set_pattern(ranges: Ranges, json: bool = False) -> Pat:
+    """The pattern of one character of ``ranges``: its UTF-8 bytes, or (``json``) the character as written
+    inside a JSON string (``"``, ``\\`` and controls escaped, as ``json.dumps`` writes them)."""
+    parts: list[Pat] = []
+    if json:
+        escaped = [c for lo, hi in ranges for c in range(lo, min(hi, 0x1F) + 1)]
+        escaped += [c for c in (0x22, 0x5C) if any(lo <= c <= hi for lo, hi in ranges)]
+        parts += [lit(_JSON_SHORT.get(c, f"\\u{c:04x}")) for c in escaped]
+        ranges = normalize((lo, hi) for lo, hi in ranges if hi > 0x1F)
+        ranges = normalize((max(lo, 0x20), hi) for a, b in ranges for lo, hi in _without(a, b, (0x22, 0x5C)))
+    single: list[int] = []
+    for lo, hi in ranges:
+        for spans in utf8_ranges(lo, hi):
+            if len(spans) == 1:
+                single += range(spans[0][0], spans[0][1] + 1)
+            else:
+                parts.append(seq(*(byteset(range(a, b + 1)) for a, b in spans)))
+    if single:
+        parts.append(byteset(single))
+    if not parts:
+        raise RegexError("the pattern has a character class that matches no character")
+    return parts[0] if len(parts) == 1 else alt(*parts)
+
+
+def _without(lo: int, hi: int, points: tuple[int, ...]) -> Ranges:
+    out, start = [], lo
+    for p in sorted(points):
+        if start <= p <= hi:
+            if p > start:
+                out.append((start, p - 1))
+            start = p + 1
+    if start <= hi:
+        out.append((start, hi))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ parser
+# The tree: ("set", ranges) | ("seq", [node]) | ("alt", [node]) | ("rep", node, lo, hi) | ("start", at) | ("end", at)
+Node = tuple
+
+
+class _Parser:
+    def __init__(self, source: str, keyword: str) -> None:
+        self.src = source
+        self.pos = 0
+        self.depth = 0
+        self.keyword = keyword
+
+    def fail(self, what: str, at: int | None = None) -> RegexError:
+        at = self.pos if at is None else at
+        return RegexError(f"regular expression {self.src!r} at position {at}: {what}", self.keyword)
+
+    def peek(self, k: int = 0) -> str:
+        i = self.pos + k
+        return self.src[i] if i < len(self.src) else ""
+
+    def take(self) -> str:
+        c = self.peek()
+        if not c:
+            raise self.fail("the pattern ends too early")
+        self.pos += 1
+        return c
+
+    def parse(self) -> Node:
+        node = self.alternation()
+        if self.pos < len(self.src):
+            raise self.fail("unbalanced ')'")
+        return node
+
+    def alternation(self) -> Node:
+        branches = [self.sequence()]
+        while self.peek() == "|":
+            self.pos += 1
+            branches.append(self.sequence())
+        return branches[0] if len(branches) == 1 else ("alt", branches)
+
+    def sequence(self) -> Node:
+        items: list[Node] = []
+        while self.peek() and self.peek() not in "|)":
+            at = self.pos
+            atom = self.atom()
+            items.append(self.quantified(atom, at))
+        return ("seq", items)
+
+    def quantified(self, atom: Node, at: int) -> Node:
+        bounds = self.quantifier()
+        if bounds is None:
+            return atom
+        if atom[0] in ("start", "end"):
+            raise self.fail("an anchor cannot be repeated", at)
+        lo, hi = bounds
+        if self.peek() == "?":  # lazy: the same strings match
+            self.pos += 1
+        elif self.peek() == "+":
+            raise self.fail("possessive quantifiers are not supported")
+        if self.quantifier(peek_only=True) is not None:
+            raise self.fail("multiple repeat")
+        return ("rep", atom, lo, hi)
+
+    def quantifier(self, peek_only: bool = False) -> tuple[int, int | None] | None:
+        c = self.peek()
+        simple = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+        if c in simple:
+            if not peek_only:
+                self.pos += 1
+            return simple[c]
+        if c != "{":
+            return None
+        close = self.src.find("}", self.pos)
+        body = self.src[self.pos + 1:close] if close > 0 else ""
+        lo_text, comma, hi_text = body.partition(",")
+        if not lo_text.isdigit() or (hi_text and not hi_text.isdigit()):
+            if not lo_text and comma and hi_text.isdigit():
+                raise self.fail("'{,n}' means 0 to n in Python and a literal in ECMAScript: write {0,n}")
+            return None  # a literal '{' (both dialects)
+        lo, hi = int(lo_text), (int(hi_text) if hi_text else None) if comma else int(lo_text)
+        if hi is not None and hi < lo:
+            raise self.fail(f"the repeat bound {{{body}}} has min > max")
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.fail(f"repeat bounds above {MAX_REPEAT} are not enforced by this server")
+        if not peek_only:
+            self.pos = close + 1
+        return lo, hi
+
+    def atom(self) -> Node:
+        c = self.take()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return ("set", self.char_class())
+        if c == ".":
+            return ("set", DOT)
+        if c == "^":
+            return ("start", self.pos - 1)
+        if c == "$":
+            return ("end", self.pos - 1)
+        if c == "\\":
+            return self.escape(in_class=False)
+        if c in "*+?":
+            raise self.fail("nothing to repeat", self.pos - 1)
+        if c == "{" and self.quantifier_at(self.pos - 1):
+            raise self.fail("nothing to repeat", self.pos - 1)
+        return ("set", chars(self._checked(c)))
+
+    def quantifier_at(self, i: int) -> bool:
+        saved, self.pos = self.pos, i
+        try:
+            return self.quantifier(peek_only=True) is not None
+        finally:
+            self.pos = saved
+
+    def _checked(self, c: str) -> str:
+        if SURROGATES[0] <= ord(c) <= SURROGATES[1]:
+            raise self.fail("a lone surrogate is not a character")
+        return c
+
+    def group(self) -> Node:
+        start = self.pos - 1
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise self.fail(f"groups nested more than {MAX_NESTING} deep are not enforced by this server", start)
+        if self.peek() == "?":
+            self.pos += 1
+            kind = self.take()
+            if kind == ":":
+                pass
+            elif kind == "P" and self.peek() == "<" or kind == "<" and self.peek() not in "=!":
+                if kind == "P":
+                    self.pos += 1
+                end = self.src.find(">", self.pos)
+                if end < 0 or not self.src[self.pos:end].isidentifier():
+                    raise self.fail("bad group name", start)
+                self.pos = end + 1
+            elif kind == "#":
+                end = self.src.find(")", self.pos)
+                if end < 0:
+                    raise self.fail("missing ')', unterminated comment", start)
+                self.pos = end + 1
+                return ("seq", [])
+            else:
+                what = {"=": "lookahead is", "!": "lookahead is", "<": "lookbehind is", ">": "atomic groups are",
+                        "P": "named backreferences are", "(": "conditional groups are"}.get(kind, "inline flags are")
+                raise self.fail(f"{what} not supported", start)
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.fail("missing ')'", start)
+        self.pos += 1
+        self.depth -= 1
+        return node
+
+    def escape(self, in_class: bool) -> Node:
+        at = self.pos - 1
+        c = self.take()
+        if c in CLASSES:
+            return ("set", CLASSES[c])
+        if not in_class and c == "A":
+            return ("start", at)
+        if not in_class and c in "Zz":
+            return ("end", at)
+        if c == "b" and in_class:
+            return ("set", [(8, 8)])
+        if c in "bB":
+            raise self.fail("word boundaries (\\b, \\B) are not supported", at)
+        if c.isdigit() and c != "0" or c == "k":
+            raise self.fail("backreferences are not supported", at)
+        if c in "pP":
+            raise self.fail("Unicode property classes (\\p{...}) are not supported", at)
+        simple = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
+        if c in simple:
+            if c == "0" and self.peek().isdigit():
+                raise self.fail("octal escapes are not supported", at)
+            return ("set", chars(simple[c]))
+        if c in "xuU":
+            return ("set", [self._code(c, at)])
+        if c == "c" and self.peek().isalpha() and self.peek().isascii():
+            code = ord(self.take()) % 32
+            return ("set", [(code, code)])
+        if c.isascii() and c.isalnum():
+            raise self.fail(f"bad escape \\{c}", at)
+        return ("set", chars(self._checked(c)))
+
+    def _code(self, kind: str, at: int) -> tuple[int, int]:
+        if kind == "u" and self.peek() == "{":
+            end = self.src.find("}", self.pos)
+            digits = self.src[self.pos + 1:end] if end > 0 else ""
+            self.pos = end + 1 if end > 0 else self.pos
+        else:
+            n = {"x": 2, "u": 4, "U": 8}[kind]
+            digits = self.src[self.pos:self.pos + n]
+            if len(digits) != n:
+                digits = ""
+            self.pos += n
+        try:
+            code = int(digits, 16) if digits and all(d in "0123456789abcdefABCDEF" for d in digits) else -1
+        except ValueError:
+            code = -1
+        if not 0 <= code <= MAX_CODE or SURROGATES[0] <= code <= SURROGATES[1]:
+            raise self.fail(f"bad escape \\{kind}: not a character's code", at)
+        return (code, code)
+
+    def char_class(self) -> Ranges:
+        start = self.pos - 1
+        negate = self.peek() == "^"
+        if negate:
+            self.pos += 1
+        if self.peek() == "]":
+            raise self.fail("a ']' first in a class differs between Python and ECMAScript: write \\]", self.pos)
+        ranges: Ranges = []
+        while True:
+            c = self.peek()
+            if not c:
+                raise self.fail("unterminated character set", start)
+            if c == "]":
+                self.pos += 1
+                break
+            low = self.class_item()
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                high = self.class_item()
+                if len(low) != 1 or len(high) != 1 or low[0][0] != low[0][1] or high[0][0] != high[0][1]:
+                    raise self.fail("a class shorthand (\\d, \\w, \\s) cannot bound a range")
+                if high[0][0] < low[0][0]:
+                    raise self.fail("bad character range")
+                ranges.append((low[0][0], high[0][0]))
+            else:
+                ranges += low
+        return complement(ranges) if negate else normalize(ranges)
+
+    def class_item(self) -> Ranges:
+        """One character of a class, or a shorthand's set (\\d ...)."""
+        c = self.take()
+        if c != "\\":
+            code = ord(self._checked(c))
+            return [(code, code)]
+        return self.escape(in_class=True)[1]
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def parse(source: str, keyword: str = "") -> Node:
+    if not isinstance(source, str):
+        raise RegexError("a regular expression must be a string", keyword)
+    parser = _Parser(source, keyword)
+    tree = parser.parse()
+    _check_anchors(tree, True, True, parser)
+    return tree
+
+
+def _check_anchors(node: Node, first: bool, last: bool, parser: _Parser) -> None:
+    kind = node[0]
+    if kind == "start" and not first:
+        raise parser.fail("'^' (or \\A) is only served at the start of the pattern", node[1])
+    if kind == "end" and not last:
+        raise parser.fail("'$' (or \\Z) is only served at the end of the pattern", node[1])
+    if kind == "alt":
+        for branch in node[1]:
+            _check_anchors(branch, first, last, parser)
+    elif kind == "seq":
+        items = node[1]
+        for i, item in enumerate(items):
+            before = all(x[0] == "start" for x in items[:i])
+            after = all(x[0] == "end" for x in items[i + 1:])
+            _check_anchors(item, first and before, last and after, parser)
+    elif kind == "rep":
+        _check_anchors(node[1], False, False, parser)
+
+
+def pattern(source: str, json: bool = False, keyword: str = "") -> Pat:
+    """The byte pattern of the text ``source`` matches whole (``json``: as written inside a JSON string)."""
+    return _build(parse(source, keyword), json)
+
+
+def _build(node: Node, json: bool) -> Pat:
+    kind = node[0]
+    if kind == "set":
+        return set_pattern(node[1], json)
+    if kind in ("start", "end"):
+        return seq()
+    if kind == "seq":
+        return seq(*(_build(n, json) for n in node[1]))
+    if kind == "alt":
+        return alt(*(_build(n, json) for n in node[1]))
+    return rep(_build(node[1], json), node[2], node[3])
