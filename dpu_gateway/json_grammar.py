@@ -9,6 +9,7 @@ are not implemented are refused (``SchemaError`` naming the keyword), never igno
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from dpu_gateway import regex
@@ -100,8 +101,10 @@ def members(props: list[tuple[str, Pat, bool]], ws: Pat = WS) -> Pat:
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
                          "writeOnly", "deprecated", "discriminator", "strict"})
 STRING_KEYWORDS = ("pattern", "format", "minLength", "maxLength")
+NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 HANDLED = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", *STRING_KEYWORDS})
+                     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", *STRING_KEYWORDS,
+                     *NUMBER_KEYWORDS})
 # ``format`` values served, as regular expressions (dpu_gateway/regex.py) a string's value matches. Each is a
 # part of what the format allows, so every answer passes a validator that checks formats: dates have days that
 # exist in every year (February up to the 28th) of years 1000-9999, times and date-times carry an offset (RFC 3339).
@@ -161,7 +164,8 @@ class SchemaCompiler:
         kinds = schema.get("type")
         if kinds is None:
             kinds = "object" if "properties" in schema else "array" if "items" in schema else \
-                "string" if any(k in schema for k in STRING_KEYWORDS) else None
+                "string" if any(k in schema for k in STRING_KEYWORDS) else \
+                "number" if any(k in schema for k in NUMBER_KEYWORDS) else None
         if kinds is None:
             return any_value(ws=self.ws)
         kinds = kinds if isinstance(kinds, list) else [kinds]
@@ -178,6 +182,8 @@ class SchemaCompiler:
             raise SchemaError(f"unknown JSON Schema type {kind!r}", "type")
         if "format" in schema:
             raise SchemaError(f"format on a {kind} is not enforced by this server", "format")
+        if kind in ("integer", "number") and any(k in schema for k in NUMBER_KEYWORDS):
+            return regex.pattern(bounded(schema, kind == "integer"))
         return SCALARS[kind]
 
     def _string(self, schema: dict) -> Pat:
@@ -246,6 +252,82 @@ class SchemaCompiler:
             return self.pattern(target)
         finally:
             self.refs.pop()
+
+
+MAX_BOUND = 10**15  # bounds of larger magnitude are refused (the pattern grows with their digits)
+
+
+def bounded(schema: dict, integer: bool) -> str:
+    """A regular expression for the integers (or numbers) within the schema's bounds, written as JSON writes
+    them (no exponent). Numbers take inclusive integral bounds only (``minimum: 0, maximum: 1``): the integer
+    part then decides, and the top bound is reached only with a zero fraction."""
+    lo = hi = None
+    for key in NUMBER_KEYWORDS:
+        if key not in schema:
+            continue
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not abs(value) <= MAX_BOUND:
+            raise SchemaError(f"{key} must be a number of magnitude at most {MAX_BOUND}", key)
+        if not integer and (key.startswith("exclusive") or not float(value).is_integer()):
+            raise SchemaError(f"{key} {value!r} on a number is not enforced by this server (served: minimum and "
+                              "maximum with integral values)", key)
+        low = key.endswith("inimum")
+        bound = (math.floor(value) + 1 if low else math.ceil(value) - 1) if key.startswith("exclusive") else \
+            (math.ceil(value) if low else math.floor(value))
+        if low:
+            lo = bound if lo is None else max(lo, bound)
+        else:
+            hi = bound if hi is None else min(hi, bound)
+    if lo is not None and hi is not None and lo > hi:
+        raise SchemaError(f"no {'integer' if integer else 'number'} lies within the bounds", "maximum")
+    parts = []
+    if hi is None or hi >= 0:
+        parts.append(_magnitudes(max(lo, 0) if lo is not None else 0, hi, integer))
+    if lo is None or lo < 0:  # negative values, by magnitude
+        parts.append("-" + _magnitudes(max(-hi, 1 if integer else 0) if hi is not None else (1 if integer else 0),
+                                       None if lo is None else -lo, integer))
+    return "|".join(parts)
+
+
+def _magnitudes(a: int, b: int | None, integer: bool) -> str:
+    """Values of magnitude ``a..b`` (None: unbounded), without sign: integers, or numbers whose integer part
+    is below ``b`` with any fraction, or ``b`` with a zero one."""
+    if integer:
+        return _naturals(a, b)
+    if b is None:
+        return f"{_naturals(a, None)}(?:\\.[0-9]+)?"
+    below = f"{_naturals(a, b - 1)}(?:\\.[0-9]+)?|" if a <= b - 1 else ""
+    return f"(?:{below}{b}(?:\\.0+)?)"
+
+
+def _naturals(a: int, b: int | None) -> str:
+    """The integers ``a..b`` (None: unbounded; ``0 <= a``) without leading zeros."""
+    parts = []
+    width = len(str(a))
+    for n in range(width, width + 1 if b is None else len(str(b)) + 1):
+        lo, hi = max(a, 10 ** (n - 1) if n > 1 else 0), min(10**n - 1, 10**n - 1 if b is None else b)
+        if lo <= hi:
+            parts.append(_digits(str(lo), str(hi)))
+    if b is None:
+        parts.append(f"[1-9][0-9]{{{width},}}")
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _digits(x: str, y: str) -> str:
+    """Digit strings of one width from ``x`` to ``y`` (leading zeros allowed past the first position)."""
+    if not x:
+        return ""
+    if x[0] == y[0]:
+        return x[0] + _digits(x[1:], y[1:])
+    rest = len(x) - 1
+    low_full, high_full = x[1:] == "0" * rest, y[1:] == "9" * rest
+    first, last = x[0] if low_full else chr(ord(x[0]) + 1), y[0] if high_full else chr(ord(y[0]) - 1)
+    parts = [] if low_full else [x[0] + _digits(x[1:], "9" * rest)]
+    if first <= last:
+        parts.append(f"[{first}-{last}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    if not high_full:
+        parts.append(y[0] + _digits("0" * rest, y[1:]))
+    return "(?:" + "|".join(parts) + ")"
 
 
 def _list(schema: dict, key: str) -> list:

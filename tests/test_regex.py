@@ -170,6 +170,42 @@ def test_string_keywords_not_enforced_are_refused_by_name(schema: dict, keyword:
     assert info.value.keyword == keyword
 
 
+BOUNDS = [
+    ("integer", {"minimum": 0}), ("integer", {"minimum": -20, "maximum": 135}), ("integer", {"maximum": -7}),
+    ("integer", {"exclusiveMinimum": 2.5, "exclusiveMaximum": 99}), ("integer", {"minimum": 1000, "maximum": 1000}),
+    ("number", {"minimum": 0, "maximum": 1}), ("number", {"minimum": -3}), ("number", {"maximum": 0}),
+    ("number", {"minimum": -120, "maximum": -5.0}), (None, {"minimum": 10}),
+]
+
+
+@pytest.mark.parametrize(("kind", "bounds"), BOUNDS)
+def test_numbers_within_bounds_are_exactly_those_a_validator_takes(kind: str | None, bounds: dict) -> None:
+    dfa = byte_dfa(schema_pattern({"type": kind, **bounds} if kind else bounds))
+
+    def inside(value: float) -> bool:
+        return all((key == "minimum" and value >= b) or (key == "maximum" and value <= b) or
+                   (key == "exclusiveMinimum" and value > b) or (key == "exclusiveMaximum" and value < b)
+                   for key, b in bounds.items())
+    for whole in range(-1300, 1300):
+        texts = [str(whole)] if kind == "integer" else [str(whole), f"{whole}.5", f"{whole}.0", f"{whole}.04"]
+        for text in texts:
+            value = float(text)
+            # every accepted text is inside; every inside value is accepted in JSON's plain form
+            assert accepts(dfa, text.encode()) == inside(value), (bounds, text)
+    assert not accepts(dfa, b"1e2") and not accepts(dfa, b"01")
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "number", "exclusiveMinimum": 0}, "exclusiveMinimum"), ({"type": "number", "minimum": 0.5}, "minimum"),
+    ({"type": "integer", "maximum": 10**16}, "maximum"), ({"type": "integer", "minimum": 3, "maximum": 2}, "maximum"),
+    ({"type": "integer", "minimum": True}, "minimum"), ({"type": "number", "multipleOf": 2}, "multipleOf"),
+])
+def test_bounds_not_enforced_are_refused_by_name(schema: dict, keyword: str) -> None:
+    with pytest.raises(GrammarError) as info:
+        schema_pattern(schema)
+    assert info.value.keyword == keyword
+
+
 def constraint(**fields):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     return constraint_of(decode_chat(json.dumps(body).encode()))
