@@ -43,7 +43,8 @@ def test_a_busy_child_keeps_the_server_unsettled() -> None:
         before = tree_cpu_s(proc.pid)
         with pytest.raises(RuntimeError, match="still busy"):
             wait_settled(proc.pid, quiet_s=1.0, timeout_s=2.5)
-        assert tree_cpu_s(proc.pid) - before > 1.0  # the child's time counts, not the idle parent's alone
+        # the child's time counts, not the idle parent's alone (a shared host gives the child less than a core)
+        assert tree_cpu_s(proc.pid) - before > 0.25
     finally:
         _stop(proc)
 

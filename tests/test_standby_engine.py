@@ -244,17 +244,17 @@ def test_a_spare_waits_for_the_engines_idle(tmp_path: Path) -> None:
         assert wall(spare_starts(stack)[0]) - wall(ready) >= STANDBY_IDLE_S
         with ThreadPoolExecutor(2) as pool:  # two clients: a request always runs
             clients = [pool.submit(load) for _ in range(2)]
-            wait_until("requests running", lambda: stack.gauges()["num_requests_running"], stack, 10)
+            wait_until("requests running", lambda: stack.gauges()["num_requests_running"], stack, 60)
             os.kill(first, signal.SIGKILL)
-            wait_until("the spare's exit", lambda: engine_events(stack.log_path, "standby engine exited"), stack, 10)
+            wait_until("the spare's exit", lambda: engine_events(stack.log_path, "standby engine exited"), stack, 60)
             time.sleep(2 * STANDBY_IDLE_S)
+            idle_from = time.time()  # the last request ends after this (the clients run until told to stop)
             stop.set()
             for c in clients:
                 c.result()
-        idle_from = time.time()
         assert len(spare_starts(stack)) == 1, "a spare was started under load"
-        wait_until("a new spare", lambda: len(spare_starts(stack)) == 2, stack, 30)
-        assert wall(spare_starts(stack)[1]) - idle_from >= STANDBY_IDLE_S - 0.5  # the last answer's delivery
+        wait_until("a new spare", lambda: len(spare_starts(stack)) == 2, stack, 60)
+        assert wall(spare_starts(stack)[1]) - idle_from >= STANDBY_IDLE_S
     finally:
         stop.set()
         assert stop_stack(stack) == 0, stack.log()
