@@ -79,6 +79,7 @@ class Generation:
         self.metrics, self.arrival, self.prompt_tokens = metrics, arrival, prompt_tokens
         self.detok = codec.detokenizer(plan.stop, plan.skip_special_tokens)
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # the answer's token ids, kept when the request asked (return_token_ids)
         self.cached_tokens = 0  # prompt tokens the engine's prefix cache held (usage.prompt_tokens_details)
         self.finish_reason: str | None = None
         # vLLM's stop_reason: the stop string that ended the answer, or the stop token id (not EOS); else None
@@ -131,7 +132,10 @@ class Generation:
         self._take_prompt(msg.prompt)
         if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
             return Delta("")
-        text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
+        if self.plan.return_token_ids:
+            text = self._push_keeping_ids(msg.ids)
+        else:
+            text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
         if self.detok.stopped:
             self.finish_reason = "stop"
             self.stop_reason = self.detok.stop_string
@@ -139,6 +143,21 @@ class Generation:
             if self.plan.include_stop_str and self.detok.stop_string:
                 text += self.detok.stop_string
         return Delta(text, self._logprobs(msg) if self.plan.sampling.logprobs else None)
+
+    def _push_keeping_ids(self, ids: list[int]) -> str:
+        """``detok.push`` that keeps the ids in ``token_ids``: up to the one that completed a stop string (the
+        engine's later ones are not part of the answer), so one at a time where a stop string may end the
+        answer inside a message."""
+        if not self.plan.stop or len(ids) == 1:
+            self.token_ids += ids
+            return self.detok.push(ids)
+        parts = []
+        for t in ids:
+            self.token_ids.append(t)
+            parts.append(self.detok.push([t]))
+            if self.detok.stopped:
+                break
+        return "".join(parts)
 
     def _finished(self, msg: m.Finished) -> Delta:
         if msg.reason == F.ERROR:

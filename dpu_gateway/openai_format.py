@@ -22,8 +22,9 @@ class Envelope:
     model: str
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> Envelope:
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    def new(cls, prefix: str, model: str, request_id: str | None = None) -> Envelope:
+        """``request_id``: the client's (vLLM's ``request_id`` field or ``X-Request-Id``), else a random one."""
+        return cls(f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time()), model)
 
 
 def chat_logprobs(codec: TokenNames, entries: list[TokenLogprob]) -> dict:

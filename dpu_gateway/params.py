@@ -63,6 +63,7 @@ class Plan:
     prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: log-prob entries name tokens token_id:N
     skip_special_tokens: bool = True  # False: special tokens' text is part of the answer (and of what stops match)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
 
     def choices(self) -> list[m.Sampling]:
         """One sampling record per choice: a seeded request's choices draw from seeds derived from it. Only the
@@ -256,7 +257,7 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False,
                 prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids),
-                skip_special_tokens=req.skip_special_tokens is not False)
+                skip_special_tokens=req.skip_special_tokens is not False, return_token_ids=bool(req.return_token_ids))
 
 
 def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, echo: str = "",
@@ -278,7 +279,7 @@ def plan_completion(req: CompletionRequest, prompt_len: int, limits: Limits, ech
                 req.include_stop_str_in_output, req.n, echo, echo_logprobs=echo_k, echo_only=echo_only,
                 prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
                 token_ids_as_text=bool(req.return_tokens_as_token_ids),
-                skip_special_tokens=req.skip_special_tokens is not False)
+                skip_special_tokens=req.skip_special_tokens is not False, return_token_ids=bool(req.return_token_ids))
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -121,9 +121,9 @@ class _Common(_Body, kw_only=True):
     structural_tag: Any = None
     structured_outputs: Any = None           # enforced: json, regex, choice, json_object (structured.py)
     priority: int | None = None
-    request_id: str | None = None
+    request_id: str | None = None            # the response's id (routes.response_id)
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
+    return_token_ids: bool | None = None     # served: prompt_token_ids and token_ids in the answer (respond.py)
     cache_salt: str | None = None           # requests share cached prefixes only with equal salts (params.py)
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -202,8 +202,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (_off, "custom logits processors are not supported"),
     "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),
-    "request_id": (lambda v: v is None, "request_id is not supported (the server names each response)"),
-    "return_token_ids": (_off, "return_token_ids is not supported"),
     "kv_transfer_params": (_off, "KV transfer is not supported"),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),
     "logprobs_mode": (lambda v: v is None, "logprobs_mode is not supported (log-probs are of the raw logits)"),

@@ -81,6 +81,26 @@ class Usage:
         return self.total() if self.include and self.continuous else None
 
 
+class StreamIds:
+    """vLLM's ``return_token_ids`` in a stream: each chunk of a choice carries the token ids that came since its
+    previous chunk (``token_ids``; together, the choice's ``token_ids`` of a whole answer), and a completion
+    choice's first chunk its prompt's (``prompt_token_ids``; a chat stream's first chunk has them once)."""
+
+    def __init__(self, gen: Generation, shape: Shape) -> None:
+        self.gen, self.sent = gen, 0
+        self.on = gen.plan.return_token_ids
+        self.prompt = None if shape.chat else gen.prompt
+
+    def tag(self, chunk: dict) -> dict:
+        if self.on:
+            choice = chunk["choices"][0]
+            choice["token_ids"] = self.gen.token_ids[self.sent:]
+            self.sent = len(self.gen.token_ids)
+            if self.prompt is not None:
+                choice["prompt_token_ids"], self.prompt = self.prompt, None
+        return chunk
+
+
 def merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
     if not parts:
         return None
@@ -119,6 +139,10 @@ async def _collect(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
         message = choice["message"]
         message["content"] = message["content"] or None  # vLLM: null when nothing follows the reasoning
         message.update(shape.reasoning.message_fields(thought))
+    if gen.plan.return_token_ids:  # vLLM's: the answer's ids, and a completion choice's prompt's
+        choice["token_ids"] = gen.token_ids
+        if not shape.chat:
+            choice["prompt_token_ids"] = gen.prompt
     return choice
 
 
@@ -137,8 +161,8 @@ def tool_finish(gen: Generation, called: bool) -> str | None:
 
 
 async def answer_whole(gens: list[Generation], shape: Shape, codec: TokenNames, model: str,
-                       usage: Usage) -> web.Response:
-    env = fmt.Envelope.new(shape.prefix, model)
+                       usage: Usage, request_id: str | None = None) -> web.Response:
+    env = fmt.Envelope.new(shape.prefix, model, request_id)
     tasks = [asyncio.create_task(_collect(g, shape, codec)) for g in gens]
     try:  # a choice that fails (its engine error) must not leave its siblings waiting on forgotten streams
         choices = await asyncio.gather(*tasks)
@@ -149,12 +173,14 @@ async def answer_whole(gens: list[Generation], shape: Shape, codec: TokenNames, 
     body = shape.whole(env, list(choices), usage.total())
     if shape.chat and gens and gens[0].plan.prompt_logprobs >= 0:  # vLLM: one list for the one prompt
         body["prompt_logprobs"] = await asked_prompt_logprobs(gens[0], codec)
+    if shape.chat and gens and gens[0].plan.return_token_ids:
+        body["prompt_token_ids"] = gens[0].prompt
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
 async def answer_stream(request: web.Request, gens: list[Generation], shape: Shape, codec: TokenNames, model: str,
-                        usage: Usage) -> web.StreamResponse:
-    env = fmt.Envelope.new(shape.prefix, model)
+                        usage: Usage, request_id: str | None = None) -> web.StreamResponse:
+    env = fmt.Envelope.new(shape.prefix, model, request_id)
     resp = await sse.open_stream(request)
 
     async def write(obj: dict) -> None:
@@ -164,8 +190,11 @@ async def answer_stream(request: web.Request, gens: list[Generation], shape: Sha
         try:
             if shape.chat:
                 for g in gens:
-                    await write(fmt.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, usage.include,
-                                               g.index, usage.now()))
+                    first = fmt.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, usage.include,
+                                           g.index, usage.now())
+                    if g.plan.return_token_ids and g is gens[0]:  # vLLM: the one prompt's ids in the first chunk
+                        first["prompt_token_ids"] = g.prompt
+                    await write(first)
             await _stream_all(gens, shape, codec, env, usage, write)
             if usage.include:
                 await write(fmt.usage_chunk(env, shape.chunk_object, usage.total()))
@@ -184,8 +213,9 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
     lock = asyncio.Lock()
 
     async def one(gen: Generation) -> None:
+        ids = StreamIds(gen, shape)
         if gen.plan.tool_format is not None:
-            return await _stream_calls(gen, env, usage, lock, write, shape.reasoning)
+            return await _stream_calls(gen, env, usage, lock, write, ids, shape.reasoning)
         reader = shape.reasoning.reader(gen.plan.echo) if shape.reasoning is not None else None
         offset = 0
         async with contextlib.aclosing(gen.deltas()) as deltas:
@@ -197,14 +227,14 @@ async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, e
                     chunk = _reasoning_chunk(shape, env, gen.index, reader.feed(delta.text), logprobs, usage)
                 if chunk is not None:
                     async with lock:
-                        await write(chunk)
+                        await write(ids.tag(chunk))
                 offset += len(delta.text)
         held = None if reader is None else _reasoning_chunk(shape, env, gen.index, reader.finish(), None, usage)
         async with lock:
             if held is not None:
-                await write(held)
-            await write(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None, usage,
-                                    gen.stop_reason))
+                await write(ids.tag(held))
+            await write(ids.tag(shape.chunk(env, gen.index, None if shape.chat else "", gen.finish_reason, None,
+                                            usage, gen.stop_reason)))
 
     tasks = [asyncio.create_task(one(g)) for g in gens]
     try:
@@ -227,7 +257,8 @@ def _reasoning_chunk(shape: Shape, env: fmt.Envelope, index: int, pieces: tuple[
 
 
 async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: asyncio.Lock,
-                        write: Callable[[dict], Awaitable[None]], reasoning: Reasoning | None = None) -> None:
+                        write: Callable[[dict], Awaitable[None]], ids: StreamIds,
+                        reasoning: Reasoning | None = None) -> None:
     """One choice read as tool calls: content deltas as they are decided, each call as OpenAI streams one
     (a delta with its id, type and name, then one with its arguments), then the finish. With ``reasoning``
     (``--reasoning-parser``) the reasoning streams as it comes and the tool parser reads the content only."""
@@ -247,14 +278,14 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
                 calls += 1
             for d in deltas:
                 async with lock:
-                    await write(fmt.chat_chunk(env, d, None, None, usage.include, gen.index, usage.now()))
+                    await write(ids.tag(fmt.chat_chunk(env, d, None, None, usage.include, gen.index, usage.now())))
 
     async def read(pieces: tuple[str, str]) -> None:
         thought, content = pieces
         if thought and reasoning is not None and reasoning.include:
             async with lock:
-                await write(fmt.chat_chunk(env, reasoning.delta(thought, ""), None, None, usage.include, gen.index,
-                                           usage.now()))
+                await write(ids.tag(fmt.chat_chunk(env, reasoning.delta(thought, ""), None, None, usage.include,
+                                                   gen.index, usage.now())))
         await send(parser.feed(content))
 
     reader = None if reasoning is None else reasoning.reader(gen.plan.echo)
@@ -268,5 +299,5 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
         await read(reader.finish())
     await send(parser.finish())
     async with lock:
-        await write(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index, usage.now(),
-                                   gen.stop_reason))
+        await write(ids.tag(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index,
+                                           usage.now(), gen.stop_reason)))

@@ -150,7 +150,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gid = await grammar_id(app, constraint, limits)
     plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
     shape = CHAT if reasoning is None else dataclasses.replace(CHAT, reasoning=reasoning)
-    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival)
+    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival, response_id(request, req))
 
 
 def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list[tuple[str, bool]]) -> Reasoning | None:
@@ -206,7 +206,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = truncate(ids, req.truncate_prompt_tokens)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else app[CODEC].decode(ids)
         jobs.append((ids, plan_completion(req, len(ids), limits, echo, gid)))
-    return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival)
+    return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival, response_id(request, req))
 
 
 def vocab_size(app: web.Application) -> int:
@@ -223,8 +223,24 @@ def check_token_ids(app: web.Application, ids: list[int]) -> None:
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
 
 
+MAX_REQUEST_ID = 256
+
+
+def response_id(request: web.Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """What names the response (``chatcmpl-ID``), as vLLM: the ``X-Request-Id`` header, else the body's
+    ``request_id``, else None (a random one)."""
+    given = request.headers.get("X-Request-Id") or req.request_id
+    if given is None:
+        return None
+    if not given or len(given) > MAX_REQUEST_ID or not given.isprintable():
+        param = "request_id" if req.request_id == given else "X-Request-Id"
+        raise APIError(400, f"{param} must be 1 to {MAX_REQUEST_ID} printable characters", param=param,
+                       code="invalid_value")
+    return given
+
+
 async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Plan]], stream: bool,
-              usage: tuple[bool, bool], arrival: float) -> web.StreamResponse:
+              usage: tuple[bool, bool], arrival: float, rid: str | None = None) -> web.StreamResponse:
     """Submit every choice of every prompt (choice index = prompt index * n + i), then answer."""
     app = request.app
     backend, codec, model = app[BACKEND], app[CODEC], app[CONFIG].served_model_name
@@ -244,8 +260,8 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
         request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
         names = TokenIdNames() if jobs and jobs[0][1].token_ids_as_text else codec  # of the log-prob entries
         if stream:
-            return await answer_stream(request, gens, shape, names, model, counts)
-        return await answer_whole(gens, shape, names, model, counts)
+            return await answer_stream(request, gens, shape, names, model, counts, rid)
+        return await answer_whole(gens, shape, names, model, counts, rid)
     finally:
         record_outcome(request, gens)
         for handle in handles:

@@ -201,3 +201,53 @@ def test_chat_template_kwargs_the_template_does_not_read_are_400(real: Stack) ->
     with pytest.raises(openai.BadRequestError) as info:
         greedy(real, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert info.value.param == "chat_template_kwargs.enable_thinking"
+
+
+def test_return_token_ids_on_completions_and_chat(real: Stack, text) -> None:
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's, whole or a chunk at a time; the ids
+    spell the text (up to the token that completed a stop string), the stream's add up to the whole's."""
+    client = sync_client(real)
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=2,
+                                      stop=["."], extra_body={"return_token_ids": True}).model_dump()
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == text.ids(prompt)
+        spelled = text.tok.decode(choice["token_ids"], skip_special_tokens=True)
+        assert spelled.startswith(choice["text"]) and len(choice["token_ids"]) <= whole["usage"]["completion_tokens"]
+        if choice["finish_reason"] == "stop" and choice["stop_reason"] == ".":
+            assert "." in spelled[len(choice["text"]):] and "." not in text.tok.decode(choice["token_ids"][:-1])
+    chunks = [c.model_dump() for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, stop=["."],
+        extra_body={"return_token_ids": True})]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == text.ids(prompt)
+    assert all(c["choices"][0].get("prompt_token_ids") is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+
+    chat = greedy(real, max_tokens=12, extra_body={"return_token_ids": True}).model_dump()
+    ids = chat["choices"][0]["token_ids"]
+    assert text.tok.decode(ids, skip_special_tokens=True) == chat["choices"][0]["message"]["content"]
+    assert len(ids) == chat["usage"]["completion_tokens"] and len(chat["prompt_token_ids"]) == \
+        chat["usage"]["prompt_tokens"]
+    stream = [c.model_dump() for c in client.chat.completions.create(
+        model=MODEL, messages=FRANCE, max_tokens=12, temperature=0, stream=True,
+        extra_body={"return_token_ids": True})]
+    assert stream[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all(c.get("prompt_token_ids") is None for c in stream[1:])
+    assert [t for c in stream for ch in c["choices"] for t in ch.get("token_ids") or []] == ids
+    plain = greedy(real, max_tokens=12).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_request_id_names_the_response(real: Stack) -> None:
+    client = sync_client(real)
+    out = greedy(real, max_tokens=2, extra_body={"request_id": "job-7"})
+    assert out.id == "chatcmpl-job-7"
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"request_id": "job-8"},
+                                    extra_headers={"X-Request-Id": "trace-1"})
+    assert out.id == "cmpl-trace-1"  # as vLLM: the header before the field
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, stream=True,
+                                                 extra_body={"request_id": "job-9"}))
+    assert {c.id for c in chunks} == {"chatcmpl-job-9"}
+    with pytest.raises(openai.BadRequestError) as info:
+        greedy(real, max_tokens=2, extra_body={"request_id": "a\nb"})
+    assert info.value.param == "request_id"

@@ -241,12 +241,13 @@ def test_the_grammar_compiles_against_the_served_vocabulary() -> None:
 
 # ----------------------------------------------------------------------- the answer, from real token ids
 def run_answer(codec: TextCodec, text: str, reasoning: R.Reasoning, stream: bool, tool: bool = False,
-               echo: str = "") -> dict | list[dict]:
+               echo: str = "", return_token_ids: bool = False) -> dict | list[dict]:
     """The gateway's own response code (``answer_whole`` / ``_stream_all``) for one choice whose engine output is
     ``text``'s token ids, one ``Tokens`` event per token, then EOS."""
     async def go() -> dict | list[dict]:
         backend, stream_ = Backend(Path("/nonexistent")), RequestStream(req_id=1)
-        plan = Plan(m.Sampling(max_new_tokens=64), [], echo=echo, tool_format=FORMATS["hermes"] if tool else None)
+        plan = Plan(m.Sampling(max_new_tokens=64), [], echo=echo, tool_format=FORMATS["hermes"] if tool else None,
+                    return_token_ids=return_token_ids)
         gen = Generation(codec, plan, backend, stream_, FrontendMetrics(MODEL), 0.0, 1)
         ids = codec.tokenizer.encode(text)
         for t in ids:
@@ -500,3 +501,18 @@ def test_without_a_parser_include_reasoning_false_is_refused_and_reasoning_effor
                                             extra_body={"include_reasoning": True})
     assert served.choices[0].message.content is not None
     assert "reasoning_content" not in served.choices[0].message.model_dump(exclude_none=True)
+
+
+@pytest.mark.parametrize("tool", [False, True])
+def test_token_ids_add_up_whatever_holds_text_back(codec: TextCodec, tool: bool) -> None:
+    """``return_token_ids`` where the reasoning reader and the tool parser hold text back (chunks then do not
+    follow tokens): every id reaches some chunk once, in order, and the whole answer lists them all."""
+    text = f"<think>I could write {CALL} here</think>\n\n{CALL}" if tool else "<think>so</think>Paris it is."
+    ids = codec.tokenizer.encode(text)
+    whole = run_answer(codec, text, R.Reasoning("qwen3"), stream=False, tool=tool, return_token_ids=True)
+    assert isinstance(whole, dict) and whole["token_ids"] == ids
+    chunks = run_answer(codec, text, R.Reasoning("qwen3"), stream=True, tool=tool, return_token_ids=True)
+    assert isinstance(chunks, list)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+    plain = run_answer(codec, text, R.Reasoning("qwen3"), stream=True, tool=tool)
+    assert isinstance(plain, list) and all("token_ids" not in c["choices"][0] for c in plain)
