@@ -85,8 +85,10 @@ def worker_main(fd: int) -> None:
 
 def compile_one(job: Job, pattern_of: Any, vocab: Vocab, ring_name: str, budget: Budget) -> Refusal | None:
     """Build, compile and store one grammar; a grammar that cannot be served is a ``Refusal``."""
+    from dpu_gateway.structured import id_table  # noqa: PLC0415 (the worker's imports, as pattern_of)
+
     try:
-        dfa = token_dfa(byte_dfa(pattern_of(job.key), budget), vocab, budget)
+        dfa = id_table(job.key, job.vocab_size) or token_dfa(byte_dfa(pattern_of(job.key), budget), vocab, budget)
         store.store(ring_name, job.grammar_id, dfa)
         return None
     except TooComplex as exc:

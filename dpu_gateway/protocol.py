@@ -106,7 +106,7 @@ class _Common(_Body, kw_only=True):
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    allowed_token_ids: list | None = None
+    allowed_token_ids: list | None = None    # enforced as a one-state token table (structured.allowed_ids)
     bad_words: list | None = None
     logits_processors: list | None = None
     skip_special_tokens: bool | None = None  # false: special tokens' text is part of the answer
@@ -198,7 +198,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "use_beam_search": (_off, "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1.0), "length_penalty applies to beam search, which is not supported"),
-    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported (use logit_bias)"),
     "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (_off, "custom logits processors are not supported"),
     "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),

@@ -135,7 +135,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = app[CONFIG]
     tooling = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
                          cfg.enable_auto_tool_choice)
-    constraint = chat_constraint(req, tooling)
+    constraint = chat_constraint(req, tooling, app[CODEC].tokenizer.eos_token_ids)
     if constraint is not None:
         check_constraint(constraint, req, limits)
     how = rendering(req)
@@ -166,9 +166,9 @@ def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list
     return plan_reasoning(parser, prompt, app[CODEC].special_re, req.chat_template_kwargs, req.include_reasoning)
 
 
-def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan) -> Constraint | None:
+def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan, eos: tuple[int, ...]) -> Constraint | None:
     """A forced tool call's grammar, or the response format's; never both."""
-    asked = constraint_of(req)
+    asked = constraint_of(req, eos)
     if not tooling.forced():
         return asked
     if asked is not None:
@@ -194,7 +194,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_completion(await request.read())
     check_model(app, req.model)
     limits = request_limits(app)
-    constraint = constraint_of(req)
+    constraint = constraint_of(req, app[CODEC].tokenizer.eos_token_ids)
     if constraint is not None:
         check_constraint(constraint, req, limits)
     gid = await grammar_id(app, constraint, limits)

@@ -8,12 +8,15 @@ import dataclasses
 import json
 from typing import Any
 
+import numpy as np
+
 from dpu_gateway import regex
 from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import Pat, alt, lit, seq, until, without
 from dpu_gateway.json_grammar import any_object, schema_pattern
 from dpu_gateway.protocol import _Common
 from dpu_gateway.tools import FORMATS, parse_tools
+from shared.token_dfa import GrammarError, TokenDFA
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,10 +168,42 @@ def structured_outputs(value: Any) -> Constraint | None:
     return Constraint(_key("json_object_compact" if compact else "json_object", None), f"{param}.json_object")
 
 
-def constraint_of(req: _Common) -> Constraint | None:
-    """The request's one output constraint (at most one of the fields may ask for one)."""
+MAX_ALLOWED_IDS = 262_144
+
+
+def allowed_ids(value: list | None, eos: tuple[int, ...]) -> Constraint | None:
+    """vLLM's ``allowed_token_ids``: only these tokens may be sampled, an end of sequence only where one of the
+    model's EOS ids is listed (as vLLM, which masks every other id, EOS included)."""
+    if value is None:
+        return None
+    param = "allowed_token_ids"
+    if not value or len(value) > MAX_ALLOWED_IDS or \
+            not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise _bad(param, f"must be a non-empty list of at most {MAX_ALLOWED_IDS} token ids (integers >= 0)")
+    ids = sorted(set(value))
+    return Constraint(_key("allowed_ids", [ids, any(t in eos for t in ids)]), param)
+
+
+def id_table(key: str, vocab_size: int) -> TokenDFA | None:
+    """The token table of an ``allowed_ids`` key (one state: the listed ids lead back to it; EOS and the
+    stop ids follow where an EOS id was listed); None for a key whose grammar is a pattern."""
+    kind, value = json.loads(key)
+    if kind != "allowed_ids":
+        return None
+    ids, ends = value
+    if ids[-1] >= vocab_size:
+        raise GrammarError(f"token id {ids[-1]} is not below the vocabulary size {vocab_size}")
+    allowed = np.zeros(vocab_size, dtype=bool)
+    allowed[ids] = True
+    return TokenDFA(0, vocab_size, np.packbits(allowed)[None, :], np.zeros(1, np.int32), np.zeros(2, np.int64),
+                    np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([ends]))
+
+
+def constraint_of(req: _Common, eos: tuple[int, ...] = ()) -> Constraint | None:
+    """The request's one output constraint (at most one of the fields may ask for one); ``eos``: the served
+    model's EOS ids (``allowed_token_ids`` lists them to allow an end)."""
     found = [c for c in (response_format(req.response_format), structured_outputs(req.structured_outputs),
-                         *guided(req)) if c is not None]
+                         *guided(req), allowed_ids(req.allowed_token_ids, eos)) if c is not None]
     if len(found) > 1:
         raise _bad(found[1].param, f"only one output constraint may be given, got {found[0].param} and "
                    f"{found[1].param}")

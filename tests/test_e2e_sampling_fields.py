@@ -251,3 +251,23 @@ def test_request_id_names_the_response(real: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         greedy(real, max_tokens=2, extra_body={"request_id": "a\nb"})
     assert info.value.param == "request_id"
+
+
+def test_allowed_token_ids_keep_every_sampled_token_in_the_list(real: Stack, text) -> None:
+    client = sync_client(real)
+    ids = text.tok.encode(" Paris Lyon Nice", add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=1.0,
+                                    seed=3, n=3, extra_body={"allowed_token_ids": ids, "return_token_ids": True})
+    for choice in out.model_dump()["choices"]:  # no EOS listed: no end before max_tokens (as vLLM)
+        assert set(choice["token_ids"]) <= set(ids) and len(choice["token_ids"]) == 5, choice
+        assert choice["finish_reason"] == "length"
+    ended = greedy(real, max_tokens=40, extra_body={"allowed_token_ids": [*ids, *text.tok.eos_token_ids],
+                                                   "return_token_ids": True}).model_dump()["choices"][0]
+    assert set(ended["token_ids"]) <= set(ids) and ended["finish_reason"] in ("stop", "length"), ended
+    for bad in ([], ["a"], [-1], [text.tok.vocab_size + 5]):
+        with pytest.raises(openai.BadRequestError) as info:
+            greedy(real, max_tokens=2, extra_body={"allowed_token_ids": bad})
+        assert info.value.param == "allowed_token_ids", bad
+    with pytest.raises(openai.BadRequestError) as info:
+        greedy(real, max_tokens=2, response_format={"type": "json_object"}, extra_body={"allowed_token_ids": ids})
+    assert info.value.param == "allowed_token_ids"
