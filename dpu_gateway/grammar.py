@@ -157,10 +157,13 @@ def _scan(marker: str | bytes, ends: bool) -> Pat:
 
 
 def _upto(part: Pat, k: int) -> Pat:
-    out: Pat = lambda nfa, cont: cont  # noqa: E731
-    for _ in range(k):
-        out = opt(seq(part, out))
-    return out
+    """``part`` at most ``k`` times: built in a loop (a chain of ``k`` nested patterns would recurse ``k`` deep)."""
+    def build(nfa: NFA, cont: int) -> int:
+        state = cont
+        for _ in range(k):
+            state = nfa.fork([cont, part(nfa, state)])
+        return state
+    return build
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

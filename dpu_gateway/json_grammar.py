@@ -119,7 +119,9 @@ FORMATS = {
     "time": _TIME,
     "date-time": rf"{_YEAR}-{_DAY}T{_TIME}",
     "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-    "email": rf"[A-Za-z0-9_+-]+(?:\.[A-Za-z0-9_+-]+)*@{_LABEL}(?:\.{_LABEL})*\.[A-Za-z]{{2,24}}",
+    # a local part of at most 50 characters (RFC 5321: 64), a domain of at most 216 (253)
+    "email": rf"[A-Za-z0-9_+-]{{1,16}}(?:\.[A-Za-z0-9_+-]{{1,16}}){{0,2}}@{_LABEL}(?:\.{_LABEL}){{0,2}}"
+             r"\.[A-Za-z]{2,24}",
     "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
 }
 MAX_LENGTH_BOUND = 256  # minLength / maxLength above this are refused (each allowed character is a copy)
@@ -143,22 +145,36 @@ class SchemaCompiler:
         if unknown:
             raise SchemaError(f"JSON Schema keyword {unknown[0]!r} is not enforced by this server", unknown[0])
         if "$ref" in schema:
-            return self._ref(schema["$ref"])
-        if "const" in schema:
-            return lit(encode(schema["const"]))
-        if "enum" in schema:
-            if not isinstance(schema["enum"], list) or not schema["enum"]:
-                raise SchemaError("enum must be a non-empty list", "enum")
-            return alt(*(lit(encode(v)) for v in schema["enum"]))
+            return self._ref(schema["$ref"], _rest(schema, "$ref"))
         for key in ("anyOf", "oneOf"):  # oneOf is enforced as anyOf (exclusivity is not checked)
             if key in schema:
-                return alt(*(self.pattern({**_rest(schema, key), **_sub(s)}) for s in _list(schema, key)))
+                return alt(*(self.pattern(merge(_rest(schema, key), _sub(s))) for s in _list(schema, key)))
         if "allOf" in schema:
             parts = _list(schema, "allOf")
             if len(parts) != 1:
                 raise SchemaError("allOf with more than one schema is not enforced by this server", "allOf")
-            return self.pattern({**_rest(schema, "allOf"), **_sub(parts[0])})
+            return self.pattern(merge(_rest(schema, "allOf"), _sub(parts[0])))
+        if "const" in schema or "enum" in schema:
+            return self._values(schema)
         return self._typed(schema)
+
+    def _values(self, schema: dict) -> Pat:
+        """``enum`` / ``const``: the values (of the schema's type, where it has one); beside any other keyword
+        that could exclude one of them, refused."""
+        values = [schema["const"]] if "const" in schema else None
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise SchemaError("enum must be a non-empty list", "enum")
+            values = schema["enum"] if values is None else [v for v in schema["enum"] if encode(v) == encode(values[0])]
+        other = sorted(set(schema) - ANNOTATIONS - {"const", "enum", "type", "$defs", "definitions"})
+        if other:
+            raise SchemaError(f"{other[0]} beside enum or const is not enforced by this server", other[0])
+        if "type" in schema:
+            kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            values = [v for v in values or [] if _json_type(v) & set(kinds)]
+        if not values:
+            raise SchemaError("no value of enum / const is allowed by the rest of the schema", "enum")
+        return alt(*(lit(encode(v)) for v in values))
 
     def _typed(self, schema: dict) -> Pat:
         kinds = schema.get("type")
@@ -180,7 +196,7 @@ class SchemaCompiler:
             return self._string(schema)
         if kind not in SCALARS:
             raise SchemaError(f"unknown JSON Schema type {kind!r}", "type")
-        if "format" in schema:
+        if "format" in schema and kind in ("integer", "number"):  # on null and boolean it asserts nothing
             raise SchemaError(f"format on a {kind} is not enforced by this server", "format")
         if kind in ("integer", "number") and any(k in schema for k in NUMBER_KEYWORDS):
             return regex.pattern(bounded(schema, kind == "integer"))
@@ -202,7 +218,7 @@ class SchemaCompiler:
             return seq(lit('"'), regex.pattern(source, json=True), lit('"'))
         if lengths:
             lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-            if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+            if not _count(lo) or (hi is not None and (not _count(hi) or hi < lo)):
                 raise SchemaError("minLength / maxLength must be integers with 0 <= minLength <= maxLength",
                                   lengths[-1])
             if max(lo, hi or 0) > MAX_LENGTH_BOUND:
@@ -228,7 +244,7 @@ class SchemaCompiler:
 
     def _array(self, schema: dict) -> Pat:
         lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+        if not _count(lo) or (hi is not None and (not _count(hi) or hi < lo)):
             raise SchemaError("minItems / maxItems must be integers with 0 <= minItems <= maxItems", "maxItems")
         if max(lo, hi or 0) > MAX_ITEMS_BOUND:
             raise SchemaError(f"minItems / maxItems above {MAX_ITEMS_BOUND} are not enforced by this server",
@@ -238,7 +254,7 @@ class SchemaCompiler:
             raise SchemaError("tuple-form items are not enforced by this server", "items")
         return array(self.pattern(items), lo, hi, self.ws)
 
-    def _ref(self, ref: Any) -> Pat:
+    def _ref(self, ref: Any, siblings: dict) -> Pat:
         if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")):
             raise SchemaError(f"only local references (#/$defs/NAME) are supported, got {ref!r}", "$ref")
         if self.refs.count(ref) >= 1 or len(self.refs) >= MAX_REF_DEPTH:
@@ -248,8 +264,8 @@ class SchemaCompiler:
         if target is None:
             raise SchemaError(f"reference {ref} names no definition", "$ref")
         self.refs.append(ref)
-        try:
-            return self.pattern(target)
+        try:  # keywords beside the reference apply with the target's
+            return self.pattern(merge(siblings, _sub(target)) if siblings else target)
         finally:
             self.refs.pop()
 
@@ -328,6 +344,54 @@ def _digits(x: str, y: str) -> str:
     if not high_full:
         parts.append(y[0] + _digits("0" * rest, y[1:]))
     return "(?:" + "|".join(parts) + ")"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json_type(value: Any) -> set[str]:
+    """The JSON Schema types ``value`` is an instance of."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
+        return {"integer", "number"}
+    return {float: {"number"}, str: {"string"}, list: {"array"}, dict: {"object"}}.get(type(value), set())
+
+
+_TIGHTER = {"minimum": max, "exclusiveMinimum": max, "minLength": max, "minItems": max,
+            "maximum": min, "exclusiveMaximum": min, "maxLength": min, "maxItems": min}
+
+
+def merge(outer: dict, inner: dict) -> dict:
+    """One schema for an instance both must validate: a keyword set on one side is kept, bounds set on both
+    take the tighter, ``type`` the types both allow, ``required`` both lists; any other keyword set on both
+    sides with different values is refused (a branch's value must not replace the outer one)."""
+    out = dict(inner)
+    for key, value in outer.items():
+        if key not in out or out[key] == value:
+            out[key] = value
+        elif key in _TIGHTER and all(isinstance(v, int | float) and not isinstance(v, bool) for v in (value, out[key])):
+            out[key] = _TIGHTER[key](value, out[key])
+        elif key == "type":
+            out[key] = _both_types(value, out[key])
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = list(dict.fromkeys([*out[key], *value]))
+        else:
+            raise SchemaError(f"{key} given both beside and inside anyOf / oneOf / allOf / $ref with different "
+                              "values is not enforced by this server", key)
+    return out
+
+
+def _both_types(a: Any, b: Any) -> list:
+    a, b = (t if isinstance(t, list) else [t] for t in (a, b))
+    both = [t for t in a if t in b or t == "integer" and "number" in b]
+    both += [t for t in b if t == "integer" and "number" in a and t not in both]
+    if not both:
+        raise SchemaError(f"no value is of type {a} and of type {b}", "type")
+    return both
 
 
 def _list(schema: dict, key: str) -> list:

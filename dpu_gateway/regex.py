@@ -1,7 +1,7 @@
 """Regular expressions to byte patterns (``dpu_gateway/grammar.py``): ``structured_outputs.regex`` and
 ``guided_regex`` (the whole answer matches), JSON Schema's ``pattern`` and ``format`` (a string's value matches).
 
-The syntax is the common part of Python's ``re`` and ECMAScript's: literals, ``.``, classes (``[a-z]``,
+The syntax is Python's ``re`` and ECMAScript's: literals, ``.``, classes (``[a-z]``,
 ``[^...]``, ``\\d \\w \\s`` and their negations, inside classes too), groups (``(...)``, ``(?:...)``, named),
 alternation, the quantifiers ``* + ? {n} {n,} {n,m}`` (lazy forms too: the same strings match), escapes
 (``\\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH \\u{H...} \\UHHHHHHHH`` and escaped punctuation), and ``^`` / ``$`` /
@@ -9,10 +9,12 @@ alternation, the quantifiers ``* + ? {n} {n,} {n,m}`` (lazy forms too: the same 
 What would change the language and is not compiled is refused (``RegexError`` naming it): backreferences,
 lookaround, word boundaries, flags, possessive quantifiers and atomic groups, Unicode property classes.
 
-Where the two dialects differ the compiled set is their common part, so every answer matches the pattern
-under either: ``\\d`` and ``\\w`` are ASCII (ECMAScript's, and Python's with ``re.ASCII``), ``\\s`` is the
-ASCII white space and ``\\S`` excludes every Unicode white space, ``.`` excludes the line terminators of both
-(``\\n \\r`` U+2028 U+2029).
+Where the two dialects give one construct different sets the compiled set is their common part, so every
+answer matches the pattern under either (Python's ``re`` on text, ECMAScript with the ``u`` flag, as JSON
+Schema asks): ``\\d``, ``\\w`` and ``\\s`` are ASCII, and their negations (``\\D``, ``[^\\d]``, ...) leave out
+whatever either dialect counts in them (Unicode digits, letters and white space); ``.`` excludes the line
+terminators of both (``\\n \\r`` U+2028 U+2029). A construct only one dialect accepts (``\\A``, ``(?P<n>...)``;
+``\\u{...}``, ``(?<n>...)``) means what it means there.
 
 A character set is a sorted list of disjoint inclusive ranges of code points, never a surrogate; it becomes
 the alternatives of its UTF-8 encodings, a byte range per position (``utf8_ranges``). In ``json`` mode a
@@ -21,7 +23,8 @@ character is written as it appears inside a JSON string: ``"``, ``\\`` and the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 from dpu_gateway.grammar import Pat, alt, byteset, lit, rep, seq
 from shared.token_dfa import GrammarError
@@ -30,6 +33,7 @@ MAX_CODE = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 MAX_REPEAT = 1000  # a bound of {n,m} above this is refused before anything is built (each copy is states)
 MAX_NESTING = 64  # groups inside groups: deeper is refused (the parser and the build recurse)
+MAX_PATTERN = 16_384  # characters of one pattern: longer is refused before it is read
 
 Ranges = list[tuple[int, int]]
 
@@ -72,16 +76,49 @@ def chars(text: str) -> Ranges:
     return normalize((ord(c), ord(c)) for c in text)
 
 
+def where(test: Callable[[str], bool]) -> Ranges:
+    """The code points (surrogates aside) for which ``test`` holds."""
+    out: Ranges = []
+    start = -1
+    for c in range(MAX_CODE + 2):
+        ok = c <= MAX_CODE and not SURROGATES[0] <= c <= SURROGATES[1] and test(chr(c))
+        if ok and start < 0:
+            start = c
+        elif not ok and start >= 0:
+            out.append((start, c - 1))
+            start = -1
+    return normalize(out)
+
+
+# A shorthand has a narrow set, what both dialects put in it (ASCII digits, word characters and white space),
+# and a wide one, what either may (Python's Unicode \d \w \s; ECMAScript's \s, which has U+FEFF). A class
+# takes the narrow sets; a negation leaves out the wide ones, so that no answer has a character one dialect
+# would exclude.
 DIGITS = [(0x30, 0x39)]
 WORD = normalize([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
 SPACE = chars(" \t\n\r\f\v")
-# every code point either dialect calls white space: \S leaves them all out
-UNICODE_SPACE = normalize([*SPACE, (0x1C, 0x1F), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
-                           (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)])
+ECMA_SPACE = normalize([*SPACE, (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                        (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)])
 DOT = complement(chars("\n\r\u2028\u2029"))
 ANY = complement([])
-CLASSES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD), "s": SPACE,
-           "S": complement(UNICODE_SPACE)}
+
+
+@functools.cache
+def wide(kind: str) -> Ranges:
+    """The wide set of ``\\d``, ``\\w`` or ``\\s`` (computed once a process: a walk over every code point)."""
+    if kind == "d":
+        return normalize([*DIGITS, *where(str.isdecimal)])
+    if kind == "w":
+        return normalize([*WORD, *where(str.isalnum)])
+    return normalize([*ECMA_SPACE, *where(str.isspace)])
+
+
+def shorthand(c: str) -> tuple[Ranges, Ranges]:
+    """(narrow, wide) of the shorthand ``c``, one of ``dDwWsS``."""
+    narrow = {"d": DIGITS, "w": WORD, "s": SPACE}[c.lower()]
+    if c.islower():
+        return narrow, wide(c)
+    return complement(wide(c.lower())), complement(narrow)
 
 
 def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
@@ -162,6 +199,7 @@ class _Parser:
         self.pos = 0
         self.depth = 0
         self.keyword = keyword
+        self.last_shorthand: tuple[Ranges, Ranges] = ([], [])
 
     def fail(self, what: str, at: int | None = None) -> RegexError:
         at = self.pos if at is None else at
@@ -226,10 +264,13 @@ class _Parser:
         close = self.src.find("}", self.pos)
         body = self.src[self.pos + 1:close] if close > 0 else ""
         lo_text, comma, hi_text = body.partition(",")
-        if not lo_text.isdigit() or (hi_text and not hi_text.isdigit()):
-            if not lo_text and comma and hi_text.isdigit():
-                raise self.fail("'{,n}' means 0 to n in Python and a literal in ECMAScript: write {0,n}")
-            return None  # a literal '{' (both dialects)
+        if not _number(lo_text) or (hi_text and not _number(hi_text)):
+            if not lo_text and comma and (not hi_text or _number(hi_text)):
+                raise self.fail("'{,n}' and '{,}' mean 0 to n (or more) in Python and a literal in ECMAScript: "
+                                "write {0,n} or *")
+            return None  # a literal '{' (both dialects; non-ASCII digits too)
+        if len(lo_text) > 4 or len(hi_text) > 4:
+            raise self.fail(f"repeat bounds above {MAX_REPEAT} are not enforced by this server")
         lo, hi = int(lo_text), (int(hi_text) if hi_text else None) if comma else int(lo_text)
         if hi is not None and hi < lo:
             raise self.fail(f"the repeat bound {{{body}}} has min > max")
@@ -308,8 +349,8 @@ class _Parser:
     def escape(self, in_class: bool) -> Node:
         at = self.pos - 1
         c = self.take()
-        if c in CLASSES:
-            return ("set", CLASSES[c])
+        if c in "dDwWsS":
+            return ("set", *shorthand(c))
         if not in_class and c == "A":
             return ("start", at)
         if not in_class and c in "Zz":
@@ -356,13 +397,15 @@ class _Parser:
         return (code, code)
 
     def char_class(self) -> Ranges:
+        """The characters of a class: what each item surely means, or, negated, all but what an item may."""
         start = self.pos - 1
         negate = self.peek() == "^"
         if negate:
             self.pos += 1
         if self.peek() == "]":
             raise self.fail("a ']' first in a class differs between Python and ECMAScript: write \\]", self.pos)
-        ranges: Ranges = []
+        narrow: Ranges = []
+        wide_: Ranges = []
         while True:
             c = self.peek()
             if not c:
@@ -374,28 +417,43 @@ class _Parser:
             if self.peek() == "-" and self.peek(1) not in ("]", ""):
                 self.pos += 1
                 high = self.class_item()
-                if len(low) != 1 or len(high) != 1 or low[0][0] != low[0][1] or high[0][0] != high[0][1]:
+                if low is None or high is None:
                     raise self.fail("a class shorthand (\\d, \\w, \\s) cannot bound a range")
-                if high[0][0] < low[0][0]:
+                if high < low:
                     raise self.fail("bad character range")
-                ranges.append((low[0][0], high[0][0]))
+                narrow.append((low, high))
+                wide_.append((low, high))
+            elif low is None:
+                narrow += self.last_shorthand[0]
+                wide_ += self.last_shorthand[1]
             else:
-                ranges += low
-        return complement(ranges) if negate else normalize(ranges)
+                narrow.append((low, low))
+                wide_.append((low, low))
+        return complement(wide_) if negate else normalize(narrow)
 
-    def class_item(self) -> Ranges:
-        """One character of a class, or a shorthand's set (\\d ...)."""
+    def class_item(self) -> int | None:
+        """One character of a class (its code), or None for a shorthand (its sets in ``last_shorthand``)."""
         c = self.take()
         if c != "\\":
-            code = ord(self._checked(c))
-            return [(code, code)]
-        return self.escape(in_class=True)[1]
+            return ord(self._checked(c))
+        node = self.escape(in_class=True)
+        if len(node) == 3:
+            self.last_shorthand = (node[1], node[2])
+            return None
+        return node[1][0][0]
+
+
+def _number(text: str) -> bool:
+    return bool(text) and all(c in "0123456789" for c in text)
 
 
 # ------------------------------------------------------------------------------------------------ compile
 def parse(source: str, keyword: str = "") -> Node:
     if not isinstance(source, str):
         raise RegexError("a regular expression must be a string", keyword)
+    if len(source) > MAX_PATTERN:
+        raise RegexError(f"regular expressions of more than {MAX_PATTERN} characters are not enforced by this "
+                         "server", keyword)
     parser = _Parser(source, keyword)
     tree = parser.parse()
     _check_anchors(tree, True, True, parser)
@@ -413,10 +471,11 @@ def _check_anchors(node: Node, first: bool, last: bool, parser: _Parser) -> None
             _check_anchors(branch, first, last, parser)
     elif kind == "seq":
         items = node[1]
+        # an item is first when only starts come before it, last when only ends follow it
+        lead = next((i for i, x in enumerate(items) if x[0] != "start"), len(items))
+        tail = next((i for i in range(len(items) - 1, -1, -1) if items[i][0] != "end"), -1)
         for i, item in enumerate(items):
-            before = all(x[0] == "start" for x in items[:i])
-            after = all(x[0] == "end" for x in items[i + 1:])
-            _check_anchors(item, first and before, last and after, parser)
+            _check_anchors(item, first and i <= lead, last and i >= tail, parser)
     elif kind == "rep":
         _check_anchors(node[1], False, False, parser)
 

@@ -146,7 +146,8 @@ def structured_outputs(value: Any) -> Constraint | None:
                     "whitespace_pattern": "a whitespace pattern is"}[name]
             raise APIError(400, f"{param}.{name}: {what} not supported by this server (served: json, regex, choice, "
                            "json_object)", param=f"{param}.{name}", code="unsupported_value")
-    given = [k for k in _CONSTRAINTS if value.get(k) is not None and value.get(k) is not False]
+    # only null is absent (as vLLM): a false regex or schema is a 400 below; json_object false asks for nothing
+    given = [k for k in _CONSTRAINTS if value.get(k) is not None and (k != "json_object" or value[k] is not False)]
     compact = value.get("disable_any_whitespace", False)
     if len(given) > 1:
         raise _bad(f"{param}.{given[1]}", f"only one constraint may be given, got {' and '.join(given)}")

@@ -18,7 +18,7 @@ import pytest
 from dpu_gateway import regex
 from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import ByteDFA, accepts, byte_dfa
-from dpu_gateway.json_grammar import FORMATS, schema_pattern
+from dpu_gateway.json_grammar import FORMATS, SchemaError, schema_pattern
 from dpu_gateway.protocol import decode_chat
 from dpu_gateway.structured import constraint_of, pattern_of
 from shared.token_dfa import GrammarError
@@ -32,12 +32,14 @@ PATTERNS = [
 ]
 
 
-def walk_all(dfa: ByteDFA, source: str, flags: int = re.ASCII, length: int = 4, json_mode: bool = False) -> None:
+def walk_all(dfa: ByteDFA, source: str, length: int = 4, json_mode: bool = False, alphabet: str = ALPHABET) -> None:
+    """Every string of ``alphabet`` up to ``length``: accepted exactly when it matches under Python's Unicode
+    and ASCII readings both (the ASCII one stands in for ECMAScript's ``\\d \\w``)."""
     for n in range(length + 1):
-        for t in itertools.product(ALPHABET, repeat=n):
+        for t in itertools.product(alphabet, repeat=n):
             s = "".join(t)
             text = json.dumps(s, ensure_ascii=False)[1:-1] if json_mode else s
-            want = re.fullmatch(source, s, flags) is not None
+            want = re.fullmatch(source, s) is not None and re.fullmatch(source, s, re.ASCII) is not None
             assert accepts(dfa, text.encode()) == want, (source, s)
 
 
@@ -57,6 +59,16 @@ def test_ecmascript_only_forms_match_their_python_spelling(ecmascript: str, pyth
 @pytest.mark.parametrize("source", [r"[a\"\\]+", r"\n?.", r"[^b]{2}", r"\\\\a"])
 def test_json_mode_matches_the_value_inside_a_json_string(source: str) -> None:
     walk_all(byte_dfa(regex.pattern(source, json=True)), source, length=3, json_mode=True)
+
+
+@pytest.mark.parametrize("source", [r"\W", r"\D", r"\S", r"[^\w]", r"[^\d\s]", r"[^\S]", r"[^\W\d]", r"\w\S?"])
+def test_negated_shorthands_leave_out_what_either_dialect_counts_in(source: str) -> None:
+    """Unicode digits, letters and spaces: an answer never has one where the pattern excludes it under a
+    dialect; nor U+FEFF where ECMAScript's \\s would take it."""
+    contested = "a1 _-é٣\u3000\x1c\xa0"
+    dfa = byte_dfa(regex.pattern(source))
+    walk_all(dfa, source, length=2, alphabet=contested)
+    assert not accepts(dfa, "\ufeff".encode()) or not any(k in source for k in (r"\S", r"[^\d\s]"))
 
 
 def test_control_characters_are_written_as_json_escapes() -> None:
@@ -94,13 +106,23 @@ def test_utf8_ranges_cover_each_code_point_once() -> None:
                        for s in seqs) == 1
 
 
+def test_long_and_wide_patterns() -> None:
+    regex.parse("a" * regex.MAX_PATTERN)  # linear in the pattern's length (anchors checked in one pass)
+    with pytest.raises(regex.RegexError, match="more than"):
+        regex.parse("a" * (regex.MAX_PATTERN + 1))
+    dfa = byte_dfa(regex.pattern("a{0,900}"))  # built in a loop, not 900 nested patterns
+    assert accepts(dfa, b"a" * 900) and not accepts(dfa, b"a" * 901)
+    literal = byte_dfa(regex.pattern("a{\u0661}"))  # a non-ASCII digit: a literal brace in both dialects
+    assert accepts(literal, "a{\u0661}".encode()) and re.fullmatch("a{\u0661}", "a{\u0661}")
+
+
 @pytest.mark.parametrize(("source", "why"), [
     (r"(a", "missing ')'"), (r"a)", "unbalanced"), (r"(a)\1", "backreferences"), (r"a(?=b)", "lookahead"),
     (r"(?<!a)b", "lookbehind"), (r"\bword", "word boundaries"), (r"(?i)a", "inline flags"), (r"a**", "multiple"),
     (r"*a", "nothing to repeat"), (r"a{,3}", "{0,n}"), (r"[]a]", "write \\]"), (r"a^b", "start"), (r"a$b", "end"),
     (r"(^a)*", "start"), (r"\p{L}", "property"), (r"a*+", "possessive"), (r"(?>a)", "atomic"), (r"[z-a]", "range"),
     (r"\q", "bad escape"), (r"a{1001}", "above 1000"), (r"\x4", "bad escape"), ("(" * 65 + ")" * 65, "nested"),
-    (r"[a", "unterminated"), (r"\ud800", "bad escape"),
+    (r"[a", "unterminated"), (r"\ud800", "bad escape"), (r"a{,}", "{0,n}"), ("a{" + "9" * 5000 + "}", "above 1000"),
 ])
 def test_what_is_not_compiled_is_refused_with_why(source: str, why: str) -> None:
     with pytest.raises(regex.RegexError) as info:
@@ -130,12 +152,22 @@ def sentences(dfa: ByteDFA, count: int, seed: int) -> list[str]:
     return out
 
 
+def _email(value: str) -> None:
+    """RFC 5321's lengths and a dotted domain of labels of letters, digits and inner hyphens."""
+    local, _, domain = value.partition("@")
+    labels = domain.split(".")
+    ok = 0 < len(local) <= 64 and len(domain) <= 253 and len(labels) >= 2 and not local.startswith(".") and \
+        ".." not in local and all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", x) for x in labels)
+    if not ok:
+        raise ValueError(value)
+
+
 CHECKS = {
     "date": datetime.date.fromisoformat,
     "time": lambda v: datetime.time.fromisoformat(v) and v[-1] in "Z0123456789" and ("Z" in v or "+" in v or "-" in v),
     "date-time": lambda v: datetime.datetime.fromisoformat(v).tzinfo is not None,
     "uuid": uuid.UUID,
-    "email": lambda v: re.fullmatch(r"[^@\s]+@[^@\s]+\.[A-Za-z]{2,}", v) or (_ for _ in ()).throw(ValueError(v)),
+    "email": lambda v: _email(v),
     "ipv4": ipaddress.IPv4Address,
 }
 
@@ -156,6 +188,29 @@ def test_string_keywords_in_a_schema() -> None:
         assert accepts(lengths, json.dumps(value, ensure_ascii=False).encode()) is ok, value
     compact = byte_dfa(schema_pattern({"type": "object", "properties": {"a": {"type": "array"}}}, compact=True))
     assert accepts(compact, b'{"a":[1,{"b":2}]}') and not accepts(compact, b'{"a": []}')
+
+
+def test_keywords_beside_a_branch_or_a_value_list_are_kept_or_refused() -> None:
+    """A keyword beside ``anyOf`` / ``$ref`` / ``enum`` still applies: bounds take the tighter, types both
+    allow; what cannot be combined is refused, never dropped."""
+    def dfa(schema: dict) -> ByteDFA:
+        return byte_dfa(schema_pattern(schema))
+    tighter = dfa({"minimum": 5, "anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}]})
+    assert accepts(tighter, b"5") and not accepts(tighter, b"0") and not accepts(tighter, b"10")
+    ref = dfa({"$ref": "#/$defs/N", "maximum": 3, "$defs": {"N": {"type": "integer", "minimum": 1}}})
+    assert accepts(ref, b"3") and not accepts(ref, b"4") and not accepts(ref, b"0")
+    typed = dfa({"type": "string", "enum": ["a", 1, None]})
+    assert accepts(typed, b'"a"') and not accepts(typed, b"1") and not accepts(typed, b"null")
+    nullable = dfa({"type": ["string", "null"], "format": "date"})
+    assert accepts(nullable, b"null") and accepts(nullable, b'"2024-05-06"') and not accepts(nullable, b'"x"')
+    for schema, keyword in (({"enum": [1, 50], "maximum": 10}, "maximum"),
+                            ({"const": "abc", "pattern": "^x"}, "pattern"),
+                            ({"pattern": "^b$", "anyOf": [{"type": "string", "pattern": "^a$"}]}, "pattern"),
+                            ({"type": "string", "anyOf": [{"type": "integer"}]}, "type"),
+                            ({"type": "string", "minLength": True}, "minLength")):
+        with pytest.raises(SchemaError) as info:
+            schema_pattern(schema)
+        assert info.value.keyword == keyword, schema
 
 
 @pytest.mark.parametrize(("schema", "keyword"), [
@@ -243,6 +298,8 @@ def test_structured_outputs_become_the_constraint_vllm_means() -> None:
     ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
     ({"structured_outputs": ["a"]}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": False}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": False}}, "structured_outputs.choice"),
     ({"guided_regex": 5}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs.regex"),
