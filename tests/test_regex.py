@@ -138,11 +138,13 @@ def sentences(dfa: ByteDFA, count: int, seed: int) -> list[str]:
         if (grown == live).all():
             break
         live = grown
+    usable = (dfa.trans >= 0) & live[dfa.trans.clip(0)]
+    moves_of = [[int(b) for b in row.nonzero()[0]] for row in usable]
     rng, out = random.Random(seed), []
     while len(out) < count:
         state, data = dfa.start, b""
         while not (dfa.accept[state] and rng.random() < 0.3) and len(data) < 400:
-            moves = [b for b in range(256) if dfa.trans[state, b] >= 0 and live[dfa.trans[state, b]]]
+            moves = moves_of[state]
             if not moves:
                 break
             b = rng.choice(moves)
