@@ -109,7 +109,7 @@ async def test_requests_spread_over_both_engines(dp: Stack, client: openai.Async
         after = per_engine(dp)["blink:dp_engine_prompt_tokens_total"]
         return {e: (after[e] - before[e]) / prompt_len for e in range(ENGINES)}
 
-    wait_for(lambda: sum(counts().values()) == n, 10, 0.1)  # the engines publish their stats every 0.1 s
+    wait_for(lambda: sum(counts().values()) == n, 60, 0.1)  # the engines publish their stats every 0.1 s
     assert counts() == {0: n / ENGINES, 1: n / ENGINES}, counts()
 
 
@@ -186,7 +186,7 @@ async def test_killing_one_engine_fails_only_its_requests(dp: Stack, client: ope
     other_pid = engine_pid(other)
     os.kill(engine_pid(victim), signal.SIGKILL)
     ends = asyncio.gather(*(finish(s) for s, _ in streams))
-    wait_for(lambda: health(dp)[1].get("status") == "degraded", 10, 0.05)  # while the engine loads again
+    wait_for(lambda: health(dp)[1].get("status") == "degraded", 60, 0.05)  # while the engine loads again
     status, body = health(dp)
     assert status == 200 and [e["status"] for e in body["engines"]] == ["down", "ok"], body
     answers = [await complete(client) for _ in range(3)]  # served by the other engine meanwhile

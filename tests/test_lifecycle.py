@@ -255,7 +255,9 @@ def test_a_killed_servers_ring_is_not_taken_for_this_servers_engine(tmp_path: Pa
 
 # ---------------------------------------------------------------------- a drain refuses new requests
 def test_during_a_drain_new_requests_get_503_with_retry_after(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, "--drain-timeout", "30")
+    # 10 ms steps: the 1,000-token stream lasts about 10 s, past the signal, the drain's log line and the new request
+    # however slow the host (within the 30 s drain)
+    stack = start_stack(tmp_path, "--drain-timeout", "30", env={"FAKE_ENGINE_STEP_MS": "10"})
     try:
         idle = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=LIMIT_S)
         idle.request("GET", "/health")

@@ -7,8 +7,9 @@ first token) one token per step, then stops with EOS; with ``ignore_eos`` it kee
 until ``max_new_tokens``. A seed rotates where the echo starts. Logprobs are fixed numbers. With
 ``--standby`` it is a spare, as the real engine's: it waits for blink serve's go and serves the ring it names.
 ``FAKE_ENGINE_LOAD_S`` in its environment: seconds it waits before creating its ring (a model's load);
-``FAKE_ENGINE_HANG_ONCE``: see ``hang_now``. ``--rdma-listen`` exports the ring as the real engine's does
-(``shared.remote_ring.ExportServer``, checked before the "load").
+``FAKE_ENGINE_HANG_ONCE``: see ``hang_now``. ``FAKE_ENGINE_STEP_MS``: a step's time, in place of ``--step-ms``.
+``--rdma-listen`` exports the ring as the real engine's does (``shared.remote_ring.ExportServer``, checked before
+the "load").
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if export is not None:
         setup_logging("engine")
         export.start(ring)
-    fake = FakeEngine(ring, args.max_context, args.step_ms / 1000)
+    fake = FakeEngine(ring, args.max_context, float(os.environ.get("FAKE_ENGINE_STEP_MS", args.step_ms)) / 1000)
     signal.signal(signal.SIGTERM, lambda *_: setattr(fake, "stop", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(fake, "stop", True))
     ring.header_store32("vocab_size", args.vocab_size)
