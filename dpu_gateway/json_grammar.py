@@ -125,6 +125,10 @@ FORMATS = {
     "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
 }
 MAX_LENGTH_BOUND = 256  # minLength / maxLength above this are refused (each allowed character is a copy)
+# A string of bounded length takes the Basic Multilingual Plane less the controls but tab and newline: about 6
+# automaton states a character where every code point (escaped controls, 4-byte UTF-8) takes 14, so that 256
+# characters fit the token-state budget.
+BOUNDED_CHARS = regex.normalize([(0x09, 0x0A), (0x20, 0xFFFF)])
 MAX_REF_DEPTH = 8
 
 
@@ -224,7 +228,7 @@ class SchemaCompiler:
             if max(lo, hi or 0) > MAX_LENGTH_BOUND:
                 raise SchemaError(f"minLength / maxLength above {MAX_LENGTH_BOUND} are not enforced by this server",
                                   lengths[-1])
-            return seq(lit('"'), rep(regex.set_pattern(regex.ANY, json=True), lo, hi), lit('"'))
+            return seq(lit('"'), rep(regex.set_pattern(BOUNDED_CHARS, json=True), lo, hi), lit('"'))
         return STRING
 
     def _object(self, schema: dict) -> Pat:

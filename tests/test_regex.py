@@ -185,6 +185,7 @@ def test_every_answer_of_a_format_passes_its_validator(fmt: str) -> None:
 def test_string_keywords_in_a_schema() -> None:
     pattern = byte_dfa(schema_pattern({"type": ["string", "null"], "pattern": r"^[A-Z]{2}\d$"}))
     assert accepts(pattern, b'"AB1"') and accepts(pattern, b"null") and not accepts(pattern, b'"AB"')
+    assert byte_dfa(schema_pattern({"type": "string", "maxLength": 256})).trans.shape[0] <= 2048  # the budget's
     lengths = byte_dfa(schema_pattern({"minLength": 2, "maxLength": 3}))  # no type: a string
     for value, ok in (("ab", True), ("a\u00e9\n", True), ("a", False), ("abcd", False), ('"\\', True)):
         assert accepts(lengths, json.dumps(value, ensure_ascii=False).encode()) is ok, value
