@@ -194,7 +194,8 @@ Node = tuple
 
 
 class _Parser:
-    def __init__(self, source: str, keyword: str) -> None:
+    def __init__(self, source: str, keyword: str, sets: bool = True) -> None:
+        self.sets = sets  # False: a syntax check only (no shorthand's wide set is computed)
         self.src = source
         self.pos = 0
         self.depth = 0
@@ -350,7 +351,7 @@ class _Parser:
         at = self.pos - 1
         c = self.take()
         if c in "dDwWsS":
-            return ("set", *shorthand(c))
+            return ("set", *shorthand(c)) if self.sets else ("set", DIGITS, DIGITS)
         if not in_class and c == "A":
             return ("start", at)
         if not in_class and c in "Zz":
@@ -448,13 +449,15 @@ def _number(text: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def parse(source: str, keyword: str = "") -> Node:
+def parse(source: str, keyword: str = "", sets: bool = True) -> Node:
+    """The pattern's tree (``sets`` False: checked only, its shorthands' sets left out: the gateway's request
+    path, which must not walk the code points; the compile worker builds the real tree)."""
     if not isinstance(source, str):
         raise RegexError("a regular expression must be a string", keyword)
     if len(source) > MAX_PATTERN:
         raise RegexError(f"regular expressions of more than {MAX_PATTERN} characters are not enforced by this "
                          "server", keyword)
-    parser = _Parser(source, keyword)
+    parser = _Parser(source, keyword, sets)
     tree = parser.parse()
     _check_anchors(tree, True, True, parser)
     return tree

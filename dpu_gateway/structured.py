@@ -95,7 +95,7 @@ def _regex(value: Any, param: str) -> Constraint:
     if not isinstance(value, str):
         raise _bad(param, "must be a regular expression (a string)")
     try:
-        regex.parse(value)  # a syntax error or an unsupported construct is a 400 before any compile
+        regex.parse(value, sets=False)  # a syntax error or an unsupported construct is a 400 before any compile
     except regex.RegexError as exc:
         raise _bad(param, str(exc)) from None
     return Constraint(_key("regex", value), param)

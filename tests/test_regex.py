@@ -112,6 +112,9 @@ def test_long_and_wide_patterns() -> None:
         regex.parse("a" * (regex.MAX_PATTERN + 1))
     dfa = byte_dfa(regex.pattern("a{0,900}"))  # built in a loop, not 900 nested patterns
     assert accepts(dfa, b"a" * 900) and not accepts(dfa, b"a" * 901)
+    regex.wide.cache_clear()
+    regex.parse(r"[^\W\d]\S", sets=False)  # the gateway's check walks no code point (the worker does, once)
+    assert regex.wide.cache_info().currsize == 0
     literal = byte_dfa(regex.pattern("a{\u0661}"))  # a non-ASCII digit: a literal brace in both dialects
     assert accepts(literal, "a{\u0661}".encode()) and re.fullmatch("a{\u0661}", "a{\u0661}")
 
