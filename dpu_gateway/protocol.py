@@ -107,7 +107,7 @@ class _Common(_Body, kw_only=True):
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     allowed_token_ids: list | None = None    # enforced as a one-state token table (structured.allowed_ids)
-    bad_words: list | None = None
+    bad_words: list | None = None            # enforced as a token automaton (structured.bad_words)
     logits_processors: list | None = None
     skip_special_tokens: bool | None = None  # false: special tokens' text is part of the answer
     spaces_between_special_tokens: bool | None = None  # either way no space is put between them (docs/API.md)
@@ -198,7 +198,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (only 1)"),
     "use_beam_search": (_off, "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1.0), "length_penalty applies to beam search, which is not supported"),
-    "bad_words": (_off, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (_off, "custom logits processors are not supported"),
     "priority": (lambda v: v in (None, 0), "requests are served first come, first served (priority 0 only)"),
     "kv_transfer_params": (_off, "KV transfer is not supported"),

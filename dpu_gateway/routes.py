@@ -55,6 +55,7 @@ from dpu_gateway.state import (
 from dpu_gateway.structured import Constraint, constraint_of
 from dpu_gateway.textio import Rendering, TokenIdNames, encode_parts, message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
+from dpu_tokenizer.base import Tokenizer
 from shared.metrics import EngineSample
 
 STARTED = int(time.time())
@@ -135,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = app[CONFIG]
     tooling = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
                          cfg.enable_auto_tool_choice)
-    constraint = chat_constraint(req, tooling, app[CODEC].tokenizer.eos_token_ids)
+    constraint = chat_constraint(req, tooling, app[CODEC].tokenizer)
     if constraint is not None:
         check_constraint(constraint, req, limits)
     how = rendering(req)
@@ -166,9 +167,9 @@ def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list
     return plan_reasoning(parser, prompt, app[CODEC].special_re, req.chat_template_kwargs, req.include_reasoning)
 
 
-def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan, eos: tuple[int, ...]) -> Constraint | None:
+def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan, tok: Tokenizer) -> Constraint | None:
     """A forced tool call's grammar, or the response format's; never both."""
-    asked = constraint_of(req, eos)
+    asked = request_constraint(req, tok)
     if not tooling.forced():
         return asked
     if asked is not None:
@@ -176,6 +177,11 @@ def chat_constraint(req: ChatCompletionRequest, tooling: ToolPlan, eos: tuple[in
                        f"{tooling.choice.mode!r})", param=asked.param, code="unsupported_value")
     kind, value = tooling.pattern_key()
     return Constraint(msgspec.json.encode([kind, value]).decode(), "tool_choice")
+
+
+def request_constraint(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer) -> Constraint | None:
+    """The request's output constraint, with the served tokenizer's EOS ids and words' token ids at hand."""
+    return constraint_of(req, tok.eos_token_ids, lambda text: tok.encode(text, add_special_tokens=False))
 
 
 async def grammar_id(app: web.Application, constraint: Constraint | None, limits: Limits) -> int:
@@ -194,7 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_completion(await request.read())
     check_model(app, req.model)
     limits = request_limits(app)
-    constraint = constraint_of(req, app[CODEC].tokenizer.eos_token_ids)
+    constraint = request_constraint(req, app[CODEC].tokenizer)
     if constraint is not None:
         check_constraint(constraint, req, limits)
     gid = await grammar_id(app, constraint, limits)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -185,10 +186,40 @@ def allowed_ids(value: list | None, eos: tuple[int, ...]) -> Constraint | None:
     return Constraint(_key("allowed_ids", [ids, any(t in eos for t in ids)]), param)
 
 
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64
+
+
+def bad_words(value: list | None, encode: Callable[[str], list[int]] | None) -> Constraint | None:
+    """vLLM's ``bad_words``: each word's token sequence (as the tokenizer writes it alone, and after a space when
+    that is another sequence of the same length, as vLLM) never completed by the answer: its last token is
+    masked wherever the answer so far ends with the rest."""
+    if value is None or value == []:
+        return None
+    param = "bad_words"
+    if len(value) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in value):
+        raise _bad(param, f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+    if encode is None:
+        raise APIError(400, f"{param}: this endpoint cannot tokenize bad words", param=param, code="unsupported_value")
+    found: list[list[int]] = []
+    for word in value:
+        alone = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        for ids in (alone, spaced if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone) else []):
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise _bad(param, f"a bad word of more than {MAX_BAD_WORD_TOKENS} tokens: {word[:40]!r}")
+            if ids and ids not in found:
+                found.append(ids)
+    return Constraint(_key("bad_words", found), param) if found else None
+
+
 def id_table(key: str, vocab_size: int) -> TokenDFA | None:
     """The token table of an ``allowed_ids`` key (one state: the listed ids lead back to it; EOS and the
-    stop ids follow where an EOS id was listed); None for a key whose grammar is a pattern."""
+    stop ids follow where an EOS id was listed) or a ``bad_words`` key (``_bad_words_table``); None for a key
+    whose grammar is a pattern."""
     kind, value = json.loads(key)
+    if kind == "bad_words":
+        return _bad_words_table(value, vocab_size)
     if kind != "allowed_ids":
         return None
     ids, ends = value
@@ -200,11 +231,63 @@ def id_table(key: str, vocab_size: int) -> TokenDFA | None:
                     np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([ends]))
 
 
-def constraint_of(req: _Common, eos: tuple[int, ...] = ()) -> Constraint | None:
+MAX_BAD_STATES = 2048  # as the grammar budget's token states: a bigger table is refused
+
+
+def _bad_words_table(sequences: list[list[int]], vocab_size: int) -> TokenDFA:
+    """An Aho-Corasick automaton over token ids: a state is the longest end of the answer that begins a bad
+    sequence; its allowed tokens are all but those completing a bad sequence from it or from a shorter end
+    (the states its failure links reach); every state accepts (an end is always allowed)."""
+    if any(t >= vocab_size for s in sequences for t in s):
+        raise GrammarError(f"a bad word's token is not below the vocabulary size {vocab_size}")
+    node: dict[tuple[int, ...], int] = {(): 0}  # the proper prefixes of the sequences
+    children: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {(): {}}
+    own: dict[tuple[int, ...], set[int]] = {}  # the last tokens of the sequences that this prefix begins
+    for seq_ in sequences:
+        own.setdefault(tuple(seq_[:-1]), set()).add(seq_[-1])
+        for k in range(1, len(seq_)):
+            prefix = tuple(seq_[:k])
+            if prefix not in node:
+                if len(node) >= MAX_BAD_STATES:
+                    raise GrammarError(f"bad_words need more than {MAX_BAD_STATES} automaton states")
+                node[prefix] = len(node)
+                children[prefix] = {}
+                children[prefix[:-1]][prefix[-1]] = prefix
+    fail: dict[tuple[int, ...], tuple[int, ...]] = {}
+    banned: dict[tuple[int, ...], set[int]] = {}
+    moves: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {}
+    for p in sorted(node, key=len):  # shorter first: a failure link points to a shorter prefix
+        f: tuple[int, ...] = ()
+        if len(p) > 1:
+            f = fail[p[:-1]]
+            while f and p[-1] not in children[f]:
+                f = fail[f]
+            f = children[f].get(p[-1], ())
+        fail[p] = f
+        banned[p] = own.get(p, set()) | (banned[f] if p else set())
+        moves[p] = {**(moves[f] if p else {}), **children[p]}
+    S = len(node)
+    bits = np.packbits(np.ones(vocab_size, dtype=bool))[None, :].repeat(S, axis=0)
+    offsets, tokens, nexts = [0], [], []
+    for p, i in node.items():  # in state order
+        for t in banned[p]:
+            bits[i, t >> 3] &= ~np.uint8(0x80 >> (t & 7))
+        taken = sorted((t, node[q]) for t, q in moves[p].items() if t not in banned[p])
+        tokens += [t for t, _ in taken]
+        nexts += [q for _, q in taken]
+        offsets.append(len(tokens))
+    return TokenDFA(0, vocab_size, bits, np.zeros(S, np.int32), np.array(offsets, np.int64),
+                    np.array(tokens, np.int32), np.array(nexts, np.int32), np.ones(S, dtype=bool))
+
+
+def constraint_of(req: _Common, eos: tuple[int, ...] = (),
+                  encode: Callable[[str], list[int]] | None = None) -> Constraint | None:
     """The request's one output constraint (at most one of the fields may ask for one); ``eos``: the served
-    model's EOS ids (``allowed_token_ids`` lists them to allow an end)."""
+    model's EOS ids (``allowed_token_ids`` lists them to allow an end); ``encode``: text to token ids without
+    special tokens (``bad_words``)."""
     found = [c for c in (response_format(req.response_format), structured_outputs(req.structured_outputs),
-                         *guided(req), allowed_ids(req.allowed_token_ids, eos)) if c is not None]
+                         *guided(req), allowed_ids(req.allowed_token_ids, eos), bad_words(req.bad_words, encode))
+             if c is not None]
     if len(found) > 1:
         raise _bad(found[1].param, f"only one output constraint may be given, got {found[0].param} and "
                    f"{found[1].param}")

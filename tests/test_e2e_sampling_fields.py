@@ -271,3 +271,21 @@ def test_allowed_token_ids_keep_every_sampled_token_in_the_list(real: Stack, tex
     with pytest.raises(openai.BadRequestError) as info:
         greedy(real, max_tokens=2, response_format={"type": "json_object"}, extra_body={"allowed_token_ids": ids})
     assert info.value.param == "allowed_token_ids"
+
+
+def test_bad_words_never_complete_in_the_answer(real: Stack, text) -> None:
+    """vLLM's ``bad_words``: the greedy answer's " Paris" is masked at its last token, with and without the
+    leading space; the rest of the answer goes on."""
+    free = greedy(real, max_tokens=12, extra_body={"return_token_ids": True}).model_dump()["choices"][0]
+    assert "Paris" in free["message"]["content"]
+    out = greedy(real, max_tokens=12, extra_body={"bad_words": ["Paris"], "return_token_ids": True})
+    answer = out.model_dump()["choices"][0]
+    ids = answer["token_ids"]
+    for word in ("Paris", " Paris"):
+        seq = text.tok.encode(word, add_special_tokens=False)
+        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, ids)
+    assert answer["message"]["content"] != free["message"]["content"]
+    for bad in (["  "], [3], "Paris"):
+        with pytest.raises(openai.BadRequestError) as info:
+            greedy(real, max_tokens=2, extra_body={"bad_words": bad})
+        assert info.value.param == "bad_words", bad

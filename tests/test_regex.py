@@ -20,7 +20,7 @@ from dpu_gateway.errors import APIError
 from dpu_gateway.grammar import ByteDFA, accepts, byte_dfa
 from dpu_gateway.json_grammar import FORMATS, SchemaError, schema_pattern
 from dpu_gateway.protocol import decode_chat
-from dpu_gateway.structured import constraint_of, pattern_of
+from dpu_gateway.structured import constraint_of, id_table, pattern_of
 from shared.token_dfa import GrammarError
 
 ALPHABET = "ab01-. \n_\"\\é"
@@ -314,3 +314,32 @@ def test_structured_outputs_that_cannot_be_served_are_a_400_naming_the_field(fie
     with pytest.raises(APIError) as info:
         constraint(**fields)
     assert info.value.status == 400 and info.value.param == param, info.value
+
+
+def test_bad_words_table_masks_exactly_the_completing_tokens() -> None:
+    """The Aho-Corasick table against a brute force: at every step of random answers over a 12-token vocabulary
+    a token is allowed exactly when appending it completes no bad sequence (overlapping, nested and one-token
+    sequences included)."""
+    rng = random.Random(7)
+    for _ in range(150):
+        seqs: list[list[int]] = []
+        for _ in range(rng.randint(1, 5)):
+            s = [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+            if s not in seqs:
+                seqs.append(s)
+        table = id_table(json.dumps(["bad_words", seqs]), 12)
+        assert table is not None and table.accept.all()
+        for _ in range(20):
+            out: list[int] = []
+            state = table.start
+            for _ in range(10):
+                allowed = table.allowed(state)
+                for t in range(12):
+                    completes = any(len(out) >= len(s) - 1 and out[len(out) - len(s) + 1:] == s[:-1] and t == s[-1]
+                                    for s in seqs)
+                    assert allowed[t] == (not completes), (seqs, out, t)
+                choices = [t for t in range(12) if allowed[t]]
+                if not choices:
+                    break
+                out.append(rng.choice(choices))
+                state = table.advance(state, out[-1])
