@@ -281,11 +281,16 @@ def test_bad_words_never_complete_in_the_answer(real: Stack, text) -> None:
     out = greedy(real, max_tokens=12, extra_body={"bad_words": ["Paris"], "return_token_ids": True})
     answer = out.model_dump()["choices"][0]
     ids = answer["token_ids"]
-    for word in ("Paris", " Paris"):
-        seq = text.tok.encode(word, add_special_tokens=False)
-        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, ids)
+    paris = [text.tok.encode(word, add_special_tokens=False) for word in ("Paris", " Paris")]
+    for seq in paris:
+        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (seq, ids)
     assert answer["message"]["content"] != free["message"]["content"]
     for bad in (["  "], [3], "Paris"):
         with pytest.raises(openai.BadRequestError) as info:
             greedy(real, max_tokens=2, extra_body={"bad_words": bad})
         assert info.value.param == "bad_words", bad
+    long = greedy(real, max_tokens=20, extra_body={"bad_words": ["Paris"], "min_tokens": 20, "ignore_eos": True,
+                                                   "return_token_ids": True}).model_dump()  # both served with it
+    ids = long["choices"][0]["token_ids"]
+    assert long["usage"]["completion_tokens"] == 20 and not any(
+        ids[i:i + len(seq)] == seq for seq in paris for i in range(len(ids)))
