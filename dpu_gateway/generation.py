@@ -125,39 +125,38 @@ class Generation:
 
     def _tokens(self, msg: m.Tokens) -> Delta:
         self._observe(len(msg.ids))
-        self.completion_tokens += len(msg.ids)
         if msg.cached_tokens is not None:
             self.cached_tokens = msg.cached_tokens
         self.tally.tokens(len(msg.ids), self.cached_tokens, msg.clocks, msg.admit_ns)
         self._take_prompt(msg.prompt)
         if self.plan.echo_only:  # the token sampled for echo without generation is not part of the answer
+            self.completion_tokens += len(msg.ids)
             return Delta("")
+        text, kept = self._push(msg.ids)  # special tokens (EOS) add no text
+        self.completion_tokens += kept
         if self.plan.return_token_ids:
-            text = self._push_keeping_ids(msg.ids)
-        else:
-            text = self.detok.push(msg.ids)  # special tokens (EOS) add no text
+            self.token_ids += msg.ids[:kept]
         if self.detok.stopped:
             self.finish_reason = "stop"
             self.stop_reason = self.detok.stop_string
             self._account()
             if self.plan.include_stop_str and self.detok.stop_string:
                 text += self.detok.stop_string
-        return Delta(text, self._logprobs(msg) if self.plan.sampling.logprobs else None)
+        return Delta(text, self._logprobs(msg)[:kept] if self.plan.sampling.logprobs else None)
 
-    def _push_keeping_ids(self, ids: list[int]) -> str:
-        """``detok.push`` that keeps the ids in ``token_ids``: up to the one that completed a stop string (the
-        engine's later ones are not part of the answer), so one at a time where a stop string may end the
-        answer inside a message."""
+    def _push(self, ids: list[int]) -> tuple[str, int]:
+        """``detok.push``, and how many of ``ids`` are the answer's: where a stop string may end it inside a message
+        of several ids (the reader's, when it caught up with several steps), one at a time, so that the stops
+        are looked for after each token whatever the messages (as vLLM), and the engine's ids past the one that
+        completed a stop are not the answer's (its usage, log-probs and token ids)."""
         if not self.plan.stop or len(ids) == 1:
-            self.token_ids += ids
-            return self.detok.push(ids)
+            return self.detok.push(ids), len(ids)
         parts = []
-        for t in ids:
-            self.token_ids.append(t)
+        for k, t in enumerate(ids, 1):
             parts.append(self.detok.push([t]))
             if self.detok.stopped:
-                break
-        return "".join(parts)
+                return "".join(parts), k
+        return "".join(parts), len(ids)
 
     def _finished(self, msg: m.Finished) -> Delta:
         if msg.reason == F.ERROR:

@@ -132,6 +132,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     json_body(request)
     req = decode_chat(await request.read())
     check_model(app, req.model)
+    rid = response_id(request, req)
     limits = request_limits(app)
     cfg = app[CONFIG]
     tooling = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
@@ -151,7 +152,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gid = await grammar_id(app, constraint, limits)
     plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
     shape = CHAT if reasoning is None else dataclasses.replace(CHAT, reasoning=reasoning)
-    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival, response_id(request, req))
+    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival, rid)
 
 
 def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list[tuple[str, bool]]) -> Reasoning | None:
@@ -199,6 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     json_body(request)
     req = decode_completion(await request.read())
     check_model(app, req.model)
+    rid = response_id(request, req)
     limits = request_limits(app)
     constraint = request_constraint(req, app[CODEC].tokenizer)
     if constraint is not None:
@@ -212,7 +214,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = truncate(ids, req.truncate_prompt_tokens)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else app[CODEC].decode(ids)
         jobs.append((ids, plan_completion(req, len(ids), limits, echo, gid)))
-    return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival, response_id(request, req))
+    return await run(request, COMPLETION, jobs, req.stream, stream_usage(req), arrival, rid)
 
 
 def vocab_size(app: web.Application) -> int:

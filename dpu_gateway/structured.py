@@ -173,9 +173,9 @@ def structured_outputs(value: Any) -> Constraint | None:
 MAX_ALLOWED_IDS = 262_144
 
 
-def allowed_ids(value: list | None, eos: tuple[int, ...]) -> Constraint | None:
-    """vLLM's ``allowed_token_ids``: only these tokens may be sampled, an end of sequence only where one of the
-    model's EOS ids is listed (as vLLM, which masks every other id, EOS included)."""
+def allowed_ids(value: list | None) -> Constraint | None:
+    """vLLM's ``allowed_token_ids``: only these tokens may be sampled, EOS and stop ids too (as vLLM, which masks
+    every other id): a listed one is allowed by its bit, and the table never adds the end tokens."""
     if value is None:
         return None
     param = "allowed_token_ids"
@@ -183,22 +183,27 @@ def allowed_ids(value: list | None, eos: tuple[int, ...]) -> Constraint | None:
             not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise _bad(param, f"must be a non-empty list of at most {MAX_ALLOWED_IDS} token ids (integers >= 0)")
     ids = sorted(set(value))
-    return Constraint(_key("allowed_ids", [ids, any(t in eos for t in ids)]), param)
+    return Constraint(_key("allowed_ids", ids), param)
 
 
-MAX_BAD_WORDS = 128
+MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 64
+MAX_BAD_CHARS = 16_384  # of all the words: tokenized in the gateway, so bounded before that
 
 
-def bad_words(value: list | None, encode: Callable[[str], list[int]] | None) -> Constraint | None:
+def bad_words(value: list | None, encode: Callable[[str], list[int]] | None,
+              ends: tuple[int, ...] = ()) -> Constraint | None:
     """vLLM's ``bad_words``: each word's token sequence (as the tokenizer writes it alone, and after a space when
     that is another sequence of the same length, as vLLM) never completed by the answer: its last token is
-    masked wherever the answer so far ends with the rest."""
+    masked wherever the answer so far ends with the rest. A word that an end token (``ends``: EOS, the request's
+    stop ids) would complete is refused: an end is allowed wherever the answer may end."""
     if value is None or value == []:
         return None
     param = "bad_words"
-    if len(value) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in value):
-        raise _bad(param, f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+    if len(value) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() for w in value) or \
+            sum(len(w) for w in value) > MAX_BAD_CHARS:
+        raise _bad(param, f"must be a list of at most {MAX_BAD_WORDS} non-blank strings, {MAX_BAD_CHARS} characters "
+                   "in all")
     if encode is None:
         raise APIError(400, f"{param}: this endpoint cannot tokenize bad words", param=param, code="unsupported_value")
     found: list[list[int]] = []
@@ -208,30 +213,33 @@ def bad_words(value: list | None, encode: Callable[[str], list[int]] | None) -> 
         for ids in (alone, spaced if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone) else []):
             if len(ids) > MAX_BAD_WORD_TOKENS:
                 raise _bad(param, f"a bad word of more than {MAX_BAD_WORD_TOKENS} tokens: {word[:40]!r}")
+            if ids and ids[-1] in ends:
+                raise APIError(400, f"{param}: {word[:40]!r} ends with an end token (EOS or a stop id): an answer "
+                               "may always end", param=param, code="unsupported_value")
             if ids and ids not in found:
                 found.append(ids)
     return Constraint(_key("bad_words", found), param) if found else None
 
 
 def id_table(key: str, vocab_size: int) -> TokenDFA | None:
-    """The token table of an ``allowed_ids`` key (one state: the listed ids lead back to it; EOS and the
-    stop ids follow where an EOS id was listed) or a ``bad_words`` key (``_bad_words_table``); None for a key
+    """The token table of an ``allowed_ids`` key (one state: the listed ids lead back to it; it never accepts, so
+    an end token is sampled only when listed) or a ``bad_words`` key (``_bad_words_table``); None for a key
     whose grammar is a pattern."""
     kind, value = json.loads(key)
     if kind == "bad_words":
         return _bad_words_table(value, vocab_size)
     if kind != "allowed_ids":
         return None
-    ids, ends = value
+    ids = value
     if ids[-1] >= vocab_size:
         raise GrammarError(f"token id {ids[-1]} is not below the vocabulary size {vocab_size}")
     allowed = np.zeros(vocab_size, dtype=bool)
     allowed[ids] = True
     return TokenDFA(0, vocab_size, np.packbits(allowed)[None, :], np.zeros(1, np.int32), np.zeros(2, np.int64),
-                    np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([ends]))
+                    np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, dtype=bool))
 
 
-MAX_BAD_STATES = 2048  # as the grammar budget's token states: a bigger table is refused
+MAX_BAD_STATES = 256  # every state is a row of bits over the vocabulary (stored, and on the device): more is refused
 
 
 def _bad_words_table(sequences: list[list[int]], vocab_size: int) -> TokenDFA:
@@ -283,10 +291,10 @@ def _bad_words_table(sequences: list[list[int]], vocab_size: int) -> TokenDFA:
 def constraint_of(req: _Common, eos: tuple[int, ...] = (),
                   encode: Callable[[str], list[int]] | None = None) -> Constraint | None:
     """The request's one output constraint (at most one of the fields may ask for one); ``eos``: the served
-    model's EOS ids (``allowed_token_ids`` lists them to allow an end); ``encode``: text to token ids without
-    special tokens (``bad_words``)."""
+    model's EOS ids and ``encode`` text to token ids without special tokens (``bad_words``)."""
     found = [c for c in (response_format(req.response_format), structured_outputs(req.structured_outputs),
-                         *guided(req), allowed_ids(req.allowed_token_ids, eos), bad_words(req.bad_words, encode))
+                         *guided(req), allowed_ids(req.allowed_token_ids),
+                         bad_words(req.bad_words, encode, (*eos, *(req.stop_token_ids or ()))))
              if c is not None]
     if len(found) > 1:
         raise _bad(found[1].param, f"only one output constraint may be given, got {found[0].param} and "

@@ -285,7 +285,8 @@ def test_bad_words_never_complete_in_the_answer(real: Stack, text) -> None:
     for seq in paris:
         assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (seq, ids)
     assert answer["message"]["content"] != free["message"]["content"]
-    for bad in (["  "], [3], "Paris"):
+    eos_text = text.tok.decode([text.tok.eos_token_ids[0]], skip_special_tokens=False)
+    for bad in (["  "], [3], "Paris", [eos_text], ["x" * 20_000]):  # an end token is never banned
         with pytest.raises(openai.BadRequestError) as info:
             greedy(real, max_tokens=2, extra_body={"bad_words": bad})
         assert info.value.param == "bad_words", bad

@@ -516,3 +516,26 @@ def test_token_ids_add_up_whatever_holds_text_back(codec: TextCodec, tool: bool)
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
     plain = run_answer(codec, text, R.Reasoning("qwen3"), stream=True, tool=tool)
     assert isinstance(plain, list) and all("token_ids" not in c["choices"][0] for c in plain)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_stop_strings_are_looked_for_after_each_token_whatever_the_messages(codec: TextCodec, together: bool) -> None:
+    """The reader may hand over several steps' ids in one message: the answer, its stop string, usage, log-probs
+    and token ids are those of one id a message (vLLM looks for stops after each token), and the ids past the
+    one that completed a stop are not the answer's."""
+    ids = codec.tokenizer.encode("A xyz B and more")
+
+    async def go() -> dict:
+        backend, stream_ = Backend(Path("/nonexistent")), RequestStream(req_id=1)
+        plan = Plan(m.Sampling(max_new_tokens=64, logprobs=True), ["xyz", "y"], return_token_ids=True)
+        gen = Generation(codec, plan, backend, stream_, FrontendMetrics(MODEL), 0.0, 1)
+        for part in ([ids] if together else [[t] for t in ids]):
+            stream_.events.put_nowait(m.Tokens(req_id=1, ids=part, logprobs=[-0.5] * len(part)))
+        resp = await answer_whole([gen], CHAT, codec, MODEL, Usage([gen], 1))
+        return json.loads(resp.body)
+    body = asyncio.run(go())
+    choice = body["choices"][0]
+    kept = choice["token_ids"]
+    assert choice["message"]["content"] == "A x" and choice["stop_reason"] == "y", choice
+    assert codec.tokenizer.decode(kept).startswith("A xy") and len(kept) < len(ids)
+    assert body["usage"]["completion_tokens"] == len(kept) == len(choice["logprobs"]["content"])

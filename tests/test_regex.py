@@ -343,3 +343,13 @@ def test_bad_words_table_masks_exactly_the_completing_tokens() -> None:
                     break
                 out.append(rng.choice(choices))
                 state = table.advance(state, out[-1])
+
+
+def test_allowed_ids_let_an_end_token_through_only_when_listed() -> None:
+    """As vLLM: EOS and stop ids are masked like every unlisted id (the table never accepts)."""
+    from gpu_engine.grammar_mask import allowed_tokens  # noqa: PLC0415
+
+    table = id_table(constraint(allowed_token_ids=[5, 7, 2]).key, 12)
+    assert table is not None and not table.accept.any()
+    allowed = allowed_tokens(table, [5, 7], [2, 9], 12)  # EOS 2 listed, stop id 9 not
+    assert allowed.nonzero()[0].tolist() == [2, 5, 7]
