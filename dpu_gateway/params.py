@@ -122,7 +122,7 @@ def check_constraint(c: Constraint, req: _Common, limits: Limits) -> None:
     if not limits.features & Feature.GRAMMAR:
         raise APIError(400, f"{c.param}: constrained decoding is not implemented by the engine backend serving "
                        "this model", param=c.param, code="unsupported_parameter")
-    if c.param == "bad_words":  # every state allows all but a word's last token: an end is never the only way on
+    if c.ends_anywhere:
         return
     if req.min_tokens > 0:
         raise APIError(400, f"min_tokens cannot be combined with {c.param} (it could forbid the only token that "

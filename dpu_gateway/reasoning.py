@@ -145,7 +145,7 @@ class Reasoning:
 
     def constraint(self, c: Constraint | None) -> Constraint | None:
         """The request's output constraint, applied after the reasoning when the output starts inside it."""
-        if c is None or not self.in_reasoning or c.param in ("allowed_token_ids", "bad_words"):  # from the first token
+        if c is None or not self.in_reasoning or c.on_tokens:
             return c
         return Constraint(json.dumps(["after_reasoning", [END, json.loads(c.key)]], separators=(",", ":")),
                           c.param)

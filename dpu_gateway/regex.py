@@ -72,6 +72,10 @@ def complement(ranges: Ranges) -> Ranges:
     return normalize(out)
 
 
+def intersect(a: Ranges, b: Ranges) -> Ranges:
+    return complement([*complement(a), *complement(b)])
+
+
 def chars(text: str) -> Ranges:
     return normalize((ord(c), ord(c)) for c in text)
 
@@ -150,6 +154,7 @@ def _same_length(lo: int, hi: int, out: list[list[tuple[int, int]]]) -> None:
 
 
 _JSON_SHORT = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+JSON_ESCAPED = normalize([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])  # written escaped inside a JSON string
 
 
 def set_pattern(ranges: Ranges, json: bool = False) -> Pat:
@@ -157,11 +162,9 @@ def set_pattern(ranges: Ranges, json: bool = False) -> Pat:
     inside a JSON string (``"``, ``\\`` and controls escaped, as ``json.dumps`` writes them)."""
     parts: list[Pat] = []
     if json:
-        escaped = [c for lo, hi in ranges for c in range(lo, min(hi, 0x1F) + 1)]
-        escaped += [c for c in (0x22, 0x5C) if any(lo <= c <= hi for lo, hi in ranges)]
-        parts += [lit(_JSON_SHORT.get(c, f"\\u{c:04x}")) for c in escaped]
-        ranges = normalize((lo, hi) for lo, hi in ranges if hi > 0x1F)
-        ranges = normalize((max(lo, 0x20), hi) for a, b in ranges for lo, hi in _without(a, b, (0x22, 0x5C)))
+        escaped = intersect(ranges, JSON_ESCAPED)
+        parts += [lit(_JSON_SHORT.get(c, f"\\u{c:04x}")) for lo, hi in escaped for c in range(lo, hi + 1)]
+        ranges = intersect(ranges, complement(JSON_ESCAPED))
     single: list[int] = []
     for lo, hi in ranges:
         for spans in utf8_ranges(lo, hi):
@@ -176,18 +179,6 @@ def set_pattern(ranges: Ranges, json: bool = False) -> Pat:
     return parts[0] if len(parts) == 1 else alt(*parts)
 
 
-def _without(lo: int, hi: int, points: tuple[int, ...]) -> Ranges:
-    out, start = [], lo
-    for p in sorted(points):
-        if start <= p <= hi:
-            if p > start:
-                out.append((start, p - 1))
-            start = p + 1
-    if start <= hi:
-        out.append((start, hi))
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ parser
 # The tree: ("set", ranges) | ("seq", [node]) | ("alt", [node]) | ("rep", node, lo, hi) | ("start", at) | ("end", at)
 Node = tuple
@@ -200,7 +191,6 @@ class _Parser:
         self.pos = 0
         self.depth = 0
         self.keyword = keyword
-        self.last_shorthand: tuple[Ranges, Ranges] = ([], [])
 
     def fail(self, what: str, at: int | None = None) -> RegexError:
         at = self.pos if at is None else at
@@ -389,10 +379,7 @@ class _Parser:
             if len(digits) != n:
                 digits = ""
             self.pos += n
-        try:
-            code = int(digits, 16) if digits and all(d in "0123456789abcdefABCDEF" for d in digits) else -1
-        except ValueError:
-            code = -1
+        code = int(digits, 16) if digits and all(d in "0123456789abcdefABCDEF" for d in digits) else -1
         if not 0 <= code <= MAX_CODE or SURROGATES[0] <= code <= SURROGATES[1]:
             raise self.fail(f"bad escape \\{kind}: not a character's code", at)
         return (code, code)
@@ -414,34 +401,33 @@ class _Parser:
             if c == "]":
                 self.pos += 1
                 break
-            low = self.class_item()
+            item = self.class_item()
             if self.peek() == "-" and self.peek(1) not in ("]", ""):
                 self.pos += 1
-                high = self.class_item()
+                low, high = _code_of(item), _code_of(self.class_item())
                 if low is None or high is None:
                     raise self.fail("a class shorthand (\\d, \\w, \\s) cannot bound a range")
                 if high < low:
                     raise self.fail("bad character range")
-                narrow.append((low, high))
-                wide_.append((low, high))
-            elif low is None:
-                narrow += self.last_shorthand[0]
-                wide_ += self.last_shorthand[1]
-            else:
-                narrow.append((low, low))
-                wide_.append((low, low))
+                item = ([(low, high)], [(low, high)])
+            narrow += item[0]
+            wide_ += item[1]
         return complement(wide_) if negate else normalize(narrow)
 
-    def class_item(self) -> int | None:
-        """One character of a class (its code), or None for a shorthand (its sets in ``last_shorthand``)."""
+    def class_item(self) -> tuple[Ranges, Ranges]:
+        """One item of a class: (what it surely means, what it may mean), one and the same but for a shorthand."""
         c = self.take()
         if c != "\\":
-            return ord(self._checked(c))
+            code = ord(self._checked(c))
+            return [(code, code)], [(code, code)]
         node = self.escape(in_class=True)
-        if len(node) == 3:
-            self.last_shorthand = (node[1], node[2])
-            return None
-        return node[1][0][0]
+        return node[1], node[-1]
+
+
+def _code_of(item: tuple[Ranges, Ranges]) -> int | None:
+    """The code of a class item that is one character (a range's bound), else None."""
+    narrow, wide_ = item
+    return narrow[0][0] if narrow == wide_ and len(narrow) == 1 and narrow[0][0] == narrow[0][1] else None
 
 
 def _number(text: str) -> bool:

@@ -24,10 +24,14 @@ from shared.token_dfa import GrammarError, TokenDFA
 class Constraint:
     """A grammar to enforce: ``key`` names it and is all it takes to build it (JSON ``[kind, value]``, see
     ``pattern_of``; it travels to the compile worker), ``param`` is the request field it came from (errors
-    name it)."""
+    name it). ``on_tokens``: a mask over token ids from the first token, not a grammar of the answer's text (a
+    reasoning parser does not defer it); ``ends_anywhere``: every state allows an end and bans no end token, so
+    ``min_tokens`` and ``ignore_eos`` cannot leave a row without a token."""
 
     key: str
     param: str
+    on_tokens: bool = False
+    ends_anywhere: bool = False
 
 
 def _bad(param: str, why: str) -> APIError:
@@ -183,7 +187,7 @@ def allowed_ids(value: list | None) -> Constraint | None:
             not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise _bad(param, f"must be a non-empty list of at most {MAX_ALLOWED_IDS} token ids (integers >= 0)")
     ids = sorted(set(value))
-    return Constraint(_key("allowed_ids", ids), param)
+    return Constraint(_key("allowed_ids", ids), param, on_tokens=True)
 
 
 MAX_BAD_WORDS = 1024
@@ -218,7 +222,7 @@ def bad_words(value: list | None, encode: Callable[[str], list[int]] | None,
                                "may always end", param=param, code="unsupported_value")
             if ids and ids not in found:
                 found.append(ids)
-    return Constraint(_key("bad_words", found), param) if found else None
+    return Constraint(_key("bad_words", found), param, on_tokens=True, ends_anywhere=True) if found else None
 
 
 def id_table(key: str, vocab_size: int) -> TokenDFA | None:
