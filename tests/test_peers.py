@@ -525,6 +525,32 @@ def test_each_config_s_server_flags() -> None:
     assert flags[-3:] == ("--max-num-seqs=256", "--gpu-memory-utilization", "0.85")
 
 
+def test_runs_of_other_blink_settings_keep_their_own_records(tmp_path: Path) -> None:
+    """Blink with --serve-args is named by them in the records, so a run at the same setup and rate without them
+    (or with others) adds its records beside, never over, the first's; its server's folder is a plain name."""
+    from bench.peers.cli import build_parser
+    from bench.peers.report import merge
+    from bench.peers.study import blink_label
+    from bench.peers.systems import BlinkServer
+
+    plain = build_parser().parse_args(["--config", "defaults"])
+    tuned = build_parser().parse_args(["--config", "defaults", "--serve-args=--max-num-seqs=256",
+                                       "--serve-args", "--gpu-memory-utilization 0.85"])
+    assert blink_label("persistent", plain) == "persistent"
+    server = BlinkServer(blink_label("persistent", tuned), (), {}, tmp_path)
+    assert server.name == "blink-persistent[--max-num-seqs=256 --gpu-memory-utilization 0.85]"
+    assert server.serve.run_root.name == "blink-persistent_--max-num-seqs_256_--gpu-memory-utilization_0.85"
+
+    def rec(system: str, tpot: float) -> dict:
+        return {"system": system, "cotenant": "none", "rate": 14.0, "config": "defaults", "tpot_ms": {"p50": tpot},
+                "ttft_ms": {"p50": 100.0}, "completed": 10, "arrived": 10, "queue_growth": 0.0}
+
+    first = merge(None, {"records": [rec(server.name, 30.2)], "order": [server.name]})
+    both = merge(first, {"records": [rec("blink-persistent", 14.1)], "order": ["blink-persistent"]})
+    assert sorted((r["system"], r["tpot_ms"]["p50"]) for r in both["records"]) == [
+        ("blink-persistent", 14.1), (server.name, 30.2)]
+
+
 def test_an_fp8_study_gives_every_system_the_flags_and_keeps_a_file_of_its_own() -> None:
     """--quantization fp8 --kv-cache-dtype fp8: vLLM's command and blink serve's flags both end with them, the
     header records the precision, and a bf16 file (one from before the precision was recorded included) refuses

@@ -178,6 +178,14 @@ def blink_flags(args: argparse.Namespace, backend: str, model: Path | None) -> t
     return (*out, *ss.extra_serve_args(args), *precision_flags(args))
 
 
+def blink_label(mode: str, args: argparse.Namespace) -> str:
+    """A Blink system's name in the records: ``blink-MODE``, with the --serve-args it ran with in brackets
+    (``blink-persistent[--max-num-seqs=256]``), so that runs of other settings never replace each other's records
+    of the same setup and rate in one file."""
+    extra = ss.extra_serve_args(args)
+    return f"{mode}[{' '.join(extra)}]" if extra else mode
+
+
 def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> System:
     args = ctx.args
     if name in BLINK_MODES:
@@ -185,6 +193,7 @@ def make_system(name: str, ctx: Context, peers: dict[str, Peer], work: Path) -> 
         env = {"BLINK_HEARTBEAT_TIMEOUT_S": os.environ.get("BLINK_HEARTBEAT_TIMEOUT_S", "10")} if backend == "cpu" \
             else {}
         flags = blink_flags(args, backend, ctx.model)
+        name = blink_label(name, args)
         dp = getattr(args, "data_parallel_size", 1)
         if dp > 1:  # N engines: --max-batch is per engine, the record is MODE-dpN
             return BlinkServer(f"{name}-dp{dp}", (*flags, "--data-parallel-size", str(dp)), env, work)

@@ -386,7 +386,8 @@ class BlinkServer:
 
     def __init__(self, mode: str, flags: tuple[str, ...], env: dict[str, str], work: Path) -> None:
         self.name = f"blink-{mode}"
-        self.serve = ServeProc(flags, work / self.name, env=env)
+        folder = re.sub(r"[^\w.-]+", "_", self.name).strip("_")  # a plain name, whatever --serve-args it names
+        self.serve = ServeProc(flags, work / folder, env=env)
         self.url = self.serve.url
         self.startup_s: float | None = None
 
