@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +29,14 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as i
 # --kernel-plan: auto and the names of gpu_engine.kernels.plan.PLANS (a test keeps them equal)
 KERNEL_PLANS = ("auto", "cublas", "h100", "h200")
 DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.5  # of the GPU memory free after loading the weights, for the KV cache
+# Of the GPU memory free after loading the weights, for the KV cache; with --max-num-seqs 256 it gave Blink's best
+# plateau of the peer study's workload on an H100 (BENCHMARKS.md, "Blink's GPU defaults"): the 8B shape's KV cache
+# 40 GiB there, leaving the rest for activations and graphs.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
+# --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
+# 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s); on the CPU
+# the embedded model's streams share a few cores, and 64 keeps each stream's pace.
+DEFAULT_MAX_NUM_SEQS = {"gpu": 256, "cpu": 64}
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
 # half as long as in a 2,048-token one: beside 2,048 on the same machine it gave 0.91-0.96x the TPOT p50 and
@@ -124,8 +132,8 @@ class EngineConfig:
         "/ 8 bytes; a request whose grammar is larger is refused with a 400; idle grammars are evicted, least "
         f"recently used first); 0: constrained requests are refused (default: {DEFAULT_GRAMMAR_CACHE_MB})",
         minimum=0, kind=int)
-    max_batch: int = _flag(64, "sequences in one engine step (vLLM's name; --max-batch is an alias; at most "
-                           f"{PERSISTENT_MAX_BATCH:,} with the persistent backend)",
+    max_batch: int = _flag(DEFAULT_MAX_NUM_SEQS["cpu"], "sequences in one engine step (vLLM's name; --max-batch "
+                           f"is an alias; at most {PERSISTENT_MAX_BATCH:,} with the persistent backend)",
                            flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
     max_num_batched_tokens: int = _flag(
         0, "tokens in one engine step (vLLM's name): with chunked prefill, every running decode plus prompt "
@@ -295,7 +303,7 @@ class EngineConfig:
                              "or leave it out (it follows --max-num-seqs)")
         for values, name in ((rest, "max_batch"), (geo, "max_prompt_tokens"), (geo, "num_slots")):
             if values[name] is None:
-                values[name] = left_out(name, ns.max_model_len, rest["max_batch"])
+                values[name] = left_out(name, ns.max_model_len, rest["max_batch"], rest["backend"])
         return cls(geometry=RingGeometry(**geo), **rest)
 
     def to_argv(self) -> list[str]:
@@ -305,7 +313,7 @@ class EngineConfig:
         for fl in engine_flags():
             value = getattr(self.geometry if fl.in_geometry else self, fl.name)
             if fl.name in DERIVED_DEFAULTS:  # left out, it parses back to what the others derive
-                if value == left_out(fl.name, self.max_model_len, self.max_batch):
+                if value == left_out(fl.name, self.max_model_len, self.max_batch, self.backend):
                     continue
             elif value == fl.default and not fl.default_from_env:
                 continue
@@ -315,7 +323,23 @@ class EngineConfig:
 
 PROMPT_TOKENS_DEFAULT = RingGeometry().max_prompt_tokens
 SLOTS_DEFAULT = RingGeometry().num_slots
-MAX_NUM_SEQS_DEFAULT = EngineConfig.__dataclass_fields__["max_batch"].default
+
+
+def gpu_visible() -> bool:
+    """Whether this process sees an NVIDIA GPU (a /dev/nvidiaN device node, and CUDA_VISIBLE_DEVICES does not hide
+    them all), read without importing torch: where one is, --backend auto runs a GPU backend (the engine decides it
+    with torch, ``gpu_engine.backend.resolve_backend``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(re.fullmatch(r"nvidia\d+", p.name) for p in Path("/dev").glob("nvidia*"))
+
+
+def default_max_batch(backend: str) -> int:
+    """--max-num-seqs left out: `DEFAULT_MAX_NUM_SEQS` of the backend's kind (under --backend auto, a GPU's
+    where ``gpu_visible``)."""
+    on_cpu = backend == "cpu" or (backend == "auto" and not gpu_visible())
+    return DEFAULT_MAX_NUM_SEQS["cpu" if on_cpu else "gpu"]
 
 
 def slots_for(max_batch: int) -> int:
@@ -326,11 +350,11 @@ def slots_for(max_batch: int) -> int:
     return max(SLOTS_DEFAULT, max_batch, min(max_batch + max_batch // 4, FLIP_SLOTS))
 
 
-def left_out(name: str, max_model_len: int, max_batch: int) -> Any:
+def left_out(name: str, max_model_len: int, max_batch: int, backend: str) -> Any:
     """What DERIVED_DEFAULTS' flag ``name`` is when it is not given, from the flags it follows: what
     `EngineConfig.from_namespace` takes for it and `EngineConfig.to_argv` leaves out."""
     if name == "max_batch":
-        return MAX_NUM_SEQS_DEFAULT
+        return default_max_batch(backend)
     if name == "num_slots":
         return slots_for(max_batch)
     return max_model_len - 1 if max_model_len > 1 else PROMPT_TOKENS_DEFAULT
@@ -341,7 +365,8 @@ DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is give
                                          f"default context, {DEFAULT_MAX_MODEL_LEN}, less one",
                     "num_slots": f"{SLOTS_DEFAULT}, or --max-num-seqs and a quarter more where that is larger: a "
                                  "slot for each running sequence, and prompts waiting on the device",
-                    "max_batch": f"{MAX_NUM_SEQS_DEFAULT}"}
+                    "max_batch": f"{DEFAULT_MAX_NUM_SEQS['gpu']} on a GPU, {DEFAULT_MAX_NUM_SEQS['cpu']} on the CPU "
+                                 "(--backend auto: a GPU's where one is visible)"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

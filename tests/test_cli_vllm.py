@@ -103,6 +103,27 @@ def test_a_config_built_without_the_parser_gets_the_same_slots_and_parses_back()
     assert EngineConfig(max_batch=230).geometry.num_slots == 256  # holds the batch: the default stays
 
 
+def test_max_num_seqs_left_out_follows_the_backend_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 sequences on a GPU backend (its ring a quarter wider), 64 on the CPU; --backend auto takes the GPU's
+    only where a GPU is visible; either way the flags parse back to the same config (the engine's child derives
+    what the supervisor derived)."""
+    from shared import config
+
+    given = ["--backend", "host", "--max-num-seqs", "64"]
+    for argv, batch, slots in ((["--backend", "persistent"], 256, 320), (["--backend", "host"], 256, 320),
+                               (["--backend", "cpu"], 64, 256), (given, 64, 256)):
+        cfg = engine_of(argv)
+        assert (cfg.max_batch, cfg.geometry.num_slots) == (batch, slots), argv
+        assert engine_serve.parse_args(cfg.to_argv()) == cfg
+    monkeypatch.setattr(config, "gpu_visible", lambda: True)
+    assert engine_of([]).max_batch == 256 and engine_of(["--backend", "cpu"]).max_batch == 64
+    monkeypatch.setattr(config, "gpu_visible", lambda: False)
+    assert engine_of([]).max_batch == 64
+    monkeypatch.undo()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # every GPU hidden: the engine would run on the CPU
+    assert not config.gpu_visible() and engine_of([]).max_batch == 64
+
+
 def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="--num-slots 256 holds fewer requests than --max-num-seqs 512"):
         engine_of(["--max-num-seqs", "512", "--num-slots", "256"])
@@ -113,7 +134,7 @@ def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.Capt
 def test_gpu_memory_utilization_is_the_gpu_kv_budget_and_refused_on_the_cpu(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_of(["--gpu-memory-utilization", "0.9"]).kv_memory_fraction == 0.9
-    assert engine_of([]).kv_memory_fraction == 0.5
+    assert engine_of([]).kv_memory_fraction == 0.85
     with pytest.raises(ValueError, match="the CPU backend's KV cache is sized by --kv-blocks"):
         engine_of(["--backend", "cpu", "--gpu-memory-utilization", "0.9"])
     with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
