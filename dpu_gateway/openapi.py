@@ -110,6 +110,26 @@ class Completion(_Answer):
     usage: Usage
 
 
+class ResponseUsage(_Answer):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict
+    output_tokens_details: dict
+
+
+class Response(_Answer):
+    """The Responses API's response object (``dpu_gateway/responses.py``)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict]
+    usage: ResponseUsage | None
+
+
 class ModelCard(_Answer):
     id: str
     object: Literal["model"]
@@ -200,7 +220,8 @@ def _narrow(schema: dict, kind: str, **keywords: Any) -> None:
 
 
 # Values a field declared to be refused may still take, when they are a no-op (protocol.REFUSED decides).
-_NOOP_CANDIDATES: tuple[Any, ...] = (None, False, True, 0, 1, "", "none", "auto", "default", ["text"], [], {})
+_NOOP_CANDIDATES: tuple[Any, ...] = (None, False, True, 0, 1, "", "none", "auto", "default", "disabled", ["text"], [],
+                                     {})
 
 
 def noop_values(refused: Callable[[Any], bool], kind: Any) -> list[Any]:
@@ -284,7 +305,7 @@ class DocLimits:
         for field, prop in props.items():
             if field == "model":
                 self.model(prop)
-            elif field in ("max_tokens", "max_completion_tokens") and self.max_output is not None:
+            elif field in ("max_tokens", "max_completion_tokens", "max_output_tokens") and self.max_output is not None:
                 _narrow(prop, "integer", maximum=self.max_output)
             elif field in ("stop_token_ids", "tokens"):
                 self.token_id(prop)
@@ -312,7 +333,7 @@ class DocLimits:
 def _refused_fields(body: type) -> dict[str, tuple[list[Any], str]]:
     """Of a request type, each field declared to be refused: its no-op values and why others are refused."""
     kinds = {f.name: f.type for f in msgspec.structs.fields(body)}
-    return {name: (noop_values(noop, kinds[name]), why) for name, (noop, why) in protocol.REFUSED.items()
+    return {name: (noop_values(noop, kinds[name]), why) for name, (noop, why) in protocol.refused_fields(body).items()
             if name in kinds}
 
 

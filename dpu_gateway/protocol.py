@@ -429,3 +429,193 @@ def decode_tokenize(body: bytes) -> TokenizeRequest:
 
 def decode_detokenize(body: bytes) -> DetokenizeRequest:
     return _decode(_DetokenizeDecoder, body, refused=False)
+
+
+# ---- the Responses API (POST /v1/responses; dpu_gateway/responses.py translates it to a chat request) ----
+
+
+class InputText(_Body, tag_field="type", tag="input_text"):
+    text: str
+
+
+class OutputText(_Body, tag_field="type", tag="output_text"):
+    """An earlier answer's text, sent back as history: its annotations and log-probs are not rendered."""
+
+    text: str
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class InputImage(_Body, tag_field="type", tag="input_image"):
+    image_url: Any = None
+    file_id: Any = None
+    detail: Any = None
+
+
+class InputFile(_Body, tag_field="type", tag="input_file"):
+    file_id: Any = None
+    file_data: Any = None
+    file_url: Any = None
+    filename: Any = None
+
+
+class InputAudio(_Body, tag_field="type", tag="input_audio"):
+    input_audio: Any = None
+
+
+class OutputRefusal(_Body, tag_field="type", tag="refusal"):
+    refusal: str = ""
+
+
+class ReasoningText(_Body, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class SummaryText(_Body, tag_field="type", tag="summary_text"):
+    text: str
+
+
+InputPart = InputText | OutputText | InputImage | InputFile | InputAudio | OutputRefusal
+RESPONSES_PART_REFUSED: dict[type, str] = {InputImage: "image", InputFile: "file", InputAudio: "audio"}
+
+
+class InputItem(_Body):
+    """One item of ``input``: a message (``type`` "message" or left out), an earlier function call
+    (``function_call``), its result (``function_call_output``) or an earlier answer's reasoning (``reasoning``).
+    Which fields each type takes is checked by ``dpu_gateway/responses.py``."""
+
+    type: str = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[InputPart | ReasoningText] | None = None
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+    summary: list[SummaryText] | None = None
+    encrypted_content: str | None = None
+
+
+class ReasoningParams(_Body):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # the older name of summary
+
+
+class TextConfig(_Body):
+    format: dict | None = None                # text, json_object or json_schema (responses.text_format)
+    verbosity: str | None = None              # refused
+
+
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: bool | None = None   # refused when true (no padding field is sent)
+
+
+MetadataKey = Annotated[str, Meta(max_length=64)]
+MetadataValue = Annotated[str, Meta(max_length=512)]
+
+
+class ResponsesRequest(_Body, kw_only=True):
+    """OpenAI's ``POST /v1/responses`` body, with vLLM's extensions; see docs/API.md (Responses API)."""
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list | None = None                 # function tools (responses.chat_tools)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)] | None = None  # echoed
+    user: str | None = None                   # accepted, as chat
+    safety_identifier: str | None = None      # accepted, as chat
+    prompt_cache_key: str | None = None       # accepted, as chat
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    include: list[str] | None = None          # message.output_text.logprobs only
+    reasoning: ReasoningParams | None = None  # effort and summary refused (as chat's reasoning_effort)
+    truncation: Literal["auto", "disabled"] | None = None  # auto refused
+    store: bool | None = None                 # true refused: nothing is stored
+    service_tier: str | None = None
+    # vLLM's extensions that chat serves
+    request_id: str | None = None
+    cache_salt: str | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: MinP | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    priority: int | None = None
+    # declared so that they are refused by name (RESPONSES_REFUSED)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    background_options: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    context_management: Any = None
+    access_programs: Any = None
+    image: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
+    mm_processor_kwargs: dict | None = None
+    enable_response_messages: bool | None = None
+    previous_input_messages: list | None = None
+
+
+_STORED = "this server keeps no responses: each request must carry its whole input"
+RESPONSES_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "store": (_off, "responses are not stored (store must be false or left out)"),
+    "previous_response_id": (lambda v: v is None, _STORED),
+    "conversation": (lambda v: v is None, _STORED),
+    "background": (_off, "background responses are not supported (nothing is stored to poll)"),
+    "background_options": (lambda v: v is None, "background responses are not supported"),
+    "prompt": (lambda v: v is None, "stored prompt templates are not supported"),
+    "max_tool_calls": (lambda v: v is None, "built-in tools are not served, so there is nothing to bound"),
+    "context_management": (lambda v: v is None, "context management (compaction) is not supported"),
+    "access_programs": (lambda v: v is None, "access programs are not supported"),
+    "image": (lambda v: v is None, "image generation is not supported"),
+    "moderation": (lambda v: v is None, "moderation is not supported"),
+    "prompt_cache_options": (lambda v: v is None, "prompt cache options are not supported"),
+    "prompt_cache_retention": (lambda v: v is None, "prompt cache retention is not supported"),
+    "truncation": (lambda v: v in (None, "disabled"), "truncation \"auto\" is not supported: an input longer "
+                   "than the context is refused, never cut"),
+    "service_tier": REFUSED["service_tier"],
+    "priority": REFUSED["priority"],
+    "mm_processor_kwargs": REFUSED["mm_processor_kwargs"],
+    "enable_response_messages": (_off, "response messages are not returned"),
+    "previous_input_messages": (_off, _STORED),
+}
+
+
+def refused_fields(body: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """The table of fields declared only to be refused (with their no-op values) of a request type."""
+    return RESPONSES_REFUSED if body is ResponsesRequest else REFUSED
+
+
+def check_responses_refused(req: ResponsesRequest) -> None:
+    """400 naming the first field of a Responses request whose value Blink does not serve."""
+    for name, (noop, why) in RESPONSES_REFUSED.items():
+        if not noop(getattr(req, name)):
+            raise refuse(name, why)
+    so = req.stream_options
+    if so is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
+    if so is not None and so.include_obfuscation:
+        raise refuse("stream_options.include_obfuscation", "stream obfuscation is not supported")
+
+
+ResponsesDecoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+def decode_responses(body: bytes) -> ResponsesRequest:
+    req = _decode(ResponsesDecoder, body, refused=False)
+    check_responses_refused(req)
+    return req

@@ -110,7 +110,7 @@ def merge_logprobs(shape: Shape, parts: list[dict]) -> dict | None:
                                                           "text_offset")}
 
 
-async def _collect(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
+async def collect_choice(gen: Generation, shape: Shape, codec: TokenNames) -> dict:
     texts: list[str] = []
     lps: list[dict] = []
     offset = 0
@@ -163,7 +163,7 @@ def tool_finish(gen: Generation, called: bool) -> str | None:
 async def answer_whole(gens: list[Generation], shape: Shape, codec: TokenNames, model: str,
                        usage: Usage, request_id: str | None = None) -> web.Response:
     env = fmt.Envelope.new(shape.prefix, model, request_id)
-    tasks = [asyncio.create_task(_collect(g, shape, codec)) for g in gens]
+    tasks = [asyncio.create_task(collect_choice(g, shape, codec)) for g in gens]
     try:  # a choice that fails (its engine error) must not leave its siblings waiting on forgotten streams
         choices = await asyncio.gather(*tasks)
     finally:
@@ -195,7 +195,7 @@ async def answer_stream(request: web.Request, gens: list[Generation], shape: Sha
                     if g.plan.return_token_ids and g is gens[0]:  # vLLM: the one prompt's ids in the first chunk
                         first["prompt_token_ids"] = g.prompt
                     await write(first)
-            await _stream_all(gens, shape, codec, env, usage, write)
+            await stream_choices(gens, shape, codec, env, usage, write)
             if usage.include:
                 await write(fmt.usage_chunk(env, shape.chunk_object, usage.total()))
         except APIError as exc:
@@ -207,8 +207,8 @@ async def answer_stream(request: web.Request, gens: list[Generation], shape: Sha
     return resp
 
 
-async def _stream_all(gens: list[Generation], shape: Shape, codec: TokenNames, env: fmt.Envelope, usage: Usage,
-                      write: Callable[[dict], Awaitable[None]]) -> None:
+async def stream_choices(gens: list[Generation], shape: Shape, codec: TokenNames, env: fmt.Envelope, usage: Usage,
+                         write: Callable[[dict], Awaitable[None]]) -> None:
     """Every choice's chunks as they come (one writer: chunks never interleave on the wire)."""
     lock = asyncio.Lock()
 

@@ -1,10 +1,11 @@
-"""HTTP handlers: the OpenAI endpoints, vLLM's /tokenize, /detokenize and /version, /health, /metrics and
-/openapi.json."""
+"""HTTP handlers: the OpenAI endpoints (chat, completions, responses, models), vLLM's /tokenize, /detokenize and
+/version, /health, /metrics and /openapi.json."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 
 import msgspec
@@ -29,16 +30,19 @@ from dpu_gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     _Common,
     decode_chat,
     decode_completion,
     decode_detokenize,
+    decode_responses,
     decode_tokenize,
     refuse,
 )
 from dpu_gateway.reasoning import Reasoning, plan_reasoning, template_kwargs
 from dpu_gateway.respond import CHAT, COMPLETION, Shape, Usage, answer_stream, answer_whole
+from dpu_gateway.responses import Reply, api_names, chat_request
 from dpu_gateway.state import (
     BACKEND,
     CODEC,
@@ -53,7 +57,7 @@ from dpu_gateway.state import (
     engine_unavailable,
 )
 from dpu_gateway.structured import Constraint, constraint_of
-from dpu_gateway.textio import Rendering, TokenIdNames, encode_parts, message_text
+from dpu_gateway.textio import Rendering, TokenIdNames, TokenNames, encode_parts, message_text
 from dpu_gateway.tools import ToolPlan, parse_tools, plan_tools
 from dpu_tokenizer.base import Tokenizer
 from shared.metrics import EngineSample
@@ -133,6 +137,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = decode_chat(await request.read())
     check_model(app, req.model)
     rid = response_id(request, req)
+    ids, plan, shape = await chat_job(app, req)
+    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival, rid)
+
+
+async def chat_job(app: web.Application, req: ChatCompletionRequest) -> tuple[list[int], Plan, Shape]:
+    """A decoded chat request made ready to submit: its prompt's token ids, its plan (the grammar compiled) and
+    how its output is read (reasoning, tool calls). The Responses API takes the same path (``responses``)."""
     limits = request_limits(app)
     cfg = app[CONFIG]
     tooling = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
@@ -152,7 +163,31 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gid = await grammar_id(app, constraint, limits)
     plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
     shape = CHAT if reasoning is None else dataclasses.replace(CHAT, reasoning=reasoning)
-    return await run(request, shape, [(ids, plan)], req.stream, stream_usage(req), arrival, rid)
+    return ids, plan, shape
+
+
+@doc.documented("Create a response (OpenAI's Responses API, translated to a chat request)", body=ResponsesRequest,
+               answer=doc.Response, stream=True, errors=(404, 429, 503))
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses``: the request translated into a chat request (``dpu_gateway/responses.py``) and served
+    by the chat path, answered as a response object or the Responses API's events."""
+    arrival = time.monotonic()
+    app = request.app
+    json_body(request)
+    req = decode_responses(await request.read())
+    check_model(app, req.model)
+    with api_names():  # a 400 of the chat path names the Responses field
+        chat = chat_request(req)
+        rid = response_id(request, chat)
+        ids, plan, shape = await chat_job(app, chat)
+    reply = Reply.of(req, app[CONFIG].served_model_name, rid)
+
+    async def answer(gens: list[Generation], counts: Usage, names: TokenNames) -> web.StreamResponse:
+        if req.stream:
+            return await reply.stream(request, gens[0], shape, names, counts)
+        return await reply.whole(gens[0], shape, names, counts)
+
+    return await serve_jobs(request, [(ids, plan)], (False, False), arrival, answer)
 
 
 def chat_reasoning(app: web.Application, req: ChatCompletionRequest, parts: list[tuple[str, bool]]) -> Reasoning | None:
@@ -247,11 +282,29 @@ def response_id(request: web.Request, req: ChatCompletionRequest | CompletionReq
     return given
 
 
+Answer = Callable[[list[Generation], Usage, TokenNames], Awaitable[web.StreamResponse]]
+
+
 async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Plan]], stream: bool,
               usage: tuple[bool, bool], arrival: float, rid: str | None = None) -> web.StreamResponse:
-    """Submit every choice of every prompt (choice index = prompt index * n + i), then answer."""
+    """Submit every choice of every prompt (choice index = prompt index * n + i), then answer in chat's or
+    completions' shape."""
+    model = request.app[CONFIG].served_model_name
+
+    async def answer(gens: list[Generation], counts: Usage, names: TokenNames) -> web.StreamResponse:
+        if stream:
+            return await answer_stream(request, gens, shape, names, model, counts, rid)
+        return await answer_whole(gens, shape, names, model, counts, rid)
+
+    return await serve_jobs(request, jobs, usage, arrival, answer)
+
+
+async def serve_jobs(request: web.Request, jobs: list[tuple[list[int], Plan]], usage: tuple[bool, bool],
+                     arrival: float, answer: Answer) -> web.StreamResponse:
+    """Submit every choice of every prompt, answer with ``answer``, and cancel whatever is left once it returned
+    (a client gone, an error): every endpoint's slots are handled here alike."""
     app = request.app
-    backend, codec, model = app[BACKEND], app[CODEC], app[CONFIG].served_model_name
+    backend, codec = app[BACKEND], app[CODEC]
     handles: list[RequestStream] = []
     gens: list[Generation] = []
     try:
@@ -267,9 +320,7 @@ async def run(request: web.Request, shape: Shape, jobs: list[tuple[list[int], Pl
         counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
         request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
         names = TokenIdNames() if jobs and jobs[0][1].token_ids_as_text else codec  # of the log-prob entries
-        if stream:
-            return await answer_stream(request, gens, shape, names, model, counts, rid)
-        return await answer_whole(gens, shape, names, model, counts, rid)
+        return await answer(gens, counts, names)
     finally:
         record_outcome(request, gens)
         for handle in handles:
@@ -375,6 +426,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/version", version)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -1,4 +1,5 @@
-"""Server-sent events exactly as OpenAI streams them: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``."""
+"""Server-sent events exactly as OpenAI streams them: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``; the
+Responses API's events each with their type in an ``event:`` line, and no ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ _encode = msgspec.json.Encoder().encode
 
 def event(obj: dict) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
+
+
+def named_event(kind: str, obj: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + _encode(obj) + b"\n\n"
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:

@@ -60,8 +60,8 @@ def still_serving(stack: Stack) -> None:
 
 def run_fuzz(stack: Stack, per_mode: int, seed: int, minimum: int) -> None:
     token_routes = {"/tokenize": per_mode // 4, "/detokenize": per_mode // 4}
-    report = fuzz(stack.url, {"/v1/completions": per_mode, "/v1/chat/completions": per_mode, **token_routes, **GETS},
-                  seed=seed)
+    report = fuzz(stack.url, {"/v1/completions": per_mode, "/v1/chat/completions": per_mode,
+                              "/v1/responses": per_mode, **token_routes, **GETS}, seed=seed)
     drawn = {label.split(" ", 2)[2] for label in report.per_operation}
     assert drawn == set(json.loads(stack.get("/openapi.json")[1])["paths"]), report.summary()
     print("\nfuzz:", json.dumps(report.summary()))

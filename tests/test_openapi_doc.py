@@ -90,7 +90,7 @@ async def test_every_request_field_is_in_the_schemas(gateway: TestClient) -> Non
     schemas = (await document(gateway))["components"]["schemas"]
     bodies = documented_types(gateway.server.app)
     assert bodies == {protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.TokenizeRequest,
-                      protocol.DetokenizeRequest}
+                      protocol.DetokenizeRequest, protocol.ResponsesRequest}
     kept = set()
     for body in bodies:
         kept |= nested_structs(body)
@@ -112,10 +112,11 @@ async def test_refused_fields_state_their_no_op_values(gateway: TestClient) -> N
     schemas = (await document(gateway))["components"]["schemas"]
     minimal = {protocol.ChatCompletionRequest: ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
                                                 protocol.decode_chat),
-               protocol.CompletionRequest: ({"model": MODEL, "prompt": "hi"}, protocol.decode_completion)}
+               protocol.CompletionRequest: ({"model": MODEL, "prompt": "hi"}, protocol.decode_completion),
+               protocol.ResponsesRequest: ({"model": MODEL, "input": "hi"}, protocol.decode_responses)}
     for body, (base, decode) in minimal.items():
         props = schemas[body.__name__]["properties"]
-        names = {f.name for f in msgspec.structs.fields(body)} & set(protocol.REFUSED)
+        names = {f.name for f in msgspec.structs.fields(body)} & set(protocol.refused_fields(body))
         assert names
         for name in names:
             values = props[name]["enum"]

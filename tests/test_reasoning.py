@@ -34,7 +34,7 @@ from dpu_gateway.generation import Generation
 from dpu_gateway.grammar import Vocab, accepts, byte_dfa, token_dfa, until
 from dpu_gateway.params import Plan
 from dpu_gateway.protocol import ChatMessage
-from dpu_gateway.respond import CHAT, Usage, _stream_all, answer_whole
+from dpu_gateway.respond import CHAT, Usage, answer_whole, stream_choices
 from dpu_gateway.structured import Constraint, pattern_of
 from dpu_gateway.textio import TextCodec
 from dpu_gateway.tools import FORMATS
@@ -242,7 +242,7 @@ def test_the_grammar_compiles_against_the_served_vocabulary() -> None:
 # ----------------------------------------------------------------------- the answer, from real token ids
 def run_answer(codec: TextCodec, text: str, reasoning: R.Reasoning, stream: bool, tool: bool = False,
                echo: str = "", return_token_ids: bool = False) -> dict | list[dict]:
-    """The gateway's own response code (``answer_whole`` / ``_stream_all``) for one choice whose engine output is
+    """The gateway's own response code (``answer_whole`` / ``stream_choices``) for one choice whose engine output is
     ``text``'s token ids, one ``Tokens`` event per token, then EOS."""
     async def go() -> dict | list[dict]:
         backend, stream_ = Backend(Path("/nonexistent")), RequestStream(req_id=1)
@@ -263,7 +263,7 @@ def run_answer(codec: TextCodec, text: str, reasoning: R.Reasoning, stream: bool
 
         async def write(obj: dict) -> None:
             chunks.append(obj)
-        await _stream_all([gen], shape, codec, fmt.Envelope.new("chatcmpl", MODEL), usage, write)
+        await stream_choices([gen], shape, codec, fmt.Envelope.new("chatcmpl", MODEL), usage, write)
         return chunks
     return asyncio.run(go())
 
