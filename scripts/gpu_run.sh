@@ -137,9 +137,9 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 #   PEERS_RATES=16 bash scripts/gpu_run.sh OUT peers_host
 # Each system's own defaults, beside the tuned128 records in bench/results/peers.json:
 #   PEERS_CONFIG=defaults PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm     (then peers_blink)
-# Candidate defaults for Blink (--serve-args repeats, a flag a word, as PEERS_ARGS is split by the shell), to a file
-# of their own:
-#   PEERS_CONFIG=defaults PEERS_RATES=16,20,24 PEERS_COTENANTS=none PEERS_ARGS="--serve-args=--max-num-seqs=256 --serve-args=--gpu-memory-utilization=0.85 --out bench/results/peers_defaults_sweep.json --no-plot" bash scripts/gpu_run.sh OUT peers_blink
+# Candidate defaults for Blink (--serve-args repeats, a flag a word, as PEERS_ARGS is split by the shell; the records
+# are named by them, blink-persistent[--max-num-seqs=512 ...], beside the defaults' own), to a file of their own:
+#   PEERS_CONFIG=defaults PEERS_RATES=17,20 PEERS_COTENANTS=none PEERS_ARGS="--serve-args=--max-num-seqs=512 --serve-args=--max-num-batched-tokens=2048 --out bench/results/peers_defaults_sweep_h100.json --no-plot" bash scripts/gpu_run.sh OUT peers_blink
 # The Qwen3-30B-A3B (MoE) shape, to bench/results/peers_moe.json:
 #   PEERS_MODEL=qwen3-30b-a3b PEERS_RATES=10,16 bash scripts/gpu_run.sh OUT peers_vllm (then peers_blink)
 # Both systems in FP8 (weights quantized at load, an FP8 KV cache), to a file of their own (vLLM: peers_vllm, the same):
