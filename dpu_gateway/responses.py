@@ -211,7 +211,9 @@ def chat_tool_choice(raw: Any) -> Any:
     if raw is None or isinstance(raw, str):
         return raw
     if isinstance(raw, dict) and raw.get("type") == "function" and set(raw) <= {"type", "name"}:
-        return {"type": "function", "function": {"name": raw.get("name")}}
+        if not isinstance(raw.get("name"), str):
+            raise _bad("tool_choice.name", "a function tool_choice names its function")
+        return {"type": "function", "function": {"name": raw["name"]}}
     raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...} (the '
                "server runs no built-in tool)")
 
@@ -221,7 +223,13 @@ def text_format(raw: dict | None) -> dict | None:
     schema, description and strict sit in the format itself."""
     if raw is None:
         return None
-    if raw.get("type") == "json_schema":
+    kind = raw.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _bad("text.format.type", 'must be "text", "json_object" or "json_schema"')
+    if kind == "json_schema":
+        for member in ("name", "schema"):  # OpenAI's json_schema format needs both
+            if member not in raw:
+                raise _bad(f"text.format.{member}", "a json_schema format needs it")
         spec = {k: v for k, v in raw.items() if k != "type"}
         return {"type": "json_schema", "json_schema": spec}
     return raw
@@ -299,7 +307,9 @@ def api_names() -> Iterator[None]:
         if exc.param is None or api_name(exc.param) == exc.param:
             raise
         new = api_name(exc.param)
-        message = new + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+        # a message that begins by naming the field ("response_format.json_schema.x: ...") names the asked one
+        lead = exc.param + ":"
+        message = new + exc.message[len(exc.param):] if exc.message.startswith(lead) else exc.message
         raise APIError(exc.status, message, param=new, code=exc.code, retry_after_s=exc.retry_after_s,
                        close=exc.close) from None
 
@@ -389,6 +399,13 @@ class Reply:
                 **self.echo, "usage": usage}
 
     def finished(self, output: list[dict], finish: str | None, usage: dict) -> dict:
+        """The last response object: ``incomplete`` when the output budget ended the answer, ``failed`` when the
+        engine cancelled it (chat's ``abort``: an engine that shuts down ends what it still runs), else
+        ``completed``."""
+        if finish == "abort":
+            error = {"code": "server_error", "message": "the engine cancelled the request before it finished (the "
+                     "engine is shutting down); send it again"}
+            return self.response("failed", output, usage, error=error)
         return self.response("incomplete" if finish == "length" else "completed", output, usage)
 
     async def whole(self, gen: Generation, shape: Shape, codec: TokenNames, usage: Usage) -> web.Response:
@@ -495,7 +512,7 @@ class EventWriter:
             text = self.space + text if opened else text.lstrip()
             kept = text.rstrip()
             text, self.space = kept, text[len(kept):]
-            if not text and not logprobs:
+            if not text and not logprobs and not self.held:
                 return
         if not opened:
             await self._open({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
@@ -533,7 +550,10 @@ class EventWriter:
             self.finish_reason = choice["finish_reason"]
 
     async def finish(self, usage: dict) -> None:
-        if self.held or not (self.output or self.open):  # an answer of no text still has its message
+        if not (self.output or self.open):  # an answer of no text still has its message, as the whole answer's
+            await self._open({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
+                              "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        if self.held:  # log-probs of tokens with no text (a stop's, the reasoning's): on the message's last delta
             await self._message("", [])
         await self.close(last=True)
         body = self.reply.finished(self.output, self.finish_reason, usage)

@@ -138,6 +138,11 @@ REFUSED = [  # fields of the request, and the param the 400 names
     ({"tools": [{"type": "function", "name": "f"}, {"type": "mcp", "server_label": "x"}]}, "tools[1].type"),
     ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"text": {"format": {}}}, "text.format.type"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
@@ -190,6 +195,13 @@ def test_a_chat_400_names_the_responses_field(chat: str, ours: str) -> None:
     with pytest.raises(APIError) as info, api.api_names():
         raise APIError(400, f"{chat}: why", param=chat, code="invalid_value")
     assert (info.value.param, info.value.message) == (ours, f"{ours}: why")
+
+
+def test_a_chat_400_that_does_not_lead_with_the_field_keeps_its_words() -> None:
+    why = "logprobs are not returned for answers read as tool calls"
+    with pytest.raises(APIError) as info, api.api_names():
+        raise APIError(400, why, param="logprobs", code="invalid_value")
+    assert (info.value.param, info.value.message) == ("include", why)
 
 
 @pytest.fixture
@@ -266,6 +278,9 @@ CASES = {  # name: (engine text, answer kwargs, the output items' types, output_
     "call": (f"Let me look.\n{CALL}", {"tool": True, "tools": [TOOL]}, ["message", "function_call"], "Let me look."),
     "two calls": (f"{CALL}\n{CALL}", {"tool": True, "tools": [TOOL]}, ["function_call", "function_call"], ""),
     "nothing": ("", {}, ["message"], ""),
+    "nothing, with tools": ("", {"tool": True, "tools": [TOOL]}, ["message"], ""),
+    "white space, with tools": ("  \n", {"tool": True, "tools": [TOOL]}, ["message"], ""),
+    "cancelled": ("Paris is", {"finish": L.FinishReason.CANCELLED}, ["message"], "Paris is"),
 }
 
 
@@ -285,7 +300,9 @@ def test_whole_and_streamed_answers_are_openai_responses(codec: TextCodec, case:
     assert [item.type for item in whole.output] == kinds and whole.output_text == output_text
     assert whole.id.startswith("resp_") and whole.object == "response" and whole.store is False
     cut = kw.get("finish") == L.FinishReason.LENGTH
-    assert whole.status == ("incomplete" if cut else "completed")
+    cancelled = kw.get("finish") == L.FinishReason.CANCELLED  # the engine ended it (a shutdown): not a whole answer
+    assert whole.status == ("incomplete" if cut else "failed" if cancelled else "completed")
+    assert (whole.error.code if cancelled else whole.error) == ("server_error" if cancelled else None)
     assert (whole.incomplete_details.reason if cut else whole.incomplete_details) == ("max_output_tokens" if cut
                                                                                        else None)
     assert whole.usage.output_tokens == len(codec.tokenizer.encode(text)) and whole.usage.input_tokens == 3
@@ -302,7 +319,7 @@ def test_whole_and_streamed_answers_are_openai_responses(codec: TextCodec, case:
     assert [e.type for e in parsed[:2]] == ["response.created", "response.in_progress"]
     assert parsed[0].response.status == "in_progress" and parsed[0].response.output == []
     last = parsed[-1]
-    assert last.type == ("response.incomplete" if cut else "response.completed")
+    assert last.type == ("response.incomplete" if cut else "response.failed" if cancelled else "response.completed")
     assert without_ids([i.model_dump() for i in last.response.output]) == without_ids(
         [i.model_dump() for i in whole.output])
     assert last.response.output_text == output_text and last.response.usage == whole.usage
