@@ -118,7 +118,9 @@ def _check_item(i: int, item: InputItem) -> None:
 
 class _Messages:
     """Builds the chat history of ``input``: calls in a row join one assistant turn (after its text, if the turn
-    began with a message), and a reasoning item's text goes to the assistant turn that follows it."""
+    began with a message), and a reasoning item's text goes to the assistant turn that follows it; one that no
+    assistant message or call follows (an answer the budget cut while it reasoned, sent back as history) is an
+    assistant turn of reasoning alone."""
 
     def __init__(self) -> None:
         self.out: list[ChatMessage] = []
@@ -132,8 +134,7 @@ class _Messages:
     def add(self, i: int, item: InputItem) -> None:
         where = f"input[{i}]"
         if self.reasoning is not None and not (item.type == "function_call" or item.role == "assistant"):
-            raise _bad(f"input[{self.reasoning[0]}]", "a reasoning item must be followed by the assistant's message "
-                       "or function call it led to")
+            self.reasoning_alone()
         if item.type == "message":
             text = _text(item.content, f"{where}.content")
             reasoning = self.take_reasoning() if item.role == "assistant" else None
@@ -165,10 +166,12 @@ class _Messages:
                 raise _bad(f"{where}.content", "must be a list of reasoning_text parts")
             self.reasoning = (i, "".join(p.text for p in parts))
 
+    def reasoning_alone(self) -> None:
+        self.out.append(ChatMessage(role="assistant", content="", reasoning_content=self.take_reasoning()))
+
     def done(self) -> list[ChatMessage]:
         if self.reasoning is not None:
-            raise _bad(f"input[{self.reasoning[0]}]", "a reasoning item must be followed by the assistant's message "
-                       "or function call it led to")
+            self.reasoning_alone()
         return self.out
 
 
