@@ -220,9 +220,11 @@ def refuse(param: str, why: str) -> APIError:
     return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
-def check_refused(req: _Common) -> None:
-    """400 naming the first field whose value Blink does not serve."""
-    for name, (noop, why) in REFUSED.items():
+def check_refused(req: _Common | ResponsesRequest, table: dict[str, tuple[Callable[[Any], bool], str]] | None = None
+                  ) -> None:
+    """400 naming the first field whose value Blink does not serve (of ``table``, the chat and completions'
+    ``REFUSED`` unless given), and stream options without a stream."""
+    for name, (noop, why) in (REFUSED if table is None else table).items():
         if hasattr(req, name) and not noop(getattr(req, name)):
             raise refuse(name, why)
     so = req.stream_options
@@ -599,23 +601,10 @@ def refused_fields(body: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
     return RESPONSES_REFUSED if body is ResponsesRequest else REFUSED
 
 
-def check_responses_refused(req: ResponsesRequest) -> None:
-    """400 naming the first field of a Responses request whose value Blink does not serve."""
-    for name, (noop, why) in RESPONSES_REFUSED.items():
-        if not noop(getattr(req, name)):
-            raise refuse(name, why)
-    so = req.stream_options
-    if so is not None and not req.stream:
-        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
-                       code="invalid_value")
-    if so is not None and so.include_obfuscation:
-        raise refuse("stream_options.include_obfuscation", "stream obfuscation is not supported")
-
-
 ResponsesDecoder = msgspec.json.Decoder(ResponsesRequest)
 
 
 def decode_responses(body: bytes) -> ResponsesRequest:
     req = _decode(ResponsesDecoder, body, refused=False)
-    check_responses_refused(req)
+    check_refused(req, RESPONSES_REFUSED)
     return req

@@ -18,6 +18,7 @@ from helpers.e2e import (
     alive,
     async_client,
     children_of,
+    finished,
     idle_kv_usage,
     start_real_stack,
     sync_client,
@@ -202,15 +203,6 @@ async def test_disconnect_frees_slot_and_kv_blocks(real: Stack) -> None:
     # freed because the client left (an abort), not because the 200 tokens ran out (however slow the host)
     assert finished(real, "abort") == aborted + 1 and real.metric("blink:num_requests_running") == 0
 
-
-def finished(stack: Stack, reason: str) -> float:
-    """vllm:request_success_total for one finished_reason."""
-    status, body = stack.get("/metrics")
-    assert status == 200
-    for line in body.decode().splitlines():
-        if line.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in line:
-            return float(line.rpartition(" ")[2])
-    return 0.0
 
 
 # ---------------------------------------------------------------------- 8. errors

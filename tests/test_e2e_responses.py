@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from helpers.e2e import ENGINE_ENV, ENGINE_FLAGS, FRANCE, REAL_ENGINE, sync_client, wait_for
+from helpers.e2e import ENGINE_ENV, ENGINE_FLAGS, FRANCE, REAL_ENGINE, finished, sync_client, wait_for
 from helpers.stack import MODEL, Stack, start_stack, stop_stack
 from openai.types.responses import Response
 
@@ -195,13 +195,3 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(real: Stack) -> Non
     counted = [line for line in real.get("/metrics")[1].decode().splitlines()
                if line.startswith("http_requests_total{") and 'handler="/v1/responses"' in line]
     assert counted and any('status="2xx"' in line for line in counted)  # by route, as every handler
-
-
-def finished(stack: Stack, reason: str) -> float:
-    """vllm:request_success_total for one finished_reason."""
-    status, body = stack.get("/metrics")
-    assert status == 200
-    for line in body.decode().splitlines():
-        if line.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in line:
-            return float(line.rpartition(" ")[2])
-    return 0.0

@@ -7,32 +7,25 @@ server in tests/test_fuzz_openapi.py."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from helpers.fixtures import gateway_without_engine
 from helpers.stack import MODEL
 
 from dpu_gateway import openapi as doc
 from dpu_gateway import protocol
-from dpu_gateway.app import create_app
-from dpu_gateway.state import GatewayConfig
-from dpu_tokenizer.service import resolve_model
 
 
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[TestClient]:
     """The real gateway app, its engine not up (the document then states no engine limits)."""
-    cfg = GatewayConfig(run_dir=tmp_path, ring_name=f"blink-absent-{uuid.uuid4().hex[:8]}", model=resolve_model(None),
-                        served_model_name=MODEL, model_aliases=("short",))
-    client = TestClient(TestServer(create_app(cfg)))
-    await client.start_server()
-    yield client
-    await client.close()
+    async with gateway_without_engine(tmp_path, model_aliases=("short",)) as client:
+        yield client
 
 
 async def document(client: TestClient) -> dict:

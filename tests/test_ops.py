@@ -4,29 +4,22 @@ and one /metrics view over every gateway with the engine's counters and vLLM's n
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from helpers.fixtures import gateway_without_engine
 from helpers.stack import MODEL, Stack, start_stack, stop_stack
 
-from dpu_gateway.app import create_app
-from dpu_gateway.state import GatewayConfig
-from dpu_tokenizer.service import resolve_model
 from harness.serve_proc import http_get, parse_metrics
 
 
 @pytest.fixture
 async def loading_client(tmp_path: Path) -> AsyncIterator[TestClient]:
     """A gateway whose engine has not created its ring yet (as while the weights load)."""
-    cfg = GatewayConfig(run_dir=tmp_path, ring_name=f"blink-absent-{uuid.uuid4().hex[:8]}", model=resolve_model(None),
-                        served_model_name=MODEL)
-    client = TestClient(TestServer(create_app(cfg)))
-    await client.start_server()
-    yield client
-    await client.close()
+    async with gateway_without_engine(tmp_path) as client:
+        yield client
 
 
 def summed(text: str) -> dict[str, float]:

@@ -8,30 +8,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pydantic
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from helpers.fixtures import gateway_without_engine
 from helpers.stack import MODEL
 from openai.types.responses import Response, ResponseStreamEvent
 
 from dpu_gateway import reasoning as R
 from dpu_gateway import responses as api
-from dpu_gateway.app import create_app
 from dpu_gateway.backend import Backend, RequestStream
 from dpu_gateway.errors import APIError
 from dpu_gateway.generation import Generation
 from dpu_gateway.params import Plan
 from dpu_gateway.protocol import ChatMessage, TextPart, decode_responses
 from dpu_gateway.respond import CHAT, Shape, Usage
-from dpu_gateway.state import GatewayConfig
 from dpu_gateway.textio import TextCodec, message_text
 from dpu_gateway.tools import FORMATS
-from dpu_tokenizer.service import resolve_model
 from shared import messages as m
 from shared import ring_layout as L
 from shared.metrics import FrontendMetrics
@@ -219,12 +216,8 @@ def test_a_chat_400_that_does_not_lead_with_the_field_keeps_its_words() -> None:
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[TestClient]:
     """The real gateway app, its engine not up: a request is refused before it needs one."""
-    cfg = GatewayConfig(run_dir=tmp_path, ring_name=f"blink-absent-{uuid.uuid4().hex[:8]}", model=resolve_model(None),
-                        served_model_name=MODEL)
-    client = TestClient(TestServer(create_app(cfg)))
-    await client.start_server()
-    yield client
-    await client.close()
+    async with gateway_without_engine(tmp_path) as client:
+        yield client
 
 
 async def test_the_route_answers_refusals_as_openai_errors(gateway: TestClient) -> None:

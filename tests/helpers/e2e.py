@@ -77,3 +77,13 @@ def alive(pid: int) -> bool:
         return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def finished(stack: Stack, reason: str) -> float:
+    """vllm:request_success_total for one finished_reason."""
+    status, body = stack.get("/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rpartition(" ")[2])
+    return 0.0

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from dpu_gateway.app import create_app
+from dpu_gateway.state import GatewayConfig
 from dpu_tokenizer import load_tokenizer
 from dpu_tokenizer.chat import load_chat_template, render_chat
-from helpers.stack import Stack, start_stack, stop_stack
+from dpu_tokenizer.service import resolve_model
+from helpers.stack import MODEL, Stack, start_stack, stop_stack
 
 API_KEY = "test-key-123"
 
@@ -20,6 +28,20 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                         api_key=API_KEY)
     yield stack
     stop_stack(stack)
+
+
+@contextlib.asynccontextmanager
+async def gateway_without_engine(tmp_path: Path, **config: Any) -> AsyncIterator[TestClient]:
+    """The real gateway app on a ring no engine has created (as while the weights load): what it answers before
+    it needs an engine."""
+    cfg = GatewayConfig(run_dir=tmp_path, ring_name=f"blink-absent-{uuid.uuid4().hex[:8]}", model=resolve_model(None),
+                        served_model_name=MODEL, **config)
+    client = TestClient(TestServer(create_app(cfg)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 class Text:
