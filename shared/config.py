@@ -132,8 +132,9 @@ class EngineConfig:
         "/ 8 bytes; a request whose grammar is larger is refused with a 400; idle grammars are evicted, least "
         f"recently used first); 0: constrained requests are refused (default: {DEFAULT_GRAMMAR_CACHE_MB})",
         minimum=0, kind=int)
-    max_batch: int = _flag(DEFAULT_MAX_NUM_SEQS["cpu"], "sequences in one engine step (vLLM's name; --max-batch "
-                           f"is an alias; at most {PERSISTENT_MAX_BATCH:,} with the persistent backend)",
+    # 0: left out (a config built without the parser), the backend kind's default (`default_max_batch`)
+    max_batch: int = _flag(0, "sequences in one engine step (vLLM's name; --max-batch is an alias; at most "
+                           f"{PERSISTENT_MAX_BATCH:,} with the persistent backend)",
                            flag="--max-num-seqs", minimum=1, aliases=("--max-batch",))
     max_num_batched_tokens: int = _flag(
         0, "tokens in one engine step (vLLM's name): with chunked prefill, every running decode plus prompt "
@@ -243,6 +244,8 @@ class EngineConfig:
         return None
 
     def __post_init__(self) -> None:
+        if self.max_batch == 0:  # as the parser derives it when the flag is left out
+            object.__setattr__(self, "max_batch", default_max_batch(self.backend))
         for fl in engine_flags():
             if not fl.in_geometry:
                 fl.check(getattr(self, fl.name))
@@ -296,6 +299,8 @@ class EngineConfig:
         flags = engine_flags()
         geo = {fl.name: getattr(ns, fl.name) for fl in flags if fl.in_geometry}
         rest = {fl.name: getattr(ns, fl.name) for fl in flags if not fl.in_geometry}
+        if rest["max_batch"] is not None and rest["max_batch"] < 1:  # 0 would read as left out
+            raise ValueError(f"--max-num-seqs must be >= 1, got {rest['max_batch']}")
         if rest["max_batch"] is not None and geo["num_slots"] is not None and geo["num_slots"] < rest["max_batch"]:
             # both given: a sequence runs in a ring slot, so the smaller would silently bound the larger
             raise ValueError(f"--num-slots {geo['num_slots']} holds fewer requests than --max-num-seqs "

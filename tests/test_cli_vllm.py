@@ -115,6 +115,10 @@ def test_max_num_seqs_left_out_follows_the_backend_kind(monkeypatch: pytest.Monk
         cfg = engine_of(argv)
         assert (cfg.max_batch, cfg.geometry.num_slots) == (batch, slots), argv
         assert engine_serve.parse_args(cfg.to_argv()) == cfg
+    # a config built without the parser takes the same default (its ring is the default's unless given)
+    assert (EngineConfig(backend="persistent").max_batch, EngineConfig(backend="cpu").max_batch) == (256, 64)
+    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1, got 0"):  # 0 is not "left out"
+        engine_of(["--max-num-seqs", "0"])
     monkeypatch.setattr(config, "gpu_visible", lambda: True)
     assert engine_of([]).max_batch == 256 and engine_of(["--backend", "cpu"]).max_batch == 64
     monkeypatch.setattr(config, "gpu_visible", lambda: False)
