@@ -34,8 +34,8 @@ DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of t
 # 40 GiB there, leaving the rest for activations and graphs.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
 # --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
-# 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s); on the CPU
-# the embedded model's streams share a few cores, and 64 keeps each stream's pace.
+# 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s); the CPU
+# keeps the earlier 64 (no CPU measurement has asked for another).
 DEFAULT_MAX_NUM_SEQS = {"gpu": 256, "cpu": 64}
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
