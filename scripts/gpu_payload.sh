@@ -2,6 +2,8 @@
 # What a GPU host without network needs beside this checkout, made on a machine that reaches PyPI:
 #
 #   bash scripts/gpu_payload.sh [VLLM_KIT_BUILD_SH]
+#   bash scripts/gpu_payload.sh --pack      (.wx and the kit's folders again from .whl and .vllmkit*, offline: after
+#                                            the tracked tree grew, or with other PAYLOAD_ASSETS)
 #
 # .whl/              the wheels the GPU host's Python 3.12 lacks (scripts/gpu_run.sh installs them into a private
 #                    folder) and, in .whl/tokenizer-assets, the tokenizer files of the serving and peer steps
@@ -10,10 +12,21 @@
 #                    its install.sh, check_deps.py and SHA256SUMS in the first. A machine lent for a limited
 #                    transfer (64 MiB a call with the tree) takes one folder a call; scripts/gpu_run.sh gathers what
 #                    each call brings in $VLLMKIT_PARTS, and the peers_vllm step installs the kit once all are there.
+# .wx/whl.tar.xz     .whl/'s wheels and the tokenizer assets of PAYLOAD_ASSETS (space-separated folders of
+#                    .whl/tokenizer-assets, default "llama3": the dense peer study's; "llama3 qwen" for the MoE one) in
+#                    one archive (about 9 MB for llama3), which scripts/gpu_run.sh unpacks into .whl/ where that has
+#                    no wheels: a call can carry it beside a kit part.
+# .vllmkit0/, 1/, .. the kit's bytes cut again so that each call carries one folder and, with the first, .wx: every
+#                    call under the 64 MiB a lent machine takes (the tracked tree, measured now, and 256 KiB of
+#                    slack for its growth counted: with the llama3 assets the kit fits three calls by about 1 MB);
+#                    the parts' checksums, install.sh and check_deps.py in the last.
 # All are ignored by git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+PACK_ONLY=""
+[ "${1:-}" = --pack ] && PACK_ONLY=1 && shift
+if [ -z "$PACK_ONLY" ]; then
 "$PY" -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
   msgspec==0.22.0 structlog==26.1.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet==2.1.2 \
@@ -33,4 +46,43 @@ if [ -n "${1:-}" ]; then
   done
   cp "$kit"/SHA256SUMS "$kit"/install.sh "$kit"/check_deps.py .vllmkit0/
 fi
-du -sh .whl .vllmkit* 2>/dev/null
+fi
+rm -rf .wx && mkdir -p .wx
+assets=""
+for a in ${PAYLOAD_ASSETS:-llama3}; do assets="$assets tokenizer-assets/$a"; done
+(cd .whl && tar -cJf ../.wx/whl.tar.xz ./*.whl $assets)
+if ls .vllmkit[0-9]/vllmkit.tar.xz.part* >/dev/null 2>&1; then
+  tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+  "$PY" - "$tree" "$(stat -c %s .wx/whl.tar.xz)" <<'PYEOF'
+import hashlib, shutil, sys
+from pathlib import Path
+
+tree, wx = int(sys.argv[1]), int(sys.argv[2])
+room = (64 << 20) - tree - (256 << 10)  # a call's transfer: the tree, one folder, slack for the tree's growth
+parts = sorted(Path(".").glob(".vllmkit[0-9]/vllmkit.tar.xz.part*"), key=lambda p: p.name)
+scripts = [next(Path(".").glob(f".vllmkit[0-9]/{n}")) for n in ("install.sh", "check_deps.py")]
+data = b"".join(p.read_bytes() for p in parts)
+kept = {s.name: s.read_bytes() for s in scripts}
+for d in Path(".").glob(".vllmkit[0-9]"):
+    shutil.rmtree(d)
+cuts, start, i = [], 0, 0
+while start < len(data):
+    size = room - (wx if i == 0 else 0)
+    cuts.append(data[start:start + size])
+    start, i = start + size, i + 1
+sums = []
+for i, chunk in enumerate(cuts):
+    folder = Path(f".vllmkit{i}")
+    folder.mkdir()
+    name = f"vllmkit.tar.xz.part{i:02d}"
+    (folder / name).write_bytes(chunk)
+    sums.append(f"{hashlib.sha256(chunk).hexdigest()}  {name}\n")
+last = Path(f".vllmkit{len(cuts) - 1}")
+(last / "SHA256SUMS").write_text("".join(sums))
+for name, body in kept.items():
+    (last / name).write_bytes(body)
+    (last / name).chmod(0o755)
+print(f"the kit in {len(cuts)} calls (the first with .wx): {[len(c) for c in cuts]} bytes")
+PYEOF
+fi
+du -sh .whl .wx .vllmkit* 2>/dev/null

@@ -63,6 +63,9 @@ PY="${PYTHON:-python3}"
 # and each vLLM kit part (55 MiB) travel in separate calls. What a call brings is kept in /tmp for the calls after
 # it, while the machine stays up: the wheels installed in /tmp/blink-site, the tokenizer assets copied to
 # /tmp/blink-tokenizer-assets, and any file in .vllmkit/ or .vllmkit0/..9/ (ignored by git) copied to $VLLMKIT_PARTS.
+if [ -f .wx/whl.tar.xz ] && ! ls .whl/*.whl >/dev/null 2>&1; then  # scripts/gpu_payload.sh's one archive
+  mkdir -p .whl && tar -xJf .wx/whl.tar.xz -C .whl
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site .whl/*.whl
   [ -d .whl/tokenizer-assets ] && rm -rf /tmp/blink-tokenizer-assets && cp -r .whl/tokenizer-assets /tmp/blink-tokenizer-assets
