@@ -17,7 +17,7 @@ import torch
 from gpu_engine.models.config import ModelConfig
 from gpu_engine.policy import Policy
 from gpu_engine.runner import Runner
-from shared.config import EngineConfig
+from shared.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, gpu_visible
 from shared.log import get_logger
 from shared.ring import Ring
 
@@ -106,4 +106,9 @@ def resolve_backend(cfg: EngineConfig) -> EngineConfig:
     capability = torch.cuda.get_device_capability() if cuda else None
     backend, why = choose_backend(cuda, capability, find_nvcc() if cuda else None)
     log.info("backend chosen", backend=backend, reason=why)
+    if backend == "cpu" and cfg.max_batch == DEFAULT_MAX_NUM_SEQS["gpu"] and gpu_visible():
+        # the supervisor saw a GPU (its device nodes) and took a GPU's batch; torch sees none (a CPU build of torch)
+        log.warning("a GPU's batch on the CPU backend", max_num_seqs=cfg.max_batch,
+                    hint="a GPU is visible but torch sees none: give --backend cpu (the CPU's default batch, "
+                         f"{DEFAULT_MAX_NUM_SEQS['cpu']}) or --max-num-seqs")
     return dataclasses.replace(cfg, backend=backend)  # a CPU pick with --gpu-memory-utilization raises here

@@ -244,8 +244,12 @@ class EngineConfig:
         return None
 
     def __post_init__(self) -> None:
-        if self.max_batch == 0:  # as the parser derives it when the flag is left out
-            object.__setattr__(self, "max_batch", default_max_batch(self.backend))
+        if self.max_batch == 0:  # left out: as the parser derives it, and the ring it derives for it
+            default_ring = self.geometry.num_slots == SLOTS_DEFAULT
+            batch = default_max_batch(self.backend, None if default_ring else self.geometry.num_slots)
+            object.__setattr__(self, "max_batch", batch)
+            if default_ring:
+                object.__setattr__(self, "geometry", dataclasses.replace(self.geometry, num_slots=slots_for(batch)))
         for fl in engine_flags():
             if not fl.in_geometry:
                 fl.check(getattr(self, fl.name))
@@ -306,9 +310,11 @@ class EngineConfig:
             raise ValueError(f"--num-slots {geo['num_slots']} holds fewer requests than --max-num-seqs "
                              f"{rest['max_batch']} runs at once: give --num-slots of at least {rest['max_batch']}, "
                              "or leave it out (it follows --max-num-seqs)")
-        for values, name in ((rest, "max_batch"), (geo, "max_prompt_tokens"), (geo, "num_slots")):
+        if rest["max_batch"] is None:
+            rest["max_batch"] = default_max_batch(rest["backend"], geo["num_slots"])
+        for values, name in ((geo, "max_prompt_tokens"), (geo, "num_slots")):
             if values[name] is None:
-                values[name] = left_out(name, ns.max_model_len, rest["max_batch"], rest["backend"])
+                values[name] = left_out(name, ns.max_model_len, rest["max_batch"])
         return cls(geometry=RingGeometry(**geo), **rest)
 
     def to_argv(self) -> list[str]:
@@ -317,8 +323,13 @@ class EngineConfig:
         argv: list[str] = []
         for fl in engine_flags():
             value = getattr(self.geometry if fl.in_geometry else self, fl.name)
-            if fl.name in DERIVED_DEFAULTS:  # left out, it parses back to what the others derive
-                if value == left_out(fl.name, self.max_model_len, self.max_batch, self.backend):
+            if fl.name == "max_batch":  # left out only where the child derives the same whatever its host
+                slots = self.geometry.num_slots
+                given = None if slots == left_out("num_slots", self.max_model_len, self.max_batch) else slots
+                if self.backend != "auto" and value == default_max_batch(self.backend, given):
+                    continue
+            elif fl.name in DERIVED_DEFAULTS:  # left out, it parses back to what the others derive
+                if value == left_out(fl.name, self.max_model_len, self.max_batch):
                     continue
             elif value == fl.default and not fl.default_from_env:
                 continue
@@ -340,11 +351,14 @@ def gpu_visible() -> bool:
     return any(re.fullmatch(r"nvidia\d+", p.name) for p in Path("/dev").glob("nvidia*"))
 
 
-def default_max_batch(backend: str) -> int:
+def default_max_batch(backend: str, slots: int | None = None) -> int:
     """--max-num-seqs left out: `DEFAULT_MAX_NUM_SEQS` of the backend's kind (under --backend auto, a GPU's
-    where ``gpu_visible``)."""
+    where ``gpu_visible``), at most a given --num-slots (a ring of N slots runs at most N sequences). The
+    supervisor passes the value it derived under --backend auto (`EngineConfig.to_argv`), so its engines and
+    their ring agree whatever they see."""
     on_cpu = backend == "cpu" or (backend == "auto" and not gpu_visible())
-    return DEFAULT_MAX_NUM_SEQS["cpu" if on_cpu else "gpu"]
+    kind = DEFAULT_MAX_NUM_SEQS["cpu" if on_cpu else "gpu"]
+    return kind if slots is None else min(kind, slots)
 
 
 def slots_for(max_batch: int) -> int:
@@ -355,11 +369,10 @@ def slots_for(max_batch: int) -> int:
     return max(SLOTS_DEFAULT, max_batch, min(max_batch + max_batch // 4, FLIP_SLOTS))
 
 
-def left_out(name: str, max_model_len: int, max_batch: int, backend: str) -> Any:
-    """What DERIVED_DEFAULTS' flag ``name`` is when it is not given, from the flags it follows: what
-    `EngineConfig.from_namespace` takes for it and `EngineConfig.to_argv` leaves out."""
-    if name == "max_batch":
-        return default_max_batch(backend)
+def left_out(name: str, max_model_len: int, max_batch: int) -> Any:
+    """What DERIVED_DEFAULTS' flag ``name`` (but --max-num-seqs: `default_max_batch`) is when it is not given,
+    from the flags it follows: what `EngineConfig.from_namespace` takes for it and `EngineConfig.to_argv` leaves
+    out."""
     if name == "num_slots":
         return slots_for(max_batch)
     return max_model_len - 1 if max_model_len > 1 else PROMPT_TOKENS_DEFAULT
@@ -371,7 +384,7 @@ DERIVED_DEFAULTS = {"max_prompt_tokens": f"--max-model-len - 1 when that is give
                     "num_slots": f"{SLOTS_DEFAULT}, or --max-num-seqs and a quarter more where that is larger: a "
                                  "slot for each running sequence, and prompts waiting on the device",
                     "max_batch": f"{DEFAULT_MAX_NUM_SEQS['gpu']} on a GPU, {DEFAULT_MAX_NUM_SEQS['cpu']} on the CPU "
-                                 "(--backend auto: a GPU's where one is visible)"}
+                                 "(--backend auto: a GPU's where one is visible), at most a given --num-slots"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ instead, shows every flag's default, and passes every flag on to the child that 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -72,8 +73,9 @@ def test_max_num_seqs_and_its_alias_max_batch() -> None:
 
 
 @pytest.mark.parametrize(("argv", "seqs", "slots"), [
-    ([], 64, 256), (["--max-num-seqs", "200"], 200, 256), (["--max-num-seqs", "512"], 512, 640),
-    (["--max-num-seqs", "1024", "--backend", "persistent"], 1024, 1280), (["--num-slots", "16"], 64, 16),
+    (["--backend", "cpu"], 64, 256), (["--max-num-seqs", "200"], 200, 256), (["--max-num-seqs", "512"], 512, 640),
+    (["--max-num-seqs", "1024", "--backend", "persistent"], 1024, 1280), (["--num-slots", "16"], 16, 16),
+    (["--backend", "persistent", "--num-slots", "64"], 64, 64), (["--backend", "persistent"], 256, 320),
     (["--max-num-seqs", "512", "--num-slots", "512"], 512, 512)])
 def test_ring_slots_follow_max_num_seqs(argv: list[str], seqs: int, slots: int) -> None:
     """A running sequence holds a ring slot: --num-slots left out is --max-num-seqs and a quarter more (at least
@@ -115,13 +117,18 @@ def test_max_num_seqs_left_out_follows_the_backend_kind(monkeypatch: pytest.Monk
         cfg = engine_of(argv)
         assert (cfg.max_batch, cfg.geometry.num_slots) == (batch, slots), argv
         assert engine_serve.parse_args(cfg.to_argv()) == cfg
-    # a config built without the parser takes the same default (its ring is the default's unless given)
-    assert (EngineConfig(backend="persistent").max_batch, EngineConfig(backend="cpu").max_batch) == (256, 64)
+    # a config built without the parser takes the same default and the same ring, or stays within a ring given
+    assert EngineConfig(backend="persistent") == engine_of(["--backend", "persistent"])
+    assert (EngineConfig(backend="cpu").max_batch, EngineConfig(backend="cpu").geometry.num_slots) == (64, 256)
+    small = EngineConfig(backend="host", geometry=dataclasses.replace(EngineConfig().geometry, num_slots=32))
+    assert small.max_batch == 32 and engine_serve.parse_args(small.to_argv()) == small
     with pytest.raises(ValueError, match="--max-num-seqs must be >= 1, got 0"):  # 0 is not "left out"
         engine_of(["--max-num-seqs", "0"])
     monkeypatch.setattr(config, "gpu_visible", lambda: True)
     assert engine_of([]).max_batch == 256 and engine_of(["--backend", "cpu"]).max_batch == 64
+    seen = engine_of([])  # under auto the batch it derived is passed on: an engine that sees no GPU keeps it
     monkeypatch.setattr(config, "gpu_visible", lambda: False)
+    assert "--max-num-seqs" in seen.to_argv() and engine_serve.parse_args(seen.to_argv()) == seen
     assert engine_of([]).max_batch == 64
     monkeypatch.undo()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # every GPU hidden: the engine would run on the CPU

@@ -181,7 +181,8 @@ def test_the_kernel_plan_is_a_flag_auto_by_default_not_a_variable(capsys: pytest
     assert EngineConfig().kernel_plan == engine_serve.parse_args([]).kernel_plan == "auto"
     assert engine_serve.parse_args(["--kernel-plan", "cublas"]).kernel_plan == "cublas"
     _, child = served_engine_argv(["--ring", "r-3", "--kernel-plan", "h200"])
-    assert child == ["--ring", "r-3", "--kernel-plan", "h200"]
+    # under --backend auto the supervisor also passes the batch it derived (the engine could see another host)
+    assert child == ["--ring", "r-3", "--kernel-plan", "h200", "--max-num-seqs", str(EngineConfig().max_batch)]
     assert "--kernel-plan" not in served_engine_argv(["--ring", "r-3"])[1]
     with pytest.raises(SystemExit):
         engine_serve.parse_args(["--kernel-plan", "fastest"])
