@@ -237,7 +237,8 @@ def frontend_config(args: argparse.Namespace) -> ServeConfig:
 
     ring = args.ring_name
     flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
-    given = sorted({a for a in flags_only.to_argv() if a.startswith("--")} - {"--ring", "--model"})
+    passed = {"--ring", "--model"} | ({"--max-num-seqs"} if args.max_batch is None else set())  # derived: not given
+    given = sorted({a for a in flags_only.to_argv() if a.startswith("--")} - passed)
     problem = (("--frontend-only starts no engine: " + ", ".join(given) + " would not apply (they are blink engine's)")
                if given else None) or remote_ring_problem(ring, args.data_parallel_size) or (
         "--frontend-only serves one engine's ring: --data-parallel-size must be 1"
