@@ -472,6 +472,11 @@ class EventWriter:
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": len(self.output)}
 
+    async def _open_with_part(self, item: dict) -> None:
+        """Open a message or reasoning item: added with no content, then its one part, empty."""
+        part, item["content"] = item["content"][0], []
+        await self._open(item, part)
+
     async def _open(self, item: dict, part: dict | None) -> None:
         await self.close()
         self.open, self.text, self.logprobs = item, "", []
@@ -503,9 +508,7 @@ class EventWriter:
 
     async def _reasoning(self, text: str) -> None:
         if self.open is None or self.open["type"] != "reasoning":
-            await self._open({"type": "reasoning", "id": _id("rs"), "summary": [], "content": [],
-                              "encrypted_content": None, "status": "in_progress"},
-                             {"type": "reasoning_text", "text": ""})
+            await self._open_with_part(reasoning_item("", "in_progress"))
         self.text += text
         await self.emit("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
 
@@ -518,8 +521,7 @@ class EventWriter:
             if not text and not logprobs and not self.held:
                 return
         if not opened:
-            await self._open({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
-                              "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            await self._open_with_part(message_item("", [], "in_progress"))
         logprobs, self.held = self.held + logprobs, []
         self.text += text
         self.logprobs += logprobs
@@ -554,8 +556,7 @@ class EventWriter:
 
     async def finish(self, usage: dict) -> None:
         if not (self.output or self.open):  # an answer of no text still has its message, as the whole answer's
-            await self._open({"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
-                              "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            await self._open_with_part(message_item("", [], "in_progress"))
         if self.held:  # log-probs of tokens with no text (a stop's, the reasoning's): on the message's last delta
             await self._message("", [])
         await self.close(last=True)
