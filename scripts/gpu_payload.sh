@@ -17,8 +17,8 @@
 #                    one archive (about 9 MB for llama3), which scripts/gpu_run.sh unpacks into .whl/ where that has
 #                    no wheels: a call can carry it beside a kit part.
 # .vllmkit0/, 1/, .. the kit's bytes cut again so that each call carries one folder and, with the first, .wx: every
-#                    call under the 64 MiB a lent machine takes (the tracked tree, measured now, and 256 KiB of
-#                    slack for its growth counted: with the llama3 assets the kit fits three calls by about 1 MB);
+#                    call under the 64 MiB a lent machine takes (the tracked tree's disk blocks, measured now, and
+#                    512 KiB of slack for its growth counted: with the llama3 assets the kit takes four calls);
 #                    the parts' checksums, install.sh and check_deps.py in the last.
 # All are ignored by git.
 set -euo pipefail
@@ -52,13 +52,15 @@ assets=""
 for a in ${PAYLOAD_ASSETS:-llama3}; do assets="$assets tokenizer-assets/$a"; done
 (cd .whl && tar -cJf ../.wx/whl.tar.xz ./*.whl $assets)
 if ls .vllmkit[0-9]/vllmkit.tar.xz.part* >/dev/null 2>&1; then
-  tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+  # the transfer counts the disk blocks the files take (a file rounds up to 4 KiB), not their bytes: the tracked
+  # files and, whole, the folder shared/ (its ignored build outputs too; its tracked files counted twice, as slack)
+  tree=$(( $(git ls-files -z | du -c -B1 --files0-from=- | tail -n 1 | cut -f1) + $(du -s -B1 shared | cut -f1) ))
   "$PY" - "$tree" "$(stat -c %s .wx/whl.tar.xz)" <<'PYEOF'
 import hashlib, shutil, sys
 from pathlib import Path
 
 tree, wx = int(sys.argv[1]), int(sys.argv[2])
-room = (64 << 20) - tree - (256 << 10)  # a call's transfer: the tree, one folder, slack for the tree's growth
+room = (64 << 20) - tree - (512 << 10)  # a call's transfer: the tree, one folder, slack for the tree's growth
 parts = sorted(Path(".").glob(".vllmkit[0-9]/vllmkit.tar.xz.part*"), key=lambda p: p.name)
 scripts = [next(Path(".").glob(f".vllmkit[0-9]/{n}")) for n in ("install.sh", "check_deps.py")]
 data = b"".join(p.read_bytes() for p in parts)
