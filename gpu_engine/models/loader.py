@@ -223,7 +223,10 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         if not isinstance(getattr(module, leaf, None), torch.nn.Parameter):
             raise ModelLoadError(f"no parameter {name} to leave absent")
         setattr(module, leaf, torch.nn.Parameter(torch.empty(0, device="meta"), requires_grad=False))
-    model = model.to_empty(device=device).to(dtype)
+    # the dtype first, on the meta device: allocated straight in it. Converted after allocation, the float32 model
+    # (twice a bf16 one's bytes) lived beside its copy, and on a GPU its freed memory stayed in torch's cache, where
+    # the KV cache's sizing, reading the memory the device has free, did not see it (an 8B model's 17 GiB on an H100)
+    model = model.to(dtype).to_empty(device=device)
     model.rope = RotaryEmbedding(config).to(device)  # float32 tables, recomputed off the meta device
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
