@@ -30,8 +30,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as i
 KERNEL_PLANS = ("auto", "cublas", "h100", "h200")
 DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
 # Of the GPU memory free after loading the weights, for the KV cache; with --max-num-seqs 256 it gave Blink's best
-# plateau of the peer study's workload on an H100 (BENCHMARKS.md, "Blink's GPU defaults"): the 8B shape's KV cache
-# 40 GiB there, leaving the rest for activations and graphs.
+# plateau of the peer study's workload on an H100 (BENCHMARKS.md, "Blink's GPU defaults"), leaving the rest for the
+# step buffers and graphs. (Those runs' caches were 40 GiB for the 8B shape where the loader's float32 copy, kept in
+# torch's cache, hid memory from the sizing; with it gone 0.85 is about 54 GiB there, not yet measured.)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
 # --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
 # 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s); the CPU
