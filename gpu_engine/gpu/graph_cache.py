@@ -207,6 +207,9 @@ class GraphCache:
             _bump_counter_kernel[(1,)](torch.zeros(1, dtype=torch.int64, device=self.runner.device))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # the warm-up's temporaries back to the device first (torch.cuda.graph gives them back on entering anyway):
+        # else their release counts against this graph, and its memory reads negative
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph(keep_graph=True)

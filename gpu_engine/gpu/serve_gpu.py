@@ -145,8 +145,10 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache))
     with memory_for("capturing the graphs", cfg, blocks):
         graphs = cache.capture(progress=False, on_graph=capture_progress)
+    torch.cuda.empty_cache()
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
              memory_mib=round(sum(g.memory_bytes for g in graphs) / 2**20, 1),
+             gpu_free_mib=round(torch.cuda.mem_get_info()[0] / 2**20, 1),
              kv_blocks=blocks, model=str(path), family=mcfg.family, chunked_prefill=chunked,
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
