@@ -99,7 +99,13 @@ class RingReader:
         self.ring: Ring | None = None
         self.writer: SlotWriter | None = None
         self.snapshot: np.ndarray | None = None
+        # what each slot showed at the last read (state, seq, generated): a route is looked at only when its slot
+        # moved since, or while it is in ``pending``; None: every slot counts as moved (no read yet on this ring)
+        self.seen: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.routes: dict[int, Route] = {}
+        # slots whose route is looked at in the next read whatever its slot shows: a new or resumed route (its
+        # tokens may have come before it), one waiting for its gateway's hello
+        self.pending: set[int] = set()
         self.gateways = gateways  # shared with the TokenReader: gateway id -> its link
         # The engine's wake-up after a step that published (shared/notify.py), watched by the event loop;
         # None while the ring has none (then the poll loop polls this ring)
@@ -110,20 +116,37 @@ class RingReader:
 
     # ------------------------------------------------------------ one cycle
     def cycle(self) -> bool:
-        """Read the ring once and forward what changed; True if any token moved."""
+        """Read the ring once and forward what changed; True if any token moved. Only the routes whose slot
+        moved since the last read (its state, seq or token count) and the pending ones are looked at: while the
+        persistent engine runs a step the reader polls, and most reads find nothing new."""
         if self.ring is None or not self.routes:
             return False
         try:
             snap = self.ring.read_slots(self.snapshot)
             self.ring.transport.fence()  # acquire: the tokens behind every `generated` seen are visible
+            look = self._moved(snap)
+            look.update(self.pending)
+            self.pending = set()
+            due = [r for slot, r in self.routes.items() if slot in look]
             moved = False
-            fresh = [r for r in self.routes.values() if r.sent == 0]
-            for route in fresh + [r for r in self.routes.values() if r.sent > 0]:
+            for route in [r for r in due if r.sent == 0] + [r for r in due if r.sent > 0]:  # first tokens first
                 moved |= self._serve(route, snap[route.track.slot])
         except RingError as exc:
             self._access_failed(exc)
             return False
         return moved
+
+    def _moved(self, snap: np.ndarray) -> set[int]:
+        """The slots whose state, seq or token count differ from the last read's; every slot at the first."""
+        now = (snap["state"].copy(), snap["seq"].copy(), snap["generated"].copy())
+        seen, self.seen = self.seen, now
+        if seen is None:
+            return set(range(len(snap)))
+        return set(np.flatnonzero((now[0] != seen[0]) | (now[1] != seen[1]) | (now[2] != seen[2])).tolist())
+
+    def add_route(self, route: Route) -> None:
+        self.routes[route.track.slot] = route
+        self.pending.add(route.track.slot)
 
     def _access_failed(self, exc: RingError) -> None:
         """An access to a remote ring failed (its engine gone, the link down): the watch lets the ring go
@@ -144,6 +167,7 @@ class RingReader:
         chan = self.gateways.get(tr.gateway_id)
         if chan is None and not route.orphan:
             if time.monotonic() - route.since < self.cfg.unowned_grace_s:
+                self.pending.add(tr.slot)  # looked at again next read, moved or not
                 return False  # its gateway has not said hello yet
             self._orphan(route)
         done = state == S.DECODE_COMPLETED
@@ -243,7 +267,7 @@ class RingReader:
             track = m.Track(req_id, gateway_id, int(idx), int(meta["seq"]), bool(flags & L.SamplingFlags.WANT_LOGPROBS),
                             int(sampling["num_top_logprobs"]), self.index,
                             int(meta["num_prompt_logprobs"]) if flags & L.SamplingFlags.WANT_PROMPT_LOGPROBS else -1)
-            self.routes[int(idx)] = Route(track, sent=received[req_id])
+            self.add_route(Route(track, sent=received[req_id]))
             adopted.add(req_id)
         return adopted
 
@@ -304,6 +328,7 @@ class RingReader:
             self.ring = ring
             self.writer = SlotWriter(ring) if ring is not None else None
             self.snapshot = np.empty(ring.geometry.num_slots, L.SLOT_DTYPE) if ring is not None else None
+            self.seen = None
             self._open_notifier()
             return
         self._open_notifier()  # the engine makes it just before READY: it may come after the segment
@@ -323,7 +348,7 @@ class RingReader:
             return
         self._fail_all(RESTARTED)
         self._close_notifier()
-        self.ring = self.writer = self.snapshot = None
+        self.ring = self.writer = self.snapshot = self.seen = None
 
     def _fail_all(self, message: str) -> None:
         for route in self.routes.values():
@@ -371,6 +396,7 @@ class TokenReader:
                 if route.track.req_id in left and route.track.gateway_id == gateway_id:
                     route.sent = left.pop(route.track.req_id)
                     route.orphan = False  # its gateway is here after all (a cancelled slot ends as abort)
+                    engine.pending.add(route.track.slot)
         for engine in self.engines:
             if left:
                 engine.check_health()
@@ -391,10 +417,10 @@ class TokenReader:
         for engine in sorted({tr.engine for tr in known}):
             self.engines[engine].check_health()
         for tr in known:
-            routes = self.engines[tr.engine].routes
-            had = routes.get(tr.slot)
+            ring = self.engines[tr.engine]
+            had = ring.routes.get(tr.slot)
             if had is None or had.track.seq != tr.seq:
-                routes[tr.slot] = Route(tr)
+                ring.add_route(Route(tr))
         if known:
             self._wake.set()
 

@@ -299,3 +299,26 @@ def test_a_track_of_no_gateway_is_stopped_and_released_quietly(ring_name: str, t
     assert not reader.busy
     reader.close()
     ring.close()
+
+
+def test_a_read_serves_moved_slots_and_routes_whose_tokens_came_before_them(ring_name: str, tmp_path: Path) -> None:
+    """A read looks only at slots that moved since the last one, and at new routes: a request whose tokens were all
+    written before its ``Track`` reached the reader (its slot never moves again) still gets them, and a stream
+    whose slot did not move gets nothing twice."""
+    ring = serving_ring(ring_name)
+    reader, gw = reader_for(tmp_path, ring_name)
+    reader.hello(gw, m.GatewayHello(GATEWAY))  # type: ignore[arg-type]
+    first, late = publish(ring, 1), publish(ring, 2)
+    reader.track([first])
+    generate(ring, first, 0, 3)
+    generate(ring, late, 0, 5)  # the engine ran ahead of the tracker's Track for request 2
+    assert reader.cycle()
+    assert reader.cycle() is False  # nothing moved
+    reader.track([late])
+    assert reader.cycle()  # the new route, whose slot has not moved since the last read
+    generate(ring, first, 3, 10, finish=True)
+    reader.cycle()
+    assert ids_sent(gw, 1) == OUTPUT.tolist() and ids_sent(gw, 2) == OUTPUT[:5].tolist()
+    assert [f.req_id for f in gw.of(m.Finished)] == [1]
+    reader.close()
+    ring.close()
