@@ -34,6 +34,7 @@ from dpu_gateway.state import (
     METRICS,
     RECORD,
     RING,
+    TOKEN_FLUSH,
     GatewayConfig,
     RequestRecord,
 )
@@ -41,7 +42,7 @@ from dpu_gateway.textio import TextCodec
 from dpu_tokenizer.chat import chat_template_from_arg
 from shared import messages as m
 from shared.log import get_logger
-from shared.metrics import FrontendMetrics
+from shared.metrics import TOKEN_FLUSH_S, FrontendMetrics
 
 log = get_logger("gateway")
 
@@ -146,6 +147,15 @@ async def on_startup(app: web.Application) -> None:
     app[BACKEND] = Backend(cfg.run_dir, cfg.gateway_id)
     app[BACKEND].start()
     app[BEATS] = asyncio.create_task(app[RING].follow_beats(), name="engine beats")
+    app[TOKEN_FLUSH] = asyncio.create_task(flush_token_metrics(app[METRICS]), name="token metrics")
+
+
+async def flush_token_metrics(metrics: FrontendMetrics) -> None:
+    """Write the per-token observations counted in this process every ``TOKEN_FLUSH_S``, for ever (a scrape
+    answered by another gateway reads them from the shared values)."""
+    while True:
+        await asyncio.sleep(TOKEN_FLUSH_S)
+        metrics.flush_tokens()
 
 
 async def drain(app: web.Application) -> None:
@@ -170,9 +180,11 @@ async def on_shutdown(app: web.Application) -> None:
 
 
 async def on_cleanup(app: web.Application) -> None:
-    app[BEATS].cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await app[BEATS]
+    for task in (app[BEATS], app[TOKEN_FLUSH]):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    app[METRICS].flush_tokens()
     await app[BACKEND].close()
     app[GRAMMARS].close()  # its workers would die with the gateway too; an app made in-process leaks none
     app[RING].close()

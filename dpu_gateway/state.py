@@ -79,6 +79,7 @@ METRICS = web.AppKey("metrics", FrontendMetrics)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
 BEATS = web.AppKey("beats", asyncio.Task)  # RingSet.follow_beats
+TOKEN_FLUSH = web.AppKey("token_flush", asyncio.Task)  # app.flush_token_metrics
 DRAINING = web.AppKey("draining", asyncio.Event)  # set at SIGTERM: new requests are refused (app.drain_middleware)
 
 

@@ -34,6 +34,7 @@ tokens and tail launches.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -291,6 +292,40 @@ def preallocate_metric_files(folder: Path, pid: int) -> None:
                                     f"bytes): {exc.strerror}") from None
 
 
+TOKEN_FLUSH_S = 0.1  # the most a gateway's per-token observations wait before they reach the shared values
+
+
+class TokenGaps:
+    """One histogram's per-token observations, counted in the process and written to its values at most every
+    ``TOKEN_FLUSH_S`` (and at every ``flush``). With several gateways each value is a memory-mapped file, and an
+    ``observe`` writes two of them (the sum and a bucket), each write checking the process id: observed token by
+    token, three histograms took about a quarter of a gateway's CPU. The bucket is the one ``observe`` picks (the
+    first upper bound at or above the amount); the counts are added as prometheus_client's own ``observe`` adds
+    them (its ``_sum`` and ``_buckets`` values, as in the pinned version)."""
+
+    __slots__ = ("child", "bounds", "counts", "total")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.bounds: list[float] = list(child._upper_bounds)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, amount: float, n: int) -> None:
+        self.counts[min(bisect.bisect_left(self.bounds, amount), len(self.bounds) - 1)] += n
+        self.total += amount * n
+
+    def flush(self) -> None:
+        if not any(self.counts):
+            return
+        self.child._sum.inc(self.total)
+        for i, count in enumerate(self.counts):
+            if count:
+                self.child._buckets[i].inc(count)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+
 class FrontendMetrics:
     def __init__(self, model_name: str, multiprocess_dir: Path | None = None, engines: int = 1) -> None:
         """``multiprocess_dir``: the folder every gateway's values go to (None: this process only). It
@@ -312,6 +347,7 @@ class FrontendMetrics:
                               label, buckets=TOKEN_GAP_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("blink:inter_token_latency_seconds", "Gap between consecutive output tokens.",
                              label, buckets=TOKEN_GAP_BUCKETS, registry=r).labels(model_name)
+        self._itl_gaps = TokenGaps(self.itl)
         self.e2e = Histogram("blink:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              label, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("blink:num_requests_running", "Requests in the engine's decode batch.", label,
@@ -391,7 +427,7 @@ class FrontendMetrics:
                                               "only tier Blink has).", [*labels, "source"], registry=r)
         self.v_generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                                     registry=r)
-        self._per_engine: dict[int, tuple[Any, Any, Any]] = {}  # _token_children's
+        self._per_engine: dict[int, tuple[TokenGaps, TokenGaps, Any]] = {}  # _token_children's
         self.v_success = Counter("vllm:request_success", "Count of finished requests by finished_reason: stop (EOS, "
                                  "a stop token or string), length (max_tokens or the context), abort (cancelled), "
                                  "error (the engine failed it: a 5xx).", [*labels, "finished_reason"], registry=r)
@@ -449,22 +485,31 @@ class FrontendMetrics:
         self.ttft.observe(ttft_s)
         self.v_ttft.labels(self.model_name, str(engine)).observe(ttft_s)
 
-    def _token_children(self, engine: int) -> tuple[Any, Any, Any]:
+    def _token_children(self, engine: int) -> tuple[TokenGaps, TokenGaps, Any]:
         """The per-token series of one engine, labelled once (they are touched for every token batch)."""
         children = self._per_engine.get(engine)
         if children is None:
             name, e = self.model_name, str(engine)
-            children = self._per_engine[engine] = (self.v_itl.labels(name, e), self.v_tpot_gaps.labels(name, e),
+            children = self._per_engine[engine] = (TokenGaps(self.v_itl.labels(name, e)),
+                                                   TokenGaps(self.v_tpot_gaps.labels(name, e)),
                                                    self.v_generation.labels(name, e))
         return children
 
     def token_gaps(self, engine: int, gap_s: float, n: int) -> None:
-        """``n`` output tokens that came ``gap_s`` apart on average since the previous ones."""
+        """``n`` output tokens that came ``gap_s`` apart on average since the previous ones (each counted as one
+        observation of ``gap_s``, written out at the next ``flush_tokens``)."""
         itl, tpot, _ = self._token_children(engine)
-        for _ in range(n):
-            self.itl.observe(gap_s)
-            itl.observe(gap_s)
-            tpot.observe(gap_s)
+        self._itl_gaps.observe(gap_s, n)
+        itl.observe(gap_s, n)
+        tpot.observe(gap_s, n)
+
+    def flush_tokens(self) -> None:
+        """Write the per-token observations counted so far (the gateway every ``TOKEN_FLUSH_S``, a request's end
+        and every scrape)."""
+        self._itl_gaps.flush()
+        for itl, tpot, _ in self._per_engine.values():
+            itl.flush()
+            tpot.flush()
 
     def prefilled(self, engine: int, prompt_tokens: int, cached_tokens: int) -> None:
         """A request's prompt was computed (its first token came, or its end before any)."""
@@ -522,6 +567,7 @@ class FrontendMetrics:
         """The text of a scrape: every gateway's series (summed), the engines' totals from ``engine_stats`` (the
         ring headers' EngineStats summed; None: no engine now) and each engine's from ``per_engine``."""
         self.token_histograms()  # at zero once the context is known, as vLLM's are from its start
+        self.flush_tokens()
         source = self.registry
         if self.multiprocess_dir is not None:
             source = CollectorRegistry()
