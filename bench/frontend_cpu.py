@@ -1,0 +1,160 @@
+"""The frontend's CPU for each streamed token, service by service, on the CPU: ``blink serve`` with the test suite's
+echo engine (``tests/helpers/fake_engine.py``: a step every ``--step-ms``, a token per running request, no
+wake-up for the reader, so the reader polls as it does beside the persistent engine) and ``--streams`` clients of
+the real ``openai`` package streaming chat answers of ``--max-tokens`` tokens for ``--duration-s``.
+
+    python -m bench.frontend_cpu [--streams 32] [--duration-s 20] [--out bench/results/frontend_cpu.json]
+
+Each service's CPU (user + system, from /proc) over the run, divided by the tokens the clients received. The
+engine here is a stand-in; what is measured is the gateway, reader, tracker and tokenizer around it. Under a
+co-tenant that takes the cores, this is the CPU those services must win back for every token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.cpu_peer import free_port
+from bench.peers.systems import descendants
+
+SERVICES = ("gateway", "reader", "tracker", "tokenizer", "supervisor")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def service_of(pid: int) -> str | None:
+    """The Blink service a process runs, from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    words = [a.decode(errors="replace") for a in argv]
+    if "serve" in words and any(w.endswith("blink") or w == "blink.cli" for w in words):
+        return "supervisor"  # first: its command line names the engine's module too
+    if "tests.helpers.fake_engine" in words or "gpu_engine.serve" in words:
+        return "engine"
+    for name in SERVICES:
+        if name in words:
+            return name
+    return None
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def sample(root: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for pid in descendants(root).values():
+        name = service_of(pid)
+        if name is not None:
+            try:
+                out[name] = out.get(name, 0.0) + cpu_s(pid)
+            except OSError:
+                continue
+    return out
+
+
+async def drive(url: str, streams: int, duration_s: float, max_tokens: int, prompt: str) -> int:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    end = time.monotonic() + duration_s
+    tokens = 0
+
+    async def one() -> None:
+        nonlocal tokens
+        while time.monotonic() < end:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content is not None:
+                    tokens += 1
+
+    await asyncio.gather(*(one() for _ in range(streams)))
+    await client.close()
+    return tokens
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"blink serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"blink serve not healthy after {timeout_s:g} s")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "FAKE_ENGINE_STEP_MS": str(args.step_ms)}
+    log = open(args.log, "w")  # noqa: SIM115 - the server's output, for as long as it runs
+    proc = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--engine-module",
+                             "tests.helpers.fake_engine", "--num-slots", str(args.num_slots)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(url, proc)
+        prompt = " ".join(f"word{i}" for i in range(args.prompt_words))
+        asyncio.run(drive(url, min(args.streams, 4), 2.0, 8, prompt))  # warm: first requests, compiled paths
+        before, t0 = sample(proc.pid), time.monotonic()
+        tokens = asyncio.run(drive(url, args.streams, args.duration_s, args.max_tokens, prompt))
+        after, wall = sample(proc.pid), time.monotonic() - t0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+    used = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in sorted(after)}
+    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "cpu_s": {k: round(v, 3) for k, v in used.items()},
+            "us_per_token": {k: round(v / max(tokens, 1) * 1e6, 2) for k, v in used.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.frontend_cpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--prompt-words", type=int, default=100)
+    ap.add_argument("--step-ms", type=float, default=5.0, help="the echo engine's step")
+    ap.add_argument("--num-slots", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/frontend_cpu.json"))
+    ap.add_argument("--log", type=Path, default=Path("/tmp/blink-frontend-cpu.log"))
+    args = ap.parse_args(argv)
+    result = run(args)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"frontend CPU per streamed token: {result['tokens']} tokens in {result['wall_s']} s "
+          f"({result['tokens_per_s']}/s), {args.streams} streams, commit {commit}")
+    print("| service | CPU s | us a token |")
+    print("| --- | --- | --- |")
+    for name, used in result["cpu_s"].items():
+        print(f"| {name} | {used:.2f} | {result['us_per_token'][name]:.1f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"commit": commit, "machine": platform.machine(), "cores": os.cpu_count(),
+           "settings": {k: v for k, v in vars(args).items() if k not in ("out", "log")}, **result}
+    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
