@@ -155,7 +155,10 @@ async def flush_token_metrics(metrics: FrontendMetrics) -> None:
     answered by another gateway reads them from the shared values)."""
     while True:
         await asyncio.sleep(TOKEN_FLUSH_S)
-        metrics.flush_tokens()
+        try:
+            metrics.flush_tokens()
+        except Exception as exc:  # noqa: BLE001 - a failed write (the metrics folder's disk) must not end the task
+            log.warning("token metrics not written", error=repr(exc))
 
 
 async def drain(app: web.Application) -> None:

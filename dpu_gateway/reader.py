@@ -132,6 +132,7 @@ class RingReader:
             for route in [r for r in due if r.sent == 0] + [r for r in due if r.sent > 0]:  # first tokens first
                 moved |= self._serve(route, snap[route.track.slot])
         except RingError as exc:
+            self.seen = None  # the read was cut short: every slot is looked at again after it
             self._access_failed(exc)
             return False
         return moved
@@ -376,9 +377,16 @@ class TokenReader:
                         tracks.append(msg)
                 self.track(tracks)
         except ipc.LinkClosed:
-            gid = chan.info.get("gateway_id")
-            if gid is not None and self.gateways.get(gid) is chan:
-                del self.gateways[gid]
+            self.link_closed(chan)
+
+    def link_closed(self, chan: ipc.Channel) -> None:
+        """A gateway's link closed: its streams are looked at in the next read whatever their slots do, so that
+        they are orphaned (their slots cancelled) once the grace for a gateway to come back is over."""
+        gid = chan.info.get("gateway_id")
+        if gid is not None and self.gateways.get(gid) is chan:
+            del self.gateways[gid]
+            for engine in self.engines:
+                engine.pending.update(slot for slot, route in engine.routes.items() if route.track.gateway_id == gid)
 
     def hello(self, chan: ipc.Channel, msg: m.GatewayHello) -> None:
         """A gateway linked: its tokens go to ``chan``; the streams it names are re-attached."""

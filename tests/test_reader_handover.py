@@ -322,3 +322,24 @@ def test_a_read_serves_moved_slots_and_routes_whose_tokens_came_before_them(ring
     assert [f.req_id for f in gw.of(m.Finished)] == [1]
     reader.close()
     ring.close()
+
+
+def test_the_streams_of_a_gateway_that_went_are_cancelled_though_their_slots_stand_still(
+        ring_name: str, tmp_path: Path) -> None:
+    """A gateway's link closes while its request waits in the engine's queue (its slot does not move): once the
+    grace for the gateway to come back is over, the next read cancels the slot, so no dead client's request runs."""
+    ring = serving_ring(ring_name)
+    reader = TokenReader(ReaderConfig(tmp_path, ring_name, heartbeat_timeout_s=5.0, unowned_grace_s=0.0))
+    reader.check_health()
+    gw = Gateway()
+    reader.hello(gw, m.GatewayHello(GATEWAY))  # type: ignore[arg-type]
+    track = publish(ring, 3)
+    reader.track([track])
+    reader.cycle()
+    reader.cycle()  # nothing moved: the route is not looked at
+    reader.link_closed(gw)  # type: ignore[arg-type]
+    reader.cycle()
+    assert int(ring.read_slots()[track.slot]["cancel"]) == 1
+    assert not gw.of(m.Failed)  # nobody left to tell
+    reader.close()
+    ring.close()
