@@ -79,10 +79,10 @@ async def drive(url: str, streams: int, duration_s: float, max_tokens: int, prom
         while time.monotonic() < end:
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
-                extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content is not None:
-                    tokens += 1
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:  # tokens as the server counts them: a chunk may carry several
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
 
     await asyncio.gather(*(one() for _ in range(streams)))
     await client.close()

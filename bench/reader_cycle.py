@@ -92,7 +92,8 @@ def measure(routes: int, reads: int) -> dict[str, Any]:
             give(range(routes))
             reader.cycle()  # every route has sent its first token
             idle = timed(reads, lambda: None, reader)
-            one = timed(reads, lambda: give(range(1)), reader)
+            turn = iter(range(reads))  # the one token goes to each route in turn: no slot fills up
+            one = timed(reads, lambda: give(range((k := next(turn) % routes), k + 1)), reader)
             every = timed(max(reads // 10, 20), lambda: give(range(routes)), reader)
         finally:
             reader.close()
