@@ -296,12 +296,12 @@ TOKEN_FLUSH_S = 0.1  # the most a gateway's per-token observations wait before t
 
 
 class TokenGaps:
-    """One histogram's per-token observations, counted in the process and written to its values at most every
-    ``TOKEN_FLUSH_S`` (and at every ``flush``). With several gateways each value is a memory-mapped file, and an
-    ``observe`` writes two of them (the sum and a bucket), each write checking the process id: observed token by
-    token, three histograms took about a fifth of a gateway's CPU. The bucket is the one ``observe`` picks (the
-    first upper bound at or above the amount); the counts are added as prometheus_client's own ``observe`` adds
-    them (its ``_sum`` and ``_buckets`` values, as in the pinned version)."""
+    """One histogram's per-token observations, counted in the process and written to its values at each ``flush``
+    (the gateway's every ``TOKEN_FLUSH_S``). Under ``blink serve`` each value is a memory-mapped file (a scrape sums
+    the gateways'), and an ``observe`` writes two of them (the sum and a bucket), each write checking the process
+    id: observed token by token, three histograms took about a fifth of a gateway's CPU. The bucket is the one
+    ``observe`` picks (the first upper bound at or above the amount); the counts are added as prometheus_client's
+    own ``observe`` adds them (its ``_sum`` and ``_buckets`` values, as in the pinned version)."""
 
     __slots__ = ("child", "bounds", "counts", "total")
 
