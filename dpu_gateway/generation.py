@@ -228,6 +228,6 @@ class Generation:
         mt.prompt_tokens.inc(self.prompt_tokens)
         mt.generation_tokens.inc(self.completion_tokens)
         mt.finished(self.finish_reason or "stop")
-        mt.flush_tokens()  # its last tokens' gaps, counted in the process until now
         decode_s = None if self.first_at is None else self.last_at - self.first_at
         self.tally.finished(self.finish_reason or "stop", self.completion_tokens, self.cached_tokens, decode_s)
+        mt.flush_tokens()  # its last tokens' gaps and counts, kept in the process until now

@@ -428,6 +428,7 @@ class FrontendMetrics:
         self.v_generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                                     registry=r)
         self._per_engine: dict[int, tuple[TokenGaps, TokenGaps, Any]] = {}  # _token_children's
+        self._generated: dict[int, int] = {}  # output tokens by engine not yet added to vllm:generation_tokens
         self.v_success = Counter("vllm:request_success", "Count of finished requests by finished_reason: stop (EOS, "
                                  "a stop token or string), length (max_tokens or the context), abort (cancelled), "
                                  "error (the engine failed it: a 5xx).", [*labels, "finished_reason"], registry=r)
@@ -504,12 +505,15 @@ class FrontendMetrics:
         tpot.observe(gap_s, n)
 
     def flush_tokens(self) -> None:
-        """Write the per-token observations counted so far (the gateway every ``TOKEN_FLUSH_S``, a request's end
-        and every scrape)."""
+        """Write the per-token observations and counts kept so far (the gateway every ``TOKEN_FLUSH_S``, a
+        request's end and every scrape)."""
         self._itl_gaps.flush()
         for itl, tpot, _ in self._per_engine.values():
             itl.flush()
             tpot.flush()
+        generated, self._generated = self._generated, {}
+        for engine, n in generated.items():
+            self._token_children(engine)[2].inc(n)
 
     def prefilled(self, engine: int, prompt_tokens: int, cached_tokens: int) -> None:
         """A request's prompt was computed (its first token came, or its end before any)."""
@@ -521,8 +525,9 @@ class FrontendMetrics:
         self.v_prompt_source.labels(self.model_name, e, "local_cache_hit").inc(cached)
 
     def generated(self, engine: int, n: int) -> None:
+        """``n`` output tokens of ``engine``, added to vllm:generation_tokens at the next ``flush_tokens``."""
         if n > 0:
-            self._token_children(engine)[2].inc(n)
+            self._generated[engine] = self._generated.get(engine, 0) + n
 
     def request_finished(self, req: FinishedRequest) -> None:
         """vLLM's per-request series of one finished request."""

@@ -37,7 +37,13 @@ def test_a_scrape_shows_the_tokens_counted_since_the_last_write() -> None:
     metrics = FrontendMetrics("m", engines=2)
     for gap, n in GAPS:
         metrics.token_gaps(1, gap, n)
+        metrics.generated(1, n)
+    metrics.generated(0, 5)
     text = metrics.render().decode()
     total = sum(n for _, n in GAPS)
     assert f'blink:inter_token_latency_seconds_count{{model_name="m"}} {float(total)}' in text
     assert f'vllm:inter_token_latency_seconds_count{{engine="1",model_name="m"}} {float(total)}' in text
+    assert f'vllm:generation_tokens_total{{engine="1",model_name="m"}} {float(total)}' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 5.0' in text
+    metrics.flush_tokens()  # nothing left: nothing counted twice
+    assert f'vllm:generation_tokens_total{{engine="1",model_name="m"}} {float(total)}' in metrics.render().decode()
