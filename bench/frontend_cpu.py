@@ -17,53 +17,18 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
-import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_peer import free_port
-from bench.peers.systems import descendants
-
-SERVICES = ("gateway", "reader", "tracker", "tokenizer", "supervisor")
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+from harness.serve_proc import ServeProc, cpu_seconds
 
 
-def service_of(pid: int) -> str | None:
-    """The Blink service a process runs, from its command line."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    words = [a.decode(errors="replace") for a in argv]
-    if "serve" in words and any(w.endswith("blink") or w == "blink.cli" for w in words):
-        return "supervisor"  # first: its command line names the engine's module too
-    if "tests.helpers.fake_engine" in words or "gpu_engine.serve" in words:
-        return "engine"
-    for name in SERVICES:
-        if name in words:
-            return name
-    return None
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S
-
-
-def sample(root: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for pid in descendants(root).values():
-        name = service_of(pid)
-        if name is not None:
-            try:
-                out[name] = out.get(name, 0.0) + cpu_s(pid)
-            except OSError:
-                continue
-    return out
+def sample(serve: ServeProc) -> dict[str, float]:
+    """CPU seconds so far of each of the server's processes, by role (``ServeProc.pids``)."""
+    return {role: t for role, pid in serve.pids().items() if (t := cpu_seconds(pid)) is not None}
 
 
 async def drive(url: str, streams: int, duration_s: float, max_tokens: int, prompt: str) -> int:
@@ -89,41 +54,20 @@ async def drive(url: str, streams: int, duration_s: float, max_tokens: int, prom
     return tokens
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"blink serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"blink serve not healthy after {timeout_s:g} s")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "FAKE_ENGINE_STEP_MS": str(args.step_ms)}
-    log = open(args.log, "w")  # noqa: SIM115 - the server's output, for as long as it runs
-    proc = subprocess.Popen([sys.executable, "-m", "blink.cli", "serve", "--port", str(port), "--engine-module",
-                             "tests.helpers.fake_engine", "--num-slots", str(args.num_slots)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(url, proc)
-        prompt = " ".join(f"word{i}" for i in range(args.prompt_words))
-        asyncio.run(drive(url, min(args.streams, 4), 2.0, 8, prompt))  # warm: first requests, compiled paths
-        before, t0 = sample(proc.pid), time.monotonic()
-        tokens = asyncio.run(drive(url, args.streams, args.duration_s, args.max_tokens, prompt))
-        after, wall = sample(proc.pid), time.monotonic() - t0
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
-    used = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in sorted(after)}
+    with tempfile.TemporaryDirectory() as work:
+        serve = ServeProc(("--num-slots", str(args.num_slots)), Path(work),
+                          env={"FAKE_ENGINE_STEP_MS": str(args.step_ms)}, engine_module="tests.helpers.fake_engine")
+        serve.start()
+        try:
+            prompt = " ".join(f"word{i}" for i in range(args.prompt_words))
+            asyncio.run(drive(serve.url, min(args.streams, 4), 2.0, 8, prompt))  # warm: first requests
+            before, t0 = sample(serve), time.monotonic()
+            tokens = asyncio.run(drive(serve.url, args.streams, args.duration_s, args.max_tokens, prompt))
+            after, wall = sample(serve), time.monotonic() - t0
+        finally:
+            serve.stop()
+    used = {role: after[role] - before[role] for role in sorted(after) if role in before}
     return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
             "cpu_s": {k: round(v, 3) for k, v in used.items()},
             "us_per_token": {k: round(v / max(tokens, 1) * 1e6, 2) for k, v in used.items()}}
@@ -138,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=5.0, help="the echo engine's step")
     ap.add_argument("--num-slots", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench/results/frontend_cpu.json"))
-    ap.add_argument("--log", type=Path, default=Path("/tmp/blink-frontend-cpu.log"))
     args = ap.parse_args(argv)
     result = run(args)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -150,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {used:.2f} | {result['us_per_token'][name]:.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"commit": commit, "machine": platform.machine(), "cores": os.cpu_count(),
-           "settings": {k: v for k, v in vars(args).items() if k not in ("out", "log")}, **result}
+           "settings": {k: v for k, v in vars(args).items() if k != "out"}, **result}
     args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")
     return 0
