@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from blink.hub import HubError, HubModel, Where, fetch_model, fetch_tokenizer, hub_model
 from blink.vllm_flags import add_refused_flags
-from shared.config import EngineConfig, add_engine_arguments
+from shared.config import EngineConfig, add_engine_arguments, given_engine_flags
 from shared.env import env
 from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags, flag_name
 from shared.model_context import model_context
@@ -236,9 +236,7 @@ def frontend_config(args: argparse.Namespace) -> ServeConfig:
     from blink.supervisor import ServeConfig
 
     ring = args.ring_name
-    flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
-    passed = {"--ring", "--model"} | ({"--max-num-seqs"} if args.max_batch is None else set())  # derived: not given
-    given = sorted({a for a in flags_only.to_argv() if a.startswith("--")} - passed)
+    given = sorted(set(given_engine_flags(args)) - {"--ring", "--model"})
     problem = (("--frontend-only starts no engine: " + ", ".join(given) + " would not apply (they are blink engine's)")
                if given else None) or remote_ring_problem(ring, args.data_parallel_size) or (
         "--frontend-only serves one engine's ring: --data-parallel-size must be 1"

@@ -460,6 +460,17 @@ def add_engine_arguments(ap: ArgumentAdder) -> None:
                         metavar=metavar, help=fl.help_with_default)
 
 
+def given_engine_flags(ns: argparse.Namespace) -> list[str]:
+    """The engine flags a command line gave (``add_engine_arguments``' parse): each whose parsed value is not the
+    parser's default."""
+    out = []
+    for fl in engine_flags():
+        default = None if fl.name in DERIVED_DEFAULTS else fl.default
+        if getattr(ns, fl.name, default) != default:
+            out.append(fl.flag)
+    return out
+
+
 def engine_config_from(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineConfig:
     """``EngineConfig.from_namespace``; a bad value ends the program with the parser's usage error."""
     try:

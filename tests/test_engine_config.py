@@ -192,3 +192,25 @@ def test_the_kernel_plan_is_a_flag_auto_by_default_not_a_variable(capsys: pytest
     assert "invalid choice: 'h200_wide'" in capsys.readouterr().err
     assert not {v for v in Env.variables() if v.startswith(("BLINK_TILED", "BLINK_PDL", "BLINK_SKINNY",
                                                              "BLINK_ONE_LAUNCH", "BLINK_DECODE_"))}
+
+
+@pytest.mark.parametrize("flags, named", [
+    ([], []),
+    (["--max-num-seqs", "8"], ["--max-num-seqs"]),
+    (["--max-batch", "256"], ["--max-num-seqs"]),  # a GPU's default value, given: still given
+    (["--dtype", "float16", "--num-slots", "64"], ["--dtype", "--num-slots"]),
+    (["--dtype", "auto"], []),  # the default's own value
+])
+def test_frontend_only_refuses_the_engine_flags_given_and_only_them(flags: list[str], named: list[str]) -> None:
+    from blink.cli import frontend_config
+
+    args = build_parser().parse_args(["serve", "--frontend-only", "--ring", "blink-test-given", *flags])
+    if not named:
+        try:
+            frontend_config(args)
+        except ValueError as exc:  # a later check (the tokenizer's files) may refuse, never the engine flags
+            assert "would not apply" not in str(exc)
+        return
+    with pytest.raises(ValueError, match="would not apply") as err:
+        frontend_config(args)
+    assert str(err.value).startswith("--frontend-only starts no engine: " + ", ".join(named) + " would not apply")
