@@ -124,6 +124,7 @@ def gateway_config(args: argparse.Namespace, ring: str, model: str = "") -> Gate
     return GatewayConfig(run_dir=args.run_dir, ring_name=ring, model=model, served_model_name=name,
                          model_aliases=aliases, chat_template=args.chat_template,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         grammar_store_mb=args.grammar_store_mb,
                          drain_timeout_s=args.drain_timeout, heartbeat_timeout_s=env().heartbeat_timeout_s,
                          max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, keepalive_timeout_s=args.keepalive_timeout,

@@ -29,6 +29,7 @@ from dpu_gateway.state import (
     CODEC,
     CONFIG,
     DRAINING,
+    GRAMMAR_REFRESH,
     GRAMMARS,
     LIVE,
     METRICS,
@@ -148,6 +149,7 @@ async def on_startup(app: web.Application) -> None:
     app[BACKEND].start()
     app[BEATS] = asyncio.create_task(app[RING].follow_beats(), name="engine beats")
     app[TOKEN_FLUSH] = asyncio.create_task(flush_token_metrics(app[METRICS]), name="token metrics")
+    app[GRAMMAR_REFRESH] = asyncio.create_task(app[GRAMMARS].refresh(), name="grammar store refresh")
 
 
 async def flush_token_metrics(metrics: FrontendMetrics) -> None:
@@ -183,7 +185,7 @@ async def on_shutdown(app: web.Application) -> None:
 
 
 async def on_cleanup(app: web.Application) -> None:
-    for task in (app[BEATS], app[TOKEN_FLUSH]):
+    for task in (app[BEATS], app[TOKEN_FLUSH], app[GRAMMAR_REFRESH]):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -211,7 +213,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     app[CONFIG] = cfg
     app[CODEC] = codec or TextCodec(cfg.model, chat_template_text(cfg.chat_template))
     app[RING] = RingSet(cfg.ring_name, cfg.data_parallel_size, cfg.heartbeat_timeout_s)
-    app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name)
+    app[GRAMMARS] = GrammarCompiler(app[CODEC], cfg.ring_name, store_bytes=cfg.grammar_store_mb * 2**20)
     app[METRICS] = metrics
     metrics.context = lambda: max_model_len(app)  # vLLM's token histograms' boundaries go up to it
     app[LIVE] = set()

@@ -6,13 +6,20 @@ is not compiled again. Compiles run in worker processes (``grammar_pool``), boun
 a grammar refused for good (a schema keyword not enforced, a limit of the budget) is remembered by id, so
 the same request again is refused at once. Every outcome is one log line, ``grammar_compile``, whose
 ``result`` is ``compiled``, ``stored`` (already there), ``refused``, ``refused_cached`` or ``busy``.
+
+The store is bounded (``store_bytes``, --grammar-store-mb): after each compile the least recently used grammars
+no request uses are removed until it fits (``shared.token_dfa.prune``, logged as ``grammar_store_pruned``). The
+requests of this gateway hold theirs (``hold``); another gateway's are spared by their last use, which each
+gateway renews every ``REFRESH_S`` for the grammars it holds (``refresh``), well within ``GRACE_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from typing import NoReturn
 
 from dpu_gateway.errors import APIError
@@ -26,12 +33,17 @@ log = get_logger("gateway")
 MAX_REFUSALS_KEPT = 1024
 MAX_SIZES_KEPT = 1024  # grammars whose device size is remembered
 BUSY_RETRY_AFTER_S = 2.0
+GRACE_S = 60.0     # a grammar used this recently is never pruned: another gateway may have just compiled it
+REFRESH_S = 10.0   # how often a gateway marks the grammars of its requests as used
 
 
 class GrammarCompiler:
-    def __init__(self, codec: TextCodec, ring_name: str, *, workers: int = 1, queue_bound: int = 8) -> None:
+    def __init__(self, codec: TextCodec, ring_name: str, *, workers: int = 1, queue_bound: int = 8,
+                 store_bytes: int = 0) -> None:
         self.codec, self.ring_name = codec, ring_name
         self.workers, self.queue_bound = workers, queue_bound
+        self.store_bytes = store_bytes  # 0: the store is not bounded
+        self.held: collections.Counter[int] = collections.Counter()  # grammar id -> this gateway's requests on it
         self._texts: tuple[list[bytes | None], bytes] | None = None
         self._pool: GrammarPool | None = None
         self._refused: collections.OrderedDict[int, Refusal] = collections.OrderedDict()
@@ -93,7 +105,7 @@ class GrammarCompiler:
         if refused is not None:
             self._refused.move_to_end(gid)
             return self._refuse(gid, refused, param, cached=True)
-        if store.grammar_path(self.ring_name, gid).exists():
+        if store.touch(self.ring_name, gid):
             log.debug("grammar_compile", result="stored", grammar_id=f"{gid:016x}")
             return gid
         try:
@@ -110,7 +122,40 @@ class GrammarCompiler:
         if refusal is not None:
             return self._refuse(gid, refusal, param, cached=False)
         log.info("grammar_compile", result="compiled", grammar_id=f"{gid:016x}")
+        if self.store_bytes:
+            self.prune()
         return gid
+
+    def prune(self) -> store.Pruned:
+        """The store brought back within ``store_bytes``, sparing the grammars requests use."""
+        pruned = store.prune(self.ring_name, self.store_bytes, set(self.held), GRACE_S)
+        if pruned.removed or pruned.kept:
+            log.info("grammar_store_pruned", removed=pruned.removed, freed_bytes=pruned.freed,
+                     store_bytes=pruned.left, limit_bytes=self.store_bytes, kept_in_use=pruned.kept)
+        return pruned
+
+    @contextlib.contextmanager
+    def hold(self, gids: set[int]) -> Iterator[None]:
+        """Keep these grammars in the store while the block runs (a request's life: the engine loads its
+        grammar when it admits the request, which may be after a restart)."""
+        gids = {g for g in gids if g}
+        self.held.update(gids)
+        try:
+            yield
+        finally:
+            self.held.subtract(gids)
+            for g in gids:
+                if self.held[g] <= 0:
+                    del self.held[g]
+
+    async def refresh(self) -> None:
+        """Every ``REFRESH_S``, mark the grammars this gateway's requests hold as used, so that no other gateway
+        of the ring prunes them (a grammar pruned meanwhile, which should not happen, is left to be compiled
+        again by the next request that asks for it)."""
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            for gid in list(self.held):
+                store.touch(self.ring_name, gid)
 
     def _refuse(self, gid: int, refusal: Refusal, param: str, cached: bool) -> NoReturn:
         log.info("grammar_compile", result="refused_cached" if cached else "refused", grammar_id=f"{gid:016x}",

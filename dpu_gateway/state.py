@@ -37,6 +37,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None    # --reasoning-parser: <think> text goes to reasoning_content (reasoning.py)
     api_key: str | None = None
     max_body_bytes: int = GATEWAY.max_body_bytes
+    grammar_store_mb: int = GATEWAY.grammar_store_mb  # the compiled grammars kept in shared memory (0: unbounded)
     drain_timeout_s: float = GATEWAY.drain_timeout
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     gateway_id: int | None = None    # default: the pid, distinct per PID namespace (backend.default_gateway_id)
@@ -61,6 +62,8 @@ class GatewayConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.grammar_store_mb < 0:
+            raise ValueError(f"--grammar-store-mb must be >= 0, got {self.grammar_store_mb}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_connections < 1:
@@ -80,6 +83,7 @@ GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 LIVE = web.AppKey("live", set[RequestStream])
 BEATS = web.AppKey("beats", asyncio.Task)  # RingSet.follow_beats
 TOKEN_FLUSH = web.AppKey("token_flush", asyncio.Task)  # app.flush_token_metrics
+GRAMMAR_REFRESH = web.AppKey("grammar_refresh", asyncio.Task)  # constrain.GrammarCompiler.refresh
 DRAINING = web.AppKey("draining", asyncio.Event)  # set at SIGTERM: new requests are refused (app.drain_middleware)
 
 

@@ -31,6 +31,10 @@ class GatewayFlags:
                              "and the kernel splits connections between them (blink serve sets it for its own "
                              "gateways when --gateways > 1; off, a port already in use is refused)")
     max_body_bytes: int = _flag(4 * 1024 * 1024, "largest request body")
+    grammar_store_mb: int = _flag(1024, "MiB of shared memory the compiled grammars of structured output may take "
+                                  "(one a distinct schema, up to tens of MiB each); past it the least recently used "
+                                  "that no request uses are removed, and compiled again if asked for again "
+                                  "(0: no limit)")
     drain_timeout: float = _flag(30.0, "seconds live requests get at shutdown")
     max_connections: int = _flag(1024, "open connections per gateway; more get a quick 503")
     header_timeout: float = _flag(10.0, "seconds a request head may take after its first byte (then the "

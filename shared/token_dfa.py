@@ -20,7 +20,10 @@ contiguous range (``device_layout``): ``bits`` with each row padded to ``device_
 the gateway checks against the arena's before it publishes a request.
 
 They live in ``/dev/shm/<ring name>.grammars/<id as 16 hex digits>.npz``, a private folder of the
-ring's owner next to the ring itself (the engine and the frontend already share that segment).
+ring's owner next to the ring itself (the engine and the frontend already share that segment). The store is
+bounded (``prune``, the gateway's --grammar-store-mb): each distinct schema adds a file of up to tens of MiB, in
+memory, and a client that sends a new one with every request would otherwise fill it. Only grammars no request
+uses are removed, least recently used first; one asked for again is compiled again.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +165,61 @@ def store(ring_name: str, grammar_id: int, dfa: TokenDFA) -> Path:
     if not path.exists():
         dfa.save(path)
     return path
+
+
+def touch(ring_name: str, grammar_id: int) -> bool:
+    """Mark a stored grammar as just used (its modification time, which ``prune`` orders by); False when it is
+    not stored (never, or pruned since)."""
+    try:
+        os.utime(grammar_path(ring_name, grammar_id))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pruned:
+    removed: int      # grammars removed
+    freed: int        # their bytes
+    left: int         # bytes the store holds now
+    kept: int         # grammars over the limit that could not be removed: in use, or used within the grace
+
+
+def prune(ring_name: str, limit_bytes: int, in_use: frozenset[int] | set[int] = frozenset(),
+          grace_s: float = 0.0) -> Pruned:
+    """Remove the least recently used grammars of the ring's store until it holds at most ``limit_bytes``,
+    never one in ``in_use`` nor one used (stored or ``touch``-ed) in the last ``grace_s`` seconds: another
+    gateway of the same ring may have a request on it, which it keeps touching while the request lives."""
+    folder = grammar_dir(ring_name)
+    entries: list[tuple[float, int, int, str]] = []  # (last use, bytes, id, name)
+    total = 0
+    try:
+        with os.scandir(folder) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                total += st.st_size
+                name = entry.name
+                if len(name) == 20 and name.endswith(".npz") and re.fullmatch(r"[0-9a-f]{16}", name[:16]):
+                    entries.append((st.st_mtime, st.st_size, int(name[:16], 16), name))
+    except FileNotFoundError:
+        return Pruned(0, 0, 0, 0)
+    removed = freed = kept = 0
+    newest = time.time() - grace_s
+    for mtime, size, gid, name in sorted(entries):
+        if total <= limit_bytes:
+            break
+        if gid in in_use or mtime > newest:
+            kept += 1
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another gateway's prune got there first
+            os.unlink(folder / name)
+            removed += 1
+            freed += size
+        total -= size
+    return Pruned(removed, freed, total, kept)
 
 
 def load(ring_name: str, grammar_id: int) -> TokenDFA:

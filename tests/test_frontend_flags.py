@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # a config field and the flag its default comes from
 CONFIG_DEFAULTS = [
     (GatewayConfig, "max_body_bytes", GATEWAY.max_body_bytes),
+    (GatewayConfig, "grammar_store_mb", GATEWAY.grammar_store_mb),
     (GatewayConfig, "drain_timeout_s", GATEWAY.drain_timeout),
     (GatewayConfig, "max_connections", GATEWAY.max_connections),
     (GatewayConfig, "header_timeout_s", GATEWAY.header_timeout),

@@ -63,6 +63,7 @@ def config_only_model(tmp_path: Path, context: int) -> Path:
     (["--max-connections", "0"], "gateway: max_connections must be >= 1, got 0"),
     (["--header-timeout", "0"], "gateway: header_timeout_s must be > 0, got 0.0"),
     (["--max-body-bytes", "10"], "gateway: max_body_bytes must be >= 1024, got 10"),
+    (["--grammar-store-mb", "-1"], "gateway: --grammar-store-mb must be >= 0, got -1"),
     (["--port", "70000"], "gateway: --port must be within 0..65535, got 70000"),
     (["--max-waiting", "-1"], "tracker: max_waiting must be >= 0, got -1"),
     (["--backend", "cpu", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization applies to the GPU backends"),
