@@ -31,12 +31,14 @@ KERNEL_PLANS = ("auto", "cublas", "h100", "h200")
 DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
 # Of the GPU memory free after loading the weights, for the KV cache; with --max-num-seqs 256 it gave Blink's best
 # plateau of the peer study's workload on an H100 (BENCHMARKS.md, "Blink's GPU defaults"), leaving the rest for the
-# step buffers and graphs. (Those runs' caches were 40 GiB for the 8B shape where the loader's float32 copy, kept in
-# torch's cache, hid memory from the sizing; with it gone 0.85 is about 54 GiB there, not yet measured.)
+# step buffers and graphs: for the 8B shape on an H100 a 53.5-GiB cache, with 5.2 GiB still free after the graphs
+# were captured, and no preemption at the plateau (the same plateau as with the 40 GiB the sizing found while the
+# loader's float32 copy sat in torch's cache).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
 # --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
-# 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s); the CPU
-# keeps the earlier 64 (no CPU measurement has asked for another).
+# 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s), and 512
+# (with a 1,024- or 2,048-token budget) was worse than 256 on every figure at 18-20 req/s; the CPU keeps the
+# earlier 64 (no CPU measurement has asked for another).
 DEFAULT_MAX_NUM_SEQS = {"gpu": 256, "cpu": 64}
 # --max-num-batched-tokens left at 0: the step token budget of each backend kind (chunked prefill). On the
 # GPU a 1,024-token step still runs its prompt chunk near the matrix peak, and the decodes riding in it wait
