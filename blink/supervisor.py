@@ -61,6 +61,7 @@ from shared.frontend_flags import GATEWAY, SERVE, GatewayFlags, TrackerFlags, fr
 from shared.log import get_logger
 from shared.remote_ring import is_remote, parse_ring_address
 from shared.ring import Liveness, attach_shm_ring
+from shared.runwait import RunQueueWait
 from shared.standby import Go, send_go
 from shared.token_dfa import remove_store
 from shared.transport import RingError, ShmTransport
@@ -475,7 +476,7 @@ class Supervisor:
             engine.beats = None
             return None
         if engine.beats is None or engine.beats[0] != pid:
-            engine.beats = (pid, Liveness())
+            engine.beats = (pid, Liveness(waits=RunQueueWait(pid).advance))  # its own child: no pid to check
         return engine.beats[1].silent_s(beat)
 
     def _restart(self, child: Child) -> bool:

@@ -96,6 +96,7 @@ class RingReader:
         self.cfg = cfg
         self.index = index  # the engine's, under --data-parallel-size
         self.watch = RingWatch(name, cfg.heartbeat_timeout_s, on_detach=self._ring_gone)
+        self.starved_said = False  # the current silence's "engine starved" line is logged
         self.ring: Ring | None = None
         self.writer: SlotWriter | None = None
         self.snapshot: np.ndarray | None = None
@@ -339,9 +340,20 @@ class RingReader:
                 log.warning("engine stopped responding: streams failed with 503", streams=len(live),
                             engine=self.index, timeout_s=self.cfg.heartbeat_timeout_s,
                             silent_s=round(time.monotonic() - ring.liveness.moved_at, 3),
+                            starved_s=round(ring.liveness.starved_s, 3),  # left out: the engine waiting for a CPU
                             state=ring.header_load32("engine_state"))
             for route in live:
                 self._fail(route, 503, "the engine stopped responding")
+            return
+        lv = ring.liveness
+        if not lv.starved_s:
+            self.starved_said = False
+        elif not self.starved_said and time.monotonic() - lv.moved_at + lv.starved_s >= self.cfg.heartbeat_timeout_s:
+            self.starved_said = True  # once a silence: a busy host slowed the engine, which is not hung
+            log.warning("engine starved: silent past the timeout while waiting for a CPU, not taken for hung",
+                        engine=self.index, timeout_s=self.cfg.heartbeat_timeout_s,
+                        silent_s=round(time.monotonic() - lv.moved_at + lv.starved_s, 3),
+                        starved_s=round(lv.starved_s, 3))
 
     def _ring_gone(self, old: Ring) -> None:
         """The watch is about to close ``old``: end its requests and cancel their slots while it is mapped."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shared import ring_layout as L
+from shared.runwait import RunQueueWait, maps_segment
 from shared.transport import MemoryTransport, RingError, SegmentTaken, ShmTransport, Transport
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
@@ -127,6 +128,13 @@ class RingGeometry:
 
 
 MAX_LOOK_GAP_S = 2.0  # of a gap between an observer's looks, what counts as the engine's silence (`Liveness`)
+# A silence this long (a few missed beats of the engine's 0.1 s) has the observer read whether the engine is runnable
+STARVED_AFTER_S = 0.3
+# Of one silence, at most this much is left out as the engine waiting for a CPU: an engine that is hung while a
+# thread of it spins is declared dead this much later than the timeout, not never
+MAX_STARVED_S = 60.0
+WAITS_EVERY_S = 0.05  # an observer that looks more often reads the engine's state at most this often
+WAITS_PRIME_S = 1.0  # while the engine beats, it is read this often: where a silence's first reading counts from
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,6 +150,13 @@ class Liveness:
     itself runs: of a gap between two of its looks, at most ``MAX_LOOK_GAP_S`` counts, so an observer that
     was frozen with the engine (``docker pause``, a stopped process tree, a suspended VM) does not take the
     freeze for the engine's silence at its first look after it. Every observer looks far more often.
+
+    Nor does silence accrue while the engine waits for a CPU: with ``waits`` (``shared/runwait.py``: the time since
+    its previous call when the engine is runnable now, read every ``WAITS_PRIME_S`` while the engine beats), once
+    a silence passes ``STARVED_AFTER_S`` each look leaves out the time the engine was runnable (at the silence's
+    first reading, no more than the silence so far), up to ``MAX_STARVED_S`` a silence (``starved_s``). A busy
+    host slows the engine's beats; it does not end its streams. A stopped, blocked or dead engine is not
+    runnable, and its silence counts whole.
     """
 
     clock: Callable[[], float] = time.monotonic
@@ -149,16 +164,33 @@ class Liveness:
     moved_at: float = 0.0
     moves: int = 0  # changes seen, the first look included: 2 or more means the counter was seen moving
     looked_at: float | None = None  # this observer's previous look
+    waits: Callable[[], float | None] | None = None  # the engine's time runnable since the previous call (s)
+    starved_s: float = 0.0  # of the current silence, what was left out as the engine waiting for a CPU
+    _waits_at: float = float("-inf")  # when ``waits`` was last read
 
     def silent_s(self, beat: int) -> float:
         """Seconds, on ``clock``, since the counter was last seen to change (0 when it changed now), this
-        observer's own pauses past ``MAX_LOOK_GAP_S`` left out."""
+        observer's own pauses past ``MAX_LOOK_GAP_S`` and the engine's waits for a CPU left out."""
         now = self.clock()
         if self.looked_at is not None and now - self.looked_at > MAX_LOOK_GAP_S:
             self.moved_at += now - self.looked_at - MAX_LOOK_GAP_S
         self.looked_at = now
         if beat != self.beat:
             self.beat, self.moved_at, self.moves = beat, now, self.moves + 1
+            self.starved_s = 0.0
+            if self.waits is not None and now - self._waits_at >= WAITS_PRIME_S:
+                self._waits_at = now
+                self.waits()  # where the next reading counts from
+        elif (self.waits is not None and now - self.moved_at >= STARVED_AFTER_S
+              and now - self._waits_at >= WAITS_EVERY_S):
+            self._waits_at = now
+            # the wait since the previous reading, which may be from before this silence: no more than the silence
+            waited = self.waits()
+            if waited is not None:
+                left_out = min(waited, now - self.moved_at, MAX_STARVED_S - self.starved_s)
+                if left_out > 0:
+                    self.moved_at += left_out
+                    self.starved_s += left_out
         return now - self.moved_at
 
     @property
@@ -166,6 +198,28 @@ class Liveness:
         """Whether this observer saw the counter change after its first look: a ring left by a crashed
         server (SIGKILLed, its counter frozen) never is, however fresh it looked at that first look."""
         return self.moves >= 2
+
+
+class EngineWaits:
+    """``Liveness.waits`` for a ring's engine: the time runnable of the process its header names, once that process
+    is seen to map the ring's segment (``shared/runwait.py``); None otherwise."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.wait: RunQueueWait | None = None
+        self.not_engine = 0  # a pid found not to be the engine (another PID namespace's): not checked again
+
+    def __call__(self) -> float | None:
+        pid = self.ring.header_load32("engine_pid")
+        if self.wait is None or self.wait.pid != pid:
+            self.wait = None
+            if not pid or pid == self.not_engine or pid == os.getpid():  # this process runs: it cannot tell
+                return None
+            if not maps_segment(pid, self.ring.transport.name):
+                self.not_engine = pid
+                return None
+            self.wait = RunQueueWait(pid)
+        return self.wait.advance()
 
 
 class Ring:
@@ -176,6 +230,8 @@ class Ring:
         self.geometry = geometry
         self.name = name
         self.liveness = Liveness()  # what this process saw of the engine's beat counter
+        if isinstance(transport, ShmTransport):  # an engine on this host: its waits for a CPU can be read
+            self.liveness.waits = EngineWaits(self)
         view = transport.local_view()
         self._local = view is not None
         if view is not None:

@@ -24,6 +24,7 @@ from typing import TypeVar
 import pytest
 from helpers.http_jobs import engine_events
 from helpers.stack import MODEL, Stack, processes_of, start_stack, stop_stack
+from helpers.starve import hog, pin, two_cpus
 
 from blink.supervisor import STOPPED_S
 from dpu_gateway.connguard import EVICTABLE_IDLE_S
@@ -182,6 +183,38 @@ def test_liveness_503s_are_logged_with_the_silence(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)
         assert stop_stack(stack) == 0, stack.log()
+
+
+def test_an_engine_kept_off_the_cpu_is_slow_not_dead(tmp_path: Path) -> None:
+    """The engine's CPU kept busy by a real-time process for 3 s, with a heartbeat timeout of 0.5 s: the engine is
+    silent past the timeout, runnable and waiting for the CPU all the while, and its stream goes on afterwards to
+    its last token; nothing fails, no engine is replaced, and the reader says once that the engine was starved.
+    (Before, the reader failed the stream with 503 "the engine stopped responding".) The frontend keeps the
+    other CPUs."""
+    starved, others = two_cpus()
+    stack = start_stack(tmp_path, env={"BLINK_HEARTBEAT_TIMEOUT_S": "0.5", "FAKE_ENGINE_STEP_MS": "20"})
+    try:
+        engine = stack.engine_pid()
+        for pid in processes_of(stack):
+            pin(pid, others)
+        pin(engine, {starved})
+        thread, streamed = stream_in_thread(stack, 300)
+        assert streamed.started.wait(LIMIT_S)
+        hog(starved, 3.0)
+        thread.join(LIMIT_S)
+        assert b'"finish_reason":"length"' in streamed.body and b'"error"' not in streamed.body, streamed.body[-500:]
+        said = wait_until("the starved line", lambda: engine_events(stack.log_path, STARVED), stack)
+        assert said[0]["silent_s"] >= 0.5 and said[0]["starved_s"] > 0, said
+        assert not engine_events(stack.log_path, "engine stopped responding: streams failed with 503")
+        assert not engine_events(stack.log_path, "engine hung: killed, to be replaced")
+        assert stack.engine_pid() == engine and health(stack)[0] == 200
+    finally:
+        for pid in processes_of(stack):
+            pin(pid, {starved} | others)
+        assert stop_stack(stack) == 0, stack.log()
+
+
+STARVED = "engine starved: silent past the timeout while waiting for a CPU, not taken for hung"
 
 
 # ---------------------------------------------------------------------- one server per run dir, ring and port

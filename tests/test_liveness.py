@@ -184,3 +184,64 @@ def test_an_observer_frozen_with_the_engine_does_not_take_the_freeze_for_silence
         clock.t += 0.5
         live.silent_s(5)
     assert live.silent_s(5) == pytest.approx(MAX_LOOK_GAP_S + 10.0)
+
+
+class Waits:
+    """What ``shared.runwait.RunQueueWait.advance`` says at each call, set by the test (the arithmetic's input;
+    the reading of /proc itself is in tests/test_runwait.py)."""
+
+    def __init__(self) -> None:
+        self.next: float | None = 0.0
+        self.calls = 0
+
+    def __call__(self) -> float | None:
+        self.calls += 1
+        return self.next
+
+
+def test_a_silence_spent_waiting_for_a_cpu_is_left_out_and_the_rest_counts() -> None:
+    from shared.ring import STARVED_AFTER_S
+
+    clock, waits = FakeClock(), Waits()
+    live = Liveness(clock, waits=waits)
+    live.silent_s(5)
+    clock.t += STARVED_AFTER_S / 2
+    assert live.silent_s(5) == pytest.approx(STARVED_AFTER_S / 2) and waits.calls == 1  # a beat or two late
+    clock.t += STARVED_AFTER_S
+    waits.next = 5.0  # mostly from before this silence: no more than the silence is left out
+    assert live.silent_s(5) == 0.0 and waits.calls == 2  # the first look primed it
+    assert live.starved_s == pytest.approx(1.5 * STARVED_AFTER_S)
+    for _ in range(10):  # 1 s each, of which the engine's beat thread waited 0.9 s for a CPU
+        clock.t += 1.0
+        waits.next = 0.9
+        live.silent_s(5)
+    assert live.silent_s(5) == pytest.approx(1.0, abs=1e-9)
+    assert live.starved_s == pytest.approx(1.5 * STARVED_AFTER_S + 9.0)
+    clock.t += 0.1
+    assert live.silent_s(6) == 0.0 and live.starved_s == 0.0  # it beat: a new silence starts from nothing
+
+
+def test_a_stopped_or_unreadable_engine_is_silent_whole_and_starvation_is_left_out_only_so_far() -> None:
+    from shared.ring import MAX_STARVED_S
+
+    clock, waits = FakeClock(), Waits()
+    live = Liveness(clock, waits=waits)
+    live.silent_s(5)
+    for _ in range(20):  # stopped: it waits for no CPU
+        clock.t += 0.5
+        live.silent_s(5)
+    assert live.silent_s(5) == pytest.approx(10.0)
+    waits.next = None  # its threads cannot be read (gone, another PID namespace)
+    for _ in range(4):
+        clock.t += 0.5
+        live.silent_s(5)
+    assert live.silent_s(5) == pytest.approx(12.0)
+    live, waits.next = Liveness(clock, waits=waits), 1.0  # an engine that waits for ever: a spinning hang
+    live.silent_s(7)
+    for _ in range(200):
+        clock.t += 1.0
+        live.silent_s(7)
+    assert live.starved_s == pytest.approx(MAX_STARVED_S)
+    assert live.silent_s(7) == pytest.approx(200.0 - MAX_STARVED_S)
+    clock.t += 1.0
+    assert live.silent_s(8) == 0.0 and live.starved_s == 0.0  # it beat again: a new silence, a new allowance

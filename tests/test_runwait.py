@@ -1,0 +1,98 @@
+"""Whether a real process is waiting for a CPU (``shared/runwait.py``): a process that wants the CPU counts the time
+between two readings, one asleep or stopped counts none, one gone reads as nothing; and a process is known for the
+ring's engine only once it is seen to map the ring's segment (an observer in another PID namespace reads nothing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.ring import RingGeometry, create_shm_ring
+from shared.runwait import RunQueueWait, maps_segment
+
+SPIN = "import sys\nsys.stdout.write('up\\n'); sys.stdout.flush()\nwhile True: pass\n"
+SLEEP = "import sys, time\nsys.stdout.write('up\\n'); sys.stdout.flush()\ntime.sleep(3600)\n"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def started(code: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    return proc
+
+
+def wait_for_state(pid: int, state: bytes) -> None:
+    """Until the process's state is ``state`` (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != state:
+        assert time.monotonic() < deadline, f"process {pid} never reached state {state!r}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def spinner() -> Iterator[int]:
+    """A process that always wants a CPU (running, or on a run queue)."""
+    proc = started(SPIN)
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_process_that_wants_the_cpu_counts_the_time_and_a_stopped_one_does_not(spinner: int) -> None:
+    clock = Clock()
+    wait = RunQueueWait(spinner, clock)
+    assert wait.advance() == 0.0  # the first reading only sets where it counts from
+    clock.t += 1.5
+    assert wait.advance() == 1.5
+    os.kill(spinner, signal.SIGSTOP)
+    try:
+        wait_for_state(spinner, b"T")
+        clock.t += 2.0
+        assert wait.advance() == 0.0  # stopped: on no run queue
+    finally:
+        os.kill(spinner, signal.SIGCONT)
+
+
+def test_a_sleeping_process_counts_nothing_and_one_that_is_gone_reads_as_nothing() -> None:
+    sleeper = started(SLEEP)
+    try:
+        clock = Clock()
+        wait = RunQueueWait(sleeper.pid, clock)
+        wait.advance()
+        clock.t += 3.0
+        assert wait.advance() == 0.0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert RunQueueWait(sleeper.pid).advance() is None
+    assert not maps_segment(sleeper.pid, "anything")
+
+
+def test_the_engine_is_the_process_that_maps_the_rings_segment() -> None:
+    name = f"blink-test-runwait-{uuid.uuid4().hex[:8]}"
+    ring = create_shm_ring(name, RingGeometry(4, 16, 16, 1))
+    other = started(SLEEP)
+    try:
+        assert maps_segment(os.getpid(), name)
+        assert not maps_segment(os.getpid(), name[:-1])  # a name that only begins the same
+        assert not maps_segment(other.pid, name)  # a process that does not map it: not this ring's engine
+    finally:
+        other.kill()
+        other.wait()
+        ring.transport.unlink()
+        ring.close()
