@@ -128,10 +128,14 @@ class GrammarCompiler:
 
     def prune(self) -> store.Pruned:
         """The store brought back within ``store_bytes``, sparing the grammars requests use."""
-        pruned = store.prune(self.ring_name, self.store_bytes, set(self.held), GRACE_S)
+        try:
+            pruned = store.prune(self.ring_name, self.store_bytes, set(self.held), GRACE_S)
+        except OSError as exc:  # the folder unreadable: the request was compiled and goes on; said
+            log.warning("grammar store not pruned", error=str(exc))
+            return store.Pruned(0, 0, 0, 0)
         if pruned.removed or pruned.kept:
             log.info("grammar_store_pruned", removed=pruned.removed, freed_bytes=pruned.freed,
-                     store_bytes=pruned.left, limit_bytes=self.store_bytes, kept_in_use=pruned.kept)
+                     store_bytes=pruned.left, limit_bytes=self.store_bytes, kept=pruned.kept)
         return pruned
 
     @contextlib.contextmanager
@@ -155,7 +159,10 @@ class GrammarCompiler:
         while True:
             await asyncio.sleep(REFRESH_S)
             for gid in list(self.held):
-                store.touch(self.ring_name, gid)
+                try:
+                    store.touch(self.ring_name, gid)
+                except OSError as exc:  # the store's folder unreadable: said, and tried again next time
+                    log.warning("grammar store not refreshed", grammar_id=f"{gid:016x}", error=str(exc))
 
     def _refuse(self, gid: int, refusal: Refusal, param: str, cached: bool) -> NoReturn:
         log.info("grammar_compile", result="refused_cached" if cached else "refused", grammar_id=f"{gid:016x}",

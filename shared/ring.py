@@ -133,7 +133,7 @@ STARVED_AFTER_S = 0.3
 # Of one silence, at most this much is left out as the engine waiting for a CPU: an engine that is hung while a
 # thread of it spins is declared dead this much later than the timeout, not never
 MAX_STARVED_S = 60.0
-WAITS_EVERY_S = 0.05  # an observer that looks more often reads the engine's state at most this often
+WAITS_EVERY_S = 0.1  # an observer that looks more often reads the engine's threads at most this often
 WAITS_PRIME_S = 1.0  # while the engine beats, it is read this often: where a silence's first reading counts from
 
 
@@ -151,12 +151,12 @@ class Liveness:
     was frozen with the engine (``docker pause``, a stopped process tree, a suspended VM) does not take the
     freeze for the engine's silence at its first look after it. Every observer looks far more often.
 
-    Nor does silence accrue while the engine waits for a CPU: with ``waits`` (``shared/runwait.py``: the time since
-    its previous call when the engine is runnable now, read every ``WAITS_PRIME_S`` while the engine beats), once
-    a silence passes ``STARVED_AFTER_S`` each look leaves out the time the engine was runnable (at the silence's
-    first reading, no more than the silence so far), up to ``MAX_STARVED_S`` a silence (``starved_s``). A busy
-    host slows the engine's beats; it does not end its streams. A stopped, blocked or dead engine is not
-    runnable, and its silence counts whole.
+    Nor does silence accrue while the engine waits for a CPU: with ``waits`` (``shared/runwait.py``: the time one of
+    its threads spent runnable and not running since the previous call, read every ``WAITS_PRIME_S`` while the
+    engine beats), once a silence passes ``STARVED_AFTER_S`` each look leaves out that time (at the silence's first
+    reading, no more than the silence so far), up to ``MAX_STARVED_S`` a silence (``starved_s``). A busy host slows
+    the engine's beats; it does not end its streams. A stopped, blocked or dead engine is not runnable, and its
+    silence counts whole.
     """
 
     clock: Callable[[], float] = time.monotonic
@@ -164,7 +164,7 @@ class Liveness:
     moved_at: float = 0.0
     moves: int = 0  # changes seen, the first look included: 2 or more means the counter was seen moving
     looked_at: float | None = None  # this observer's previous look
-    waits: Callable[[], float | None] | None = None  # the engine's time runnable since the previous call (s)
+    waits: Callable[[], float | None] | None = None  # the engine's time waiting for a CPU since the previous call
     starved_s: float = 0.0  # of the current silence, what was left out as the engine waiting for a CPU
     _waits_at: float = float("-inf")  # when ``waits`` was last read
 
@@ -201,7 +201,7 @@ class Liveness:
 
 
 class EngineWaits:
-    """``Liveness.waits`` for a ring's engine: the time runnable of the process its header names, once that process
+    """``Liveness.waits`` for a ring's engine: the wait for a CPU of the process its header names, once that process
     is seen to map the ring's segment (``shared/runwait.py``); None otherwise."""
 
     def __init__(self, ring: Ring) -> None:

@@ -179,20 +179,28 @@ def touch(ring_name: str, grammar_id: int) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pruned:
-    removed: int      # grammars removed
+    removed: int      # files removed: grammars, and temporary files a killed compile left
     freed: int        # their bytes
     left: int         # bytes the store holds now
-    kept: int         # grammars over the limit that could not be removed: in use, or used within the grace
+    kept: int         # grammars over the limit that were not removed: in use, or used within the grace
+
+
+def _is_grammar(name: str) -> bool:
+    return len(name) == 20 and name.endswith(".npz") and re.fullmatch(r"[0-9a-f]{16}", name[:16]) is not None
 
 
 def prune(ring_name: str, limit_bytes: int, in_use: frozenset[int] | set[int] = frozenset(),
           grace_s: float = 0.0) -> Pruned:
     """Remove the least recently used grammars of the ring's store until it holds at most ``limit_bytes``,
     never one in ``in_use`` nor one used (stored or ``touch``-ed) in the last ``grace_s`` seconds: another
-    gateway of the same ring may have a request on it, which it keeps touching while the request lives."""
+    gateway of the same ring may have a request on it, which it keeps touching while the request lives.
+    Temporary files older than the grace (a compile killed while it wrote, ``TokenDFA.save``) go first.
+    A file that cannot be removed is left, and counted."""
     folder = grammar_dir(ring_name)
-    entries: list[tuple[float, int, int, str]] = []  # (last use, bytes, id, name)
+    grammars: list[tuple[float, int, int, str]] = []  # (last use, bytes, id, name)
+    stale: list[tuple[int, str]] = []
     total = 0
+    newest = time.time() - grace_s
     try:
         with os.scandir(folder) as it:
             for entry in it:
@@ -201,24 +209,43 @@ def prune(ring_name: str, limit_bytes: int, in_use: frozenset[int] | set[int] = 
                 except FileNotFoundError:
                     continue
                 total += st.st_size
-                name = entry.name
-                if len(name) == 20 and name.endswith(".npz") and re.fullmatch(r"[0-9a-f]{16}", name[:16]):
-                    entries.append((st.st_mtime, st.st_size, int(name[:16], 16), name))
+                if _is_grammar(entry.name):
+                    grammars.append((st.st_mtime, st.st_size, int(entry.name[:16], 16), entry.name))
+                elif entry.name.endswith(".tmp") and st.st_mtime <= newest:
+                    stale.append((st.st_size, entry.name))
     except FileNotFoundError:
         return Pruned(0, 0, 0, 0)
     removed = freed = kept = 0
-    newest = time.time() - grace_s
-    for mtime, size, gid, name in sorted(entries):
+
+    def remove(name: str, size: int) -> None:
+        nonlocal removed, freed, total
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:  # another gateway's prune got there first
+            pass
+        except OSError:
+            return
+        else:
+            removed, freed = removed + 1, freed + size
+        total -= size
+
+    for size, name in stale:
+        remove(name, size)
+    for _, size, gid, name in sorted(grammars):
         if total <= limit_bytes:
             break
-        if gid in in_use or mtime > newest:
+        if gid in in_use:
             kept += 1
             continue
-        with contextlib.suppress(FileNotFoundError):  # another gateway's prune got there first
-            os.unlink(folder / name)
-            removed += 1
-            freed += size
-        total -= size
+        try:  # used since the scan (another gateway's request asked for it again): it stays
+            recent = os.stat(folder / name).st_mtime > newest
+        except FileNotFoundError:
+            total -= size
+            continue
+        if recent:
+            kept += 1
+            continue
+        remove(name, size)
     return Pruned(removed, freed, total, kept)
 
 

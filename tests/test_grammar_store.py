@@ -63,6 +63,18 @@ def test_prune_removes_the_least_recently_used_first_and_spares_those_in_use_and
     assert (pruned.removed, pruned.left, pruned.kept) == (2, 1000, 1)
 
 
+def test_prune_removes_what_a_killed_compile_left_once_the_grace_is_past(ring: str) -> None:
+    write(ring, 1, 1000, 500)
+    folder = grammar_dir(ring)
+    old, fresh = folder / f".{1:016x}.npz.4242.tmp", folder / f".{2:016x}.npz.4343.tmp"
+    for path, used_s_ago in ((old, 500), (fresh, 5)):
+        path.write_bytes(b"\0" * 700)
+        os.utime(path, (time.time() - used_s_ago,) * 2)
+    pruned = prune(ring, 10_000, grace_s=60)  # within the limit: only the leftover goes
+    assert not old.exists() and fresh.exists() and set(stored(folder)) == {1}
+    assert (pruned.removed, pruned.freed, pruned.left) == (1, 700, 1700)
+
+
 def test_prune_of_a_store_never_written_is_a_no_op(ring: str) -> None:
     assert prune(ring, 0).removed == 0
     assert not grammar_dir(ring).exists()
