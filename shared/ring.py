@@ -204,8 +204,8 @@ class EngineWaits:
     """``Liveness.waits`` for a ring's engine: the wait for a CPU of the process its header names, once that process
     is seen to map the ring's segment (``shared/runwait.py``); None otherwise."""
 
-    def __init__(self, ring: Ring) -> None:
-        self.ring = ring
+    def __init__(self, ring: Ring, segment: str) -> None:
+        self.ring, self.segment = ring, segment
         self.wait: RunQueueWait | None = None
         self.not_engine = 0  # a pid found not to be the engine (another PID namespace's): not checked again
 
@@ -215,7 +215,7 @@ class EngineWaits:
             self.wait = None
             if not pid or pid == self.not_engine or pid == os.getpid():  # this process runs: it cannot tell
                 return None
-            if not maps_segment(pid, self.ring.transport.name):
+            if not maps_segment(pid, self.segment):
                 self.not_engine = pid
                 return None
             self.wait = RunQueueWait(pid)
@@ -231,7 +231,7 @@ class Ring:
         self.name = name
         self.liveness = Liveness()  # what this process saw of the engine's beat counter
         if isinstance(transport, ShmTransport):  # an engine on this host: its waits for a CPU can be read
-            self.liveness.waits = EngineWaits(self)
+            self.liveness.waits = EngineWaits(self, transport.name)
         view = transport.local_view()
         self._local = view is not None
         if view is not None:
