@@ -131,7 +131,7 @@ MAX_LOOK_GAP_S = 2.0  # of a gap between an observer's looks, what counts as the
 # A silence this long (a few missed beats of the engine's 0.1 s) has the observer read whether the engine is runnable
 STARVED_AFTER_S = 0.3
 # Of one silence, at most this much is left out as the engine waiting for a CPU: an engine that is hung while a
-# thread of it spins is declared dead this much later than the timeout, not never
+# thread of it spins beside busy neighbours (waiting for a CPU too) is declared dead at most this much late
 MAX_STARVED_S = 60.0
 WAITS_EVERY_S = 0.1  # an observer that looks more often reads the engine's threads at most this often
 WAITS_PRIME_S = 1.0  # while the engine beats, it is read this often: where a silence's first reading counts from
