@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dpu_gateway.backend import Backend
 from dpu_gateway.connguard import ConnectionGuard
-from dpu_gateway.constrain import GrammarCompiler
+from dpu_gateway.constrain import REQUEST_HOLDS, GrammarCompiler
 from dpu_gateway.engines import RingSet
 from dpu_gateway.errors import APIError, error_middleware
 from dpu_gateway.openapi import API_KEY_PREFIX
@@ -135,6 +135,18 @@ def body_middleware(cfg: GatewayConfig, metrics: FrontendMetrics):
 
 
 @web.middleware
+async def grammar_hold_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """The grammars a request's compiles return stay in the store until it ends (``constrain.REQUEST_HOLDS``)."""
+    holds: list[int] = []
+    token = REQUEST_HOLDS.set(holds)
+    try:
+        return await handler(request)
+    finally:
+        REQUEST_HOLDS.reset(token)
+        request.app[GRAMMARS].release(holds)
+
+
+@web.middleware
 async def drain_middleware(request: web.Request, handler) -> web.StreamResponse:
     """After SIGTERM the gateway drains: live requests finish, new ones get 503 with Retry-After (to another
     gateway, or to this server once restarted) and their connection is closed."""
@@ -205,7 +217,7 @@ def create_app(cfg: GatewayConfig, codec: TextCodec | None = None, *, guard: Con
     """The app; ``guard`` (the server's connection limits) shares ``metrics`` with it."""
     metrics = metrics or FrontendMetrics(cfg.served_model_name, engines=cfg.data_parallel_size)
     middlewares = [guard.middleware] if guard is not None else []
-    middlewares += [request_log_middleware(cfg, metrics), error_middleware, drain_middleware]
+    middlewares += [request_log_middleware(cfg, metrics), error_middleware, drain_middleware, grammar_hold_middleware]
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))
     middlewares.append(body_middleware(cfg, metrics))

@@ -9,8 +9,10 @@ the same request again is refused at once. Every outcome is one log line, ``gram
 
 The store is bounded (``store_bytes``, --grammar-store-mb): after each compile the least recently used grammars
 no request uses are removed until it fits (``shared.token_dfa.prune``, logged as ``grammar_store_pruned``). The
-requests of this gateway hold theirs (``hold``); another gateway's are spared by their last use, which each
-gateway renews every ``REFRESH_S`` for the grammars it holds (``refresh``), well within ``GRACE_S``.
+requests of this gateway hold theirs from the moment ``compile`` returns their id to their end (``REQUEST_HOLDS``,
+which the app's middleware opens and releases around each request; ``hold`` for a block); another gateway's are
+spared by their last use, which each gateway renews every ``REFRESH_S`` for the grammars it holds (``refresh``),
+well within ``GRACE_S``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import hashlib
 from collections.abc import Iterator
 from typing import NoReturn
@@ -35,6 +38,8 @@ MAX_SIZES_KEPT = 1024  # grammars whose device size is remembered
 BUSY_RETRY_AFTER_S = 2.0
 GRACE_S = 60.0     # a grammar used this recently is never pruned: another gateway may have just compiled it
 REFRESH_S = 10.0   # how often a gateway marks the grammars of its requests as used
+# The grammar ids the current request holds (the app's middleware sets a list per request and releases it at the end)
+REQUEST_HOLDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("grammar_holds", default=None)
 
 
 class GrammarCompiler:
@@ -71,6 +76,10 @@ class GrammarCompiler:
         (the ring header's ``grammar_arena_bytes``; 0: no limit): a grammar whose device tables are larger is a
         400 naming that limit."""
         gid = await self._compile(key, vocab_size, param)
+        holds = REQUEST_HOLDS.get()
+        if holds is not None:  # held until the request ends, however long its prompt takes to tokenize
+            holds.append(gid)
+            self.held[gid] += 1
         if arena_bytes:
             self.check_fits(gid, param, arena_bytes)
         return gid
@@ -139,18 +148,21 @@ class GrammarCompiler:
         return pruned
 
     @contextlib.contextmanager
-    def hold(self, gids: set[int]) -> Iterator[None]:
+    def hold(self, gids: list[int]) -> Iterator[None]:
         """Keep these grammars in the store while the block runs (a request's life: the engine loads its
         grammar when it admits the request, which may be after a restart)."""
-        gids = {g for g in gids if g}
         self.held.update(gids)
         try:
             yield
         finally:
-            self.held.subtract(gids)
-            for g in gids:
-                if self.held[g] <= 0:
-                    del self.held[g]
+            self.release(gids)
+
+    def release(self, gids: list[int]) -> None:
+        """What ``hold`` or a request's compiles took, given back."""
+        self.held.subtract(gids)
+        for g in gids:
+            if self.held[g] <= 0:
+                self.held.pop(g, None)
 
     async def refresh(self) -> None:
         """Every ``REFRESH_S``, mark the grammars this gateway's requests hold as used, so that no other gateway

@@ -307,27 +307,25 @@ async def serve_jobs(request: web.Request, jobs: list[tuple[list[int], Plan]], u
     backend, codec = app[BACKEND], app[CODEC]
     handles: list[RequestStream] = []
     gens: list[Generation] = []
-    with app[GRAMMARS].hold({plan.sampling.grammar_id for _, plan in jobs}):  # while the engine may load them
-        try:
-            for p, (ids, plan) in enumerate(jobs):
-                for i, sampling in enumerate(plan.choices()):
-                    handle = await backend.submit(ids, sampling)
-                    handles.append(handle)
-                    app[LIVE].add(handle)
-                    prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
-                    # the prompt's first choice: its slot alone asks for prompt log-probs
-                    source = gens[-i] if i else None
-                    gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
-                                           p * plan.n + i, ids, source))
-            counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
-            request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
-            names = TokenIdNames() if jobs and jobs[0][1].token_ids_as_text else codec  # of the log-prob entries
-            return await answer(gens, counts, names)
-        finally:
-            record_outcome(request, gens)
-            for handle in handles:
-                app[LIVE].discard(handle)
-                backend.forget(handle, cancel=True)
+    try:
+        for p, (ids, plan) in enumerate(jobs):
+            for i, sampling in enumerate(plan.choices()):
+                handle = await backend.submit(ids, sampling)
+                handles.append(handle)
+                app[LIVE].add(handle)
+                prompt_tokens = len(ids) if i == 0 else 0  # the metrics count each prompt once
+                source = gens[-i] if i else None  # the prompt's first choice: its slot alone asks for prompt log-probs
+                gens.append(Generation(codec, plan, backend, handle, app[METRICS], arrival, prompt_tokens,
+                                       p * plan.n + i, ids, source))
+        counts = Usage(gens, sum(len(ids) for ids, _ in jobs), *usage)
+        request[RECORD] = RequestRecord(prompt_tokens=counts.prompt_tokens)
+        names = TokenIdNames() if jobs and jobs[0][1].token_ids_as_text else codec  # of the log-prob entries
+        return await answer(gens, counts, names)
+    finally:
+        record_outcome(request, gens)
+        for handle in handles:
+            app[LIVE].discard(handle)
+            backend.forget(handle, cancel=True)
 
 
 def record_outcome(request: web.Request, gens: list[Generation]) -> None:

@@ -18,7 +18,7 @@ import pytest
 from helpers.e2e import ENGINE_ENV, REAL_ENGINE
 from helpers.stack import MODEL, Stack, start_stack, stop_stack
 
-from dpu_gateway.constrain import GRACE_S, GrammarCompiler
+from dpu_gateway.constrain import GRACE_S, REQUEST_HOLDS, GrammarCompiler
 from dpu_gateway.textio import TextCodec
 from shared import token_dfa
 from shared.token_dfa import grammar_dir, grammar_path, prune
@@ -92,10 +92,14 @@ def test_the_compiler_keeps_its_store_bounded_and_a_held_grammar_in_it(ring: str
     async def main() -> None:
         compiler = GrammarCompiler(codec, ring)
         try:
+            holds: list[int] = []
+            token = REQUEST_HOLDS.set(holds)  # what the app's middleware does for each request
             first = await compiler.compile(choice_key(0), vocab, "guided_choice")
+            REQUEST_HOLDS.reset(token)
+            assert holds == [first] and compiler.held[first] == 1
             one = stored(grammar_dir(ring))[first]
             compiler.store_bytes = 3 * one + one // 2  # room for three grammars of about this size
-            with compiler.hold({first}):
+            try:  # the request lives on (its prompt tokenizing, its stream) while other compiles come and go
                 ids = [first]
                 for i in range(1, 8):
                     age(grammar_dir(ring), 2 * GRACE_S)
@@ -106,6 +110,9 @@ def test_the_compiler_keeps_its_store_bounded_and_a_held_grammar_in_it(ring: str
                     assert sum(now.values()) <= compiler.store_bytes or len(now) == 2, now
                 assert len(stored(grammar_dir(ring))) == 3  # the held one, the last two compiled
                 assert set(stored(grammar_dir(ring))) == {first, ids[-2], ids[-1]}
+            finally:
+                compiler.release(holds)  # the request ended
+            assert first not in compiler.held
             age(grammar_dir(ring), 2 * GRACE_S)
             again = await compiler.compile(choice_key(8), vocab, "guided_choice")
             assert first not in stored(grammar_dir(ring))  # released and the least recently used: gone
