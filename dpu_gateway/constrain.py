@@ -10,7 +10,7 @@ the same request again is refused at once. Every outcome is one log line, ``gram
 The store is bounded (``store_bytes``, --grammar-store-mb): after each compile the least recently used grammars
 no request uses are removed until it fits (``shared.token_dfa.prune``, logged as ``grammar_store_pruned``). The
 requests of this gateway hold theirs from the moment ``compile`` returns their id to their end (``REQUEST_HOLDS``,
-which the app's middleware opens and releases around each request; ``hold`` for a block); another gateway's are
+which the app's middleware opens and releases around each request); another gateway's are
 spared by their last use, which each gateway renews every ``REFRESH_S`` for the grammars it holds (``refresh``),
 well within ``GRACE_S``.
 """
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import contextvars
 import hashlib
-from collections.abc import Iterator
 from typing import NoReturn
 
 from dpu_gateway.errors import APIError
@@ -147,18 +145,9 @@ class GrammarCompiler:
                      store_bytes=pruned.left, limit_bytes=self.store_bytes, kept=pruned.kept)
         return pruned
 
-    @contextlib.contextmanager
-    def hold(self, gids: list[int]) -> Iterator[None]:
-        """Keep these grammars in the store while the block runs (a request's life: the engine loads its
-        grammar when it admits the request, which may be after a restart)."""
-        self.held.update(gids)
-        try:
-            yield
-        finally:
-            self.release(gids)
-
     def release(self, gids: list[int]) -> None:
-        """What ``hold`` or a request's compiles took, given back."""
+        """What a request's compiles took (``REQUEST_HOLDS``), given back at its end: the engine loads a request's
+        grammar when it admits it, which may be after a restart, so the request holds it all its life."""
         self.held.subtract(gids)
         for g in gids:
             if self.held[g] <= 0:
