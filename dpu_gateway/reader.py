@@ -348,11 +348,12 @@ class RingReader:
         lv = ring.liveness
         if not lv.starved_s:
             self.starved_said = False
-        elif not self.starved_said and time.monotonic() - lv.moved_at + lv.starved_s >= self.cfg.heartbeat_timeout_s:
+            return
+        silent = time.monotonic() - lv.moved_at + lv.starved_s  # the starvation counted in
+        if not self.starved_said and silent >= self.cfg.heartbeat_timeout_s:
             self.starved_said = True  # once a silence: a busy host slowed the engine, which is not hung
             log.warning("engine starved: silent past the timeout while waiting for a CPU, not taken for hung",
-                        engine=self.index, timeout_s=self.cfg.heartbeat_timeout_s,
-                        silent_s=round(time.monotonic() - lv.moved_at + lv.starved_s, 3),
+                        engine=self.index, timeout_s=self.cfg.heartbeat_timeout_s, silent_s=round(silent, 3),
                         starved_s=round(lv.starved_s, 3))
 
     def _ring_gone(self, old: Ring) -> None:
