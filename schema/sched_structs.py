@@ -230,6 +230,10 @@ STATS_GROUPS = (
              "grammars copied into the device arena, dropped from it for room, refused (unreadable or too big)"),
         Decl("uint64_t", "step_tokens padded_tokens",
              "tokens the steps carried; tokens their graphs computed past them (graph_tokens - the step's)"),
+        Decl("uint64_t", "gap_ns gap_steps",
+             "the model's GPU work waiting on the scheduler: from a step's completion seen to the next step's launch "
+             "(publishing, claims, planning, staging), summed over the steps launched with no idle loop between, and "
+             "how many"),
     )),
     Group("the graph in flight", (
         Decl("uint32_t", "current_graph pad0", "host copy only: 1 + index of the graph in flight, 0 when none"),

@@ -86,3 +86,18 @@ def test_the_constants_reach_both_sides() -> None:
 def test_a_field_type_outside_the_spec_is_refused() -> None:
     with pytest.raises(ValueError, match="not one of"):
         spec.Decl("size_t", "bytes")
+
+
+def test_step_times_read_the_samples_and_the_gap_counters() -> None:
+    """The "scheduler exited" line's step times: percentiles of the launch -> completion samples, and the mean gap
+    between back-to-back steps (None before any)."""
+    from gpu_engine.gpu.persistent import SchedStats
+
+    st = SchedStats()
+    assert st.step_times() == {"step_ms_p50": None, "step_ms_p99": None, "gap_us": None}
+    for k, ms in enumerate((10, 20, 30)):
+        st.step_ns[k] = ms * 1_000_000
+    st.n_step_samples = 3
+    st.gap_ns, st.gap_steps = 3_000_000, 2
+    assert st.step_times() == {"step_ms_p50": 20.0, "step_ms_p99": 29.8, "gap_us": 1500.0}
+    assert st.counters()["gap_ns"] == 3_000_000 and st.counters()["gap_steps"] == 2

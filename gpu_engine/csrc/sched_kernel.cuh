@@ -47,9 +47,17 @@ __device__ void finish_pending(SchedState *s, uint32_t *launches) {
 
 // Thread 0: launch the staged step; kActionRun, or kActionExit (the host, seeing the exit reason,
 // fails the in-flight requests, then marks the engine failed).
+// A step launched straight after the previous one's completion adds the time between them to stats gap_ns.
 __device__ uint32_t launch_step(SchedState *s, uint32_t *launches, int64_t *expect, uint64_t *t_launch) {
   ++*launches;
-  if (launch(s, expect, t_launch)) return kActionRun;
+  if (launch(s, expect, t_launch)) {
+    if (s->done_ns && *t_launch > s->done_ns) {
+      s->stats->gap_ns += *t_launch - s->done_ns;
+      s->stats->gap_steps++;
+    }
+    s->done_ns = 0;
+    return kActionRun;
+  }
   s->stopped = 1;
   return kActionExit;
 }
@@ -100,7 +108,10 @@ __global__ void __launch_bounds__(BLINK_SCHED_THREADS) blink_scheduler(SchedStat
     if (action == kActionRelaunch) return;
     if (action == kActionExit) break;
     if (action == kActionIdle) {
-      if (threadIdx.x == 0) s->stats->idle_loops++;
+      if (threadIdx.x == 0) {
+        s->stats->idle_loops++;
+        s->done_ns = 0;  // the GPU waited for work, not for the scheduler
+      }
       __nanosleep(200);
       continue;
     }

@@ -309,7 +309,8 @@ __device__ void wait_and_postprocess(SchedState *s, int64_t expect, uint64_t t_l
   if (threadIdx.x == 0 && await_step(s, expect, t_launch)) {
     __threadfence();
     reinterpret_cast<volatile blink_sched_stats *>(s->host_stats)->current_graph = 0;
-    sample_into(s->stats->step_ns, &s->stats->n_step_samples, now_ns() - t_launch);
+    s->done_ns = now_ns();
+    sample_into(s->stats->step_ns, &s->stats->n_step_samples, s->done_ns - t_launch);
   }
   __syncthreads();
   if (s->stopped) return;  // the step timed out, or the state was found overwritten: publish nothing

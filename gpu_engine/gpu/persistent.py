@@ -43,6 +43,14 @@ class SchedStats(sched_structs.SchedStats):
         n = min(int(getattr(self, f"n_{name}_samples")), SAMPLES)
         return np.frombuffer(getattr(self, f"{name}_ns"), dtype=np.uint32)[:n].astype(np.float64)
 
+    def step_times(self) -> dict[str, float | None]:
+        """``step_ms_p50`` / ``step_ms_p99``: graph launch to completion seen, over the last samples; ``gap_us``:
+        the mean time the GPU waited on the scheduler between two steps launched back to back (None without any)."""
+        steps = self.samples("step")
+        pct = {q: (round(float(np.percentile(steps, q)) / 1e6, 3) if steps.size else None) for q in (50, 99)}
+        gap = round(self.gap_ns / self.gap_steps / 1e3, 1) if self.gap_steps else None
+        return {"step_ms_p50": pct[50], "step_ms_p99": pct[99], "gap_us": gap}
+
     def counters(self) -> dict[str, int | list[int]]:
         names = [f[0] for f in self._fields_]
         out: dict[str, int | list[int]] = {}

@@ -256,6 +256,8 @@ class SchedStats(C.Structure):
     grammar_failures: int
     step_tokens: int
     padded_tokens: int
+    gap_ns: int
+    gap_steps: int
     current_graph: int
     pad0: int
     current_since_ns: int
@@ -303,6 +305,8 @@ class SchedStats(C.Structure):
         ("grammar_failures", C.c_uint64),
         ("step_tokens", C.c_uint64),
         ("padded_tokens", C.c_uint64),
+        ("gap_ns", C.c_uint64),
+        ("gap_steps", C.c_uint64),
         ("current_graph", C.c_uint32),
         ("pad0", C.c_uint32),
         ("current_since_ns", C.c_uint64),

@@ -230,7 +230,8 @@ class PersistentEngine:
             if grammar is not None:
                 grammar.stop()
         st = sched.stats
-        log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters())
+        log.info("scheduler exited", host_cpu_s=round(time.process_time() - cpu0, 3), **st.counters(),
+                 **st.step_times())
         overwritten = sched.guard_report()
         if overwritten:
             log.error("scheduler state overwritten by another kernel", ranges=overwritten)
