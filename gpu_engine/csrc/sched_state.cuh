@@ -108,7 +108,7 @@ struct SchedState {
   uint32_t pending;     // a step launched by the previous execution, which then yielded its SM
   int64_t pending_expect;
   uint64_t pending_launch_ns;
-  uint64_t done_ns;     // globaltimer when the last step's completion was seen; 0 after an idle loop (stats gap_ns)
+  uint64_t done_ns;  // globaltimer when the last step's completion was seen; 0 after an idle loop (stats gap_ns)
   uint64_t flips_seen[kFlipWords];  // the header's pending_flips as of the last scan
   uint32_t flips_synced;            // 0: the next scan reads every slot (at start, after an overflow)
   int64_t flip_credit;              // flips seen minus doorbell increments seen since the last full scan
