@@ -14,9 +14,11 @@ on the model shape with random bf16 weights, the engine's kernel plan and a smal
 - ``align``: mixed steps (``--decodes`` decode rows at ``--context`` tokens beside a prompt chunk) of 272-1,024
   tokens with the sort as it is and with the one-launch sort, each a host-replayed graph (CUDA events, median of
   ``--iters``), and whether the two give the same logits bit for bit;
-- ``grid``: the engine's whole graph set (``serve_gpu.decode_buckets`` and ``graph_grid.mixed_buckets``) captured
-  as the engine does, its memory and nodes, then destroyed (``GraphCache.close``) and the memory given back: what a
-  start that captures once against a small cache, sizes the cache, then captures again would see; once per sort.
+- ``grid``: the engine's whole graph set (``serve_gpu.decode_buckets`` and ``graph_grid.mixed_buckets``, the step
+  buffers of ``serve_gpu.runner_limits`` for the peer study's tuned128 start) captured as the engine does, its
+  memory, torch's pool within it and its nodes, then destroyed (``GraphCache.close``) and the memory given back:
+  what a start that captures once against a small cache, sizes the cache, then captures again would see; once per
+  sort. The file is written after each part.
 
     python -m bench.graph_memory --out OUT/graph_memory.json          # on a CUDA host (Qwen3-30B-A3B shape)
     bash scripts/gpu_run.sh OUT graph_memory
@@ -76,16 +78,24 @@ def free_mib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**20
 
 
-def node_count(raw_graph: int) -> int | None:
+def node_count(raw_graph: int) -> int:
     """Kernel and other nodes of a `cudaGraph_t` (as int), through the runtime's cudaGraphGetNodes."""
     from gpu_engine.gpu.graph_cache import _cudart
 
     rt = _cudart()
+    err, _nodes, n = rt.cudaGraphGetNodes(rt.cudaGraph_t(init_value=raw_graph), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaGraphGetNodes: {err}")
+    return int(n)
+
+
+def counted(raw_graph: int, into: dict[str, Any]) -> int | None:
+    """`node_count`, or None with the reason in `into["nodes_error"]` (a bindings version with another signature)."""
     try:
-        err, _nodes, n = rt.cudaGraphGetNodes(rt.cudaGraph_t(init_value=raw_graph), 0)
-    except Exception:  # noqa: BLE001 - a bindings version with another signature: nodes not counted
+        return node_count(raw_graph)
+    except Exception as exc:  # noqa: BLE001 - recorded; the memory figures still stand
+        into["nodes_error"] = repr(exc)
         return None
-    return int(n) if int(err) == 0 else None
 
 
 @contextmanager
@@ -128,7 +138,8 @@ def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
         run()
     f1 = free_mib()
     raw = int(graph.raw_cuda_graph())
-    nodes = node_count(raw)
+    row: dict[str, Any] = {"shape": list(shape)}
+    row["nodes"] = counted(raw, row)
     if hasattr(graph, "instantiate"):  # as GraphCache does; without it torch instantiates at its first replay
         graph.instantiate()
     f2 = free_mib()
@@ -142,7 +153,7 @@ def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
         rt.cudaGraphExecDestroy(rt.cudaGraphExec_t(init_value=h))
     del graph
     gc.collect()
-    return {"shape": list(shape), "nodes": nodes, "capture_mib": round(f0 - f1, 1), "host_exec_mib": round(f1 - f2, 1),
+    return {**row, "capture_mib": round(f0 - f1, 1), "host_exec_mib": round(f1 - f2, 1),
             "device_exec_mib": round(f2 - f3, 1), "three_more_device_execs_mib": round(f3 - f4, 1)}
 
 
@@ -191,30 +202,35 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
 
 
 def grid(runner, max_batch: int, budget: int) -> dict[str, Any]:
-    """The engine's graph set captured as the engine captures it, then destroyed: memory taken and given back."""
+    """The engine's graph set captured as the engine captures it (its buckets, the score graph where the runner
+    scores), then destroyed: memory taken, torch's pool within it, nodes, and what came back."""
     import torch
 
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.graph_grid import mixed_buckets
     from gpu_engine.gpu.serve_gpu import decode_buckets
 
-    f0 = free_mib()
+    f0, r0 = free_mib(), torch.cuda.memory_reserved() / 2**20
     cache = GraphCache(runner, decode_buckets(max_batch), mixed_buckets(max_batch, budget), device_launch=True,
                        prefill_variants=True)
     t0 = time.perf_counter()
     graphs = cache.capture(progress=False)
     seconds = time.perf_counter() - t0
-    f1 = free_mib()
-    nodes = [node_count(int(g.graph.raw_cuda_graph())) for g in graphs]
+    f1, r1 = free_mib(), torch.cuda.memory_reserved() / 2**20
+    out: dict[str, Any] = {"graphs": len(graphs), "score_graph": cache.score is not None,
+                           "capture_s": round(seconds, 1), "taken_mib": round(f0 - f1, 1),
+                           "pool_mib": round(r1 - r0, 1)}
+    nodes = [counted(int(g.graph.raw_cuda_graph()), out) for g in graphs]
     cache.close()
     del cache, graphs
     gc.collect()
     torch.cuda.empty_cache()
-    f2 = free_mib()
-    counted = [n for n in nodes if n is not None]
-    return {"graphs": len(nodes), "capture_s": round(seconds, 1), "taken_mib": round(f0 - f1, 1),
-            "given_back_mib": round(f2 - f1, 1), "nodes": sum(counted) if counted else None,
-            "mib_per_node_instantiation": round((f0 - f1) / (5 * sum(counted)), 5) if counted else None}
+    out["given_back_mib"] = round(free_mib() - f1, 1)
+    known = [n for n in nodes if n is not None]
+    out["nodes"] = sum(known) if len(known) == len(nodes) else None
+    if out["nodes"]:  # five instantiations a graph: torch's and the four device-launch copies
+        out["kib_per_node_instantiation"] = round((out["taken_mib"] - out["pool_mib"]) * 1024 / (5 * out["nodes"]), 3)
+    return out
 
 
 def guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
@@ -225,25 +241,68 @@ def guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
         print(f"{key} failed: {exc!r}", flush=True)
 
 
-def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str]) -> dict[str, Any]:
+def engine_config():
+    """The engine's config as the peer study's tuned128 serves Blink (persistent, 128 sequences, prompts up to
+    4,096 tokens and outputs up to 2,048)."""
+    from blink.cli import build_parser
+    from shared.config import EngineConfig
+
+    argv = ["serve", "--backend", "persistent", "--max-batch", str(MAX_BATCH), "--max-prompt-tokens", "4096",
+            "--max-output-tokens", "2048", "--random-weights"]
+    return EngineConfig.from_namespace(build_parser().parse_args(argv))
+
+
+def build_runner(hf: dict[str, Any]):
+    """The model (random bf16 weights), a cache for the timed steps' rows only, and a runner with the limits and
+    kernel plan the engine would give it: (model config, engine config, token budget, runner)."""
     import torch
 
-    from bench.roofline import BLOCK, bench_plan, build
+    from bench.roofline import BLOCK, bench_plan
+    from gpu_engine.gpu.runner import GpuModelRunner
+    from gpu_engine.gpu.serve_gpu import runner_limits, step_token_limit
+    from gpu_engine.kv_cache import KVCache
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.loader import build_empty
+
+    ecfg = engine_config()
+    mcfg = ModelConfig.from_hf(hf)
+    model = build_empty(mcfg, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    torch.cuda.empty_cache()
+    max_context = ecfg.context_limit(mcfg.max_position_embeddings, cap=ecfg.context_cap)
+    budget = ecfg.token_budget(gpu=True)
+    limits = runner_limits(ecfg, max_context, step_token_limit(max_context, budget, ecfg.max_batch))
+    blocks = DECODES * -(-CONTEXT // BLOCK) + -(-budget // BLOCK) + 1  # the timed steps' rows, one after another
+    kv = KVCache(mcfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
+    plan = bench_plan("auto", torch.cuda.get_device_name())
+    return mcfg, ecfg, budget, GpuModelRunner(model, kv, limits, plan=plan)
+
+
+def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str], out: Path) -> dict[str, Any]:
+    import torch
+
     from gpu_engine.gpu.sm_share import reserve_sms
 
-    hf = hf_config(model, layers)
-    plan = bench_plan("auto", torch.cuda.get_device_name())
     free0 = free_mib()
-    served = ([CONTEXT] * DECODES + [BUDGET],)
-    # a cache for the timed steps' rows only (sized by `served`), to leave the graphs room beside the MoE's 57 GiB
-    cfg, _model, runner = build(hf, 256, [MAX_BATCH], [BUDGET], plan, served=served)
+    cfg, ecfg, budget, runner = build_runner(hf_config(model, layers))
     reserve_sms(1)  # the engine's cuBLAS target: every SM but the scheduler's
+    lim = runner.limits
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "model": MODELS[model], "layers": cfg.num_layers,
-        "plan": plan.summary(), "max_batch": MAX_BATCH, "budget": BUDGET, "align_pairs": pairs, "block": BLOCK,
+        "plan": runner.plan.summary(), "max_batch": ecfg.max_batch, "budget": budget, "align_pairs": pairs,
+        "limits": {"max_tokens": lim.max_tokens, "max_blocks_per_seq": lim.max_blocks_per_seq,
+                   "device_tables": lim.device_tables is not None, "score_rows": lim.score_rows},
         "weights_and_cache_mib": round(free0 - free_mib(), 1), "kv_blocks": runner.kv.num_blocks}
-    print(f"{MODELS[model]}: {cfg.num_layers} layers, {result['weights_and_cache_mib']:.0f} MiB of weights and "
-          f"cache, {result['kv_blocks']} blocks", flush=True)
+    print(f"{MODELS[model]}: {cfg.num_layers} layers, {result['weights_and_cache_mib']:.0f} MiB of weights, cache and "
+          f"buffers, {result['kv_blocks']} blocks, limits {result['limits']}", flush=True)
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    save()
     if "parts" in parts_:
         def probe() -> list[dict[str, Any]]:
             pool = torch.cuda.graph_pool_handle()
@@ -256,16 +315,20 @@ def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str
         if isinstance(result["parts"], list):
             result["parts_summary"] = summary(result["parts"])
         print(json.dumps(result.get("parts_summary")), flush=True)
+        save()
     if "align" in parts_ and cfg.num_experts:
         guarded(result, "align", lambda: align_rows(runner, iters, pairs))
         print(json.dumps(result["align"]), flush=True)
+        save()
     if "grid" in parts_:
-        guarded(result, "grid", lambda: grid(runner, MAX_BATCH, BUDGET))
+        guarded(result, "grid", lambda: grid(runner, ecfg.max_batch, budget))
         print(json.dumps(result["grid"]), flush=True)
+        save()
         if cfg.num_experts:
             with align_pairs(pairs):
-                guarded(result, "grid_one_launch", lambda: grid(runner, MAX_BATCH, BUDGET))
+                guarded(result, "grid_one_launch", lambda: grid(runner, ecfg.max_batch, budget))
             print(json.dumps(result["grid_one_launch"]), flush=True)
+            save()
     return result
 
 
@@ -282,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(chosen) - {"parts", "align", "grid"}
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)} (parts, align, grid)")
-    result = run(args.model, args.layers, args.iters, args.align_pairs, chosen)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    run(args.model, args.layers, args.iters, args.align_pairs, chosen, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -126,6 +126,7 @@ __device__ bool score_prompts(SchedState *s, uint32_t *launches) {
     write_scores(s, &plan, base, total);
     __syncthreads();
   }
+  if (threadIdx.x == 0 && total && s->done_ns) s->done_ns = now_ns();  // the score graphs were GPU work, not a gap
   __threadfence_system();
   __syncthreads();
   return true;

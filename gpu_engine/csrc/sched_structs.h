@@ -179,8 +179,10 @@ typedef struct blink_sched_stats {
   uint64_t grammar_loads, grammar_evictions, grammar_failures;
   // tokens the steps carried; tokens their graphs computed past them (graph_tokens - the step's)
   uint64_t step_tokens, padded_tokens;
-  // the model's GPU work waiting on the scheduler: from a step's completion seen to the next step's launch (publishing,
-  // claims, planning, staging), summed over the steps launched with no idle loop between, and how many
+  // the model's GPU work waiting on the scheduler: from a step's completion seen (after its score graphs) to the next
+  // step's launch (publishing, claims, planning, staging), summed over the steps launched with no idle loop between,
+  // and how many; a lower bound: a completion is seen late when the scan overlapped with the graph outlasts it, and a
+  // yielded step's tail relaunch is not counted
   uint64_t gap_ns, gap_steps;
   // ---- the graph in flight
   // host copy only: 1 + index of the graph in flight, 0 when none

@@ -107,7 +107,6 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
                               random_weights=cfg.random_weights, seed=cfg.seed, quantization=cfg.quantization)
     model, mcfg = loaded.model, loaded.config
     log.info("weights loaded", **loaded.summary)
-    g = cfg.geometry
     max_context = cfg.context_limit(mcfg.max_position_embeddings, cap=cfg.context_cap)
     budget = cfg.token_budget(gpu=True)
     max_tokens = step_token_limit(max_context, budget, cfg.max_batch)
@@ -118,19 +117,7 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
         kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
     log.info("KV cache", dtype=str(kv_dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
              gib=round(blocks * block_bytes(mcfg, cfg.block_size, kv_dtype) / 2**30, 2))
-    # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
-    # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
-    # leaves it out).
-    device_procs = cfg.backend == "persistent" and env.env().device_processors
-    tables = DeviceTables(g.num_slots, max_context, grammar_bytes=cfg.grammar_arena_bytes) \
-        if device_procs else None
-    # Prompt log-probs: the host-driven backend scores them in its step wait; the persistent one through the
-    # score graph (BLINK_DEVICE_PROMPT_LOGPROBS=0 leaves it out), where the ring holds them.
-    scored = cfg.backend == "persistent" and env.env().device_prompt_logprobs and g.prompt_logprob_rows > 0
-    limits = RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
-                          max_blocks_per_seq=-(-max_context // cfg.block_size),
-                          num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
-                          device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
+    limits = runner_limits(cfg, max_context, max_tokens)
     with memory_for("allocating the step buffers", cfg, blocks):
         runner = GpuModelRunner(model, kv, limits, plan, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
@@ -153,6 +140,24 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
              token_budget=budget or max_tokens)
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
+
+
+def runner_limits(cfg: EngineConfig, max_context: int, max_tokens: int) -> RunnerLimits:
+    """The step buffers' sizes for `cfg` (what every graph the engine captures holds)."""
+    g = cfg.geometry
+    # The logits processors: dense columns the host stages (host-driven), or the scheduler's device state
+    # (persistent: a masked path in every graph, a row without processors costs one load; BLINK_DEVICE_PROCESSORS=0
+    # leaves it out).
+    device_procs = cfg.backend == "persistent" and env.env().device_processors
+    tables = DeviceTables(g.num_slots, max_context, grammar_bytes=cfg.grammar_arena_bytes) \
+        if device_procs else None
+    # Prompt log-probs: the host-driven backend scores them in its step wait; the persistent one through the
+    # score graph (BLINK_DEVICE_PROMPT_LOGPROBS=0 leaves it out), where the ring holds them.
+    scored = cfg.backend == "persistent" and env.env().device_prompt_logprobs and g.prompt_logprob_rows > 0
+    return RunnerLimits(max_batch=cfg.max_batch, max_tokens=max_tokens,
+                        max_blocks_per_seq=-(-max_context // cfg.block_size),
+                        num_top_logprobs=max(1, g.top_logprobs), processors=cfg.backend == "host",
+                        device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
 
 
 @contextlib.contextmanager
