@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,8 @@ def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drai
         "ttft_ms": pct(ttft), "tpot_ms": pct(tpot), "queue_growth": queue_growth(queue, window_s),
         "queue_start": queue[0][1] if queue else None, "queue_end": queue[-1][1] if queue else None,
         "preemptions": policy.preemptions, "steps": steps, "mean_rows": round(rows / max(1, steps), 1),
-        "max_num_seqs": engine.max_num_seqs, "budget": engine.budget, "kv_tokens": engine.kv_tokens}
+        "max_num_seqs": engine.max_num_seqs, "budget": engine.budget, "kv_tokens": engine.kv_tokens, "seed": seed,
+        "arrived_req_s": round(len(measured) / window_s, 3)}
     rec["keeps_up"], rec["keeps_up_why"] = keeps_up(rec)
     return rec
 
@@ -211,26 +213,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--drain-s", type=float, default=15.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated: each rate drawn once per seed (the peer "
+                    "study's runs are seed 0); an engine's plateau is the median of its seeds'")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
     doc: dict[str, Any] = {"window": {"warmup_s": args.warmup_s, "window_s": args.window_s, "drain_s": args.drain_s},
-                           "seed": args.seed, "engines": {}, "records": []}
+                           "seeds": seeds, "engines": {}, "records": []}
     print("| engine | rate | TPOT p50 / p99 (ms) | TTFT p50 / p99 (ms) | queue growth | preemptions | mean rows | "
           "keeps up |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, fields in args.engine:
         engine = engine_of(name, fields)
-        recs = [run_rate(engine, r, args.warmup_s, args.window_s, args.drain_s, args.seed) for r in rates]
-        for rec in recs:
-            print(f"| {name} | {rec['rate']:g} | {rec['tpot_ms']['p50']} / {rec['tpot_ms']['p99']} | "
-                  f"{rec['ttft_ms']['p50']} / {rec['ttft_ms']['p99']} | {rec['queue_growth']} | {rec['preemptions']} | "
-                  f"{rec['mean_rows']} | {'yes' if rec['keeps_up'] else 'no'} |")
-        print(f"| {name} | plateau {plateau(recs)} | | | | | | |")
+        found = []
+        for seed in seeds:
+            recs = [run_rate(engine, r, args.warmup_s, args.window_s, args.drain_s, seed) for r in rates]
+            tag = f" (seed {seed})" if len(seeds) > 1 else ""
+            for rec in recs:
+                print(f"| {name}{tag} | {rec['rate']:g} | {rec['tpot_ms']['p50']} / {rec['tpot_ms']['p99']} | "
+                      f"{rec['ttft_ms']['p50']} / {rec['ttft_ms']['p99']} | {rec['queue_growth']} | "
+                      f"{rec['preemptions']} | {rec['mean_rows']} | {'yes' if rec['keeps_up'] else 'no'} |")
+            found.append(plateau(recs))
+            doc["records"] += recs
+        median = statistics.median(p or 0.0 for p in found)
+        print(f"| {name} | plateau {median:g} (by seed: {', '.join(str(p) for p in found)}) | | | | | | |")
         doc["engines"][name] = {**dataclasses.asdict(engine), "model_name": fields.get("model", "llama3-8b-h100"),
-                                "plateau": plateau(recs)}
-        doc["records"] += recs
+                                "plateau": median, "plateau_by_seed": found}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out}")
