@@ -2,7 +2,8 @@
 
 The engine's own policy (``gpu_engine.policy.Policy``, which the persistent scheduler mirrors rule for rule) plans
 every step of the peer study's workload: the same Poisson arrivals and log-normal lengths as
-``bench.peers.load.build_schedule`` draws for a rate (its seeds, without the tokenizer), the same window, drain and
+``bench.peers.load.build_schedule`` draws for a rate (its seeds, without the tokenizer; ``--arrivals independent``
+for the draws of the runs before one stream served every rate), the same window, drain and
 plateau test (``bench.peers.measure``). A step's time comes from a model of its kernels, not from a GPU:
 
 - GEMMs: the larger of reading the weights and computing the step's tokens at the matmul rate (a mixed step's
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench import serve_bench as sb
-from bench.peers.load import rate_seed
+from bench.peers.load import rate_seed, scaled_offsets, stream_lengths
 from bench.peers.measure import keeps_up, queue_growth
 from bench.workloads import WORKLOADS, Limits, draw_lengths
 from gpu_engine.gpu.graph_grid import mixed_tokens
@@ -104,13 +105,29 @@ class Sim:
     tokens: int = 0
 
 
-def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drain_s: float, seed: int = 0,
-             limits: Limits = PEERS_LIMITS, workload: str = "paper") -> dict[str, Any]:
-    """One rate's record, with the keys of ``bench.peers.measure``'s that the plateau test reads."""
-    start, end, hard_end = warmup_s, warmup_s + window_s, warmup_s + window_s + drain_s
+ARRIVALS = ("scaled", "independent")  # the peer study's draws now (bench.peers.load.scaled_offsets), and before
+
+
+def draws(rate: float, seed: int, hard_end: float, limits: Limits, workload: str,
+          arrivals: str = "scaled") -> tuple[list[float], list[tuple[int, int]]]:
+    """A rate's arrival times and (prompt, output) lengths as the peer study draws them: `scaled`, one stream of
+    `seed` at every rate (``bench.peers.load.build_schedule``); `independent`, each rate's own draw (its runs
+    before the stream, which the committed measurements used)."""
+    if arrivals == "scaled":
+        offsets = scaled_offsets(rate, seed, hard_end)
+        return offsets, stream_lengths(WORKLOADS[workload], max(1, len(offsets)), limits, seed)
+    if arrivals != "independent":
+        raise ValueError(f"arrivals {arrivals!r}: one of {ARRIVALS}")
     s = rate_seed(seed, rate)
     offsets = sb.arrival_offsets(rate, np.random.default_rng(s), None, hard_end)
-    lengths = draw_lengths(WORKLOADS[workload], max(1, len(offsets)), limits, s)
+    return offsets, draw_lengths(WORKLOADS[workload], max(1, len(offsets)), limits, s)
+
+
+def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drain_s: float, seed: int = 0,
+             limits: Limits = PEERS_LIMITS, workload: str = "paper", arrivals: str = "scaled") -> dict[str, Any]:
+    """One rate's record, with the keys of ``bench.peers.measure``'s that the plateau test reads."""
+    start, end, hard_end = warmup_s, warmup_s + window_s, warmup_s + window_s + drain_s
+    offsets, lengths = draws(rate, seed, hard_end, limits, workload, arrivals)
     sims = [Sim(t, p, o) for t, (p, o) in zip(offsets, lengths, strict=False)]
     policy = Policy(BlockAllocator(engine.kv_tokens // BLOCK), BLOCK, engine.max_num_seqs, engine.budget)
     sizes = mixed_tokens(engine.budget)
@@ -213,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--drain-s", type=float, default=15.0)
+    ap.add_argument("--arrivals", choices=ARRIVALS, default="scaled",
+                    help="scaled: the peer study's draws now; independent: each rate its own, as before")
     ap.add_argument("--seeds", default="0", help="comma-separated: each rate drawn once per seed (the peer "
                     "study's runs are seed 0); an engine's plateau is the median of its seeds'")
     ap.add_argument("--out", type=Path)
@@ -220,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     doc: dict[str, Any] = {"window": {"warmup_s": args.warmup_s, "window_s": args.window_s, "drain_s": args.drain_s},
-                           "seeds": seeds, "engines": {}, "records": []}
+                           "seeds": seeds, "arrivals": args.arrivals, "engines": {}, "records": []}
     print("| engine | rate | TPOT p50 / p99 (ms) | TTFT p50 / p99 (ms) | queue growth | preemptions | mean rows | "
           "keeps up |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -228,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_of(name, fields)
         found = []
         for seed in seeds:
-            recs = [run_rate(engine, r, args.warmup_s, args.window_s, args.drain_s, seed) for r in rates]
+            recs = [run_rate(engine, r, args.warmup_s, args.window_s, args.drain_s, seed, arrivals=args.arrivals)
+                    for r in rates]
             tag = f" (seed {seed})" if len(seeds) > 1 else ""
             for rec in recs:
                 print(f"| {name}{tag} | {rec['rate']:g} | {rec['tpot_ms']['p50']} / {rec['tpot_ms']['p99']} | "

@@ -119,7 +119,9 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 # The peer study (bench/peers): one system per invocation, started once, serving every rate and co-tenant level
 # given; results merge into bench/results/peers.json (kept in the tree) and are copied to OUTDIR.
 # A results file holds one GPU's figures: a run on another card (peers.json is the H200's) is refused unless
-# PEERS_ARGS names another file, e.g. "--out bench/results/peers_h100.json".
+# PEERS_ARGS names another file, e.g. "--out bench/results/peers_h100.json". So is one of another arrival draw: the
+# committed files drew each rate on its own, runs now send one stream scaled by the rate (bench/peers/load.py):
+# write them to new files.
 #   peers_vllm   vLLM 0.26 from an offline wheel bundle whose parts (vllmkit.tar.xz.part*, SHA256SUMS, install.sh,
 #                check_deps.py) are in $VLLMKIT_PARTS (default /tmp/vllmkit-parts/; they may arrive in turns, one part in
 #                .vllmkit/ a call, each copied there by the call that brings it);

@@ -49,14 +49,29 @@ def test_a_slower_step_is_slower_per_token() -> None:
 
 
 def test_it_draws_the_peer_studys_arrivals_and_lengths() -> None:
-    """The same seeds as bench.peers.load.build_schedule: the same arrival times and (prompt, output) pairs."""
-    w = (3.0, 7.0, 2.0)
-    rec = sim.run_rate(engine(), 5.0, *w, seed=0)
-    s = rate_seed(0, 5.0)
-    offsets = sb.arrival_offsets(5.0, np.random.default_rng(s), None, sum(w))
-    assert rec["arrived"] == sum(w[0] <= t < w[0] + w[1] for t in offsets)
-    pairs = draw_lengths(WORKLOADS["paper"], len(offsets), sim.PEERS_LIMITS, s)
-    assert all(1 <= p <= 4096 and 1 <= o <= 2048 for p, o in pairs)
+    """The peer study's draws: its schedule's arrival times and lengths (build_schedule, without the prompts' text),
+    and, for the runs before one stream served every rate, each rate's own draw."""
+    from bench.peers.load import Window, build_schedule
+    from bench.workloads import Limits
+
+    class Chars:  # text of any length: one token a character
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(i) for i in ids)
+
+    w, limits = (3.0, 7.0, 2.0), Limits(3000, 512, 3200)
+    schedule = build_schedule(5.0, Window(*w), WORKLOADS["paper"], limits, Chars(), 4)
+    offsets, lengths = sim.draws(5.0, 4, sum(w), limits, "paper")
+    assert offsets == list(schedule.offsets)
+    assert lengths == [(r.prompt_len, r.output_len) for r in schedule.specs]
+    s = rate_seed(4, 5.0)
+    before = sb.arrival_offsets(5.0, np.random.default_rng(s), None, sum(w))
+    old_offsets, old_lengths = sim.draws(5.0, 4, sum(w), limits, "paper", "independent")
+    assert old_offsets == before and old_lengths == draw_lengths(WORKLOADS["paper"], len(before), limits, s)
+    rec = sim.run_rate(engine(), 5.0, *w, seed=4, limits=limits)
+    assert rec["arrived"] == schedule.arrived
 
 
 def test_the_step_model_matches_the_trace_it_was_fitted_to() -> None:

@@ -24,7 +24,7 @@ import pytest
 from helpers.procfs import processes
 
 from bench.peers import report
-from bench.peers.load import Outcome, Schedule, Window, build_schedule
+from bench.peers.load import ARRIVALS, Outcome, Schedule, Window, build_schedule
 from bench.peers.measure import cache_window, keeps_up, queue_growth, window_counts
 from bench.peers.systems import Peer, parse_peer, parse_vllm_log, write_tokenizer_config
 from bench.workloads import WORKLOADS, Limits, RequestSpec, build_requests
@@ -381,15 +381,32 @@ def test_each_level_of_the_shared_workload_has_conversations_of_its_own() -> Non
     assert [r.prompt for r in plain[0].specs] == [r.prompt for r in plain[1].specs]
 
 
-def test_the_committed_results_take_a_default_run() -> None:
-    """A run with the GPU script's defaults records the workload as the committed peers.json does, so its
-    records merge into that file instead of being refused as another setup."""
+def test_a_default_run_merges_with_its_kind_and_not_with_older_arrivals() -> None:
+    """A run with the GPU script's defaults records the workload as the committed peers.json does but for the
+    arrivals (one stream scaled by the rate since that file was made): two such runs merge, and that file's
+    records, drawn rate by rate, are refused beside them with the reason."""
     from bench.peers.cli import build_parser, header_of
 
     committed = json.loads((ROOT / "bench/results/peers.json").read_text())
     args = build_parser().parse_args(["--seed", str(committed["workload"]["seed"])])
-    assert header_of(args)["workload"] == committed["workload"]
-    assert report.compatible(committed, {**committed, "workload": header_of(args)["workload"]}) is None
+    now = header_of(args)["workload"]
+    assert now["arrivals"] == ARRIVALS and committed["workload"]["arrivals"] == "poisson"
+    assert {**now, "arrivals": "poisson"} == committed["workload"]
+    assert report.compatible({**committed, "workload": now}, {**committed, "workload": now}) is None
+    assert "workload differs" in (report.compatible(committed, {**committed, "workload": now}) or "")
+
+
+def test_every_rate_sends_one_stream_of_arrivals_and_lengths() -> None:
+    """Rates differ only in how fast the one stream comes: at twice the rate the same arrivals at half the time
+    and the same lengths request by request, the prompts' text each rate's own (no prefix found across rates)."""
+    limits, window = Limits(max_prompt=3000, max_output=512, max_context=3200), Window(2.0, 20.0, 5.0)
+    slow, fast = (build_schedule(r, window, WORKLOADS["paper"], limits, CharTokenizer(), 3) for r in (2.0, 4.0))
+    assert len(fast.offsets) > len(slow.offsets) > 20
+    assert fast.offsets[:len(slow.offsets)] == pytest.approx([t / 2 for t in slow.offsets])
+    pairs = list(zip(slow.specs, fast.specs, strict=False))
+    assert all((a.prompt_len, a.output_len) == (b.prompt_len, b.output_len) for a, b in pairs)
+    assert sum(a.prompt != b.prompt for a, b in pairs) == len(pairs)
+    assert fast.arrived > slow.arrived
 
 
 # ---------------------------------------------------------------------- setups: config, constraint, model

@@ -18,7 +18,7 @@ from bench import serve_bench as sb
 from bench import serving_study as ss
 from bench.peers import report, study
 from bench.peers.constraint import SCHEMAS, ResponseFormat, parse_response_format
-from bench.peers.load import Clients, Window
+from bench.peers.load import ARRIVALS, Clients, Window
 from bench.peers.systems import BLINK_MODES, PEER_KINDS, Peer, parse_peer, write_tokenizer_config
 from bench.workloads import WORKLOADS, Limits
 from harness.models import MODEL_CONFIGS, QWEN3_MOE, build_model_folder
@@ -178,7 +178,7 @@ def header_of(args: argparse.Namespace) -> dict[str, Any]:
     workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
     return {"model": ss.model_description(args.model_config),
             "workload": {**workload.record(), "max_prompt": args.max_prompt_tokens,
-                         "max_output": args.max_output_tokens, "arrivals": "poisson", "seed": args.seed},
+                         "max_output": args.max_output_tokens, "arrivals": ARRIVALS, "seed": args.seed},
             "device": device(args.backend_override), "host_cpu": ss.device_name("cpu"),
             "precision": {"weights": args.quantization, "kv_cache": args.kv_cache_dtype},
             "window": {"window_s": args.window_s, "warmup_s": args.warmup_s, "drain_s": args.drain_s}}

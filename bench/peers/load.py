@@ -32,7 +32,7 @@ import aiohttp
 import numpy as np
 
 from bench import serve_bench as sb
-from bench.workloads import Limits, RequestSpec, Workload, build_requests
+from bench.workloads import Limits, RequestSpec, Workload, build_requests, draw_lengths
 
 START_LEAD_S = 2.0  # from dealing the requests to the first arrival: every client process is ready by then
 QUEUE_EVERY_S = 1.0  # how often the server's waiting gauge is read during the window
@@ -88,18 +88,44 @@ def rate_seed(seed: int, rate: float) -> int:
     return seed * 1_000_003 + round(rate * 1000)
 
 
+ARRIVALS = "poisson, one stream scaled by the rate"  # the results header's name for scaled_offsets
+
+
+def scaled_offsets(rate: float, seed: int, end_s: float) -> list[float]:
+    """Poisson arrivals of `rate` over [0, end_s): one unit-rate stream of `seed`, its times divided by the rate.
+    Every rate sends the same stream, compressed, so a higher rate offers more of it in any window than a lower one
+    but for the stream's own noise (rates drawn apart moved a plateau by about 1 req/s: BENCHMARKS.md, "What ends
+    a plateau")."""
+    unit = sb.arrival_offsets(1.0, np.random.default_rng(seed), None, rate * end_s)
+    return [t / rate for t in unit]
+
+
 def build_schedule(rate: float, window: Window, workload: Workload, limits: Limits, tokenizer: Any,
                    seed: int, level: str = "") -> Schedule:
-    """One (rate, co-tenant level) point's arrivals and requests. Conversations (the ``shared`` workload)
-    are drawn per level too: a server serves every level in turn, and one whose cache still held an earlier
-    level's conversations would find them all cached (only the system prompt is meant to be shared)."""
+    """One (rate, co-tenant level) point's arrivals and requests: the arrivals `scaled_offsets`; the i-th request's
+    lengths the same at every rate, its text the rate's own (a server serves the rates in turn, and one whose
+    cache held an earlier rate's prompts would find them cached). Conversations (the ``shared`` workload) are
+    drawn per level too: a server serves every level in turn, and one whose cache still held an earlier level's
+    conversations would find them all cached (only the system prompt is meant to be shared)."""
     if not rate > 0 or math.isinf(rate):
         raise ValueError(f"a steady-state rate must be positive and finite, got {rate}")
     s = rate_seed(seed, rate)
-    offsets = sb.arrival_offsets(rate, np.random.default_rng(s), None, window.hard_end)
-    rs = s + zlib.crc32(level.encode()) if workload.conversations is not None else s
-    specs = build_requests(workload, max(1, len(offsets)), tokenizer, limits, rs)
+    offsets = scaled_offsets(rate, seed, window.hard_end)
+    n = max(1, len(offsets))
+    if workload.conversations is not None:
+        specs = build_requests(workload, n, tokenizer, limits, s + zlib.crc32(level.encode()))
+    else:
+        specs = build_requests(workload, n, tokenizer, limits, s, lengths=stream_lengths(workload, n, limits, seed))
     return Schedule(rate, tuple(offsets), tuple(specs[:len(offsets)]), window)
+
+
+STREAM_REQUESTS = 8192  # lengths drawn at once for every rate: a run of fewer requests takes the same first ones
+
+
+def stream_lengths(workload: Workload, n: int, limits: Limits, seed: int) -> list[tuple[int, int]]:
+    """The first `n` (prompt, output) lengths of `seed`'s stream: the same i-th pair at every rate (a draw's mean is
+    fitted over the whole draw, so the draw's size is fixed, not the rate's count)."""
+    return draw_lengths(workload, max(n, STREAM_REQUESTS), limits, seed)[:n]
 
 
 # ---------------------------------------------------------------------- one client process
