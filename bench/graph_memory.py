@@ -12,8 +12,8 @@ on the model shape with random bf16 weights, the engine's kernel plan and a smal
   host executable, by the first device-launch executable and by the three more, and the graph's kernel nodes; the
   mixed ones again with the one-launch sort up to 8,192 pairs (``--align-pairs``);
 - ``align``: mixed steps (``--decodes`` decode rows at ``--context`` tokens beside a prompt chunk) of 272-1,024
-  tokens with the sort as it is and with the one-launch sort, each a host-replayed graph (CUDA events, median of
-  ``--iters``), and whether the two give the same logits bit for bit;
+  tokens with the sort as it is and with the one-launch sort, each a host-replayed graph (CUDA events around
+  ``--iters`` replays), and whether the two give the same logits bit for bit;
 - ``grid``: the engine's whole graph set (``serve_gpu.decode_buckets`` and ``graph_grid.mixed_buckets``, the step
   buffers of ``serve_gpu.runner_limits`` for the peer study's tuned128 start) captured as the engine does, its
   memory, torch's pool within it and its nodes, then destroyed (``GraphCache.close``) and the memory given back:
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -157,26 +156,11 @@ def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
             "device_exec_mib": round(f2 - f3, 1), "three_more_device_execs_mib": round(f3 - f4, 1)}
 
 
-def timed_ms(graph, iters: int) -> float:
-    import torch
-
-    for _ in range(2):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
     """Mixed steps timed with the sort as it is and with the one-launch sort up to `pairs` pairs, same inputs."""
     import torch
 
+    from bench.kernels import eager_ms
     from bench.roofline import mixed_seqs, stage_seqs
 
     rows = []
@@ -191,7 +175,7 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     run()
-                row[f"{name}_ms"] = round(timed_ms(graph, iters), 3)
+                row[f"{name}_ms"] = round(eager_ms(graph.replay, iters), 3)
                 logits[name] = runner.buffers.logits[: DECODES + 1].clone()
                 del graph
                 gc.collect()
