@@ -241,20 +241,13 @@ def build_runner(hf: dict[str, Any]):
     kernel plan the engine would give it: (model config, engine config, token budget, runner)."""
     import torch
 
-    from bench.roofline import BLOCK, bench_plan
+    from bench.roofline import BLOCK, bench_plan, random_model
     from gpu_engine.gpu.runner import GpuModelRunner
     from gpu_engine.gpu.serve_gpu import runner_limits, step_token_limit
     from gpu_engine.kv_cache import KVCache
-    from gpu_engine.models.config import ModelConfig
-    from gpu_engine.models.loader import build_empty
 
     ecfg = engine_config()
-    mcfg = ModelConfig.from_hf(hf)
-    model = build_empty(mcfg, torch.bfloat16, "cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    torch.cuda.empty_cache()
+    mcfg, model = random_model(hf)
     max_context = ecfg.context_limit(mcfg.max_position_embeddings, cap=ecfg.context_cap)
     budget = ecfg.token_budget(gpu=True)
     limits = runner_limits(ecfg, max_context, step_token_limit(max_context, budget, ecfg.max_batch))

@@ -44,17 +44,12 @@ GRAMMAR_STATES = 200
 
 def build(hf: dict, kind: str):
     """A runner of `kind` (off / persistent / host) with decode graphs for BATCHES."""
+    from bench.roofline import random_model
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
-    from gpu_engine.models.config import ModelConfig
-    from gpu_engine.models.loader import build_empty
 
-    cfg = ModelConfig.from_hf(hf)
-    model = build_empty(cfg, torch.bfloat16, "cuda")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    cfg, model = random_model(hf)
     per_seq = CONTEXT // BLOCK + 1
     B = max(BATCHES)
     kv = KVCache(cfg, B * per_seq, BLOCK, dtype=torch.bfloat16, device="cuda")

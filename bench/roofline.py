@@ -92,6 +92,20 @@ def measure_ceilings() -> tuple[float, float]:
     return gbps, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def random_model(hf: dict):
+    """(config, model) of a Hugging Face config's shape on the GPU, random bf16 weights (norms at 1)."""
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.loader import build_empty
+
+    cfg = ModelConfig.from_hf(hf)
+    model = build_empty(cfg, torch.bfloat16, "cuda")
+    torch.cuda.empty_cache()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    return cfg, model
+
+
 def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[list[int], ...] = (), fp8=None,
           kv_dtype: torch.dtype = torch.bfloat16):
     """The model, its KV cache and a runner with `plan` (a `KernelPlan`; cuBLAS where None); `served`:
@@ -101,16 +115,9 @@ def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[lis
     cache's unit scales, which the runner passes to every KV writer and reader)."""
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
-    from gpu_engine.models.config import ModelConfig
     from gpu_engine.models.fp8_checkpoint import quantize_linears
-    from gpu_engine.models.loader import build_empty
 
-    cfg = ModelConfig.from_hf(hf)
-    model = build_empty(cfg, torch.bfloat16, "cuda")
-    torch.cuda.empty_cache()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    cfg, model = random_model(hf)
     quantized = {} if fp8 is None else quantize_linears(model, fp8)
     setattr(model, "quantized", quantized)  # noqa: B010 - what weight_bytes and layer_params count
     torch.cuda.empty_cache()
@@ -296,15 +303,9 @@ def run_mixed(gbps: float, tflops: float, iters: int, plan=None) -> list[dict]:
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
     from gpu_engine.kv_cache import KVCache
-    from gpu_engine.models.config import ModelConfig
-    from gpu_engine.models.loader import build_empty
 
     name, top = "llama3-8b-shape", max(MIXED_BUDGETS)
-    cfg = ModelConfig.from_hf(LLAMA3_8B)
-    model = build_empty(cfg, torch.bfloat16, "cuda")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.fill_(1.0) if pname.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    cfg, model = random_model(LLAMA3_8B)
     blocks = max(MIXED_DECODES) * -(-MIXED_CONTEXT // BLOCK) + -(-top // BLOCK)
     kv = KVCache(cfg, blocks, BLOCK, dtype=torch.bfloat16, device="cuda")
     limits = RunnerLimits(max(MIXED_DECODES) + 1, top, max(-(-MIXED_CONTEXT // BLOCK), -(-top // BLOCK)))

@@ -148,10 +148,7 @@ class GrammarCompiler:
     def release(self, gids: list[int]) -> None:
         """What a request's compiles took (``REQUEST_HOLDS``), given back at its end: the engine loads a request's
         grammar when it admits it, which may be after a restart, so the request holds it all its life."""
-        self.held.subtract(gids)
-        for g in gids:
-            if self.held[g] <= 0:
-                self.held.pop(g, None)
+        self.held -= collections.Counter(gids)  # a Counter's difference keeps the ids still held
 
     async def refresh(self) -> None:
         """Every ``REFRESH_S``, mark the grammars this gateway's requests hold as used, so that no other gateway

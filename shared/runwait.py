@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 
 PROC = "/proc"
-
-
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # the unit of a thread's CPU time in /proc/PID/task/TID/stat
 
 
