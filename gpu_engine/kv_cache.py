@@ -123,12 +123,6 @@ def block_bytes(config: KVShape, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize * block_size
 
 
-def blocks_for_memory(config: KVShape, block_size: int, dtype: torch.dtype, free_bytes: int, fraction: float) -> int:
-    """Blocks that ``fraction`` of ``free_bytes`` holds (``--gpu-memory-utilization`` of the memory free after
-    loading): an FP8 cache gets twice a bf16 one's for the same memory."""
-    return int(free_bytes * fraction // block_bytes(config, block_size, dtype))
-
-
 class KVCache:
     """Per layer ``k[i]`` / ``v[i]`` tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 

@@ -34,7 +34,7 @@ DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of t
 # step buffers and graphs: for the 8B shape on an H100 a 53.5-GiB cache, with 5.2 GiB still free after the graphs
 # were captured, and no preemption at the plateau (the same plateau as with the 40 GiB the sizing found while the
 # loader's float32 copy sat in torch's cache).
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
 # 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s), and 512
 # (with a 1,024- or 2,048-token budget) was worse than 256 on every figure at 18-20 req/s; the CPU keeps the
@@ -124,9 +124,10 @@ class EngineConfig:
     geometry: RingGeometry = dataclasses.field(default=RingGeometry(), metadata={"fields_are_flags": True})
     block_size: int = _flag(16, "tokens per KV cache block", minimum=1)
     kv_blocks: int = _flag(0, "KV cache blocks; 0: sized from memory (1 GiB on the CPU, "
-                           "--gpu-memory-utilization of the free memory on a GPU)", minimum=0)
+                           "--gpu-memory-utilization of the memory free after the graphs on a GPU)", minimum=0)
     gpu_memory_utilization: float | None = _flag(
-        None, "fraction of the GPU memory free after loading the weights that the KV cache takes (GPU backends "
+        None, "fraction of the GPU memory free after the weights, the step buffers and the CUDA graphs that the KV "
+        "cache takes (sized once the graphs are captured; GPU backends "
         f"only; the CPU backend refuses it: size its cache with --kv-blocks) (default: "
         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU)", kind=float)
     grammar_cache_mb: int | None = _flag(
@@ -173,7 +174,8 @@ class EngineConfig:
 
     @property
     def kv_memory_fraction(self) -> float:
-        """Of the GPU memory free after loading, what the KV cache takes when --kv-blocks is 0."""
+        """Of the GPU memory free after the weights, step buffers and graphs, what the KV cache takes when --kv-blocks
+        is 0."""
         return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
 
     @property

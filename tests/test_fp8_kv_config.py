@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gpu_engine import serve as engine_serve
-from gpu_engine.kv_cache import KVCache, block_bytes, blocks_for_memory
+from gpu_engine.gpu.kv_memory import blocks_after_capture
+from gpu_engine.kv_cache import KVCache, block_bytes
 from shared import ring_layout as L
 from shared.config import EngineConfig
 from shared.metrics import CacheConfig
@@ -30,8 +31,9 @@ def test_an_fp8_cache_gets_twice_the_blocks_of_a_bf16_one_for_the_same_memory() 
     shape, free = Shape(), 40 * 2**30
     assert block_bytes(shape, 16, torch.bfloat16) == 2 * 2**20
     assert block_bytes(shape, 16, torch.float8_e4m3fn) == 2**20
-    bf16 = blocks_for_memory(shape, 16, torch.bfloat16, free, 0.5)
-    fp8 = blocks_for_memory(shape, 16, torch.float8_e4m3fn, free, 0.5)
+    tensors, granule = 2 * shape.num_layers, 2**21
+    bf16 = blocks_after_capture(free, 0, 0.5, tensors, granule, block_bytes(shape, 16, torch.bfloat16) // tensors)
+    fp8 = blocks_after_capture(free, 0, 0.5, tensors, granule, block_bytes(shape, 16, torch.float8_e4m3fn) // tensors)
     assert (bf16, fp8) == (10240, 20480)
 
 

@@ -5,7 +5,9 @@ the largest shape, then a tiny kernel that bumps the graph's completion counter
 (`counters[graph_index]`, int64, release ordered). Graphs share one memory pool and the static
 buffers, so at most one may run at a time. Each graph is captured with `keep_graph=True`; its
 `cudaGraph_t` is instantiated `copies` times for device launch (`cudaGraphInstantiateFlagDeviceLaunch`
-+ `cudaGraphUpload`) so a device scheduler can rotate copies; host replay uses torch's own executable.
++ `cudaGraphUpload`) so a device scheduler can rotate copies, and a host replay (the start's probes, tests and
+benchmarks) launches the first copy from the host: torch never instantiates its own executable, which would hold
+as much memory as a copy. Without device launch, host replay uses torch's executable.
 
 Each decode batch size is captured twice (`GraphShape.filtered`): the filtering variant samples
 through the top-k / top-p / min-p filter (a sort of every row over the vocabulary), the unfiltered
@@ -100,7 +102,7 @@ class GraphCache:
     """Decode graphs over batch sizes and prefill graphs over (batch, tokens) buckets for one runner."""
 
     def __init__(self, runner: GpuModelRunner, decode_batches: list[int],
-                 prefill_buckets: list[tuple[int, int]], copies: int = 4, device_launch: bool = True,
+                 prefill_buckets: list[tuple[int, int]], copies: int = 2, device_launch: bool = True,
                  prefill_variants: bool = False) -> None:
         lim = runner.limits
         for b in decode_batches:
@@ -216,10 +218,10 @@ class GraphCache:
         with torch.cuda.graph(graph, pool=self._pool):
             run()
             _bump_counter_kernel[(1,)](self.counters[index:])
-        if hasattr(graph, "instantiate"):
-            graph.instantiate()
         cg = CapturedGraph(shape, index, graph)
-        if self.device_launch:
+        if not self.device_launch:
+            graph.instantiate()
+        else:
             raw = int(graph.raw_cuda_graph())
             cur = torch.cuda.current_stream().cuda_stream
             cg.exec_handles = [instantiate_for_device_launch(raw, cur) for _ in range(self.copies)]
@@ -244,8 +246,20 @@ class GraphCache:
         g = self.graphs[idx]
         if g is None:
             raise RuntimeError("graphs not captured yet (call capture())")
-        g.graph.replay()
+        self.launcher(g)()
         return g.shape
+
+    @staticmethod
+    def launcher(g: CapturedGraph) -> Callable[[], None]:
+        """A host launch of `g` on the current stream: its first device-launch copy, else torch's executable."""
+        if not g.exec_handles:
+            return g.graph.replay
+        rt, handle = _cudart(), g.exec_handles[0]
+
+        def launch() -> None:
+            stream = rt.cudaStream_t(init_value=torch.cuda.current_stream().cuda_stream)
+            _checked((rt.cudaGraphLaunch(rt.cudaGraphExec_t(init_value=handle), stream)[0], None), "cudaGraphLaunch")
+        return launch
 
     def exec_handles(self, index: int) -> list[int]:
         """The device-launch `cudaGraphExec_t` copies (as ints) of graph `index`."""

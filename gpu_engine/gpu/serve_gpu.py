@@ -25,11 +25,12 @@ from gpu_engine.gpu.grammar_arena import GrammarArena
 from gpu_engine.gpu.graph_cache import GraphCache, shape_label
 from gpu_engine.gpu.graph_grid import mixed_buckets
 from gpu_engine.gpu.host_runner import HostGraphRunner
+from gpu_engine.gpu.kv_memory import GrowableKVCache
 from gpu_engine.gpu.persistent import PersistentScheduler, SchedStats, coresidency_failures, library
 from gpu_engine.gpu.runner import DeviceTables, GpuModelRunner, RunnerLimits
 from gpu_engine.gpu.sm_share import reserve_sms
 from gpu_engine.kernels.plan import resolve_plan
-from gpu_engine.kv_cache import KVCache, block_bytes, blocks_for_memory, fp8_cache_runs_on
+from gpu_engine.kv_cache import fp8_cache_runs_on
 from gpu_engine.models.loader import default_model_path, load_gpu_weights
 from gpu_engine.policy import Policy
 from shared import env
@@ -84,7 +85,7 @@ def step_token_limit(max_context: int, budget: int | None, max_batch: int) -> in
 class GpuParts:
     runner: GpuModelRunner
     cache: GraphCache
-    kv: KVCache
+    kv: GrowableKVCache
     limits: RunnerLimits
     eos_ids: tuple[int, ...]
     max_context: int
@@ -111,14 +112,12 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     budget = cfg.token_budget(gpu=True)
     max_tokens = step_token_limit(max_context, budget, cfg.max_batch)
     kv_dtype = getattr(torch, cfg.gpu_kv_dtype_name())
-    blocks = cfg.kv_blocks or blocks_for_memory(mcfg, cfg.block_size, kv_dtype, torch.cuda.mem_get_info()[0],
-                                                cfg.kv_memory_fraction)
-    with memory_for("allocating the KV cache", cfg, blocks):
-        kv = KVCache(mcfg, blocks, cfg.block_size, dtype=kv_dtype, device="cuda")
-    log.info("KV cache", dtype=str(kv_dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
-             gib=round(blocks * block_bytes(mcfg, cfg.block_size, kv_dtype) / 2**30, 2))
+    # The cache's ranges are reserved now (the graphs hold their addresses) and backed after the capture, sized by
+    # what the graphs left (kv_memory).
+    with memory_for("reserving the KV cache", cfg):
+        kv = GrowableKVCache(mcfg, cfg.block_size, kv_dtype, torch.cuda.mem_get_info()[0])
     limits = runner_limits(cfg, max_context, max_tokens)
-    with memory_for("allocating the step buffers", cfg, blocks):
+    with memory_for("allocating the step buffers", cfg):
         runner = GpuModelRunner(model, kv, limits, plan, quantized=loaded.quantized)
     # Both modes capture the same graphs: cuBLAS sized for every SM but the scheduler's.
     sms = reserve_sms(SCHEDULER_SMS)
@@ -129,15 +128,18 @@ def build_parts(cfg: EngineConfig) -> GpuParts:
     cache = GraphCache(runner, decode_buckets(cfg.max_batch), buckets, device_launch=cfg.backend == "persistent",
                        prefill_variants=chunked)
     t0 = time.perf_counter()
-    log.info("capturing graphs", count=len(cache.shapes), kv_blocks=blocks, **graph_counts(cache))
-    with memory_for("capturing the graphs", cfg, blocks):
+    log.info("capturing graphs", count=len(cache.shapes), **graph_counts(cache))
+    with memory_for("capturing the graphs", cfg):
         graphs = cache.capture(progress=False, on_graph=capture_progress)
     torch.cuda.empty_cache()
     log.info("graphs captured", count=len(graphs), seconds=round(time.perf_counter() - t0, 2),
              memory_mib=round(sum(g.memory_bytes for g in graphs) / 2**20, 1),
              gpu_free_mib=round(torch.cuda.mem_get_info()[0] / 2**20, 1),
-             kv_blocks=blocks, model=str(path), family=mcfg.family, chunked_prefill=chunked,
-             token_budget=budget or max_tokens)
+             model=str(path), family=mcfg.family, chunked_prefill=chunked, token_budget=budget or max_tokens)
+    blocks = size_cache(kv, cfg)
+    log.info("KV cache", dtype=str(kv_dtype).removeprefix("torch."), blocks=blocks, block_size=cfg.block_size,
+             tokens=blocks * cfg.block_size, gib=round(kv.backed_bytes / 2**30, 2),
+             gpu_free_mib=round(torch.cuda.mem_get_info()[0] / 2**20, 1))
     return GpuParts(runner, cache, kv, limits, tuple(mcfg.eos_token_ids), max_context, mcfg.vocab_size,
                     budget or max_tokens, chunked)
 
@@ -160,20 +162,43 @@ def runner_limits(cfg: EngineConfig, max_context: int, max_tokens: int) -> Runne
                         device_tables=tables, score_rows=min(SCORE_ROWS, max_tokens) if scored else 0)
 
 
+def size_cache(kv: GrowableKVCache, cfg: EngineConfig) -> int:
+    """Back the cache's final blocks: --kv-blocks, else --gpu-memory-utilization of the memory the weights, the
+    step buffers and the graphs left; ValueError (the start prints it and exits 2) when that is no block."""
+    free = torch.cuda.mem_get_info()[0]
+    blocks = cfg.kv_blocks or kv.blocks_for(cfg.kv_memory_fraction, free)
+    room = kv.blocks_for(1.0, free)
+    if blocks <= 0 or blocks > room:
+        gib = (free + kv.backed_bytes) / 2**30
+        raise ValueError(f"the KV cache gets no room: {blocks} blocks of {kv.block_bytes} bytes "
+                         f"({kv_setting(cfg)}) where {gib:.2f} GiB is free after the weights, the step buffers and "
+                         f"the graphs (at most {room} blocks); lower --max-num-seqs ({cfg.max_batch}) or "
+                         "--max-num-batched-tokens, or give a larger --gpu-memory-utilization or --kv-blocks")
+    with memory_for("allocating the KV cache", cfg, blocks):
+        kv.grow_to(blocks)
+    return blocks
+
+
+def kv_setting(cfg: EngineConfig) -> str:
+    """The setting that sizes the KV cache, for messages."""
+    return (f"--kv-blocks {cfg.kv_blocks}" if cfg.kv_blocks else
+            f"--gpu-memory-utilization {cfg.kv_memory_fraction:g} of the memory free after the weights, the step "
+            "buffers and the graphs")
+
+
 @contextlib.contextmanager
-def memory_for(what: str, cfg: EngineConfig, blocks: int) -> Iterator[None]:
+def memory_for(what: str, cfg: EngineConfig, blocks: int | None = None) -> Iterator[None]:
     """The GPU running out of memory at a start (the KV cache, the step buffers, the graphs' pool) as a refused
     setting (ValueError: the start prints it and exits 2) that says which settings take the memory, instead of a
-    traceback."""
+    traceback. `blocks`: the cache's size, once chosen (it is chosen after the graphs)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as exc:
-        kv = (f"--kv-blocks {cfg.kv_blocks}" if cfg.kv_blocks else
-              f"--gpu-memory-utilization {cfg.kv_memory_fraction:g} (of the memory free after the weights)")
         detail = (str(exc).splitlines() or ["no detail"])[0]
-        raise ValueError(f"the GPU ran out of memory {what} ({detail}); the KV cache holds {blocks} blocks by {kv}: "
-                         f"give a smaller one, or lower --max-num-seqs ({cfg.max_batch}) or "
-                         "--max-num-batched-tokens") from None
+        cache = (f"the KV cache holds {blocks} blocks by {kv_setting(cfg)}: give a smaller one, or "
+                 if blocks is not None else "the KV cache is sized after the graphs: ")
+        raise ValueError(f"the GPU ran out of memory {what} ({detail}); {cache}lower --max-num-seqs "
+                         f"({cfg.max_batch}) or --max-num-batched-tokens") from None
 
 
 def graph_counts(cache: GraphCache) -> dict[str, int]:
@@ -255,7 +280,7 @@ class PersistentEngine:
         cache = self.parts.cache
         if env.env().sched_yield_all:
             return frozenset(i for i, g in enumerate(cache.graphs) if g is not None)
-        graphs = [(i, g.graph.replay) for i, g in enumerate(cache.graphs) if g is not None]
+        graphs = [(i, cache.launcher(g)) for i, g in enumerate(cache.graphs) if g is not None]
         t0 = time.perf_counter()
         stuck = coresidency_failures(library(), graphs, PROBE_TIMEOUT_S)
         log.info("graphs checked beside the scheduler block", graphs=len(graphs), stuck=len(stuck),
@@ -271,7 +296,7 @@ class PersistentEngine:
         score = self.parts.cache.score
         if score is None:
             return False
-        if coresidency_failures(library(), [(0, score.graph.replay)], PROBE_TIMEOUT_S):
+        if coresidency_failures(library(), [(0, GraphCache.launcher(score))], PROBE_TIMEOUT_S):
             log.warning("the score graph does not finish beside the scheduler block: prompt log-probs refused")
             return False
         return True
