@@ -1,9 +1,10 @@
 """Where the memory of a step's CUDA graphs goes, and what would give it back to the KV cache (an experiment).
 
-The engine sizes its KV cache from the memory free after the weights and captures its graphs afterwards. For the
+The engine sized its KV cache from the memory free after the weights and captured its graphs afterwards. For the
 Qwen3-30B-A3B shape on an 80 GB card the graphs took 6,168 MiB (236 graphs at 128 sequences and a 1,024-token
-budget), more than the default fraction leaves (docs/GPU_NOTES.md). Each graph is instantiated five times: torch's
-host executable, which only the start's probes replay, and the four device-launch copies the scheduler rotates;
+budget), more than the default fraction left (docs/GPU_NOTES.md). Each graph was instantiated five times: torch's
+host executable, which only the start's probes replayed, and four device-launch copies the scheduler rotated (the
+engine now makes two copies and no torch executable, and sizes the cache after the graphs: 2,632 MiB, BENCHMARKS.md);
 a mixed graph past 256 tokens has about three times the kernels of a smaller one, since the expert sort past
 ``kernels.moe.ALIGN_KERNEL_PAIRS`` token-expert pairs takes torch's launches instead of one kernel. Measured here,
 on the model shape with random bf16 weights, the engine's kernel plan and a small cache:
@@ -16,9 +17,8 @@ on the model shape with random bf16 weights, the engine's kernel plan and a smal
   ``--iters`` replays), and whether the two give the same logits bit for bit;
 - ``grid``: the engine's whole graph set (``serve_gpu.decode_buckets`` and ``graph_grid.mixed_buckets``, the step
   buffers of ``serve_gpu.runner_limits`` for the peer study's tuned128 start) captured as the engine does, its
-  memory, torch's pool within it and its nodes, then destroyed (``GraphCache.close``) and the memory given back:
-  what a start that captures once against a small cache, sizes the cache, then captures again would see; once per
-  sort. The file is written after each part.
+  memory, torch's pool within it and its nodes, then destroyed (``GraphCache.close``) and the memory given back; once
+  per sort. The file is written after each part.
 
     python -m bench.graph_memory --out OUT/graph_memory.json          # on a CUDA host (Qwen3-30B-A3B shape)
     bash scripts/gpu_run.sh OUT graph_memory
@@ -205,6 +205,7 @@ def grid(runner, max_batch: int, budget: int) -> dict[str, Any]:
                            "capture_s": round(seconds, 1), "taken_mib": round(f0 - f1, 1),
                            "pool_mib": round(r1 - r0, 1)}
     nodes = [counted(int(g.graph.raw_cuda_graph()), out) for g in graphs]
+    per = cache.copies  # the engine's instantiations a graph: its device-launch copies (no torch executable)
     cache.close()
     del cache, graphs
     gc.collect()
@@ -212,8 +213,8 @@ def grid(runner, max_batch: int, budget: int) -> dict[str, Any]:
     out["given_back_mib"] = round(free_mib() - f1, 1)
     known = [n for n in nodes if n is not None]
     out["nodes"] = sum(known) if len(known) == len(nodes) else None
-    if out["nodes"]:  # five instantiations a graph: torch's and the four device-launch copies
-        out["kib_per_node_instantiation"] = round((out["taken_mib"] - out["pool_mib"]) * 1024 / (5 * out["nodes"]), 3)
+    if out["nodes"]:
+        out["kib_per_node_instantiation"] = round((out["taken_mib"] - out["pool_mib"]) * 1024 / (per * out["nodes"]), 3)
     return out
 
 

@@ -149,10 +149,9 @@ soak_start() {  # the persistent scheduler under a soak: the serving study's tin
 # Candidate defaults for Blink (--serve-args repeats, a flag a word, as PEERS_ARGS is split by the shell; the records
 # are named by them, blink-persistent[--max-num-seqs=512 ...], beside the defaults' own), to a file of their own:
 #   PEERS_CONFIG=defaults PEERS_RATES=17,20 PEERS_COTENANTS=none PEERS_ARGS="--serve-args=--max-num-seqs=512 --serve-args=--max-num-batched-tokens=2048 --out bench/results/peers_defaults_sweep_h100.json --no-plot" bash scripts/gpu_run.sh OUT peers_blink
-# The Qwen3-30B-A3B (MoE) shape (its default file, bench/results/peers_moe.json, holds the earlier draw: name a new one;
-# on an 80 GB card Blink's graphs do not fit beside the default cache: add --serve-args=--gpu-memory-utilization=0.45
-# to its PEERS_ARGS, docs/GPU_NOTES.md says why):
-#   PEERS_MODEL=qwen3-30b-a3b PEERS_RATES=4,6,8 PEERS_ARGS="--out bench/results/peers_moe_h100.json" bash scripts/gpu_run.sh OUT peers_vllm (then peers_blink)
+# The Qwen3-30B-A3B (MoE) shape (results in bench/results/peers_moe.json, which holds one draw: runs of another code
+# or draw name a new file):
+#   PEERS_MODEL=qwen3-30b-a3b PEERS_RATES=6,7,8,9,10 PEERS_ARGS="--out bench/results/peers_moe_h100.json" bash scripts/gpu_run.sh OUT peers_vllm (then peers_blink)
 # Both systems in FP8 (weights quantized at load, an FP8 KV cache), to a file of their own (vLLM: peers_vllm, the same):
 #   PEERS_RATES=10,16 PEERS_ARGS="--quantization fp8 --kv-cache-dtype fp8 --out bench/results/peers_fp8_h100.json" bash scripts/gpu_run.sh OUT peers_blink
 # A constrained load under the heavy co-tenant:

@@ -29,11 +29,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as i
 # --kernel-plan: auto and the names of gpu_engine.kernels.plan.PLANS (a test keeps them equal)
 KERNEL_PLANS = ("auto", "cublas", "h100", "h200")
 DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of the largest grammars a 128k vocabulary
-# Of the GPU memory free after loading the weights, for the KV cache; with --max-num-seqs 256 it gave Blink's best
-# plateau of the peer study's workload on an H100 (BENCHMARKS.md, "Blink's GPU defaults"), leaving the rest for the
-# step buffers and graphs: for the 8B shape on an H100 a 53.5-GiB cache, with 5.2 GiB still free after the graphs
-# were captured, and no preemption at the plateau (the same plateau as with the 40 GiB the sizing found while the
-# loader's float32 copy sat in torch's cache).
+# Of the GPU memory free after the weights, the step buffers and the graphs, for the KV cache (vLLM's default figure,
+# though vLLM's is of the whole card): on an H100 the 8B shape got a 53.6-GiB cache with 6.1 GiB left free, the
+# Qwen3-30B-A3B shape 14.25 GiB (vLLM 14.53) with 1.7 GiB left (BENCHMARKS.md). The graphs' memory is counted
+# before the cache is sized (gpu_engine/gpu/kv_memory.py); before that, 0.85 of the memory free after the weights
+# gave the 8B shape 53.5 GiB and left the MoE no room for its graphs.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
 # 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s), and 512
