@@ -689,3 +689,33 @@ def test_the_table_says_the_kv_cache_each_system_got() -> None:
     first = report.format_table(doc).splitlines()[0]
     assert "vllm 0.26.0 (KV cache: 465,184 tokens, 56.79 GiB)" in first
     assert "blink-persistent 0.1.0 (KV cache: 464,000 tokens)" in first and first.endswith("; blink-host 0.1.0.")
+
+
+def test_blink_version_names_the_commit_and_a_changed_trees_files(tmp_path: Path) -> None:
+    """A clean checkout is the project's version and its commit; a tree whose files differ from its HEAD (a copy sent
+    to a GPU host) says so with the git tree of its files, which is the tree of the commit that holds them."""
+    import subprocess
+
+    from bench.peers.systems import blink_version
+
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+        return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "1.2.3"\n')
+    (tmp_path / "a.py").write_text("A = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    assert blink_version(tmp_path) == f"1.2.3+g{git('rev-parse', '--short', 'HEAD')}"
+    base = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("A = 2\n")
+    (tmp_path / "b.py").write_text("B = 1\n")  # a new file, not ignored: part of the tree sent
+    changed = blink_version(tmp_path)
+    assert changed.startswith(f"1.2.3+g{base}.dirty.t") and git("status", "--porcelain")  # the index untouched
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert changed.endswith(".t" + git("rev-parse", "HEAD^{tree}")[:12])
+    assert blink_version(tmp_path) == f"1.2.3+g{git('rev-parse', '--short', 'HEAD')}"

@@ -25,6 +25,7 @@ import signal
 import string
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -106,17 +107,35 @@ def parse_blink_log(text: str) -> dict[str, Any]:
     return out
 
 
-def blink_version() -> str:
-    """This checkout's version: the project's version and the commit."""
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+def blink_version(root: Path = ROOT) -> str:
+    """This checkout's version: the project's version and the commit. A tree whose files differ from its HEAD (a
+    copy sent to a GPU host, whose HEAD may be older than the code) adds ``.dirty`` and the git tree of its files
+    (``.t`` and 12 hex digits): the commit that holds the same files has that tree, ``git log --format='%h %T'``."""
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+
+    def git(*args: str, env: dict[str, str] | None = None) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True,
+                              env=env).stdout.strip()
+
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        # a copy of the tree whose files differ from its HEAD (a tree sent to a GPU host) says so
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        return f"{version}+g{commit}{'.dirty' if dirty else ''}" if commit else version
+        commit = git("rev-parse", "--short", "HEAD")
+        if not commit:
+            return version
+        if not git("status", "--porcelain"):
+            return f"{version}+g{commit}"
+        return f"{version}+g{commit}.dirty{working_tree(git)}"
     return version
+
+
+def working_tree(git: Callable[..., str]) -> str:
+    """``.t`` and the git tree of the working files (tracked and not ignored), by a private index; empty when git
+    cannot tell."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.suppress(OSError, subprocess.SubprocessError):
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git("read-tree", "HEAD", env=env)
+        git("add", "-A", env=env)
+        return ".t" + git("write-tree", env=env)[:12]
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
