@@ -144,8 +144,8 @@ def test_num_slots_below_an_explicit_max_num_seqs_is_refused(capsys: pytest.Capt
 
 def test_gpu_memory_utilization_is_the_gpu_kv_budget_and_refused_on_the_cpu(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert engine_of(["--gpu-memory-utilization", "0.9"]).kv_memory_fraction == 0.9
-    assert engine_of([]).kv_memory_fraction == 0.85
+    assert engine_of(["--gpu-memory-utilization", "0.8"]).kv_memory_fraction == 0.8
+    assert engine_of([]).kv_memory_fraction == 0.9
     with pytest.raises(ValueError, match="the CPU backend's KV cache is sized by --kv-blocks"):
         engine_of(["--backend", "cpu", "--gpu-memory-utilization", "0.9"])
     with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
