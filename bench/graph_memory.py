@@ -139,7 +139,7 @@ def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
     raw = int(graph.raw_cuda_graph())
     row: dict[str, Any] = {"shape": list(shape)}
     row["nodes"] = counted(raw, row)
-    if hasattr(graph, "instantiate"):  # as GraphCache does; without it torch instantiates at its first replay
+    if hasattr(graph, "instantiate"):  # torch's own executable, as the engine made until 2026-12-07 (it no longer does)
         graph.instantiate()
     f2 = free_mib()
     stream = torch.cuda.current_stream().cuda_stream

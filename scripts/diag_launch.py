@@ -42,7 +42,7 @@ def main() -> None:
             torch.cuda.synchronize()
             try:
                 if how == "replay":
-                    cache.graphs[g].graph.replay()
+                    cache.launcher(cache.graphs[g])()
                 else:
                     err = lib.launch_once(cache.exec_handles(g)[0], device=how == "device")
                     print(how, "device-side launch status", err, flush=True)

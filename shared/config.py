@@ -35,7 +35,8 @@ DEFAULT_GRAMMAR_CACHE_MB = 256  # the persistent backend's grammar arena: 8 of t
 # before the cache is sized (gpu_engine/gpu/kv_memory.py); before that, 0.85 of the memory free after the weights
 # gave the 8B shape 53.5 GiB and left the MoE no room for its graphs.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-# --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the free memory kept up with
+# --max-num-seqs left out: by the backend's kind. On a GPU, 256 sequences at 0.85 of the memory free after the weights
+# (the fraction's meaning then) kept up with
 # 17 req/s of the peer study's workload on an H100 where 64 at 0.5 fell behind at 14 (TTFT p50 8.8 s), and 512
 # (with a 1,024- or 2,048-token budget) was worse than 256 on every figure at 18-20 req/s; the CPU keeps the
 # earlier 64 (no CPU measurement has asked for another).

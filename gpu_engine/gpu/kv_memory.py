@@ -89,17 +89,24 @@ class ReservedSpace:
         access = d.CUmemAccessDesc()
         access.location = prop.location
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        for i in range(self.count):
-            addr = self.base + i * self.stride + self.mapped
-            handle = _ok(d.cuMemCreate(grow, prop, 0), "cuMemCreate")
-            try:
-                _ok(d.cuMemMap(d.CUdeviceptr(addr), grow, 0, handle, 0), "cuMemMap")
-            except BaseException:
-                d.cuMemRelease(handle)
-                raise
-            self.chunks.append((addr, grow, handle))
-            _ok(d.cuMemSetAccess(d.CUdeviceptr(addr), grow, [access], 1), "cuMemSetAccess")
-            _ok(d.cuMemsetD8(d.CUdeviceptr(addr), 0, grow), "cuMemsetD8")
+        added = len(self.chunks)
+        try:
+            for i in range(self.count):
+                addr = self.base + i * self.stride + self.mapped
+                handle = _ok(d.cuMemCreate(grow, prop, 0), "cuMemCreate")
+                try:
+                    _ok(d.cuMemMap(d.CUdeviceptr(addr), grow, 0, handle, 0), "cuMemMap")
+                except BaseException:
+                    d.cuMemRelease(handle)
+                    raise
+                self.chunks.append((addr, grow, handle))
+                _ok(d.cuMemSetAccess(d.CUdeviceptr(addr), grow, [access], 1), "cuMemSetAccess")
+                _ok(d.cuMemsetD8(d.CUdeviceptr(addr), 0, grow), "cuMemsetD8")
+        except BaseException:  # every range as it was: what this call mapped given back
+            self._unmap(self.chunks[added:])
+            del self.chunks[added:]
+            raise
+        _ok(d.cuCtxSynchronize(), "cuCtxSynchronize")  # the zeros in place before any stream's work
         self.mapped = nbytes
 
     def tensor(self, i: int, nbytes: int) -> torch.Tensor:
@@ -108,12 +115,17 @@ class ReservedSpace:
             raise ValueError(f"range {i}, {nbytes} bytes: {self.count} ranges of {self.mapped} backed bytes")
         return torch.as_tensor(_Span(self.base + i * self.stride, nbytes), device=f"cuda:{self.device}")
 
+    @staticmethod
+    def _unmap(chunks: list[tuple[int, int, Any]]) -> None:
+        d = _driver()
+        for addr, nbytes, handle in chunks:
+            d.cuMemUnmap(d.CUdeviceptr(addr), nbytes)
+            d.cuMemRelease(handle)
+
     def release(self) -> None:
         """Unmap and free everything (nothing may use the tensors after this)."""
         d = _driver()
-        for addr, nbytes, handle in self.chunks:
-            d.cuMemUnmap(d.CUdeviceptr(addr), nbytes)
-            d.cuMemRelease(handle)
+        self._unmap(self.chunks)
         self.chunks.clear()
         if self.base:
             d.cuMemAddressFree(d.CUdeviceptr(self.base), self.count * self.stride)
@@ -147,6 +159,7 @@ class GrowableKVCache(KVCache):
         dev = torch.cuda.current_device() if device is None else device
         self.space = ReservedSpace.reserve(2 * self.layers, reserve_bytes // (2 * self.layers), dev)
         self._finalizer = weakref.finalize(self, ReservedSpace.release, self.space)
+        self._finalizer.atexit = False  # at exit the process gives it back: never under a kernel still running
         self.k_scale = [1.0] * self.layers
         self.v_scale = [1.0] * self.layers
         self.max_blocks = self.space.stride // self.tensor_block_bytes

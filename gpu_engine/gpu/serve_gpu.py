@@ -167,13 +167,14 @@ def size_cache(kv: GrowableKVCache, cfg: EngineConfig) -> int:
     step buffers and the graphs left; ValueError (the start prints it and exits 2) when that is no block."""
     free = torch.cuda.mem_get_info()[0]
     blocks = cfg.kv_blocks or kv.blocks_for(cfg.kv_memory_fraction, free)
-    room = kv.blocks_for(1.0, free)
-    if blocks <= 0 or blocks > room:
-        gib = (free + kv.backed_bytes) / 2**30
-        raise ValueError(f"the KV cache gets no room: {blocks} blocks of {kv.block_bytes} bytes "
-                         f"({kv_setting(cfg)}) where {gib:.2f} GiB is free after the weights, the step buffers and "
-                         f"the graphs (at most {room} blocks); lower --max-num-seqs ({cfg.max_batch}) or "
-                         "--max-num-batched-tokens, or give a larger --gpu-memory-utilization or --kv-blocks")
+    room, gib = kv.blocks_for(1.0, free), (free + kv.backed_bytes) / 2**30
+    if blocks > room:
+        raise ValueError(f"--kv-blocks {blocks} does not fit: {gib:.2f} GiB is free after the weights, the step "
+                         f"buffers and the graphs, {room} blocks of {kv.block_bytes} bytes: give a smaller one")
+    if blocks <= 0:
+        raise ValueError(f"the KV cache gets no block: {kv_setting(cfg)} of {gib:.2f} GiB holds none of "
+                         f"{kv.block_bytes} bytes; give a larger --gpu-memory-utilization, or lower --max-num-seqs "
+                         f"({cfg.max_batch}) or --max-num-batched-tokens")
     with memory_for("allocating the KV cache", cfg, blocks):
         kv.grow_to(blocks)
     return blocks
