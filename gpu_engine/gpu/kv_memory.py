@@ -106,7 +106,7 @@ class ReservedSpace:
             self._unmap(self.chunks[added:])
             del self.chunks[added:]
             raise
-        _ok(d.cuCtxSynchronize(), "cuCtxSynchronize")  # the zeros in place before any stream's work
+        torch.cuda.synchronize(self.device)  # the zeros (legacy stream) in place before any other stream's work
         self.mapped = nbytes
 
     def tensor(self, i: int, nbytes: int) -> torch.Tensor:
