@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shared import ring_layout as L
-from shared.runwait import RunQueueWait, maps_segment
+from shared.runwait import RunQueueWait, maps_segment, pid_namespace
 from shared.transport import MemoryTransport, RingError, SegmentTaken, ShmTransport, Transport
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
@@ -134,6 +134,7 @@ STARVED_AFTER_S = 0.3
 # thread of it spins beside busy neighbours (waiting for a CPU too) is declared dead at most this much late
 MAX_STARVED_S = 60.0
 WAITS_EVERY_S = 0.1  # an observer that looks more often reads the engine's threads at most this often
+STALE_WATCH_S = 1.0  # an existing segment of another PID namespace's engine: how long its heartbeat is watched
 WAITS_PRIME_S = 1.0  # while the engine beats, it is read this often: where a silence's first reading counts from
 
 
@@ -215,7 +216,7 @@ class EngineWaits:
             self.wait = None
             if not pid or pid == self.not_engine or pid == os.getpid():  # this process runs: it cannot tell
                 return None
-            if not maps_segment(pid, self.segment):
+            if not same_pid_namespace(self.ring.header_load32("engine_pid_ns")) or not maps_segment(pid, self.segment):
                 self.not_engine = pid
                 return None
             self.wait = RunQueueWait(pid)
@@ -401,7 +402,7 @@ def _header_bytes(geometry: RingGeometry) -> bytes:
     h["prompt_logprob_arena_offset"] = g.prompt_logprob_arena_offset
     h["prompt_top_logprob_arena_offset"], h["segment_bytes"] = g.prompt_top_logprob_arena_offset, g.segment_bytes
     h["engine_state"] = L.EngineState.STARTING
-    h["engine_pid"] = os.getpid()
+    h["engine_pid"], h["engine_pid_ns"] = os.getpid(), pid_namespace()
     h["created_ns"] = time.time_ns()
     h["creator_uid"] = os.geteuid()
     return h.tobytes()
@@ -500,8 +501,15 @@ def segment_problem(name: str) -> str | None:
     return None
 
 
+def same_pid_namespace(ns: int) -> bool:
+    """Whether a ring's ``engine_pid_ns`` is this process's PID namespace (or either is not known: as if it were)."""
+    here = pid_namespace()
+    return not ns or not here or ns == here
+
+
 def remove_stale_segment(name: str) -> None:
-    """Unlink an existing segment unless a live engine owns it."""
+    """Unlink an existing segment unless a live engine owns it: one of this PID namespace whose pid runs, or one of
+    another namespace (a container sharing /dev/shm) whose heartbeat moves."""
     try:
         old = ShmTransport.attach(name)  # SegmentTaken (never mapped nor removed) when another user holds it
     except SegmentTaken:
@@ -510,15 +518,33 @@ def remove_stale_segment(name: str) -> None:
         ShmTransport.unlink_name(name)
         return
     try:
-        pid = old.load32(HEADER_OFF["engine_pid"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
-        magic = old.load64(HEADER_OFF["magic"]) if old.size >= 8 else 0
-        state = old.load32(HEADER_OFF["engine_state"]) if old.size >= L.RINGHEADER_DTYPE.itemsize else 0
-        live = magic == MAGIC and state != L.EngineState.STOPPED and pid_alive(pid) and pid != os.getpid()
+        why = live_engine(old)
     finally:
         old.close()
-    if live:
-        raise RingError(f"ring {name}: already served by live engine pid {pid}")
+    if why:
+        raise RingError(f"ring {name}: already served by {why}")
     ShmTransport.unlink_name(name)
+
+
+def live_engine(old: Transport) -> str | None:
+    """What makes an existing segment's engine live (for the refusal), or None when the segment is stale."""
+    if old.size < L.RINGHEADER_DTYPE.itemsize or old.load64(HEADER_OFF["magic"]) != MAGIC:
+        return None
+    pid, state = old.load32(HEADER_OFF["engine_pid"]), old.load32(HEADER_OFF["engine_state"])
+    if state == L.EngineState.STOPPED or pid == os.getpid():
+        return None
+    if same_pid_namespace(old.load32(HEADER_OFF["engine_pid_ns"])):
+        return f"live engine pid {pid}" if pid_alive(pid) else None
+    # another PID namespace (a container restarted, or another one sharing /dev/shm): its pid means nothing here;
+    # live while its heartbeat moves. One still loading (no beat yet) is taken for stale: a container that died
+    # starting and was restarted must not be refused for good.
+    beat = old.load64(HEADER_OFF["heartbeat"])
+    end = time.monotonic() + STALE_WATCH_S
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        if old.load64(HEADER_OFF["heartbeat"]) != beat:
+            return f"a live engine of another PID namespace (its pid {pid}), whose heartbeat moves"
+    return None
 
 
 def attach_shm_ring(name: str) -> Ring:

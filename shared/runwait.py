@@ -69,6 +69,14 @@ class RunQueueWait:
         return max(waited, 0.0)
 
 
+def pid_namespace(pid: int | str = "self") -> int:
+    """The inode of process ``pid``'s PID namespace (32 bits, as the ring header keeps it); 0 when it cannot be read."""
+    try:
+        return os.stat(f"{PROC}/{pid}/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
+
+
 def maps_segment(pid: int, segment: str) -> bool:
     """Whether process ``pid``, as this process sees it, maps the shared-memory segment ``segment`` (a name under
     /dev/shm): the engine of that ring, not a process of another PID namespace under the same number."""

@@ -7,12 +7,13 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from shared import ring_layout as L
-from shared.ring import HEADER_OFF, RingGeometry, attach_shm_ring, create_shm_ring
+from shared.ring import HEADER_OFF, Ring, RingGeometry, attach_shm_ring, create_shm_ring
 from shared.transport import SHM_DIR, RingError, ShmTransport
 
 GEO = RingGeometry(8, 16, 16, 2)
@@ -127,6 +128,60 @@ def test_segment_of_live_engine_is_not_replaced(ring_name: str) -> None:
     finally:
         live.kill()
         live.wait()
+
+
+def _other_namespace_engine(ring_name: str, pid: int, state: int) -> Ring:
+    """A segment whose header says its engine runs in another PID namespace (a container sharing /dev/shm)."""
+    ring = create_shm_ring(ring_name, GEO)
+    here = ring.header_load32("engine_pid_ns")
+    assert here == os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF and here  # the creator's own namespace
+    ring.transport.store32(HEADER_OFF["engine_pid_ns"], here ^ 0x5A5A)
+    ring.transport.store32(HEADER_OFF["engine_pid"], pid)
+    ring.transport.store32(HEADER_OFF["engine_state"], state)
+    return ring
+
+
+def test_another_namespaces_stale_segment_is_replaced_though_its_pid_runs_here(ring_name: str) -> None:
+    """The pid in the header of another namespace's engine is a process of this namespace that has nothing to do
+    with the ring: not taken for the engine; its heartbeat does not move, so the segment is stale and replaced."""
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ring = _other_namespace_engine(ring_name, unrelated.pid, L.EngineState.READY)
+        ring.close()
+        fresh = create_shm_ring(ring_name, RingGeometry(4, 8, 8, 1))
+        assert fresh.geometry.num_slots == 4 and fresh.header_load32("engine_pid") == os.getpid()
+        fresh.close()
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_another_namespaces_engine_keeps_its_segment_while_it_beats(ring_name: str) -> None:
+    """An engine of another namespace whose pid is nothing here: refused while its heartbeat moves; once it stops,
+    the segment is stale, starting or serving alike (a container that died starting and was restarted is not
+    refused for good)."""
+    ring = _other_namespace_engine(ring_name, 0x3FFFFFF0, L.EngineState.READY)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            ring.transport.fetch_add64(HEADER_OFF["heartbeat"], 1)
+            stop.wait(0.02)
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        with pytest.raises(RingError, match=r"a live engine of another PID namespace \(its pid 1073741808\), whose "
+                                            r"heartbeat moves"):
+            create_shm_ring(ring_name, GEO)
+    finally:
+        stop.set()
+        beater.join()
+    ring.transport.store32(HEADER_OFF["engine_state"], L.EngineState.STARTING)  # beats no more: stale
+    fresh = create_shm_ring(ring_name, GEO)
+    assert fresh.header_load32("engine_pid") == os.getpid()
+    fresh.close()
+    ring.close()
 
 
 def test_garbage_file_is_replaced(ring_name: str) -> None:

@@ -108,3 +108,27 @@ def test_the_engine_is_the_process_that_maps_the_rings_segment() -> None:
         other.wait()
         ring.transport.unlink()
         ring.close()
+
+
+def test_an_engine_of_another_pid_namespace_is_not_read_by_its_pid() -> None:
+    """The observer reads the waits of the process the header names once it maps the segment; where the header says
+    the engine is in another PID namespace, that number is not its engine here and nothing is read."""
+    from shared.ring import HEADER_OFF, EngineWaits
+
+    name = f"blink-test-runwait-{uuid.uuid4().hex[:8]}"
+    ring = create_shm_ring(name, RingGeometry(4, 16, 16, 1))
+    code = ("import sys, time; from shared.ring import attach_shm_ring; r = attach_shm_ring(sys.argv[1]); "
+            "print('mapped', flush=True); time.sleep(30)")
+    engine = subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "mapped"
+        ring.transport.store32(HEADER_OFF["engine_pid"], engine.pid)
+        assert EngineWaits(ring, name)() is not None  # this namespace's engine: its waits are read
+        here = ring.header_load32("engine_pid_ns")
+        ring.transport.store32(HEADER_OFF["engine_pid_ns"], here ^ 0x5A5A)
+        assert EngineWaits(ring, name)() is None
+    finally:
+        engine.kill()
+        engine.wait()
+        ring.transport.unlink()
+        ring.close()

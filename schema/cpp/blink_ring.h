@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #define BLINK_RING_SCHEMA_MAJOR 1u
-#define BLINK_RING_SCHEMA_MINOR 7u
+#define BLINK_RING_SCHEMA_MINOR 8u
 
 /* enum SlotState : uint32 */
 #define BLINK_SLOT_STATE_EMPTY 0u
@@ -162,7 +162,7 @@ typedef struct __attribute__((aligned(8))) blink_ring_header {
   blink_engine_stats stats; /* offset 144 */
   uint64_t pending_flips[64]; /* offset 232 */
   uint32_t sampling_features; /* offset 744 */
-  uint32_t reserved1; /* offset 748 */
+  uint32_t engine_pid_ns; /* offset 748 */
   uint64_t prefix_cache_queries; /* offset 752 */
   uint64_t prefix_cache_hits; /* offset 760 */
   uint64_t prefix_cache_evictions; /* offset 768 */

@@ -59,7 +59,7 @@ inline const char *EnumNameSchemaMajor(SchemaMajor e) {
 }
 
 enum SchemaMinor : uint16_t {
-  SchemaMinor_VALUE = 7,
+  SchemaMinor_VALUE = 8,
   SchemaMinor_MIN = SchemaMinor_VALUE,
   SchemaMinor_MAX = SchemaMinor_VALUE
 };
@@ -880,7 +880,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   blink::ring::EngineStats stats_;
   uint64_t pending_flips_[64];
   uint32_t sampling_features_;
-  uint32_t reserved1_;
+  uint32_t engine_pid_ns_;
   uint64_t prefix_cache_queries_;
   uint64_t prefix_cache_hits_;
   uint64_t prefix_cache_evictions_;
@@ -931,7 +931,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         stats_(),
         pending_flips_(),
         sampling_features_(0),
-        reserved1_(0),
+        engine_pid_ns_(0),
         prefix_cache_queries_(0),
         prefix_cache_hits_(0),
         prefix_cache_evictions_(0),
@@ -951,7 +951,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         padded_tokens_(0),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, uint32_t _sampling_features, uint32_t _engine_pid_ns, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -981,7 +981,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         stats_(_stats),
         pending_flips_(),
         sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
-        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
+        engine_pid_ns_(::flatbuffers::EndianScalar(_engine_pid_ns)),
         prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
         prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
         prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)),
@@ -1001,7 +1001,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         padded_tokens_(::flatbuffers::EndianScalar(_padded_tokens)),
         reserved_() {
   }
-  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _reserved1, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens, ::flatbuffers::span<const uint64_t, 21> _reserved)
+  RingHeader(uint64_t _magic, uint16_t _schema_major, uint16_t _schema_minor, uint32_t _header_bytes, uint32_t _slot_bytes, uint32_t _num_slots, uint32_t _max_prompt_tokens, uint32_t _max_output_tokens, uint32_t _top_logprobs, uint32_t _top_logprob_bytes, uint64_t _slots_offset, uint64_t _prompt_arena_offset, uint64_t _output_arena_offset, uint64_t _logprob_arena_offset, uint64_t _top_logprob_arena_offset, uint64_t _total_bytes, blink::ring::EngineState _engine_state, uint32_t _engine_pid, uint64_t _heartbeat, uint64_t _heartbeat_ns, uint64_t _created_ns, uint32_t _shutdown, uint32_t _creator_uid, uint64_t _doorbell, uint32_t _vocab_size, uint32_t _max_context, const blink::ring::EngineStats &_stats, ::flatbuffers::span<const uint64_t, 64> _pending_flips, uint32_t _sampling_features, uint32_t _engine_pid_ns, uint64_t _prefix_cache_queries, uint64_t _prefix_cache_hits, uint64_t _prefix_cache_evictions, uint32_t _prompt_logprob_tokens, uint32_t _prompt_logprob_bytes, uint64_t _prompt_logprob_arena_offset, uint64_t _prompt_top_logprob_arena_offset, uint64_t _segment_bytes, uint32_t _kv_block_size, blink::ring::KvCacheDtype _kv_cache_dtype, uint32_t _cache_features, blink::ring::PrefixHash _prefix_hash, float _gpu_memory_utilization, uint32_t _reserved2, uint64_t _grammar_arena_bytes, uint64_t _step_tokens, uint64_t _padded_tokens, ::flatbuffers::span<const uint64_t, 21> _reserved)
       : magic_(::flatbuffers::EndianScalar(_magic)),
         schema_major_(::flatbuffers::EndianScalar(_schema_major)),
         schema_minor_(::flatbuffers::EndianScalar(_schema_minor)),
@@ -1030,7 +1030,7 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
         max_context_(::flatbuffers::EndianScalar(_max_context)),
         stats_(_stats),
         sampling_features_(::flatbuffers::EndianScalar(_sampling_features)),
-        reserved1_(::flatbuffers::EndianScalar(_reserved1)),
+        engine_pid_ns_(::flatbuffers::EndianScalar(_engine_pid_ns)),
         prefix_cache_queries_(::flatbuffers::EndianScalar(_prefix_cache_queries)),
         prefix_cache_hits_(::flatbuffers::EndianScalar(_prefix_cache_hits)),
         prefix_cache_evictions_(::flatbuffers::EndianScalar(_prefix_cache_evictions)),
@@ -1138,8 +1138,8 @@ FLATBUFFERS_MANUALLY_ALIGNED_STRUCT(8) RingHeader FLATBUFFERS_FINAL_CLASS {
   uint32_t sampling_features() const {
     return ::flatbuffers::EndianScalar(sampling_features_);
   }
-  uint32_t reserved1() const {
-    return ::flatbuffers::EndianScalar(reserved1_);
+  uint32_t engine_pid_ns() const {
+    return ::flatbuffers::EndianScalar(engine_pid_ns_);
   }
   uint64_t prefix_cache_queries() const {
     return ::flatbuffers::EndianScalar(prefix_cache_queries_);

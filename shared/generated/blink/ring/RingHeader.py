@@ -99,7 +99,7 @@ class RingHeader(object):
     # RingHeader
     def SamplingFeatures(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(744))
     # RingHeader
-    def Reserved1(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(748))
+    def EnginePidNs(self): return self._tab.Get(flatbuffers.number_types.Uint32Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(748))
     # RingHeader
     def PrefixCacheQueries(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(752))
     # RingHeader
@@ -156,7 +156,7 @@ class RingHeader(object):
         return False
 
 
-def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, reserved1, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, promptLogprobTokens, promptLogprobBytes, promptLogprobArenaOffset, promptTopLogprobArenaOffset, segmentBytes, kvBlockSize, kvCacheDtype, cacheFeatures, prefixHash, gpuMemoryUtilization, reserved2, grammarArenaBytes, stepTokens, paddedTokens, reserved):
+def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slotBytes, numSlots, maxPromptTokens, maxOutputTokens, topLogprobs, topLogprobBytes, slotsOffset, promptArenaOffset, outputArenaOffset, logprobArenaOffset, topLogprobArenaOffset, totalBytes, engineState, enginePid, heartbeat, heartbeatNs, createdNs, shutdown, creatorUid, doorbell, vocabSize, maxContext, stats_running, stats_waiting, stats_kvBlocksTotal, stats_kvBlocksFree, stats_steps, stats_promptTokens, stats_outputTokens, stats_preemptions, stats_windowRelaunches, stats_tokenBudget, stats_stepFill, pendingFlips, samplingFeatures, enginePidNs, prefixCacheQueries, prefixCacheHits, prefixCacheEvictions, promptLogprobTokens, promptLogprobBytes, promptLogprobArenaOffset, promptTopLogprobArenaOffset, segmentBytes, kvBlockSize, kvCacheDtype, cacheFeatures, prefixHash, gpuMemoryUtilization, reserved2, grammarArenaBytes, stepTokens, paddedTokens, reserved):
     builder.Prep(8, 1024)
     for _idx0 in range(21 , 0, -1):
         builder.PrependUint64(reserved[_idx0-1])
@@ -177,7 +177,7 @@ def CreateRingHeader(builder, magic, schemaMajor, schemaMinor, headerBytes, slot
     builder.PrependUint64(prefixCacheEvictions)
     builder.PrependUint64(prefixCacheHits)
     builder.PrependUint64(prefixCacheQueries)
-    builder.PrependUint32(reserved1)
+    builder.PrependUint32(enginePidNs)
     builder.PrependUint32(samplingFeatures)
     for _idx0 in range(64 , 0, -1):
         builder.PrependUint64(pendingFlips[_idx0-1])

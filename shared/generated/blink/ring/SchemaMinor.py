@@ -3,4 +3,4 @@
 # namespace: ring
 
 class SchemaMinor(object):
-    VALUE = 7
+    VALUE = 8
