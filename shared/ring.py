@@ -134,8 +134,8 @@ STARVED_AFTER_S = 0.3
 # thread of it spins beside busy neighbours (waiting for a CPU too) is declared dead at most this much late
 MAX_STARVED_S = 60.0
 WAITS_EVERY_S = 0.1  # an observer that looks more often reads the engine's threads at most this often
-STALE_WATCH_S = 1.0  # an existing segment of another PID namespace's engine: how long its heartbeat is watched
 WAITS_PRIME_S = 1.0  # while the engine beats, it is read this often: where a silence's first reading counts from
+STALE_WATCH_S = 1.0  # an existing segment of another PID namespace's engine: how long its heartbeat is watched
 
 
 @dataclasses.dataclass(slots=True)
