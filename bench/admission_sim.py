@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from bench import serve_bench as sb
-from bench.peers.load import rate_seed, scaled_offsets, stream_lengths
-from bench.peers.measure import keeps_up, queue_growth
+from bench.peers.load import QUEUE_EVERY_S, peer_limits, rate_seed, stream_draws
+from bench.peers.measure import keeps_up, pct_ms, queue_growth
+from bench.peers.report import bracket
 from bench.workloads import WORKLOADS, Limits, draw_lengths
 from gpu_engine.gpu.graph_grid import mixed_tokens
 from gpu_engine.kv_cache import BlockAllocator
@@ -47,7 +48,8 @@ from gpu_engine.policy import Policy, Request, StepPlan
 from gpu_engine.sampling import SamplingSpec
 
 BLOCK = 16
-PEERS_LIMITS = Limits(4096, 2048, 6144)  # bench.peers' --max-prompt-tokens and --max-output-tokens defaults
+PEERS_LIMITS = peer_limits()
+WORKLOAD = WORKLOADS["paper"]  # the peer study's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,33 +107,31 @@ class Sim:
     tokens: int = 0
 
 
-ARRIVALS = ("scaled", "independent")  # the peer study's draws now (bench.peers.load.scaled_offsets), and before
+ARRIVAL_DRAWS = ("scaled", "independent")  # the peer study's draws now (bench.peers.load.stream_draws), and before
 
 
-def draws(rate: float, seed: int, hard_end: float, limits: Limits, workload: str,
+def draws(rate: float, seed: int, hard_end: float, limits: Limits,
           arrivals: str = "scaled") -> tuple[list[float], list[tuple[int, int]]]:
     """A rate's arrival times and (prompt, output) lengths as the peer study draws them: `scaled`, one stream of
     `seed` at every rate (``bench.peers.load.build_schedule``); `independent`, each rate's own draw (its runs
     before the stream, which the committed measurements used)."""
     if arrivals == "scaled":
-        offsets = scaled_offsets(rate, seed, hard_end)
-        return offsets, stream_lengths(WORKLOADS[workload], max(1, len(offsets)), limits, seed)
+        return stream_draws(rate, seed, hard_end, WORKLOAD, limits)
     if arrivals != "independent":
-        raise ValueError(f"arrivals {arrivals!r}: one of {ARRIVALS}")
+        raise ValueError(f"arrivals {arrivals!r}: one of {ARRIVAL_DRAWS}")
     s = rate_seed(seed, rate)
     offsets = sb.arrival_offsets(rate, np.random.default_rng(s), None, hard_end)
-    return offsets, draw_lengths(WORKLOADS[workload], max(1, len(offsets)), limits, s)
+    return offsets, draw_lengths(WORKLOAD, max(1, len(offsets)), limits, s)
 
 
 def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drain_s: float, seed: int = 0,
-             limits: Limits = PEERS_LIMITS, workload: str = "paper", arrivals: str = "scaled") -> dict[str, Any]:
+             limits: Limits = PEERS_LIMITS, arrivals: str = "scaled") -> dict[str, Any]:
     """One rate's record, with the keys of ``bench.peers.measure``'s that the plateau test reads."""
     start, end, hard_end = warmup_s, warmup_s + window_s, warmup_s + window_s + drain_s
-    offsets, lengths = draws(rate, seed, hard_end, limits, workload, arrivals)
+    offsets, lengths = draws(rate, seed, hard_end, limits, arrivals)
     sims = [Sim(t, p, o) for t, (p, o) in zip(offsets, lengths, strict=False)]
     policy = Policy(BlockAllocator(engine.kv_tokens // BLOCK), BLOCK, engine.max_num_seqs, engine.budget)
     sizes = mixed_tokens(engine.budget)
-    reqs: dict[int, Sim] = {}
     nxt, now, steps, rows, queue = 0, 0.0, 0, 0, []
     sample_at = start
     spec = SamplingSpec(ignore_eos=True)
@@ -140,12 +140,11 @@ def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drai
             sm = sims[nxt]
             req = Request(slot=nxt, seq=nxt, request_id=nxt, prompt=[0] * sm.prompt, max_new_tokens=sm.output,
                           arrival=nxt, sampling=spec)
-            reqs[id(req)] = sm
             policy.add(req)
             nxt += 1
         while sample_at <= min(now, end):
             queue.append((sample_at, float(len(policy.waiting) + len(policy.paused))))
-            sample_at += 1.0
+            sample_at += QUEUE_EVERY_S
         plan = policy.schedule()
         if plan is None or not plan.work:
             if nxt >= len(sims):
@@ -159,9 +158,9 @@ def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drai
         now += engine.model.ms(plan, graph) / 1e3
         steps += 1
         rows += len(plan.work)
-        for req, _tok, finish in policy.commit(plan, [1] * len(plan.work), eos_ids=()):
-            sm = reqs[id(req)]
-            if len(req.output) > sm.tokens or finish:
+        for req, _tok, _finish in policy.commit(plan, [1] * len(plan.work), eos_ids=()):
+            sm = sims[req.request_id]
+            if len(req.output) > sm.tokens:
                 sm.tokens = len(req.output)
                 sm.first = now if sm.first is None else sm.first
                 sm.last = now
@@ -170,30 +169,15 @@ def run_rate(engine: Engine, rate: float, warmup_s: float, window_s: float, drai
     ttft = [sm.first - sm.arrival for sm in done if sm.first is not None]
     tpot = [(sm.last - sm.first) / (sm.tokens - 1) for sm in done if sm.tokens >= 2 and sm.first is not None]
 
-    def pct(vals: list[float]) -> dict[str, float | None]:
-        arr = np.asarray(vals) * 1e3
-        return {k: (round(float(np.percentile(arr, q)), 1) if arr.size else None)
-                for k, q in (("p50", 50), ("p99", 99))}
-
     rec: dict[str, Any] = {
         "system": engine.name, "rate": rate, "arrived": len(measured), "completed": len(done),
-        "ttft_ms": pct(ttft), "tpot_ms": pct(tpot), "queue_growth": queue_growth(queue, window_s),
+        "ttft_ms": pct_ms(ttft), "tpot_ms": pct_ms(tpot), "queue_growth": queue_growth(queue, window_s),
         "queue_start": queue[0][1] if queue else None, "queue_end": queue[-1][1] if queue else None,
         "preemptions": policy.preemptions, "steps": steps, "mean_rows": round(rows / max(1, steps), 1),
         "max_num_seqs": engine.max_num_seqs, "budget": engine.budget, "kv_tokens": engine.kv_tokens, "seed": seed,
         "arrived_req_s": round(len(measured) / window_s, 3)}
     rec["keeps_up"], rec["keeps_up_why"] = keeps_up(rec)
     return rec
-
-
-def plateau(records: list[dict[str, Any]]) -> float | None:
-    """The highest rate that keeps up with every lower simulated rate keeping up too."""
-    best = None
-    for rec in sorted(records, key=lambda r: r["rate"]):
-        if not rec["keeps_up"]:
-            break
-        best = rec["rate"]
-    return best
 
 
 def parse_engine(spec: str) -> tuple[str, dict[str, Any]]:
@@ -230,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--drain-s", type=float, default=15.0)
-    ap.add_argument("--arrivals", choices=ARRIVALS, default="scaled",
+    ap.add_argument("--arrivals", choices=ARRIVAL_DRAWS, default="scaled",
                     help="scaled: the peer study's draws now; independent: each rate its own, as before")
     ap.add_argument("--seeds", default="0", help="comma-separated: each rate drawn once per seed (the peer "
                     "study's runs are seed 0); an engine's plateau is the median of its seeds'")
@@ -254,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name}{tag} | {rec['rate']:g} | {rec['tpot_ms']['p50']} / {rec['tpot_ms']['p99']} | "
                       f"{rec['ttft_ms']['p50']} / {rec['ttft_ms']['p99']} | {rec['queue_growth']} | "
                       f"{rec['preemptions']} | {rec['mean_rows']} | {'yes' if rec['keeps_up'] else 'no'} |")
-            found.append(plateau(recs))
+            found.append(bracket(recs)[0])  # the highest rate kept up below every one that was not
             doc["records"] += recs
         median = statistics.median(p or 0.0 for p in found)
         print(f"| {name} | plateau {median:g} (by seed: {', '.join(str(p) for p in found)}) | | | | | | |")

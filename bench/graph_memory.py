@@ -79,13 +79,10 @@ def free_mib() -> float:
 
 def node_count(raw_graph: int) -> int:
     """Kernel and other nodes of a `cudaGraph_t` (as int), through the runtime's cudaGraphGetNodes."""
-    from gpu_engine.gpu.graph_cache import _cudart
+    from gpu_engine.gpu.graph_cache import _checked, _cudart
 
     rt = _cudart()
-    err, _nodes, n = rt.cudaGraphGetNodes(rt.cudaGraph_t(init_value=raw_graph), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaGraphGetNodes: {err}")
-    return int(n)
+    return int(_checked(rt.cudaGraphGetNodes(rt.cudaGraph_t(init_value=raw_graph), 0), "cudaGraphGetNodes")[1])
 
 
 def counted(raw_graph: int, into: dict[str, Any]) -> int | None:
@@ -110,27 +107,15 @@ def align_pairs(pairs: int) -> Iterator[None]:
         moe.ALIGN_KERNEL_PAIRS = was
 
 
-def warm(run: Callable[[], None]) -> None:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
     """One graph captured as `GraphCache` captures it, the free memory each part took (MiB), then destroyed."""
     import torch
 
-    from gpu_engine.gpu.graph_cache import _cudart, instantiate_for_device_launch
+    from gpu_engine.gpu.graph_cache import _cudart, instantiate_for_device_launch, warm_up
 
     decode, rows, tokens = shape
     run = lambda: runner.forward(rows, tokens, decode, False)  # noqa: E731
-    warm(run)
+    warm_up(run)
     f0 = free_mib()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph, pool=pool):
@@ -162,6 +147,7 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
 
     from bench.kernels import eager_ms
     from bench.roofline import mixed_seqs, stage_seqs
+    from gpu_engine.gpu.graph_cache import warm_up
 
     rows = []
     for t in ALIGN_TOKENS:
@@ -171,7 +157,7 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
         for name, limit in (("as_is", None), ("one_launch", pairs)):
             with align_pairs(limit) if limit else nullcontext():
                 run = lambda t=t: runner.forward(DECODES + 1, t, False, False)  # noqa: E731
-                warm(run)
+                warm_up(run)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     run()
@@ -229,11 +215,12 @@ def guarded(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
 def engine_config():
     """The engine's config as the peer study's tuned128 serves Blink (persistent, 128 sequences, prompts up to
     4,096 tokens and outputs up to 2,048)."""
+    from bench.peers.load import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
     from blink.cli import build_parser
     from shared.config import EngineConfig
 
-    argv = ["serve", "--backend", "persistent", "--max-batch", str(MAX_BATCH), "--max-prompt-tokens", "4096",
-            "--max-output-tokens", "2048", "--random-weights"]
+    argv = ["serve", "--backend", "persistent", "--max-batch", str(MAX_BATCH), "--max-prompt-tokens",
+            str(MAX_PROMPT_TOKENS), "--max-output-tokens", str(MAX_OUTPUT_TOKENS), "--random-weights"]
     return EngineConfig.from_namespace(build_parser().parse_args(argv))
 
 
@@ -280,33 +267,33 @@ def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
 
+    def part(key: str, fn: Callable[[], Any], shown: str | None = None) -> None:
+        """One measurement into `result` (its failure recorded), printed, and the file written."""
+        guarded(result, key, fn)
+        if key == "parts" and isinstance(result["parts"], list):
+            result["parts_summary"] = summary(result["parts"])
+        print(json.dumps(result.get(shown or key)), flush=True)
+        save()
+
     save()
     if "parts" in parts_:
+        shapes = probe_shapes(ecfg.max_batch, budget)
+
         def probe() -> list[dict[str, Any]]:
             pool = torch.cuda.graph_pool_handle()
-            rows = [{"sort": "as_is", **parts(runner, s, pool)} for s in probe_shapes()]
+            rows = [{"sort": "as_is", **parts(runner, s, pool)} for s in shapes]
             if cfg.num_experts:
                 with align_pairs(pairs):
-                    rows += [{"sort": "one_launch", **parts(runner, s, pool)} for s in probe_shapes() if not s[0]]
+                    rows += [{"sort": "one_launch", **parts(runner, s, pool)} for s in shapes if not s[0]]
             return rows
-        guarded(result, "parts", probe)
-        if isinstance(result["parts"], list):
-            result["parts_summary"] = summary(result["parts"])
-        print(json.dumps(result.get("parts_summary")), flush=True)
-        save()
+        part("parts", probe, shown="parts_summary")
     if "align" in parts_ and cfg.num_experts:
-        guarded(result, "align", lambda: align_rows(runner, iters, pairs))
-        print(json.dumps(result["align"]), flush=True)
-        save()
+        part("align", lambda: align_rows(runner, iters, pairs))
     if "grid" in parts_:
-        guarded(result, "grid", lambda: grid(runner, ecfg.max_batch, budget))
-        print(json.dumps(result["grid"]), flush=True)
-        save()
+        part("grid", lambda: grid(runner, ecfg.max_batch, budget))
         if cfg.num_experts:
             with align_pairs(pairs):
-                guarded(result, "grid_one_launch", lambda: grid(runner, ecfg.max_batch, budget))
-            print(json.dumps(result["grid_one_launch"]), flush=True)
-            save()
+                part("grid_one_launch", lambda: grid(runner, ecfg.max_batch, budget))
     return result
 
 

@@ -29,11 +29,9 @@ import torch.nn.functional as F
 
 def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
     """Milliseconds per call of `fn`, from a CUDA graph holding `reps` calls, replayed 5 times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile / autotune outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
+    from gpu_engine.gpu.graph_cache import warm_up
+
+    warm_up(fn)  # compile / autotune outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):

@@ -232,15 +232,13 @@ class PromptMaker:
 
 
 def build_requests(workload: Workload, n: int, tokenizer: Any, limits: Limits = Limits(), seed: int = 0,
-                   as_text: bool = False, lengths: list[tuple[int, int]] | None = None) -> list[RequestSpec]:
-    """``n`` requests of ``workload``: lengths from ``draw_lengths`` (or the first ``n`` of ``lengths``), prompts
-    from the real-text corpus (or the ``shared`` workload's conversations, always as token ids: a prefix must be
-    a prefix token for token)."""
+                   as_text: bool = False) -> list[RequestSpec]:
+    """``n`` requests of ``workload``: lengths from ``draw_lengths``, prompts from the real-text corpus (or the
+    ``shared`` workload's conversations, always as token ids: a prefix must be a prefix token for token)."""
     if workload.conversations is not None:
         return conversation_requests(workload.conversations, n, tokenizer, limits, seed)
     maker = PromptMaker(tokenizer, seed)
-    pairs = draw_lengths(workload, n, limits, seed) if lengths is None else lengths[:n]
-    return [maker.request(p, o, as_text) for p, o in pairs]
+    return [maker.request(p, o, as_text) for p, o in draw_lengths(workload, n, limits, seed)]
 
 
 SYSTEM_PROMPT_SEED = 7  # one system prompt for every rate and run: a deployment's does not change

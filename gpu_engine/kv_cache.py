@@ -139,15 +139,19 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(config.num_layers)]
-        self.allocator = BlockAllocator(num_blocks)
+        self.hold([_zeros(shape, dtype, device) for _ in range(config.num_layers)],
+                  [_zeros(shape, dtype, device) for _ in range(config.num_layers)])
         self.k_scale = [1.0] * config.num_layers
         self.v_scale = [1.0] * config.num_layers
+
+    def hold(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Take per-layer key and value tensors of [num_blocks, block_size, Hkv, D] as the cache, every block free."""
+        self.k, self.v = k, v
+        self.num_blocks = int(k[0].shape[0])
+        self.allocator = BlockAllocator(self.num_blocks)
 
     def kv_scale(self, layer: int) -> tuple[float, float]:
         """Layer ``layer``'s (key scale, value scale): what an FP8 cache's codes are multiplied by when read."""

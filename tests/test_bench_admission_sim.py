@@ -63,12 +63,12 @@ def test_it_draws_the_peer_studys_arrivals_and_lengths() -> None:
 
     w, limits = (3.0, 7.0, 2.0), Limits(3000, 512, 3200)
     schedule = build_schedule(5.0, Window(*w), WORKLOADS["paper"], limits, Chars(), 4)
-    offsets, lengths = sim.draws(5.0, 4, sum(w), limits, "paper")
+    offsets, lengths = sim.draws(5.0, 4, sum(w), limits)
     assert offsets == list(schedule.offsets)
     assert lengths == [(r.prompt_len, r.output_len) for r in schedule.specs]
     s = rate_seed(4, 5.0)
     before = sb.arrival_offsets(5.0, np.random.default_rng(s), None, sum(w))
-    old_offsets, old_lengths = sim.draws(5.0, 4, sum(w), limits, "paper", "independent")
+    old_offsets, old_lengths = sim.draws(5.0, 4, sum(w), limits, "independent")
     assert old_offsets == before and old_lengths == draw_lengths(WORKLOADS["paper"], len(before), limits, s)
     rec = sim.run_rate(engine(), 5.0, *w, seed=4, limits=limits)
     assert rec["arrived"] == schedule.arrived

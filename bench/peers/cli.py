@@ -18,9 +18,9 @@ from bench import serve_bench as sb
 from bench import serving_study as ss
 from bench.peers import report, study
 from bench.peers.constraint import SCHEMAS, ResponseFormat, parse_response_format
-from bench.peers.load import ARRIVALS, Clients, Window
+from bench.peers.load import ARRIVALS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Clients, Window, peer_limits
 from bench.peers.systems import BLINK_MODES, PEER_KINDS, Peer, parse_peer, write_tokenizer_config
-from bench.workloads import WORKLOADS, Limits
+from bench.workloads import WORKLOADS
 from harness.models import MODEL_CONFIGS, QWEN3_MOE, build_model_folder
 
 RESULTS = {QWEN3_MOE: "bench/results/peers_moe"}  # by --model-config; any other: bench/results/peers
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clients", type=int, default=8, help="client processes sharing each rate's stream")
     ap.add_argument("--client-cores", type=int, default=2, help="the first N allowed cores run the clients")
     ap.add_argument("--max-batch", type=int, default=128, help="Blink's max batch and the peers' max_num_seqs")
-    ap.add_argument("--max-prompt-tokens", type=int, default=4096)
-    ap.add_argument("--max-output-tokens", type=int, default=2048)
+    ap.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS)
+    ap.add_argument("--max-output-tokens", type=int, default=MAX_OUTPUT_TOKENS)
     ap.add_argument("--max-model-len", type=int, default=8192,
                     help="the peers' context limit (and Blink's under --config defaults)")
     ap.add_argument("--config", choices=report.CONFIGS, default=report.DEFAULT_CONFIG,
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace, peers: dict[str, Peer], header: dict[str, Any]
         if model is not None:
             write_tokenizer_config(model)
         workload = WORKLOADS[args.workload].scaled(args.prompt_mean, args.output_mean)
-        limits = Limits(args.max_prompt_tokens, args.max_output_tokens, args.max_prompt_tokens + args.max_output_tokens)
+        limits = peer_limits(args.max_prompt_tokens, args.max_output_tokens)
         client_cores = sorted(os.sched_getaffinity(0))[:args.client_cores]
         ctx = study.Context(args, workload, limits, Window(args.warmup_s, args.window_s, args.drain_s), model,
                             load_tokenizer(model), header, old, t_start + args.time_budget_s, client_cores)

@@ -32,10 +32,16 @@ import aiohttp
 import numpy as np
 
 from bench import serve_bench as sb
-from bench.workloads import Limits, RequestSpec, Workload, build_requests, draw_lengths
+from bench.workloads import Limits, PromptMaker, RequestSpec, Workload, build_requests, draw_lengths
 
 START_LEAD_S = 2.0  # from dealing the requests to the first arrival: every client process is ready by then
 QUEUE_EVERY_S = 1.0  # how often the server's waiting gauge is read during the window
+MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS = 4096, 2048  # what the study's servers accept unless told (its CLI defaults)
+
+
+def peer_limits(max_prompt: int = MAX_PROMPT_TOKENS, max_output: int = MAX_OUTPUT_TOKENS) -> Limits:
+    """The study's request limits: a prompt, an output, and the two together."""
+    return Limits(max_prompt, max_output, max_prompt + max_output)
 CLIENT_BUSY_S_PER_MIN = 48.0  # a client process using 80 % of a core is close to being what saturates
 CUT = ("cut", "not_sent")  # requests that never ended: unfinished, not failed
 
@@ -110,13 +116,22 @@ def build_schedule(rate: float, window: Window, workload: Workload, limits: Limi
     if not rate > 0 or math.isinf(rate):
         raise ValueError(f"a steady-state rate must be positive and finite, got {rate}")
     s = rate_seed(seed, rate)
-    offsets = scaled_offsets(rate, seed, window.hard_end)
-    n = max(1, len(offsets))
     if workload.conversations is not None:
-        specs = build_requests(workload, n, tokenizer, limits, s + zlib.crc32(level.encode()))
+        offsets = scaled_offsets(rate, seed, window.hard_end)
+        specs = build_requests(workload, max(1, len(offsets)), tokenizer, limits, s + zlib.crc32(level.encode()))
     else:
-        specs = build_requests(workload, n, tokenizer, limits, s, lengths=stream_lengths(workload, n, limits, seed))
+        offsets, lengths = stream_draws(rate, seed, window.hard_end, workload, limits)
+        maker = PromptMaker(tokenizer, s)
+        specs = [maker.request(p, o) for p, o in lengths]
     return Schedule(rate, tuple(offsets), tuple(specs[:len(offsets)]), window)
+
+
+def stream_draws(rate: float, seed: int, end_s: float, workload: Workload,
+                 limits: Limits) -> tuple[list[float], list[tuple[int, int]]]:
+    """A rate's arrival offsets over [0, end_s) (`scaled_offsets`) and its requests' (prompt, output) lengths
+    (`stream_lengths`, at least one)."""
+    offsets = scaled_offsets(rate, seed, end_s)
+    return offsets, stream_lengths(workload, max(1, len(offsets)), limits, seed)
 
 
 STREAM_REQUESTS = 8192  # lengths drawn at once for every rate: a run of fewer requests takes the same first ones

@@ -84,6 +84,19 @@ def _checked(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+def warm_up(run: Callable[[], object]) -> None:
+    """Run once on a side stream before a capture (compiles kernels, picks cuBLAS algorithms), then give its
+    temporaries back to the device (torch.cuda.graph would on entering anyway, but then their release would count
+    against the graph and its memory read negative)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def instantiate_for_device_launch(raw_graph: int, stream: int) -> int:
     """Instantiate a `cudaGraph_t` (as int) with the device-launch flag and upload it; returns the exec."""
     rt = _cudart()
@@ -202,16 +215,12 @@ class GraphCache:
 
     def _capture_one(self, shape: GraphShape, index: int, run: Callable[[], None]) -> CapturedGraph:
         """Warm ``run`` up, then capture it followed by the bump of ``counters[index]``."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compiles kernels, picks cuBLAS algorithms
+        scratch = torch.zeros(1, dtype=torch.int64, device=self.runner.device)
+
+        def warm() -> None:
             run()
-            _bump_counter_kernel[(1,)](torch.zeros(1, dtype=torch.int64, device=self.runner.device))
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        # the warm-up's temporaries back to the device first (torch.cuda.graph gives them back on entering anyway):
-        # else their release counts against this graph, and its memory reads negative
-        torch.cuda.empty_cache()
+            _bump_counter_kernel[(1,)](scratch)
+        warm_up(warm)
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph(keep_graph=True)

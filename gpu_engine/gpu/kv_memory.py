@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpu_engine.kv_cache import BlockAllocator, KVCache, KVShape
+from gpu_engine.kv_cache import KVCache, KVShape
 
 
 def _driver() -> Any:
@@ -190,9 +190,7 @@ class GrowableKVCache(KVCache):
         self.space.map_to(num_blocks * self.tensor_block_bytes)
         n = num_blocks * self.tensor_block_bytes
         views = [self.space.tensor(i, n).view(self.dtype).view(num_blocks, *self.tail) for i in range(2 * self.layers)]
-        self.k, self.v = views[: self.layers], views[self.layers:]
-        self.num_blocks = num_blocks
-        self.allocator = BlockAllocator(num_blocks)
+        self.hold(views[: self.layers], views[self.layers:])
 
     def close(self) -> None:
         """Give the memory back now (the tensors must not be used after)."""
