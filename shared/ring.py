@@ -531,10 +531,10 @@ def live_engine(old: Transport) -> str | None:
     if old.size < L.RINGHEADER_DTYPE.itemsize or old.load64(HEADER_OFF["magic"]) != MAGIC:
         return None
     pid, state = old.load32(HEADER_OFF["engine_pid"]), old.load32(HEADER_OFF["engine_state"])
-    if state == L.EngineState.STOPPED or pid == os.getpid():
+    if state == L.EngineState.STOPPED:
         return None
-    if same_pid_namespace(old.load32(HEADER_OFF["engine_pid_ns"])):
-        return f"live engine pid {pid}" if pid_alive(pid) else None
+    if same_pid_namespace(old.load32(HEADER_OFF["engine_pid_ns"])):  # this process is not its own segment's engine
+        return f"live engine pid {pid}" if pid != os.getpid() and pid_alive(pid) else None
     # another PID namespace (a container restarted, or another one sharing /dev/shm): its pid means nothing here;
     # live while its heartbeat moves. One still loading (no beat yet) is taken for stale: a container that died
     # starting and was restarted must not be refused for good.

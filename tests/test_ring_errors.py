@@ -156,12 +156,14 @@ def test_another_namespaces_stale_segment_is_replaced_though_its_pid_runs_here(r
         unrelated.wait()
 
 
-def test_another_namespaces_engine_keeps_its_segment_while_it_beats(ring_name: str,
+@pytest.mark.parametrize("pid", [0x3FFFFFF0, "own"])
+def test_another_namespaces_engine_keeps_its_segment_while_it_beats(ring_name: str, pid: int | str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine of another namespace whose pid is nothing here: refused while its heartbeat moves; once it stops,
-    the segment is stale, starting or serving alike (a container that died starting and was restarted is not
-    refused for good)."""
-    ring = _other_namespace_engine(ring_name, 0x3FFFFFF0, L.EngineState.READY)
+    """An engine of another namespace whose pid is nothing here, or this process's own number: refused while its
+    heartbeat moves; once it stops, the segment is stale, starting or serving alike (a container that died starting
+    and was restarted is not refused for good)."""
+    pid = os.getpid() if pid == "own" else pid
+    ring = _other_namespace_engine(ring_name, pid, L.EngineState.READY)
     stop = threading.Event()
 
     def beat() -> None:
@@ -173,7 +175,7 @@ def test_another_namespaces_engine_keeps_its_segment_while_it_beats(ring_name: s
     beater.start()
     monkeypatch.setattr("shared.ring.STALE_WATCH_S", 60.0)  # a busy host may hold the beater back; a move ends it
     try:
-        with pytest.raises(RingError, match=r"a live engine of another PID namespace \(its pid 1073741808\), whose "
+        with pytest.raises(RingError, match=rf"a live engine of another PID namespace \(its pid {pid}\), whose "
                                             r"heartbeat moves"):
             create_shm_ring(ring_name, GEO)
     finally:

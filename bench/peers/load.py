@@ -37,13 +37,13 @@ from bench.workloads import Limits, PromptMaker, RequestSpec, Workload, build_re
 START_LEAD_S = 2.0  # from dealing the requests to the first arrival: every client process is ready by then
 QUEUE_EVERY_S = 1.0  # how often the server's waiting gauge is read during the window
 MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS = 4096, 2048  # what the study's servers accept unless told (its CLI defaults)
+CLIENT_BUSY_S_PER_MIN = 48.0  # a client process using 80 % of a core is close to being what saturates
+CUT = ("cut", "not_sent")  # requests that never ended: unfinished, not failed
 
 
 def peer_limits(max_prompt: int = MAX_PROMPT_TOKENS, max_output: int = MAX_OUTPUT_TOKENS) -> Limits:
     """The study's request limits: a prompt, an output, and the two together."""
     return Limits(max_prompt, max_output, max_prompt + max_output)
-CLIENT_BUSY_S_PER_MIN = 48.0  # a client process using 80 % of a core is close to being what saturates
-CUT = ("cut", "not_sent")  # requests that never ended: unfinished, not failed
 
 
 @dataclasses.dataclass(frozen=True)
