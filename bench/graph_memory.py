@@ -4,21 +4,22 @@ The engine sized its KV cache from the memory free after the weights and capture
 Qwen3-30B-A3B shape on an 80 GB card the graphs took 6,168 MiB (236 graphs at 128 sequences and a 1,024-token
 budget), more than the default fraction left (docs/GPU_NOTES.md). Each graph was instantiated five times: torch's
 host executable, which only the start's probes replayed, and four device-launch copies the scheduler rotated (the
-engine now makes two copies and no torch executable, and sizes the cache after the graphs: 2,632 MiB, BENCHMARKS.md);
-a mixed graph past 256 tokens has about three times the kernels of a smaller one, since the expert sort past
-``kernels.moe.ALIGN_KERNEL_PAIRS`` token-expert pairs takes torch's launches instead of one kernel. Measured here,
-on the model shape with random bf16 weights, the engine's kernel plan and a small cache:
+engine now makes two copies and no torch executable, and sizes the cache after the graphs). A mixed graph whose
+expert sort takes torch's launches (past ``kernels.moe.ALIGN_KERNEL_PAIRS`` token-expert pairs, 2,048 until the limit
+became 8,192) has about three times the kernels of one whose sort is one launch. Measured here, on the model shape
+with random bf16 weights, the engine's kernel plan and a small cache, with the engine's sort ("as_is") and, to compare,
+the sort limit set to ``--align-pairs`` ("other"; 0, the default: torch's sort at every size):
 
 - ``parts``: for a decode graph and two mixed ones, the free memory taken by the capture (torch's pool), by torch's
   host executable, by the first device-launch executable and by the three more, and the graph's kernel nodes; the
-  mixed ones again with the one-launch sort up to 8,192 pairs (``--align-pairs``);
+  mixed ones again with the other sort;
 - ``align``: mixed steps (``--decodes`` decode rows at ``--context`` tokens beside a prompt chunk) of 272-1,024
-  tokens with the sort as it is and with the one-launch sort, each a host-replayed graph (CUDA events around
+  tokens with each sort, each a host-replayed graph (CUDA events around
   ``--iters`` replays), and whether the two give the same logits bit for bit;
 - ``grid``: the engine's whole graph set (``serve_gpu.decode_buckets`` and ``graph_grid.mixed_buckets``, the step
   buffers of ``serve_gpu.runner_limits`` for the peer study's tuned128 start) captured as the engine does, its
   memory, torch's pool within it and its nodes, then destroyed (``GraphCache.close``) and the memory given back; once
-  per sort. The file is written after each part.
+  per sort (``grid``, ``grid_other``). The file is written after each part.
 
     python -m bench.graph_memory --out OUT/graph_memory.json          # on a CUDA host (Qwen3-30B-A3B shape)
     bash scripts/gpu_run.sh OUT graph_memory
@@ -41,7 +42,7 @@ MAX_BATCH = 128   # the peer study's tuned128
 BUDGET = 1024     # the default token budget
 DECODES = 64      # decode rows beside the chunk of a timed mixed step
 CONTEXT = 1024    # their context, about the peer workload's mean prompt
-ALIGN_TOKENS = (272, 512, 768, 1024)  # mixed steps past 2,048 pairs at 8 experts a token
+ALIGN_TOKENS = (272, 512, 768, 1024)  # mixed steps of 2,176-8,192 pairs at 8 experts a token
 ITERS = 20
 
 
@@ -142,7 +143,7 @@ def parts(runner, shape: tuple[bool, int, int], pool) -> dict[str, Any]:
 
 
 def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
-    """Mixed steps timed with the sort as it is and with the one-launch sort up to `pairs` pairs, same inputs."""
+    """Mixed steps timed with the engine's sort and with the sort limit at `pairs` pairs, same inputs."""
     import torch
 
     from bench.kernels import eager_ms
@@ -154,8 +155,8 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
         stage_seqs(runner, mixed_seqs(DECODES, CONTEXT, t - DECODES))
         row: dict[str, Any] = {"tokens": t, "decodes": DECODES, "pairs": t * runner.config.num_experts_per_tok}
         logits = {}
-        for name, limit in (("as_is", None), ("one_launch", pairs)):
-            with align_pairs(limit) if limit else nullcontext():
+        for name, limit in (("as_is", None), ("other", pairs)):
+            with align_pairs(limit) if limit is not None else nullcontext():
                 run = lambda t=t: runner.forward(DECODES + 1, t, False, False)  # noqa: E731
                 warm_up(run)
                 graph = torch.cuda.CUDAGraph()
@@ -166,7 +167,7 @@ def align_rows(runner, iters: int, pairs: int) -> list[dict[str, Any]]:
                 del graph
                 gc.collect()
                 torch.cuda.empty_cache()
-        row["same_logits"] = bool(torch.equal(logits["as_is"], logits["one_launch"]))
+        row["same_logits"] = bool(torch.equal(logits["as_is"], logits["other"]))
         rows.append(row)
     return rows
 
@@ -284,7 +285,7 @@ def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str
             rows = [{"sort": "as_is", **parts(runner, s, pool)} for s in shapes]
             if cfg.num_experts:
                 with align_pairs(pairs):
-                    rows += [{"sort": "one_launch", **parts(runner, s, pool)} for s in shapes if not s[0]]
+                    rows += [{"sort": "other", **parts(runner, s, pool)} for s in shapes if not s[0]]
             return rows
         part("parts", probe, shown="parts_summary")
     if "align" in parts_ and cfg.num_experts:
@@ -293,7 +294,7 @@ def run(model: str, layers: int | None, iters: int, pairs: int, parts_: list[str
         part("grid", lambda: grid(runner, ecfg.max_batch, budget))
         if cfg.num_experts:
             with align_pairs(pairs):
-                part("grid_one_launch", lambda: grid(runner, ecfg.max_batch, budget))
+                part("grid_other", lambda: grid(runner, ecfg.max_batch, budget))
     return result
 
 
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="moe")
     ap.add_argument("--layers", type=int, help="fewer decoder layers than the shape's (memory per node is per node)")
-    ap.add_argument("--align-pairs", type=int, default=8192, help="the one-launch sort's limit to try")
+    ap.add_argument("--align-pairs", type=int, default=0,
+                    help="the sort limit to compare the engine's with (token-expert pairs; 0: torch's sort throughout)")
     ap.add_argument("--parts", default="parts,align,grid", help="which measurements, comma-separated")
     ap.add_argument("--iters", type=int, default=ITERS)
     ap.add_argument("--out", type=Path, default=Path("bench/results/graph_memory.json"))

@@ -263,8 +263,8 @@ def test_moe_align_groups_pairs_by_expert():
     assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
 
 
-@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 128, 16), (9, 8, 128, 16), (64, 8, 128, 16), (3, 2, 6, 4),
-                                      (0, 2, 5, 4), (40, 4, 60, 64), (7, 1, 3, 1)])
+@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 128, 16), (9, 8, 128, 16), (64, 8, 128, 16), (272, 8, 128, 16),
+                                      (3, 2, 6, 4), (0, 2, 5, 4), (40, 4, 60, 64), (7, 1, 3, 1)])
 def test_moe_align_one_launch_gives_the_sorted_arrays(T, k, E, bm):
     """The one-launch align against torch's stable sort (`moe_align_ref`): the same arrays, element for
     element, so the grouped GEMM sees the same blocks whichever ran; some experts unused, some crowded."""

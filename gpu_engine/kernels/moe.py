@@ -177,9 +177,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
     return weights, ids
 
 
-# Steps of at most this many pairs sort in one launch (`_align_kernel`); larger ones (prompt chunks) with torch's
-# sort, whose dozen launches are small beside such a step's expert GEMMs. Both give the same arrays.
-ALIGN_KERNEL_PAIRS = 2048
+# Steps of at most this many pairs sort in one launch (`_align_kernel`); larger ones with torch's sort (about 25
+# launches a layer). Both give the same arrays. 8,192 covers every step of the 1,024-token budget at eight experts a
+# token: on an H100 the one launch was as fast or faster at 2,176-8,192 pairs, and the mixed graphs' fewer nodes gave
+# the KV cache back 1.4 GiB (BENCHMARKS.md, "The expert sort in one launch").
+ALIGN_KERNEL_PAIRS = 8192
 
 
 def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
