@@ -169,10 +169,16 @@ def weight_bytes(model, batch: int = 1) -> float:
     return total
 
 
-def layer_params(model) -> int:
-    """The decoder layers' parameters, FP8 linears (their dense parameters empty) counted by their shapes."""
-    kept = sum(w.shape[0] * w.shape[1] for w in getattr(model, "quantized", {}).values())
-    return kept + sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+def layer_params(model) -> float:
+    """The decoder layers' parameters a token is multiplied by: FP8 linears (their dense parameters empty) counted by
+    their shapes, and of the stacked experts only the ones a token routes to (top-k of E)."""
+    cfg = model.config
+    kept = float(sum(w.shape[0] * w.shape[1] for w in getattr(model, "quantized", {}).values()))
+    for name, p in model.named_parameters():
+        if name.startswith("layers."):
+            experts = name.endswith(("mlp.gate_up", "mlp.down")) and p.dim() == 3
+            kept += p.numel() * (cfg.num_experts_per_tok / p.shape[0] if experts else 1)
+    return kept
 
 
 def prefill_flops(cfg, model, tokens: int) -> float:

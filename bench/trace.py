@@ -1,6 +1,7 @@
-"""Where a served step's time goes: a per-kernel trace of the 8B shape's saturated mixed step and its 128-row decode
+"""Where a served step's time goes: a per-kernel trace of a model shape's saturated mixed step and its 128-row decode
 step, each launched from the device as the persistent scheduler launches it, beside the same executable launched
-from the host.
+from the host. ``--model 8b`` (the default) is the Llama-3-8B shape, ``--model moe`` the Qwen3-30B-A3B shape
+(``--layers`` cuts its depth where the card is short of memory; every layer is the same work).
 
 The steps are the peer study's at saturation: 128 running rows at served (uneven) contexts
 (`bench.kernels.served_contexts`), and, for the mixed step, those 128 decodes plus a prompt chunk that fills the
@@ -9,11 +10,13 @@ the one the engine takes on this GPU, and one SM is left to the scheduler, as se
 own under CUPTI (`torch.profiler`): per kernel its calls and time, per step its span (first kernel start to last
 kernel end), the time some kernel runs (the union of the kernels' intervals) and the rest (gaps between kernels:
 launch latency inside the graph, dependency waits). The step's floor is the roofline's: bytes read at the copy
-rate or the prompt's FLOPs at the matmul rate, whichever is longer. CUPTI records no kernel of a graph launched
+rate or the step's FLOPs at the matmul rate, whichever is longer (for the MoE, only the experts a step routes to:
+their weights read, their FLOPs per token). CUPTI records no kernel of a graph launched
 from the device (seen on an H100: the device rows say so), so the per-kernel table is the host launch's of the
 same executable; `bench/overlap_probe.py` times both launches (the same within about 1%).
 
     python -m bench.trace --out bench/results/trace_h100.json          # on a CUDA host; prints the tables
+    python -m bench.trace --model moe --out bench/results/trace_moe_h100.json
     python -m bench.trace --out bench/results/trace_h100.json --plot bench/results/trace_h100.png --plot-only
 """
 
@@ -31,8 +34,12 @@ LAUNCHES = 7  # traced launches of each step and mode; the median span's is repo
 TOP = 25  # kernels a table lists, by time
 LAUNCHER = "launch_child"  # the one-thread kernel that launches the step from the device: not the step's own work
 
+MODELS = {"8b": "llama3-8b-shape", "moe": "qwen3-30b-a3b-shape"}
+
 # Kernel families, first match wins: (family, substrings of the kernel's name, lower case)
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("moe routing / sort", ("_route_kernel", "_router_kernel", "_align_kernel", "radixsort", "searchsorted")),
+    ("moe experts", ("_moe_gemm", "_gate_up_silu", "_down_sum")),
     ("decode attention", ("_decode_kernel", "_fold_kernel", "fold_splits", "finish_splits")),
     ("prefill attention", ("_prefill_kernel", "flash", "fmha")),
     ("qkv prep / rope / kv write", ("qkv_prep", "_prep_kernel", "rope", "write_kv")),
@@ -129,13 +136,12 @@ def step_seqs(contexts: Sequence[int], chunk: int, block: int) -> list[tuple[int
 
 
 def floor_ms(cfg, model, contexts: Sequence[int], chunk: int, gbps: float, tflops: float) -> float:
-    from bench.roofline import prefill_flops, weight_bytes
+    from bench.roofline import layer_params, prefill_flops, weight_bytes
 
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    rows = len(contexts) + (1 if chunk else 0)
-    read = weight_bytes(model, rows) + sum(contexts) * kv_per_token
-    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
-    flops = (prefill_flops(cfg, model, chunk) if chunk else 0.0) + 2.0 * len(contexts) * layer
+    tokens = len(contexts) + chunk
+    read = weight_bytes(model, tokens) + sum(contexts) * kv_per_token
+    flops = (prefill_flops(cfg, model, chunk) if chunk else 0.0) + 2.0 * len(contexts) * layer_params(model)
     return max(read / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
 
 
@@ -161,13 +167,25 @@ def launchers(graphs, shape: tuple[bool, int, int]) -> dict[str, Callable[[], No
     return {"device": make(1), "host": make(0)}
 
 
-def build_steps(plan_name: str):
-    """The 8B model, its runner and graphs for the two steps; returns (cfg, model, runner, graphs, steps) where steps
-    maps a step's name to (its rows, its graph shape, its chunk)."""
+def model_config(model: str, layers: int | None) -> dict:
+    """The Hugging Face config of a `MODELS` shape, cut to `layers` decoder layers where given."""
+    from bench.roofline import LLAMA3_8B, QWEN3_30B_A3B
+
+    hf = {"8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}[model]
+    if layers is None:
+        return dict(hf)
+    if not 0 < layers <= hf["num_hidden_layers"]:
+        raise SystemExit(f"--layers {layers}: 1..{hf['num_hidden_layers']} for {MODELS[model]}")
+    return {**hf, "num_hidden_layers": layers}
+
+
+def build_steps(plan_name: str, hf: dict):
+    """The model of `hf`, its runner and graphs for the two steps; returns (cfg, model, runner, graphs, steps,
+    contexts, plan) where steps maps a step's name to (its rows, its graph shape, its chunk)."""
     import torch
 
     from bench.kernels import served_contexts
-    from bench.roofline import BLOCK, LLAMA3_8B, bench_plan, build
+    from bench.roofline import BLOCK, bench_plan, build
     from gpu_engine.gpu.graph_cache import GraphCache
     from gpu_engine.gpu.sm_share import reserve_sms
 
@@ -176,7 +194,7 @@ def build_steps(plan_name: str):
     plan = bench_plan(plan_name, torch.cuda.get_device_name())
     # the cache holds the served rows' blocks and the chunk's, no more (a `max_ctx` of one block: sized by `served`;
     # every row at the longest context would not fit an 80 GB card)
-    cfg, model, runner = build(LLAMA3_8B, BLOCK, [DECODES + 1], [BUDGET], plan, served=(contexts + [chunk],))
+    cfg, model, runner = build(hf, BLOCK, [DECODES + 1], [BUDGET], plan, served=(contexts + [chunk],))
     reserve_sms(1)
     graphs = GraphCache(runner, [DECODES], [(DECODES + 1, BUDGET)], copies=1, device_launch=True,
                         prefill_variants=True)
@@ -186,14 +204,16 @@ def build_steps(plan_name: str):
     return cfg, model, runner, graphs, steps, contexts, plan
 
 
-def run(plan_name: str, launches: int) -> dict[str, Any]:
+def run(plan_name: str, launches: int, model_name: str = "8b", layers: int | None = None) -> dict[str, Any]:
     import torch
 
     from bench.roofline import measure_ceilings, stage_seqs
 
+    hf = model_config(model_name, layers)
     gbps, tflops = measure_ceilings()
-    cfg, model, runner, graphs, steps, contexts, plan = build_steps(plan_name)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "plan": plan.summary(), "copy_gbps": gbps,
+    cfg, model, runner, graphs, steps, contexts, plan = build_steps(plan_name, hf)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "model": MODELS[model_name],
+                              "layers": cfg.num_layers, "plan": plan.summary(), "copy_gbps": gbps,
                               "matmul_tflops": tflops, "decodes": DECODES, "budget": BUDGET,
                               "context_mean": sum(contexts) / len(contexts), "steps": {}}
     for name, (seqs, shape, chunk) in steps.items():
@@ -256,7 +276,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             left += ms
     ax.set_yticks(range(len(bars)), [label for label, _ in bars])
     ax.set_xlabel("ms (kernel time by family, then gaps; overlapping kernels count each)")
-    ax.set_title(f"8B shape, {result['decodes']} rows: where a step's time goes ({result['device']})")
+    shape = result.get("model", MODELS["8b"])
+    ax.set_title(f"{shape}, {result['decodes']} rows: where a step's time goes ({result['device']})")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -269,15 +290,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot-only", action="store_true", help="draw --plot from --out as it is (no GPU)")
     parser.add_argument("--plan", default="auto", help="the kernel plan (bench/roofline.py --plan)")
     parser.add_argument("--launches", type=int, default=LAUNCHES, help="traced launches of each step and mode")
+    parser.add_argument("--model", choices=sorted(MODELS), default="8b", help="the model shape (random bf16 weights)")
+    parser.add_argument("--layers", type=int, help="fewer decoder layers than the shape's")
     args = parser.parse_args(argv)
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.plot or args.out.with_suffix(".png"))
         return
+    model_config(args.model, args.layers)  # refuses a bad --layers before any GPU work
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench.trace needs a CUDA device")
-    result = run(args.plan, max(1, args.launches))
+    result = run(args.plan, max(1, args.launches), args.model, args.layers)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print_tables(result)

@@ -36,7 +36,8 @@
 # attn_stride.json; needs none of .whl/),
 # norm_probe (scripts/norm_probe.py: the tiled loop with the fused RMSNorm's halves apart, gate_up's and qkv's shapes),
 # trace (bench/trace.py: per-kernel CUPTI trace of the 8B shape's saturated mixed step and 128-row decode step,
-# launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png),
+# launched from the host (CUPTI records no kernel of the same graph launched from the device): trace.json, trace.png;
+# TRACE_ARGS adds flags, e.g. "--model moe" for the Qwen3-30B-A3B shape's, "--model moe --layers 24" on a short card),
 # graph_memory (bench/graph_memory.py: the Qwen3-30B-A3B shape's graphs, the memory of each instantiation kind and node,
 # the expert sort in one launch up to 8,192 pairs against torch's (memory, mixed-step time, same logits), the whole
 # graph set captured and given back; GRAPH_MEMORY_ARGS adds flags, e.g. "--model 8b" or "--parts parts,align":
@@ -232,7 +233,7 @@ run_step() {
       done ;;
     roofline_fp8) step roofline_fp8 "${T_ROOFLINE_FP8:-540}" bash -c "$PY -m pytest -m gpu -q -rf -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/test_fp8_gemv.py tests/gpu/test_gpu_fp8_kv.py; a=\$?; $PY bench/roofline.py --weights '${FP8_WEIGHTS:-bf16,fp8}' --kv-dtype '${FP8_KV:-bf16,fp8}' ${ROOFLINE_ARGS:-} --out '$OUT/roofline_fp8.json'; b=\$?; exit \$((a | b))" ;;
     attn_stride) step attn_stride "${T_ATTN_STRIDE:-200}" "$PY" -m bench.attn_stride --out "$OUT/attn_stride.json" ;;
-    trace) step trace "${T_TRACE:-300}" "$PY" -m bench.trace --out "$OUT/trace.json" --plot "$OUT/trace.png" ;;
+    trace) step trace "${T_TRACE:-300}" "$PY" -m bench.trace --out "$OUT/trace.json" --plot "$OUT/trace.png" ${TRACE_ARGS:-} ;;
     graph_memory) step graph_memory "${T_GRAPH_MEMORY:-480}" "$PY" -m bench.graph_memory --out "$OUT/graph_memory.json" ${GRAPH_MEMORY_ARGS:-} ;;
     overlap_probe) step overlap_probe "${T_OVERLAP_PROBE:-420}" "$PY" -m bench.overlap_probe --out "$OUT/overlap_probe.json" ${OVERLAP_ARGS:-} ;;
     norm_probe) step norm_probe "${T_NORM_PROBE:-150}" bash -c "$PY scripts/norm_probe.py --out '$OUT/norm_probe.json' && $PY scripts/norm_probe.py --shape 6144,4096 --config n64_k128_s4 --out '$OUT/norm_probe_qkv.json'" ;;

@@ -75,3 +75,50 @@ def test_tables_and_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     path.write_text(json.dumps(result_of(launch)))
     trace.main(["--out", str(path), "--plot", str(tmp_path / "t.png"), "--plot-only"])
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_moe_kernels_have_their_own_families() -> None:
+    """The expert kernels are not counted as activations or GEMMs, the routing and sort not as sampling."""
+    assert trace.family("_gate_up_silu_kernel") == "moe experts" == trace.family("_moe_gemm_kernel")
+    assert trace.family("_down_sum_kernel") == "moe experts"
+    assert trace.family("_align_kernel") == "moe routing / sort" == trace.family("_router_kernel")
+    assert trace.family("_route_kernel") == "moe routing / sort"
+
+
+def test_the_model_shapes_and_their_depth() -> None:
+    moe = trace.model_config("moe", None)
+    assert moe["architectures"] == ["Qwen3MoeForCausalLM"] and moe["num_hidden_layers"] == 48
+    cut = trace.model_config("moe", 8)
+    assert cut == {**moe, "num_hidden_layers": 8}
+    assert trace.model_config("8b", None)["architectures"] == ["LlamaForCausalLM"]
+    for bad in (0, 49):
+        with pytest.raises(SystemExit, match="--layers"):
+            trace.model_config("moe", bad)
+    with pytest.raises(SystemExit, match="--layers"):  # refused before any CUDA work, on any host
+        trace.main(["--model", "moe", "--layers", "99"])
+
+
+def test_the_moe_floor_counts_only_the_routed_experts() -> None:
+    """A token of Qwen3-30B-A3B is multiplied by about 2.7B of its 29.9B decoder parameters (8 of 128 experts):
+    the floor's FLOPs count those, its bytes only the experts a step's tokens route to; the dense shape counts all."""
+    torch = pytest.importorskip("torch")
+    from bench.roofline import layer_params, weight_bytes
+    from gpu_engine.models.config import ModelConfig
+    from gpu_engine.models.loader import build_empty
+
+    def meta_model(shape: str):
+        return build_empty(ModelConfig.from_hf(trace.model_config(shape, None)), torch.bfloat16, "meta")
+
+    moe, dense = meta_model("moe"), meta_model("8b")
+    every = sum(p.numel() for n, p in moe.named_parameters() if n.startswith("layers."))
+    assert 29e9 < every < 31e9 and 2.6e9 < layer_params(moe) < 2.9e9
+    assert layer_params(dense) == sum(p.numel() for n, p in dense.named_parameters() if n.startswith("layers."))
+    stored = 2 * sum(p.numel() for p in moe.parameters())  # bf16
+    assert weight_bytes(moe, 1) < weight_bytes(moe, 128) < weight_bytes(moe, 1024) <= stored
+    assert weight_bytes(dense, 1) == weight_bytes(dense, 1024)
+    cfg = moe.config
+    decode = trace.floor_ms(cfg, moe, [1000] * 4, 0, 3000.0, 700.0)
+    mixed = trace.floor_ms(cfg, moe, [1000] * 4, 1020, 3000.0, 700.0)
+    kv = 4 * 1000 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert decode == pytest.approx((weight_bytes(moe, 4) + kv) / 3e12 * 1e3)
+    assert mixed >= (weight_bytes(moe, 1024) + kv) / 3e12 * 1e3
