@@ -41,10 +41,12 @@ def test_a_busy_child_keeps_the_server_unsettled() -> None:
     try:
         time.sleep(0.5)
         before = tree_cpu_s(proc.pid)
+        # busy: over 2% of a core, which a spinning child gets on a host however shared (its own core's 25%, the
+        # default, a crowded 2-core host need not give it in every half second)
         with pytest.raises(RuntimeError, match="still busy"):
-            wait_settled(proc.pid, quiet_s=1.0, timeout_s=2.5)
-        # the child's time counts, not the idle parent's alone (a shared host gives the child less than a core)
-        assert tree_cpu_s(proc.pid) - before > 0.25
+            wait_settled(proc.pid, quiet_s=1.0, busy_below=0.02, timeout_s=2.5)
+        # the child's time counts, not the idle parent's alone
+        assert tree_cpu_s(proc.pid) - before > 0.02
     finally:
         _stop(proc)
 

@@ -20,9 +20,10 @@ SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_t
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two slots, a wait queue of one, and an engine declared dead after 1 s without a beat."""
+    """Two slots, a wait queue of one, and an engine declared dead after 1 s without a beat; steps of 10 ms, so
+    that a long stream (1,000 tokens, 10 s) is still running whatever a busy host delays in the test."""
     stack = start_stack(tmp_path_factory.mktemp("small"), "--num-slots", "2", "--max-waiting", "1",
-                        env={"BLINK_HEARTBEAT_TIMEOUT_S": "1"})
+                        env={"BLINK_HEARTBEAT_TIMEOUT_S": "1", "FAKE_ENGINE_STEP_MS": "10"})
     yield stack
     stop_stack(stack)
 

@@ -88,8 +88,9 @@ def health(stack: Stack) -> tuple[int, str | None]:
 
 # ---------------------------------------------------------------------- a hung engine
 def test_a_stopped_engine_is_killed_and_the_spare_takes_over(tmp_path: Path) -> None:
-    """With the default heartbeat timeout: the stopped process is the verdict (``STOPPED_S``)."""
-    stack = start_stack(tmp_path, standby_engine=True)
+    """With the default heartbeat timeout: the stopped process is the verdict (``STOPPED_S``). The stream's 1,000
+    steps of 20 ms outlast any delay a busy host puts between its first token and the stop."""
+    stack = start_stack(tmp_path, standby_engine=True, env={"FAKE_ENGINE_STEP_MS": "20"})
     try:
         wait_until("the spare", lambda: engine_events(stack.log_path, "standby engine ready"), stack)
         hung = stack.engine_pid()
@@ -161,7 +162,7 @@ def test_the_heartbeat_timeout_has_one_default() -> None:
 def test_liveness_503s_are_logged_with_the_silence(tmp_path: Path) -> None:
     # a short timeout, under the supervisor's STOPPED_S, so that the reader's verdict can come first (the engine
     # is stopped here on purpose: a slow host cannot make a healthy one look hung before that)
-    stack = start_stack(tmp_path, env={"BLINK_HEARTBEAT_TIMEOUT_S": "1.5"})
+    stack = start_stack(tmp_path, env={"BLINK_HEARTBEAT_TIMEOUT_S": "1.5", "FAKE_ENGINE_STEP_MS": "20"})
     try:
         hung = stack.engine_pid()
         thread, streamed = stream_in_thread(stack, 1000)

@@ -234,7 +234,15 @@ def plan(rates: list[float], drain_s: float = 1.0, warmup: int = 0) -> ss.Plan:
 async def test_budget_skips_what_cannot_fit(fake: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ss, "RESERVE_S", 0.5)
     p = plan([20.0, 20.0, 20.0])
-    budget = ss.Budget(time.monotonic() + 5.0, 2.0)  # the first isolated run and its replay fit, not the second
+    class Frozen(ss.Budget):
+        """4.6 s left whatever the clock says: the outcome depends on the run's worst case, not on the host's speed."""
+
+        def left(self) -> float:
+            return self.end
+
+    # isolated: the first run needs 2 x 2 s (it and its replay) + 0.5 s of reserve and fits; the second needs
+    # 1.2 x the first's wall time (over 0.3 s) more and does not; interference: the first replay needs 2.5 s
+    budget = Frozen(4.6, 2.0)
     out = ss.ModeResult()
     replay: list[float] = []
     await ss.sweep(None, fake.url, p, "host", "cpu", budget, False, replay, 5.0, out)
