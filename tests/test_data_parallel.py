@@ -123,7 +123,7 @@ async def test_each_engine_has_vllm_s_series_under_its_engine_label(dp: Stack, c
     answers = await asyncio.gather(*(complete(client) for _ in range(n)))
     prompt_len = answers[0].usage.prompt_tokens
     wait_for(lambda: sum(per_engine(dp)["blink:dp_engine_prompt_tokens_total"].values()) - sum(before.values())
-             == n * prompt_len, 10, 0.1)
+             == n * prompt_len, 30, 0.1)
     idle(dp)
     _, text_after = dp.get("/metrics")
     after = per_engine(dp)["blink:dp_engine_prompt_tokens_total"]

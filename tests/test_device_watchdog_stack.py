@@ -75,7 +75,7 @@ async def first_success(session: aiohttp.ClientSession, url: str, model: str, li
     raise AssertionError(f"no request succeeded within {limit_s} s")
 
 
-def logged(serve: ServeProc, event: str, count: int, limit_s: float = 5.0) -> list[dict]:
+def logged(serve: ServeProc, event: str, count: int, limit_s: float = 30.0) -> list[dict]:
     """The log's ``event`` records, once there are ``count`` of them."""
     end = time.monotonic() + limit_s
     while len(found := engine_events(serve.log_path, event)) < count:
@@ -109,7 +109,7 @@ async def one_fault(serve: ServeProc, model: str, max_tokens: int, k: int, resta
         new_pid = engine_ready(serve, old["engine"], restart_s)
         ready_at = time.time()
         success_s = await first_success(session, serve.url, model, 30)
-    gauges = serve.wait_gauges({"slots_in_use": 0, "num_requests_running": 0, "kv_cache_usage_perc": 0}, 10)
+    gauges = serve.wait_gauges({"slots_in_use": 0, "num_requests_running": 0, "kv_cache_usage_perc": 0}, 30)
     exits = [e for e in logged(serve, "child_exited", k + 1) if e.get("child") == "engine"]
     next_spare = logged(serve, "standby engine ready", k + 2, SPARE_READY_S)[k + 1]["pid"]
     spare_starts = [e for e in engine_events(serve.log_path, "started") if e.get("child") == "standby-engine"]

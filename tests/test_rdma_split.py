@@ -33,8 +33,10 @@ from harness.serve_proc import MODEL, ROOT, ServeProc, free_port, http_get
 from shared.transport import SHM_DIR
 
 STANDIN = {"BLINK_RDMA_NIC": "harness.rdma_standin:SharedMemoryNic"}
-# a second's silence is an engine down (the liveness test); the fake engine beats every 0.1 s
-TIMEOUT = {"BLINK_HEARTBEAT_TIMEOUT_S": "1"}
+# five seconds' silence is an engine down (the liveness test waits up to 30 s for it): short enough for that test,
+# long past any stall a busy host puts in the fake engine's beat every 0.1 s (read through the transport, no
+# credit for a starved engine applies) while the other tests stream
+TIMEOUT = {"BLINK_HEARTBEAT_TIMEOUT_S": "5"}
 
 
 @dataclasses.dataclass

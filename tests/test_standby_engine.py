@@ -157,7 +157,7 @@ def test_without_a_live_spare_a_dead_engine_restarts_cold(tmp_path: Path, engine
         try:
             for pid in (spare, engine):
                 os.kill(pid, signal.SIGKILL)
-            wait_until("both dead", lambda: exited(spare) and exited(engine), stack, 10)
+            wait_until("both dead", lambda: exited(spare) and exited(engine), stack, 30)
         finally:
             os.kill(stack.proc.pid, signal.SIGCONT)
         cold = wait_until("a restarted engine", lambda: new_ready_engine(stack.ring, engine), stack)
@@ -219,7 +219,7 @@ def test_a_spare_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
             os.kill(spare, signal.SIGKILL)
             killed.add(spare)
         wait_until("given up", lambda: engine_events(stack.log_path, "standby engine given up: engines restart cold"),
-                   stack, 10)
+                   stack, 30)
         time.sleep(1.0)
         assert "standby-engine" not in stack.children()
         assert {e["pid"] for e in engine_events(stack.log_path, "standby engine exited")} == killed

@@ -38,12 +38,12 @@ def restart_tracker(stack: Stack) -> None:
     while ready_pid(stack.run_dir, "tracker") in (None, tracker):
         assert time.monotonic() < deadline, "tracker was not restarted"
         time.sleep(0.1)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:  # the gateways re-link to the new tracker
         try:
             assert ask(stack.url) in ("stop", "length")
             break
-        except openai.APIStatusError:
+        except (openai.APIStatusError, openai.APITimeoutError):
             assert time.monotonic() < deadline
             time.sleep(0.2)
 

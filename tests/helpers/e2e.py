@@ -51,7 +51,7 @@ def wait_for(check: Callable[[], bool], timeout_s: float, every_s: float = 0.02)
 def idle_kv_usage(stack: Stack) -> float:
     """The KV usage gauge once nothing runs (the engine publishes its stats every 0.1 s)."""
     wait_for(lambda: stack.metric("blink:slots_in_use") == 0 and stack.metric("blink:num_requests_running") == 0,
-             10)
+             30)
     time.sleep(0.3)
     return stack.metric("blink:kv_cache_usage_perc")
 

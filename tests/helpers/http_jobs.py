@@ -112,7 +112,7 @@ def run_jobs(url: str, model: str, jobs: list[HttpJob], in_flight: int = 64) -> 
     return asyncio.run(run_jobs_async(url, model, jobs, in_flight))
 
 
-def settled_gauges(serve: ServeProc, timeout_s: float = 10.0) -> dict[str, float | None]:
+def settled_gauges(serve: ServeProc, timeout_s: float = 30.0) -> dict[str, float | None]:
     """The slot, running and KV gauges once they read zero (or after ``timeout_s``)."""
     return serve.wait_gauges(dict.fromkeys(GAUGE_NAMES, 0.0), timeout_s)
 

@@ -45,7 +45,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def settled_header(ring: Ring, timeout: float = 3.0) -> np.void:
+def settled_header(ring: Ring, timeout: float = 30.0) -> np.void:
     """The header once the engine's stats caught up (they are published with the heartbeat)."""
     end = time.time() + timeout
     while True:
