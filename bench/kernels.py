@@ -9,7 +9,8 @@ Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attent
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
 `--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; `--only fused`: its fused forms
 against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the W8A8 product and bf16 cuBLAS at
-1-128 rows; none in the default sets)
+1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens;
+none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -732,12 +733,84 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
     return [r for B in (1, 8, 16, 64, 128) for r in _moe_batch(B, gate_up, down, gbps)]
 
 
+# The sorted path's grouped GEMM (`moe.moe_gemm`), configurations beside the launcher's (block_n 64, block_k 64, 4
+# warps, Triton's default stages): (block_n, block_k, warps, stages), each at the block heights the path takes.
+SORTED_TILES = ((64, 64, 4, None), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
+                (64, 256, 4, 2), (128, 256, 8, 2), (64, 64, 4, 4), (64, 128, 8, 4), (256, 64, 8, 3))
+SORTED_HEIGHTS = (16, 64)
+SORTED_BATCHES = (16, 64, 128, 1024)  # decode steps past the sort-free path's 8 rows, and a mixed step's 1,024 tokens
+
+
+def sorted_name(gemm: str, bm: int, tile: tuple[int, int, int, int | None]) -> str:
+    bn, bk, warps, stages = tile
+    return f"{gemm} bm={bm} bn={bn} bk={bk} w{warps}" + ("" if stages is None else f" s{stages}")
+
+
+def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
+    """The sorted path's two GEMMs of a step of `B` tokens at block height `bm`, per tile of SORTED_TILES: name ->
+    (a call of layer i, layer i's output buffer). Layer i's pairs sorted once, outside the calls; the shapes are the
+    weights' (down [E, H, I]) and the routes' (ids [B, k])."""
+    from gpu_engine.kernels import moe
+
+    (E, H, I), k = down[0].shape, routes[0][1].shape[1]
+    aligned = [moe.moe_align(ids, E, bm) for _, ids in routes]
+    flat = [w.reshape(-1) for w, _ in routes]
+    layers = len(gate_up)
+    inter = [torch.empty(B * k, 2 * I, device=xs[0].device, dtype=xs[0].dtype) for _ in range(layers)]
+    y = [torch.empty(B * k, H, device=xs[0].device, dtype=xs[0].dtype) for _ in range(layers)]
+    cases: dict[str, tuple[Callable[[int], object], torch.Tensor]] = {}
+    for tile in SORTED_TILES:
+        bn, bk, warps, stages = tile
+        conf = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+        cases[sorted_name("gate_up", bm, tile)] = (lambda i, conf=conf: moe.moe_gemm(
+            xs[i], gate_up[i], inter[i], *aligned[i], flat[i], a_div=k, block_m=bm, **conf), inter)
+        cases[sorted_name("down", bm, tile)] = (lambda i, conf=conf: moe.moe_gemm(
+            acts[i], down[i], y[i], *aligned[i], flat[i], a_div=1, block_m=bm, **conf), y)
+    return cases
+
+
+def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
+    """The Qwen3-30B-A3B experts' sorted path, each GEMM alone over SORTED_TILES and SORTED_HEIGHTS at the step
+    sizes that take it (SORTED_BATCHES), against the weight bytes of the experts its routing activates; each row says
+    whether its output is the launcher's configuration's bit for bit (a K step other than 64 sums in another order:
+    its largest difference is given). Weight sets taken in turn, as `moe_rows`."""
+    from gpu_engine.kernels import moe
+
+    E, H, I, k = (MOE_SHAPE[n] for n in ("experts", "hidden", "inter", "top_k"))
+    gate_up = [torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
+    down = [torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(layers)]
+    rows = []
+    for B in SORTED_BATCHES:
+        xs = [torch.randn(B, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        routes = [moe.moe_route(torch.randn(B, E, device="cuda"), k, True) for _ in range(layers)]
+        acts = [torch.randn(B * k, I, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        active = sum(ids.unique().numel() for _, ids in routes) / layers
+        nbytes = {"gate_up": active * 2 * I * H * 2, "down": active * H * I * 2}
+        for bm in SORTED_HEIGHTS:
+            cases = _sorted_gemms(B, bm, gate_up, down, xs, routes, acts)
+            reference: dict[str, torch.Tensor] = {}
+            for name, (fn, outs) in cases.items():
+                gemm = name.split()[0]
+                order = itertools.cycle(range(layers))
+                ms = graph_ms(lambda fn=fn, order=order: fn(next(order)))
+                fn(0)
+                torch.cuda.synchronize()
+                out = outs[0]
+                first = reference.setdefault(gemm, out.clone())  # the launcher's tile comes first
+                diff = float((out.float() - first.float()).abs().max())
+                rows.append({"kernel": "moe_sorted", "case": name, "batch": B, "experts": round(active, 1),
+                             "block_m": bm, "taken": bm == (16 if B * k <= 4 * E else 64),
+                             "same_bits": bool(torch.equal(out, first)), "max_abs_diff": diff,
+                             **entry(ms, nbytes[gemm], gbps)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, "
-                        "tiled, fused, silu, moe, q8, fp8, blas, prefill); default: all but q8, fp8, blas, prefill, "
-                        "tiled and fused")
+                        "tiled, fused, silu, moe, moe_sorted, q8, fp8, blas, prefill); default: all but q8, fp8, "
+                        "blas, prefill, tiled, fused and moe_sorted")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -746,9 +819,9 @@ def main() -> None:
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
-            "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows}
+            "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows, "moe_sorted": moe_sorted_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "fp8", "blas", "prefill",
-                                                                                       "tiled", "fused")]
+                                                                                       "tiled", "fused", "moe_sorted")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

@@ -16,6 +16,8 @@ so a step is four launches (router GEMM, routing, the two kernels) with thousand
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -298,8 +300,10 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, block_m: int,
-             block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """out[p] = a[p // a_div] @ w[e(p)].T (* route_weights[p]) for every sorted pair p."""
+             block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """out[p] = a[p // a_div] @ w[e(p)].T (* route_weights[p]) for every sorted pair p. The tile (`block_n`,
+    `block_k`), warps and pipeline stages (None: Triton's default) change the speed, and `block_k` the order of
+    the fp32 sums; `bench/kernels.py --only moe_sorted` times them."""
     check("a", a, dtype=FLOAT_DTYPES, shape=(None, None))
     E, N, K = w.shape
     check("w", w, dtype=a.dtype, shape=(E, N, a.shape[1]), device=a.device)
@@ -309,10 +313,12 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
     if out.shape[0] == 0:
         return out
     grid = (block_expert.numel(), triton.cdiv(N, block_n))
+    launch: dict[str, Any] = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps,
+                                                                                   "num_stages": num_stages}
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, route_weights, N, K, out.shape[0], a_div, a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), E, MUL_WEIGHT=a_div == 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if a.dtype == torch.float32 else "tf32", **launch,
     )
     return out
 
