@@ -748,8 +748,8 @@ def sorted_name(gemm: str, bm: int, tile: tuple[int, int, int, int | None]) -> s
 
 def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
     """The sorted path's two GEMMs of a step of `B` tokens at block height `bm`, per tile of SORTED_TILES: name ->
-    (a call of layer i, layer i's output buffer). Layer i's pairs sorted once, outside the calls; the shapes are the
-    weights' (down [E, H, I]) and the routes' (ids [B, k])."""
+    (a function running layer i, layer i's output buffers). Layer i's pairs are sorted once, beforehand; the shapes
+    are the weights' (down [E, H, I]) and the routes' (ids [B, k])."""
     from gpu_engine.kernels import moe
 
     (E, H, I), k = down[0].shape, routes[0][1].shape[1]

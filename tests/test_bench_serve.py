@@ -144,12 +144,15 @@ async def test_flaky_server_mixes(server: FakeServer) -> None:
 async def test_poisson_arrivals_and_concurrency_cap(server: FakeServer) -> None:
     server.first_s = server.gap_s = 0.001
     args = make_args(server.url, model="ok", rates=[40.0], duration_s=2.0, num_requests=None)
+    t0 = asyncio.get_running_loop().time()  # the server's clock, before the sweep starts its own
     run = (await sb.sweep(args, ByteTokenizer()))[0][0]
     # every send of the Poisson schedule the sweep drew for 40 req/s over 2 s (its seed's: the statistics are
-    # test_arrival_offsets_statistics'), however late a busy host sends them
+    # test_arrival_offsets_statistics'), however late a busy host sends them, and none before its time (the i-th
+    # arrival no sooner than the i-th send; 5 ms for the event loop's early wake-ups)
     schedule = sb.arrival_offsets(40.0, np.random.default_rng(args.seed), None, 2.0)
     assert 50 <= len(schedule) <= 115  # 80 expected, sd ~9
     assert run["completed"] == len(server.arrivals) == len(schedule) and run["failed"] == 0
+    assert all(at - t0 >= due - 0.005 for at, due in zip(sorted(server.arrivals), schedule, strict=True))
     server.first_s, server.max_in_flight = 0.05, 0
     args = make_args(server.url, model="ok", rates=[math.inf], num_requests=9, max_concurrency=3)
     run = (await sb.sweep(args, ByteTokenizer()))[0][0]

@@ -241,7 +241,8 @@ async def test_budget_skips_what_cannot_fit(fake: FakeServer, monkeypatch: pytes
             return self.end
 
     # isolated: the first run needs 2 x 2 s (it and its replay) + 0.5 s of reserve and fits; the second needs
-    # 1.2 x the first's wall time (over 0.3 s) more and does not; interference: the first replay needs 2.5 s
+    # 1.2 x the first's wall time (at least its last send, 0.27 s in) more and does not; interference: the first
+    # replay needs 2.5 s
     budget = Frozen(4.6, 2.0)
     out = ss.ModeResult()
     replay: list[float] = []

@@ -1,9 +1,9 @@
 """Mixture of experts without a host sync: routing, then one of two expert paths. Pair p = token * top_k + slot.
 
-Large steps: `moe_align` sorts the (token, slot) pairs by expert with torch ops whose output sizes
-depend only on static shapes, padding each expert's run to a multiple of `block_m`; the grouped GEMM
-then gives each block of `block_m` sorted pairs to one expert. Blocks past the end read expert id E
-and exit.
+Large steps: `moe_align` sorts the (token, slot) pairs by expert (one launch up to `ALIGN_KERNEL_PAIRS` pairs,
+torch ops past it), in arrays whose sizes depend only on static shapes, padding each expert's run to a multiple of
+`block_m`; the grouped GEMM then gives each block of `block_m` sorted pairs to one expert. Blocks past the end read
+expert id E and exit.
 
 Small steps (T * top_k <= SMALL_PAIRS, decode): no sort. A decode step reads a few experts' weights
 for one row each, so its time is the weight read; the sorted path's grid there is mostly empty
@@ -181,8 +181,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
 
 # Steps of at most this many pairs sort in one launch (`_align_kernel`); larger ones with torch's sort (about 25
 # launches a layer). Both give the same arrays. 8,192 covers every step of the 1,024-token budget at eight experts a
-# token: on an H100 the one launch was as fast or faster at 2,176-8,192 pairs, and the mixed graphs' fewer nodes gave
-# the KV cache back 1.4 GiB (BENCHMARKS.md, "The expert sort in one launch").
+# token: on an H100 the one launch was faster at 2,176-6,144 pairs and even at 8,192, and the mixed graphs' fewer nodes
+# (1,410 MiB less of graphs) gave the KV cache 1.31 GiB more (BENCHMARKS.md, "The expert sort in one launch").
 ALIGN_KERNEL_PAIRS = 8192
 
 

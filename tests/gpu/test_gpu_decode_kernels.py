@@ -102,10 +102,11 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 9, 64, 128, 256, 300])
+@pytest.mark.parametrize("tokens", [1, 9, 64, 128, 256, 300, 1024, 1025])
 def test_gpu_moe_align_one_launch_equals_the_sort(tokens):
     """Qwen3-30B-A3B routing (128 experts, top 8) at decode and prompt-chunk sizes: the one-launch align and
-    torch's stable sort give the same arrays (300 tokens is past the one-launch bound: the sort itself)."""
+    torch's stable sort give the same arrays (1,024 tokens is the one-launch bound, 8,192 pairs; 1,025 is past it:
+    the sort itself)."""
     from gpu_engine.kernels import moe
 
     logits = torch.randn(tokens, 128, device=DEV, generator=torch.Generator(DEV).manual_seed(tokens))
