@@ -15,7 +15,7 @@ from gpu_engine.kernels import moe
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
 H, E, TOP_K, I = 2048, 128, 8, 768  # Qwen3-30B-A3B
-TOKENS = (1, 8, 64, 128, 512)  # 1 and 8 take the sort-free path in `fused_moe`, the others the sorted one
+TOKENS = (1, 8, 64, 128, 512, 1024)  # 1 and 8 take the sort-free path in `fused_moe`, the others the sorted one
 U = mr.BF16_UNIT
 
 
