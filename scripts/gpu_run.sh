@@ -5,8 +5,8 @@
 #   bash scripts/gpu_run.sh OUTDIR [STEP ...]
 #
 # Steps run in the order given (default: build kernels persistent micro fig3 roofline
-# serving_persistent serving_host). Also, by name only: peers_vllm, peers_blink and peers_host (the peer
-# study, below), large (an 8B-shaped model served by the
+# serving_persistent serving_host; `carry` runs nothing, for a transfer of the vLLM kit's parts alone).
+# Also, by name only: peers_vllm, peers_blink and peers_host (the peer study, below), large (an 8B-shaped model served by the
 # persistent scheduler, a check), faults (BLINK_FAULT injection on the persistent scheduler: a launch failure,
 # then a hung step, while streams run; RELIABILITY.md), soakstart (starts the GPU soak detached, so it can outlive this call
 # while the machine stays up) and soakwait (waits for it and copies its results into OUTDIR). The
@@ -253,6 +253,7 @@ run_step() {
       local system=${1#peers_}
       [ "$system" = blink ] && system=persistent
       step "$1" "${T_PEERS:-560}" bash -c "$(declare -f peers_run); OUT='$OUT' PY='$PY' ASSETS='$ASSETS' peers_run $system" ;;
+    carry) summary "carried only: nothing run" ;;  # a transfer of a kit part, no GPU work (no step at all is the defaults)
     *) summary "unknown step: $1" ;;
   esac
 }
