@@ -186,10 +186,10 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v in (None, "none"), _TOOLS),
     "guided_grammar": (_off, _JSON), "guided_decoding_backend": (_off, _JSON),
     "guided_whitespace_pattern": (_off, _JSON), "structural_tag": (_off, _JSON),
-    "audio": (_off, "audio output is not supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),  # any object asks for it ({} is invalid)
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is served"),
     "prediction": (_off, "predicted outputs are not supported"),
-    "web_search_options": (_off, "web search is not supported"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),  # {} turns it on (OpenAI)
     "reasoning_effort": (_off, "no served chat template takes a reasoning effort (Qwen3's thinking is switched on "
                          "and off with chat_template_kwargs' enable_thinking)"),
     "verbosity": (_off, "verbosity is not supported"),

@@ -43,6 +43,8 @@ REFUSED = [
     (CHAT, chat(use_beam_search=True), "use_beam_search"),
     (CHAT, chat(prompt_logprobs=1), "prompt_logprobs"),
     (CHAT, chat(store=True), "store"),
+    (CHAT, chat(web_search_options={}), "web_search_options"),  # an empty object asks for web search (OpenAI)
+    (CHAT, chat(audio={}), "audio"),
     (CHAT, chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),  # without streaming (as OpenAI, vLLM)
     (COMP, {"model": MODEL, "prompt": "hi", "stream": False, "stream_options": {}}, "stream_options"),
