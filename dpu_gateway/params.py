@@ -58,6 +58,7 @@ class Plan:
     echo: str = ""  # text the answer starts with (echo)
     tool_format: Format | None = None  # read tool calls out of the answer in this format
     parallel_tool_calls: bool = True   # False: only the first call is answered
+    forced_tools: tuple[str, ...] = ()  # a forced call's possible names (tool_choice required or named)
     echo_logprobs: int = -1  # completions' echo with logprobs: alternatives of the prompt's entries (-1: none)
     echo_only: bool = False  # max_tokens 0 with echo: the answer is the prompt (the one token sampled is dropped)
     prompt_logprobs: int = -1  # vLLM's prompt_logprobs field: alternatives per position (-1: not asked)
@@ -241,7 +242,7 @@ def cache_salt(salt: str | None) -> int:
 
 
 def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo: str = "", grammar_id: int = 0,
-              tool_format: Format | None = None) -> Plan:
+              tool_format: Format | None = None, forced_tools: tuple[str, ...] = ()) -> Plan:
     stop = check_common(req, limits)
     if tool_format is not None and req.logprobs:
         raise APIError(400, "logprobs are not returned for answers read as tool calls", param="logprobs",
@@ -258,7 +259,7 @@ def plan_chat(req: ChatCompletionRequest, prompt_len: int, limits: Limits, echo:
     prompt_k = prompt_logprobs(req, prompt_len, limits)
     return Plan(sampling(req, budget, req.logprobs, req.top_logprobs or 0, bias, grammar_id, prompt_k), stop,
                 req.include_stop_str_in_output, req.n, echo, tool_format, req.parallel_tool_calls is not False,
-                prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids),
+                forced_tools, prompt_logprobs=prompt_k, token_ids_as_text=bool(req.return_tokens_as_token_ids),
                 skip_special_tokens=req.skip_special_tokens is not False, return_token_ids=bool(req.return_token_ids))
 
 

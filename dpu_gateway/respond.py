@@ -132,6 +132,9 @@ async def collect_choice(gen: Generation, shape: Shape, codec: TokenNames) -> di
             choice["prompt_logprobs"] = await asked_prompt_logprobs(gen, codec)
     else:
         content, calls = parse_all(fmt_, text)
+        cut = cut_call(gen, content)
+        if cut is not None:
+            content, calls = "", [*calls, cut]
         calls = calls if gen.plan.parallel_tool_calls else calls[:1]
         choice = fmt.chat_choice(gen.index, content, tool_finish(gen, bool(calls)), logprobs,
                                  [c.openai() for c in calls], gen.stop_reason)
@@ -153,6 +156,15 @@ async def asked_prompt_logprobs(gen: Generation, codec: TokenNames) -> list[dict
         return None
     k = gen.plan.prompt_logprobs
     return fmt.prompt_logprobs(codec, [dataclasses.replace(e, top=e.top[:k]) for e in entries])
+
+
+def cut_call(gen: Generation, unread: str) -> Call | None:
+    """A forced call the token limit cut short (``length``), from the text the tool parser left unread: a call with
+    the arguments written so far, as OpenAI answers one; None otherwise (the text stays content)."""
+    fmt_ = gen.plan.tool_format
+    if fmt_ is None or not gen.plan.forced_tools or gen.finish_reason != "length" or not unread.strip():
+        return None
+    return fmt_.partial_call(unread, gen.plan.forced_tools)
 
 
 def tool_finish(gen: Generation, called: bool) -> str | None:
@@ -297,7 +309,7 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
                 await read(reader.feed(delta.text))
     if reader is not None:
         await read(reader.finish())
-    await send(parser.finish())
+    await send([cut_call(gen, e) or e if isinstance(e, str) else e for e in parser.finish()])
     async with lock:
         await write(ids.tag(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index,
                                            usage.now(), gen.stop_reason)))

@@ -161,7 +161,7 @@ async def chat_job(app: web.Application, req: ChatCompletionRequest) -> tuple[li
     if reasoning is not None:
         constraint = reasoning.constraint(constraint)
     gid = await grammar_id(app, constraint, limits)
-    plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt)
+    plan = plan_chat(req, len(ids), limits, chat_echo(req), gid, tooling.fmt, tuple(t.name for t in tooling.forced()))
     shape = CHAT if reasoning is None else dataclasses.replace(CHAT, reasoning=reasoning)
     return ids, plan, shape
 

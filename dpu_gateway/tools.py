@@ -150,6 +150,41 @@ class Format:
     def parser(self) -> CallParser:
         return HermesParser(self) if self.name == "hermes" else JsonParser(self)
 
+    def partial_call(self, text: str, names: tuple[str, ...]) -> Call | None:
+        """A forced call that the token limit cut short, as OpenAI gives one: its name, and its arguments as far as
+        they were written (then no JSON of their own; empty when cut before them). ``text`` is what the parser left
+        unread, which the forced grammar made the start of one call to one of ``names``. None when that text does
+        not name one of them whole (cut inside a name that several could complete) or holds a whole call too."""
+        text, mark = text.strip(), self.open.strip()
+        if text.startswith(mark):
+            body = text[len(mark):].lstrip()
+        elif mark.startswith(text):  # cut inside the opening tag
+            body = ""
+        else:
+            return None
+        heads = {name: f'{{"name": {encode(name)}, "{self.args_key}": ' for name in names}
+        for name, head in heads.items():
+            if body.startswith(head):
+                args = body[len(head):]
+                if self.joiner + '{"name": ' in args:
+                    return None  # a whole call, then the start of another
+                tail = "}" + self.close
+                for k in range(len(tail), 0, -1):  # cut inside the call's end: the arguments are whole
+                    if args.endswith(tail[:k]) and _is_json(args[:-k]):
+                        args = args[:-k]
+                        break
+                return Call(name, args)
+        started = [name for name, head in heads.items() if head.startswith(body)]
+        return Call(started[0], "") if len(started) == 1 else None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
 
 FORMATS = {
     "hermes": Format("hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "\n"),

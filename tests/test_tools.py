@@ -57,6 +57,29 @@ def test_llama3_json_calls() -> None:
     assert parse_all(FORMATS["llama3_json"], "Just text.") == ("Just text.", [])
 
 
+NAMES = ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize(("fmt", "text", "names", "want"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', NAMES,
+     ("get_weather", '{"city": "Par')),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "argum', NAMES, ("get_weather", "")),  # before the arguments
+    ("hermes", '<tool_call>\n{"name": "get_t', NAMES, ("get_time", "")),  # inside a name only one completes
+    ("hermes", '<tool_call>\n{"name": "get_', NAMES, None),  # inside a name both could complete
+    ("hermes", '<tool_c', ("get_weather",), ("get_weather", "")),  # a named choice: its name whatever was cut
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_', NAMES,
+     ("get_weather", '{"city": "Paris"}')),  # cut in the closing tag: the arguments are whole
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}', NAMES,
+     ("get_weather", '{"city": "Paris"}')),  # the arguments' own brace is not the call's
+    ("hermes", "plain words", NAMES, None),
+    ("llama3_json", '{"name": "get_time", "parameters": {"tz": "U', NAMES, ("get_time", '{"tz": "U')),
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "param', NAMES, None),
+])
+def test_a_forced_call_cut_short_keeps_its_name_and_the_arguments_written(fmt, text, names, want) -> None:
+    call = FORMATS[fmt].partial_call(text, names)
+    assert (call if call is None else (call.name, call.arguments)) == want
+
+
 def test_forced_call_grammar_accepts_only_calls_of_the_tools() -> None:
     plan = plan_tools([WEATHER, TIME], "required", False, None, False)
     dfa = byte_dfa(pattern_of(json.dumps(plan.pattern_key())))
@@ -143,6 +166,33 @@ def test_forced_calls_are_always_calls(real: Stack, choice) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     if isinstance(choice, dict):
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_a_call_with_the_arguments_written(real: Stack, stream: bool) -> None:
+    """As OpenAI: the call, its name, its arguments as far as the limit let them come (not JSON yet), finish
+    ``length``; never the call format's raw text as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    if not stream:
+        out = ask(real, tool_choice=named, max_tokens=12).choices[0]
+        assert out.finish_reason == "length" and out.message.content is None, out
+        (call,) = out.message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    else:
+        calls: dict[int, dict] = {}
+        finish, content = None, ""
+        for chunk in ask(real, tool_choice=named, max_tokens=12, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": tc.function.name, "arguments": ""})
+                entry["arguments"] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and content == "" and list(calls) == [0], (finish, content, calls)
+        name, arguments = calls[0]["name"], calls[0]["arguments"]
+    assert name == "get_weather"
+    whole = ask(real, tool_choice=named).choices[0].message.tool_calls[0].function.arguments  # greedy: the same start
+    assert json.loads(whole) and whole.startswith(arguments) and arguments != whole
 
 
 def test_streamed_calls_assemble_as_openai_sends_them(real: Stack) -> None:
