@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blink.hub import HubError, HubModel, Where, fetch_model, fetch_tokenizer, hub_model
-from blink.vllm_flags import add_refused_flags
+from blink.vllm_flags import add_refused_flags, vllm_switch_problem
 from shared.config import EngineConfig, add_engine_arguments, given_engine_flags
 from shared.env import env
 from shared.frontend_flags import GatewayFlags, ServeFlags, TrackerFlags, add_flags, flag_name
@@ -207,7 +207,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                          "serve --frontend-only --ring rdma://...); its engine runs there (blink engine --rdma-listen)")
     flags_only = EngineConfig.from_namespace(argparse.Namespace(**{**vars(args), "model": None}))
     serve = ServeConfig.from_args(args, flags_only)
-    problem = (engine_problem(flags_only, None)
+    problem = (vllm_switch_problem(args)
+               or engine_problem(flags_only, None)
                or tool_flags_problem(args.enable_auto_tool_choice, args.tool_call_parser)
                or chat_template_problem(args.chat_template)
                or next(filter(None, map(segment_problem, serve.data_parallel.ring_names)), None))

@@ -56,19 +56,49 @@ class RefuseAction(argparse.Action):
         parser.error(f"{shown}: {r.instead}")
 
 
-# vLLM switches that turn on what Blink does by default: accepted, and they change nothing.
+# vLLM switches that turn on what Blink does by default, each the opposite of a --no-... flag: as in vLLM, the
+# last of the two given wins. (flag, the --no-... flag's dest, what it asks for)
 DEFAULT_ON = (
-    ("--enable-chunked-prefill", "chunked prefill is on by default (--no-enable-chunked-prefill turns it off)"),
-    ("--enable-prefix-caching", "prefix caching is on by default on the cpu and host backends "
-     "(--no-enable-prefix-caching turns it off; the persistent backend runs without it)"),
+    ("--enable-chunked-prefill", "no_enable_chunked_prefill",
+     "chunked prefill, on by default (--no-enable-chunked-prefill turns it off)"),
+    ("--enable-prefix-caching", "no_enable_prefix_caching",
+     "prefix caching, on by default on every backend (--no-enable-prefix-caching turns it off); it needs chunked "
+     "prefill"),
 )
+ASKED_PREFIX_CACHING = "asked_prefix_caching"  # the namespace's note that --enable-prefix-caching was given
+
+
+class EnableAction(argparse.Action):
+    """``--enable-X``: clears its ``--no-enable-X`` flag's dest (the later of the two wins) and notes it was given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, False)
+        if option_string == "--enable-prefix-caching":
+            setattr(namespace, ASKED_PREFIX_CACHING, True)
+
+
+def vllm_switch_problem(ns: argparse.Namespace) -> str | None:
+    """What ``blink serve`` refuses of the vLLM switches once all are parsed: prefix caching asked for without chunked
+    prefill (here it works within chunked prefill's policy), and --seed without --random-weights (sampling is seeded
+    per request, by its ``seed`` field or its own draw; --seed only seeds random weights)."""
+    if (getattr(ns, ASKED_PREFIX_CACHING, False) and not getattr(ns, "no_enable_prefix_caching", False)
+            and getattr(ns, "no_enable_chunked_prefill", False)):
+        return ("--enable-prefix-caching needs chunked prefill, which --no-enable-chunked-prefill turns off: give one "
+                "of the two")
+    if getattr(ns, "seed", 0) and not getattr(ns, "random_weights", False):
+        return (f"--seed {ns.seed}: the seed of --random-weights only; sampling is seeded per request (a request's "
+                "seed field, else a seed of its own), so a server-wide seed would change nothing")
+    return None
 
 
 def add_refused_flags(ap: argparse.ArgumentParser) -> None:
     """vLLM's flags that Blink lacks, in a help group of their own; its switches for Blink's defaults."""
-    for name, what in DEFAULT_ON:
-        ap.add_argument(name, action="store_true", dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                        help=f"accepted: {what}")
+    for name, dest, what in DEFAULT_ON:
+        ap.add_argument(name, action=EnableAction, dest=dest, default=argparse.SUPPRESS, help=f"vLLM's: {what}")
     group = ap.add_argument_group("vLLM flags Blink does not take (each refused with what to do instead)")
     for r in REFUSED:
         accepted = f" (accepted: {r.harmless})" if r.harmless is not None else ""

@@ -154,7 +154,8 @@ class EngineConfig:
         False, "compute every prompt in full (prefix caching, the default, reuses the KV blocks of a prompt's "
         "leading full blocks that an earlier request of the same cache salt computed; it needs chunked prefill; "
         "vLLM's name)", flag="--no-enable-prefix-caching")
-    seed: int = _flag(0, "seed of torch and of random weights")
+    seed: int = _flag(0, "seed of --random-weights and of torch (blink serve refuses another seed without "
+                      "--random-weights: sampling is seeded per request)")
     threads: int = _flag(0, "threads of the CPU backend: the quantized kernels' own pool with --cpu-weights auto "
                          "or int8act (0: every core this process may use; it runs on one while the cores are "
                          "contended), else torch's (0: every core but one)", minimum=0)
@@ -263,6 +264,9 @@ class EngineConfig:
             raise ValueError("--ring must not be empty")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.kv_blocks:
+            raise ValueError(f"--kv-blocks {self.kv_blocks} sets the KV cache's size and --gpu-memory-utilization the "
+                             "share of memory that sizes it: give one")
         if self.gpu_memory_utilization is not None and self.backend == "cpu":
             raise ValueError("--gpu-memory-utilization applies to the GPU backends; the CPU backend's KV cache "
                              "is sized by --kv-blocks (default: 1 GiB of blocks)")

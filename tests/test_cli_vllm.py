@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -188,6 +189,43 @@ def test_vllm_flags_blink_lacks_are_refused_with_what_to_do_instead(argv: list[s
     with pytest.raises(SystemExit) as exit_:
         serve_ns(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_vllm_switches_and_their_no_forms_the_last_given_wins() -> None:
+    """As vLLM's: --enable-X after --no-enable-X turns X back on, and the other way round."""
+    assert engine_of(["--no-enable-prefix-caching", "--enable-prefix-caching"]).prefix_caching
+    assert not engine_of(["--enable-prefix-caching", "--no-enable-prefix-caching"]).prefix_caching
+    assert engine_of(["--no-enable-chunked-prefill", "--enable-chunked-prefill"]).chunked_prefill
+    assert not engine_of(["--enable-chunked-prefill", "--no-enable-chunked-prefill"]).chunked_prefill
+    assert engine_of(["--enable-prefix-caching", "--enable-chunked-prefill"]) == engine_of([])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--enable-prefix-caching", "--no-enable-chunked-prefill"], "--enable-prefix-caching needs chunked prefill"),
+    (["--seed", "5"], "--seed 5: the seed of --random-weights only; sampling is seeded per request"),
+])
+def test_vllm_switches_that_would_change_nothing_are_refused(argv: list[str], message: str) -> None:
+    """Asked for and not given, before anything starts: prefix caching without chunked prefill (it was silently off),
+    a server-wide sampling seed (it only ever seeded random weights). (`blink serve` prints the refusal, exit 2.)"""
+    from blink.cli import serve_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_config(serve_ns(argv))
+
+
+def test_the_switches_alone_or_undone_are_served() -> None:
+    from blink.vllm_flags import vllm_switch_problem
+
+    for argv in ([], ["--seed", "5", "--random-weights"], ["--seed", "0"], ["--enable-prefix-caching"],
+                 ["--enable-prefix-caching", "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]):
+        assert vllm_switch_problem(serve_ns(argv)) is None, argv
+
+
+def test_kv_blocks_and_gpu_memory_utilization_are_not_given_together() -> None:
+    """--kv-blocks sized the cache and the fraction was dropped without a word."""
+    with pytest.raises(ValueError, match="--kv-blocks 64 sets the KV cache's size and --gpu-memory-utilization"):
+        engine_of(["--kv-blocks", "64", "--gpu-memory-utilization", "0.8"])
+    assert engine_of(["--kv-blocks", "64"]).kv_blocks == 64
 
 
 def test_vllm_flags_that_ask_for_nothing_different_are_accepted() -> None:
