@@ -53,7 +53,7 @@ class RefuseAction(argparse.Action):
         if r.harmless is not None and values == r.harmless:
             return
         shown = option_string if not r.takes_value else f"{option_string} {values}"
-        parser.error(f"{shown}: {r.instead}")
+        parser.exit(2, f"{parser.prog}: error: {shown}: {r.instead}\n")  # one line, without the 40-line usage
 
 
 # vLLM switches that turn on what Blink does by default, each the opposite of a --no-... flag: as in vLLM, the
