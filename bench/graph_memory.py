@@ -47,12 +47,9 @@ ITERS = 20
 
 
 def hf_config(model: str, layers: int | None) -> dict[str, Any]:
-    from bench.roofline import LLAMA3_8B, QWEN3_30B_A3B
+    from bench.roofline import shape_config
 
-    hf = dict(QWEN3_30B_A3B if model == "moe" else LLAMA3_8B)
-    if layers:
-        hf["num_hidden_layers"] = layers
-    return hf
+    return shape_config(model, layers)
 
 
 def probe_shapes(max_batch: int = MAX_BATCH, budget: int = BUDGET) -> list[tuple[bool, int, int]]:

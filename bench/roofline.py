@@ -67,6 +67,17 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
 BLOCK = 16
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 MOE_BATCHES = (1, 8, 64, 128)
+
+
+def shape_config(model: str, layers: int | None = None) -> dict:
+    """The Hugging Face config of the "8b" (Llama-3-8B) or "moe" (Qwen3-30B-A3B) shape, cut to `layers` decoder
+    layers where given (a benchmark's --layers: every layer is the same work)."""
+    hf = {"8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}[model]
+    if layers is None:
+        return dict(hf)
+    if not 0 < layers <= hf["num_hidden_layers"]:
+        raise SystemExit(f"--layers {layers}: 1..{hf['num_hidden_layers']} for the {model} shape")
+    return {**hf, "num_hidden_layers": layers}
 CONTEXTS = (512, 2048)
 SERVED_BATCHES = (32, 64, 128)  # dense decode rows also measured on served contexts (`bench.kernels.served_contexts`)
 PREFILL_TOKENS = (512, 2048, 8192)

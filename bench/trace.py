@@ -169,14 +169,9 @@ def launchers(graphs, shape: tuple[bool, int, int]) -> dict[str, Callable[[], No
 
 def model_config(model: str, layers: int | None) -> dict:
     """The Hugging Face config of a `MODELS` shape, cut to `layers` decoder layers where given."""
-    from bench.roofline import LLAMA3_8B, QWEN3_30B_A3B
+    from bench.roofline import shape_config
 
-    hf = {"8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}[model]
-    if layers is None:
-        return dict(hf)
-    if not 0 < layers <= hf["num_hidden_layers"]:
-        raise SystemExit(f"--layers {layers}: 1..{hf['num_hidden_layers']} for {MODELS[model]}")
-    return {**hf, "num_hidden_layers": layers}
+    return shape_config(model, layers)
 
 
 def build_steps(plan_name: str, hf: dict):
