@@ -6,9 +6,10 @@ budget), more than the default fraction left (docs/GPU_NOTES.md). Each graph was
 host executable, which only the start's probes replayed, and four device-launch copies the scheduler rotated (the
 engine now makes two copies and no torch executable, and sizes the cache after the graphs). A mixed graph whose
 expert sort takes torch's launches (past ``kernels.moe.ALIGN_KERNEL_PAIRS`` token-expert pairs, 2,048 until the limit
-became 8,192) has about three times the kernels of one whose sort is one launch. Measured here, on the model shape
-with random bf16 weights, the engine's kernel plan and a small cache, with the engine's sort ("as_is") and, to compare,
-the sort limit set to ``--align-pairs`` ("other"; 0, the default: torch's sort at every size):
+became 8,192, then 65,536) has about three times the kernels of one whose sort is the engine's kernels. Measured
+here, on the model shape with random bf16 weights, the engine's kernel plan and a small cache, with the engine's
+sort ("as_is") and, to compare, the sort limit set to ``--align-pairs`` ("other"; 0, the default: torch's sort at
+every size):
 
 - ``parts``: for a decode graph and two mixed ones, the free memory taken by the capture (torch's pool), by torch's
   host executable, by the first device-launch executable and by the three more, and the graph's kernel nodes; the
@@ -94,7 +95,7 @@ def counted(raw_graph: int, into: dict[str, Any]) -> int | None:
 
 @contextmanager
 def align_pairs(pairs: int) -> Iterator[None]:
-    """Steps of up to `pairs` token-expert pairs sort in one launch while inside."""
+    """Steps of up to `pairs` token-expert pairs sort in the engine's kernels while inside, larger ones by torch."""
     from gpu_engine.kernels import moe
 
     was = moe.ALIGN_KERNEL_PAIRS

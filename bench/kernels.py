@@ -9,8 +9,9 @@ Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attent
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
 `--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; `--only fused`: its fused forms
 against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the W8A8 product and bf16 cuBLAS at
-1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens;
-none in the default sets)
+1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens; `--only
+moe_align`: its align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192
+tokens; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -659,7 +660,7 @@ def _moe_batch(B: int, gate_up: list[torch.Tensor], down: list[torch.Tensor], gb
     cases: dict[str, tuple[Callable[[int], object], float]] = {
         "small": (lambda i: moe.moe_experts_small(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
         "sorted": (lambda i: moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i]), active * expert_bytes),
-        "align_one_launch": (lambda i: moe.moe_align(routes[i][1], E, 16), _nbytes(routes[0][1])),
+        "align_kernel": (lambda i: moe.moe_align(routes[i][1], E, 16), _nbytes(routes[0][1])),
         "align_torch_sort": (lambda i: moe.moe_align_ref(routes[i][1], E, 16), _nbytes(routes[0][1]))}
     # column tiles at the launchers' K steps (512 for gate_up, 256 for down), and the K step that takes a row whole
     # (2,048 and 1,024: every load of a program in flight at once, no loop) or half of it
@@ -810,12 +811,50 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
     return rows
 
 
+# The align's step sizes: decode steps past the sort-free path (16-128 rows), mixed steps of the 1,024-token budget
+# (272-1,024 tokens) and larger budgets' (2,048 and 8,192 tokens), at Qwen3-30B-A3B's 8 experts a token
+ALIGN_TOKENS = (16, 64, 128, 272, 512, 1024, 2048, 8192)
+ALIGN_CHUNKS = (64, 128, 256)
+
+
+def moe_align_rows(gbps: float, layers: int = 4) -> list[dict]:
+    """The sorted path's align (`moe.moe_align`) at ALIGN_TOKENS: torch's stable sort (`moe_align_ref`), the one
+    launch where every program counts every pair (up to 8,192 pairs), the two launches (count each chunk's pairs,
+    then place) at ALIGN_CHUNKS, and the form the engine takes (`served`); each row says whether its arrays are the
+    sort's element for element. Routes taken in turn over `layers` draws, at the block height the path takes."""
+    from gpu_engine.kernels import moe
+
+    E, k = MOE_SHAPE["experts"], MOE_SHAPE["top_k"]
+    rows = []
+    for T in ALIGN_TOKENS:
+        bm = 16 if T * k <= 4 * E else 64
+        ids = [moe.moe_route(torch.randn(T, E, device="cuda"), k, True)[1] for _ in range(layers)]
+        cases: dict[str, Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = {
+            "torch_sort": lambda i, ids=ids, bm=bm: moe.moe_align_ref(ids[i], E, bm),
+            "served": lambda i, ids=ids, bm=bm: moe.moe_align(ids[i], E, bm)}
+        if T * k <= 8192:
+            cases["one_launch c64"] = lambda i, ids=ids, bm=bm: moe.moe_align(ids[i], E, bm, one_launch=True,
+                                                                              limit=1 << 30)
+        for chunk in ALIGN_CHUNKS:
+            cases[f"two_launch c{chunk}"] = lambda i, ids=ids, bm=bm, chunk=chunk: moe.moe_align(
+                ids[i], E, bm, chunk=chunk, one_launch=False, limit=1 << 30)
+        want = moe.moe_align_ref(ids[0], E, bm)
+        for name, fn in cases.items():
+            order = itertools.cycle(range(layers))
+            ms = graph_ms(lambda fn=fn, order=order: fn(next(order)))
+            got = fn(0)
+            same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            rows.append({"kernel": "moe_align", "case": name, "batch": T, "pairs": T * k, "block_m": bm,
+                         "same_arrays": same, **entry(ms, _nbytes(ids[0]), gbps)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, "
-                        "tiled, fused, silu, moe, moe_sorted, q8, fp8, blas, prefill); default: all but q8, fp8, "
-                        "blas, prefill, tiled, fused and moe_sorted")
+                        "tiled, fused, silu, moe, moe_sorted, moe_align, q8, fp8, blas, prefill); default: all but "
+                        "q8, fp8, blas, prefill, tiled, fused, moe_sorted and moe_align")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -824,9 +863,11 @@ def main() -> None:
     rows = []
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
-            "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows, "moe_sorted": moe_sorted_rows}
+            "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows, "moe_sorted": moe_sorted_rows,
+            "moe_align": moe_align_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "fp8", "blas", "prefill",
-                                                                                       "tiled", "fused", "moe_sorted")]
+                                                                                       "tiled", "fused", "moe_sorted",
+                                                                                       "moe_align")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

@@ -38,7 +38,7 @@ MODELS = {"8b": "llama3-8b-shape", "moe": "qwen3-30b-a3b-shape"}
 
 # Kernel families, first match wins: (family, substrings of the kernel's name, lower case)
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("moe routing / sort", ("_route_kernel", "_router_kernel", "_align_kernel", "radixsort", "searchsorted")),
+    ("moe routing / sort", ("_route_kernel", "_router_kernel", "_align_", "radixsort", "searchsorted")),
     ("moe experts", ("_moe_gemm", "_gate_up_silu", "_down_sum")),
     ("decode attention", ("_decode_kernel", "_fold_kernel", "fold_splits", "finish_splits")),
     ("prefill attention", ("_prefill_kernel", "flash", "fmha")),

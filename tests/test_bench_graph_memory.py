@@ -11,7 +11,7 @@ from gpu_engine.kernels import moe
 
 def test_the_probes_are_graphs_the_engine_captures() -> None:
     """A decode graph of the full batch, the largest mixed graph within 256 tokens, and the largest: every mixed step
-    of the budget, the probed and the timed, sorts its experts in one launch in the engine."""
+    of the budget, the probed and the timed, sorts its experts in the engine's kernels, not torch's sort."""
     decode, small, large = gm.probe_shapes()
     assert decode == (True, gm.MAX_BATCH, gm.MAX_BATCH)
     captured = set(mixed_buckets(gm.MAX_BATCH, gm.BUDGET))

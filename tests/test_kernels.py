@@ -263,15 +263,22 @@ def test_moe_align_groups_pairs_by_expert():
     assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
 
 
-@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 128, 16), (9, 8, 128, 16), (64, 8, 128, 16), (272, 8, 128, 16),
-                                      (3, 2, 6, 4), (0, 2, 5, 4), (40, 4, 60, 64), (7, 1, 3, 1)])
-def test_moe_align_one_launch_gives_the_sorted_arrays(T, k, E, bm):
-    """The one-launch align against torch's stable sort (`moe_align_ref`): the same arrays, element for
-    element, so the grouped GEMM sees the same blocks whichever ran; some experts unused, some crowded."""
+@pytest.mark.parametrize("T,k,E,bm,form", [(1, 8, 128, 16, None), (9, 8, 128, 16, None), (16, 8, 128, 16, "two"),
+                                           (64, 8, 128, 16, None), (272, 8, 128, 16, None), (40, 8, 128, 64, "one"),
+                                           (3, 2, 6, 4, None), (0, 2, 5, 4, None), (0, 2, 5, 4, "two"),
+                                           (40, 4, 60, 64, None), (7, 1, 3, 1, "two"), (300, 8, 128, 64, 256),
+                                           (130, 8, 256, 16, None)])
+def test_moe_align_gives_the_sorted_arrays(T, k, E, bm, form):
+    """The align's kernels against torch's stable sort (`moe_align_ref`): the same arrays, element for
+    element, so the grouped GEMM sees the same blocks whichever ran; some experts unused, some crowded; the form the
+    step size picks (None), or one launch, or two at the chunk the step size picks or at 256 pairs a chunk, with
+    chunks that end inside the step and past it."""
     g = torch.Generator().manual_seed(T * 1000 + E)
     skew = torch.rand(E, generator=g) ** 4  # a few experts take most pairs
     ids = torch.multinomial(skew.expand(max(T, 1), E), k, generator=g)[:T].to(DEV)
-    got, want = moe.moe_align(ids, E, bm), moe.moe_align_ref(ids, E, bm)
+    forced = {"one": {"one_launch": True}, "two": {"one_launch": False}, None: {}}.get(form, {"chunk": form,
+                                                                                           "one_launch": False})
+    got, want = moe.moe_align(ids, E, bm, **forced), moe.moe_align_ref(ids, E, bm)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

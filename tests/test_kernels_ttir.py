@@ -164,12 +164,17 @@ def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, wh
     assert _built(out, kv), out
 
 
-def test_moe_align_kernel_compiles_for_sm90() -> None:
-    """The one-launch MoE align (three program roles) for Qwen3-30B-A3B's 128 experts."""
-    sig = ("ids_ptr:*i64 sorted_ptr:*i32 bexp_ptr:*i32 P:i32 E:i32 P_MAX:i32 N_BLOCKS:i32 PAIR_PROGS:i32 "
-           "SLOT_PROGS:i32")
-    out = compiles("gpu_engine.kernels.moe", "_align_kernel", dict(item.split(":") for item in sig.split()),
-                   {"BM": 16, "BLOCK_E": 128, "CHUNK": 64})
+def test_moe_align_kernels_compile_for_sm90() -> None:
+    """The MoE align's two kernels (the count, the placing with three program roles) for Qwen3-30B-A3B's 128
+    experts."""
+    sig = "ids_ptr:*i64 hist_ptr:*i32 P:i32"
+    out = compiles("gpu_engine.kernels.moe", "_align_count_kernel", dict(item.split(":") for item in sig.split()),
+                   {"CHUNK": 64, "BLOCK_E": 128})
+    assert out.startswith("True"), out
+    sig = ("ids_ptr:*i64 hist_ptr:*i32 sorted_ptr:*i32 bexp_ptr:*i32 P:i32 E:i32 P_MAX:i32 N_BLOCKS:i32 "
+           "N_CHUNKS:i32 PAIR_PROGS:i32 SLOT_PROGS:i32")
+    out = compiles("gpu_engine.kernels.moe", "_align_place_kernel", dict(item.split(":") for item in sig.split()),
+                   {"BM": 16, "BLOCK_E": 128, "CHUNK": 64, "ROWS": 16})
     assert out.startswith("True"), out
 
 

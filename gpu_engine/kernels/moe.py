@@ -1,9 +1,9 @@
 """Mixture of experts without a host sync: routing, then one of two expert paths. Pair p = token * top_k + slot.
 
-Large steps: `moe_align` sorts the (token, slot) pairs by expert (one launch up to `ALIGN_KERNEL_PAIRS` pairs,
-torch ops past it), in arrays whose sizes depend only on static shapes, padding each expert's run to a multiple of
-`block_m`; the grouped GEMM then gives each block of `block_m` sorted pairs to one expert. Blocks past the end read
-expert id E and exit.
+Large steps: `moe_align` sorts the (token, slot) pairs by expert (one or two launches up to `ALIGN_KERNEL_PAIRS`
+pairs, torch ops past it), in arrays whose sizes depend only on static shapes, padding each expert's run to a
+multiple of `block_m`; the grouped GEMM then gives each block of `block_m` sorted pairs to one expert. Blocks
+past the end read expert id E and exit.
 
 Small steps (T * top_k <= SMALL_PAIRS, decode): no sort. A decode step reads a few experts' weights
 for one row each, so its time is the weight read; the sorted path's grid there is mostly empty
@@ -179,11 +179,19 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple
     return weights, ids
 
 
-# Steps of at most this many pairs sort in one launch (`_align_kernel`); larger ones with torch's sort (about 25
-# launches a layer). Both give the same arrays. 8,192 covers every step of the 1,024-token budget at eight experts a
-# token: on an H100 the one launch was faster at 2,176-6,144 pairs and even at 8,192, and the mixed graphs' fewer nodes
-# (1,410 MiB less of graphs) gave the KV cache 1.31 GiB more (BENCHMARKS.md, "The expert sort in one launch").
-ALIGN_KERNEL_PAIRS = 8192
+# The align's forms by step size (pairs = tokens * top_k), from `bench/kernels.py --only moe_align` on an H100
+# (BENCHMARKS.md, "The expert sort in two launches"): up to ONE_LAUNCH_PAIRS one launch whose every program counts
+# every pair (6.4 us at 128 pairs against 7.0 for two); up to ALIGN_KERNEL_PAIRS two, a count of each chunk of pairs
+# and a placing from the counts (8.0 us at 1,024 pairs, 15.6 at 8,192 and 118.6 at 65,536, where the one launch
+# took 19.4 and 133.9 and torch's stable sort 75.8, 124.4 and 132.9); past it torch's sort (about 25 launches).
+# All give the same arrays.
+ONE_LAUNCH_PAIRS = 128
+ALIGN_KERNEL_PAIRS = 65536
+
+
+def align_chunk(pairs: int) -> int:
+    """The two-launch align's pairs a chunk at a step of `pairs`: the fastest of 64, 128 and 256 measured there."""
+    return 64 if pairs <= 1024 else 128 if pairs <= 16384 else 256
 
 
 def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +213,57 @@ def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
-                  BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count_kernel(ids_ptr, hist_ptr, P, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """hist[c, x]: how many of pairs c * CHUNK .. c * CHUNK + CHUNK - 1 go to expert x (columns past E stay 0)."""
+    c = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    f = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    tl.store(hist_ptr + c * BLOCK_E + e, tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, N_CHUNKS, PAIR_PROGS,
+                        SLOT_PROGS, BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """Program roles by id: pair chunks (each pair to its slot), then slot chunks (padding slots get P), then
+    block chunks (each block's expert). Every program sums the chunks' counts (`_align_count_kernel`) into the
+    pairs per expert, and a pair program the chunks before its own, so the roles need no order among them and
+    write disjoint slots."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # pairs of each expert ahead of a pair program's chunk
+    for c0 in range(0, N_CHUNKS, ROWS):
+        c = c0 + tl.arange(0, ROWS)
+        h = tl.load(hist_ptr + c[:, None] * BLOCK_E + e[None, :], mask=(c < N_CHUNKS)[:, None], other=0)
+        counts += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((c < pid)[:, None], h, 0), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    if pid < PAIR_PROGS:  # slot of pair p: its expert's first slot + pairs of that expert before it
+        p = pid * CHUNK + tl.arange(0, CHUNK)
+        f = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        onehot = (f[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot + (before + pad_start)[None, :]
+        tl.store(sorted_ptr + tl.sum(onehot * rank, axis=1), p, mask=p < P)
+    elif pid < PAIR_PROGS + SLOT_PROGS:  # slot s, of expert x (whose runs end by s): padding past x's pairs
+        s = (pid - PAIR_PROGS) * CHUNK + tl.arange(0, CHUNK)
+        x = tl.sum(((pad_end[None, :] <= s[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+        sel = e[None, :] == x[:, None]
+        first = tl.sum(tl.where(sel, pad_start[None, :], 0), axis=1)
+        n = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
+        tl.store(sorted_ptr + s, tl.zeros([CHUNK], tl.int32) + P, mask=(s < P_MAX) & ((x >= E) | (s - first >= n)))
+    else:  # a block's expert: how many experts' runs end at or before its first slot (E: unused)
+        j = (pid - PAIR_PROGS - SLOT_PROGS) * CHUNK + tl.arange(0, CHUNK)
+        x = tl.sum(((pad_end[None, :] <= (j * BM)[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + j, x, mask=j < N_BLOCKS)
+
+
+@triton.jit
+def _align_one_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
+                      BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """Program roles by id: pair chunks (each pair to its slot), then slot chunks (padding slots get P), then
     block chunks (each block's expert). Every program counts the pairs per expert itself (P is small), so
     the roles need no order among them and write disjoint slots."""
@@ -243,28 +300,41 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR_PRO
         tl.store(bexp_ptr + j, x, mask=j < N_BLOCKS)
 
 
-def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None,
+              one_launch: bool | None = None, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort pairs by expert, no host sync.
 
     Returns sorted_pairs [P_max] int32 (value P marks padding) and block_expert [P_max // block_m]
     int32 (num_experts marks an unused block), with P = expert_ids.numel(). Each expert's pairs are in
-    pair order (a stable sort). Steps of up to `ALIGN_KERNEL_PAIRS` pairs take one launch, larger ones
-    `moe_align_ref`; the two give the same arrays.
+    pair order (a stable sort). Up to `ONE_LAUNCH_PAIRS` pairs one launch, up to `ALIGN_KERNEL_PAIRS` (`limit`) two
+    (each chunk of pairs counted per expert, then every slot placed from the counts; `align_chunk` pairs a chunk),
+    past it `moe_align_ref`: all give the same arrays. `chunk` and `one_launch` force a form (the benchmark's).
     """
     check("expert_ids", expert_ids, dtype=torch.int64)
     check_contiguous("expert_ids", expert_ids)
     P, E = expert_ids.numel(), num_experts
-    if P > ALIGN_KERNEL_PAIRS:
+    if P > (ALIGN_KERNEL_PAIRS if limit is None else limit):
         return moe_align_ref(expert_ids, num_experts, block_m)
     p_max = triton.cdiv(P + E * (block_m - 1), block_m) * block_m
-    sorted_pairs = torch.empty((p_max,), dtype=torch.int32, device=expert_ids.device)
-    block_expert = torch.empty((p_max // block_m,), dtype=torch.int32, device=expert_ids.device)
+    dev = expert_ids.device
+    sorted_pairs = torch.empty((p_max,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((p_max // block_m,), dtype=torch.int32, device=dev)
     if p_max == 0:  # no pairs and blocks of one
         return sorted_pairs, block_expert
-    chunk = 64
+    one = P <= ONE_LAUNCH_PAIRS if one_launch is None else one_launch
+    chunk = chunk or (64 if one else align_chunk(P))
     progs = [triton.cdiv(n, chunk) for n in (P, p_max, p_max // block_m)]
-    _align_kernel[(sum(progs),)](expert_ids, sorted_pairs, block_expert, P, E, p_max, p_max // block_m,
-                                 progs[0], progs[1], BM=block_m, BLOCK_E=next_pow2(E), CHUNK=chunk, num_warps=4)
+    block_e = next_pow2(E)
+    if one:
+        _align_one_kernel[(sum(progs),)](expert_ids, sorted_pairs, block_expert, P, E, p_max, p_max // block_m,
+                                         progs[0], progs[1], BM=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+        return sorted_pairs, block_expert
+    chunks = max(progs[0], 1)
+    hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+    _align_count_kernel[(chunks,)](expert_ids, hist, P, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
+    _align_place_kernel[(sum(progs),)](expert_ids, hist, sorted_pairs, block_expert, P, E, p_max, p_max // block_m,
+                                       chunks, progs[0], progs[1], BM=block_m, BLOCK_E=block_e, CHUNK=chunk,
+                                       ROWS=min(16, next_pow2(chunks)), num_warps=4)
     return sorted_pairs, block_expert
 
 

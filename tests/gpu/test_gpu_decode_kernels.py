@@ -102,11 +102,12 @@ def test_gpu_decode_attention_forms_and_replay_give_the_same_bits(batch):
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 9, 64, 128, 256, 300, 1024, 1025])
-def test_gpu_moe_align_one_launch_equals_the_sort(tokens):
-    """Qwen3-30B-A3B routing (128 experts, top 8) at decode and prompt-chunk sizes: the one-launch align and
-    torch's stable sort give the same arrays (1,024 tokens is the one-launch bound, 8,192 pairs; 1,025 is past it:
-    the sort itself)."""
+@pytest.mark.parametrize("tokens", [1, 9, 16, 17, 64, 128, 129, 256, 300, 1024, 2048, 2049, 8192, 8193])
+def test_gpu_moe_align_equals_the_sort(tokens):
+    """Qwen3-30B-A3B routing (128 experts, top 8) at decode and prompt-chunk sizes: the align's kernels and
+    torch's stable sort give the same arrays (16 tokens is the one launch's bound, 128 pairs, then two launches of
+    64, 128 and 256 pairs a chunk; 8,192 tokens is the kernels' bound, 65,536 pairs; 8,193 is past it: the sort
+    itself)."""
     from gpu_engine.kernels import moe
 
     logits = torch.randn(tokens, 128, device=DEV, generator=torch.Generator(DEV).manual_seed(tokens))
