@@ -39,6 +39,9 @@ rate (the FP8 rate is about twice that: `x floor` below 1 is possible there); FP
 of 1.0 a layer for keys and values, the cache `--kv-cache-dtype fp8` gives the engine): model suffix `-kvfp8`
 (`llama3-8b-shape-kvfp8`, `llama3-8b-shape-fp8-kvfp8`), key `kv_dtype`, the floor's KV bytes at one byte an element;
 these rows carry no breakdown either.
+Decode rows whose KV cache does not fit the memory the weights leave, less `KV_MARGIN` for what is allocated after
+the cache, are skipped rather than run out of memory (`fit_rows`): each is printed and recorded in the file's `skipped`
+list with its cache's bytes and the free bytes (on an 80 GB card, the MoE shape's batch 128 at 2,048 tokens).
 Usage: python bench/roofline.py [--out bench/results/decode_roofline.json] [--models dense,moe,mixed]
 (rows of the models and phases run replace those rows in an existing `--out`, the others stay);
 `--plot PNG` draws each decode row's time over its floor beside the issue's goals (`--plot-only`: from
@@ -65,6 +68,10 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
                  "max_position_embeddings": 8192, "num_experts": 128, "num_experts_per_tok": 8,
                  "moe_intermediate_size": 768, "norm_topk_prob": True}
 BLOCK = 16
+# The memory left free beside the KV cache for what is allocated after it: the runner's step buffers (tens of MiB),
+# the captured graphs' shared pool (the largest step's activations: about 1 GiB at a dense 8,192-token prefill, less
+# at the decode batches), the breakdowns' temporaries and cuBLAS's workspaces.
+KV_MARGIN = 4 * 2**30
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 MOE_BATCHES = (1, 8, 64, 128)
 
@@ -124,18 +131,34 @@ def build(hf: dict, max_ctx: int, batches, prefill, plan=None, served: tuple[lis
     cache's blocks where that is more); `fp8`: an `Fp8Scheme` for the decoder layers' projections (the model's
     `quantized` attribute holds them), else bf16; `kv_dtype`: the cache's elements (bf16, or float8_e4m3fn with the
     cache's unit scales, which the runner passes to every KV writer and reader)."""
-    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
-    from gpu_engine.kv_cache import KVCache
+    cfg, model = build_model(hf, fp8)
+    blocks, limits = sizes(max_ctx, batches, prefill, served)
+    return cfg, model, attach(cfg, model, blocks, limits, plan, kv_dtype)
+
+
+def build_model(hf: dict, fp8=None):
+    """(config, model) of `hf`'s shape with random weights (`random_model`), the decoder layers' projections
+    quantized by `fp8` where given (the model's `quantized` attribute holds them); the allocator's cache emptied, so
+    that the free memory is what the weights leave."""
     from gpu_engine.models.fp8_checkpoint import quantize_linears
 
     cfg, model = random_model(hf)
     quantized = {} if fp8 is None else quantize_linears(model, fp8)
     setattr(model, "quantized", quantized)  # noqa: B010 - what weight_bytes and layer_params count
     torch.cuda.empty_cache()
-    blocks, limits = sizes(max_ctx, batches, prefill, served)
+    return cfg, model
+
+
+def attach(cfg, model, blocks: int, limits: tuple[int, int, int], plan=None,
+           kv_dtype: torch.dtype = torch.bfloat16):
+    """A runner of `model` with `plan` (cuBLAS where None) over a KV cache of `blocks` blocks of `kv_dtype`, its
+    step buffers sized by `limits` (batch, tokens, blocks a sequence: `sizes`)."""
+    from gpu_engine.gpu.runner import GpuModelRunner, RunnerLimits
+    from gpu_engine.kv_cache import KVCache
+
     kv = KVCache(cfg, blocks, BLOCK, dtype=kv_dtype, device="cuda")
-    return cfg, model, GpuModelRunner(model, kv, RunnerLimits(*limits), quantized=quantized,
-                                      **({} if plan is None else {"plan": plan}))
+    return GpuModelRunner(model, kv, RunnerLimits(*limits), quantized=getattr(model, "quantized", {}),
+                          **({} if plan is None else {"plan": plan}))
 
 
 def sizes(max_ctx: int, batches, prefill, served: tuple[list[int], ...] = ()) -> tuple[int, tuple[int, int, int]]:
@@ -148,6 +171,45 @@ def sizes(max_ctx: int, batches, prefill, served: tuple[list[int], ...] = ()) ->
     tokens = max(prefill, default=max(batches))
     return (max(max(batches) * per_seq, most),
             (max(batches), max(tokens, max(batches)), max(tokens // BLOCK, per_seq, widest)))
+
+
+def row_blocks(batch: int, ctx: int | list[int]) -> int:
+    """The KV blocks a decode row of `batch` sequences takes as `sizes` counts them (a block past each context):
+    `ctx` tokens each, or `ctx[b]` tokens the b-th (served contexts)."""
+    lens = ctx if isinstance(ctx, list) else [ctx] * batch
+    return sum(n // BLOCK + 1 for n in lens)
+
+
+Row = tuple[int, int | list[int]]  # a decode row: (batch, context), the context a list where uneven (served)
+
+
+def fit_rows(rows: list[Row], token_bytes: int, free: int, margin: int = KV_MARGIN) -> tuple[list[Row], list[dict]]:
+    """The decode rows whose KV cache fits in `free` bytes less `margin`, in their order, and a record of each other
+    one (its batch and context, -1 for served contexts; the cache's bytes, the free bytes, the margin and why). Every
+    row is staged from the cache's first block (`stage_step`): a row fits by its own blocks (`row_blocks`) of
+    `token_bytes` a token."""
+    kept: list[Row] = []
+    skipped: list[dict] = []
+    for batch, ctx in rows:
+        need = row_blocks(batch, ctx) * BLOCK * token_bytes
+        if need <= free - margin:
+            kept.append((batch, ctx))
+            continue
+        skipped.append({"phase": "decode", "batch": batch, "context": -1 if isinstance(ctx, list) else ctx,
+                        "kv_bytes": need, "free_bytes": free, "margin_bytes": margin,
+                        "reason": f"its KV cache ({need / 2**30:.2f} GiB) does not fit the {free / 2**30:.2f} GiB "
+                                  f"free after the weights less a {margin / 2**30:g} GiB margin"})
+    return kept, skipped
+
+
+def fitted_sizes(max_ctx: int, batches, kept: list[Row], prefill) -> tuple[list[int], int, tuple[int, int, int]]:
+    """For the `kept` decode rows of `batches` (`fit_rows`) and one-sequence prefills of `prefill` tokens: the batches
+    that have a row kept, in their order, the KV cache's blocks (the largest kept row's, or a prefill's where that is
+    more) and the runner's limits (`sizes`); with every row kept, the cache and the limits `sizes` gives for them."""
+    batches = [b for b in batches if any(k == b for k, _ in kept)]
+    blocks = max([row_blocks(b, ctx) for b, ctx in kept] + [t // BLOCK + 1 for t in prefill])
+    _, limits = sizes(max_ctx, batches, prefill, tuple(ctx for _, ctx in kept if isinstance(ctx, list)))
+    return batches, blocks, limits
 
 
 def stage_step(runner, batch: int, ctx, new: int, logprobs: bool = False) -> None:
@@ -249,20 +311,29 @@ def decode_row(name, cfg, model, runner, graphs, b: int, ctx, gbps: float, iters
 
 
 def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float, iters: int,
-              plan=None, fp8=None, kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+              plan=None, fp8=None, kv_dtype: torch.dtype = torch.bfloat16) -> tuple[list[dict], list[dict]]:
+    """(the rows of a model, the records of its decode rows skipped: their KV cache does not fit, `fit_rows`)."""
     from bench.kernels import served_contexts
 
     # steps as served (dense only): uneven contexts (equal ones hid a form that waits on the longest row)
     served = [] if hf.get("num_experts") else [b for b in SERVED_BATCHES if b in batches]
-    cfg, model, runner = build(hf, max(CONTEXTS), batches, prefill, plan, tuple(served_contexts(b) for b in served),
-                               fp8, kv_dtype)
+    cfg, model = build_model(hf, fp8)
+    wanted: list[Row] = [(b, ctx) for ctx in CONTEXTS for b in batches]
+    wanted += [(b, served_contexts(b)) for b in served]
+    kept, skipped = fit_rows(wanted, kv_token_bytes(cfg, kv_dtype), torch.cuda.mem_get_info()[0])
+    skipped = [{"model": name, **s} for s in skipped]
+    for s in skipped:
+        print(f"{name}: skipping decode batch {s['batch']} at context {s['context']}: {s['reason']}", flush=True)
+    if not kept:
+        print(f"{name}: no decode row fits, nothing run", flush=True)
+        return [], skipped
+    batches, blocks, limits = fitted_sizes(max(CONTEXTS), batches, kept, prefill)
+    runner = attach(cfg, model, blocks, limits, plan, kv_dtype)
     t0 = time.perf_counter()
     graphs, captured = capture(runner, batches, prefill)
     print(f"{name}: captured {len(captured)} graphs in {time.perf_counter() - t0:.1f} s, "
           f"{sum(g.memory_bytes for g in captured) / 2**20:.0f} MiB", flush=True)
-    rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters)
-            for ctx in CONTEXTS for b in batches]
-    rows += [decode_row(name, cfg, model, runner, graphs, b, served_contexts(b), gbps, iters) for b in served]
+    rows = [decode_row(name, cfg, model, runner, graphs, b, ctx, gbps, iters) for b, ctx in kept]
     tag_rows(rows, fp8, kv_dtype)
     for t in prefill:
         stage_step(runner, 1, t, t)
@@ -275,7 +346,7 @@ def run_model(name: str, hf: dict, batches, prefill, gbps: float, tflops: float,
             row["breakdown"] = prefill_breakdown(runner, t, gbps, tflops)
         rows.append(row)
     graphs.close()
-    return rows
+    return rows, skipped
 
 
 def tag_rows(rows: list[dict], fp8, kv_dtype: torch.dtype) -> None:
@@ -436,6 +507,7 @@ def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tupl
     print(f"device copy {gbps:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = [r for r in old.get("rows", []) if not replaced(r, models, batches)]
+    skipped = [s for s in old.get("skipped", []) if not replaced(s, models, batches)]
     for m in models:
         if m == "mixed":
             rows += run_mixed(gbps, tflops, iters, plan)
@@ -446,12 +518,14 @@ def run(out: Path, iters: int, models=("dense", "moe"), plan=None, batches: tupl
                 if not model_batches:  # none of this model's batches asked for: its rows stay as they are
                     continue
             for form, kv_form in forms(m, weights, kv):
-                rows += run_model(label(name, form, kv_form), hf, model_batches, prefill, gbps, tflops, iters,
-                                  form_plan(plan, form), fp8_scheme(form), KV_DTYPES[kv_form])
+                got, missed = run_model(label(name, form, kv_form), hf, model_batches, prefill, gbps, tflops, iters,
+                                        form_plan(plan, form), fp8_scheme(form), KV_DTYPES[kv_form])
+                rows += got
+                skipped += missed
                 torch.cuda.empty_cache()
         torch.cuda.empty_cache()  # the model is gone with the run's frame
     ceilings = {"hbm_gbps_measured": gbps, "matmul_tflops_measured": tflops}
-    result = {**old, "device": torch.cuda.get_device_name(), "rows": rows}
+    result = {**old, "device": torch.cuda.get_device_name(), "rows": rows, "skipped": skipped}
     if "dense" in models or "hbm_gbps_measured" not in old:
         result.update(ceilings)
     for m in models:  # the ceilings of the run that measured each kind of row, beside the file's (the dense run's)
@@ -502,6 +576,8 @@ def print_table(result: dict) -> None:
         for part, v in r.get("breakdown", {}).items():
             rate = f"{v['tflops']:7.1f} TFLOP/s" if "tflops" in v else f"{v['gbps']:7.0f} GB/s"
             print(f"{'':34}{part:24} {v['ms']:8.3f} ms  floor {v['floor_ms']:8.3f}  {rate}")
+    for s in result.get("skipped", []):
+        print(f"{s['model']:32} {s['phase']:8} {s['batch']:5d} {s['context']:5d} skipped: {s['reason']}")
     for budget, rate in result.get("mixed_saturated_rate", {}).items():
         print(f"budget {budget:>5} tokens: saturated about {rate:.1f} req/s (`saturated_rate`, a model)")
 

@@ -187,3 +187,69 @@ def test_the_bench_modules_import_in_either_order(first: str) -> None:
         "assert k.active_experts(cfg, 1) == 8 and 8 < k.active_experts(cfg, 8) < 64"))
     res = subprocess.run([sys.executable, "-c", code, first], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_decode_rows_whose_kv_cache_does_not_fit_are_skipped_and_the_others_keep_their_sizes() -> None:
+    """`fit_rows`: the MoE shape's KV is 96 KiB a token; with the about 21.8 GiB an 80 GB card has free after its 61 GB
+    of weights, less the 4 GiB margin, batch 128 at 2,048 tokens (24.2 GiB) is skipped and recorded with its bytes and
+    the free bytes, every other row kept in the run's order; on an H200 (about 82 GiB free) every row is kept. The kept
+    rows run as before: the same batches' graphs and runner limits, the cache the largest kept row's; with every row
+    kept, the cache `sizes` gives (served rows too, whose record says context -1). A skip record is replaced by a
+    run of its model and batch as a row is."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernels import served_contexts
+    from bench.roofline import (
+        BLOCK,
+        CONTEXTS,
+        DECODE_BATCHES,
+        KV_MARGIN,
+        MOE_BATCHES,
+        QWEN3_30B_A3B,
+        SERVED_BATCHES,
+        fit_rows,
+        fitted_sizes,
+        kv_token_bytes,
+        replaced,
+        row_blocks,
+        sizes,
+    )
+    from gpu_engine.models.config import ModelConfig
+
+    token = kv_token_bytes(ModelConfig.from_hf(QWEN3_30B_A3B))
+    assert token == 96 * 1024 and KV_MARGIN == 4 * 2**30
+    rows = [(b, ctx) for ctx in CONTEXTS for b in MOE_BATCHES]
+    free = int(21.8 * 2**30)
+    kept, skipped = fit_rows(rows, token, free)
+    assert kept == [r for r in rows if r != (128, 2048)]
+    need = 128 * (2048 // BLOCK + 1) * BLOCK * token
+    assert skipped == [{"phase": "decode", "batch": 128, "context": 2048, "kv_bytes": need, "free_bytes": free,
+                        "margin_bytes": KV_MARGIN, "reason": skipped[0]["reason"]}]
+    assert "24.19 GiB" in skipped[0]["reason"] and "21.80 GiB" in skipped[0]["reason"]
+    assert fit_rows(rows, token, 82 * 2**30) == (rows, [])
+
+    batches, blocks, limits = fitted_sizes(max(CONTEXTS), MOE_BATCHES, kept, ())
+    full_blocks, full_limits = sizes(max(CONTEXTS), MOE_BATCHES, ())
+    assert (batches, limits) == (list(MOE_BATCHES), full_limits)
+    assert blocks == 64 * (2048 // BLOCK + 1) == row_blocks(64, 2048) < full_blocks
+    assert fitted_sizes(max(CONTEXTS), MOE_BATCHES, rows, ()) == (list(MOE_BATCHES), full_blocks, full_limits)
+    assert fitted_sizes(max(CONTEXTS), MOE_BATCHES, [(1, 512), (8, 512)], ())[0] == [1, 8]
+
+    # a row fits up to the byte; the margin is what the caller passes
+    edge = row_blocks(8, 512) * BLOCK * token
+    assert fit_rows([(8, 512)], token, edge + KV_MARGIN)[0] == [(8, 512)]
+    assert fit_rows([(8, 512)], token, edge + KV_MARGIN - 1)[0] == []
+    assert fit_rows([(8, 512)], token, edge, margin=0)[0] == [(8, 512)]
+
+    # the dense shape's rows with served contexts: all kept, the cache and limits are today's
+    dense = [(b, ctx) for ctx in CONTEXTS for b in DECODE_BATCHES]
+    served = [(b, served_contexts(b)) for b in SERVED_BATCHES]
+    kept, skipped = fit_rows(dense + served, 128 * 1024, 64 * 2**30)
+    assert (kept, skipped) == (dense + served, [])
+    assert fitted_sizes(max(CONTEXTS), DECODE_BATCHES, kept, (512, 2048, 8192)) == (
+        list(DECODE_BATCHES), *sizes(max(CONTEXTS), DECODE_BATCHES, (512, 2048, 8192), tuple(c for _, c in served)))
+    assert row_blocks(128, served[-1][1]) == sum(n // BLOCK + 1 for n in served[-1][1])
+    _, skipped = fit_rows(served[-1:], 128 * 1024, KV_MARGIN)
+    assert [(s["batch"], s["context"]) for s in skipped] == [(128, -1)]
+
+    record = {"model": "qwen3-30b-a3b-shape", **fit_rows(rows, token, free)[1][0]}
+    assert replaced(record, ("moe",)) and replaced(record, ("moe",), (128,)) and not replaced(record, ("moe",), (64,))
