@@ -9,9 +9,10 @@ Usage: python -m bench.kernels [--out bench/results/kernels.json] [--only attent
 cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shapes against the matmul peak;
 `--only tiled`: the tiled linear's configurations against cuBLAS at 1-128 rows; `--only fused`: its fused forms
 against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the W8A8 product and bf16 cuBLAS at
-1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens; `--only
-moe_align`: its align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192
-tokens; none in the default sets)
+1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens,
+gate_up with the SiLU-and-multiply in its epilogue, and the whole path with and without it; `--only moe_align`: its
+align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192 tokens; none in the
+default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -738,7 +739,10 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
 # warps, Triton's default stages): (block_n, block_k, warps, stages), each at the block heights the path takes.
 SORTED_TILES = ((64, 64, 4, None), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
                 (64, 256, 4, 2), (128, 256, 8, 2), (64, 64, 4, 4), (64, 128, 8, 4), (256, 64, 8, 3))
+# The gate_up GEMM with the SiLU-and-multiply in its epilogue (`glu`): two accumulators a tile, so narrower tiles too
+GLU_TILES = ((64, 64, 4, None), (64, 64, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))
 SORTED_HEIGHTS = (16, 64)
+TALL_HEIGHT, TALL_FROM = 128, 1024  # a taller block (most experts one block) at steps of this many tokens and more
 SORTED_BATCHES = (16, 64, 128, 1024)  # decode steps past the sort-free path's 8 rows, and a mixed step's 1,024 tokens
 
 
@@ -752,6 +756,7 @@ def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
     (a function running layer i, layer i's output buffers). Layer i's pairs are sorted once, beforehand; the shapes
     are the weights' (down [E, H, I]) and the routes' (ids [B, k])."""
     from gpu_engine.kernels import moe
+    from gpu_engine.kernels.activation import silu_and_mul
 
     (E, H, I), k = down[0].shape, routes[0][1].shape[1]
     aligned = [moe.moe_align(ids, E, bm) for _, ids in routes]
@@ -767,14 +772,35 @@ def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
             xs[i], gate_up[i], inter[i], *aligned[i], flat[i], a_div=k, block_m=bm, **conf), inter)
         cases[sorted_name("down", bm, tile)] = (lambda i, conf=conf: moe.moe_gemm(
             acts[i], down[i], y[i], *aligned[i], flat[i], a_div=1, block_m=bm, **conf), y)
+    silu = [torch.empty(B * k, I, device=xs[0].device, dtype=xs[0].dtype) for _ in range(layers)]
+
+    def unfused(i: int) -> None:  # what the glu form replaces: the launcher's gate_up, then the SiLU-and-multiply
+        moe.moe_gemm(xs[i], gate_up[i], inter[i], *aligned[i], flat[i], a_div=k, block_m=bm)
+        silu_and_mul(inter[i], out=silu[i])
+
+    cases[f"gate_up+silu bm={bm}"] = (unfused, silu)
+    glu = [torch.empty(B * k, I, device=xs[0].device, dtype=xs[0].dtype) for _ in range(layers)]
+    for tile in GLU_TILES:
+        bn, bk, warps, stages = tile
+        conf = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+        cases[sorted_name("glu", bm, tile)] = (lambda i, conf=conf: moe.moe_gemm(
+            xs[i], gate_up[i], glu[i], *aligned[i], flat[i], a_div=k, block_m=bm, glu=True, **conf), glu)
     return cases
+
+
+def _sorted_path(i: int, xs, gate_up, down, routes, glu: bool) -> torch.Tensor:
+    from gpu_engine.kernels import moe
+
+    return moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i], glu=glu)
 
 
 def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
     """The Qwen3-30B-A3B experts' sorted path, each GEMM alone over SORTED_TILES and SORTED_HEIGHTS at the step
-    sizes that take it (SORTED_BATCHES), against the weight bytes of the experts its routing activates; each row says
-    whether its output is the launcher's configuration's bit for bit (a K step other than 64 sums in another order:
-    its largest difference is given). Weight sets taken in turn, as `moe_rows`."""
+    sizes that take it (SORTED_BATCHES), the gate_up GEMM with the SiLU-and-multiply epilogue over GLU_TILES beside
+    the two launches it replaces (`gate_up+silu`), and the whole path in each form (`path`, `path glu`), against the
+    weight bytes of the experts its routing activates; each GEMM row says whether its output is the launcher's
+    configuration's bit for bit (a K step other than 64 sums in another order: its largest difference is given).
+    Weight sets taken in turn, as `moe_rows`."""
     from gpu_engine.kernels import moe
 
     E, H, I, k = (MOE_SHAPE[n] for n in ("experts", "hidden", "inter", "top_k"))
@@ -787,7 +813,14 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
         acts = [torch.randn(B * k, I, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
         active = sum(ids.unique().numel() for _, ids in routes) / layers
         nbytes = {"gate_up": active * 2 * I * H * 2, "down": active * H * I * 2}
-        for bm in SORTED_HEIGHTS:
+        nbytes["glu"] = nbytes["gate_up+silu"] = nbytes["gate_up"]
+        for glu in (False, True):  # the whole sorted path (align, GEMMs, SiLU-and-multiply, sum), each form
+            order = itertools.cycle(range(layers))
+            ms = graph_ms(lambda glu=glu, order=order, xs=xs, routes=routes: _sorted_path(
+                next(order), xs, gate_up, down, routes, glu))
+            rows.append({"kernel": "moe_sorted", "case": "path glu" if glu else "path", "batch": B,
+                         "experts": round(active, 1), **entry(ms, nbytes["gate_up"] + nbytes["down"], gbps)})
+        for bm in SORTED_HEIGHTS + ((TALL_HEIGHT,) if B >= TALL_FROM else ()):
             cases = _sorted_gemms(B, bm, gate_up, down, xs, routes, acts)
             reference: dict[str, torch.Tensor] = {}
             for name, (fn, outs) in cases.items():

@@ -178,6 +178,16 @@ def test_moe_align_kernels_compile_for_sm90() -> None:
     assert out.startswith("True"), out
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_moe_gemm_kernel_compiles_for_sm90(glu: bool) -> None:
+    """The sorted path's grouped GEMM at the launcher's tile, plain and with the SiLU-and-multiply epilogue."""
+    sig = ("a_ptr:*bf16 w_ptr:*bf16 c_ptr:*bf16 sorted_ptr:*i32 bexp_ptr:*i32 rw_ptr:*fp32 N:i32 K:i32 P:i32 "
+           "A_DIV:i32 sa_m:i32 sw_e:i32 sw_n:i32 sc_m:i32 E:i32")
+    out = compiles("gpu_engine.kernels.moe", "_moe_gemm_kernel", dict(item.split(":") for item in sig.split()),
+                   {"MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32", "GLU": glu})
+    assert out.startswith("True"), out
+
+
 TILED_SIG = ("x_ptr:*bf16 w_ptr:*bf16 out_ptr:*bf16 ws_ptr:*fp32 cnt_ptr:*i32 nw_ptr:*bf16 M:i32 N:i32 K:i32 "
              "sx:i32 sw:i32 so:i32 k_split:i32 eps:fp32")
 PLAIN = {"GLU": False, "NORM": False, "ADD": False}

@@ -138,6 +138,24 @@ def test_gpu_moe_gemm_real_sizes(tokens, experts):
     _within(f"moe_gemm down T={tokens}", y, exact, mr.gamma(I) * mag + U * y.double().abs() / (1 - U))
 
 
+@pytest.mark.parametrize("tokens", TOKENS[2:])
+def test_gpu_moe_gemm_glu_real_sizes(tokens, experts):
+    """The gate_up GEMM with the SiLU-and-multiply in its epilogue (`glu`): each pair's r(silu(g) v) of fp32 g and v,
+    within `act_error` without their rounding (the sort-free kernel's bound); the sorted path with it within the
+    error of a path that rounds each pair's down product but not g and v."""
+    _, gate_up, down = experts
+    x, weights, ids = _step(tokens, experts)
+    bm = 16 if tokens * TOP_K <= 4 * E else 64
+    sorted_pairs, block_expert = moe.moe_align(ids, E, bm)
+    act = torch.empty(tokens * TOP_K, I, dtype=x.dtype, device=DEV)
+    moe.moe_gemm(x, gate_up, act, sorted_pairs, block_expert, weights.reshape(-1), a_div=TOP_K, block_m=bm, glu=True)
+    f, da = mr.act_error(mr.pair_products(x, gate_up, ids), U, H, rounds_gv=False)
+    _within(f"moe_gemm glu T={tokens}", act, f, da)
+    out = moe.moe_experts_sorted(x, gate_up, down, weights, ids, glu=True)
+    err = mr.path_error(x, gate_up, down, weights, ids, out, U, rounds_gv=False, rounds_pairs=True)
+    _within(f"sorted path, glu T={tokens}", out, mr.experts_ref(x, gate_up, down, weights, ids), err)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_gpu_expert_paths_real_sizes_and_against_each_other(tokens, experts):
     """Both expert paths on the same routing, each within its `path_error` of the exact output; `fused_moe` gives
