@@ -257,6 +257,12 @@ run_step() {
     *) summary "unknown step: $1" ;;
   esac
 }
+# Every step but carry imports the ring's C extension (shared/_atomics), which only the build step compiles for this
+# machine's Python: a fresh machine given no build step builds first rather than fail each step on the import.
+if [ "$STEPS" != carry ] && [[ " $STEPS " != *" build "* ]] && ! "$PY" -c "import shared._atomics" 2>/dev/null; then
+  summary "shared._atomics is not built for $("$PY" -V 2>&1) here: running the build step first"
+  STEPS="build $STEPS"
+fi
 for name in $STEPS; do run_step "$name"; done
 # Few files come back from a lent machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
