@@ -799,7 +799,8 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
     sizes that take it (SORTED_BATCHES), the gate_up GEMM with the SiLU-and-multiply epilogue over GLU_TILES beside
     the two launches it replaces (`gate_up+silu`), and the whole path in each form (`path`, `path glu`), against the
     weight bytes of the experts its routing activates; each GEMM row says whether its output is the launcher's
-    configuration's bit for bit (a K step other than 64 sums in another order: its largest difference is given).
+    configuration's bit for bit (a K step other than 64 sums in another order: its largest difference is given), a
+    glu row the unfused activation's, `path glu` the unfused path's.
     Weight sets taken in turn, as `moe_rows`."""
     from gpu_engine.kernels import moe
 
@@ -814,12 +815,16 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
         active = sum(ids.unique().numel() for _, ids in routes) / layers
         nbytes = {"gate_up": active * 2 * I * H * 2, "down": active * H * I * 2}
         nbytes["glu"] = nbytes["gate_up+silu"] = nbytes["gate_up"]
+        paths = {}
         for glu in (False, True):  # the whole sorted path (align, GEMMs, SiLU-and-multiply, sum), each form
             order = itertools.cycle(range(layers))
             ms = graph_ms(lambda glu=glu, order=order, xs=xs, routes=routes: _sorted_path(
                 next(order), xs, gate_up, down, routes, glu))
+            paths[glu] = _sorted_path(0, xs, gate_up, down, routes, glu)
+            diff = float((paths[glu].float() - paths[False].float()).abs().max())
             rows.append({"kernel": "moe_sorted", "case": "path glu" if glu else "path", "batch": B,
-                         "experts": round(active, 1), **entry(ms, nbytes["gate_up"] + nbytes["down"], gbps)})
+                         "experts": round(active, 1), "same_bits": bool(torch.equal(paths[glu], paths[False])),
+                         "max_abs_diff": diff, **entry(ms, nbytes["gate_up"] + nbytes["down"], gbps)})
         for bm in SORTED_HEIGHTS + ((TALL_HEIGHT,) if B >= TALL_FROM else ()):
             cases = _sorted_gemms(B, bm, gate_up, down, xs, routes, acts)
             reference: dict[str, torch.Tensor] = {}
@@ -835,7 +840,8 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
                                  **entry(float("nan"), nbytes[gemm], gbps)})
                     continue
                 out = outs[0]
-                first = reference.setdefault(gemm, out.clone())  # the launcher's tile comes first
+                # the launcher's tile comes first; the glu forms are compared with the unfused activation
+                first = reference.setdefault("act" if gemm in ("glu", "gate_up+silu") else gemm, out.clone())
                 diff = float((out.float() - first.float()).abs().max())
                 rows.append({"kernel": "moe_sorted", "case": name, "batch": B, "experts": round(active, 1),
                              "block_m": bm, "taken": bm == (16 if B * k <= 4 * E else 64),

@@ -81,7 +81,8 @@ def test_moe_kernels_have_their_own_families() -> None:
     """The expert kernels are not counted as activations or GEMMs, the routing and sort not as sampling."""
     assert trace.family("_gate_up_silu_kernel") == "moe experts" == trace.family("_moe_gemm_kernel")
     assert trace.family("_down_sum_kernel") == "moe experts"
-    assert trace.family("_align_kernel") == "moe routing / sort" == trace.family("_router_kernel")
+    assert trace.family("_align_count_kernel") == trace.family("_align_place_kernel") == trace.family(
+        "_align_one_kernel") == "moe routing / sort" == trace.family("_router_kernel")
     assert trace.family("_route_kernel") == "moe routing / sort"
 
 

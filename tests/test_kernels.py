@@ -282,6 +282,12 @@ def test_moe_align_gives_the_sorted_arrays(T, k, E, bm, form):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("chunk", [0, 48, 512])
+def test_moe_align_refuses_a_chunk_it_has_no_kernel_for(chunk):
+    with pytest.raises(ValueError, match="chunk"):
+        moe.moe_align(torch.zeros(4, 2, dtype=torch.int64, device=DEV), 4, 4, chunk=chunk)
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_fused_moe(normalize):
     g = torch.Generator().manual_seed(1)

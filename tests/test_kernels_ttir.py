@@ -165,8 +165,13 @@ def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, wh
 
 
 def test_moe_align_kernels_compile_for_sm90() -> None:
-    """The MoE align's two kernels (the count, the placing with three program roles) for Qwen3-30B-A3B's 128
-    experts."""
+    """The MoE align's kernels for Qwen3-30B-A3B's 128 experts: the one launch (three program roles), and the two
+    (the count, the placing with the same roles)."""
+    sig = ("ids_ptr:*i64 sorted_ptr:*i32 bexp_ptr:*i32 P:i32 E:i32 P_MAX:i32 N_BLOCKS:i32 PAIR_PROGS:i32 "
+           "SLOT_PROGS:i32")
+    out = compiles("gpu_engine.kernels.moe", "_align_one_kernel", dict(item.split(":") for item in sig.split()),
+                   {"BM": 16, "BLOCK_E": 128, "CHUNK": 64})
+    assert out.startswith("True"), out
     sig = "ids_ptr:*i64 hist_ptr:*i32 P:i32"
     out = compiles("gpu_engine.kernels.moe", "_align_count_kernel", dict(item.split(":") for item in sig.split()),
                    {"CHUNK": 64, "BLOCK_E": 128})

@@ -312,6 +312,8 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, chunk: i
     """
     check("expert_ids", expert_ids, dtype=torch.int64)
     check_contiguous("expert_ids", expert_ids)
+    if chunk is not None and chunk not in (16, 32, 64, 128, 256):
+        raise ValueError(f"chunk: 16, 32, 64, 128 or 256 pairs, got {chunk}")
     P, E = expert_ids.numel(), num_experts
     if P > (ALIGN_KERNEL_PAIRS if limit is None else limit):
         return moe_align_ref(expert_ids, num_experts, block_m)
@@ -389,6 +391,8 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
     N = W // 2 if glu else W
     if glu and W % 2:
         raise ValueError(f"w: a gate_up product needs an even row count, got {W}")
+    if glu and N * w.stride(1) >= 2**31:  # the kernel's offset of the up rows is an int32 product
+        raise ValueError(f"w: {N} gate rows of {w.stride(1)} elements is past int32 offsets")
     check("w", w, dtype=a.dtype, shape=(E, W, a.shape[1]), device=a.device)
     check_contiguous("w", w)
     check("out", out, dtype=a.dtype, shape=(None, N), device=a.device)
