@@ -11,8 +11,9 @@ cuBLAS against cuBLASLt; `--only prefill`: the prefill attention over tile shape
 against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the W8A8 product and bf16 cuBLAS at
 1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens,
 gate_up with the SiLU-and-multiply in its epilogue, and the whole path with and without it; `--only moe_align`: its
-align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192 tokens; none in the
-default sets)
+align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192 tokens; `--only
+attention_fp8`: the decode attention over an FP8 cache with its products in bf16 or fp16, beside a bf16 cache; none
+in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -354,6 +355,37 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
             rows.append({"kernel": "decode_attention", "case": name, "batch": B, "context": lens[0] if equal else -1,
                          "context_mean": sum(lens) / B, "context_max": max(lens), "kv_heads": hkv,
                          **entry(ms, nbytes, gbps)})
+    return rows
+
+
+def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] | None = None) -> list[dict]:
+    """Decode attention over an FP8 cache (`--kv-cache-dtype fp8`, unit scales) at the runner's split form
+    (`p256_bn128`), Llama-3-8B's heads, served contexts at 32-128 rows and 2,048 tokens at 64 and 128: the same
+    cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and the
+    queries taken to fp16 with the products in fp16 (`fp8_f16`), each against its own bytes (one a KV element for
+    FP8); an FP8 row gives its largest difference from `fp8_query`."""
+    from gpu_engine.kernels.attention import decode_attention
+
+    rows = []
+    how = attention_variant("p256_bn128")
+    for lens in contexts or [served_contexts(B) for B in (32, 64, 128)] + [[2048] * 64, [2048] * 128]:
+        B, hkv = len(lens), 8
+        kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width)
+        k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        ctx_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+        outs = {name: torch.empty_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
+        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1), "fp8_f16": (k8, v8, "f16", 1)}
+        equal = len(set(lens)) == 1
+        for name, (k, v, dot, width_b) in cases.items():
+            ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=ctx_lens, q=q:
+                          decode_attention(q, k, v, t, n, 128 ** -0.5, out=o, fp8_dot=dot, **how))
+            diff = (float((outs[name].float() - outs["fp8_query"].float()).abs().max()) if name != "bf16_cache"
+                    else None)
+            rows.append({"kernel": "decode_attention_fp8", "case": name, "batch": B,
+                         "context": lens[0] if equal else -1, "context_mean": sum(lens) / B, "kv_heads": hkv,
+                         "max_abs_diff_vs_fp8_query": diff,
+                         **entry(ms, width_b * 2 * sum(lens) * hkv * 128 + 2 * _nbytes(q), gbps)})
     return rows
 
 
@@ -892,8 +924,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     parser.add_argument("--only", default="", help="comma-separated row sets (sampling, prep, attention, "
-                        "tiled, fused, silu, moe, moe_sorted, moe_align, q8, fp8, blas, prefill); default: all but "
-                        "q8, fp8, blas, prefill, tiled, fused, moe_sorted and moe_align")
+                        "tiled, fused, silu, moe, moe_sorted, moe_align, attention_fp8, q8, fp8, blas, prefill); "
+                        "default: all but q8, fp8, blas, prefill, tiled, fused, moe_sorted, moe_align and "
+                        "attention_fp8")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA device")
@@ -903,10 +936,10 @@ def main() -> None:
     sets = {"sampling": sampling_rows, "prep": prep_rows, "attention": attention_rows,
             "tiled": tiled_rows, "fused": fused_rows, "silu": silu_rows, "moe": moe_rows, "q8": q8_rows,
             "fp8": fp8_rows, "blas": blas_rows, "prefill": prefill_rows, "moe_sorted": moe_sorted_rows,
-            "moe_align": moe_align_rows}
+            "moe_align": moe_align_rows, "attention_fp8": attention_fp8_rows}
     chosen = [n for n in args.only.split(",") if n] or [n for n in sets if n not in ("q8", "fp8", "blas", "prefill",
                                                                                        "tiled", "fused", "moe_sorted",
-                                                                                       "moe_align")]
+                                                                                       "moe_align", "attention_fp8")]
     if set(chosen) - set(sets):
         raise SystemExit(f"--only: unknown row sets {sorted(set(chosen) - set(sets))} (known: {', '.join(sets)})")
     for fn in (sets[n] for n in chosen):

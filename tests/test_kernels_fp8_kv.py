@@ -171,16 +171,29 @@ def _paged_fp8(lens, kv_scale, hkv=2, d=16, bs=4, nblocks=40, seed=0, spread=3.0
 @pytest.mark.parametrize("kv_scale", SCALES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (HALF, 2e-2)])
 def test_decode_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
-    """Codes widened to the queries' dtype, the key scale in the scores and the value scale on the sums: the
-    reference's fp32 dequantized attention, in both forms, empty rows zero."""
+    """Codes widened to the queries' dtype (or, for 16-bit queries, to fp16 with the queries: `fp8_dot`), the key
+    scale in the scores and the value scale on the sums: the reference's fp32 dequantized attention, in both forms,
+    empty rows zero."""
     _, _, k8, v8, bt, ctx = _paged_fp8([1, 37, 0, 70], kv_scale)
     q = torch.randn(4, 8, 16, device=DEV).to(dtype)
     want = attention.decode_attention_ref(q, k8, v8, bt, ctx, 0.25, kv_scale)
-    for form in attention.DECODE_FORMS:
-        got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, form=form,
-                                         kv_scale=kv_scale)
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    assert not got[2].float().any()
+    for dot in attention.FP8_DOTS if dtype != torch.float32 else ("query",):
+        for form in attention.DECODE_FORMS:
+            got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, form=form,
+                                             kv_scale=kv_scale, fp8_dot=dot)
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        assert not got[2].float().any()
+
+
+def test_decode_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries():
+    _, _, k8, v8, bt, ctx = _paged_fp8([3, 5], SCALES[0])
+    q = torch.randn(2, 8, 16, device=DEV)
+    with pytest.raises(ValueError, match="16-bit queries"):  # fp32 queries
+        attention.decode_attention(q, k8, v8, bt, ctx, 0.25, fp8_dot="f16")
+    with pytest.raises(ValueError, match="FP8 cache"):  # a cache of the queries' dtype
+        attention.decode_attention(q.to(HALF), k8.to(HALF), v8.to(HALF), bt, ctx, 0.25, fp8_dot="f16")
+    with pytest.raises(ValueError, match="fp8_dot must be one of"):
+        attention.decode_attention(q.to(HALF), k8, v8, bt, ctx, 0.25, fp8_dot="e5m2")
 
 
 @pytest.mark.parametrize("kv_scale", SCALES)

@@ -134,7 +134,7 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
            f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 v_scale:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32"}
+              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32", "F16": False}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts, **(CUBIN if kv == "fp8e4nv" else {}))
     assert _built(out, kv), out
@@ -143,6 +143,26 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
     out = compiles("gpu_engine.kernels.attention", "_fold_kernel", dict(item.split(":") for item in sig.split()),
                    consts)
     assert out.startswith("True"), out
+
+
+def test_decode_attention_over_fp8_in_fp16_widens_the_codes_natively() -> None:
+    """The split form over an FP8 cache at the runner's shape, its products in the query's bf16 and in fp16
+    (`fp8_dot`): in fp16 the codes need no f16 -> bf16 conversion after the native e4m3 -> f16 one, and the
+    kernel is shorter."""
+    sig = ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+           "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+           "scale_log2:fp32 v_scale:fp32 NSPLIT:i32")
+    counts = {}
+    for f16 in (False, True):
+        consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
+                  "FORM": "split", "PREC": "tf32", "F16": f16}
+        out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
+                       consts, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], **CUBIN)
+        counts[f16] = json.JSONDecoder().raw_decode(out)[0] if out.startswith("{") else out
+    assert isinstance(counts[False], dict) and isinstance(counts[True], dict), counts
+    assert counts[False]["cvt.bf16.f16"] > 0 and counts[True]["cvt.bf16.f16"] == 0, counts
+    assert counts[True]["cvt.rn.f16x2.e4m3x2"] > 0, counts
+    assert counts[True]["instructions"] < counts[False]["instructions"], counts
 
 
 @pytest.mark.parametrize(("dtype", "block_m", "whole", "kv", "packed"),

@@ -154,11 +154,13 @@ def _decode_kernel(
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, v_scale, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, PREC: tl.constexpr,
+    FORM: tl.constexpr, PREC: tl.constexpr, F16: tl.constexpr,
 ):
     """Program (row b, KV head kvh, split s) computes split s and writes its partial. By FORM: "split", for
     `_fold_kernel`; "last", and the last of a (row, KV head)'s programs to finish (an atomic count a pair, which it
-    resets for the next launch) folds the partials as `_fold_kernel` does, in one launch."""
+    resets for the next launch) folds the partials as `_fold_kernel` does, in one launch. F16 (an FP8 cache): the
+    query taken to fp16 (clamped to fp16's range), so the codes widen to fp16 natively and both products run in
+    fp16 (`_online_step` takes the query's dtype)."""
     b, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -169,6 +171,8 @@ def _decode_kernel(
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     if s < tl.cdiv(n_ctx, PART):  # a split past the row's context has nothing to compute
         acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, v_scale, HKV, D, BS,
@@ -350,6 +354,7 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 
 DECODE_FORMS = ("split", "last")
+FP8_DOTS = ("query", "f16")  # an FP8 cache's products: in the query's dtype, or in fp16 (`decode_attention`)
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
 # (`KernelPlan.fused`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
@@ -374,7 +379,7 @@ def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
     num_warps: int = 4, num_stages: int | None = None, counters: torch.Tensor | None = None,
-    kv_scale: tuple[float, float] = UNIT_SCALE,
+    kv_scale: tuple[float, float] = UNIT_SCALE, fp8_dot: str = "query",
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -389,7 +394,9 @@ def decode_attention(
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and 2,048, 8
     and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16). "last" measured level
     with "split" at batch 1 (7.5 against 7.7 us a layer at context 512). The caches are q's dtype or FP8 (`kv_scale`:
-    their key and value scales)."""
+    their key and value scales). `fp8_dot` (an FP8 cache, bf16 or fp16 queries): "query", the codes widened to the
+    query's dtype, or "f16", the query taken to fp16 and the products in fp16 (the codes are exact in either; the
+    probabilities round to 11 significand bits instead of bf16's 8)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
     H, D = q.shape[1], q.shape[2]
@@ -400,6 +407,10 @@ def decode_attention(
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
+    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
     ks, vs = check_kv_scale(kv_scale)
     nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size)
     if form == "last":
@@ -414,7 +425,8 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E * ks, vs,
         nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), F16=fp8_dot == "f16", num_warps=num_warps,
+        **consts,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if form == "split":

@@ -45,13 +45,27 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
     return int(_compiled(fn, signature, constexprs, options, divisible).metadata.shared)
 
 
+def ptx_counts(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict,
+               patterns: list[str]) -> dict[str, int]:
+    """The compiled kernel's PTX (`_compiled`): its instructions (lines ending in `;` that are no directive), and how
+    many have an opcode starting with each of `patterns` (e.g. "cvt.bf16.f16"), a guard (`@%p1`) set aside."""
+    lines = [line.strip() for line in _compiled(fn, signature, constexprs, options).asm["ptx"].splitlines()]
+    ops = [line for line in lines if line.endswith(";") and not line.startswith((".", "//"))]
+    opcodes = [(op.split(None, 1)[1] if op.startswith("@") and " " in op else op).split(None, 1)[0] for op in ops]
+    return {"instructions": len(ops), **{p: sum(o.startswith(p) for o in opcodes) for p in patterns}}
+
+
 def main() -> None:
     """argv: module, kernel name, then a JSON object {"signature": {...}, "constexprs": {...}}; with "options"
-    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds."""
+    (and "divisible") in it, the shared memory of the compiled kernel instead of whether its TTIR builds; with "ptx"
+    (a list of opcode prefixes) beside "options", `ptx_counts` as JSON."""
     import importlib
 
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     fn = getattr(importlib.import_module(module), name)
+    if "ptx" in spec:
+        print(json.dumps(ptx_counts(fn, spec["signature"], spec["constexprs"], spec["options"], spec["ptx"])))
+        return
     if "options" in spec:
         divisible = tuple(spec.get("divisible", ()))
         print(shared_bytes(fn, spec["signature"], spec["constexprs"], spec["options"], divisible))
