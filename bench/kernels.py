@@ -315,13 +315,14 @@ def served_contexts(batch: int, seed: int = 0) -> list[int]:
     return [int(n) for n in (prompt + output).round().clamp(min=1)]
 
 
-def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int = 16, d: int = 128):
-    """A bf16 K and V cache holding each sequence's `blocks[b]` blocks one after another, and block tables `width`
+def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int = 16, d: int = 128,
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """A K and V cache (bf16) holding each sequence's `blocks[b]` blocks one after another, and block tables `width`
     blocks wide (default: the longest sequence's), -1 past each sequence's blocks."""
-    kc = torch.randn(sum(blocks), bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-    tables = torch.full((len(blocks), width or max(blocks)), -1, device="cuda", dtype=torch.int32)
+    kc = torch.randn(sum(blocks), bs, hkv, d, device=device, dtype=dtype)
+    tables = torch.full((len(blocks), width or max(blocks)), -1, device=device, dtype=torch.int32)
     for b, first in enumerate(itertools.accumulate([0] + blocks[:-1])):
-        tables[b, : blocks[b]] = torch.arange(first, first + blocks[b], device="cuda", dtype=torch.int32)
+        tables[b, : blocks[b]] = torch.arange(first, first + blocks[b], device=device, dtype=torch.int32)
     return kc, torch.randn_like(kc), tables
 
 
@@ -358,24 +359,27 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     return rows
 
 
-def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] | None = None) -> list[dict]:
+def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] | None = None, device: str = "cuda",
+                       dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Decode attention over an FP8 cache (`--kv-cache-dtype fp8`, unit scales) at the runner's split form
     (`p256_bn128`), Llama-3-8B's heads, served contexts at 32-128 rows and 2,048 tokens at 64 and 128: the same
     cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and the
     queries taken to fp16 with the products in fp16 (`fp8_f16`), each against its own bytes (one a KV element for
-    FP8); an FP8 row gives its largest difference from `fp8_query`."""
+    FP8); an FP8 row gives its largest difference from `fp8_query`. `contexts`, `device` and `dtype` (the queries'
+    and the unquantized cache's): the check of these calls on tiny shapes in the CPU interpreter."""
     from gpu_engine.kernels.attention import decode_attention
 
     rows = []
     how = attention_variant("p256_bn128")
     for lens in contexts or [served_contexts(B) for B in (32, 64, 128)] + [[2048] * 64, [2048] * 128]:
         B, hkv = len(lens), 8
-        kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width)
+        kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width, device=device, dtype=dtype)
         k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        ctx_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
-        q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+        ctx_lens = torch.tensor(lens, device=device, dtype=torch.int32)
+        q = torch.randn(B, 32, 128, device=device, dtype=dtype)
         outs = {name: torch.empty_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
-        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1), "fp8_f16": (k8, v8, "f16", 1)}
+        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1),
+                 "fp8_f16": (k8, v8, "f16", 1)}
         equal = len(set(lens)) == 1
         for name, (k, v, dot, width_b) in cases.items():
             ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=ctx_lens, q=q:
@@ -888,18 +892,20 @@ ALIGN_TOKENS = (16, 64, 128, 272, 512, 1024, 2048, 8192)
 ALIGN_CHUNKS = (64, 128, 256)
 
 
-def moe_align_rows(gbps: float, layers: int = 4) -> list[dict]:
+def moe_align_rows(gbps: float, layers: int = 4, tokens: tuple[int, ...] = ALIGN_TOKENS,
+                   device: str = "cuda") -> list[dict]:
     """The sorted path's align (`moe.moe_align`) at ALIGN_TOKENS: torch's stable sort (`moe_align_ref`), the one
     launch where every program counts every pair (up to 8,192 pairs), the two launches (count each chunk's pairs,
     then place) at ALIGN_CHUNKS, and the form the engine takes (`served`); each row says whether its arrays are the
-    sort's element for element. Routes taken in turn over `layers` draws, at the block height the path takes."""
+    sort's element for element. Routes taken in turn over `layers` draws, at the block height the path takes.
+    `tokens` and `device`: the check of these calls in the CPU interpreter."""
     from gpu_engine.kernels import moe
 
     E, k = MOE_SHAPE["experts"], MOE_SHAPE["top_k"]
     rows = []
-    for T in ALIGN_TOKENS:
+    for T in tokens:
         bm = 16 if T * k <= 4 * E else 64
-        ids = [moe.moe_route(torch.randn(T, E, device="cuda"), k, True)[1] for _ in range(layers)]
+        ids = [moe.moe_route(torch.randn(T, E, device=device), k, True)[1] for _ in range(layers)]
         cases: dict[str, Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = {
             "torch_sort": lambda i, ids=ids, bm=bm: moe.moe_align_ref(ids[i], E, bm),
             "served": lambda i, ids=ids, bm=bm: moe.moe_align(ids[i], E, bm)}

@@ -1,0 +1,54 @@
+"""bench.kernels' MoE align rows and FP8-cache decode attention rows without a GPU: every case they would time runs
+on small shapes in the Triton interpreter, and each gives what its row says (the sort's arrays; the attention of its
+cache), so that a broken case shows here, not in a GPU run."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import bench.kernels as bk  # noqa: E402
+from gpu_engine.kernels import moe  # noqa: E402
+
+
+def _once(monkeypatch) -> list:
+    """graph_ms replaced by one call of the step, its result kept."""
+    calls: list = []
+
+    def once(fn, *args, **kwargs):
+        calls.append(fn())
+        return 1e-3
+
+    monkeypatch.setattr(bk, "graph_ms", once)
+    return calls
+
+
+def test_align_rows_time_every_form_and_each_gives_the_sorted_arrays(monkeypatch) -> None:
+    calls = _once(monkeypatch)
+    tokens = (2, 20, 80)  # 16, 160 and 640 pairs: the one launch, then two, at block heights 16 and 64
+    rows = bk.moe_align_rows(1000.0, layers=2, tokens=tokens, device="cpu")
+    cases = {"torch_sort", "served", "one_launch c64"} | {f"two_launch c{c}" for c in bk.ALIGN_CHUNKS}
+    assert [r["batch"] for r in rows] == [t for t in tokens for _ in cases]
+    assert {r["case"] for r in rows} == cases and len(rows) == len(calls)
+    assert all(r["same_arrays"] for r in rows), [r for r in rows if not r["same_arrays"]]
+    assert {r["block_m"] for r in rows if r["batch"] == 80} == {64}
+    for r, (sorted_pairs, block_expert) in zip(rows, calls, strict=True):  # the call timed is the row's form
+        assert sorted_pairs.numel() % r["block_m"] == 0 and block_expert.numel() == sorted_pairs.numel() // r["block_m"]
+    assert moe.ONE_LAUNCH_PAIRS < 160 <= moe.ALIGN_KERNEL_PAIRS
+
+
+def test_fp8_attention_rows_time_three_caches_and_the_fp16_form_is_the_query_form_for_fp16_queries(
+        monkeypatch) -> None:
+    """With fp16 queries (the interpreter's bf16 products overflow) the codes widen to fp16 in both FP8 forms: the same
+    bits, a difference of 0; the bf16 cache's row (here fp16) near the FP8 ones, and each row's bytes its cache's."""
+    calls = _once(monkeypatch)
+    rows = bk.attention_fp8_rows(1000.0, width=4, contexts=[[5, 40], [16, 16]], device="cpu", dtype=torch.float16)
+    assert [r["case"] for r in rows] == ["bf16_cache", "fp8_query", "fp8_f16"] * 2
+    assert [r["context"] for r in rows] == [-1] * 3 + [16] * 3
+    for i in (0, 3):
+        cache, query, f16 = calls[i: i + 3]
+        assert torch.equal(query, f16) and rows[i + 2]["max_abs_diff_vs_fp8_query"] == 0.0
+        torch.testing.assert_close(query.float(), cache.float(), rtol=0.15, atol=0.15)
+        assert rows[i]["bytes"] > rows[i + 1]["bytes"] == rows[i + 2]["bytes"]
