@@ -213,32 +213,11 @@ def moe_align_ref(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, hist_ptr, P, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """hist[c, x]: how many of pairs c * CHUNK .. c * CHUNK + CHUNK - 1 go to expert x (columns past E stay 0)."""
-    c = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    f = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    tl.store(hist_ptr + c * BLOCK_E + e, tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0))
-
-
-@triton.jit
-def _align_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, N_CHUNKS, PAIR_PROGS,
-                        SLOT_PROGS, BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                        ROWS: tl.constexpr):
-    """Program roles by id: pair chunks (each pair to its slot), then slot chunks (padding slots get P), then
-    block chunks (each block's expert). Every program sums the chunks' counts (`_align_count_kernel`) into the
-    pairs per expert, and a pair program the chunks before its own, so the roles need no order among them and
-    write disjoint slots."""
-    pid = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    before = tl.zeros([BLOCK_E], tl.int32)  # pairs of each expert ahead of a pair program's chunk
-    for c0 in range(0, N_CHUNKS, ROWS):
-        c = c0 + tl.arange(0, ROWS)
-        h = tl.load(hist_ptr + c[:, None] * BLOCK_E + e[None, :], mask=(c < N_CHUNKS)[:, None], other=0)
-        counts += tl.sum(h, axis=0)
-        before += tl.sum(tl.where((c < pid)[:, None], h, 0), axis=0)
+def _align_roles(ids_ptr, sorted_ptr, bexp_ptr, pid, e, counts, before, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
+                 BM: tl.constexpr, CHUNK: tl.constexpr):
+    """Program `pid`'s role, given the pairs per expert (`counts`) and, for a pair program, those ahead of its chunk
+    (`before`): pair chunks (each pair to its slot), then slot chunks (padding slots get P), then block chunks (each
+    block's expert). The roles need no order among them and write disjoint slots."""
     padded = (counts + BM - 1) // BM * BM
     pad_end = tl.cumsum(padded, axis=0)
     pad_start = pad_end - padded
@@ -262,11 +241,39 @@ def _align_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_
 
 
 @triton.jit
+def _align_count_kernel(ids_ptr, hist_ptr, P, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """hist[c, x]: how many of pairs c * CHUNK .. c * CHUNK + CHUNK - 1 go to expert x (columns past E stay 0)."""
+    c = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    f = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    tl.store(hist_ptr + c * BLOCK_E + e, tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, hist_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, N_CHUNKS, PAIR_PROGS,
+                        SLOT_PROGS, BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """Every program sums the chunks' counts (`_align_count_kernel`) into the pairs per expert, and a pair program
+    the chunks before its own, then takes its role (`_align_roles`)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # pairs of each expert ahead of a pair program's chunk
+    for c0 in range(0, N_CHUNKS, ROWS):
+        c = c0 + tl.arange(0, ROWS)
+        h = tl.load(hist_ptr + c[:, None] * BLOCK_E + e[None, :], mask=(c < N_CHUNKS)[:, None], other=0)
+        counts += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((c < pid)[:, None], h, 0), axis=0)
+    _align_roles(ids_ptr, sorted_ptr, bexp_ptr, pid, e, counts, before, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
+                 BM, CHUNK)
+
+
+@triton.jit
 def _align_one_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
                       BM: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """Program roles by id: pair chunks (each pair to its slot), then slot chunks (padding slots get P), then
-    block chunks (each block's expert). Every program counts the pairs per expert itself (P is small), so
-    the roles need no order among them and write disjoint slots."""
+    """Every program counts the pairs per expert itself (P is small), and a pair program those ahead of its chunk,
+    then takes its role (`_align_roles`)."""
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     mine = pid * CHUNK  # a pair program's first pair
@@ -278,26 +285,8 @@ def _align_one_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, N_BLOCKS, PAIR
         hits = tl.sum((f[:, None] == e[None, :]).to(tl.int32), axis=0)
         counts += hits
         before += tl.where(p0 < mine, hits, 0)
-    padded = (counts + BM - 1) // BM * BM
-    pad_end = tl.cumsum(padded, axis=0)
-    pad_start = pad_end - padded
-    if pid < PAIR_PROGS:  # slot of pair p: its expert's first slot + pairs of that expert before it
-        p = mine + tl.arange(0, CHUNK)
-        f = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        onehot = (f[:, None] == e[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot + (before + pad_start)[None, :]
-        tl.store(sorted_ptr + tl.sum(onehot * rank, axis=1), p, mask=p < P)
-    elif pid < PAIR_PROGS + SLOT_PROGS:  # slot s, of expert x (whose runs end by s): padding past x's pairs
-        s = (pid - PAIR_PROGS) * CHUNK + tl.arange(0, CHUNK)
-        x = tl.sum(((pad_end[None, :] <= s[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
-        sel = e[None, :] == x[:, None]
-        first = tl.sum(tl.where(sel, pad_start[None, :], 0), axis=1)
-        n = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-        tl.store(sorted_ptr + s, tl.zeros([CHUNK], tl.int32) + P, mask=(s < P_MAX) & ((x >= E) | (s - first >= n)))
-    else:  # a block's expert: how many experts' runs end at or before its first slot (E: unused)
-        j = (pid - PAIR_PROGS - SLOT_PROGS) * CHUNK + tl.arange(0, CHUNK)
-        x = tl.sum(((pad_end[None, :] <= (j * BM)[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
-        tl.store(bexp_ptr + j, x, mask=j < N_BLOCKS)
+    _align_roles(ids_ptr, sorted_ptr, bexp_ptr, pid, e, counts, before, P, E, P_MAX, N_BLOCKS, PAIR_PROGS, SLOT_PROGS,
+                 BM, CHUNK)
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None,
