@@ -360,14 +360,17 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
 
 
 def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] | None = None, device: str = "cuda",
-                       dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+                       dtype: torch.dtype = torch.bfloat16,
+                       prefill: dict[str, list[tuple[int, int]]] | None = None) -> list[dict]:
     """Decode attention over an FP8 cache (`--kv-cache-dtype fp8`, unit scales) at the runner's split form
     (`p256_bn128`), Llama-3-8B's heads, served contexts at 32-128 rows and 2,048 tokens at 64 and 128: the same
     cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and the
     queries taken to fp16 with the products in fp16 (`fp8_f16`), each against its own bytes (one a KV element for
-    FP8); an FP8 row gives its largest difference from `fp8_query`. `contexts`, `device` and `dtype` (the queries'
-    and the unquantized cache's): the check of these calls on tiny shapes in the CPU interpreter."""
-    from gpu_engine.kernels.attention import decode_attention
+    FP8); an FP8 row gives its largest difference from `fp8_query`. Then the prefill attention the same three ways
+    (`prefill_attention_fp8`): a 2,048-token prompt and the 896-token chunk of a saturated mixed step (`prefill_rows`'
+    shapes). `contexts`, `prefill`, `device` and `dtype` (the queries' and the unquantized cache's): the check of
+    these calls on tiny shapes in the CPU interpreter."""
+    from gpu_engine.kernels.attention import decode_attention, prefill_attention
 
     rows = []
     how = attention_variant("p256_bn128")
@@ -390,6 +393,22 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
                          "context": lens[0] if equal else -1, "context_mean": sum(lens) / B, "kv_heads": hkv,
                          "max_abs_diff_vs_fp8_query": diff,
                          **entry(ms, width_b * 2 * sum(lens) * hkv * 128 + 2 * _nbytes(q), gbps)})
+    for case, seqs in (prefill or {"prompt_2048": [(2048, 2048)],
+                                   "mixed_128_896": [(1, c) for c in served_contexts(128)] + [(896, 896)]}).items():
+        q, kc, vc, tables, lens_t, cu, seqs = _prefill_step(case, seqs, 32, 8, 128, 16, device, dtype)
+        k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        # zeros: a mixed step's decode rows are not the prefill's to write, and stay equal in the differences
+        outs = {name: torch.zeros_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
+        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1),
+                 "fp8_f16": (k8, v8, "f16", 1)}
+        for name, (k, v, dot, width_b) in cases.items():
+            ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=lens_t, cu=cu, q=q:
+                          prefill_attention(q, k, v, t, n, cu, 128 ** -0.5, out=o, fp8_dot=dot), reps=5)
+            diff = (float((outs[name].float() - outs["fp8_query"].float()).abs().max()) if name != "bf16_cache"
+                    else None)
+            rows.append({"kernel": "prefill_attention_fp8", "case": name, "shape": case, "tokens": q.shape[0],
+                         "max_abs_diff_vs_fp8_query": diff,
+                         **entry(ms, width_b * 2 * sum(c for n, c in seqs if n) * 8 * 128 + 2 * _nbytes(q), gbps)})
     return rows
 
 
@@ -403,6 +422,22 @@ def matmul_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     return 2 * 8192**3 / (graph_ms(lambda: a @ b, 5) * 1e-3) / 1e12
+
+
+def _prefill_step(case: str, seqs: list[tuple[int, int]], H: int, hkv: int, D: int, bs: int, device: str = "cuda",
+                  dtype: torch.dtype = torch.bfloat16):
+    """A prefill step of `seqs` (query rows, context) over a paged cache: (q, K cache, V cache, block tables,
+    context lengths, the query rows' bounds, `seqs` as staged). A `mixed` case's leading one-row sequences are the
+    decode rows, their bounds made empty as the runner stages them (`runner.split_rows`; their time is apart)."""
+    kc, vc, tables = _paged_cache([-(-ctx // bs) for _, ctx in seqs], hkv, bs=bs, d=D, device=device, dtype=dtype)
+    lens = torch.tensor([ctx for _, ctx in seqs], device=device, dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(n for n, _ in seqs)], device=device, dtype=torch.int32)
+    if case.startswith("mixed"):
+        lead = sum(1 for _ in itertools.takewhile(lambda s: s[0] == 1, seqs))
+        cu = cu.clamp(min=lead)
+        seqs = [(0 if k < lead else n, ctx) for k, (n, ctx) in enumerate(seqs)]
+    q = torch.randn(int(cu[-1]), H, D, device=device, dtype=dtype)
+    return q, kc, vc, tables, lens, cu, seqs
 
 
 def prefill_rows(gbps: float) -> list[dict]:
@@ -423,15 +458,8 @@ def prefill_rows(gbps: float) -> list[dict]:
              **{f"mixed_{n}_896": [(1, ctx) for ctx in served_contexts(n)] + [(896, 896)] for n in (8, 32, 128)}}
     rows = []
     for case, seqs in cases.items():
-        kc, vc, tables = _paged_cache([-(-ctx // bs) for _, ctx in seqs], hkv, bs=bs, d=D)
-        lens = torch.tensor([ctx for _, ctx in seqs], device="cuda", dtype=torch.int32)
-        cu = torch.tensor([0, *itertools.accumulate(n for n, _ in seqs)], device="cuda", dtype=torch.int32)
-        T = int(cu[-1])
-        if case.startswith("mixed"):  # the decode rows' bounds made empty (`runner.split_rows`); their time is apart
-            lead = sum(1 for _ in itertools.takewhile(lambda s: s[0] == 1, seqs))
-            cu = cu.clamp(min=lead)
-            seqs = [(0 if k < lead else n, ctx) for k, (n, ctx) in enumerate(seqs)]
-        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        q, kc, vc, tables, lens, cu, seqs = _prefill_step(case, seqs, H, hkv, D, bs)
+        T = q.shape[0]
         out = torch.empty_like(q)
         seen = sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # (query, key) pairs under the causal mask
         flops = 4 * H * D * seen

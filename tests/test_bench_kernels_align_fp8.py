@@ -41,13 +41,18 @@ def test_align_rows_time_every_form_and_each_gives_the_sorted_arrays(monkeypatch
 
 def test_fp8_attention_rows_time_three_caches_and_the_fp16_form_is_the_query_form_for_fp16_queries(
         monkeypatch) -> None:
-    """With fp16 queries (the interpreter's bf16 products overflow) the codes widen to fp16 in both FP8 forms: the same
-    bits, a difference of 0; the bf16 cache's row (here fp16) near the FP8 ones, and each row's bytes its cache's."""
+    """Decode and prefill rows. With fp16 queries (the interpreter's bf16 products overflow) the codes widen to fp16 in
+    both FP8 forms: the same bits, a difference of 0; the bf16 cache's row (here fp16) near the FP8 ones, and each
+    row's bytes its cache's."""
     calls = _once(monkeypatch)
-    rows = bk.attention_fp8_rows(1000.0, width=4, contexts=[[5, 40], [16, 16]], device="cpu", dtype=torch.float16)
-    assert [r["case"] for r in rows] == ["bf16_cache", "fp8_query", "fp8_f16"] * 2
-    assert [r["context"] for r in rows] == [-1] * 3 + [16] * 3
-    for i in (0, 3):
+    prefill = {"prompt_20": [(20, 20)], "mixed_2_8": [(1, 5), (1, 40), (8, 8)]}
+    rows = bk.attention_fp8_rows(1000.0, width=4, contexts=[[5, 40], [16, 16]], device="cpu", dtype=torch.float16,
+                                 prefill=prefill)
+    assert [r["case"] for r in rows] == ["bf16_cache", "fp8_query", "fp8_f16"] * 4
+    assert [r["kernel"] for r in rows] == ["decode_attention_fp8"] * 6 + ["prefill_attention_fp8"] * 6
+    assert [r["context"] for r in rows[:6]] == [-1] * 3 + [16] * 3
+    assert [(r["shape"], r["tokens"]) for r in rows[6::3]] == [("prompt_20", 20), ("mixed_2_8", 10)]
+    for i in (0, 3, 6, 9):
         cache, query, f16 = calls[i: i + 3]
         assert torch.equal(query, f16) and rows[i + 2]["max_abs_diff_vs_fp8_query"] == 0.0
         torch.testing.assert_close(query.float(), cache.float(), rtol=0.15, atol=0.15)

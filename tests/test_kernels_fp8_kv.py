@@ -185,7 +185,7 @@ def test_decode_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
         assert not got[2].float().any()
 
 
-def test_decode_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries():
+def test_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries():
     _, _, k8, v8, bt, ctx = _paged_fp8([3, 5], SCALES[0])
     q = torch.randn(2, 8, 16, device=DEV)
     with pytest.raises(ValueError, match="16-bit queries"):  # fp32 queries
@@ -194,6 +194,9 @@ def test_decode_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries()
         attention.decode_attention(q.to(HALF), k8.to(HALF), v8.to(HALF), bt, ctx, 0.25, fp8_dot="f16")
     with pytest.raises(ValueError, match="fp8_dot must be one of"):
         attention.decode_attention(q.to(HALF), k8, v8, bt, ctx, 0.25, fp8_dot="e5m2")
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="16-bit queries"):
+        attention.prefill_attention(torch.randn(5, 8, 16, device=DEV), k8, v8, bt, ctx, cu, 0.25, fp8_dot="f16")
 
 
 @pytest.mark.parametrize("kv_scale", SCALES)
@@ -204,8 +207,10 @@ def test_prefill_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
     cu = torch.tensor([0, 5, 5, 24, 25], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(lens_q), 8, 16, device=DEV).to(dtype)
     want = attention.prefill_attention_ref(q, k8, v8, bt, ctx, cu, 0.3, kv_scale)
-    got = attention.prefill_attention(q, k8, v8, bt, ctx, cu, 0.3, block_m=16, block_n=16, kv_scale=kv_scale)
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for dot in attention.FP8_DOTS if dtype != torch.float32 else ("query",):  # 16-bit queries: fp16 products too
+        got = attention.prefill_attention(q, k8, v8, bt, ctx, cu, 0.3, block_m=16, block_n=16, kv_scale=kv_scale,
+                                          fp8_dot=dot)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def _rows_bound(q, k, v, scale, kv_scale, q_pos):

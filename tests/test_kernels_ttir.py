@@ -145,19 +145,30 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
     assert out.startswith("True"), out
 
 
-def test_decode_attention_over_fp8_in_fp16_widens_the_codes_natively() -> None:
-    """The split form over an FP8 cache at the runner's shape, its products in the query's bf16 and in fp16
-    (`fp8_dot`): in fp16 the codes need no f16 -> bf16 conversion after the native e4m3 -> f16 one, and the
-    kernel is shorter."""
-    sig = ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
-           "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
-           "scale_log2:fp32 v_scale:fp32 NSPLIT:i32")
+FP8_ATTENTION = {  # kernel: (its signature over an FP8 cache with bf16 queries, its constants at the runner's shapes)
+    "_decode_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+                       "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+                       "scale_log2:fp32 v_scale:fp32 NSPLIT:i32",
+                       {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256,
+                        "BLOCK_N": 128, "FORM": "split", "PREC": "tf32"}),
+    "_prefill_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 "
+                        "out_ptr:*bf16 sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 "
+                        "NB:i32 T:i32",
+                        {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64,
+                         "WHOLE": True, "PREC": "tf32", "PACKED": True, "BLOCK_B": 512}),
+}
+
+
+@pytest.mark.parametrize("kernel", FP8_ATTENTION)
+def test_attention_over_fp8_in_fp16_widens_the_codes_natively(kernel: str) -> None:
+    """The decode (split form) and prefill attention over an FP8 cache at the runner's shapes, their products in the
+    query's bf16 and in fp16 (`fp8_dot`): in fp16 the codes need no f16 -> bf16 conversion after the native
+    e4m3 -> f16 one, and the kernel is shorter."""
+    sig, consts = FP8_ATTENTION[kernel]
     counts = {}
     for f16 in (False, True):
-        consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-                  "FORM": "split", "PREC": "tf32", "F16": f16}
-        out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
-                       consts, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], **CUBIN)
+        out = compiles("gpu_engine.kernels.attention", kernel, dict(item.split(":") for item in sig.split()),
+                       {**consts, "F16": f16}, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], **CUBIN)
         counts[f16] = json.JSONDecoder().raw_decode(out)[0] if out.startswith("{") else out
     assert isinstance(counts[False], dict) and isinstance(counts[True], dict), counts
     assert counts[False]["cvt.bf16.f16"] > 0 and counts[True]["cvt.bf16.f16"] == 0, counts
@@ -178,7 +189,8 @@ def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, wh
     sig = (f"q_ptr:*{dtype} kc_ptr:*{kv} vc_ptr:*{kv} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
            "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 NB:i32 T:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
-              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512}
+              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512,
+              "F16": False}
     out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
                    consts, **(CUBIN if kv == "fp8e4nv" else {}))
     assert _built(out, kv), out

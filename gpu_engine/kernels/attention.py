@@ -59,6 +59,13 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
 
 
 @triton.jit
+def _fp16_query(q):
+    """An FP8 cache's fp16 form (`fp8_dot` "f16"): the query in fp16, clamped to its range, so that `_online_step`
+    widens the e4m3 codes to fp16 (natively, in pairs) and takes both products in fp16."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _v_scaled(acc, v_scale, vc_ptr):
     """An unnormalised output sum of an FP8 cache's value codes times the value scale; any other cache's as it is
     (the same code as without FP8)."""
@@ -172,7 +179,7 @@ def _decode_kernel(
     run_l = tl.zeros([BLOCK_G], tl.float32)
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
     if F16:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = _fp16_query(q)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     if s < tl.cdiv(n_ctx, PART):  # a split past the row's context has nothing to compute
         acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, v_scale, HKV, D, BS,
@@ -263,14 +270,15 @@ def _prefill_kernel(
     sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, v_scale, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
-    PACKED: tl.constexpr, BLOCK_B: tl.constexpr,
+    PACKED: tl.constexpr, BLOCK_B: tl.constexpr, F16: tl.constexpr,
 ):
     """Program (query tile mt, query head h, sequence b). WHOLE: the K/V tiles every row of the query tile sees
     whole skip the causal select (the same bits, `_online_step`). PACKED: the grid is (the step's query tiles
     packed one sequence after another, heads), and each program finds its sequence and tile from the step's
     `cu` (a prefix sum of the sequences' tile counts); otherwise (tile, head, sequence), where every sequence gets
     the longest one's tiles and those past its own rows return at once. Sequence NB is the padding rows past the
-    last sequence, up to T. A tile's rows and their sums are the same either way, so are the bits."""
+    last sequence, up to T. A tile's rows and their sums are the same either way, so are the bits. F16: as
+    `_decode_kernel`'s (`_fp16_query`)."""
     if PACKED:
         p = tl.program_id(0)
         h = tl.program_id(1)
@@ -304,6 +312,8 @@ def _prefill_kernel(
     rows = (q_lo + tok).to(tl.int64)
     rmask = (tok[:, None] < qlen) & (d[None, :] < D)
     q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask, other=0.0)
+    if F16:
+        q = _fp16_query(q)
     kvh = h // G
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -355,6 +365,13 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 DECODE_FORMS = ("split", "last")
 FP8_DOTS = ("query", "f16")  # an FP8 cache's products: in the query's dtype, or in fp16 (`decode_attention`)
+
+
+def _check_fp8_dot(fp8_dot: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
+    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
 # (`KernelPlan.fused`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
@@ -407,10 +424,7 @@ def decode_attention(
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    if fp8_dot not in FP8_DOTS:
-        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
-    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
+    _check_fp8_dot(fp8_dot, q, k_cache)
     ks, vs = check_kv_scale(kv_scale)
     nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size)
     if form == "last":
@@ -463,7 +477,7 @@ def prefill_attention(
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2, whole_tiles: bool = True,
     kv_scale: tuple[float, float] = UNIT_SCALE,
-    grid: str = "auto",
+    grid: str = "auto", fp8_dot: str = "query",
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
@@ -473,7 +487,7 @@ def prefill_attention(
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
     against). It does not change a bit of the output. The caches are q's dtype or FP8 (`kv_scale`: their key and
-    value scales).
+    value scales; `fp8_dot`: as `decode_attention`'s).
 
     `grid`: "packed" (a program per query tile of the step, tiles of one sequence after another, and head; at
     most cdiv(T, block_m) + B + 1 tiles) or "seq" (a program per (tile, head, sequence), every sequence given
@@ -491,6 +505,7 @@ def prefill_attention(
     block_m = block_m or prefill_block_m(T)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    _check_fp8_dot(fp8_dot, q, k_cache)
     ks, vs = check_kv_scale(kv_scale)
     grid = prefill_grid(B) if grid == "auto" else grid
     if grid == "packed":
@@ -503,7 +518,8 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E * ks, vs, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
-        PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), num_warps=num_warps,
+        PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), F16=fp8_dot == "f16",
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
