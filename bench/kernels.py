@@ -12,8 +12,8 @@ against the kernels they replace; `--only fp8`: the FP8-weight GEMV against the 
 1-128 rows; `--only moe_sorted`: the sorted MoE path's two GEMMs over tile configurations at 16-1,024 tokens,
 gate_up with the SiLU-and-multiply in its epilogue, and the whole path with and without it; `--only moe_align`: its
 align in one launch, in two (at three chunk sizes), by torch's sort and as served at 16-8,192 tokens; `--only
-attention_fp8`: the decode attention over an FP8 cache with its products in bf16 or fp16, beside a bf16 cache; none
-in the default sets)
+attention_fp8`: the decode and prefill attention over an FP8 cache with their products in bf16 or fp16, beside a
+bf16 cache; none in the default sets)
 `step_breakdown` gives the same per-component view of one decode step of a `GpuModelRunner`, and
 `prefill_breakdown` of one dense prefill step (bench/roofline.py prints them for every decode and prefill row).
 """
@@ -317,8 +317,8 @@ def served_contexts(batch: int, seed: int = 0) -> list[int]:
 
 def _paged_cache(blocks: list[int], hkv: int, width: int | None = None, bs: int = 16, d: int = 128,
                  device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """A K and V cache (bf16) holding each sequence's `blocks[b]` blocks one after another, and block tables `width`
-    blocks wide (default: the longest sequence's), -1 past each sequence's blocks."""
+    """A K and V cache of `dtype` holding each sequence's `blocks[b]` blocks one after another, and block tables
+    `width` blocks wide (default: the longest sequence's), -1 past each sequence's blocks."""
     kc = torch.randn(sum(blocks), bs, hkv, d, device=device, dtype=dtype)
     tables = torch.full((len(blocks), width or max(blocks)), -1, device=device, dtype=torch.int32)
     for b, first in enumerate(itertools.accumulate([0] + blocks[:-1])):
@@ -359,6 +359,24 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     return rows
 
 
+def _fp8_forms(kc: torch.Tensor, vc: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, str, int]]:
+    """`attention_fp8_rows`' three forms of a cache: name -> (K, V, `fp8_dot`, bytes a KV element)."""
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    return {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1), "fp8_f16": (k8, v8, "f16", 1)}
+
+
+def _fp8_diffs(name: str, outs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """An FP8 form's largest differences from the bf16 cache's output (its quantization and its rounding) and, for
+    `fp8_f16`, from `fp8_query`'s."""
+    def diff(other: str) -> float:
+        return float((outs[name].float() - outs[other].float()).abs().max())
+
+    if name == "bf16_cache":
+        return {}
+    return {"max_abs_diff_vs_bf16_cache": diff("bf16_cache"),
+            **({"max_abs_diff_vs_fp8_query": diff("fp8_query")} if name == "fp8_f16" else {})}
+
+
 def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] | None = None, device: str = "cuda",
                        dtype: torch.dtype = torch.bfloat16,
                        prefill: dict[str, list[tuple[int, int]]] | None = None) -> list[dict]:
@@ -366,10 +384,10 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
     (`p256_bn128`), Llama-3-8B's heads, served contexts at 32-128 rows and 2,048 tokens at 64 and 128: the same
     cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and the
     queries taken to fp16 with the products in fp16 (`fp8_f16`), each against its own bytes (one a KV element for
-    FP8); an FP8 row gives its largest difference from `fp8_query`. Then the prefill attention the same three ways
-    (`prefill_attention_fp8`): a 2,048-token prompt and the 896-token chunk of a saturated mixed step (`prefill_rows`'
-    shapes). `contexts`, `prefill`, `device` and `dtype` (the queries' and the unquantized cache's): the check of
-    these calls on tiny shapes in the CPU interpreter."""
+    FP8), each FP8 row with its largest differences (`_fp8_diffs`). Then the prefill attention the same three ways
+    (`prefill_attention_fp8`, with its causal FLOPs and their rate): a 2,048-token prompt and the 896-token chunk of a
+    saturated mixed step (`prefill_rows`' shapes). `contexts`, `prefill`, `device` and `dtype` (the queries' and the
+    unquantized cache's): the check of these calls on tiny shapes in the CPU interpreter."""
     from gpu_engine.kernels.attention import decode_attention, prefill_attention
 
     rows = []
@@ -377,37 +395,28 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
     for lens in contexts or [served_contexts(B) for B in (32, 64, 128)] + [[2048] * 64, [2048] * 128]:
         B, hkv = len(lens), 8
         kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width, device=device, dtype=dtype)
-        k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         ctx_lens = torch.tensor(lens, device=device, dtype=torch.int32)
         q = torch.randn(B, 32, 128, device=device, dtype=dtype)
         outs = {name: torch.empty_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
-        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1),
-                 "fp8_f16": (k8, v8, "f16", 1)}
         equal = len(set(lens)) == 1
-        for name, (k, v, dot, width_b) in cases.items():
+        for name, (k, v, dot, width_b) in _fp8_forms(kc, vc).items():
             ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=ctx_lens, q=q:
                           decode_attention(q, k, v, t, n, 128 ** -0.5, out=o, fp8_dot=dot, **how))
-            diff = (float((outs[name].float() - outs["fp8_query"].float()).abs().max()) if name != "bf16_cache"
-                    else None)
             rows.append({"kernel": "decode_attention_fp8", "case": name, "batch": B,
                          "context": lens[0] if equal else -1, "context_mean": sum(lens) / B, "kv_heads": hkv,
-                         "max_abs_diff_vs_fp8_query": diff,
+                         **_fp8_diffs(name, outs),
                          **entry(ms, width_b * 2 * sum(lens) * hkv * 128 + 2 * _nbytes(q), gbps)})
     for case, seqs in (prefill or {"prompt_2048": [(2048, 2048)],
                                    "mixed_128_896": [(1, c) for c in served_contexts(128)] + [(896, 896)]}).items():
         q, kc, vc, tables, lens_t, cu, seqs = _prefill_step(case, seqs, 32, 8, 128, 16, device, dtype)
-        k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         # zeros: a mixed step's decode rows are not the prefill's to write, and stay equal in the differences
         outs = {name: torch.zeros_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
-        cases = {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1),
-                 "fp8_f16": (k8, v8, "f16", 1)}
-        for name, (k, v, dot, width_b) in cases.items():
+        flops = 4 * 32 * 128 * sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # as `prefill_rows`
+        for name, (k, v, dot, width_b) in _fp8_forms(kc, vc).items():
             ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=lens_t, cu=cu, q=q:
                           prefill_attention(q, k, v, t, n, cu, 128 ** -0.5, out=o, fp8_dot=dot), reps=5)
-            diff = (float((outs[name].float() - outs["fp8_query"].float()).abs().max()) if name != "bf16_cache"
-                    else None)
             rows.append({"kernel": "prefill_attention_fp8", "case": name, "shape": case, "tokens": q.shape[0],
-                         "max_abs_diff_vs_fp8_query": diff,
+                         "flops": flops, "achieved_tflops": flops / (ms * 1e-3) / 1e12, **_fp8_diffs(name, outs),
                          **entry(ms, width_b * 2 * sum(c for n, c in seqs if n) * 8 * 128 + 2 * _nbytes(q), gbps)})
     return rows
 

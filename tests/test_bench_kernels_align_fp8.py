@@ -1,6 +1,6 @@
-"""bench.kernels' MoE align rows and FP8-cache decode attention rows without a GPU: every case they would time runs
-on small shapes in the Triton interpreter, and each gives what its row says (the sort's arrays; the attention of its
-cache), so that a broken case shows here, not in a GPU run."""
+"""bench.kernels' MoE align rows and FP8-cache attention rows (decode and prefill) without a GPU: every case they
+would time runs on small shapes in the Triton interpreter, and each gives what its row says (the sort's arrays; the
+attention of its cache and product form), so that a broken case shows here, not in a GPU run."""
 
 import os
 
@@ -39,21 +39,39 @@ def test_align_rows_time_every_form_and_each_gives_the_sorted_arrays(monkeypatch
     assert moe.ONE_LAUNCH_PAIRS < 160 <= moe.ALIGN_KERNEL_PAIRS
 
 
-def test_fp8_attention_rows_time_three_caches_and_the_fp16_form_is_the_query_form_for_fp16_queries(
-        monkeypatch) -> None:
-    """Decode and prefill rows. With fp16 queries (the interpreter's bf16 products overflow) the codes widen to fp16 in
-    both FP8 forms: the same bits, a difference of 0; the bf16 cache's row (here fp16) near the FP8 ones, and each
-    row's bytes its cache's."""
+def test_fp8_attention_rows_time_three_caches_each_with_its_product_form(monkeypatch) -> None:
+    """Decode and prefill rows, each call given its row's cache and `fp8_dot` (recorded from the launchers). With
+    fp16 queries (the interpreter's bf16 products overflow) the two FP8 forms give the same bits; the bf16 cache's
+    output (here fp16) near the FP8 ones; each row's bytes its cache's; the prefill rows' FLOPs the causal pairs'."""
+    from gpu_engine.kernels import attention
+
     calls = _once(monkeypatch)
+    seen: list[tuple[str, torch.dtype, str]] = []
+    def spying(name: str):
+        fn = getattr(attention, name)
+
+        def spy(*args, **kwargs):
+            seen.append((name, args[1].dtype, kwargs["fp8_dot"]))
+            return fn(*args, **kwargs)
+        return spy
+
+    for launcher in ("decode_attention", "prefill_attention"):
+        monkeypatch.setattr(attention, launcher, spying(launcher))
     prefill = {"prompt_20": [(20, 20)], "mixed_2_8": [(1, 5), (1, 40), (8, 8)]}
     rows = bk.attention_fp8_rows(1000.0, width=4, contexts=[[5, 40], [16, 16]], device="cpu", dtype=torch.float16,
                                  prefill=prefill)
     assert [r["case"] for r in rows] == ["bf16_cache", "fp8_query", "fp8_f16"] * 4
     assert [r["kernel"] for r in rows] == ["decode_attention_fp8"] * 6 + ["prefill_attention_fp8"] * 6
+    fp8 = torch.float8_e4m3fn
+    assert seen == [(f"{k}_attention", dt, dot) for k in ("decode", "decode", "prefill", "prefill")
+                    for dt, dot in ((torch.float16, "query"), (fp8, "query"), (fp8, "f16"))]
     assert [r["context"] for r in rows[:6]] == [-1] * 3 + [16] * 3
-    assert [(r["shape"], r["tokens"]) for r in rows[6::3]] == [("prompt_20", 20), ("mixed_2_8", 10)]
+    assert [(r["shape"], r["tokens"], r["flops"]) for r in rows[6::3]] == [
+        ("prompt_20", 20, 4 * 32 * 128 * 210), ("mixed_2_8", 10, 4 * 32 * 128 * 36)]
     for i in (0, 3, 6, 9):
         cache, query, f16 = calls[i: i + 3]
         assert torch.equal(query, f16) and rows[i + 2]["max_abs_diff_vs_fp8_query"] == 0.0
+        assert "max_abs_diff_vs_fp8_query" not in rows[i + 1] and "max_abs_diff_vs_bf16_cache" not in rows[i]
+        assert rows[i + 1]["max_abs_diff_vs_bf16_cache"] == rows[i + 2]["max_abs_diff_vs_bf16_cache"] > 0
         torch.testing.assert_close(query.float(), cache.float(), rtol=0.15, atol=0.15)
         assert rows[i]["bytes"] > rows[i + 1]["bytes"] == rows[i + 2]["bytes"]

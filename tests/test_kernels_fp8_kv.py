@@ -185,6 +185,33 @@ def test_decode_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
         assert not got[2].float().any()
 
 
+def test_attention_over_fp8_in_fp16_takes_bf16_queries_to_fp16_clamped_and_keeps_nan():
+    """The fp16 form with bf16 queries (the conversion the GPU runs): both attentions within the half-precision
+    tolerance of the reference; a query element past fp16's range (bf16 holds 99,840) taken as 65,504, the reference
+    over the clamped query; a NaN element gives its head NaN, as the query form does."""
+    kv_scale = SCALES[1]
+    _, _, k8, v8, bt, ctx = _paged_fp8([1, 37, 0, 70], kv_scale)
+    q = (torch.randn(4, 8, 16, device=DEV) * 0.3).to(torch.bfloat16)
+    q[1, 2, 3] = 99840.0
+    q[3, 5, 0] = float("nan")
+    clamped = q.float().clamp(-65504.0, 65504.0).to(torch.bfloat16)
+    want = attention.decode_attention_ref(clamped, k8, v8, bt, ctx, 0.25, kv_scale)
+    got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, kv_scale=kv_scale,
+                                     fp8_dot="f16")
+    finite = torch.ones(4, 8, dtype=torch.bool, device=DEV)
+    finite[3, 5] = False
+    assert got[3, 5].isnan().all()  # the NaN's own head; its group's other heads are rows of their own
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2e-2, atol=2e-2)
+    cu = torch.tensor([0, 1, 1, 4, 5], dtype=torch.int32, device=DEV)
+    qp = (torch.randn(5, 8, 16, device=DEV) * 0.3).to(torch.bfloat16)
+    qp[2, 1, 7] = -99840.0
+    want = attention.prefill_attention_ref(qp.float().clamp(-65504.0, 65504.0).to(torch.bfloat16), k8, v8, bt, ctx,
+                                           cu, 0.25, kv_scale)
+    got = attention.prefill_attention(qp, k8, v8, bt, ctx, cu, 0.25, block_m=16, block_n=16, kv_scale=kv_scale,
+                                      fp8_dot="f16")
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries():
     _, _, k8, v8, bt, ctx = _paged_fp8([3, 5], SCALES[0])
     q = torch.randn(2, 8, 16, device=DEV)

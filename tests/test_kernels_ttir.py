@@ -145,17 +145,23 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
     assert out.startswith("True"), out
 
 
-FP8_ATTENTION = {  # kernel: (its signature over an FP8 cache with bf16 queries, its constants at the runner's shapes)
+# kernel: (its signature over an FP8 cache with bf16 queries, its constants at the runner's shapes, the arguments a
+# launch of the runner's takes as multiples of 16: pointers and head strides, not the block tables' 513)
+FP8_ATTENTION = {
     "_decode_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
                        "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
                        "scale_log2:fp32 v_scale:fp32 NSPLIT:i32",
                        {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256,
-                        "BLOCK_N": 128, "FORM": "split", "PREC": "tf32"}),
+                        "BLOCK_N": 128, "FORM": "split", "PREC": "tf32"},
+                       ("q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ctx_ptr", "po_ptr", "pm_ptr", "pl_ptr", "out_ptr",
+                        "cnt_ptr", "sq_b", "sq_h", "so_b", "so_h")),
     "_prefill_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 "
                         "out_ptr:*bf16 sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 "
                         "NB:i32 T:i32",
                         {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64,
-                         "WHOLE": True, "PREC": "tf32", "PACKED": True, "BLOCK_B": 512}),
+                         "WHOLE": True, "PREC": "tf32", "PACKED": True, "BLOCK_B": 512},
+                        ("q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ctx_ptr", "cu_ptr", "out_ptr", "sq_t", "sq_h", "so_t",
+                         "so_h")),
 }
 
 
@@ -164,11 +170,12 @@ def test_attention_over_fp8_in_fp16_widens_the_codes_natively(kernel: str) -> No
     """The decode (split form) and prefill attention over an FP8 cache at the runner's shapes, their products in the
     query's bf16 and in fp16 (`fp8_dot`): in fp16 the codes need no f16 -> bf16 conversion after the native
     e4m3 -> f16 one, and the kernel is shorter."""
-    sig, consts = FP8_ATTENTION[kernel]
+    sig, consts, divisible = FP8_ATTENTION[kernel]
     counts = {}
     for f16 in (False, True):
         out = compiles("gpu_engine.kernels.attention", kernel, dict(item.split(":") for item in sig.split()),
-                       {**consts, "F16": f16}, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], **CUBIN)
+                       {**consts, "F16": f16}, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], divisible=divisible,
+                       **CUBIN)
         counts[f16] = json.JSONDecoder().raw_decode(out)[0] if out.startswith("{") else out
     assert isinstance(counts[False], dict) and isinstance(counts[True], dict), counts
     assert counts[False]["cvt.bf16.f16"] > 0 and counts[True]["cvt.bf16.f16"] == 0, counts

@@ -60,9 +60,10 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
 
 @triton.jit
 def _fp16_query(q):
-    """An FP8 cache's fp16 form (`fp8_dot` "f16"): the query in fp16, clamped to its range, so that `_online_step`
-    widens the e4m3 codes to fp16 (natively, in pairs) and takes both products in fp16."""
-    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    """An FP8 cache's fp16 form (`fp8_dot` "f16"): the query in fp16, clamped to its finite range (an infinity
+    becomes +-65,504; a NaN stays NaN), so that `_online_step` widens the e4m3 codes to fp16 (natively, in pairs)
+    and takes both products in fp16."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
 
 
 @triton.jit
@@ -367,16 +368,18 @@ DECODE_FORMS = ("split", "last")
 FP8_DOTS = ("query", "f16")  # an FP8 cache's products: in the query's dtype, or in fp16 (`decode_attention`)
 
 
-def _check_fp8_dot(fp8_dot: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    if fp8_dot not in FP8_DOTS:
-        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
-    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
 # (`KernelPlan.fused`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
 # and its registers in every program).
 LAST_FOLD_ROWS = 1
+
+
+def _check_fp8_dot(fp8_dot: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
+    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
 
 
 def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int,
@@ -416,6 +419,7 @@ def decode_attention(
     probabilities round to 11 significand bits instead of bf16's 8)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
+    _check_fp8_dot(fp8_dot, q, k_cache)
     H, D = q.shape[1], q.shape[2]
     out = torch.empty_like(q) if out is None else out
     check("out", out, dtype=q.dtype, shape=(B, H, D), device=q.device)
@@ -424,7 +428,6 @@ def decode_attention(
     if form not in DECODE_FORMS:
         raise ValueError(f"form must be one of {DECODE_FORMS}, got {form!r}")
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    _check_fp8_dot(fp8_dot, q, k_cache)
     ks, vs = check_kv_scale(kv_scale)
     nsplit, (po, pm, pl), consts = decode_partials(q, hkv, block_tables.shape[1] * bs, partition_size)
     if form == "last":
@@ -496,6 +499,7 @@ def prefill_attention(
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
+    _check_fp8_dot(fp8_dot, q, k_cache)
     T, H, D = q.shape
     check("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(B + 1,), device=q.device)
     out = torch.empty_like(q) if out is None else out
@@ -505,7 +509,6 @@ def prefill_attention(
     block_m = block_m or prefill_block_m(T)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    _check_fp8_dot(fp8_dot, q, k_cache)
     ks, vs = check_kv_scale(kv_scale)
     grid = prefill_grid(B) if grid == "auto" else grid
     if grid == "packed":

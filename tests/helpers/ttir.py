@@ -45,13 +45,17 @@ def shared_bytes(fn, signature: dict[str, str], constexprs: dict[str, object], o
     return int(_compiled(fn, signature, constexprs, options, divisible).metadata.shared)
 
 
-def ptx_counts(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict,
-               patterns: list[str]) -> dict[str, int]:
-    """The compiled kernel's PTX (`_compiled`): its instructions (lines ending in `;` that are no directive), and how
-    many have an opcode starting with each of `patterns` (e.g. "cvt.bf16.f16"), a guard (`@%p1`) set aside."""
-    lines = [line.strip() for line in _compiled(fn, signature, constexprs, options).asm["ptx"].splitlines()]
-    ops = [line for line in lines if line.endswith(";") and not line.startswith((".", "//"))]
-    opcodes = [(op.split(None, 1)[1] if op.startswith("@") and " " in op else op).split(None, 1)[0] for op in ops]
+def ptx_counts(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict, patterns: list[str],
+               divisible: tuple[str, ...] = ()) -> dict[str, int]:
+    """The compiled kernel's PTX (`_compiled`, `divisible` as a launch specializes its arguments): its instructions
+    (lines ending in `;`, comments cut, that are no directive), and how many have an opcode starting with each of
+    `patterns` (e.g. "cvt.bf16.f16"), a guard (`@%p1`, `@!%p1`) set aside."""
+    import re
+
+    ptx = _compiled(fn, signature, constexprs, options, divisible).asm["ptx"]
+    ops = [line.split("//", 1)[0].strip() for line in ptx.splitlines()]
+    ops = [op for op in ops if op.endswith(";") and not op.startswith(".")]
+    opcodes = [m.group(1) for op in ops if (m := re.match(r"(?:@!?%\w+\s+)?([\w.]+)", op))]
     return {"instructions": len(ops), **{p: sum(o.startswith(p) for o in opcodes) for p in patterns}}
 
 
@@ -64,7 +68,8 @@ def main() -> None:
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     fn = getattr(importlib.import_module(module), name)
     if "ptx" in spec:
-        print(json.dumps(ptx_counts(fn, spec["signature"], spec["constexprs"], spec["options"], spec["ptx"])))
+        print(json.dumps(ptx_counts(fn, spec["signature"], spec["constexprs"], spec["options"], spec["ptx"],
+                                    tuple(spec.get("divisible", ())))))
         return
     if "options" in spec:
         divisible = tuple(spec.get("divisible", ()))
