@@ -27,13 +27,15 @@ def _once(monkeypatch) -> list:
 
 def test_align_rows_time_every_form_and_each_gives_the_sorted_arrays(monkeypatch) -> None:
     calls = _once(monkeypatch)
-    tokens = (2, 20, 80)  # 16, 160 and 640 pairs: the one launch, then two, at block heights 16 and 64
+    monkeypatch.setitem(bk.MOE_SHAPE, "experts", 16)  # a smaller one-hot for the interpreter; the top 8 as served
+    tokens = (2, 20, 80)  # 16, 160 and 640 pairs: the one launch, then two (every form at every size, forced)
     rows = bk.moe_align_rows(1000.0, layers=2, tokens=tokens, device="cpu")
     cases = {"torch_sort", "served", "one_launch c64"} | {f"two_launch c{c}" for c in bk.ALIGN_CHUNKS}
     assert [r["batch"] for r in rows] == [t for t in tokens for _ in cases]
     assert {r["case"] for r in rows} == cases and len(rows) == len(calls)
     assert all(r["same_arrays"] for r in rows), [r for r in rows if not r["same_arrays"]]
-    assert {r["block_m"] for r in rows if r["batch"] == 80} == {64}
+    heights = {t: {r["block_m"] for r in rows if r["batch"] == t} for t in tokens}
+    assert heights == {2: {16}, 20: {64}, 80: {64}}
     for r, (sorted_pairs, block_expert) in zip(rows, calls, strict=True):  # the call timed is the row's form
         assert sorted_pairs.numel() % r["block_m"] == 0 and block_expert.numel() == sorted_pairs.numel() // r["block_m"]
     assert moe.ONE_LAUNCH_PAIRS < 160 <= moe.ALIGN_KERNEL_PAIRS
