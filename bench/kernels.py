@@ -359,10 +359,12 @@ def attention_rows(gbps: float, width: int = 513) -> list[dict]:
     return rows
 
 
-def _fp8_forms(kc: torch.Tensor, vc: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, str, int]]:
-    """`attention_fp8_rows`' three forms of a cache: name -> (K, V, `fp8_dot`, bytes a KV element)."""
+def _fp8_forms(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
+    """`attention_fp8_rows`' three forms of a step: name -> (queries, K, V, bytes a KV element). `fp8_f16`'s queries
+    are `q` in fp16, converted outside the timed launches (in a kernel that took this form it is one conversion a
+    query row, in registers)."""
     k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    return {"bf16_cache": (kc, vc, "query", 2), "fp8_query": (k8, v8, "query", 1), "fp8_f16": (k8, v8, "f16", 1)}
+    return {"bf16_cache": (q, kc, vc, 2), "fp8_query": (q, k8, v8, 1), "fp8_f16": (q.to(torch.float16), k8, v8, 1)}
 
 
 def _fp8_diffs(name: str, outs: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -382,12 +384,13 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
                        prefill: dict[str, list[tuple[int, int]]] | None = None) -> list[dict]:
     """Decode attention over an FP8 cache (`--kv-cache-dtype fp8`, unit scales) at the runner's split form
     (`p256_bn128`), Llama-3-8B's heads, served contexts at 32-128 rows and 2,048 tokens at 64 and 128: the same
-    cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and the
-    queries taken to fp16 with the products in fp16 (`fp8_f16`), each against its own bytes (one a KV element for
-    FP8), each FP8 row with its largest differences (`_fp8_diffs`). Then the prefill attention the same three ways
-    (`prefill_attention_fp8`, with its causal FLOPs and their rate): a 2,048-token prompt and the 896-token chunk of a
-    saturated mixed step (`prefill_rows`' shapes). `contexts`, `prefill`, `device` and `dtype` (the queries' and the
-    unquantized cache's): the check of these calls on tiny shapes in the CPU interpreter."""
+    cache in bf16 (`bf16_cache`), the FP8 codes widened to the bf16 queries (`fp8_query`, the engine's now) and, an
+    experiment, the same kernel given the queries in fp16 (`fp8_f16`: the codes widen to fp16 natively and both
+    products run in fp16, no f16 -> bf16 conversion; its output in fp16), each against its own bytes (one a KV
+    element for FP8), each FP8 row with its largest differences (`_fp8_diffs`). Then the prefill attention the same
+    three ways (`prefill_attention_fp8`, with its causal FLOPs and their rate): a 2,048-token prompt and the 896-token
+    chunk of a saturated mixed step (`prefill_rows`' shapes). `contexts`, `prefill`, `device` and `dtype` (the
+    queries' and the unquantized cache's): the check of these calls on tiny shapes in the CPU interpreter."""
     from gpu_engine.kernels.attention import decode_attention, prefill_attention
 
     rows = []
@@ -396,12 +399,12 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
         B, hkv = len(lens), 8
         kc, vc, tables = _paged_cache([n // 16 + 1 for n in lens], hkv, width, device=device, dtype=dtype)
         ctx_lens = torch.tensor(lens, device=device, dtype=torch.int32)
-        q = torch.randn(B, 32, 128, device=device, dtype=dtype)
-        outs = {name: torch.empty_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
+        forms = _fp8_forms(torch.randn(B, 32, 128, device=device, dtype=dtype), kc, vc)
+        outs = {name: torch.empty_like(f[0]) for name, f in forms.items()}
         equal = len(set(lens)) == 1
-        for name, (k, v, dot, width_b) in _fp8_forms(kc, vc).items():
-            ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=ctx_lens, q=q:
-                          decode_attention(q, k, v, t, n, 128 ** -0.5, out=o, fp8_dot=dot, **how))
+        for name, (q, k, v, width_b) in forms.items():
+            ms = graph_ms(lambda q=q, k=k, v=v, o=outs[name], t=tables, n=ctx_lens:
+                          decode_attention(q, k, v, t, n, 128 ** -0.5, out=o, **how))
             rows.append({"kernel": "decode_attention_fp8", "case": name, "batch": B,
                          "context": lens[0] if equal else -1, "context_mean": sum(lens) / B, "kv_heads": hkv,
                          **_fp8_diffs(name, outs),
@@ -409,12 +412,13 @@ def attention_fp8_rows(gbps: float, width: int = 513, contexts: list[list[int]] 
     for case, seqs in (prefill or {"prompt_2048": [(2048, 2048)],
                                    "mixed_128_896": [(1, c) for c in served_contexts(128)] + [(896, 896)]}).items():
         q, kc, vc, tables, lens_t, cu, seqs = _prefill_step(case, seqs, 32, 8, 128, 16, device, dtype)
+        forms = _fp8_forms(q, kc, vc)
         # zeros: a mixed step's decode rows are not the prefill's to write, and stay equal in the differences
-        outs = {name: torch.zeros_like(q) for name in ("bf16_cache", "fp8_query", "fp8_f16")}
+        outs = {name: torch.zeros_like(f[0]) for name, f in forms.items()}
         flops = 4 * 32 * 128 * sum(n * (ctx - n) + n * (n + 1) // 2 for n, ctx in seqs)  # as `prefill_rows`
-        for name, (k, v, dot, width_b) in _fp8_forms(kc, vc).items():
-            ms = graph_ms(lambda k=k, v=v, dot=dot, o=outs[name], t=tables, n=lens_t, cu=cu, q=q:
-                          prefill_attention(q, k, v, t, n, cu, 128 ** -0.5, out=o, fp8_dot=dot), reps=5)
+        for name, (qf, k, v, width_b) in forms.items():
+            ms = graph_ms(lambda q=qf, k=k, v=v, o=outs[name], t=tables, n=lens_t, cu=cu:
+                          prefill_attention(q, k, v, t, n, cu, 128 ** -0.5, out=o), reps=5)
             rows.append({"kernel": "prefill_attention_fp8", "case": name, "shape": case, "tokens": q.shape[0],
                          "flops": flops, "achieved_tflops": flops / (ms * 1e-3) / 1e12, **_fp8_diffs(name, outs),
                          **entry(ms, width_b * 2 * sum(c for n, c in seqs if n) * 8 * 128 + 2 * _nbytes(q), gbps)})
@@ -812,7 +816,8 @@ def moe_rows(gbps: float, layers: int = 4) -> list[dict]:
 # warps, Triton's default stages): (block_n, block_k, warps, stages), each at the block heights the path takes.
 SORTED_TILES = ((64, 64, 4, None), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
                 (64, 256, 4, 2), (128, 256, 8, 2), (64, 64, 4, 4), (64, 128, 8, 4), (256, 64, 8, 3))
-# The gate_up GEMM with the SiLU-and-multiply in its epilogue (`glu`): two accumulators a tile, so narrower tiles too
+# The experiment's gate_up GEMM with the SiLU-and-multiply in its epilogue (`bench.moe_glu`): two accumulators a
+# tile, so narrower tiles too
 GLU_TILES = ((64, 64, 4, None), (64, 64, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))
 SORTED_HEIGHTS = (16, 64)
 TALL_HEIGHT, TALL_FROM = 128, 1024  # a taller block (most experts one block) at steps of this many tokens and more
@@ -827,7 +832,9 @@ def sorted_name(gemm: str, bm: int, tile: tuple[int, int, int, int | None]) -> s
 def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
     """The sorted path's two GEMMs of a step of `B` tokens at block height `bm`, per tile of SORTED_TILES: name ->
     (a function running layer i, layer i's output buffers). Layer i's pairs are sorted once, beforehand; the shapes
-    are the weights' (down [E, H, I]) and the routes' (ids [B, k])."""
+    are the weights' (down [E, H, I]) and the routes' (ids [B, k]). And the experiment's gate_up GEMM with the
+    SiLU-and-multiply in its epilogue (`bench.moe_glu`) over GLU_TILES, beside the two launches it replaces."""
+    from bench.moe_glu import glu_gemm
     from gpu_engine.kernels import moe
     from gpu_engine.kernels.activation import silu_and_mul
 
@@ -856,15 +863,17 @@ def _sorted_gemms(B: int, bm: int, gate_up, down, xs, routes, acts) -> dict:
     for tile in GLU_TILES:
         bn, bk, warps, stages = tile
         conf = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
-        cases[sorted_name("glu", bm, tile)] = (lambda i, conf=conf: moe.moe_gemm(
-            xs[i], gate_up[i], glu[i], *aligned[i], flat[i], a_div=k, block_m=bm, glu=True, **conf), glu)
+        cases[sorted_name("glu", bm, tile)] = (lambda i, conf=conf: glu_gemm(
+            xs[i], gate_up[i], glu[i], *aligned[i], a_div=k, block_m=bm, **conf), glu)
     return cases
 
 
 def _sorted_path(i: int, xs, gate_up, down, routes, glu: bool) -> torch.Tensor:
+    """Layer i's sorted expert path: the engine's, or with the experiment's gate_up GEMM (`bench.moe_glu`)."""
+    from bench.moe_glu import sorted_path_glu
     from gpu_engine.kernels import moe
 
-    return moe.moe_experts_sorted(xs[i], gate_up[i], down[i], *routes[i], glu=glu)
+    return (sorted_path_glu if glu else moe.moe_experts_sorted)(xs[i], gate_up[i], down[i], *routes[i])
 
 
 def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
@@ -917,7 +926,7 @@ def moe_sorted_rows(gbps: float, layers: int = 4) -> list[dict]:
                 first = reference.setdefault("act" if gemm in ("glu", "gate_up+silu") else gemm, out.clone())
                 diff = float((out.float() - first.float()).abs().max())
                 rows.append({"kernel": "moe_sorted", "case": name, "batch": B, "experts": round(active, 1),
-                             "block_m": bm, "taken": bm == (16 if B * k <= 4 * E else 64),
+                             "block_m": bm, "taken": bm == moe.sorted_block_m(B * k, E),
                              "same_bits": bool(torch.equal(out, first)), "max_abs_diff": diff,
                              **entry(ms, nbytes[gemm], gbps)})
     return rows
@@ -941,7 +950,7 @@ def moe_align_rows(gbps: float, layers: int = 4, tokens: tuple[int, ...] = ALIGN
     E, k = MOE_SHAPE["experts"], MOE_SHAPE["top_k"]
     rows = []
     for T in tokens:
-        bm = 16 if T * k <= 4 * E else 64
+        bm = moe.sorted_block_m(T * k, E)
         ids = [moe.moe_route(torch.randn(T, E, device=device), k, True)[1] for _ in range(layers)]
         cases: dict[str, Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = {
             "torch_sort": lambda i, ids=ids, bm=bm: moe.moe_align_ref(ids[i], E, bm),

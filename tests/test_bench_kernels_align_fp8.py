@@ -41,19 +41,20 @@ def test_align_rows_time_every_form_and_each_gives_the_sorted_arrays(monkeypatch
     assert moe.ONE_LAUNCH_PAIRS < 160 <= moe.ALIGN_KERNEL_PAIRS
 
 
-def test_fp8_attention_rows_time_three_caches_each_with_its_product_form(monkeypatch) -> None:
-    """Decode and prefill rows, each call given its row's cache and `fp8_dot` (recorded from the launchers). With
-    fp16 queries (the interpreter's bf16 products overflow) the two FP8 forms give the same bits; the bf16 cache's
-    output (here fp16) near the FP8 ones; each row's bytes its cache's; the prefill rows' FLOPs the causal pairs'."""
+def test_fp8_attention_rows_time_three_forms_each_with_its_cache_and_queries(monkeypatch) -> None:
+    """Decode and prefill rows, each call given its row's cache and queries (recorded from the launchers: `fp8_f16`'s
+    in fp16). With fp16 queries already (the interpreter's bf16 products overflow) the two FP8 forms give the same
+    bits; the bf16 cache's output (here fp16) near the FP8 ones; each row's bytes its cache's; the prefill rows'
+    FLOPs the causal pairs'."""
     from gpu_engine.kernels import attention
 
     calls = _once(monkeypatch)
-    seen: list[tuple[str, torch.dtype, str]] = []
+    seen: list[tuple[str, torch.dtype, torch.dtype]] = []
     def spying(name: str):
         fn = getattr(attention, name)
 
         def spy(*args, **kwargs):
-            seen.append((name, args[1].dtype, kwargs["fp8_dot"]))
+            seen.append((name, args[1].dtype, args[0].dtype))
             return fn(*args, **kwargs)
         return spy
 
@@ -65,8 +66,9 @@ def test_fp8_attention_rows_time_three_caches_each_with_its_product_form(monkeyp
     assert [r["case"] for r in rows] == ["bf16_cache", "fp8_query", "fp8_f16"] * 4
     assert [r["kernel"] for r in rows] == ["decode_attention_fp8"] * 6 + ["prefill_attention_fp8"] * 6
     fp8 = torch.float8_e4m3fn
-    assert seen == [(f"{k}_attention", dt, dot) for k in ("decode", "decode", "prefill", "prefill")
-                    for dt, dot in ((torch.float16, "query"), (fp8, "query"), (fp8, "f16"))]
+    half = torch.float16
+    assert seen == [(f"{k}_attention", dt, half) for k in ("decode", "decode", "prefill", "prefill")
+                    for dt in (half, fp8, fp8)]
     assert [r["context"] for r in rows[:6]] == [-1] * 3 + [16] * 3
     assert [(r["shape"], r["tokens"], r["flops"]) for r in rows[6::3]] == [
         ("prompt_20", 20, 4 * 32 * 128 * 210), ("mixed_2_8", 10, 4 * 32 * 128 * 36)]
@@ -77,3 +79,7 @@ def test_fp8_attention_rows_time_three_caches_each_with_its_product_form(monkeyp
         assert rows[i + 1]["max_abs_diff_vs_bf16_cache"] == rows[i + 2]["max_abs_diff_vs_bf16_cache"] > 0
         torch.testing.assert_close(query.float(), cache.float(), rtol=0.15, atol=0.15)
         assert rows[i]["bytes"] > rows[i + 1]["bytes"] == rows[i + 2]["bytes"]
+    q, kc = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(3, 16, 1, 8, dtype=torch.bfloat16)
+    forms = bk._fp8_forms(q, kc, kc)  # bf16 queries, as on a GPU: the experiment's in fp16, the others as they are
+    assert [(f[0].dtype, f[1].dtype) for f in forms.values()] == [
+        (torch.bfloat16, torch.bfloat16), (torch.bfloat16, fp8), (torch.float16, fp8)]

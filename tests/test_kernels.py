@@ -299,26 +299,6 @@ def test_fused_moe(normalize):
     _close(moe.fused_moe(x, router, gate_up, down, 2, normalize), want, 1e-4)  # 10 pairs: the sort-free path
     weights, ids = moe.moe_route(torch.nn.functional.linear(x, router), 2, normalize)
     _close(moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16), want, 1e-4)
-    _close(moe.moe_experts_sorted(x, gate_up, down, weights, ids, block_m=16, glu=True), want, 1e-4)
-
-
-@pytest.mark.parametrize(("N", "block_n"), [(24, 16), (40, 32)])
-def test_moe_gemm_glu_takes_the_silu_and_multiply_in_its_epilogue(N, block_n):
-    """The gate_up GEMM with `glu`: each sorted pair's silu(gate) * up of its expert, from the fp32 products (a
-    column tile that ends past N included), against the products' own SiLU-and-multiply."""
-    g = torch.Generator().manual_seed(N)
-    E, K, T, k = 5, 48, 7, 2
-    x = torch.randn(T, K, generator=g).to(DEV)
-    gate_up = (torch.randn(E, 2 * N, K, generator=g) * 0.3).to(DEV)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
-    sorted_pairs, block_expert = moe.moe_align(ids, E, 16)
-    ones = torch.ones(T * k, device=DEV)
-    act = torch.full((T * k, N), float("nan"), device=DEV)
-    moe.moe_gemm(x, gate_up, act, sorted_pairs, block_expert, ones, a_div=k, block_m=16, block_n=block_n, glu=True)
-    gu = torch.stack([gate_up[e] @ x[p // k] for p, e in enumerate(ids.reshape(-1).tolist())])
-    _close(act, torch.nn.functional.silu(gu[:, :N]) * gu[:, N:], 1e-5)
-    with pytest.raises(ValueError, match="even row count"):
-        moe.moe_gemm(x, gate_up[:, 1:], act, sorted_pairs, block_expert, ones, a_div=k, block_m=16, glu=True)
 
 
 @pytest.mark.parametrize(("T", "E", "top_k", "group"), [(1, 128, 8, 4), (3, 6, 2, 4), (8, 60, 4, 16)])

@@ -171,59 +171,16 @@ def _paged_fp8(lens, kv_scale, hkv=2, d=16, bs=4, nblocks=40, seed=0, spread=3.0
 @pytest.mark.parametrize("kv_scale", SCALES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (HALF, 2e-2)])
 def test_decode_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
-    """Codes widened to the queries' dtype (or, for 16-bit queries, to fp16 with the queries: `fp8_dot`), the key
-    scale in the scores and the value scale on the sums: the reference's fp32 dequantized attention, in both forms,
-    empty rows zero."""
+    """Codes widened to the queries' dtype, the key scale in the scores and the value scale on the sums: the
+    reference's fp32 dequantized attention, in both forms, empty rows zero."""
     _, _, k8, v8, bt, ctx = _paged_fp8([1, 37, 0, 70], kv_scale)
     q = torch.randn(4, 8, 16, device=DEV).to(dtype)
     want = attention.decode_attention_ref(q, k8, v8, bt, ctx, 0.25, kv_scale)
-    for dot in attention.FP8_DOTS if dtype != torch.float32 else ("query",):
-        for form in attention.DECODE_FORMS:
-            got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, form=form,
-                                             kv_scale=kv_scale, fp8_dot=dot)
-            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-        assert not got[2].float().any()
-
-
-def test_attention_over_fp8_in_fp16_takes_bf16_queries_to_fp16_clamped_and_keeps_nan():
-    """The fp16 form with bf16 queries (the conversion the GPU runs): both attentions within the half-precision
-    tolerance of the reference; a query element past fp16's range (bf16 holds 99,840) taken as 65,504, the reference
-    over the clamped query; a NaN element gives its head NaN, as the query form does."""
-    kv_scale = SCALES[1]
-    _, _, k8, v8, bt, ctx = _paged_fp8([1, 37, 0, 70], kv_scale)
-    q = (torch.randn(4, 8, 16, device=DEV) * 0.3).to(torch.bfloat16)
-    q[1, 2, 3] = 99840.0
-    q[3, 5, 0] = float("nan")
-    clamped = q.float().clamp(-65504.0, 65504.0).to(torch.bfloat16)
-    want = attention.decode_attention_ref(clamped, k8, v8, bt, ctx, 0.25, kv_scale)
-    got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, kv_scale=kv_scale,
-                                     fp8_dot="f16")
-    finite = torch.ones(4, 8, dtype=torch.bool, device=DEV)
-    finite[3, 5] = False
-    assert got[3, 5].isnan().all()  # the NaN's own head; its group's other heads are rows of their own
-    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2e-2, atol=2e-2)
-    cu = torch.tensor([0, 1, 1, 4, 5], dtype=torch.int32, device=DEV)
-    qp = (torch.randn(5, 8, 16, device=DEV) * 0.3).to(torch.bfloat16)
-    qp[2, 1, 7] = -99840.0
-    want = attention.prefill_attention_ref(qp.float().clamp(-65504.0, 65504.0).to(torch.bfloat16), k8, v8, bt, ctx,
-                                           cu, 0.25, kv_scale)
-    got = attention.prefill_attention(qp, k8, v8, bt, ctx, cu, 0.25, block_m=16, block_n=16, kv_scale=kv_scale,
-                                      fp8_dot="f16")
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_attention_takes_fp16_products_only_over_fp8_and_16_bit_queries():
-    _, _, k8, v8, bt, ctx = _paged_fp8([3, 5], SCALES[0])
-    q = torch.randn(2, 8, 16, device=DEV)
-    with pytest.raises(ValueError, match="16-bit queries"):  # fp32 queries
-        attention.decode_attention(q, k8, v8, bt, ctx, 0.25, fp8_dot="f16")
-    with pytest.raises(ValueError, match="FP8 cache"):  # a cache of the queries' dtype
-        attention.decode_attention(q.to(HALF), k8.to(HALF), v8.to(HALF), bt, ctx, 0.25, fp8_dot="f16")
-    with pytest.raises(ValueError, match="fp8_dot must be one of"):
-        attention.decode_attention(q.to(HALF), k8, v8, bt, ctx, 0.25, fp8_dot="e5m2")
-    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="16-bit queries"):
-        attention.prefill_attention(torch.randn(5, 8, 16, device=DEV), k8, v8, bt, ctx, cu, 0.25, fp8_dot="f16")
+    for form in attention.DECODE_FORMS:
+        got = attention.decode_attention(q, k8, v8, bt, ctx, 0.25, partition_size=32, block_n=16, form=form,
+                                         kv_scale=kv_scale)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert not got[2].float().any()
 
 
 @pytest.mark.parametrize("kv_scale", SCALES)
@@ -234,10 +191,8 @@ def test_prefill_attention_over_fp8_matches_its_reference(dtype, tol, kv_scale):
     cu = torch.tensor([0, 5, 5, 24, 25], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(lens_q), 8, 16, device=DEV).to(dtype)
     want = attention.prefill_attention_ref(q, k8, v8, bt, ctx, cu, 0.3, kv_scale)
-    for dot in attention.FP8_DOTS if dtype != torch.float32 else ("query",):  # 16-bit queries: fp16 products too
-        got = attention.prefill_attention(q, k8, v8, bt, ctx, cu, 0.3, block_m=16, block_n=16, kv_scale=kv_scale,
-                                          fp8_dot=dot)
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    got = attention.prefill_attention(q, k8, v8, bt, ctx, cu, 0.3, block_m=16, block_n=16, kv_scale=kv_scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def _rows_bound(q, k, v, scale, kv_scale, q_pos):

@@ -134,7 +134,7 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
            f"pl_ptr:*fp32 out_ptr:*{dtype} cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
            "scale_log2:fp32 v_scale:fp32 NSPLIT:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256, "BLOCK_N": 128,
-              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32", "F16": False}
+              "FORM": form, "PREC": "ieee" if dtype == "fp32" else "tf32"}
     out = compiles("gpu_engine.kernels.attention", "_decode_kernel", dict(item.split(":") for item in sig.split()),
                    consts, **(CUBIN if kv == "fp8e4nv" else {}))
     assert _built(out, kv), out
@@ -145,18 +145,18 @@ def test_decode_attention_kernel_compiles_for_sm90(dtype: str, kv: str, form: st
     assert out.startswith("True"), out
 
 
-# kernel: (its signature over an FP8 cache with bf16 queries, its constants at the runner's shapes, the arguments a
-# launch of the runner's takes as multiples of 16: pointers and head strides, not the block tables' 513)
+# kernel: (its signature over an FP8 cache, queries and output of dtype Q; its constants at the runner's shapes; the
+# arguments a launch of the runner's takes as multiples of 16: pointers and head strides, not the block tables' 513)
 FP8_ATTENTION = {
-    "_decode_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
-                       "pl_ptr:*fp32 out_ptr:*bf16 cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
+    "_decode_kernel": ("q_ptr:*Q kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 po_ptr:*fp32 pm_ptr:*fp32 "
+                       "pl_ptr:*fp32 out_ptr:*Q cnt_ptr:*i32 sq_b:i32 sq_h:i32 sbt_b:i32 so_b:i32 so_h:i32 "
                        "scale_log2:fp32 v_scale:fp32 NSPLIT:i32",
                        {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_G": 16, "BLOCK_D": 128, "PART": 256,
                         "BLOCK_N": 128, "FORM": "split", "PREC": "tf32"},
                        ("q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ctx_ptr", "po_ptr", "pm_ptr", "pl_ptr", "out_ptr",
                         "cnt_ptr", "sq_b", "sq_h", "so_b", "so_h")),
-    "_prefill_kernel": ("q_ptr:*bf16 kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 "
-                        "out_ptr:*bf16 sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 "
+    "_prefill_kernel": ("q_ptr:*Q kc_ptr:*fp8e4nv vc_ptr:*fp8e4nv bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 "
+                        "out_ptr:*Q sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 "
                         "NB:i32 T:i32",
                         {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64,
                          "WHOLE": True, "PREC": "tf32", "PACKED": True, "BLOCK_B": 512},
@@ -166,21 +166,21 @@ FP8_ATTENTION = {
 
 
 @pytest.mark.parametrize("kernel", FP8_ATTENTION)
-def test_attention_over_fp8_in_fp16_widens_the_codes_natively(kernel: str) -> None:
-    """The decode (split form) and prefill attention over an FP8 cache at the runner's shapes, their products in the
-    query's bf16 and in fp16 (`fp8_dot`): in fp16 the codes need no f16 -> bf16 conversion after the native
-    e4m3 -> f16 one, and the kernel is shorter."""
+def test_attention_over_fp8_with_fp16_queries_widens_the_codes_natively(kernel: str) -> None:
+    """The decode (split form) and prefill attention over an FP8 cache at the runner's shapes, with bf16 queries
+    (the engine's) and with fp16 ones (what `bench.kernels --only attention_fp8` times as `fp8_f16`): with fp16
+    queries the codes need no f16 -> bf16 conversion after the native e4m3 -> f16 one, and the kernel is shorter."""
     sig, consts, divisible = FP8_ATTENTION[kernel]
     counts = {}
-    for f16 in (False, True):
-        out = compiles("gpu_engine.kernels.attention", kernel, dict(item.split(":") for item in sig.split()),
-                       {**consts, "F16": f16}, ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], divisible=divisible,
-                       **CUBIN)
-        counts[f16] = json.JSONDecoder().raw_decode(out)[0] if out.startswith("{") else out
-    assert isinstance(counts[False], dict) and isinstance(counts[True], dict), counts
-    assert counts[False]["cvt.bf16.f16"] > 0 and counts[True]["cvt.bf16.f16"] == 0, counts
-    assert counts[True]["cvt.rn.f16x2.e4m3x2"] > 0, counts
-    assert counts[True]["instructions"] < counts[False]["instructions"], counts
+    for q in ("bf16", "fp16"):
+        out = compiles("gpu_engine.kernels.attention", kernel,
+                       dict(item.split(":") for item in sig.replace("*Q", f"*{q}").split()), consts,
+                       ptx=["cvt.bf16.f16", "cvt.rn.f16x2.e4m3x2"], divisible=divisible, **CUBIN)
+        counts[q] = json.JSONDecoder().raw_decode(out)[0] if out.startswith("{") else out
+    assert isinstance(counts["bf16"], dict) and isinstance(counts["fp16"], dict), counts
+    assert counts["bf16"]["cvt.bf16.f16"] > 0 and counts["fp16"]["cvt.bf16.f16"] == 0, counts
+    assert counts["fp16"]["cvt.rn.f16x2.e4m3x2"] > 0, counts
+    assert counts["fp16"]["instructions"] < counts["bf16"]["instructions"], counts
 
 
 @pytest.mark.parametrize(("dtype", "block_m", "whole", "kv", "packed"),
@@ -196,8 +196,7 @@ def test_prefill_attention_kernel_compiles_for_sm90(dtype: str, block_m: int, wh
     sig = (f"q_ptr:*{dtype} kc_ptr:*{kv} vc_ptr:*{kv} bt_ptr:*i32 ctx_ptr:*i32 cu_ptr:*i32 out_ptr:*{dtype} "
            "sq_t:i32 sq_h:i32 so_t:i32 so_h:i32 sbt_b:i32 scale_log2:fp32 v_scale:fp32 NB:i32 T:i32")
     consts = {"HKV": 8, "D": 128, "BS": 16, "G": 4, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": 64,
-              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512,
-              "F16": False}
+              "WHOLE": whole, "PREC": "ieee" if dtype == "fp32" else "tf32", "PACKED": packed, "BLOCK_B": 512}
     out = compiles("gpu_engine.kernels.attention", "_prefill_kernel", dict(item.split(":") for item in sig.split()),
                    consts, **(CUBIN if kv == "fp8e4nv" else {}))
     assert _built(out, kv), out
@@ -222,13 +221,17 @@ def test_moe_align_kernels_compile_for_sm90() -> None:
     assert out.startswith("True"), out
 
 
-@pytest.mark.parametrize("glu", [False, True])
-def test_moe_gemm_kernel_compiles_for_sm90(glu: bool) -> None:
-    """The sorted path's grouped GEMM at the launcher's tile, plain and with the SiLU-and-multiply epilogue."""
+def test_moe_gemm_kernels_compile_for_sm90() -> None:
+    """The sorted path's grouped GEMM at the launcher's tile, and the experiment's with the SiLU-and-multiply in its
+    epilogue (`bench.moe_glu`)."""
     sig = ("a_ptr:*bf16 w_ptr:*bf16 c_ptr:*bf16 sorted_ptr:*i32 bexp_ptr:*i32 rw_ptr:*fp32 N:i32 K:i32 P:i32 "
            "A_DIV:i32 sa_m:i32 sw_e:i32 sw_n:i32 sc_m:i32 E:i32")
     out = compiles("gpu_engine.kernels.moe", "_moe_gemm_kernel", dict(item.split(":") for item in sig.split()),
-                   {"MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32", "GLU": glu})
+                   {"MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32"})
+    assert out.startswith("True"), out
+    sig = sig.replace("rw_ptr:*fp32 ", "")
+    out = compiles("bench.moe_glu", "_glu_gemm_kernel", dict(item.split(":") for item in sig.split()),
+                   {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32"})
     assert out.startswith("True"), out
 
 

@@ -59,14 +59,6 @@ def _online_step(q, kc_ptr, vc_ptr, bt_row, n, valid, vis, kvh, d, acc, m, lsum,
 
 
 @triton.jit
-def _fp16_query(q):
-    """An FP8 cache's fp16 form (`fp8_dot` "f16"): the query in fp16, clamped to its finite range (an infinity
-    becomes +-65,504; a NaN stays NaN), so that `_online_step` widens the e4m3 codes to fp16 (natively, in pairs)
-    and takes both products in fp16."""
-    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
-
-
-@triton.jit
 def _v_scaled(acc, v_scale, vc_ptr):
     """An unnormalised output sum of an FP8 cache's value codes times the value scale; any other cache's as it is
     (the same code as without FP8)."""
@@ -162,13 +154,11 @@ def _decode_kernel(
     sq_b, sq_h, sbt_b, so_b, so_h, scale_log2, v_scale, NSPLIT,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORM: tl.constexpr, PREC: tl.constexpr, F16: tl.constexpr,
+    FORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (row b, KV head kvh, split s) computes split s and writes its partial. By FORM: "split", for
     `_fold_kernel`; "last", and the last of a (row, KV head)'s programs to finish (an atomic count a pair, which it
-    resets for the next launch) folds the partials as `_fold_kernel` does, in one launch. F16 (an FP8 cache): the
-    query taken to fp16 (clamped to fp16's range), so the codes widen to fp16 natively and both products run in
-    fp16 (`_online_step` takes the query's dtype)."""
+    resets for the next launch) folds the partials as `_fold_kernel` does, in one launch."""
     b, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -179,8 +169,6 @@ def _decode_kernel(
     run_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     run_l = tl.zeros([BLOCK_G], tl.float32)
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=omask, other=0.0)
-    if F16:
-        q = _fp16_query(q)
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     if s < tl.cdiv(n_ctx, PART):  # a split past the row's context has nothing to compute
         acc, m, lsum = _split_sums(q, kc_ptr, vc_ptr, bt_row, s, n_ctx, kvh, d, scale_log2, v_scale, HKV, D, BS,
@@ -271,15 +259,14 @@ def _prefill_kernel(
     sq_t, sq_h, so_t, so_h, sbt_b, scale_log2, v_scale, NB, T,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PREC: tl.constexpr,
-    PACKED: tl.constexpr, BLOCK_B: tl.constexpr, F16: tl.constexpr,
+    PACKED: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Program (query tile mt, query head h, sequence b). WHOLE: the K/V tiles every row of the query tile sees
     whole skip the causal select (the same bits, `_online_step`). PACKED: the grid is (the step's query tiles
     packed one sequence after another, heads), and each program finds its sequence and tile from the step's
     `cu` (a prefix sum of the sequences' tile counts); otherwise (tile, head, sequence), where every sequence gets
     the longest one's tiles and those past its own rows return at once. Sequence NB is the padding rows past the
-    last sequence, up to T. A tile's rows and their sums are the same either way, so are the bits. F16: as
-    `_decode_kernel`'s (`_fp16_query`)."""
+    last sequence, up to T. A tile's rows and their sums are the same either way, so are the bits."""
     if PACKED:
         p = tl.program_id(0)
         h = tl.program_id(1)
@@ -313,8 +300,6 @@ def _prefill_kernel(
     rows = (q_lo + tok).to(tl.int64)
     rmask = (tok[:, None] < qlen) & (d[None, :] < D)
     q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask, other=0.0)
-    if F16:
-        q = _fp16_query(q)
     kvh = h // G
     bt_row = bt_ptr + b.to(tl.int64) * sbt_b
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -365,21 +350,11 @@ def decode_partition(batch: int, kv_heads: int) -> int:
 
 
 DECODE_FORMS = ("split", "last")
-FP8_DOTS = ("query", "f16")  # an FP8 cache's products: in the query's dtype, or in fp16 (`decode_attention`)
-
-
 # Decode steps of at most this many rows fold their splits in the split launch ("last") when the runner fuses
 # (`KernelPlan.fused`); larger ones keep the fold's own launch. An earlier one-launch fold measured level with
 # two launches at batch 1 and up to 25% slower at batches 8-64 on the H200 (a serial merge after the last split,
 # and its registers in every program).
 LAST_FOLD_ROWS = 1
-
-
-def _check_fp8_dot(fp8_dot: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    if fp8_dot not in FP8_DOTS:
-        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
-    if fp8_dot == "f16" and (k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"fp8_dot 'f16' is for an FP8 cache and 16-bit queries, got {k_cache.dtype}, {q.dtype}")
 
 
 def decode_partials(q: torch.Tensor, hkv: int, table_tokens: int,
@@ -399,7 +374,7 @@ def decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, scale: float,
     out: torch.Tensor | None = None, partition_size: int = 256, block_n: int = 128, form: str = "split",
     num_warps: int = 4, num_stages: int | None = None, counters: torch.Tensor | None = None,
-    kv_scale: tuple[float, float] = UNIT_SCALE, fp8_dot: str = "query",
+    kv_scale: tuple[float, float] = UNIT_SCALE,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; the context is split in `partition_size` chunks, each reduced by an online
     softmax over `block_n`-token tiles, then the splits are folded in order (`_merge_step`). `num_warps` and
@@ -414,12 +389,9 @@ def decode_attention(
     Of 32-, 64- and 128-token tiles, 128 measured fastest in 8 of 10 cells (batches 1-128, contexts 512 and 2,048, 8
     and 4 KV heads) and within 3% in the other two on the H200 (`bench/kernels.py`, bf16). "last" measured level
     with "split" at batch 1 (7.5 against 7.7 us a layer at context 512). The caches are q's dtype or FP8 (`kv_scale`:
-    their key and value scales). `fp8_dot` (an FP8 cache, bf16 or fp16 queries): "query", the codes widened to the
-    query's dtype, or "f16", the query taken to fp16 and the products in fp16 (the codes are exact in either; the
-    probabilities round to 11 significand bits instead of bf16's 8)."""
+    their key and value scales)."""
     B = q.shape[0] if q.dim() == 3 else -1
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
-    _check_fp8_dot(fp8_dot, q, k_cache)
     H, D = q.shape[1], q.shape[2]
     out = torch.empty_like(q) if out is None else out
     check("out", out, dtype=q.dtype, shape=(B, H, D), device=q.device)
@@ -442,8 +414,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, po, pm, pl, out, out if counters is None else counters,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E * ks, vs,
         nsplit,
-        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), F16=fp8_dot == "f16", num_warps=num_warps,
-        **consts,
+        BS=bs, BLOCK_N=block_n, FORM=form, PREC=_prec(q.dtype), num_warps=num_warps, **consts,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if form == "split":
@@ -480,7 +451,7 @@ def prefill_attention(
     out: torch.Tensor | None = None, max_seqlen_q: int | None = None, block_m: int | None = None,
     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2, whole_tiles: bool = True,
     kv_scale: tuple[float, float] = UNIT_SCALE,
-    grid: str = "auto", fp8_dot: str = "query",
+    grid: str = "auto",
 ) -> torch.Tensor:
     """Packed q [T, H, D] (sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]) -> out [T, H, D].
 
@@ -490,7 +461,7 @@ def prefill_attention(
     `whole_tiles`: each program walks first the K/V tiles every row of its query tile sees whole (no causal
     select), then the diagonal ones; off, every tile takes the select (the former form, kept to be measured
     against). It does not change a bit of the output. The caches are q's dtype or FP8 (`kv_scale`: their key and
-    value scales; `fp8_dot`: as `decode_attention`'s).
+    value scales).
 
     `grid`: "packed" (a program per query tile of the step, tiles of one sequence after another, and head; at
     most cdiv(T, block_m) + B + 1 tiles) or "seq" (a program per (tile, head, sequence), every sequence given
@@ -499,7 +470,6 @@ def prefill_attention(
     """
     B = block_tables.shape[0]
     _check_paged(q, k_cache, v_cache, block_tables, context_lens, B)
-    _check_fp8_dot(fp8_dot, q, k_cache)
     T, H, D = q.shape
     check("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(B + 1,), device=q.device)
     out = torch.empty_like(q) if out is None else out
@@ -521,8 +491,7 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E * ks, vs, B, T,
         HKV=hkv, D=D, BS=bs, G=H // hkv, BLOCK_D=next_pow2(D), BLOCK_M=block_m, BLOCK_N=block_n, WHOLE=whole_tiles,
-        PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), F16=fp8_dot == "f16",
-        num_warps=num_warps,
+        PREC=_prec(q.dtype), PACKED=grid == "packed", BLOCK_B=next_pow2(B + 1), num_warps=num_warps,
         num_stages=num_stages,
     )
     return out

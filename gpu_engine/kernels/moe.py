@@ -334,9 +334,8 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, bexp_ptr, rw_ptr,
     N, K, P, A_DIV, sa_m, sw_e, sw_n, sc_m, E,
     MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr, GLU: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """GLU: w holds gate rows 0..N-1 and up rows N..2N-1; c gets silu(gate) * up, both fp32 into the SiLU."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -349,18 +348,12 @@ def _moe_gemm_kernel(
     kk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + e.to(tl.int64) * sw_e + n[None, :].to(tl.int64) * sw_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + kk) < K
         a = tl.load(a_ptr + rows[:, None] * sa_m + (k0 + kk)[None, :], mask=valid[:, None] & kmask[None, :],
                     other=0.0)
         b = tl.load(w_base + (k0 + kk)[:, None], mask=kmask[:, None] & (n[None, :] < N), other=0.0)
         acc += tl.dot(a, b, input_precision=PREC)
-        if GLU:
-            b = tl.load(w_base + N * sw_n + (k0 + kk)[:, None], mask=kmask[:, None] & (n[None, :] < N), other=0.0)
-            acc_up += tl.dot(a, b, input_precision=PREC)
-    if GLU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc *= tl.load(rw_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * sc_m + n[None, :]
@@ -368,21 +361,13 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, block_m: int,
-             block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int | None = None,
-             glu: bool = False) -> torch.Tensor:
+             block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """out[p] = a[p // a_div] @ w[e(p)].T (* route_weights[p]) for every sorted pair p. The tile (`block_n`,
     `block_k`), warps and pipeline stages (None: Triton's default) change the speed, and `block_k` the order of
-    the fp32 sums; `bench/kernels.py --only moe_sorted` times them. `glu` (a gate_up product, w [E, 2N, K], out
-    [P, N]): out[p] = silu(gate) * up of the pair's two fp32 sums, the SiLU-and-multiply in the GEMM's epilogue, so
-    the products are not rounded before it (as the sort-free path rounds them)."""
+    the fp32 sums; `bench/kernels.py --only moe_sorted` times them."""
     check("a", a, dtype=FLOAT_DTYPES, shape=(None, None))
-    E, W, K = w.shape
-    N = W // 2 if glu else W
-    if glu and W % 2:
-        raise ValueError(f"w: a gate_up product needs an even row count, got {W}")
-    if glu and N * w.stride(1) >= 2**31:  # the kernel's offset of the up rows is an int32 product
-        raise ValueError(f"w: {N} gate rows of {w.stride(1)} elements is past int32 offsets")
-    check("w", w, dtype=a.dtype, shape=(E, W, a.shape[1]), device=a.device)
+    E, N, K = w.shape
+    check("w", w, dtype=a.dtype, shape=(E, N, a.shape[1]), device=a.device)
     check_contiguous("w", w)
     check("out", out, dtype=a.dtype, shape=(None, N), device=a.device)
     check("route_weights", route_weights, dtype=torch.float32, shape=(out.shape[0],), device=a.device)
@@ -394,7 +379,7 @@ def moe_gemm(a, w, out, sorted_pairs, block_expert, route_weights, a_div: int, b
     _moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, route_weights, N, K, out.shape[0], a_div, a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), E, MUL_WEIGHT=a_div == 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if a.dtype == torch.float32 else "tf32", GLU=glu, **launch,
+        BLOCK_N=block_n, BLOCK_K=block_k, PREC="ieee" if a.dtype == torch.float32 else "tf32", **launch,
     )
     return out
 
@@ -605,22 +590,23 @@ def moe_experts_small(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                         residual=residual)
 
 
+def sorted_block_m(pairs: int, experts: int) -> int:
+    """The sorted path's block height at a step of `pairs` (token, slot) pairs: 16 where most experts hold a few
+    pairs (at most 4 an expert on average), 64 past it."""
+    return 16 if pairs <= 4 * experts else 64
+
+
 def moe_experts_sorted(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                       ids: torch.Tensor, block_m: int | None = None, glu: bool = False) -> torch.Tensor:
-    """The sorted expert path: align, gate_up GEMM, SiLU*mul, down GEMM (route-weighted), sum over k; `glu`: the
-    SiLU*mul in the gate_up GEMM's epilogue (`moe_gemm`), one launch and one buffer fewer."""
+                       ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """The sorted expert path: align, gate_up GEMM, SiLU*mul, down GEMM (route-weighted), sum over k."""
     T, top_k = ids.shape
     E = gate_up.shape[0]
-    bm = block_m or (16 if T * top_k <= 4 * E else 64)
+    bm = block_m or sorted_block_m(T * top_k, E)
     sorted_pairs, block_expert = moe_align(ids, E, bm)
+    inter = torch.empty((T * top_k, gate_up.shape[1]), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
-    if glu:
-        act = torch.empty((T * top_k, gate_up.shape[1] // 2), dtype=x.dtype, device=x.device)
-        moe_gemm(x, gate_up, act, sorted_pairs, block_expert, flat_w, a_div=top_k, block_m=bm, glu=True)
-    else:
-        inter = torch.empty((T * top_k, gate_up.shape[1]), dtype=x.dtype, device=x.device)
-        moe_gemm(x, gate_up, inter, sorted_pairs, block_expert, flat_w, a_div=top_k, block_m=bm)
-        act = silu_and_mul(inter)
+    moe_gemm(x, gate_up, inter, sorted_pairs, block_expert, flat_w, a_div=top_k, block_m=bm)
+    act = silu_and_mul(inter)
     y = torch.empty((T * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
     moe_gemm(act, down, y, sorted_pairs, block_expert, flat_w, a_div=1, block_m=bm)
     return y.view(T, top_k, x.shape[1]).sum(dim=1)

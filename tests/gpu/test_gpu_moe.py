@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import moe_rounding as mr
 
+from bench import moe_glu
 from gpu_engine.kernels import moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -123,7 +124,7 @@ def test_gpu_moe_gemm_real_sizes(tokens, experts):
     + u |out| / (1 - u)."""
     _, gate_up, down = experts
     x, weights, ids = _step(tokens, experts)
-    bm = 16 if tokens * TOP_K <= 4 * E else 64
+    bm = moe.sorted_block_m(tokens * TOP_K, E)
     sorted_pairs, block_expert = moe.moe_align(ids, E, bm)
     flat_w = weights.reshape(-1)
     inter = torch.empty(tokens * TOP_K, 2 * I, dtype=x.dtype, device=DEV)
@@ -139,19 +140,20 @@ def test_gpu_moe_gemm_real_sizes(tokens, experts):
 
 
 @pytest.mark.parametrize("tokens", TOKENS[2:])
-def test_gpu_moe_gemm_glu_real_sizes(tokens, experts):
-    """The gate_up GEMM with the SiLU-and-multiply in its epilogue (`glu`): each pair's r(silu(g) v) of fp32 g and v,
+def test_gpu_glu_gemm_real_sizes(tokens, experts):
+    """The experiment's gate_up GEMM with the SiLU-and-multiply in its epilogue (`bench.moe_glu`): each pair's
+    r(silu(g) v) of fp32 g and v,
     within `act_error` without their rounding (the sort-free kernel's bound); the sorted path with it within the
     error of a path that rounds each pair's down product but not g and v."""
     _, gate_up, down = experts
     x, weights, ids = _step(tokens, experts)
-    bm = 16 if tokens * TOP_K <= 4 * E else 64
+    bm = moe.sorted_block_m(tokens * TOP_K, E)
     sorted_pairs, block_expert = moe.moe_align(ids, E, bm)
     act = torch.empty(tokens * TOP_K, I, dtype=x.dtype, device=DEV)
-    moe.moe_gemm(x, gate_up, act, sorted_pairs, block_expert, weights.reshape(-1), a_div=TOP_K, block_m=bm, glu=True)
+    moe_glu.glu_gemm(x, gate_up, act, sorted_pairs, block_expert, a_div=TOP_K, block_m=bm)
     f, da = mr.act_error(mr.pair_products(x, gate_up, ids), U, H, rounds_gv=False)
     _within(f"moe_gemm glu T={tokens}", act, f, da)
-    out = moe.moe_experts_sorted(x, gate_up, down, weights, ids, glu=True)
+    out = moe_glu.sorted_path_glu(x, gate_up, down, weights, ids)
     err = mr.path_error(x, gate_up, down, weights, ids, out, U, rounds_gv=False, rounds_pairs=True)
     _within(f"sorted path, glu T={tokens}", out, mr.experts_ref(x, gate_up, down, weights, ids), err)
 
