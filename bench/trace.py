@@ -136,11 +136,10 @@ def step_seqs(contexts: Sequence[int], chunk: int, block: int) -> list[tuple[int
 
 
 def floor_ms(cfg, model, contexts: Sequence[int], chunk: int, gbps: float, tflops: float) -> float:
-    from bench.roofline import layer_params, prefill_flops, weight_bytes
+    from bench.roofline import kv_token_bytes, layer_params, prefill_flops, weight_bytes
 
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     tokens = len(contexts) + chunk
-    read = weight_bytes(model, tokens) + sum(contexts) * kv_per_token
+    read = weight_bytes(model, tokens) + sum(contexts) * kv_token_bytes(cfg)
     flops = (prefill_flops(cfg, model, chunk) if chunk else 0.0) + 2.0 * len(contexts) * layer_params(model)
     return max(read / (gbps * 1e9), flops / (tflops * 1e12)) * 1e3
 

@@ -309,7 +309,7 @@ async def _stream_calls(gen: Generation, env: fmt.Envelope, usage: Usage, lock: 
                 await read(reader.feed(delta.text))
     if reader is not None:
         await read(reader.finish())
-    await send([cut_call(gen, e) or e if isinstance(e, str) else e for e in parser.finish()])
+    await send([(cut_call(gen, e) or e) if isinstance(e, str) else e for e in parser.finish()])
     async with lock:
         await write(ids.tag(fmt.chat_chunk(env, {}, tool_finish(gen, calls > 0), None, usage.include, gen.index,
                                            usage.now(), gen.stop_reason)))

@@ -153,8 +153,9 @@ class Format:
     def partial_call(self, text: str, names: tuple[str, ...]) -> Call | None:
         """A forced call that the token limit cut short, as OpenAI gives one: its name, and its arguments as far as
         they were written (then no JSON of their own; empty when cut before them). ``text`` is what the parser left
-        unread, which the forced grammar made the start of one call to one of ``names``. None when that text does
-        not name one of them whole (cut inside a name that several could complete) or holds a whole call too."""
+        unread, which the forced grammar made the start of one call to one of ``names`` (the parsers give the whole
+        calls before it apart). None when that text does not name one of them whole (cut inside a name that several
+        could complete)."""
         text, mark = text.strip(), self.open.strip()
         if text.startswith(mark):
             body = text[len(mark):].lstrip()
@@ -166,24 +167,13 @@ class Format:
         for name, head in heads.items():
             if body.startswith(head):
                 args = body[len(head):]
-                if self.joiner + '{"name": ' in args:
-                    return None  # a whole call, then the start of another
-                tail = "}" + self.close
-                for k in range(len(tail), 0, -1):  # cut inside the call's end: the arguments are whole
-                    if args.endswith(tail[:k]) and _is_json(args[:-k]):
-                        args = args[:-k]
-                        break
+                try:  # arguments written whole, then the cut inside the call's end: the arguments alone
+                    args = args[:json.JSONDecoder().raw_decode(args)[1]]
+                except ValueError:
+                    pass
                 return Call(name, args)
         started = [name for name, head in heads.items() if head.startswith(body)]
         return Call(started[0], "") if len(started) == 1 else None
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 FORMATS = {
@@ -280,8 +270,8 @@ class JsonParser(CallParser):
         while pos < len(text):
             try:
                 obj, pos = dec.raw_decode(text, pos)
-            except ValueError:
-                return [text]
+            except ValueError:  # the calls before it, and the rest as text (a cut call's, `Format.partial_call`)
+                return [*calls, text[pos:]] if calls else [text]
             call = _call_of(obj, self.fmt.args_key)
             if call is None:
                 return [text]

@@ -87,6 +87,7 @@ export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1 BLINK_GPU_OUT="$OUT"
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$(( $2 > PRE_S + 60 ? $2 - PRE_S : $2 ))  # less the build a fresh machine ran first
+  export STEP_LIMIT=$limit  # what a step's own budget counts from (the peer study's)
   shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -188,7 +189,7 @@ peers_run() {  # peers_run SYSTEM
     --rates "${PEERS_RATES:-10,16}" --cotenants "${PEERS_COTENANTS:-none,heavy}" --window-s "${PEERS_WINDOW_S:-60}" \
     --warmup-s "${PEERS_WARMUP_S:-15}" --drain-s "${PEERS_DRAIN_S:-30}" --config "${PEERS_CONFIG:-tuned128}" \
     --model-config "${PEERS_MODEL:-8b}" ${PEERS_RESPONSE_FORMAT:+--response-format "$PEERS_RESPONSE_FORMAT"} \
-    --time-budget-s "$(( ${T_PEERS:-560} - ${PRE_S:-0} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
+    --time-budget-s "$(( ${STEP_LIMIT:-${T_PEERS:-560}} - 20 - (SECONDS - t0) ))" ${PEERS_ARGS:-}
   rc=$?
   # only what this run wrote: a lent machine returns few files, and the tree's other peer results would crowd it out
   find bench/results -maxdepth 1 -name 'peers*' -newer "$mark" -exec cp {} "$OUT/" \; 2>/dev/null
@@ -259,7 +260,7 @@ run_step() {
 }
 # Every step but carry imports the ring's C extension (shared/_atomics), which only the build step compiles for this
 # machine's Python: a fresh machine given no build step builds first rather than fail each step on the import.
-# Its time comes off each step's limit (and the peer study's budget), so that the call stays within its own limit.
+# Its time comes off each step's limit (`step`), so that the call stays within its own limit.
 PRE_S=0
 if [ "$STEPS" != carry ] && [[ " $STEPS " != *" build "* ]] && ! "$PY" -c "import shared._atomics" 2>/dev/null; then
   summary "shared._atomics is not built for $("$PY" -V 2>&1) here: running the build step first"
@@ -267,7 +268,6 @@ if [ "$STEPS" != carry ] && [[ " $STEPS " != *" build "* ]] && ! "$PY" -c "impor
   run_step build
   PRE_S=$((SECONDS - pre_t0))
 fi
-export PRE_S
 for name in $STEPS; do run_step "$name"; done
 # Few files come back from a lent machine: every log goes into one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

@@ -111,10 +111,12 @@ async def test_metrics_match_known_delays(server: FakeServer) -> None:
     run = runs[0]
     assert (run["completed"], run["failed"]) == (6, 0)
     assert (info["model"], info["max_model_len"]) == ("ok", 4096)
-    # the server's delays (50 ms to the first token, 20 ms between tokens) bound each metric from below exactly; a
-    # busy host only adds to them, so from above each is held to what contains it on the same clock, not to a time
+    # the server's delays (50 ms to the first token, 20 ms between tokens, one after another) bound the first token
+    # and the whole request from below; a busy host only adds to them, so from above each is held to what contains
+    # it on the same clock, not to a time. Between tokens no bound from below: a client that reads late reads the
+    # chunks bunched, so its gaps can come out shorter than the server's
     assert 48 <= run["ttft_p50_ms"] <= run["ttft_p99_ms"] <= run["e2e_p99_ms"]
-    assert 19.5 <= run["tpot_p50_ms"] <= run["tpot_p99_ms"] and 19.5 <= run["itl_p50_ms"] <= run["itl_p99_ms"]
+    assert 0 < run["tpot_p50_ms"] <= run["tpot_p99_ms"] and 0 <= run["itl_p50_ms"] <= run["itl_p99_ms"]
     assert 50 + 9 * 20 <= run["e2e_p50_ms"] <= run["e2e_p99_ms"] <= run["duration_s"] * 1e3
     # a request's TPOT is (e2e - TTFT) / 9 (10 tokens), so every percentile of it is at most e2e's over 9
     assert run["tpot_p50_ms"] <= run["e2e_p50_ms"] / 9 and run["tpot_p99_ms"] <= run["e2e_p99_ms"] / 9

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -86,8 +86,9 @@ def test_not_ready_is_never_alive() -> None:
 
 
 @pytest.fixture
-def beating(ring_name: str) -> Iterator[tuple[Ring, threading.Event]]:
-    """A segment whose engine beats every 20 ms, its clock stamp always 0, until the event is set."""
+def beating(ring_name: str) -> Iterator[tuple[Ring, Callable[[], None]]]:
+    """A segment whose engine beats every 20 ms, its clock stamp always 0, and the call that stops the beats (it
+    returns once the last beat has landed)."""
     ring = create_shm_ring(ring_name, GEO)
     serving(ring, 0)
     stop = threading.Event()
@@ -98,14 +99,18 @@ def beating(ring_name: str) -> Iterator[tuple[Ring, threading.Event]]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    yield ring, stop
-    stop.set()
-    thread.join()
+
+    def halt() -> None:
+        stop.set()
+        thread.join()
+
+    yield ring, halt
+    halt()
     ring.transport.unlink()  # type: ignore[attr-defined]
     ring.close()
 
 
-def test_the_frontends_watch_follows_the_counter(beating: tuple[Ring, threading.Event], ring_name: str) -> None:
+def test_the_frontends_watch_follows_the_counter(beating: tuple[Ring, Callable[[], None]], ring_name: str) -> None:
     """What the gateway's /health and the token reader ask: alive once the counter was seen moving and while it
     moves, dead ``timeout`` after it stops."""
     _, stop = beating
@@ -120,8 +125,7 @@ def test_the_frontends_watch_follows_the_counter(beating: tuple[Ring, threading.
         while time.monotonic() < end:
             assert watch.alive()
             time.sleep(0.05)
-        stop.set()
-        time.sleep(0.05)
+        stop()
         silent_from = time.monotonic()
         assert watch.alive()  # a beat since the last look is seen now: silence counts from here
         while watch.alive():
@@ -132,15 +136,14 @@ def test_the_frontends_watch_follows_the_counter(beating: tuple[Ring, threading.
         watch.close()
 
 
-def test_a_one_shot_probe_waits_for_a_beat(beating: tuple[Ring, threading.Event], ring_name: str) -> None:
+def test_a_one_shot_probe_waits_for_a_beat(beating: tuple[Ring, Callable[[], None]], ring_name: str) -> None:
     from shared.ring import attach_shm_ring
 
     _, stop = beating
     probe = attach_shm_ring(ring_name)
     try:
         assert probe.wait_for_beat(10.0)  # returns at the first move (every 20 ms): the bound is for a busy host
-        stop.set()
-        time.sleep(0.5)  # a beat under way when the event was set has landed
+        stop()  # the beat under way, if any, has landed
         t0 = time.monotonic()
         assert not probe.wait_for_beat(0.2)
         assert time.monotonic() - t0 >= 0.2

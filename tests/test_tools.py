@@ -73,11 +73,25 @@ NAMES = ("get_weather", "get_time")
      ("get_weather", '{"city": "Paris"}')),  # the arguments' own brace is not the call's
     ("hermes", "plain words", NAMES, None),
     ("llama3_json", '{"name": "get_time", "parameters": {"tz": "U', NAMES, ("get_time", '{"tz": "U')),
-    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "param', NAMES, None),
 ])
 def test_a_forced_call_cut_short_keeps_its_name_and_the_arguments_written(fmt, text, names, want) -> None:
     call = FORMATS[fmt].partial_call(text, names)
     assert (call if call is None else (call.name, call.arguments)) == want
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_parallel_forced_calls_cut_in_the_second_keep_the_first_whole(fmt) -> None:
+    """The parser gives the whole first call, and the cut second one's text apart, which becomes a call of its
+    name with no arguments yet."""
+    f = FORMATS[fmt]
+    first = f.open + '{"name": "get_time", "' + f.args_key + '": {}}' + f.close
+    parser = f.parser()
+    out = [*parser.feed(first + f.joiner + f.open + '{"name": "get_weather", "' + f.args_key[:3]), *parser.finish()]
+    calls = [e for e in out if not isinstance(e, str)]
+    rest = "".join(e for e in out if isinstance(e, str))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {})]
+    cut = f.partial_call(rest, NAMES)
+    assert cut is not None and (cut.name, cut.arguments) == ("get_weather", "")
 
 
 def test_forced_call_grammar_accepts_only_calls_of_the_tools() -> None:
